@@ -1,0 +1,145 @@
+"""The `orlhf` command line. No logic: parse flags into a config and call one entry function.
+
+The train-ppo flags are generated from config.py's dataclass fields (one declaration per flag), each accepted
+as `--flag_name` (OpenRLHF's spelling) and `--flag-name`, grouped into --help panels by config section.
+Heavy packages (torch, ray, deepspeed, vllm) are imported inside the commands, so `orlhf --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from pathlib import Path
+from typing import Any, Callable, Literal, Optional
+
+import typer
+
+from orlhf import config as C
+
+app = typer.Typer(
+    name="orlhf",
+    help="Ray-based RLHF: PPO and its critic-free relatives with DeepSpeed trainers and vLLM rollout engines.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _normalize_flag(token: str) -> str:
+    """--actor-num-nodes and --actor_num_nodes are the same flag (OpenRLHF scripts use underscores)."""
+    return token.replace("-", "_")
+
+
+def _option_for(name: str, f, typ: Any, panel: str):
+    """A Typer option for one config field, accepting --name_with_underscores and --name-with-dashes."""
+    decls = [f"--{name}"]  # the dashed spelling is accepted through _normalize_flag
+    kwargs: dict[str, Any] = {"help": f.metadata["help"], "rich_help_panel": panel, "show_default": True}
+    if f.metadata.get("metavar"):
+        kwargs["metavar"] = f.metadata["metavar"]
+    if typ is bool:
+        kwargs["show_default"] = False
+    return typer.Option(f.default, *decls, **kwargs)
+
+
+def _annotation_for(f, typ: Any) -> Any:
+    """The field's type, narrowed to a Literal of its choices so --help lists them and Typer checks them."""
+    choices = f.metadata.get("choices")
+    if not choices:
+        return typ
+    lit = Literal[tuple(choices)]  # type: ignore[valid-type]
+    return Optional[lit] if f.default is None else lit
+
+
+def with_train_flags(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Give `fn(**flags)` a signature with one keyword parameter per config flag, for Typer to read."""
+    params = [inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context)]
+    annotations: dict[str, Any] = {"ctx": typer.Context}
+    for attr, name, f, typ in C.flag_fields():
+        panel = dict((a, p) for a, _, p in C.SECTIONS)[attr]
+        ann = _annotation_for(f, typ)
+        default = _option_for(name, f, typ, panel)
+        params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=ann))
+        annotations[name] = ann
+    fn.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    fn.__annotations__ = annotations
+    return fn
+
+
+def _given(ctx: typer.Context, name: str) -> bool:
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name != "DEFAULT"
+
+
+def parse_or_exit(ctx: typer.Context, flags: dict[str, Any]) -> C.TrainConfig:
+    """Flags -> TrainConfig, or exit 2 with every problem listed (no traceback)."""
+    values = {name: flags[name] for _, name, _, _ in C.flag_fields()}
+    explicit = {name for name in values if _given(ctx, name)}
+    try:
+        cfg = C.build_config(values, explicit)
+    except C.ConfigError as e:
+        typer.secho(f"error: {len(e.problems)} problem(s) with the flags:", fg="red", err=True)
+        typer.echo(str(e), err=True)
+        raise typer.Exit(2)
+    preset = C.demo_preset_applied(values, explicit)
+    if preset:
+        shown = " ".join(f"--{k} {v}" for k, v in preset.items())
+        typer.echo(f"[orlhf] no --pretrain: using the built-in tiny demo with its preset {shown} "
+                   "(any flag you pass wins)", err=True)
+    return cfg
+
+
+@with_train_flags
+def _train_ppo(ctx: typer.Context, **flags: Any) -> None:
+    cfg = parse_or_exit(ctx, flags)
+    from orlhf.entry import train_ppo
+
+    sys.exit(train_ppo(cfg))
+
+
+app.command(
+    "train-ppo",
+    help="Train a policy with PPO (or REINFORCE++, RLOO, GRPO, ...) on Ray: DeepSpeed trainers + vLLM engines. "
+    "Flags use OpenRLHF's names; --flag_name and --flag-name both work. Without --pretrain it trains the "
+    "built-in tiny demo.",
+    context_settings={"token_normalize_func": _normalize_flag},
+)(_train_ppo)
+
+
+@app.command("make-demo")
+def make_demo(
+    out_dir: Path = typer.Argument(..., help="Folder to write the demo model, prompts and reward function into."),
+    seed: int = typer.Option(0, help="Seed for the random weights and the prompts."),
+) -> None:
+    """Write the built-in tiny demo (model + tokenizer, prompts.jsonl, reward_func.py) into OUT_DIR."""
+    from orlhf.demo import make_demo as build
+
+    paths = build(out_dir, seed=seed)
+    typer.echo(f"model:   {paths.model}\nprompts: {paths.prompts}\nreward:  {paths.reward_fn}")
+    typer.echo(f"train on it: orlhf train-ppo --pretrain {paths.model} --prompt_data {paths.prompts} "
+               f"--input_key prompt --label_key label --remote_rm_url {paths.reward_fn}")
+
+
+# Flags whose value is optional: OpenRLHF scripts pass `--use_wandb KEY` / `--use_tensorboard DIR`, others
+# the bare flag. A bare one gets the value "" (on, no key/dir) before Typer parses the line.
+OPTIONAL_VALUE_FLAGS = ("use_wandb", "use_tensorboard")
+
+
+def fill_optional_values(argv: list[str]) -> list[str]:
+    out = []
+    for i, tok in enumerate(argv):
+        out.append(tok)
+        if tok.startswith("--") and _normalize_flag(tok[2:]) in OPTIONAL_VALUE_FLAGS:
+            nxt = argv[i + 1] if i + 1 < len(argv) else None
+            if nxt is None or nxt.startswith("-"):
+                out.append("")
+    return out
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    args = fill_optional_values(list(sys.argv[1:] if argv is None else argv))
+    app(args=args, prog_name="orlhf")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,274 @@
+"""Typed, frozen configuration for `orlhf train-ppo`: one dataclass per flag group.
+
+Every flag is declared once, here, as a dataclass field whose metadata carries its command-line name and help;
+cli.py builds the Typer command from these fields, so the flag surface, the config tree and `--help` cannot
+drift apart. Flag names are OpenRLHF's flat names (`--actor_num_gpus_per_node`), accepted with dashes too.
+
+    flags --cli.py--> dict --build_config()--> TrainConfig (frozen) --validate()--> ok | ConfigError(all problems)
+
+Workers receive only their own section (PolicyConfig-style slices), never the whole tree. Nothing here imports
+torch, ray, deepspeed or vllm: `orlhf --help` must stay fast, and validation runs before Ray starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+ADVANTAGE_ESTIMATORS = ("gae", "reinforce", "rloo", "reinforce_baseline", "group_norm", "dr_grpo")
+# Estimators that compare several samples of one prompt, so they need n_samples_per_prompt > 1.
+GROUP_ESTIMATORS = ("rloo", "reinforce_baseline", "group_norm", "dr_grpo")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+SYNC_BACKENDS = ("nccl", "gloo")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def opt(default: Any, help: str, *, flag: str | None = None, choices: tuple | None = None, metavar: str | None = None):
+    """A config field that is also a command-line flag. `flag` defaults to the field name."""
+    meta = {"help": help, "flag": flag, "choices": choices, "metavar": metavar}
+    if isinstance(default, (list, dict, set)):
+        raise TypeError("mutable defaults are not allowed in a frozen config")
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    """Where each model runs. On CPU one "GPU" in these flags means one rank (a CPU bundle)."""
+
+    actor_num_nodes: int = opt(1, "Nodes for the actor (policy) trainer.")
+    actor_num_gpus_per_node: int = opt(1, "GPUs per node for the actor trainer (CPU: ranks per node).")
+    critic_num_nodes: int = opt(1, "Nodes for the critic (gae only).")
+    critic_num_gpus_per_node: int = opt(1, "GPUs per node for the critic.")
+    ref_num_nodes: int = opt(1, "Nodes for the reference model.")
+    ref_num_gpus_per_node: int = opt(1, "GPUs per node for the reference model.")
+    reward_num_nodes: int = opt(1, "Nodes for the reward model (with --reward_pretrain).")
+    reward_num_gpus_per_node: int = opt(1, "GPUs per node for the reward model.")
+    colocate_actor_ref: bool = opt(False, "Actor and reference share GPUs (needs equal node/GPU counts).")
+    colocate_critic_reward: bool = opt(False, "Critic and reward model share GPUs (needs equal node/GPU counts).")
+    colocate_all_models: bool = opt(
+        False, "All models and the vLLM engines share the actor's GPUs (hybrid mode)."
+    )
+
+    def world_size(self, role: str) -> int:
+        return getattr(self, f"{role}_num_nodes") * getattr(self, f"{role}_num_gpus_per_node")
+
+
+@dataclass(frozen=True)
+class VLLMConfig:
+    num_engines: int = opt(1, "Number of vLLM rollout engines.", flag="vllm_num_engines")
+    tensor_parallel_size: int = opt(1, "GPUs per vLLM engine (tensor parallel).", flag="vllm_tensor_parallel_size")
+    sync_backend: Optional[str] = opt(
+        None, "Weight-sync backend trainer -> engines (default: nccl on GPUs, gloo on CPU).",
+        flag="vllm_sync_backend", choices=SYNC_BACKENDS,
+    )
+    gpu_memory_utilization: float = opt(
+        0.9, "Share of each engine GPU's memory vLLM may take.", flag="vllm_gpu_memory_utilization"
+    )
+    enable_prefix_caching: bool = opt(False, "vLLM prefix caching (reset after every weight sync).")
+    enforce_eager: bool = opt(False, "Run vLLM without CUDA graphs / torch.compile (faster start-up).")
+    enable_sleep: bool = opt(
+        False, "Sleep vLLM (free weights and KV cache) while training; needs --colocate_all_models.",
+        flag="vllm_enable_sleep",
+    )
+
+
+@dataclass(frozen=True)
+class DeepSpeedConfig:
+    zero_stage: int = opt(3, "DeepSpeed ZeRO stage for the trained and frozen models.", choices=(0, 1, 2, 3))
+    bf16: bool = opt(False, "Train and score in bfloat16 (fp32 master weights kept by DeepSpeed).")
+    gradient_checkpointing: bool = opt(False, "Recompute activations in the backward pass to save memory.")
+    adam_offload: bool = opt(False, "Keep Adam states on the host (ZeRO-Offload).")
+    ref_reward_offload: bool = opt(False, "Keep reference/reward parameters on the host between uses.")
+    flash_attn: bool = opt(False, "Use flash-attention 2 kernels (CUDA only).")
+    enable_sleep: bool = opt(
+        False, "Offload DeepSpeed states during generation (hybrid mode).", flag="deepspeed_enable_sleep"
+    )
+    packing_samples: bool = opt(False, "Pack samples into one row without padding (where attention allows).")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Models and data. Without --pretrain orlhf uses its built-in tiny demo (model, prompts, reward)."""
+
+    pretrain: Optional[str] = opt(None, "Actor/reference model: HF folder (default: the built-in tiny demo).")
+    reward_pretrain: Optional[str] = opt(None, "Reward model (HF folder; value head on the last token).")
+    critic_pretrain: Optional[str] = opt(None, "Critic init (default: --reward_pretrain, else --pretrain).")
+    remote_rm_url: Optional[str] = opt(
+        None, "Reward source instead of a reward model: http(s)://host:port/path, or a .py file with reward_func."
+    )
+    prompt_data: Optional[str] = opt(None, "Prompts: .jsonl, .json, .parquet or a saved HF dataset folder.")
+    input_key: str = opt("input", "Prompt field in the data.")
+    label_key: Optional[str] = opt(None, "Label field passed to the reward function.")
+    apply_chat_template: bool = opt(False, "Wrap prompts with the tokenizer's chat template.")
+    input_template: Optional[str] = opt(None, "Template with one {} for the prompt, e.g. 'Q: {}\\nA:'.")
+    max_samples: Optional[int] = opt(None, "Use at most this many prompts.")
+
+    @property
+    def uses_demo(self) -> bool:
+        return self.pretrain is None
+
+
+@dataclass(frozen=True)
+class PPOConfig:
+    num_episodes: int = opt(1, "Passes over the prompt data.")
+    rollout_batch_size: int = opt(64, "Prompts per PPO step.")
+    micro_rollout_batch_size: int = opt(16, "Samples per forward pass when scoring, per rank.")
+    train_batch_size: int = opt(64, "Samples per optimizer step (global).")
+    micro_train_batch_size: int = opt(8, "Samples per forward/backward pass, per rank.")
+    max_epochs: int = opt(1, "Passes over each step's experience.")
+    prompt_max_len: int = opt(1024, "Longest prompt in tokens.")
+    generate_max_len: int = opt(1024, "Most new tokens per response.")
+    actor_learning_rate: float = opt(1e-6, "Actor learning rate.")
+    critic_learning_rate: float = opt(9e-6, "Critic learning rate.")
+    lr_warmup_ratio: float = opt(0.03, "Share of optimizer steps spent in linear LR warm-up.")
+    init_kl_coef: float = opt(0.01, "KL penalty coefficient (initial, if adaptive).")
+    kl_target: Optional[float] = opt(None, "Target KL for an adaptive KL controller (default: none, a fixed KL coef).")
+    kl_horizon: int = opt(10000, "Horizon of the adaptive KL controller.")
+    kl_estimator: str = opt("k1", "KL estimator.", choices=KL_ESTIMATORS)
+    use_kl_loss: bool = opt(False, "KL as a loss term instead of a reward penalty.")
+    advantage_estimator: str = opt("gae", "Advantage estimator.", choices=ADVANTAGE_ESTIMATORS)
+    n_samples_per_prompt: int = opt(1, "Responses sampled per prompt.")
+    gamma: float = opt(1.0, "Discount factor.")
+    lambd: float = opt(1.0, "GAE lambda.")
+    eps_clip: float = opt(0.2, "PPO policy ratio clip.")
+    value_clip: Optional[float] = opt(0.5, "Critic value clip.")
+    dual_clip: Optional[float] = opt(None, "Dual-clip PPO constant (> 1).")
+    normalize_reward: bool = opt(False, "Normalize rewards with running statistics.")
+    reward_clip_range: tuple[float, float] = opt((-10.0, 10.0), "Clip rewards to [LOW HIGH].", metavar="LOW HIGH")
+    entropy_loss_coef: float = opt(0.0, "Entropy bonus coefficient.")
+    temperature: float = opt(1.0, "Sampling temperature.")
+    top_p: float = opt(1.0, "Nucleus sampling p.")
+    seed: int = opt(42, "Random seed (engines get seed + engine index).")
+    async_train: bool = opt(False, "Generate step k+1 while training on step k.")
+    async_queue_size: int = opt(1, "Rollout batches that may wait between generation and training (async).")
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    use_wandb: Optional[str] = opt(
+        None, "Log to Weights & Biases; optionally the API key (as in OpenRLHF). Offline with WANDB_MODE=offline.",
+        metavar="KEY",
+    )
+    wandb_project: str = opt("orlhf", "wandb project.")
+    wandb_run_name: Optional[str] = opt(None, "wandb run name (default: time-stamped).")
+    use_tensorboard: Optional[str] = opt(
+        None, "Log to TensorBoard; optionally the log folder (default: <save_path>/tensorboard).", metavar="DIR"
+    )
+    save_path: str = opt("./ckpt", "Run folder: metrics.jsonl, reward.png, the final model.")
+    ckpt_path: str = opt("./ckpt/checkpoints_ppo", "Checkpoint folder.")
+    save_steps: int = opt(-1, "Checkpoint every N steps (-1: never).")
+    logging_steps: int = opt(1, "Log every N steps.")
+    max_ckpt_num: int = opt(3, "Checkpoints to keep.")
+    load_checkpoint: bool = opt(False, "Resume from the newest complete checkpoint in --ckpt_path.")
+    save_hf_ckpt: bool = opt(False, "Also export HF-format model folders with checkpoints.")
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    device: str = opt("auto", "cuda (NCCL) or cpu (gloo); auto: cuda when a GPU is visible.", choices=DEVICES)
+    address: Optional[str] = opt(None, "Ray cluster address (default: the job's cluster, else a new local one).")
+    ray_timeout_s: float = opt(600.0, "Longest wait on any Ray call or placement group before failing.")
+
+
+# The sections, in --help order: (attribute on TrainConfig, class, help panel).
+SECTIONS: tuple[tuple[str, type, str], ...] = (
+    ("placement", PlacementConfig, "Placement"),
+    ("vllm", VLLMConfig, "vLLM engines"),
+    ("deepspeed", DeepSpeedConfig, "DeepSpeed"),
+    ("data", DataConfig, "Models and data"),
+    ("ppo", PPOConfig, "PPO"),
+    ("logging", LoggingConfig, "Logging and checkpoints"),
+    ("runtime", RuntimeConfig, "Runtime"),
+)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+
+    @property
+    def has_critic(self) -> bool:
+        return self.ppo.advantage_estimator == "gae"
+
+    @property
+    def has_reward_model(self) -> bool:
+        return self.data.reward_pretrain is not None
+
+
+# Values the built-in demo runs with unless the user sets the flag: a tiny model on 2 CPU cores learns its task
+# in minutes with these, while OpenRLHF's defaults (1024-token generations, lr 1e-6) would not move it.
+# Applied only to flags the user did not give, only without --pretrain, and printed when applied.
+DEMO_PRESET: dict[str, Any] = {
+    "prompt_max_len": 64,
+    "generate_max_len": 24,
+    "rollout_batch_size": 64,
+    "train_batch_size": 64,
+    "micro_train_batch_size": 16,
+    "micro_rollout_batch_size": 32,
+    "actor_learning_rate": 5e-4,
+    "critic_learning_rate": 1e-3,
+    "lr_warmup_ratio": 0.0,
+    "num_episodes": 4,
+    "input_key": "prompt",
+    "label_key": "label",
+}
+
+
+class ConfigError(ValueError):
+    """Invalid flags. `problems` lists each one with the flags it names and the fix."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__("\n".join(f"  - {p}" for p in self.problems))
+
+
+def flag_fields() -> list[tuple[str, str, dataclasses.Field, Any]]:
+    """(section attr, flag name, field, resolved type) for every flag, in --help order."""
+    out = []
+    for attr, cls, _panel in SECTIONS:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            out.append((attr, f.metadata.get("flag") or f.name, f, hints[f.name]))
+    return out
+
+
+def build_config(flags: dict[str, Any], explicit: frozenset[str] | set[str] = frozenset()) -> TrainConfig:
+    """Flat flag values (by flag name) -> validated TrainConfig. Raises ConfigError listing every problem.
+
+    `explicit` names the flags the user gave; only the others may take the demo preset (no --pretrain).
+    Unknown flag names are a programming error (KeyError), not a user error.
+    """
+    known = {name for _, name, _, _ in flag_fields()}
+    unknown = set(flags) - known
+    if unknown:
+        raise KeyError(f"unknown flags: {sorted(unknown)}")
+    values = dict(flags)
+    if values.get("pretrain") is None:
+        for name, v in DEMO_PRESET.items():
+            if name not in explicit:
+                values[name] = v
+    sections: dict[str, dict[str, Any]] = {attr: {} for attr, _, _ in SECTIONS}
+    for attr, name, f, _ in flag_fields():
+        if name in values:
+            v = values[name]
+            sections[attr][f.name] = tuple(v) if isinstance(v, list) else v
+    cfg = TrainConfig(**{attr: cls(**sections[attr]) for attr, cls, _ in SECTIONS})
+    from orlhf.validation import validate  # local: validation imports this module
+
+    validate(cfg)
+    return cfg
+
+
+def demo_preset_applied(flags: dict[str, Any], explicit: frozenset[str] | set[str]) -> dict[str, Any]:
+    """The preset values build_config applies for these flags (for printing)."""
+    if flags.get("pretrain") is not None:
+        return {}
+    return {k: v for k, v in DEMO_PRESET.items() if k not in explicit}

@@ -1,0 +1,86 @@
+"""The `orlhf train-ppo` flag surface: every OpenRLHF flag accepted in both spellings, errors exit 2."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from orlhf.cli import fill_optional_values, main
+
+# Frozen on purpose: users bring OpenRLHF launch scripts, so removing or renaming any of these breaks them.
+OPENRLHF_FLAGS = """
+actor_num_nodes actor_num_gpus_per_node critic_num_nodes critic_num_gpus_per_node ref_num_nodes
+ref_num_gpus_per_node reward_num_nodes reward_num_gpus_per_node colocate_actor_ref colocate_critic_reward
+colocate_all_models vllm_num_engines vllm_tensor_parallel_size vllm_sync_backend vllm_gpu_memory_utilization
+enable_prefix_caching enforce_eager vllm_enable_sleep zero_stage bf16 gradient_checkpointing adam_offload
+ref_reward_offload flash_attn deepspeed_enable_sleep packing_samples pretrain reward_pretrain critic_pretrain
+remote_rm_url prompt_data input_key label_key apply_chat_template input_template max_samples num_episodes
+rollout_batch_size micro_rollout_batch_size train_batch_size micro_train_batch_size max_epochs prompt_max_len
+generate_max_len actor_learning_rate critic_learning_rate lr_warmup_ratio init_kl_coef kl_target kl_horizon
+kl_estimator use_kl_loss advantage_estimator n_samples_per_prompt gamma lambd eps_clip value_clip dual_clip
+normalize_reward reward_clip_range entropy_loss_coef temperature top_p seed async_train async_queue_size
+use_wandb wandb_project wandb_run_name use_tensorboard save_path ckpt_path save_steps logging_steps
+max_ckpt_num load_checkpoint save_hf_ckpt
+""".split()
+PANELS = ["Placement", "vLLM engines", "DeepSpeed", "Models and data", "PPO", "Logging and checkpoints"]
+
+
+def run(argv, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    out = capsys.readouterr()
+    return exit_.value.code, out.out, out.err
+
+
+def test_help_lists_every_flag_in_panels(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # so rich does not cut long flag names
+    code, out, _ = run(["train-ppo", "--help"], capsys)
+    assert code == 0
+    for flag in OPENRLHF_FLAGS:
+        assert f"--{flag} " in out, flag
+    for panel in PANELS:
+        assert f"─ {panel} " in out, panel
+
+
+def test_valid_flags_in_both_spellings(capsys):
+    argv = ["train-ppo", "--actor_num_gpus_per_node", "2", "--ref-num-gpus-per-node", "2", "--colocate-actor-ref",
+            "--advantage-estimator", "group_norm", "--n_samples_per_prompt", "4", "--bf16", "--zero-stage", "2",
+            "--reward_clip_range", "-5", "5", "--use_wandb", "--use-tensorboard", "/tmp/tb", "--device", "cpu"]
+    code, out, err = run(argv, capsys)
+    assert code == 0, err
+    assert "flags are valid" in out and "NOT TRAINED" in out
+
+
+def test_invalid_combination_exits_2_naming_flags_without_traceback(capsys):
+    code, _, err = run(["train-ppo", "--advantage_estimator", "rloo", "--vllm_enable_sleep"], capsys)
+    assert code == 2
+    assert "--n_samples_per_prompt" in err and "--vllm_enable_sleep" in err and "--colocate_all_models" in err
+    assert "Traceback" not in err
+
+
+def test_bad_choice_and_bad_type_exit_2(capsys):
+    assert run(["train-ppo", "--zero_stage", "5"], capsys)[0] == 2
+    assert run(["train-ppo", "--kl_estimator", "k9"], capsys)[0] == 2
+    assert run(["train-ppo", "--eps_clip", "abc"], capsys)[0] == 2
+    assert run(["train-ppo", "--no_such_flag", "1"], capsys)[0] == 2
+
+
+def test_optional_value_flags():
+    assert fill_optional_values(["--use_wandb", "--bf16"]) == ["--use_wandb", "", "--bf16"]
+    assert fill_optional_values(["--use-wandb", "KEY"]) == ["--use-wandb", "KEY"]
+    assert fill_optional_values(["--use_tensorboard"]) == ["--use_tensorboard", ""]
+
+
+def test_demo_preset_is_announced(capsys):
+    code, _, err = run(["train-ppo", "--generate_max_len", "8"], capsys)
+    assert code == 0
+    assert "built-in tiny demo" in err and "--generate_max_len" not in err.split("preset")[1]
+
+
+def test_cli_imports_no_heavy_packages():
+    """`orlhf --help` stays fast because the CLI never imports torch, ray, deepspeed or vllm."""
+    code = ("import sys, orlhf.cli; heavy = [m for m in ('torch', 'ray', 'deepspeed', 'vllm', 'transformers') "
+            "if m in sys.modules]; print(heavy); sys.exit(bool(heavy))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ))
+    assert res.returncode == 0, res.stdout + res.stderr

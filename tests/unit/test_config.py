@@ -1,0 +1,218 @@
+"""Every cross-flag rule of config/validation: a valid combination passes, an invalid one fails naming its flags."""
+
+import dataclasses
+
+import pytest
+
+from orlhf.config import DEMO_PRESET, ConfigError, TrainConfig, build_config
+
+
+def build(**flags) -> TrainConfig:
+    return build_config(flags, explicit=set(flags))
+
+
+def problems(**flags) -> list[str]:
+    with pytest.raises(ConfigError) as err:
+        build(**flags)
+    return err.value.problems
+
+
+def assert_fails(fragments, **flags):
+    """The flags fail, and one problem mentions every fragment (flag names, the fix)."""
+    found = problems(**flags)
+    assert any(all(f in p for f in fragments) for p in found), found
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    return str(d)
+
+
+@pytest.fixture
+def prompts(tmp_path):
+    p = tmp_path / "p.jsonl"
+    p.write_text('{"input": "hi"}\n')
+    return str(p)
+
+
+@pytest.fixture
+def reward_py(tmp_path):
+    p = tmp_path / "r.py"
+    p.write_text("def reward_func(q, p, l):\n    return [0.0] * len(q)\n")
+    return str(p)
+
+
+def test_defaults_are_valid_and_frozen():
+    cfg = build()
+    assert cfg.data.uses_demo and cfg.has_critic and not cfg.has_reward_model
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.ppo.eps_clip = 0.3  # type: ignore[misc]
+
+
+def test_demo_preset_fills_only_unset_flags():
+    cfg = build_config({"generate_max_len": 7}, explicit={"generate_max_len"})
+    assert cfg.ppo.generate_max_len == 7  # the user's value wins
+    assert cfg.ppo.prompt_max_len == DEMO_PRESET["prompt_max_len"]
+
+
+def test_no_preset_with_pretrain(model_dir, prompts, reward_py):
+    cfg = build(pretrain=model_dir, prompt_data=prompts, remote_rm_url=reward_py)
+    assert cfg.ppo.generate_max_len == 1024 and cfg.data.input_key == "input"
+
+
+@pytest.mark.parametrize("est", ["rloo", "reinforce_baseline", "group_norm", "dr_grpo"])
+def test_group_estimators_need_several_samples(est):
+    assert_fails(["--advantage_estimator " + est, "--n_samples_per_prompt"], advantage_estimator=est)
+    cfg = build(advantage_estimator=est, n_samples_per_prompt=4, rollout_batch_size=16)
+    assert not cfg.has_critic
+
+
+def test_reinforce_needs_one_sample_only():
+    assert not build(advantage_estimator="reinforce").has_critic
+
+
+def test_critic_only_with_gae(model_dir):
+    assert_fails(["--critic_pretrain", "gae"], advantage_estimator="reinforce", critic_pretrain=model_dir)
+    assert_fails(["--colocate_critic_reward", "gae"], advantage_estimator="reinforce", colocate_critic_reward=True)
+    assert build(critic_pretrain=model_dir).has_critic
+
+
+def test_exactly_one_reward_source(model_dir, prompts, reward_py):
+    assert_fails(["--reward_pretrain", "--remote_rm_url", "choose one"],
+                 pretrain=model_dir, prompt_data=prompts, reward_pretrain=model_dir, remote_rm_url=reward_py)
+    assert_fails(["--pretrain", "--reward_pretrain", "--remote_rm_url"], pretrain=model_dir, prompt_data=prompts)
+    assert build(pretrain=model_dir, prompt_data=prompts, reward_pretrain=model_dir).has_reward_model
+    assert build(pretrain=model_dir, prompt_data=prompts, remote_rm_url="http://127.0.0.1:5000/get_reward")
+
+
+def test_pretrain_needs_prompt_data(model_dir, reward_py):
+    assert_fails(["--prompt_data"], pretrain=model_dir, remote_rm_url=reward_py)
+
+
+def test_colocate_all_models_needs_engines_to_cover_actor_gpus():
+    assert_fails(["--colocate_all_models", "vllm_num_engines x vllm_tensor_parallel_size", "actor 4"],
+                 colocate_all_models=True, actor_num_gpus_per_node=4, ref_num_gpus_per_node=4,
+                 critic_num_gpus_per_node=4, vllm_num_engines=1, train_batch_size=64)
+    cfg = build(colocate_all_models=True, actor_num_gpus_per_node=4, ref_num_gpus_per_node=4,
+                critic_num_gpus_per_node=4, vllm_num_engines=2, vllm_tensor_parallel_size=2)
+    assert cfg.placement.colocate_all_models
+
+
+def test_colocate_all_models_needs_same_shapes():
+    assert_fails(["--colocate_all_models", "--ref_num_nodes"], colocate_all_models=True,
+                 actor_num_gpus_per_node=2, vllm_num_engines=2, critic_num_gpus_per_node=2)
+
+
+def test_colocate_all_tp_engine_on_one_node():
+    assert_fails(["--vllm_tensor_parallel_size 4", "--actor_num_gpus_per_node 2"], colocate_all_models=True,
+                 actor_num_nodes=2, actor_num_gpus_per_node=2, ref_num_nodes=2, ref_num_gpus_per_node=2,
+                 critic_num_nodes=2, critic_num_gpus_per_node=2, vllm_num_engines=1, vllm_tensor_parallel_size=4)
+
+
+def test_colocate_actor_ref_needs_equal_shapes():
+    assert_fails(["--colocate_actor_ref", "actor 1x2", "ref 1x1"], colocate_actor_ref=True,
+                 actor_num_gpus_per_node=2)
+    assert build(colocate_actor_ref=True, actor_num_gpus_per_node=2, ref_num_gpus_per_node=2)
+
+
+def test_colocate_critic_reward(model_dir, prompts):
+    base = dict(pretrain=model_dir, prompt_data=prompts, reward_pretrain=model_dir, colocate_critic_reward=True)
+    assert_fails(["--colocate_critic_reward", "critic 1x2", "reward 1x1"], critic_num_gpus_per_node=2, **base)
+    assert build(critic_num_gpus_per_node=2, reward_num_gpus_per_node=2, **base)
+    assert_fails(["--colocate_critic_reward", "--reward_pretrain"], colocate_critic_reward=True)
+
+
+def test_vllm_sleep_rules():
+    assert_fails(["--vllm_enable_sleep", "--colocate_all_models"], vllm_enable_sleep=True)
+    hybrid = dict(colocate_all_models=True, vllm_enable_sleep=True)
+    assert_fails(["--vllm_enable_sleep", "--async_train"], async_train=True, **hybrid)
+    assert build(deepspeed_enable_sleep=True, **hybrid).vllm.enable_sleep
+    assert_fails(["--deepspeed_enable_sleep", "--colocate_all_models"], deepspeed_enable_sleep=True)
+
+
+def test_async_train_not_with_colocate_all():
+    assert_fails(["--async_train", "--colocate_all_models"], async_train=True, colocate_all_models=True)
+    assert build(async_train=True, async_queue_size=2).ppo.async_train
+
+
+def test_train_batch_divides_by_micro_batch_times_ranks():
+    # 64 % (16 x 3) != 0
+    assert_fails(["--train_batch_size 64", "--micro_train_batch_size", "actor ranks", "16 x 3 = 48"],
+                 actor_num_gpus_per_node=3, micro_train_batch_size=16)
+    assert_fails(["critic ranks"], critic_num_nodes=3, micro_train_batch_size=8)
+    assert build(actor_num_gpus_per_node=2, critic_num_gpus_per_node=4, micro_train_batch_size=8)
+    # no critic without gae: its rank count does not matter then
+    assert build(advantage_estimator="reinforce", critic_num_nodes=3, micro_train_batch_size=8)
+
+
+def test_rollout_samples_divide_into_train_batches():
+    assert_fails(["--rollout_batch_size x --n_samples_per_prompt", "--train_batch_size 64"],
+                 rollout_batch_size=48, train_batch_size=64)
+    assert build(rollout_batch_size=48, n_samples_per_prompt=4, train_batch_size=64,
+                 advantage_estimator="group_norm")
+
+
+def test_paths_must_exist(tmp_path, prompts, reward_py, monkeypatch):
+    assert_fails(["--pretrain", "no such folder"], pretrain=str(tmp_path / "nope"), prompt_data=prompts,
+                 remote_rm_url=reward_py)
+    (tmp_path / "empty").mkdir()
+    assert_fails(["--pretrain", "config.json"], pretrain=str(tmp_path / "empty"), prompt_data=prompts,
+                 remote_rm_url=reward_py)
+    assert_fails(["--prompt_data", "no such file"], prompt_data=str(tmp_path / "missing.jsonl"))
+    assert_fails(["--remote_rm_url", "no such file"], remote_rm_url=str(tmp_path / "missing.py"))
+    assert_fails(["--remote_rm_url", "http(s)://"], remote_rm_url=str(prompts))
+    assert_fails(["--reward_pretrain", "is a file"], reward_pretrain=prompts)
+    # a hub id is allowed only while the hub is reachable
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    assert build(pretrain="org/model", prompt_data=prompts, remote_rm_url=reward_py)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert_fails(["--pretrain org/model", "HF_HUB_OFFLINE"], pretrain="org/model", prompt_data=prompts,
+                 remote_rm_url=reward_py)
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    ({"eps_clip": 0.0}, "--eps_clip must be > 0"),
+    ({"lambd": 1.5}, "--lambd must be in [0, 1]"),
+    ({"gamma": -0.1}, "--gamma must be in [0, 1]"),
+    ({"value_clip": 0.0}, "--value_clip must be > 0"),
+    ({"dual_clip": 1.0}, "--dual_clip must be > 1"),
+    ({"actor_learning_rate": 0.0}, "--actor_learning_rate must be > 0"),
+    ({"critic_learning_rate": -1.0}, "--critic_learning_rate must be > 0"),
+    ({"lr_warmup_ratio": 1.0}, "--lr_warmup_ratio must be in [0, 1)"),
+    ({"init_kl_coef": -0.1}, "--init_kl_coef must be >= 0"),
+    ({"kl_target": 0.0}, "--kl_target must be > 0"),
+    ({"entropy_loss_coef": -1.0}, "--entropy_loss_coef must be >= 0"),
+    ({"temperature": 0.0}, "--temperature must be > 0"),
+    ({"top_p": 0.0}, "--top_p must be in (0, 1]"),
+    ({"reward_clip_range": (5.0, -5.0)}, "--reward_clip_range LOW HIGH needs LOW < HIGH"),
+    ({"vllm_gpu_memory_utilization": 1.5}, "--vllm_gpu_memory_utilization must be in (0, 1]"),
+    ({"vllm_num_engines": 0}, "--vllm_num_engines must be >= 1"),
+    ({"actor_num_nodes": 0}, "--actor_num_nodes must be >= 1"),
+    ({"num_episodes": 0}, "--num_episodes must be >= 1"),
+    ({"max_samples": 0}, "--max_samples must be >= 1"),
+    ({"save_steps": 0}, "--save_steps must be -1 (never) or >= 1"),
+    ({"input_template": "no placeholder"}, "--input_template must contain exactly one '{}'"),
+    ({"async_queue_size": 0}, "--async_queue_size must be >= 1"),
+])
+def test_value_ranges(flags, fragment):
+    assert any(fragment in p for p in problems(**flags)), problems(**flags)
+
+
+def test_cpu_device_rules():
+    assert_fails(["--vllm_sync_backend nccl", "gloo"], device="cpu", vllm_sync_backend="nccl")
+    assert_fails(["--flash_attn", "CUDA"], device="cpu", flash_attn=True)
+    assert build(device="cpu", vllm_sync_backend="gloo").vllm.sync_backend == "gloo"
+    assert build(device="cuda", vllm_sync_backend="nccl", flash_attn=True)
+
+
+def test_all_problems_reported_at_once():
+    found = problems(eps_clip=-1.0, top_p=2.0, advantage_estimator="rloo")
+    assert len(found) == 3
+
+
+def test_unknown_flag_is_a_programming_error():
+    with pytest.raises(KeyError):
+        build_config({"not_a_flag": 1})
