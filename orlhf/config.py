@@ -272,3 +272,76 @@ def demo_preset_applied(flags: dict[str, Any], explicit: frozenset[str] | set[st
     if flags.get("pretrain") is not None:
         return {}
     return {k: v for k, v in DEMO_PRESET.items() if k not in explicit}
+
+
+# ---- Slices handed to workers: each rank gets only what it needs, never the TrainConfig tree. ----
+
+ROLES = ("actor", "critic", "ref", "reward")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """One model worker's slice: which model, how DeepSpeed runs it, and (for trained models) how it learns."""
+
+    role: str  # actor | critic | ref | reward
+    model_path: str
+    device: str  # "cpu" or "cuda" (resolved, never "auto")
+    zero_stage: int = 3
+    bf16: bool = False
+    gradient_checkpointing: bool = False
+    flash_attn: bool = False
+    adam_offload: bool = False  # trained models: Adam states on host
+    param_offload: bool = False  # frozen models (--ref_reward_offload): params on host between uses
+    seed: int = 42
+    micro_forward_batch_size: int = 16  # --micro_rollout_batch_size
+    # Training (actor, critic). train_batch_size is global; each rank sees train_batch_size / world per step.
+    learning_rate: float = 0.0
+    lr_warmup_ratio: float = 0.0
+    total_optimizer_steps: int = 1  # for the LR schedule
+    train_batch_size: int = 0
+    micro_train_batch_size: int = 1
+    # Losses. Actor: eps_clip, dual_clip, entropy_loss_coef, use_kl_loss/kl_coef/kl_estimator. Critic: value_clip.
+    eps_clip: float = 0.2
+    dual_clip: Optional[float] = None
+    entropy_loss_coef: float = 0.0
+    use_kl_loss: bool = False
+    kl_coef: float = 0.0
+    kl_estimator: str = "k1"
+    value_clip: Optional[float] = None
+    temperature: float = 1.0  # logits are divided by it, as the engines sample with it
+
+    @property
+    def trainable(self) -> bool:
+        return self.role in ("actor", "critic")
+
+
+def worker_config(cfg: TrainConfig, role: str, device: str, total_optimizer_steps: int = 1) -> WorkerConfig:
+    """The slice of `cfg` that a `role` worker needs. `device` is the resolved device ("cpu" or "cuda")."""
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r}; expected one of {ROLES}")
+    d, ds, ppo = cfg.data, cfg.deepspeed, cfg.ppo
+    path = {
+        "actor": d.pretrain,
+        "ref": d.pretrain,
+        "critic": d.critic_pretrain or d.reward_pretrain or d.pretrain,
+        "reward": d.reward_pretrain,
+    }[role]
+    if path is None:
+        raise ValueError(f"no model path for role {role!r}; resolve the demo paths first (entry.resolve_demo)")
+    common = dict(
+        role=role, model_path=path, device=device, zero_stage=ds.zero_stage, bf16=ds.bf16,
+        gradient_checkpointing=ds.gradient_checkpointing, flash_attn=ds.flash_attn, seed=ppo.seed,
+        micro_forward_batch_size=ppo.micro_rollout_batch_size, temperature=ppo.temperature,
+    )
+    if role in ("ref", "reward"):
+        return WorkerConfig(**common, param_offload=ds.ref_reward_offload)
+    train = dict(
+        adam_offload=ds.adam_offload, lr_warmup_ratio=ppo.lr_warmup_ratio,
+        total_optimizer_steps=total_optimizer_steps, train_batch_size=ppo.train_batch_size,
+        micro_train_batch_size=ppo.micro_train_batch_size,
+    )
+    if role == "actor":
+        return WorkerConfig(**common, **train, learning_rate=ppo.actor_learning_rate, eps_clip=ppo.eps_clip,
+                            dual_clip=ppo.dual_clip, entropy_loss_coef=ppo.entropy_loss_coef,
+                            use_kl_loss=ppo.use_kl_loss, kl_coef=ppo.init_kl_coef, kl_estimator=ppo.kl_estimator)
+    return WorkerConfig(**common, **train, learning_rate=ppo.critic_learning_rate, value_clip=ppo.value_clip)

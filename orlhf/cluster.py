@@ -1,0 +1,201 @@
+"""ActorGroup: one model role as N rank actors on their placement-group bundles.
+
+    driver                                 Ray
+    ActorGroup("actor", PolicyWorker, cfg, slots)
+      |-- RankActor(rank 0) on slot 0  --> PolicyWorker(cfg) with MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK
+      |-- RankActor(rank 1) on slot 1  --> ...
+    group.call_all("init")                      every rank, same args (collectives: all ranks must enter)
+    group.call_sharded("log_probs", batch)      batch split over ranks, results gathered in batch order
+    group.call_all_async(...) -> GroupCall      start now, .get() later (actor and critic train in parallel)
+
+Invariants:
+- Every wait has a timeout; a timeout names the role, method and the ranks still running.
+- The first rank that fails ends the wait at once (its peers may be stuck in a collective waiting for it):
+  the error names role, rank, method and carries the remote traceback.
+- ZeRO-3 forwards are collective, so every rank must run the same number of micro-batches: call_sharded
+  pads the batch to a multiple of the world size (repeating the last row) and trims the results.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import ray
+import torch
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+log = logging.getLogger(__name__)
+
+
+class RankError(RuntimeError):
+    """A rank actor raised or died. `role`, `rank` and `method` say where; the message holds the traceback."""
+
+    def __init__(self, role: str, rank: int, method: str, detail: str):
+        self.role, self.rank, self.method = role, rank, method
+        detail = re.sub(r"\x1b\[[0-9;]*m", "", detail)  # Ray colours its task names
+        super().__init__(f"{role} rank {rank} failed in {method}():\n{detail}")
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one rank runs: a placement-group bundle and its share of that bundle's device."""
+
+    placement_group: Any  # ray.util.placement_group.PlacementGroup, or None to let Ray choose
+    bundle_index: int
+    share: float = 1.0  # fraction of the bundle's GPU (cuda) or CPU (cpu) this rank takes
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+@ray.remote
+class RankActor:
+    """Holds one worker instance; the group calls its methods by name. No logic of its own."""
+
+    def __init__(self, role: str, rank: int, env: dict[str, str]):
+        os.environ.update(env)
+        self.role, self.rank = role, rank
+        self.worker = None
+
+    def address(self) -> tuple[str, int]:
+        """(ip, free port) of this rank's node: rank 0's becomes the group's rendezvous address."""
+        return ray.util.get_node_ip_address(), free_port()
+
+    def setup(self, worker_cls: type, cfg: Any, env: dict[str, str]) -> None:
+        os.environ.update(env)
+        self.worker = worker_cls(cfg)
+
+    def call(self, method: str, *args, **kwargs) -> Any:
+        return getattr(self.worker, method)(*args, **kwargs)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class GroupCall:
+    """Remote calls in flight on some ranks of a group; .get() waits for all of them (with a timeout)."""
+
+    def __init__(self, group: "ActorGroup", method: str, refs: list, ranks: list[int], n_out: Optional[int] = None):
+        self.group, self.method, self.refs, self.ranks, self.n_out = group, method, refs, ranks, n_out
+
+    def get(self, timeout_s: Optional[float] = None) -> list:
+        results = wait_all(self.refs, self.ranks, self.group.role, self.method, timeout_s or self.group.timeout_s)
+        return results
+
+    def get_cat(self, timeout_s: Optional[float] = None) -> torch.Tensor:
+        """Concatenate per-rank tensors along dim 0 and drop call_sharded's padding rows."""
+        return torch.cat(self.get(timeout_s), dim=0)[: self.n_out]
+
+
+def wait_all(refs: list, ranks: list[int], role: str, method: str, timeout_s: float) -> list:
+    """ray.get for refs from several ranks, failing fast on the first error and after timeout_s."""
+    index = {ref: i for i, ref in enumerate(refs)}
+    results: list[Any] = [None] * len(refs)
+    pending, deadline = list(refs), time.monotonic() + timeout_s
+    while pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            still = sorted(ranks[index[r]] for r in pending)
+            raise TimeoutError(f"{role}: {method}() did not finish on rank(s) {still} within {timeout_s:.0f} s "
+                               "(raise --ray_timeout_s if the work is just slow)")
+        done, pending = ray.wait(pending, num_returns=1, timeout=min(left, 5.0))
+        for ref in done:
+            i = index[ref]
+            try:
+                results[i] = ray.get(ref)
+            except ray.exceptions.RayTaskError as e:
+                raise RankError(role, ranks[i], method, str(e)) from None
+            except ray.exceptions.RayActorError as e:
+                raise RankError(role, ranks[i], method, f"the rank actor died: {e}") from None
+    return results
+
+
+class ActorGroup:
+    """N rank actors of one role (actor, critic, ref, reward) running `worker_cls(cfg)` each."""
+
+    def __init__(self, role: str, worker_cls: type, cfg: Any, slots: Sequence[Slot], *, device: str,
+                 gpus_per_node: int = 1, timeout_s: float = 600.0, env: Optional[dict[str, str]] = None):
+        self.role, self.world_size, self.timeout_s = role, len(slots), timeout_s
+        base_env = {"DS_ACCELERATOR": device, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+        self.actors = [self._spawn(rank, slot, device, base_env) for rank, slot in enumerate(slots)]
+        # Rendezvous on rank 0's node. On CUDA each rank sees only its own GPU (Ray sets CUDA_VISIBLE_DEVICES),
+        # so LOCAL_RANK is 0 there; on CPU it is the rank's index within its node group.
+        master_addr, master_port = wait_all([self.actors[0].address.remote()], [0], role, "address", timeout_s)[0]
+        setups = []
+        for rank, actor in enumerate(self.actors):
+            rank_env = {"MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port), "RANK": str(rank),
+                        "WORLD_SIZE": str(self.world_size),
+                        "LOCAL_RANK": "0" if device == "cuda" else str(rank % max(gpus_per_node, 1))}
+            setups.append(actor.setup.remote(worker_cls, cfg, rank_env))
+        wait_all(setups, list(range(self.world_size)), role, "setup", timeout_s)
+
+    def _spawn(self, rank: int, slot: Slot, device: str, env: dict[str, str]):
+        opts: dict[str, Any] = {"num_cpus": slot.share if device == "cpu" else 0,
+                                "num_gpus": slot.share if device == "cuda" else 0,
+                                "name": None, "max_restarts": 0, "max_concurrency": 2}
+        if slot.placement_group is not None:
+            opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group=slot.placement_group, placement_group_bundle_index=slot.bundle_index,
+                placement_group_capture_child_tasks=True)
+        return RankActor.options(**opts).remote(self.role, rank, env)
+
+    # ---- calls -----------------------------------------------------------------------------------------------
+    def call_all_async(self, method: str, *args, **kwargs) -> GroupCall:
+        refs = [a.call.remote(method, *args, **kwargs) for a in self.actors]
+        return GroupCall(self, method, refs, list(range(self.world_size)))
+
+    def call_all(self, method: str, *args, **kwargs) -> list:
+        """Call `method` on every rank with the same arguments; results in rank order."""
+        return self.call_all_async(method, *args, **kwargs).get()
+
+    def call_rank(self, rank: int, method: str, *args, **kwargs) -> Any:
+        ref = self.actors[rank].call.remote(method, *args, **kwargs)
+        return wait_all([ref], [rank], self.role, method, self.timeout_s)[0]
+
+    def call_sharded_async(self, method: str, batch: Any, *args, **kwargs) -> GroupCall:
+        """Split `batch` (a types.py dataclass with .split, or a list) over the ranks in contiguous chunks."""
+        n = len(batch)
+        chunks = shard(batch, self.world_size)
+        refs = [a.call.remote(method, chunk, *args, **kwargs) for a, chunk in zip(self.actors, chunks)]
+        return GroupCall(self, method, refs, list(range(self.world_size)), n_out=n)
+
+    def call_sharded(self, method: str, batch: Any, *args, **kwargs) -> Any:
+        """Sharded call; per-rank tensors come back concatenated in batch order, anything else as a list."""
+        call = self.call_sharded_async(method, batch, *args, **kwargs)
+        results = call.get()
+        if all(isinstance(r, torch.Tensor) for r in results):
+            return torch.cat(results, dim=0)[: call.n_out]
+        return results
+
+    def pids(self) -> list[int]:
+        return wait_all([a.pid.remote() for a in self.actors], list(range(self.world_size)), self.role, "pid",
+                        self.timeout_s)
+
+    def shutdown(self) -> None:
+        for a in self.actors:
+            ray.kill(a, no_restart=True)
+        self.actors = []
+
+
+def shard(batch: Any, world_size: int) -> list:
+    """Contiguous, equal-size chunks; the batch is padded by repeating its last row to a multiple of world_size."""
+    n = len(batch)
+    if n == 0:
+        raise ValueError("cannot shard an empty batch")
+    per = -(-n // world_size)
+    pad = per * world_size - n
+    if isinstance(batch, list):
+        padded = batch + [batch[-1]] * pad
+        return [padded[i * per:(i + 1) * per] for i in range(world_size)]
+    if pad:
+        batch = type(batch).cat([batch] + [batch.split([n - 1, 1])[1]] * pad)
+    return batch.split([per] * world_size)

@@ -1,0 +1,116 @@
+"""What crosses a process boundary. Every payload is a dataclass with its shapes in comments.
+
+Conventions (OpenRLHF's):
+    B   samples in the batch
+    T   sequence length: prompt (left-padded) + response (right-padded)
+    A   action positions = the last A tokens of `sequences` (the response part, padded to the longest response)
+Log-probs, values, advantages etc. are per action: shape (B, A), aligned with `action_mask`. The log-prob of
+token t is predicted from tokens < t, so sequences[:, -A:] are the actions and logits[:, -A-1:-1] score them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from typing import Optional
+
+import torch
+
+
+def _split(t: Optional[torch.Tensor], sizes: list[int]) -> list[Optional[torch.Tensor]]:
+    if t is None:
+        return [None] * len(sizes)
+    return list(torch.split(t, sizes, dim=0))
+
+
+@dataclass
+class SequenceBatch:
+    """Token sequences to score (reference, reward, critic, policy forward)."""
+
+    sequences: torch.Tensor  # (B, T) long: prompt left-padded, response right-padded
+    attention_mask: torch.Tensor  # (B, T) long/bool: 1 on real tokens
+    action_mask: torch.Tensor  # (B, A) bool: 1 on real response tokens (incl. EOS)
+
+    @property
+    def num_actions(self) -> int:
+        return self.action_mask.shape[1]
+
+    def __len__(self) -> int:
+        return self.sequences.shape[0]
+
+    def split(self, sizes: list[int]) -> list["SequenceBatch"]:
+        """Split along the batch dim into chunks of the given sizes (order kept)."""
+        return _split_dataclass(self, sizes)
+
+    @classmethod
+    def cat(cls, parts: list["SequenceBatch"]) -> "SequenceBatch":
+        return _cat_dataclass(cls, parts)
+
+
+@dataclass
+class Experience:
+    """One PPO training batch: sequences plus everything the losses need. Built by experience.py."""
+
+    sequences: torch.Tensor  # (B, T) long
+    attention_mask: torch.Tensor  # (B, T)
+    action_mask: torch.Tensor  # (B, A) bool
+    action_log_probs: torch.Tensor  # (B, A) float: log pi_old(a|s), the policy that generated (recomputed)
+    advantages: torch.Tensor  # (B, A) float
+    returns: Optional[torch.Tensor] = None  # (B, A) float: critic targets (gae only)
+    values: Optional[torch.Tensor] = None  # (B, A) float: V_old(s), for the clipped value loss (gae only)
+    base_action_log_probs: Optional[torch.Tensor] = None  # (B, A): reference log-probs, for --use_kl_loss
+    weight_version: int = 0  # actor weight version the engines generated with (async staleness bookkeeping)
+
+    @property
+    def num_actions(self) -> int:
+        return self.action_mask.shape[1]
+
+    def __len__(self) -> int:
+        return self.sequences.shape[0]
+
+    def as_sequence_batch(self) -> SequenceBatch:
+        return SequenceBatch(self.sequences, self.attention_mask, self.action_mask)
+
+    def split(self, sizes: list[int]) -> list["Experience"]:
+        return _split_dataclass(self, sizes)
+
+    @classmethod
+    def cat(cls, parts: list["Experience"]) -> "Experience":
+        return _cat_dataclass(cls, parts)
+
+
+@dataclass
+class TrainStats:
+    """Means over one train_step call's micro-batches (one rank; the controller averages ranks)."""
+
+    loss: float  # policy loss (actor) or value loss (critic)
+    lr: float
+    grad_norm: float = 0.0
+    clip_frac: float = 0.0  # share of action tokens whose ratio (or value) was clipped
+    approx_kl: float = 0.0  # mean (log pi_old - log pi) on action tokens: how far this step moved
+    entropy: float = 0.0  # actor only, when --entropy_loss_coef > 0
+    kl_loss: float = 0.0  # actor only, with --use_kl_loss
+    micro_steps: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def _split_dataclass(obj, sizes: list[int]):
+    per_field = {f.name: getattr(obj, f.name) for f in fields(obj)}
+    chunks = {k: _split(v, sizes) if isinstance(v, torch.Tensor) or v is None else None for k, v in per_field.items()}
+    out = []
+    for i in range(len(sizes)):
+        kw = {k: (chunks[k][i] if chunks[k] is not None else v) for k, v in per_field.items()}
+        out.append(replace(obj, **kw))
+    return out
+
+
+def _cat_dataclass(cls, parts):
+    """Concatenate along the batch dim. Sequence-length dims must already agree (pad before merging)."""
+    first = parts[0]
+    kw = {}
+    for f in fields(first):
+        v = getattr(first, f.name)
+        if isinstance(v, torch.Tensor):
+            kw[f.name] = torch.cat([getattr(p, f.name) for p in parts], dim=0)
+        else:
+            kw[f.name] = v
+    return cls(**kw)

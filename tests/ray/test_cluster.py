@@ -1,0 +1,79 @@
+"""ActorGroup on a real local Ray cluster: rendezvous env, call_all, call_sharded order, error surfacing."""
+
+import os
+import sys
+import time
+
+import pytest
+import torch
+
+import ray.cloudpickle
+from orlhf.cluster import ActorGroup, RankError, Slot, shard
+from orlhf.types import SequenceBatch
+
+pytestmark = pytest.mark.ray
+# Ray workers cannot import this test module by name: ship its classes by value.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+class EchoWorker:
+    """Records its rendezvous env; doubles what it is given; fails on request."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    def env(self):
+        return {k: os.environ[k] for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+
+    def double(self, batch: SequenceBatch):
+        return batch.sequences[:, 0] * 2
+
+    def rank_of_rows(self, rows: list):
+        return [(int(os.environ["RANK"]), r) for r in rows]
+
+    def boom(self, rank_to_fail: int):
+        if int(os.environ["RANK"]) == rank_to_fail:
+            raise ValueError("deliberate failure on this rank")
+        time.sleep(30)  # the healthy ranks would hang in a collective; the group must not wait for them
+        return "done"
+
+
+def batch(n):
+    seq = torch.arange(n).unsqueeze(1).repeat(1, 3)
+    return SequenceBatch(seq, torch.ones_like(seq), torch.ones(n, 1, dtype=torch.bool))
+
+
+def test_shard_pads_to_equal_chunks():
+    chunks = shard(batch(5), 2)
+    assert [len(c) for c in chunks] == [3, 3]
+    assert chunks[1].sequences[:, 0].tolist() == [3, 4, 4]  # the last row repeated
+    assert shard([1, 2, 3], 3) == [[1], [2], [3]]
+
+
+def test_group_rendezvous_sharding_and_errors(ray_local):
+    group = ActorGroup("critic", EchoWorker, cfg={"x": 1}, slots=[Slot(None, 0, 0.5)] * 3, device="cpu",
+                       gpus_per_node=3, timeout_s=60)
+    try:
+        envs = group.call_all("env")
+        assert [e["RANK"] for e in envs] == ["0", "1", "2"]
+        assert {e["WORLD_SIZE"] for e in envs} == {"3"}
+        assert len({(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in envs}) == 1
+        assert [e["LOCAL_RANK"] for e in envs] == ["0", "1", "2"]
+
+        out = group.call_sharded("double", batch(7))  # 7 rows over 3 ranks: padded to 9, trimmed back
+        assert out.tolist() == [2 * i for i in range(7)]
+        ranks = group.call_sharded("rank_of_rows", list(range(6)))
+        assert [r for part in ranks for r in part] == [(0, 0), (0, 1), (1, 2), (1, 3), (2, 4), (2, 5)]
+
+        t0 = time.monotonic()
+        with pytest.raises(RankError) as err:
+            group.call_all("boom", 1)
+        assert time.monotonic() - t0 < 20, "the group waited for the healthy ranks"
+        assert err.value.role == "critic" and err.value.rank == 1 and err.value.method == "boom"
+        assert "deliberate failure on this rank" in str(err.value)
+        assert 'in boom' in str(err.value) and "\x1b[" not in str(err.value)  # the remote traceback, uncoloured
+
+        with pytest.raises(TimeoutError, match=r"critic: boom\(\) did not finish on rank\(s\) \[0, 1, 2\]"):
+            group.call_all_async("boom", -1).get(timeout_s=2)
+    finally:
+        group.shutdown()
