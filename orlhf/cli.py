@@ -141,5 +141,47 @@ def main(argv: Optional[list[str]] = None) -> None:
     app(args=args, prog_name="orlhf")
 
 
+# `orlhf plan`: the train-ppo flags plus a described cluster. The extra options are appended to the generated
+# train-ppo signature; parse_or_exit reads only the config flags, so they pass through untouched.
+PLAN_PANEL = "Cluster to plan for (default: --address if given, else this machine)"
+PLAN_OPTIONS = {
+    "nodes": (Optional[int], typer.Option(None, "--nodes", help="Described cluster: number of nodes.",
+                                          rich_help_panel=PLAN_PANEL)),
+    "gpus_per_node": (Optional[int], typer.Option(None, "--gpus_per_node", help="Described cluster: GPUs per node "
+                                                  "(CPU slots with --device cpu).", rich_help_panel=PLAN_PANEL)),
+    "gpu_memory_gb": (Optional[float], typer.Option(None, "--gpu_memory_gb", help="GiB per GPU (Ray does not report "
+                                                    "it).", rich_help_panel=PLAN_PANEL)),
+    "host_memory_gb": (Optional[float], typer.Option(None, "--host_memory_gb", help="GiB of host memory per node.",
+                                                     rich_help_panel=PLAN_PANEL)),
+}
+
+
+def _plan(ctx: typer.Context, **flags: Any) -> None:
+    if (flags["nodes"] is None) != (flags["gpus_per_node"] is None):
+        typer.secho("error: --nodes and --gpus_per_node describe a cluster together: give both or neither.",
+                    fg="red", err=True)
+        raise typer.Exit(2)
+    cfg = parse_or_exit(ctx, flags)
+    from orlhf.plan import ClusterArgs, run_plan
+
+    sys.exit(run_plan(cfg, ClusterArgs(**{name: flags[name] for name in PLAN_OPTIONS})))
+
+
+with_train_flags(_plan)
+_plan.__signature__ = _plan.__signature__.replace(parameters=[  # type: ignore[attr-defined]
+    *_plan.__signature__.parameters.values(),  # type: ignore[attr-defined]
+    *(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=typ)
+      for name, (typ, option) in PLAN_OPTIONS.items()),
+])
+_plan.__annotations__.update({n: t for n, (t, _) in PLAN_OPTIONS.items()})
+app.command(
+    "plan",
+    help="Where each model and vLLM engine would run, and the memory each device needs; starts nothing. Takes "
+    "the train-ppo flags, on a live cluster (--address), a described one (--nodes --gpus_per_node "
+    "--gpu_memory_gb) or this machine. Exit 0: it fits; 1: it does not.",
+    context_settings={"token_normalize_func": _normalize_flag},
+)(_plan)
+
+
 if __name__ == "__main__":
     main()

@@ -1,7 +1,7 @@
 """ActorGroup: one model role as N rank actors on their placement-group bundles.
 
     driver                                 Ray
-    ActorGroup("actor", PolicyWorker, cfg, slots)
+    ActorGroup("actor", PolicyWorker, cfg, slots)    slots: placement.RankBundle per rank
       |-- RankActor(rank 0) on slot 0  --> PolicyWorker(cfg) with MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK
       |-- RankActor(rank 1) on slot 1  --> ...
     group.call_all("init")                      every rank, same args (collectives: all ranks must enter)
@@ -23,12 +23,12 @@ import os
 import re
 import socket
 import time
-from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import ray
 import torch
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from orlhf.placement import RankBundle, scheduling_options
 
 log = logging.getLogger(__name__)
 
@@ -40,15 +40,6 @@ class RankError(RuntimeError):
         self.role, self.rank, self.method = role, rank, method
         detail = re.sub(r"\x1b\[[0-9;]*m", "", detail)  # Ray colours its task names
         super().__init__(f"{role} rank {rank} failed in {method}():\n{detail}")
-
-
-@dataclass(frozen=True)
-class Slot:
-    """Where one rank runs: a placement-group bundle and its share of that bundle's device."""
-
-    placement_group: Any  # ray.util.placement_group.PlacementGroup, or None to let Ray choose
-    bundle_index: int
-    share: float = 1.0  # fraction of the bundle's GPU (cuda) or CPU (cpu) this rank takes
 
 
 def free_port() -> int:
@@ -104,7 +95,7 @@ def wait_all(refs: list, ranks: list[int], role: str, method: str, timeout_s: fl
     while pending:
         left = deadline - time.monotonic()
         if left <= 0:
-            still = sorted(ranks[index[r]] for r in pending)
+            still = sorted((ranks[index[r]] for r in pending), key=str)
             raise TimeoutError(f"{role}: {method}() did not finish on rank(s) {still} within {timeout_s:.0f} s "
                                "(raise --ray_timeout_s if the work is just slow)")
         done, pending = ray.wait(pending, num_returns=1, timeout=min(left, 5.0))
@@ -122,7 +113,7 @@ def wait_all(refs: list, ranks: list[int], role: str, method: str, timeout_s: fl
 class ActorGroup:
     """N rank actors of one role (actor, critic, ref, reward) running `worker_cls(cfg)` each."""
 
-    def __init__(self, role: str, worker_cls: type, cfg: Any, slots: Sequence[Slot], *, device: str,
+    def __init__(self, role: str, worker_cls: type, cfg: Any, slots: Sequence[RankBundle], *, device: str,
                  gpus_per_node: int = 1, timeout_s: float = 600.0, env: Optional[dict[str, str]] = None):
         self.role, self.world_size, self.timeout_s = role, len(slots), timeout_s
         base_env = {"DS_ACCELERATOR": device, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
@@ -138,15 +129,12 @@ class ActorGroup:
             setups.append(actor.setup.remote(worker_cls, cfg, rank_env))
         wait_all(setups, list(range(self.world_size)), role, "setup", timeout_s)
 
-    def _spawn(self, rank: int, slot: Slot, device: str, env: dict[str, str]):
-        opts: dict[str, Any] = {"num_cpus": slot.share if device == "cpu" else 0,
-                                "num_gpus": slot.share if device == "cuda" else 0,
-                                "name": None, "max_restarts": 0, "max_concurrency": 2}
+    def _spawn(self, rank: int, slot: RankBundle, device: str, env: dict[str, str]):
         if slot.placement_group is not None:
-            opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                placement_group=slot.placement_group, placement_group_bundle_index=slot.bundle_index,
-                placement_group_capture_child_tasks=True)
-        return RankActor.options(**opts).remote(self.role, rank, env)
+            opts = scheduling_options(slot, device)
+        else:  # no placement group (tests, ad-hoc use): Ray picks a node
+            opts = {"num_cpus": slot.share, "num_gpus": slot.share if device == "cuda" else 0}
+        return RankActor.options(**opts, max_restarts=0, max_concurrency=2).remote(self.role, rank, env)
 
     # ---- calls -----------------------------------------------------------------------------------------------
     def call_all_async(self, method: str, *args, **kwargs) -> GroupCall:

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import ray.cloudpickle
-from orlhf.cluster import ActorGroup, RankError, Slot, shard
+from orlhf.cluster import ActorGroup, RankError, shard
+from orlhf.placement import RankBundle
 from orlhf.types import SequenceBatch
 
 pytestmark = pytest.mark.ray
@@ -51,7 +52,7 @@ def test_shard_pads_to_equal_chunks():
 
 
 def test_group_rendezvous_sharding_and_errors(ray_local):
-    group = ActorGroup("critic", EchoWorker, cfg={"x": 1}, slots=[Slot(None, 0, 0.5)] * 3, device="cpu",
+    group = ActorGroup("critic", EchoWorker, cfg={"x": 1}, slots=[RankBundle(None, 0, 0.5)] * 3, device="cpu",
                        gpus_per_node=3, timeout_s=60)
     try:
         envs = group.call_all("env")

@@ -1,0 +1,266 @@
+"""Flags -> layout (pure), the pre-flight fit check, the memory estimate and `orlhf plan`. No Ray here."""
+
+import json
+from collections import defaultdict
+
+import pytest
+
+from orlhf.cli import main
+from orlhf.config import build_config
+from orlhf.placement import (PlacementError, Slot, check_fits, cpu_slots_needed, described_nodes, plan_layout,
+                             simulate)
+from orlhf.plan import GIB, ModelDims, count_params, device_peak, read_dims, role_memory
+
+# Llama-3-70B's shape (hand count below).
+CONFIG_70B = {"architectures": ["LlamaForCausalLM"], "hidden_size": 8192, "num_hidden_layers": 80,
+              "intermediate_size": 28672, "vocab_size": 128256, "num_attention_heads": 64, "num_key_value_heads": 8,
+              "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+# head_dim = 8192/64 = 128, kv width = 8 x 128 = 1024. Per layer: q, o 2 x 8192^2 = 134,217,728;
+# k, v 2 x 8192 x 1024 = 16,777,216; MLP 3 x 8192 x 28672 = 704,643,072; norms 2 x 8192 = 16,384
+# -> 855,654,400; x 80 layers = 68,452,352,000. Embeddings 128256 x 8192 = 1,050,673,152, LM head the same,
+# final norm 8,192 -> 70,553,706,496. Value-head model (critic, reward): minus the LM head, plus 8192 -> 69,503,041,536.
+P_LM, P_VALUE = 70_553_706_496, 69_503_041_536
+
+
+def cfg_of(**flags):
+    return build_config(flags, explicit=set(flags))
+
+
+@pytest.fixture
+def model70b(tmp_path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps(CONFIG_70B))
+    (tmp_path / "prompts.jsonl").write_text('{"input": "hi"}\n')
+    return tmp_path
+
+
+def tiny_rm(tmp_path):
+    (tmp_path / "rm").mkdir(exist_ok=True)
+    (tmp_path / "rm" / "config.json").write_text(json.dumps({**CONFIG_70B, "hidden_size": 64, "num_hidden_layers": 1,
+                                                            "intermediate_size": 128, "num_attention_heads": 4,
+                                                            "num_key_value_heads": 4, "vocab_size": 100}))
+    return str(tmp_path / "rm")
+
+
+def shares_per_slot(layout):
+    total = defaultdict(float)
+    for slots in list(layout.roles.values()) + list(layout.engines):
+        for s in slots:
+            total[(s.pool, s.group, s.bundle)] += s.share
+    return total
+
+
+# ---- plan_layout -------------------------------------------------------------------------------------------
+
+
+def test_split_layout_one_pool_per_role_and_per_engine():
+    cfg = cfg_of(actor_num_nodes=2, actor_num_gpus_per_node=2, ref_num_gpus_per_node=2,
+                 critic_num_gpus_per_node=2, vllm_num_engines=2, vllm_tensor_parallel_size=2)
+    layout = plan_layout(cfg, "cuda")
+    assert [(p.name, p.num_groups, p.group_size) for p in layout.pools] == [
+        ("actor", 2, 2), ("ref", 1, 2), ("critic", 1, 2), ("vllm0", 1, 2), ("vllm1", 1, 2)]
+    # rank r -> node-group r // 2, bundle r % 2
+    assert layout.roles["actor"] == (Slot("actor", 0, 0, 1.0), Slot("actor", 0, 1, 1.0),
+                                     Slot("actor", 1, 0, 1.0), Slot("actor", 1, 1, 1.0))
+    assert layout.engines[1] == (Slot("vllm1", 0, 0, 1.0), Slot("vllm1", 0, 1, 1.0))
+    assert "reward" not in layout.roles  # no --reward_pretrain
+    assert layout.bundle == {"GPU": 1.0, "CPU": 1.0}
+    assert plan_layout(cfg, "cpu").bundle == {"CPU": 1.0}
+    assert cpu_slots_needed(layout) == 4 + 2 + 2 + 2 * 2
+
+
+def test_no_critic_without_gae():
+    layout = plan_layout(cfg_of(advantage_estimator="reinforce"), "cpu")
+    assert list(layout.roles) == ["actor", "ref"]
+
+
+def test_colocate_actor_ref_shares_one_pool():
+    cfg = cfg_of(actor_num_gpus_per_node=4, ref_num_gpus_per_node=4, colocate_actor_ref=True)
+    layout = plan_layout(cfg, "cuda")
+    assert [p.name for p in layout.pools] == ["actor+ref", "critic", "vllm0"]
+    assert layout.roles["ref"] == tuple(Slot("actor+ref", 0, b, 0.5) for b in range(4))
+    assert layout.roles["actor"][3] == Slot("actor+ref", 0, 3, 0.5)
+    assert layout.roles["critic"] == (Slot("critic", 0, 0, 1.0),)
+
+
+def test_colocate_critic_reward_shares_one_pool(tmp_path):
+    cfg = cfg_of(reward_pretrain=tiny_rm(tmp_path), critic_num_nodes=2, reward_num_nodes=2,
+                 colocate_critic_reward=True)
+    layout = plan_layout(cfg, "cuda")
+    assert [p.name for p in layout.pools] == ["actor", "ref", "critic+reward", "vllm0"]
+    assert layout.roles["reward"] == (Slot("critic+reward", 0, 0, 0.5), Slot("critic+reward", 1, 0, 0.5))
+
+
+def test_colocate_all_models_puts_engines_on_the_actor_pool(tmp_path):
+    shape = {f"{r}_{k}": v for r in ("actor", "ref", "critic", "reward")
+             for k, v in (("num_nodes", 2), ("num_gpus_per_node", 4))}
+    cfg = cfg_of(reward_pretrain=tiny_rm(tmp_path), colocate_all_models=True, vllm_num_engines=4,
+                 vllm_tensor_parallel_size=2, micro_train_batch_size=8, **shape)
+    layout = plan_layout(cfg, "cuda")
+    assert [(p.name, p.num_groups, p.group_size) for p in layout.pools] == [("actor+ref+critic+reward+vllm", 2, 4)]
+    pool = "actor+ref+critic+reward+vllm"
+    # 5 occupants per slot -> 0.2 each; engine i on slots [2i, 2i+2): engine 1 -> g0 b2,b3; engine 2 -> g1 b0,b1
+    assert layout.engines[1] == (Slot(pool, 0, 2, 0.2), Slot(pool, 0, 3, 0.2))
+    assert layout.engines[2] == (Slot(pool, 1, 0, 0.2), Slot(pool, 1, 1, 0.2))
+    assert all(s.share == 0.2 for s in layout.roles["reward"])
+    totals = shares_per_slot(layout)
+    assert len(totals) == 8 and all(t == pytest.approx(1.0) for t in totals.values())
+
+
+def test_shares_never_exceed_one_slot():
+    cfg = cfg_of(colocate_all_models=True, advantage_estimator="reinforce")  # actor, ref, vllm -> 0.33 each
+    totals = shares_per_slot(plan_layout(cfg, "cpu"))
+    assert list(totals.values()) == [pytest.approx(0.99)]  # 3 x floor(100/3)/100 = 0.99 <= 1
+
+
+# ---- pre-flight ----------------------------------------------------------------------------------------------
+
+
+def test_first_fit_places_node_groups_whole():
+    cfg = cfg_of(actor_num_gpus_per_node=4, ref_num_gpus_per_node=2, critic_num_gpus_per_node=2,
+                 vllm_num_engines=2, vllm_tensor_parallel_size=2)
+    layout = plan_layout(cfg, "cuda")
+    placed = check_fits(layout, described_nodes(3, 4, "cuda"))
+    assert placed[("actor", 0)] == 0  # largest first, first node with room
+    per_node = defaultdict(int)
+    for key, node in placed.items():
+        per_node[node] += layout.pool(key[0]).group_size
+    assert dict(per_node) == {0: 4, 1: 4, 2: 4}  # actor 4 | ref 2 + critic 2 | two TP-2 engines
+
+
+def test_preflight_rejects_impossible_layout_with_a_table_and_the_fix():
+    layout = plan_layout(cfg_of(actor_num_gpus_per_node=8, micro_train_batch_size=8), "cuda")
+    with pytest.raises(PlacementError) as err:
+        check_fits(layout, described_nodes(2, 4, "cuda"))
+    msg = str(err.value)
+    assert "1 of 4 node-group(s) found no node" in msg
+    assert "GPU need/free/total" in msg and "node0" in msg and "node1" in msg
+    assert "actor g0: needs 8 GPU + 8 CPU on one node" in msg
+    assert "--actor_num_gpus_per_node 8" in msg and "raise --actor_num_nodes" in msg
+
+
+def test_preflight_names_tp_when_an_engine_exceeds_every_node():
+    layout = plan_layout(cfg_of(vllm_tensor_parallel_size=8), "cuda")
+    with pytest.raises(PlacementError, match="lower --vllm_tensor_parallel_size to at most 4"):
+        check_fits(layout, described_nodes(4, 4, "cuda"))
+
+
+def test_preflight_too_few_devices_in_all():
+    layout = plan_layout(cfg_of(actor_num_nodes=2, actor_num_gpus_per_node=2, vllm_num_engines=3), "cpu")
+    with pytest.raises(PlacementError) as err:  # 4 + 1 + 1 + 3 = 9 CPU slots on 2 x 4
+        check_fits(layout, described_nodes(2, 4, "cpu"))
+    assert "needs 9 CPUs in all, the cluster has 8: add nodes" in str(err.value)
+    assert simulate(layout, described_nodes(3, 4, "cpu"))[1] == []
+
+
+# ---- memory estimate -----------------------------------------------------------------------------------------
+
+
+def test_param_count_70b(model70b):
+    dims = read_dims(model70b / "m")
+    assert count_params(dims) == P_LM
+    assert count_params(dims, value_head=True) == P_VALUE
+    assert count_params(ModelDims("x", 8, 1, 16, 10, 2, 2, 4, tied=True)) == 10 * 8 + (4 * 64 + 3 * 128 + 16) + 8
+
+
+def test_memory_70b_layout(model70b):
+    cfg = cfg_of(pretrain=str(model70b / "m"), reward_pretrain=str(model70b / "m"),
+                 prompt_data=str(model70b / "prompts.jsonl"), bf16=True)
+    # bf16 ZeRO-3 trained: (2 + 2 + 12) P / N. actor N=16: 16 x 70,553,706,496 / 16 B = 65.71 GiB
+    actor = role_memory(cfg, "actor", P_LM, 16)
+    assert actor.device_gib == pytest.approx(P_LM / GIB) and round(actor.device_gib, 1) == 65.7
+    assert round(role_memory(cfg, "critic", P_VALUE, 16).device_gib, 1) == 64.7  # 69,503,041,536 B
+    # frozen: 2 P / 8 = 17,638,426,624 B = 16.43 GiB (ref); 17,375,760,384 B = 16.18 GiB (reward)
+    assert round(role_memory(cfg, "ref", P_LM, 8).device_gib, 1) == 16.4
+    assert round(role_memory(cfg, "reward", P_VALUE, 8).device_gib, 1) == 16.2
+
+
+@pytest.mark.parametrize("flags, device_gib, host_gib", [
+    ({"zero_stage": 0}, 16, 0),  # 2 + 2 + 12, nothing sharded
+    ({"zero_stage": 1}, 7, 0),  # 2 + 2 + 12/4
+    ({"zero_stage": 2}, 5.5, 0),  # 2 + (2 + 12)/4
+    ({"zero_stage": 3}, 4, 0),  # (2 + 2 + 12)/4
+    ({"zero_stage": 3, "adam_offload": True}, 1, 3),  # Adam 12/4 to host
+])
+def test_trained_memory_by_zero_stage(flags, device_gib, host_gib):
+    m = role_memory(cfg_of(bf16=True, **flags), "actor", GIB, 4)  # P = 2**30 params: bytes/param == GiB
+    assert (m.device_gib, m.host_gib) == (pytest.approx(device_gib), pytest.approx(host_gib))
+
+
+def test_frozen_and_fp32_memory():
+    assert role_memory(cfg_of(zero_stage=2), "ref", GIB, 4).device_gib == 4  # fp32, replicated below stage 3
+    assert role_memory(cfg_of(), "actor", GIB, 4).device_gib == 4  # fp32 stage 3: (4 + 4 + 8)/4
+    m = role_memory(cfg_of(bf16=True, ref_reward_offload=True), "reward", GIB, 4)
+    assert (m.device_gib, m.host_gib) == (0, 0.5)
+
+
+def test_device_peak_with_sleep():
+    cfg = cfg_of(colocate_all_models=True, vllm_enable_sleep=True, deepspeed_enable_sleep=True)
+    assert device_peak(cfg, trainers=30, engine=40) == 40  # max(generation 40, training 30)
+    assert device_peak(cfg_of(), trainers=30, engine=40) == 70  # no sleep: both resident
+    assert device_peak(cfg_of(), trainers=30, engine=0) == 30
+
+
+# ---- orlhf plan --------------------------------------------------------------------------------------------
+
+LAYOUT_70B = ["--actor_num_nodes", "2", "--actor_num_gpus_per_node", "8", "--critic_num_nodes", "2",
+              "--critic_num_gpus_per_node", "8", "--ref_num_gpus_per_node", "8", "--reward_num_gpus_per_node", "8",
+              "--vllm_num_engines", "4", "--vllm_tensor_parallel_size", "4", "--bf16", "--micro_train_batch_size", "4"]
+
+
+def plan(argv, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", *argv])
+    out = capsys.readouterr()
+    return exit_.value.code, out.out, out.err
+
+
+def model_flags(root):
+    return ["--pretrain", str(root / "m"), "--reward_pretrain", str(root / "m"),
+            "--prompt_data", str(root / "prompts.jsonl")]
+
+
+def test_plan_70b_on_described_cluster(model70b, capsys):
+    code, out, err = plan([*model_flags(model70b), *LAYOUT_70B, "--nodes", "8", "--gpus_per_node", "8",
+                           "--gpu_memory_gb", "80"], capsys)
+    assert code == 0, out + err
+    assert "described: 8 nodes x 8 GPU x 80 GiB" in out and "model: 70.6B params" in out
+    lines = out[:out.index("memory estimate")].splitlines()
+    assert "actor   16 (2x8)  actor   g0          node0  0-7      1" in lines
+    # engines: two TP-4 engines per 8-GPU node, each whole on one node (nodes 0-5 hold the four models)
+    assert [ln.split()[5] for ln in lines if ln.startswith("vllm") and "TP 4" in ln] == ["node6"] * 2 + ["node7"] * 2
+    table = out[out.index("memory estimate"):]
+    for who, gib in (("actor", "65.7"), ("ref", "16.4"), ("critic", "64.7"), ("reward", "16.2"), ("vllm", "72.0")):
+        assert any(ln.startswith(who) and f" {gib} " in ln for ln in table.splitlines()), who
+    assert "weights 2P/4 = 32.9" in out  # 2 x 70,553,706,496 / 4 B = 32.85 GiB within 0.9 x 80 = 72
+    assert "OK: every node-group is placed" in out
+
+
+def test_plan_flags_memory_that_does_not_fit(model70b, capsys):
+    argv = [*model_flags(model70b), *LAYOUT_70B, "--actor_num_nodes", "1",
+            "--nodes", "8", "--gpus_per_node", "8", "--gpu_memory_gb", "80"]
+    code, out, _ = plan(argv, capsys)
+    assert code == 1
+    # actor on 8 ranks: 16 x 70,553,706,496 / 8 B = 131.4 GiB per GPU > 80
+    assert any(ln.startswith("actor ") and "131.4" in ln and "NOT FIT" in ln for ln in out.splitlines())
+    assert "DOES NOT FIT: actor needs 131.4 GiB per GPU, more than 80" in out
+
+
+def test_plan_flags_what_cannot_be_placed(model70b, capsys):
+    code, out, _ = plan([*model_flags(model70b), *LAYOUT_70B, "--nodes", "4", "--gpus_per_node", "8",
+                         "--gpu_memory_gb", "80"], capsys)
+    assert code == 1
+    assert "NOT PLACED" in out and "needs 64 GPUs in all, the cluster has 32: add nodes" in out
+    # first fit: the four 8-GPU node-groups of actor and critic fill the 4 nodes; ref, reward, 4 engines are left
+    assert "DOES NOT FIT: 6 node-group(s) cannot be placed" in out
+
+
+def test_plan_on_this_machine_cpu(capsys):
+    code, out, _ = plan(["--device", "cpu", "--colocate_all_models", "--vllm_num_engines", "1"], capsys)
+    assert code == 0, out
+    assert "this machine" in out and "actor+ref+critic+vllm" in out and "0.25" in out
+
+
+def test_plan_needs_both_cluster_flags(capsys):
+    code, _, err = plan(["--nodes", "2"], capsys)
+    assert code == 2 and "--gpus_per_node" in err
