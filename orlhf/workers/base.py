@@ -1,0 +1,402 @@
+"""One DeepSpeed model on one rank: process group, engine construction, micro-batched forward, full weights.
+
+A worker is a plain object (no Ray): `Worker(cfg)` in a process whose env has MASTER_ADDR, MASTER_PORT, RANK,
+WORLD_SIZE and LOCAL_RANK, then `init()` on every rank at once. A Ray rank actor holds one and calls its methods.
+
+    init():  process group (gloo on cpu, nccl on cuda) -> seed -> load HF model (partitioned at load under
+             ZeRO-3) -> deepspeed.initialize (AdamW + warm-up/cosine LR for trained roles; no optimizer, eval
+             mode for frozen ones)
+
+Invariants
+- ZeRO-3 forwards and GatheredParameters are collective: every rank must make the same calls in the same
+  order. Forward helpers pad a rank's micro-batch count to the largest one (dummy forwards, results dropped),
+  so uneven shares do not hang; train steps require equal shares (they would break gradient accumulation).
+- Results leave a worker as float32 CPU tensors; inputs may arrive on CPU and are moved to `self.device` here.
+- Frozen models under ZeRO-1/2 run as stage 0: those stages shard optimizer states and gradients only,
+  which a frozen model does not have (as OpenRLHF's eval config).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import random
+import re
+from contextlib import contextmanager, nullcontext
+from typing import Callable, Iterator, Optional
+
+import torch
+from torch import nn
+
+from orlhf.config import WorkerConfig
+from orlhf.types import Experience, SequenceBatch, TrainStats
+
+log = logging.getLogger("orlhf.workers")
+
+# Adam settings as OpenRLHF's defaults (--adam_betas 0.9 0.95, --l2 0); not flags here yet.
+ADAM_BETAS = (0.9, 0.95)
+WEIGHT_DECAY = 0.0
+MIN_LR_RATIO = 0.1  # cosine decays to 10% of the peak LR, as OpenRLHF's "cosine_with_min_lr"
+# Parameters of one transformer block share a "<...>.layers.<i>." prefix (Llama, Qwen, Mistral; GPT-2 uses "h").
+_LAYER_PREFIX = re.compile(r"^(.*?\.(?:layers|h|blocks|layer)\.\d+)\.")
+_warned_cpu_param_offload = False
+
+
+def worker_device(device: str) -> torch.device:
+    """The one place a torch device is chosen: cuda:<LOCAL_RANK> or cpu."""
+    if device == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    if device != "cpu":
+        raise ValueError(f"device must be 'cpu' or 'cuda' (resolved), got {device!r}")
+    return torch.device("cpu")
+
+
+def init_distributed(device: str) -> None:
+    """Join the default process group from the env (no-op if this process already has one)."""
+    os.environ.setdefault("DS_ACCELERATOR", device)
+    import deepspeed
+    import torch.distributed as dist
+
+    if device == "cuda":
+        torch.cuda.set_device(worker_device(device))
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo")
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+    try:
+        import numpy as np
+
+        np.random.seed(seed)
+    except ImportError:
+        pass
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float = MIN_LR_RATIO) -> float:
+    """LR multiplier at optimizer step `step` (0-based): linear warm-up, then cosine down to `min_ratio`.
+
+    Warm-up is (step + 1) / warmup, so the first step already moves the weights (HF's schedule starts at 0).
+    Past `total_steps` the LR stays at min_ratio.
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    decay_steps = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / decay_steps)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def ds_config(cfg: WorkerConfig, world_size: int) -> dict:
+    """The DeepSpeed config dict for this worker's slice."""
+    cuda = cfg.device == "cuda"
+    if cfg.trainable:
+        per_step = cfg.micro_train_batch_size * world_size
+        if cfg.train_batch_size <= 0 or cfg.train_batch_size % per_step:
+            raise ValueError(
+                f"{cfg.role}: train_batch_size {cfg.train_batch_size} must be a positive multiple of "
+                f"micro_train_batch_size {cfg.micro_train_batch_size} x world size {world_size} = {per_step}; "
+                f"change --train_batch_size or --micro_train_batch_size")
+        zero: dict = {"stage": cfg.zero_stage}
+        if cfg.adam_offload:
+            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": cuda}
+        batch = {"train_batch_size": cfg.train_batch_size,
+                 "train_micro_batch_size_per_gpu": cfg.micro_train_batch_size,
+                 "gradient_accumulation_steps": cfg.train_batch_size // per_step}
+    else:
+        stage = 3 if cfg.zero_stage == 3 else 0
+        zero = {"stage": stage}
+        if cfg.param_offload and stage == 3:
+            if cuda:
+                zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+            else:
+                _log_cpu_param_offload_once()
+        mb = cfg.micro_forward_batch_size
+        batch = {"train_batch_size": mb * world_size, "train_micro_batch_size_per_gpu": mb,
+                 "gradient_accumulation_steps": 1}
+    return {
+        **batch,
+        "zero_optimization": zero,
+        "bf16": {"enabled": cfg.bf16},
+        "gradient_clipping": 1.0,
+        # ZeRO-Offload refuses a client (torch) optimizer unless this is off. With adam_offload we pass
+        # DeepSpeedCPUAdam anyway; off, it cannot refuse the torch AdamW of a non-offloaded combination.
+        "zero_force_ds_cpu_optimizer": False,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def _log_cpu_param_offload_once() -> None:
+    global _warned_cpu_param_offload
+    if not _warned_cpu_param_offload:
+        _warned_cpu_param_offload = True
+        log.info("param_offload (--ref_reward_offload) is a no-op on CPU: parameters already live in host memory")
+
+
+@contextmanager
+def hf_zero3_loading(config: dict):
+    """While loading an HF model: partition at load under ZeRO-3 (HfDeepSpeedConfig alive), plain otherwise.
+
+    transformers keeps only a weak global reference to the HfDeepSpeedConfig; it is set for this load and
+    cleared after it, so a later non-ZeRO-3 load in the same process is not partitioned by mistake.
+    """
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    keep_alive = _hf_deepspeed_config(config) if config["zero_optimization"]["stage"] == 3 else None
+    try:
+        yield
+    finally:
+        del keep_alive
+        unset_hf_deepspeed_config()
+
+
+class _ZeRO3LoadMarker:
+    """What transformers reads from its HfDeepSpeedConfig (`is_zero3()` and `config`) when loading a model.
+
+    transformers' HfDeepSpeedConfig refuses to start without the `accelerate` package, which nothing else here
+    needs; this stand-in makes from_pretrained wrap model creation in deepspeed.zero.Init all the same.
+    """
+
+    def __init__(self, config: dict):
+        self.config = config
+
+    def is_zero3(self) -> bool:
+        return self.config["zero_optimization"]["stage"] == 3
+
+
+def _hf_deepspeed_config(config: dict):
+    import importlib.util
+
+    from transformers.integrations.deepspeed import HfDeepSpeedConfig, set_hf_deepspeed_config
+
+    if importlib.util.find_spec("accelerate") is not None:
+        return HfDeepSpeedConfig(config)
+    marker = _ZeRO3LoadMarker(config)
+    set_hf_deepspeed_config(marker)
+    return marker
+
+
+def hf_load_kwargs(cfg: WorkerConfig) -> dict:
+    """from_pretrained kwargs shared by every role: dtype and attention kernels."""
+    return {"dtype": torch.bfloat16 if cfg.bf16 else torch.float32,
+            "attn_implementation": "flash_attention_2" if cfg.flash_attn else "sdpa"}
+
+
+def from_pretrained(auto_cls, path: str, cfg: WorkerConfig, **kwargs):
+    """auto_cls.from_pretrained with our kwargs; falls back to eager attention for models without SDPA."""
+    kw = {**hf_load_kwargs(cfg), **kwargs}
+    try:
+        return auto_cls.from_pretrained(path, **kw)
+    except ValueError as e:
+        if kw["attn_implementation"] != "sdpa" or "sdpa" not in str(e).lower():
+            raise
+        log.warning("%s does not support SDPA attention; using eager", path)
+        return auto_cls.from_pretrained(path, **{**kw, "attn_implementation": "eager"})
+
+
+def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) positions counted over real tokens only: prompts are left-padded, so row i starts later."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+class DeepSpeedWorker:
+    """Base of the four model workers. Subclasses implement `build_model()` (runs under hf_zero3_loading)."""
+
+    def __init__(self, cfg: WorkerConfig):
+        self.cfg = cfg
+        self.device = worker_device(cfg.device)
+        self.engine = None  # deepspeed.DeepSpeedEngine after init()
+        self.rank, self.world_size = 0, 1
+        self._ds_config: dict = {}
+
+    # ---- construction ----
+
+    def build_model(self) -> nn.Module:
+        raise NotImplementedError
+
+    def init(self) -> None:
+        """Collective: all ranks call it together."""
+        import torch.distributed as dist
+
+        init_distributed(self.cfg.device)
+        import deepspeed
+
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        seed_everything(self.cfg.seed)
+        self._ds_config = ds_config(self.cfg, self.world_size)
+        with hf_zero3_loading(self._ds_config):
+            model = self.build_model()
+        if self.cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.cfg.trainable:
+            optimizer = self._make_optimizer(model)
+            scheduler = self._make_scheduler(optimizer)
+            self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                                   config=self._ds_config, dist_init_required=False)
+        else:
+            self.engine, *_ = deepspeed.initialize(model=model, config=self._ds_config, dist_init_required=False)
+            self.engine.eval()
+        log.info("%s rank %d/%d ready: ZeRO-%d, %s, %.2fM params", self.cfg.role, self.rank, self.world_size,
+                 self._ds_config["zero_optimization"]["stage"], self.device,
+                 sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()) / 1e6)
+
+    def _make_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        params = [p for p in model.parameters() if p.requires_grad]
+        if self.cfg.adam_offload:
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            return DeepSpeedCPUAdam(params, lr=self.cfg.learning_rate, betas=ADAM_BETAS,
+                                    weight_decay=WEIGHT_DECAY, adamw_mode=True)
+        return torch.optim.AdamW(params, lr=self.cfg.learning_rate, betas=ADAM_BETAS, weight_decay=WEIGHT_DECAY)
+
+    def _make_scheduler(self, optimizer):
+        warmup = math.ceil(self.cfg.lr_warmup_ratio * self.cfg.total_optimizer_steps)
+        total = self.cfg.total_optimizer_steps
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, warmup, total))
+
+    @property
+    def module(self) -> nn.Module:
+        return self.engine.module
+
+    @property
+    def zero_stage(self) -> int:
+        return self._ds_config["zero_optimization"]["stage"]
+
+    @property
+    def zero3(self) -> bool:
+        return self.zero_stage == 3
+
+    # ---- forward and train loops ----
+
+    def _to_device(self, batch):
+        kw = {f: getattr(batch, f) for f in batch.__dataclass_fields__}
+        return type(batch)(**{k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in kw.items()})
+
+    def _max_over_ranks(self, n: int) -> int:
+        if self.world_size == 1:
+            return n
+        import torch.distributed as dist
+
+        t = torch.tensor([n], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
+    @torch.no_grad()
+    def forward_micro_batches(self, batch: SequenceBatch, fn: Callable[[SequenceBatch], torch.Tensor]) -> torch.Tensor:
+        """fn over micro-batches of cfg.micro_forward_batch_size, results concatenated as float32 on CPU.
+
+        Under ZeRO-3 ranks with fewer micro-batches run dummy forwards (collective parameter gathers).
+        """
+        m = self.cfg.micro_forward_batch_size
+        sizes = [min(m, len(batch) - i) for i in range(0, len(batch), m)]
+        parts = batch.split(sizes) if sizes else []
+        n_calls = self._max_over_ranks(len(parts)) if self.zero3 else len(parts)
+        # A one-row dummy with this batch's shapes: used for padding calls and to shape an empty result.
+        t, a = batch.sequences.shape[1], batch.num_actions
+        dummy = SequenceBatch(batch.sequences.new_zeros(1, t), batch.attention_mask.new_ones(1, t),
+                              batch.action_mask.new_ones(1, a))
+        outs = []
+        for i in range(max(n_calls, 1)):
+            real = i < len(parts)
+            out = fn(self._to_device(parts[i] if real else dummy))
+            outs.append((out if real else out[:0]).float().cpu())
+        return torch.cat(outs)
+
+    def train_micro_batches(self, batch: Experience,
+                            loss_fn: Callable[[Experience], tuple[torch.Tensor, dict]]) -> TrainStats:
+        """Forward/backward/step over micro-batches of cfg.micro_train_batch_size; DeepSpeed applies the
+        optimizer at each accumulation boundary (every train_batch_size / world samples on this rank).
+
+        `loss_fn(micro_batch) -> (loss, stats)` where stats maps TrainStats field names (or extra keys) to
+        scalars; they are averaged over micro-batches.
+        """
+        per_rank, n = self.cfg.train_batch_size // self.world_size, len(batch)
+        # Checked on every rank before any collective, so a bad call raises everywhere instead of hanging.
+        most, fewest = self._max_over_ranks(n), -self._max_over_ranks(-n)
+        if most != fewest:
+            raise ValueError(f"{self.cfg.role} train_step: ranks got {fewest}..{most} samples; shares must be equal")
+        if n == 0 or n % per_rank:
+            raise ValueError(f"{self.cfg.role} train_step got {n} samples per rank; expected a positive multiple "
+                             f"of train_batch_size / world = {per_rank} (whole optimizer steps)")
+        m = self.cfg.micro_train_batch_size
+        self.engine.train()
+        sums: dict[str, float] = {}
+        grad_norm = 0.0
+        for mb in batch.split([m] * (n // m)):
+            lr = self.engine.get_lr()[0]  # the LR the coming optimizer step uses
+            loss, stats = loss_fn(self._to_device(mb))
+            self.engine.backward(loss)
+            boundary = self.engine.is_gradient_accumulation_boundary()
+            own_norm = self._plain_grad_norm() if boundary else None
+            self.engine.step()
+            if boundary and self.engine.was_step_applied():
+                norm = self.engine.get_global_grad_norm()
+                norm = own_norm if norm is None else norm
+                grad_norm = math.nan if norm is None else float(norm)
+            for k, v in stats.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+        steps = n // m
+        means = {k: v / steps for k, v in sums.items()}
+        known = {k: means.pop(k) for k in list(means) if k in TrainStats.__dataclass_fields__}
+        return TrainStats(lr=lr, grad_norm=grad_norm, micro_steps=steps, extra=means, **known)
+
+    def _plain_grad_norm(self) -> Optional[float]:
+        """Pre-clip gradient norm where DeepSpeed does not record one (ZeRO-0 in fp32: it clips and drops it).
+        Gradients are already averaged over ranks here (ZeRO-0 all-reduces in backward at the boundary)."""
+        if self.zero_stage != 0 or self.cfg.bf16:
+            return None
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+
+    # ---- full weights ----
+
+    def _param_groups(self) -> list[list[tuple[str, nn.Parameter]]]:
+        """Parameters grouped by transformer block; everything outside the blocks in one group, first."""
+        groups: dict[str, list] = {"": []}
+        for name, p in self.module.named_parameters():
+            match = _LAYER_PREFIX.match(name)
+            groups.setdefault(match.group(1) if match else "", []).append((name, p))
+        return [g for g in groups.values() if g]
+
+    def named_full_weights(self, to_cpu: bool = True) -> Iterator[list[tuple[str, Optional[torch.Tensor]]]]:
+        """Yield the full weights one group at a time: a group is whole transformer blocks' worth of
+        (hf_name, tensor) (one block per group, plus one group of embeddings / final norm / head).
+
+        Collective under ZeRO-3: every rank must iterate to the end (each group is gathered with
+        GatheredParameters). Rank 0 gets detached copies in the module's dtype (on CPU unless to_cpu=False);
+        other ranks get the same names with None tensors. Without ZeRO-3 every rank holds full weights, but the
+        contract is the same (None off rank 0) so callers need no branch.
+        """
+        import deepspeed
+
+        for group in self._param_groups():
+            params = [p for _, p in group]
+            ctx = deepspeed.zero.GatheredParameters(params) if self.zero3 else nullcontext()
+            with ctx:
+                if self.rank == 0:
+                    yield [(n, p.data.detach().to("cpu" if to_cpu else p.device, copy=True)) for n, p in group]
+                else:
+                    yield [(n, None) for n, _ in group]
+
+    def state_dict_full(self) -> Optional[dict[str, torch.Tensor]]:
+        """Rank 0: the full float32 state dict in HF names (parameters and persistent buffers); None elsewhere.
+        Collective under ZeRO-3. Under bf16 these are the bf16 module weights upcast, not the fp32 masters."""
+        out = {}
+        for group in self.named_full_weights():
+            out.update({n: t.float() for n, t in group if t is not None})
+        if self.rank != 0:
+            return None
+        out.update({n: b.detach().float().cpu().clone() for n, b in persistent_buffers(self.module)})
+        return out
+
+
+def persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, buffer) for buffers that belong in a state dict (not torch's non-persistent ones)."""
+    for mod_name, mod in module.named_modules():
+        for name, buf in mod.named_buffers(recurse=False):
+            if buf is not None and name not in mod._non_persistent_buffers_set:
+                yield (f"{mod_name}.{name}" if mod_name else name), buf

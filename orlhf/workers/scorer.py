@@ -1,0 +1,39 @@
+"""The reward model worker (frozen): one scalar per sequence, read on its last real token.
+
+    sequences (B, T) --backbone--> (B, T, H) --score head--> (B, T) --at last real token--> (B,)
+
+The last real token comes from attention_mask (responses are right-padded), not from pad_token_id as in HF's
+XForSequenceClassification.forward, which picks the wrong token when pad == eos. The reference model lives in
+policy.py (ReferenceWorker): it is a causal LM like the actor.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from orlhf.types import SequenceBatch
+from orlhf.workers.base import DeepSpeedWorker
+from orlhf.workers.critic import load_sequence_classifier
+
+
+def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B,) index of the last 1 in each row of a (B, T) mask."""
+    t = attention_mask.shape[1]
+    return t - 1 - attention_mask.long().flip(-1).argmax(-1)
+
+
+class RewardWorker(DeepSpeedWorker):
+    """A reward model folder (sequence-classification layout, num_labels=1) under ZeRO inference."""
+
+    def build_model(self) -> nn.Module:
+        return load_sequence_classifier(self.cfg)
+
+    def scores(self, batch: SequenceBatch) -> torch.Tensor:
+        """(B,) float32 on CPU: the reward model's score of each whole sequence."""
+
+        def fn(mb: SequenceBatch) -> torch.Tensor:
+            v = self.engine(input_ids=mb.sequences, attention_mask=mb.attention_mask)  # (b, T)
+            return v.gather(1, last_token_index(mb.attention_mask).unsqueeze(1)).squeeze(1)
+
+        return self.forward_micro_batches(batch, fn)

@@ -1,0 +1,364 @@
+"""Model workers on real process groups (gloo, no Ray): ZeRO-3 results equal a plain HF model on the same weights.
+
+Two spawns serve every test (process start and DeepSpeed init dominate the cost): one at world size 2 and one
+at world size 1. Each rank runs a fixed script of worker calls and writes what it saw to <tmp>/<job>_rank<r>.pt;
+the tests below compare those results with plain transformers forwards computed here in the parent.
+"""
+
+import math
+import os
+import socket
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+
+from orlhf.config import WorkerConfig
+from orlhf.types import Experience, SequenceBatch
+
+B, P, A, V = 8, 6, 5, 128  # global batch, prompt length, response length, vocab
+PAD = 0
+
+
+# ---------------------------------------------------------------- fixtures built in the parent
+
+def _tiny_llama_config(**kw):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=4, vocab_size=V, max_position_embeddings=64, tie_word_embeddings=False,
+                       pad_token_id=PAD, bos_token_id=1, eos_token_id=2, **kw)
+
+
+def _tiny_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{f"w{i}": i for i in range(4, V)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>")
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory) -> dict:
+    from transformers import LlamaForCausalLM, LlamaForSequenceClassification
+
+    root = tmp_path_factory.mktemp("workers")
+    lm, rm = root / "lm", root / "rm"
+    torch.manual_seed(0)
+    LlamaForCausalLM(_tiny_llama_config()).save_pretrained(lm)
+    _tiny_tokenizer().save_pretrained(lm)
+    torch.manual_seed(1)
+    LlamaForSequenceClassification(_tiny_llama_config(num_labels=1)).save_pretrained(rm)
+    return {"root": root, "lm": str(lm), "rm": str(rm)}
+
+
+def _make_batch() -> SequenceBatch:
+    """Left-padded prompts (1..P real tokens) + right-padded responses (1..A real tokens); pad id 0 only on pads."""
+    g = torch.Generator().manual_seed(123)
+    seq = torch.randint(4, V, (B, P + A), generator=g)
+    attn = torch.ones(B, P + A, dtype=torch.long)
+    for i in range(B):
+        attn[i, : i % P] = 0  # prompt i has P - i % P real tokens
+        attn[i, P + 1 + (i * 3) % A:] = 0  # response i has 1 + 3i % A real tokens
+    seq[attn == 0] = PAD
+    return SequenceBatch(seq, attn, attn[:, -A:].bool())
+
+
+def _positions(attn):
+    return (attn.cumsum(-1) - 1).clamp(min=0)
+
+
+def _hf_log_probs(model, batch: SequenceBatch) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(input_ids=batch.sequences, attention_mask=batch.attention_mask,
+                       position_ids=_positions(batch.attention_mask)).logits
+    lp = torch.log_softmax(logits[:, -A - 1:-1].float(), -1)
+    return lp.gather(-1, batch.sequences[:, -A:, None]).squeeze(-1)
+
+
+@pytest.fixture(scope="module")
+def hf_lm(paths):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(paths["lm"], dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def experience(hf_lm) -> Experience:
+    batch = _make_batch()
+    old = _hf_log_probs(hf_lm, batch)
+    g = torch.Generator().manual_seed(7)
+    return Experience(
+        batch.sequences, batch.attention_mask, batch.action_mask, action_log_probs=old,
+        advantages=torch.randn(B, A, generator=g), returns=torch.randn(B, A, generator=g),
+        values=0.1 * torch.randn(B, A, generator=g), base_action_log_probs=old - 0.1 * torch.rand(B, A, generator=g))
+
+
+# ---------------------------------------------------------------- what each rank runs
+
+def _cfg(role: str, path: str, **kw) -> WorkerConfig:
+    train = dict(learning_rate=1e-3, train_batch_size=B, micro_train_batch_size=2, total_optimizer_steps=4)
+    loss = dict(entropy_loss_coef=0.01, use_kl_loss=True, kl_coef=0.1, kl_estimator="k3") if role == "actor" else {}
+    base = dict(role=role, model_path=path, device="cpu", zero_stage=3, micro_forward_batch_size=3)
+    critic = {"value_clip": 0.5} if role == "critic" else {}
+    return WorkerConfig(**{**base, **(train if role in ("actor", "critic") else {}), **loss, **critic, **kw})
+
+
+def _timed(out: dict, key: str, fn):
+    t = time.perf_counter()
+    result = fn()
+    out[f"time/{key}"] = time.perf_counter() - t
+    return result
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def _ws2(rank: int, out: dict, paths: dict, exp: Experience) -> None:
+    from orlhf.workers import CriticWorker, PolicyWorker, RewardWorker
+
+    half = exp.split([B // 2, B // 2])[rank]
+    # Uneven forward shares on purpose: rank 0 scores all 8 rows (3 micro-batches), rank 1 the first 4 (2).
+    fwd = exp.as_sequence_batch() if rank == 0 else exp.as_sequence_batch().split([4, 4])[0]
+    actor = PolicyWorker(_cfg("actor", paths["lm"]))
+    _timed(out, "actor_init", actor.init)
+    out["log_probs"] = actor.log_probs(fwd)
+    out["weights"] = [[(n, None if t is None else tuple(t.shape)) for n, t in g] for g in actor.named_full_weights()]
+    out["before"] = actor.state_dict_full()
+    out["stats"] = _timed(out, "train_step", lambda: actor.train_step(half))
+    out["after"] = actor.state_dict_full()
+    _timed(out, "train_step_2", lambda: actor.train_step(half))
+    out["rss_mb_actor"] = _rss_mb()
+    out["saved"] = actor.state_dict_full()
+    actor.save_hf(str(paths["root"] / "export"))
+
+    critic = CriticWorker(_cfg("critic", paths["lm"]))
+    critic.init()
+    out["values"] = critic.values(fwd)
+    out["critic_weights"] = critic.state_dict_full()
+    out["critic_stats"] = _timed(out, "critic_step", lambda: critic.train_step(half))
+
+    reward = RewardWorker(_cfg("reward", paths["rm"]))
+    reward.init()
+    out["scores"] = reward.scores(fwd)
+    out["rss_mb_all"] = _rss_mb()
+
+
+def _ws1(rank: int, out: dict, paths: dict, exp: Experience) -> None:
+    from orlhf.workers import CriticWorker, PolicyWorker, ReferenceWorker
+
+    actor = PolicyWorker(_cfg("actor", paths["lm"]))
+    actor.init()
+    out["stats"] = actor.train_step(exp)
+    out["after"] = actor.state_dict_full()
+
+    plain = PolicyWorker(_cfg("actor", paths["lm"], zero_stage=0))  # no ZeRO: DeepSpeed's plain data parallel
+    plain.init()
+    out["stage0_stats"] = plain.train_step(exp)
+    out["stage0_after"] = plain.state_dict_full()
+    out["stage0_empty"] = plain.log_probs(exp.as_sequence_batch().split([0, B])[0])
+
+    bf16 = PolicyWorker(_cfg("actor", paths["lm"], zero_stage=2, bf16=True, gradient_checkpointing=True))
+    bf16.init()
+    out["bf16_stats"] = bf16.train_step(exp)
+
+    offload = PolicyWorker(_cfg("actor", paths["lm"], adam_offload=True))
+    offload.init()
+    out["offload_stats"] = _timed(out, "offload_step", lambda: offload.train_step(exp))
+    out["offload_after"] = offload.state_dict_full()
+
+    ref = ReferenceWorker(_cfg("ref", paths["lm"], zero_stage=2))  # frozen under ZeRO-1/2 runs as stage 0
+    ref.init()
+    out["ref_log_probs"] = ref.log_probs(exp.as_sequence_batch())
+    out["ref_weights"] = [[(n, None if t is None else tuple(t.shape)) for n, t in g] for g in ref.named_full_weights()]
+
+    critic = CriticWorker(_cfg("critic", paths["rm"]))
+    critic.init()
+    out["rm_critic_values"] = critic.values(exp.as_sequence_batch())
+
+
+def _rank_main(rank: int, world: int, port: int, job: str, paths: dict, exp: Experience, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1")
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    out: dict = {}
+    {"ws2": _ws2, "ws1": _ws1}[job](rank, out, paths, exp)
+    torch.save(out, Path(out_dir) / f"{job}_rank{rank}.pt")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(job: str, world: int, paths: dict, exp: Experience) -> list[dict]:
+    import torch.multiprocessing as mp
+
+    out_dir = paths["root"] / job
+    out_dir.mkdir()
+    mp.start_processes(_rank_main, args=(world, _free_port(), job, paths, exp, str(out_dir)), nprocs=world,
+                       join=True, start_method="spawn")
+    return [torch.load(out_dir / f"{job}_rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def ws2(paths, experience):
+    return _spawn("ws2", 2, paths, experience)
+
+
+@pytest.fixture(scope="module")
+def ws1(paths, experience):
+    return _spawn("ws1", 1, paths, experience)
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+# ---------------------------------------------------------------- pure helpers (no processes)
+
+def test_ds_config_batch_sizes_and_frozen_stage():
+    from orlhf.workers.base import ds_config
+
+    c = ds_config(_cfg("actor", "x", train_batch_size=16, micro_train_batch_size=2, adam_offload=True), world_size=2)
+    assert (c["train_batch_size"], c["train_micro_batch_size_per_gpu"], c["gradient_accumulation_steps"]) == (16, 2, 4)
+    assert c["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": False}  # no pinning on CPU
+    with pytest.raises(ValueError, match="multiple of micro_train_batch_size 2 x world size 3"):
+        ds_config(_cfg("actor", "x", train_batch_size=16, micro_train_batch_size=2), world_size=3)
+    frozen = ds_config(_cfg("ref", "x", zero_stage=2, param_offload=True), world_size=2)
+    assert frozen["zero_optimization"] == {"stage": 0} and frozen["train_micro_batch_size_per_gpu"] == 3
+    assert ds_config(_cfg("reward", "x", param_offload=True), 1)["zero_optimization"] == {"stage": 3}  # CPU: no-op
+
+
+def test_lr_schedule_warms_up_then_decays_to_ten_percent():
+    from orlhf.workers.base import lr_factor
+
+    # warm-up 4 steps: 1/4, 2/4, 3/4, 4/4; then cosine over the remaining 10 - 4 = 6 steps down to 0.1:
+    # step 7 is halfway: 0.1 + 0.9 * 0.5 * (1 + cos(pi / 2)) = 0.55; step 10 and later: 0.1
+    assert [lr_factor(s, 4, 10) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_factor(7, 4, 10) == pytest.approx(0.55)
+    assert lr_factor(10, 4, 10) == pytest.approx(0.1) and lr_factor(50, 4, 10) == pytest.approx(0.1)
+    assert lr_factor(0, 0, 1) == 1.0  # no warm-up: the first step runs at the peak LR
+
+
+# ---------------------------------------------------------------- the checks
+
+def test_zero3_log_probs_equal_plain_hf(ws2, hf_lm, experience):
+    expected = _hf_log_probs(hf_lm, experience.as_sequence_batch())  # (B, A)
+    r0, r1 = ws2[0]["log_probs"], ws2[1]["log_probs"]
+    assert r0.shape == (B, A) and r1.shape == (4, A) and r0.dtype == torch.float32
+    assert (r0 - expected).abs().max().item() <= 1e-5
+    assert (r1 - expected[:4]).abs().max().item() <= 1e-5
+
+
+def test_stage0_reference_log_probs_equal_plain_hf(ws1, hf_lm, experience):
+    expected = _hf_log_probs(hf_lm, experience.as_sequence_batch())
+    assert (ws1[0]["ref_log_probs"] - expected).abs().max().item() <= 1e-5
+
+
+def test_train_step_changes_parameters_and_loss_is_finite(ws2, hf_lm):
+    stats, before, after = ws2[0]["stats"], ws2[0]["before"], ws2[0]["after"]
+    assert ws2[1]["before"] is None and ws2[1]["after"] is None  # full state dicts live on rank 0 only
+    assert _max_diff(before, {k: v for k, v in hf_lm.state_dict().items()}) == 0.0  # loaded exactly
+    assert math.isfinite(stats.loss) and math.isfinite(stats.grad_norm) and stats.grad_norm > 0
+    assert math.isfinite(stats.kl_loss) and stats.entropy > 0 and stats.micro_steps == 2
+    assert stats.lr == pytest.approx(1e-3 / 1)  # warm-up ratio 0: the first step runs at the peak LR
+    changed = [k for k in before if not torch.equal(before[k], after[k])]
+    assert len(changed) == len(before), f"unchanged: {sorted(set(before) - set(changed))}"
+
+
+def test_train_step_world_size_2_equals_world_size_1(ws2, ws1):
+    # Global batch 8, micro 2: ws1 averages micro-batches [0:2] .. [6:8]; ws2 rank r averages its two micro-
+    # batches of [4r:4r+4] and the ranks average their gradients: the same mean of the same four micro means.
+    assert _max_diff(ws2[0]["after"], ws1[0]["after"]) <= 1e-5
+
+
+def test_named_full_weights_cover_the_hf_model_once(ws2, ws1, hf_lm):
+    expected = {k: tuple(v.shape) for k, v in hf_lm.state_dict().items()}
+    for weights in (ws2[0]["weights"], ws1[0]["ref_weights"]):  # ZeRO-3 at world 2, and stage 0
+        names = [n for g in weights for n, _ in g]
+        assert len(names) == len(set(names)) and dict(n_s for g in weights for n_s in g) == expected
+        # Grouping: one group per decoder layer, plus one for embeddings / final norm / LM head.
+        layers = [{n.split(".")[2] for n, _ in g if n.startswith("model.layers.")} for g in weights]
+        assert sorted(len(g) for g in weights) == [3, 9, 9] and sum(1 for s in layers if len(s) == 1) == 2
+    assert all(t is None for g in ws2[1]["weights"] for _, t in g)  # rank 1 iterates, gets names only
+    assert [n for g in ws2[1]["weights"] for n, _ in g] == [n for g in ws2[0]["weights"] for n, _ in g]
+
+
+def test_save_hf_loads_in_transformers(ws2, paths):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    export = paths["root"] / "export"
+    model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
+    assert _max_diff(model.state_dict(), ws2[0]["saved"]) == 0.0
+    assert _max_diff(ws2[0]["saved"], ws2[0]["after"]) > 0  # a second step ran before the save
+    assert AutoTokenizer.from_pretrained(export).pad_token_id == PAD
+
+
+def test_critic_values_are_the_value_head_before_each_action(ws2, paths, experience):
+    from transformers import AutoModel
+
+    sd = ws2[0]["critic_weights"]
+    assert set(sd) >= {"value_head.weight", "model.embed_tokens.weight"} and sd["value_head.weight"].shape == (1, 64)
+    backbone = AutoModel.from_pretrained(paths["lm"], dtype=torch.float32).eval()
+    batch = experience.as_sequence_batch()
+    with torch.no_grad():
+        h = backbone(input_ids=batch.sequences, attention_mask=batch.attention_mask,
+                     position_ids=_positions(batch.attention_mask)).last_hidden_state  # (B, T, H)
+    v = (h @ sd["value_head.weight"].T).squeeze(-1)  # (B, T)
+    expected = v[:, -A - 1:-1] * batch.action_mask
+    assert ws2[0]["values"].shape == (B, A) and ws2[1]["values"].shape == (4, A)
+    assert (ws2[0]["values"] - expected).abs().max().item() <= 1e-5
+    assert (ws2[1]["values"] - expected[:4]).abs().max().item() <= 1e-5
+    stats = ws2[0]["critic_stats"]
+    assert math.isfinite(stats.loss) and stats.loss > 0 and stats.grad_norm > 0
+
+
+def test_reward_scores_are_the_last_real_token(ws2, ws1, paths, experience):
+    from transformers import AutoModelForSequenceClassification
+
+    rm = AutoModelForSequenceClassification.from_pretrained(paths["rm"], dtype=torch.float32).eval()
+    batch = experience.as_sequence_batch()
+    with torch.no_grad():  # HF pools at the last non-pad token; pad id 0 appears only on padding here
+        expected = rm(input_ids=batch.sequences, attention_mask=batch.attention_mask,
+                      position_ids=_positions(batch.attention_mask)).logits.squeeze(-1)  # (B,)
+        per_token = rm.score(rm.model(input_ids=batch.sequences, attention_mask=batch.attention_mask,
+                                      position_ids=_positions(batch.attention_mask)).last_hidden_state).squeeze(-1)
+    assert ws2[0]["scores"].shape == (B,) and ws2[1]["scores"].shape == (4,)
+    assert (ws2[0]["scores"] - expected).abs().max().item() <= 1e-5
+    assert (ws2[1]["scores"] - expected[:4]).abs().max().item() <= 1e-5
+    # A critic initialised from the reward model starts as the reward model's per-token score.
+    assert (ws1[0]["rm_critic_values"] - per_token[:, -A - 1:-1] * batch.action_mask).abs().max().item() <= 1e-5
+
+
+def test_zero_stages_agree_and_bf16_checkpointed_step_runs(ws1):
+    # ZeRO-3 and ZeRO-0 make the same step, and report the same pre-clip gradient norm.
+    assert _max_diff(ws1[0]["stage0_after"], ws1[0]["after"]) <= 1e-5
+    assert ws1[0]["stage0_stats"].grad_norm == pytest.approx(ws1[0]["stats"].grad_norm, rel=1e-5)
+    assert ws1[0]["stage0_empty"].shape == (0, A)  # an empty share still gives a (0, A) result
+    stats = ws1[0]["bf16_stats"]
+    assert math.isfinite(stats.loss) and math.isfinite(stats.grad_norm) and stats.grad_norm > 0
+
+
+def test_adam_offload_train_step_runs(ws1, hf_lm):
+    stats = ws1[0]["offload_stats"]
+    assert math.isfinite(stats.loss) and stats.grad_norm > 0
+    # DeepSpeedCPUAdam and torch AdamW make the same first step (up to float rounding).
+    assert _max_diff(ws1[0]["offload_after"], ws1[0]["after"]) <= 1e-5
+
+
+def test_report_costs(ws2, ws1):
+    """Not an assertion of speed: prints what the tiny model costs, for the record (-s to see it)."""
+    for r, out in enumerate(ws2):
+        print(f"ws2 rank {r}: " + ", ".join(f"{k}={v:.2f}" for k, v in out.items() if k.startswith(("time/", "rss"))))
+    print("ws1: " + ", ".join(f"{k}={v:.2f}" for k, v in ws1[0].items() if k.startswith("time/")))
