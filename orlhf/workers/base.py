@@ -362,14 +362,16 @@ class DeepSpeedWorker:
             groups.setdefault(match.group(1) if match else "", []).append((name, p))
         return [g for g in groups.values() if g]
 
-    def named_full_weights(self, to_cpu: bool = True) -> Iterator[list[tuple[str, Optional[torch.Tensor]]]]:
+    def named_full_weights(self, to_cpu: bool = True,
+                           copy: bool = True) -> Iterator[list[tuple[str, Optional[torch.Tensor]]]]:
         """Yield the full weights one group at a time: a group is whole transformer blocks' worth of
         (hf_name, tensor) (one block per group, plus one group of embeddings / final norm / head).
 
         Collective under ZeRO-3: every rank must iterate to the end (each group is gathered with
         GatheredParameters). Rank 0 gets detached copies in the module's dtype (on CPU unless to_cpu=False);
         other ranks get the same names with None tensors. Without ZeRO-3 every rank holds full weights, but the
-        contract is the same (None off rank 0) so callers need no branch.
+        contract is the same (None off rank 0) so callers need no branch. copy=False yields the live (gathered)
+        tensors, valid only until the generator resumes: for senders that use them at once (weight sync).
         """
         import deepspeed
 
@@ -378,7 +380,7 @@ class DeepSpeedWorker:
             ctx = deepspeed.zero.GatheredParameters(params) if self.zero3 else nullcontext()
             with ctx:
                 if self.rank == 0:
-                    yield [(n, p.data.detach().to("cpu" if to_cpu else p.device, copy=True)) for n, p in group]
+                    yield [(n, p.data.detach().to("cpu" if to_cpu else p.device, copy=copy)) for n, p in group]
                 else:
                     yield [(n, None) for n, _ in group]
 

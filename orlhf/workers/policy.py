@@ -119,6 +119,35 @@ class PolicyWorker(DeepSpeedWorker):
             stats["kl_loss"] = kl.item()
         return loss, stats
 
+    # ---- weight sync: orlhf/weight_sync.py drives these; only rank 0 talks to the engines ----
+
+    def weight_groups_meta(self) -> list[list[tuple[str, str, tuple]]]:
+        """(hf name, dtype, full shape) per group, in named_full_weights order. Local: no gather needed."""
+        return [[(n, str(p.dtype), tuple(getattr(p, "ds_shape", p.shape))) for n, p in group]
+                for group in self._param_groups()]
+
+    def sync_address(self) -> tuple[str, int]:
+        """An address on this rank's node for the trainer -> engines group (rank 0 hosts its store)."""
+        import ray
+
+        from orlhf.cluster import free_port
+
+        return ray.util.get_node_ip_address(), free_port()
+
+    def init_weight_sender(self, host: str, port: int, world_size: int, backend: str) -> None:
+        from orlhf.weight_sync import WeightSender
+
+        self._sender = WeightSender(host, port, world_size, backend, self.device) if self.rank == 0 else None
+
+    def send_weights(self, expected: int) -> int:
+        """All ranks walk the gathered groups (collective); rank 0 broadcasts each tensor to the engines."""
+        from orlhf.weight_sync import send_groups
+
+        sender = getattr(self, "_sender", None)
+        if self.rank == 0 and sender is None:
+            raise RuntimeError("send_weights before init_weight_sender: the engines would wait forever")
+        return send_groups(sender, self.named_full_weights(to_cpu=False, copy=False), expected)
+
     def save_hf(self, out_dir: str) -> None:
         """Write an HF folder (weights in the module dtype, config, tokenizer) that transformers and vLLM load.
 

@@ -1,0 +1,148 @@
+"""The only code that moves weights from the trainer (actor ranks) to the vLLM engines.
+
+    driver: WeightSync.sync(version)
+      1. engines: orlhf_receive_weights(metas, buckets)  (async; each engine worker blocks in broadcast)
+      2. actor ranks: send_weights(buckets)              (all ranks gather each ZeRO-3 layer; rank 0 broadcasts)
+      3. wait for both, then engines: reset_prefix_cache, set_weight_version(version)
+
+Invariants:
+- Called after the actor's optimizer step has returned on every rank and before the next generate: the
+  controller's step() is sync -> generate, never both in flight (async mode holds a lock around it).
+- Every actor rank walks the same parameter groups in the same order: ZeRO-3's GatheredParameters is a
+  collective, so a rank that skipped a group would hang the others. Only rank 0 owns the sync group.
+- A bucket holds whole layers (the worker yields one group per decoder layer, plus one for the rest); vLLM's
+  reload_weights gives a wrong model when a layer is split across calls (../shared/STACK.md).
+- The engines reset their prefix cache after loading: cached KV blocks hold activations of the old weights.
+- dtypes: the trainer sends its own dtype (fp32, or bf16 with --bf16); engines cast to theirs on receipt.
+- Backend: gloo on CPU (a stateless TCPStore + ProcessGroupGloo next to DeepSpeed's default group), NCCL on
+  GPUs (vLLM's PyNcclCommunicator over a StatelessProcessGroup). Colocated on one GPU (--colocate_all_models),
+  CUDA IPC handles replace the broadcast: see send_ipc_handles / WeightSyncExtension.orlhf_load_ipc.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import timedelta
+from typing import Iterable, Optional
+
+import torch
+
+log = logging.getLogger(__name__)
+
+Meta = tuple[str, str, tuple]  # (hf name, dtype as str, full shape)
+
+
+def plan_buckets(groups: list[list[Meta]], bucket_bytes: int) -> tuple[list[Meta], list[list[int]]]:
+    """Flatten groups of tensors into metas and pack whole groups into buckets of about bucket_bytes.
+
+    A group larger than bucket_bytes gets a bucket of its own (a layer is never split).
+    """
+    metas: list[Meta] = []
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    size = 0
+    for group in groups:
+        nbytes = sum(_nbytes(m) for m in group)
+        if current and size + nbytes > bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+        for m in group:
+            current.append(len(metas))
+            metas.append(m)
+        size += nbytes
+    if current:
+        buckets.append(current)
+    return metas, buckets
+
+
+def _nbytes(meta: Meta) -> int:
+    _, dtype, shape = meta
+    numel = 1
+    for s in shape:
+        numel *= s
+    return numel * torch.empty((), dtype=getattr(torch, dtype.replace("torch.", ""))).element_size()
+
+
+class WeightSender:
+    """Lives in actor rank 0's process: owns its end of the trainer -> engines group and broadcasts."""
+
+    def __init__(self, host: str, port: int, world_size: int, backend: str, device: torch.device,
+                 timeout_s: float = 300.0):
+        self.backend, self.device = backend, device
+        if backend == "nccl":
+            from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+            from vllm.distributed.utils import StatelessProcessGroup
+
+            group = StatelessProcessGroup.create(host=host, port=port, rank=0, world_size=world_size)
+            self.comm = PyNcclCommunicator(group, device=device)
+        else:
+            from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
+
+            store = TCPStore(host, port, world_size, is_master=True, timeout=timedelta(seconds=timeout_s))
+            self.comm = ProcessGroupGloo(PrefixStore("orlhf-sync", store), 0, world_size,
+                                         timedelta(seconds=timeout_s))
+
+    def broadcast(self, t: torch.Tensor) -> None:
+        t = t.contiguous()
+        if self.backend == "nccl":
+            self.comm.broadcast(t.to(self.device), src=0, stream=torch.cuda.current_stream())
+        else:
+            self.comm.broadcast(t, 0).wait()
+
+
+def send_groups(sender: Optional[WeightSender], groups: Iterable[list[tuple[str, Optional[torch.Tensor]]]],
+                buckets_len: int) -> int:
+    """Walk the worker's gathered groups (all ranks must) and broadcast them from rank 0 (sender not None).
+
+    Returns the number of tensors broadcast (0 on ranks > 0).
+    """
+    sent = 0
+    for group in groups:
+        if sender is None:
+            continue
+        for _, t in group:
+            sender.broadcast(t)
+            sent += 1
+    if sender is not None and sent != buckets_len:
+        raise RuntimeError(f"sent {sent} tensors but the engines expect {buckets_len}: the parameter list changed "
+                           "between planning and sending")
+    return sent
+
+
+class WeightSync:
+    """Driver side: sets up the group once, then pushes the actor's weights into every engine per update."""
+
+    def __init__(self, actor, engines, backend: str, bucket_mb: float = 256.0, timeout_s: float = 600.0):
+        from orlhf.cluster import wait_all
+
+        self._wait = wait_all
+        self.actor, self.engines, self.backend, self.timeout_s = actor, engines, backend, timeout_s
+        groups = actor.call_rank(0, "weight_groups_meta")
+        self.metas, self.buckets = plan_buckets(groups, int(bucket_mb * 2**20))
+        tp = engines.cfg.tensor_parallel_size
+        world = 1 + len(engines) * tp
+        host, port = actor.call_rank(0, "sync_address")
+        actor_ref = actor.actors[0].call.remote("init_weight_sender", host, port, world, backend)
+        engine_refs = [e.collective_rpc.remote("orlhf_init_sync_group", (host, port, 1 + i * tp, world, backend))
+                       for i, e in enumerate(engines.engines)]
+        self._wait_both([actor_ref], engine_refs, "init sync group")
+        log.info("weight sync: %s group of %d (1 trainer + %d engine workers), %d tensors in %d buckets",
+                 backend, world, world - 1, len(self.metas), len(self.buckets))
+
+    def sync(self, version: int) -> float:
+        """Push the current actor weights into every engine; returns the seconds it took."""
+        t0 = time.perf_counter()
+        engine_refs = [e.collective_rpc.remote("orlhf_receive_weights", (self.metas, self.buckets))
+                       for e in self.engines.engines]
+        actor_refs = [a.call.remote("send_weights", len(self.metas)) for a in self.actor.actors]
+        self._wait_both(actor_refs, engine_refs, "sync weights")
+        self.engines.call_all("reset_prefix_cache")
+        self.engines.call_all("set_weight_version", version)
+        return time.perf_counter() - t0
+
+    def _wait_both(self, actor_refs: list, engine_refs: list, what: str) -> None:
+        # Wait on both sides together: if one side fails the other is stuck in a broadcast, so fail fast.
+        refs = actor_refs + engine_refs
+        ranks = list(range(len(actor_refs))) + [f"engine {i}" for i in range(len(engine_refs))]
+        self._wait(refs, ranks, "weight sync (actor / vllm engines)", what, self.timeout_s)

@@ -1,0 +1,138 @@
+"""vLLM engines on CPU with real weight sync from a 2-rank ZeRO-3 actor (one set of engines per module).
+
+    actor (2 ranks, ZeRO-3) --train_step--> --WeightSync (gloo)--> 2 engines --> log-probs == trainer's
+"""
+
+import os
+import time
+
+import pytest
+import torch
+
+from orlhf.cluster import ActorGroup, RankError
+from orlhf.config import build_config, worker_config
+from orlhf.entry import resolve_demo
+from orlhf.experience import rollouts_to_batch
+from orlhf.placement import EngineBundles, create_placement_groups, plan_layout, remove_placement_groups
+from orlhf.rollout.engine import EngineActor, EngineGroup, SamplingSpec, engine_config
+from orlhf.types import Experience
+from orlhf.weight_sync import WeightSync
+from orlhf.workers import PolicyWorker
+
+pytestmark = [pytest.mark.ray, pytest.mark.vllm]
+N_PROMPTS = 6
+
+
+@pytest.fixture(scope="module")
+def rig():
+    import ray
+
+    from tests.conftest import TEST_CLUSTER_CPUS
+
+    if not ray.is_initialized():
+        ray.init(address="local", num_cpus=TEST_CLUSTER_CPUS, include_dashboard=False)
+    flags = {"train_batch_size": 8, "micro_train_batch_size": 2, "rollout_batch_size": 8,
+             "actor_num_gpus_per_node": 2, "vllm_num_engines": 2, "vllm_cpu_kv_cache_gb": 0.25,
+             "advantage_estimator": "reinforce", "device": "cpu"}
+    cfg = resolve_demo(build_config(flags, explicit=set(flags)))
+    placed = create_placement_groups(plan_layout(cfg, "cpu"), timeout_s=60)
+    t0 = time.monotonic()
+    engines = EngineGroup(engine_config(cfg, "cpu"), [placed.engine_bundles(i) for i in range(2)], timeout_s=300)
+    actor = ActorGroup("actor", PolicyWorker, worker_config(cfg, "actor", "cpu", 4), placed.role_bundles("actor"),
+                       device="cpu", gpus_per_node=2, timeout_s=300)
+    actor.call_all("init")
+    sync = WeightSync(actor, engines, backend="gloo", timeout_s=120)
+    print(f"\n[engines] 2 engines + 2 actor ranks + sync group ready in {time.monotonic() - t0:.1f} s")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(cfg.data.pretrain)
+    yield cfg, engines, actor, sync, tok
+    engines.shutdown()
+    actor.shutdown()
+    remove_placement_groups(placed)
+
+
+def prompts(tok, n=N_PROMPTS):
+    return [tok(f"say colors: red {'blue ' * i}cat")["input_ids"] for i in range(n)]
+
+
+def test_generation_order_shapes_and_masks(rig):
+    cfg, engines, _, _, tok = rig
+    ps = prompts(tok)
+    out = engines.generate(ps, SamplingSpec(max_new_tokens=8, n=2, seed=3))
+    assert [r.prompt_index for r in out] == [i for i in range(N_PROMPTS) for _ in range(2)]
+    assert {r.engine for r in out} == {0, 1}  # both engines took a share
+    for r in out:
+        assert r.prompt_ids == ps[r.prompt_index]
+        assert 1 <= len(r.response_ids) <= 8 and len(r.logprobs) == len(r.response_ids)
+        assert all(lp <= 0 for lp in r.logprobs)
+    batch, lps = rollouts_to_batch(out, tok.pad_token_id)
+    lens = torch.tensor([len(r.response_ids) for r in out])
+    assert batch.action_mask.sum(1).tolist() == lens.tolist()
+    assert (lps[~batch.action_mask] == 0).all()
+    again = engines.generate(ps, SamplingSpec(max_new_tokens=8, n=2, seed=3))
+    assert [r.response_ids for r in again] == [r.response_ids for r in out]  # per-request seeds
+
+
+def test_sync_after_train_step_gives_trainer_log_probs(rig, tmp_path):
+    cfg, engines, actor, sync, tok = rig
+    rollouts = engines.generate(prompts(tok, 8), SamplingSpec(max_new_tokens=6, seed=1))
+    batch, _ = rollouts_to_batch(rollouts, tok.pad_token_id)
+    old = actor.call_sharded("log_probs", batch)
+    adv = torch.randn(batch.action_mask.shape, generator=torch.Generator().manual_seed(0))
+    actor.call_sharded("train_step", Experience(batch.sequences, batch.attention_mask, batch.action_mask,
+                                                action_log_probs=old, advantages=adv))
+    new = actor.call_sharded("log_probs", batch)
+    assert (new - old)[batch.action_mask].abs().max() > 1e-4, "the train step did not move the policy"
+
+    seconds = sync.sync(version=1)
+    assert engines.call_all("set_weight_version", 1) == [None, None]
+    seqs = [r.prompt_ids + r.response_ids for r in rollouts]
+    for engine in engines.engines:
+        import ray
+
+        engine_lp = ray.get(engine.sequence_logprobs.remote(seqs), timeout=120)
+        for i, r in enumerate(rollouts):
+            n = len(r.response_ids)
+            got = torch.tensor(engine_lp[i][-n:])
+            assert (got - new[i, :n]).abs().max() <= 1e-3, (i, got, new[i, :n])
+    print(f"\n[sync] {seconds:.3f} s for the demo model into 2 engines")
+
+    # Greedy output equals a fresh engine loaded from the trainer's exported weights.
+    export = tmp_path / "export"
+    actor.call_all("save_hf", str(export))
+    import ray
+
+    fresh = EngineActor.options(num_cpus=0).remote(
+        engine_config(cfg, "cpu").__class__(**{**engine_config(cfg, "cpu").__dict__, "model_path": str(export)}), 0)
+    try:
+        greedy = SamplingSpec(temperature=0.0, max_new_tokens=8)
+        ps = prompts(tok)
+        want = [r.response_ids for r in ray.get(fresh.generate.remote(list(enumerate(ps)), greedy), timeout=300)]
+        got = [r.response_ids for r in engines.generate(ps, greedy)]
+        assert got == want
+    finally:
+        ray.kill(fresh)
+
+
+def test_dead_engine_is_named_and_leaves_no_process(rig):
+    import ray
+
+    cfg, _, _, _, tok = rig
+    group = EngineGroup(engine_config(cfg, "cpu"), [EngineBundles(None, [0], 0.0)], timeout_s=120)
+    pid = group.call_all("pid")[0]
+    long = SamplingSpec(max_new_tokens=cfg.ppo.generate_max_len, n=64, seed=0)
+    refs = [group.engines[0].generate.remote(list(enumerate(prompts(tok, 32))), long)]
+    time.sleep(1.0)
+    os.kill(pid, 9)  # the engine dies mid-generation
+    t0 = time.monotonic()
+    from orlhf.cluster import wait_all
+
+    with pytest.raises(RankError) as err:
+        wait_all(refs, [0], "vllm engine", "generate", 60)
+    assert time.monotonic() - t0 < 60
+    assert err.value.role == "vllm engine" and err.value.rank == 0 and "died" in str(err.value)
+    time.sleep(1.0)
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # in-process vLLM: the engine's process was the whole engine, nothing orphaned
+    group.shutdown()
