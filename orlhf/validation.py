@@ -84,6 +84,9 @@ def _estimators(cfg: TrainConfig, out: list[str]) -> None:
     if est in GROUP_ESTIMATORS and n < 2:
         out.append(f"--advantage_estimator {est} compares samples of the same prompt: set "
                    f"--n_samples_per_prompt to 2 or more (got {n}), or use gae / reinforce.")
+    if est in GROUP_ESTIMATORS and cfg.ppo.gamma != 1.0:
+        out.append(f"--advantage_estimator {est} scores whole responses (the group baseline is on the final "
+                   f"score): it needs --gamma 1.0 (got {cfg.ppo.gamma}).")
     if not cfg.has_critic:
         if cfg.data.critic_pretrain is not None:
             out.append(f"--critic_pretrain is given but --advantage_estimator {est} uses no critic; "

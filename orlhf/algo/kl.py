@@ -9,6 +9,9 @@ Sign convention: positive log r means the policy is more confident than the refe
 Where this departs from OpenRLHF's compute_approx_kl: OpenRLHF clamps the *estimate* to [-10, 10]; here log r is
 clamped to [-10, 10] *before* the estimator, so k3's exp cannot overflow (exp(10) ~ 2.2e4 is the largest term).
 The two agree whenever |log r| stays small, which is the regime PPO works in.
+
+The KL controllers below own the coefficient of the KL penalty in the shaped reward: fixed, or adaptive towards
+a target KL (make_kl_controller picks). Both save and restore through state_dict() for checkpoint resume.
 """
 
 from __future__ import annotations
@@ -29,3 +32,78 @@ def approx_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: s
     if estimator == "k3":
         return torch.exp(-log_ratio) - 1 + log_ratio
     raise ValueError(f"unknown KL estimator {estimator!r}; expected one of {KL_ESTIMATORS}")
+
+
+# --- KL coefficient controllers -------------------------------------------------------------------------------
+# The coefficient `value` multiplies the per-token KL in the shaped reward (orlhf/algo/rewards.py:shape_rewards).
+# The controller calls update(kl, n_steps) once per rollout step with that step's mean KL and its sample count,
+# as OpenRLHF's PPO trainer does (n_steps = rollout_batch_size * n_samples_per_prompt).
+
+
+class FixedKLController:
+    """A constant KL coefficient. update() does nothing.
+
+    load_state_dict() keeps the configured coefficient: for a fixed controller the coefficient is configuration,
+    not training state, so a resumed run with a different --init_kl_coef uses the new one as asked.
+    """
+
+    def __init__(self, coef: float):
+        self.value = float(coef)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {"kind": "fixed", "value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        _check_kind(state, "fixed")
+
+
+class AdaptiveKLController:
+    """Adaptive KL coefficient (Ziegler et al. 2019, arXiv:1909.08593; OpenRLHF's AdaptiveKLController).
+
+        err   = clip(current_kl / kl_target - 1, -0.2, 0.2)
+        value = value * (1 + err * n_steps / kl_horizon)
+    KL above target raises the penalty, below lowers it; one update moves it at most 20% * n_steps / horizon.
+
+    Where this departs from OpenRLHF: the multiplier is floored at 0, so `value` can never turn negative when
+    n_steps > 5 * kl_horizon (OpenRLHF would flip the penalty's sign there; with sane flags the two agree).
+    """
+
+    def __init__(self, init_kl_coef: float, kl_target: float, kl_horizon: int):
+        if kl_target <= 0 or kl_horizon <= 0:
+            raise ValueError(f"adaptive KL needs kl_target > 0 and kl_horizon > 0 (got {kl_target}, {kl_horizon})")
+        self.value = float(init_kl_coef)
+        self.target = float(kl_target)
+        self.horizon = int(kl_horizon)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        err = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)
+        self.value *= max(1.0 + err * n_steps / self.horizon, 0.0)
+
+    def state_dict(self) -> dict:
+        # target and horizon are configuration (they come back from the flags); value is what the run learned.
+        return {"kind": "adaptive", "value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        _check_kind(state, "adaptive")
+        self.value = float(state["value"])
+
+
+KLController = FixedKLController | AdaptiveKLController
+
+
+def make_kl_controller(init_kl_coef: float, kl_target: float | None, kl_horizon: int) -> KLController:
+    """Adaptive iff kl_target is given (OpenRLHF's rule), else fixed at init_kl_coef."""
+    if kl_target is None:
+        return FixedKLController(init_kl_coef)
+    return AdaptiveKLController(init_kl_coef, kl_target, kl_horizon)
+
+
+def _check_kind(state: dict, kind: str) -> None:
+    if state.get("kind") != kind:
+        raise ValueError(
+            f"checkpoint holds a {state.get('kind')!r} KL controller but this run builds a {kind!r} one; "
+            "resume with the same --kl_target setting (given for adaptive, left out for fixed)"
+        )

@@ -70,6 +70,11 @@ def test_group_estimators_need_several_samples(est):
     assert not cfg.has_critic
 
 
+def test_group_estimators_need_gamma_1():
+    assert_fails(["--advantage_estimator rloo", "--gamma 1.0"], advantage_estimator="rloo",
+                 n_samples_per_prompt=2, gamma=0.9)
+
+
 def test_reinforce_needs_one_sample_only():
     assert not build(advantage_estimator="reinforce").has_critic
 
