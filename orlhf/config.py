@@ -107,6 +107,10 @@ class DataConfig:
     apply_chat_template: bool = opt(False, "Wrap prompts with the tokenizer's chat template.")
     input_template: Optional[str] = opt(None, "Template with one {} for the prompt, e.g. 'Q: {}\\nA:'.")
     max_samples: Optional[int] = opt(None, "Use at most this many prompts.")
+    prompt_overflow: str = opt(
+        "skip", "Prompts longer than --prompt_max_len: skip them or truncate (keep the end).",
+        choices=("skip", "truncate"),
+    )
 
     @property
     def uses_demo(self) -> bool:

@@ -1,0 +1,219 @@
+"""Reward sources besides a reward model: a python file's reward_func, or a remote HTTP reward server.
+
+    queries (prompt + response text), prompts, labels --RewardSource.score()--> rewards: torch.float32 (B,)
+
+--remote_rm_url picks the source (make_reward_source): http(s)://... -> HttpReward, a .py file -> FunctionReward.
+The reward-model group (--reward_pretrain) is wrapped to the same interface by the controller.
+
+Contract, as OpenRLHF's: queries[i] is the decoded prompt + response of sample i, prompts[i] the decoded prompt
+(so queries[i][len(prompts[i]):] is the response), labels[i] the --label_key value, "" when there is none (None
+labels become "", as OpenRLHF's dataset gives ""). Whatever a source answers is checked the same way
+(to_rewards): one finite number per query, else a RewardError naming the source and the bad indices, because a
+NaN reward silently poisons every advantage of the step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import itertools
+import json
+import logging
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+TOKEN_ENV = "ORLHF_RM_TOKEN"
+_module_ids = itertools.count()  # loading one file twice gives two modules, never a shared or stale one
+
+
+class RewardError(RuntimeError):
+    """A reward source failed or answered something unusable; the message names the source and the fix."""
+
+
+@runtime_checkable
+class RewardSource(Protocol):
+    def score(self, queries: list[str], prompts: list[str], labels: list) -> torch.Tensor:
+        """One float32 reward per query, shape (B,)."""
+        ...
+
+
+def make_reward_source(remote_rm_url: str) -> RewardSource:
+    """--remote_rm_url -> its source: http(s)://host:port/path -> HttpReward, path/to/file.py -> FunctionReward."""
+    if remote_rm_url.startswith(("http://", "https://")):
+        return HttpReward(remote_rm_url)
+    if remote_rm_url.endswith(".py"):
+        return FunctionReward(remote_rm_url)
+    raise RewardError(f"--remote_rm_url {remote_rm_url}: expected an http(s)://host:port/path URL or a .py file "
+                      "defining reward_func.")
+
+
+# ---- Checking what a source answers ----
+
+
+def to_rewards(out: Any, n: int, source: str) -> torch.Tensor:
+    """A source's answer -> float32 (n,). Accepts a tensor, list, numpy array, or {"rewards": ...} (OpenRLHF's
+    {"rewards", "scores", "extra_logs"} answer included); shape (n, 1) is flattened. Raises RewardError otherwise.
+    """
+    if isinstance(out, dict):
+        if "rewards" not in out:
+            raise RewardError(f"{source} returned a dict without 'rewards' (keys: {sorted(map(str, out))}); "
+                              "return {'rewards': [...]} or the rewards themselves.")
+        out = out["rewards"]
+    try:
+        if isinstance(out, torch.Tensor):
+            rewards = out.detach().to("cpu", torch.float32)
+        else:
+            rewards = torch.as_tensor(out, dtype=torch.float32)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise RewardError(f"{source} returned non-numeric rewards ({type(out).__name__}: {_preview(out)}): {e}; "
+                          f"return {n} floats, one per query.") from None
+    if rewards.dim() == 2 and rewards.shape[1] == 1:
+        rewards = rewards[:, 0]  # (B, 1) -> (B,): a reward model's value-head layout
+    if tuple(rewards.shape) != (n,):
+        raise RewardError(f"{source} returned shape {tuple(rewards.shape)} for {n} queries; return one reward "
+                          f"per query, shape ({n},).")
+    bad = (~torch.isfinite(rewards)).nonzero().flatten().tolist()
+    if bad:
+        shown = ", ".join(f"{i}: {rewards[i].item()}" for i in bad[:10])
+        raise RewardError(f"{source} returned {len(bad)} non-finite rewards (NaN/inf) at indices {bad[:10]}"
+                          f"{' ...' if len(bad) > 10 else ''} ({shown}); rewards must be finite numbers.")
+    return rewards.contiguous()
+
+
+def _preview(out: Any) -> str:
+    text = repr(out)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _check_batch(queries: list[str], prompts: list[str], labels: list) -> list:
+    """Caller-side checks (a mismatch is an orlhf bug, not the user's); returns labels with None as ""."""
+    if not len(queries) == len(prompts) == len(labels):
+        raise ValueError(f"{len(queries)} queries, {len(prompts)} prompts and {len(labels)} labels; need one each")
+    return ["" if label is None else label for label in labels]
+
+
+# ---- A python file's reward_func ----
+
+
+class FunctionReward:
+    """reward_func(queries, prompts, labels) from a .py file, run in this process (see orlhf/demo_reward.py)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = str(Path(path).expanduser())
+        self._func = _load_reward_func(self.path)
+
+    def score(self, queries: list[str], prompts: list[str], labels: list) -> torch.Tensor:
+        labels = _check_batch(queries, prompts, labels)
+        try:
+            out = self._func(list(queries), list(prompts), labels)
+        except Exception as e:
+            raise RewardError(f"{self.path}: reward_func raised {type(e).__name__}: {e}\n"
+                              f"{_user_frames(e, self.path)}\nFix reward_func in {self.path}.") from e
+        return to_rewards(out, len(queries), f"{self.path}: reward_func")
+
+    def __reduce__(self):
+        # Sent to a Ray actor by path, and imported again there: a module loaded from a file does not pickle.
+        return (FunctionReward, (self.path,))
+
+
+def _load_reward_func(path: str):
+    if not Path(path).is_file():
+        raise RewardError(f"--remote_rm_url {path}: no such file; pass a .py file that defines reward_func.")
+    digest = hashlib.sha1(str(Path(path).resolve()).encode()).hexdigest()[:10]
+    name = f"orlhf_reward_{digest}_{next(_module_ids)}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise RewardError(f"{path}: python cannot import this file; pass a .py file that defines reward_func.")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # before exec, as importlib's recipe does: dataclasses and pickle look it up
+    try:
+        spec.loader.exec_module(module)
+    except (Exception, SystemExit) as e:
+        del sys.modules[name]
+        raise RewardError(f"{path} failed to import: {type(e).__name__}: {e}\n{_user_frames(e, path)}\n"
+                          f"Fix the file (`python {path}` shows the full error).") from e
+    func = getattr(module, "reward_func", None)
+    if func is None:
+        raise RewardError(f"{path} defines no reward_func; define `def reward_func(queries, prompts, labels)` "
+                          "returning one float per query (a torch.Tensor of shape (B,)); see orlhf/demo_reward.py.")
+    if not callable(func):
+        raise RewardError(f"{path}: reward_func is a {type(func).__name__}, not a function; define "
+                          "`def reward_func(queries, prompts, labels)`.")
+    return func
+
+
+def _user_frames(exc: BaseException, path: str, limit: int = 3) -> str:
+    """The traceback lines in the user's file (else the innermost one): where to look, without orlhf's frames."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    target = Path(path).resolve()
+    mine = [f for f in frames if Path(f.filename).resolve() == target] or frames[-1:]
+    return "\n".join(f"  {f.filename}, line {f.lineno}, in {f.name}: {(f.line or '').strip()}"
+                     for f in mine[-limit:])
+
+
+# ---- A remote HTTP reward server ----
+
+
+class HttpReward:
+    """POSTs {"query", "prompts", "labels"} (OpenRLHF's remote RM format); accepts {"rewards": [...]} or a list.
+
+    Connection errors, timeouts and 5xx answers are retried `retries` times (so 1 + retries attempts) after
+    backoff_s, 2*backoff_s, 4*backoff_s...: a reward server restarting should not kill a long run. 4xx answers are
+    not retried (the request itself is wrong). The bearer token comes from `token`, else $ORLHF_RM_TOKEN.
+    """
+
+    def __init__(self, url: str, timeout_s: float = 30.0, retries: int = 3, backoff_s: float = 1.0,
+                 token: str | None = None):
+        self.url, self.timeout_s, self.retries, self.backoff_s = url, timeout_s, retries, backoff_s
+        self.token = token if token is not None else os.environ.get(TOKEN_ENV)
+
+    def score(self, queries: list[str], prompts: list[str], labels: list) -> torch.Tensor:
+        labels = _check_batch(queries, prompts, labels)
+        try:
+            body = json.dumps({"query": list(queries), "prompts": list(prompts), "labels": labels})
+        except (TypeError, ValueError) as e:
+            raise RewardError(f"--remote_rm_url {self.url}: the labels cannot be sent as JSON ({e}); use "
+                              "JSON-compatible values in the --label_key field.") from None
+        return to_rewards(self._post(body), len(queries), f"--remote_rm_url {self.url}")
+
+    def _post(self, body: str) -> Any:
+        import requests
+
+        headers = {"Content-Type": "application/json"}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        attempts, last = 1 + self.retries, ""
+        for attempt in range(attempts):
+            if attempt:
+                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+            try:
+                resp = requests.post(self.url, data=body.encode(), headers=headers, timeout=self.timeout_s)
+            except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError) as e:
+                last = f"{type(e).__name__}: {e}"
+            else:
+                if resp.status_code < 500:
+                    return self._answer(resp)
+                last = f"HTTP {resp.status_code}: {resp.text[:200]}"
+            logger.warning("reward server %s, attempt %d/%d failed: %s", self.url, attempt + 1, attempts, last)
+        raise RewardError(f"--remote_rm_url {self.url}: no answer after {attempts} attempts (timeout "
+                          f"{self.timeout_s:g} s each); last error: {last}. Check that the reward server is running "
+                          "and reachable from here, or fix --remote_rm_url.")
+
+    def _answer(self, resp) -> Any:
+        if resp.status_code >= 400:
+            hint = (f"check the token (${TOKEN_ENV})" if resp.status_code in (401, 403) else
+                    "check that the server takes OpenRLHF's {\"query\", \"prompts\", \"labels\"} JSON")
+            raise RewardError(f"--remote_rm_url {self.url}: HTTP {resp.status_code}: {resp.text[:300]}; {hint}.")
+        try:
+            return resp.json()
+        except ValueError:
+            raise RewardError(f"--remote_rm_url {self.url}: the answer is not JSON ({resp.text[:200]!r}); the "
+                              "server must answer {\"rewards\": [...]} or a JSON list.") from None
