@@ -94,7 +94,29 @@ def _train_ppo(ctx: typer.Context, **flags: Any) -> None:
     cfg = parse_or_exit(ctx, flags)
     from orlhf.entry import train_ppo
 
-    sys.exit(train_ppo(cfg))
+    sys.exit(run_reporting_errors(train_ppo, cfg))
+
+
+def run_reporting_errors(fn: Callable[[C.TrainConfig], int], cfg: C.TrainConfig) -> int:
+    """Errors a user can act on (bad data, a reward file, placement, a failed rank) print as one message
+    without a Python traceback of orlhf's own frames; anything else is a bug and keeps its traceback."""
+    from orlhf.cluster import RankError
+    from orlhf.data import DataError
+    from orlhf.placement import PlacementError
+    from orlhf.rewards import RewardError
+
+    try:
+        return fn(cfg)
+    except C.ConfigError as e:
+        typer.secho(f"error: {len(e.problems)} problem(s) with the flags:", fg="red", err=True)
+        typer.echo(str(e), err=True)
+        return 2
+    except (DataError, RewardError, PlacementError, RankError, TimeoutError) as e:
+        typer.secho(f"error: {e}", fg="red", err=True)
+        return 1
+    except KeyboardInterrupt:
+        typer.secho("interrupted: workers, engines and placement groups were shut down", fg="yellow", err=True)
+        return 130
 
 
 app.command(

@@ -7,9 +7,16 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 
-from orlhf.types import Rollout, SequenceBatch
+from orlhf.algo.advantages import compute_advantages
+from orlhf.algo.kl import approx_kl
+from orlhf.algo.losses import masked_mean
+from orlhf.algo.rewards import group_baseline, shape_rewards
+from orlhf.types import Experience, Rollout, SequenceBatch
 
 
 def rollouts_to_batch(rollouts: list[Rollout], pad_id: int) -> tuple[SequenceBatch, torch.Tensor]:
@@ -37,3 +44,53 @@ def rollouts_to_batch(rollouts: list[Rollout], pad_id: int) -> tuple[SequenceBat
             action_mask[i, :n] = True
             logprobs[i, :n] = torch.tensor(r.logprobs[:n], dtype=torch.float32)
     return SequenceBatch(seq, attn, action_mask), logprobs
+
+
+@dataclass(frozen=True)
+class ExperienceConfig:
+    """The PPO-math slice of the config: how scores and log-probs become advantages."""
+
+    advantage_estimator: str = "gae"
+    n_samples_per_prompt: int = 1
+    kl_estimator: str = "k1"
+    use_kl_loss: bool = False  # KL goes into the actor's loss instead of the reward
+    reward_clip_range: tuple = (-10.0, 10.0)
+    gamma: float = 1.0
+    lambd: float = 1.0
+
+    @classmethod
+    def from_ppo(cls, ppo) -> "ExperienceConfig":
+        return cls(ppo.advantage_estimator, ppo.n_samples_per_prompt, ppo.kl_estimator, ppo.use_kl_loss,
+                   tuple(ppo.reward_clip_range), ppo.gamma, ppo.lambd)
+
+
+def make_experience(batch: SequenceBatch, scores: torch.Tensor, old_log_probs: torch.Tensor,
+                    ref_log_probs: torch.Tensor, values: Optional[torch.Tensor], kl_coef: float,
+                    cfg: ExperienceConfig, weight_version: int = 0) -> tuple[Experience, dict[str, float]]:
+    """One step's scored rollouts -> an Experience batch and its summary numbers.
+
+    scores (B,) task rewards (already normalized if --normalize_reward); log-probs and values (B, A).
+    Order (algo/advantages.py's contract): scores -> group baseline -> KL-shaped per-token rewards -> advantages.
+    """
+    mask = batch.action_mask
+    kl = approx_kl(old_log_probs, ref_log_probs, cfg.kl_estimator) * mask  # (B, A)
+    baselined = group_baseline(scores, cfg.n_samples_per_prompt, cfg.advantage_estimator)  # (B,)
+    rewards = shape_rewards(baselined, kl, mask, 0.0 if cfg.use_kl_loss else kl_coef, cfg.reward_clip_range)
+    advantages, returns = compute_advantages(cfg.advantage_estimator, rewards, mask, values=values,
+                                             gamma=cfg.gamma, lambd=cfg.lambd)
+    exp = Experience(batch.sequences, batch.attention_mask, mask, action_log_probs=old_log_probs,
+                     advantages=advantages, returns=returns if values is not None else None, values=values,
+                     base_action_log_probs=ref_log_probs if cfg.use_kl_loss else None,
+                     weight_version=weight_version)
+    lengths = mask.sum(-1).clamp(min=1).float()
+    info = {
+        "reward_mean": scores.mean().item(),
+        "reward_std": scores.std().item() if len(scores) > 1 else 0.0,
+        "kl": ((kl.sum(-1) / lengths).mean()).item(),  # per-token KL, averaged per sequence
+        "response_length": mask.sum(-1).float().mean().item(),
+        "advantage_abs_mean": masked_mean(advantages.abs(), mask).item(),
+    }
+    if values is not None:
+        info["value_mean"] = masked_mean(values, mask).item()
+        info["return_mean"] = masked_mean(returns, mask).item()
+    return exp, info

@@ -86,6 +86,11 @@ class Experience:
     def split(self, sizes: list[int]) -> list["Experience"]:
         return _split_dataclass(self, sizes)
 
+    def index(self, idx: torch.Tensor) -> "Experience":
+        """Rows `idx` (B',) of every tensor field, e.g. a shuffle before splitting into train batches."""
+        return replace(self, **{f.name: getattr(self, f.name)[idx] for f in fields(self)
+                                if isinstance(getattr(self, f.name), torch.Tensor)})
+
     @classmethod
     def cat(cls, parts: list["Experience"]) -> "Experience":
         return _cat_dataclass(cls, parts)

@@ -145,11 +145,17 @@ class EngineActor:
 class EngineGroup:
     """N engines; `generate` splits prompts across them and returns rollouts in prompt order."""
 
-    def __init__(self, cfg: EngineConfig, slots: Sequence[EngineBundles], timeout_s: float = 600.0):
+    def __init__(self, cfg: EngineConfig, slots: Sequence[EngineBundles], timeout_s: float = 600.0,
+                 wait: bool = True):
         self.cfg, self.timeout_s = cfg, timeout_s
         self.engines = [self._spawn(i, engine_slots) for i, engine_slots in enumerate(slots)]
-        wait_all([e.pid.remote() for e in self.engines], list(range(len(self.engines))), "vllm engine",
-                 "start", timeout_s)
+        self._started = [e.pid.remote() for e in self.engines]
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> list[int]:
+        """Block until every engine has loaded its model (start-up can overlap other work until then)."""
+        return wait_all(self._started, list(range(len(self.engines))), "vllm engine", "start", self.timeout_s)
 
     def _spawn(self, index: int, slot: EngineBundles):
         # TP 1: the engine actor itself holds the device share. TP > 1 (GPU): vLLM's own Ray workers take the

@@ -1,0 +1,179 @@
+"""The PPO loop. One driver process (this one) calls the model groups and engines; no logic lives in them.
+
+    for each step (a batch of --rollout_batch_size prompts):
+      generate         engines: prompt ids -> n_samples_per_prompt rollouts each (ids, engine log-probs)
+      score            in parallel: actor old log-probs | ref log-probs | critic values | rewards (RM group, or
+                       the reward function / HTTP server while the groups work)
+      make_experience  driver: KL, group baseline, KL-shaped rewards, advantages and returns (algo/)
+      train            actor and critic train_step at the same time (non-blocking calls, gathered after)
+      sync_weights     actor -> engines (weight_sync.py); weight_version += 1; before the next generate
+
+Invariants: weights are synced after the optimizer steps of a step and before the next generation, so every
+rollout of step k+1 comes from weight_version k+1 (async mode, a later issue, relaxes this with a bound).
+Each phase is timed (`timing/<phase>` seconds in metrics.jsonl).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+from typing import Any, Optional
+
+import torch
+
+from orlhf.algo.kl import make_kl_controller
+from orlhf.algo.rewards import RunningMoments
+from orlhf.cluster import ActorGroup
+from orlhf.config import TrainConfig
+from orlhf.experience import ExperienceConfig, make_experience, rollouts_to_batch
+from orlhf.metrics import MetricsLogger
+from orlhf.rollout.engine import EngineGroup, SamplingSpec
+from orlhf.types import Experience, Rollout, SequenceBatch, TrainStats
+from orlhf.weight_sync import WeightSync
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Models:
+    """Everything the controller drives. critic exists with gae only; reward with --reward_pretrain only."""
+
+    actor: ActorGroup
+    ref: ActorGroup
+    engines: EngineGroup
+    sync: WeightSync
+    critic: Optional[ActorGroup] = None
+    reward: Optional[ActorGroup] = None
+
+    def groups(self) -> list:
+        return [g for g in (self.actor, self.ref, self.critic, self.reward) if g is not None]
+
+
+class Controller:
+    def __init__(self, cfg: TrainConfig, models: Models, loader, tokenizer, metrics: MetricsLogger,
+                 reward_source=None):
+        self.cfg, self.m, self.loader, self.tok, self.metrics = cfg, models, loader, tokenizer, metrics
+        self.reward_source = reward_source  # function file / HTTP; None when a reward-model group scores
+        self.exp_cfg = ExperienceConfig.from_ppo(cfg.ppo)
+        p = cfg.ppo
+        self.kl_ctl = make_kl_controller(p.init_kl_coef, p.kl_target, p.kl_horizon)
+        self.reward_norm = RunningMoments() if p.normalize_reward else None
+        self.step_index = 0  # steps done
+        self.weight_version = 0
+        self.timings: dict[str, float] = {}
+
+    # ---- the loop ---------------------------------------------------------------------------------------------
+    def fit(self) -> list[dict]:
+        from tqdm import tqdm
+
+        history = []
+        total = self.loader.total_steps
+        bar = tqdm(total=total, initial=self.step_index, desc="ppo", unit="step", dynamic_ncols=True)
+        for prompts in self.loader:
+            row = self.step(prompts)
+            history.append(row)
+            if self.step_index % self.cfg.logging.logging_steps == 0 or self.step_index == total:
+                self.metrics.log(self.step_index, row)
+            bar.update(1)
+            bar.set_postfix(reward=f"{row['reward_mean']:.3f}", kl=f"{row['kl']:.4f}",
+                            sps=f"{row['samples_per_s']:.1f}")
+        bar.close()
+        return history
+
+    def step(self, prompts: list) -> dict[str, Any]:
+        """One PPO step on a batch of prompts; returns its metrics row."""
+        self.timings = {}
+        t0 = time.perf_counter()
+        with self.timed("generate"):
+            rollouts = self.generate(prompts)
+        batch, engine_log_probs = rollouts_to_batch(rollouts, self.tok.pad_token_id)
+        with self.timed("score"):
+            scores, old_lp, ref_lp, values = self.score(batch, rollouts, prompts)
+        with self.timed("make_experience"):
+            exp, info = self.make_experience(batch, scores, old_lp, ref_lp, values)
+        with self.timed("train"):
+            actor_stats, critic_stats = self.train(exp)
+        with self.timed("sync"):
+            self.sync_weights()
+        self.step_index += 1
+        seconds = time.perf_counter() - t0
+        row = {**info, "policy_loss": actor_stats["loss"], "actor_lr": actor_stats["lr"],
+               "clip_frac": actor_stats["clip_frac"], "approx_kl": actor_stats["approx_kl"],
+               "kl_coef": self.kl_ctl.value, "weight_version": self.weight_version,
+               "engine_logprob_gap": _masked_abs_mean(engine_log_probs - old_lp, batch.action_mask),
+               "samples": len(rollouts), "samples_per_s": len(rollouts) / seconds, "step_s": seconds,
+               **{f"timing/{k}": v for k, v in self.timings.items()}}
+        if critic_stats is not None:
+            row.update(value_loss=critic_stats["loss"], critic_lr=critic_stats["lr"],
+                       value_clip_frac=critic_stats["clip_frac"])
+        return row
+
+    # ---- phases -----------------------------------------------------------------------------------------------
+    def generate(self, prompts: list) -> list[Rollout]:
+        p = self.cfg.ppo
+        sampling = SamplingSpec(temperature=p.temperature, top_p=p.top_p, max_new_tokens=p.generate_max_len,
+                                n=p.n_samples_per_prompt, seed=p.seed * 1_000_003 + self.step_index)
+        return self.m.engines.generate([q.ids for q in prompts], sampling)
+
+    def score(self, batch: SequenceBatch, rollouts: list[Rollout], prompts: list):
+        """Everything that reads the rollouts, started together and gathered after."""
+        old_call = self.m.actor.call_sharded_async("log_probs", batch)
+        ref_call = self.m.ref.call_sharded_async("log_probs", batch)
+        value_call = self.m.critic.call_sharded_async("values", batch) if self.m.critic else None
+        reward_call = self.m.reward.call_sharded_async("scores", batch) if self.m.reward else None
+        if self.reward_source is not None:  # runs here while the groups compute
+            scores = self.reward_source.score(*self._reward_inputs(rollouts, prompts))
+        else:
+            scores = reward_call.get_cat()
+        if self.reward_norm is not None:
+            self.reward_norm.update(scores)
+        values = value_call.get_cat() if value_call else None
+        return scores.float(), old_call.get_cat(), ref_call.get_cat(), values
+
+    def make_experience(self, batch, scores, old_lp, ref_lp, values) -> tuple[Experience, dict]:
+        shaped_scores = self.reward_norm.normalize(scores) if self.reward_norm is not None else scores
+        exp, info = make_experience(batch, shaped_scores, old_lp, ref_lp, values, self.kl_ctl.value, self.exp_cfg,
+                                    weight_version=self.weight_version)
+        info["reward_mean"] = scores.mean().item()  # the raw task reward, whatever the normalization
+        self.kl_ctl.update(info["kl"], len(scores))
+        return exp, info
+
+    def train(self, exp: Experience) -> tuple[dict, Optional[dict]]:
+        """max_epochs passes over the step's experience, shuffled; actor and critic in parallel."""
+        actor_stats, critic_stats = [], []
+        for epoch in range(self.cfg.ppo.max_epochs):
+            g = torch.Generator().manual_seed(self.cfg.ppo.seed + 7919 * self.step_index + epoch)
+            shuffled = exp.index(torch.randperm(len(exp), generator=g))
+            actor_call = self.m.actor.call_sharded_async("train_step", shuffled)
+            critic_call = self.m.critic.call_sharded_async("train_step", shuffled) if self.m.critic else None
+            actor_stats += actor_call.get()
+            if critic_call is not None:
+                critic_stats += critic_call.get()
+        return _mean_stats(actor_stats), _mean_stats(critic_stats) if critic_stats else None
+
+    def sync_weights(self) -> None:
+        self.weight_version += 1
+        self.m.sync.sync(self.weight_version)
+
+    # ---- helpers ----------------------------------------------------------------------------------------------
+    def _reward_inputs(self, rollouts: list[Rollout], prompts: list) -> tuple[list[str], list[str], list]:
+        texts = self.tok.batch_decode([r.prompt_ids + r.response_ids for r in rollouts], skip_special_tokens=True)
+        return texts, [prompts[r.prompt_index].text for r in rollouts], [prompts[r.prompt_index].label
+                                                                         for r in rollouts]
+
+    @contextmanager
+    def timed(self, phase: str):
+        t0 = time.perf_counter()
+        yield
+        self.timings[phase] = self.timings.get(phase, 0.0) + time.perf_counter() - t0
+
+
+def _mean_stats(stats: list[TrainStats]) -> dict[str, float]:
+    keys = [f.name for f in fields(TrainStats) if f.name != "extra"]
+    return {k: sum(float(getattr(s, k)) for s in stats) / len(stats) for k in keys}
+
+
+def _masked_abs_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
+    return (x.abs() * mask).sum().item() / max(1, int(mask.sum()))
