@@ -9,13 +9,15 @@
       sync_weights     actor -> engines (weight_sync.py); weight_version += 1; before the next generate
 
 Invariants: weights are synced after the optimizer steps of a step and before the next generation, so every
-rollout of step k+1 comes from weight_version k+1 (async mode, a later issue, relaxes this with a bound).
+rollout of step k+1 comes from weight_version k+1. Async mode (fit_async) relaxes this: generation runs ahead
+by at most --async_queue_size batches, and a sync never overlaps a generation (the producer's lock).
 Each phase is timed (`timing/<phase>` seconds in metrics.jsonl).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
@@ -61,33 +63,44 @@ class Controller:
         self.kl_ctl = make_kl_controller(p.init_kl_coef, p.kl_target, p.kl_horizon)
         self.reward_norm = RunningMoments() if p.normalize_reward else None
         self.step_index = 0  # steps done
-        self.weight_version = 0
+        self.weight_version = 0  # bumped by every sync; engines tag rollouts with the version they hold
         self.timings: dict[str, float] = {}
+        self.history: list[dict] = []
+        self._sync_lock = threading.Lock()
+        self._last_step_end = time.perf_counter()
 
     # ---- the loop ---------------------------------------------------------------------------------------------
     def fit(self) -> list[dict]:
-        from tqdm import tqdm
+        """Train over the loader: step by step, or with generation overlapping training (--async_train)."""
+        if self.cfg.ppo.async_train:
+            return self.fit_async()
+        with self.progress() as report:
+            for prompts in self.loader:
+                self.timings = {}
+                with self.timed("generate"):
+                    rollouts = self.generate(prompts, self.step_index)
+                report(self.learn(prompts, rollouts))
+        return self.history
 
-        history = []
-        total = self.loader.total_steps
-        bar = tqdm(total=total, initial=self.step_index, desc="ppo", unit="step", dynamic_ncols=True)
-        for prompts in self.loader:
-            row = self.step(prompts)
-            history.append(row)
-            if self.step_index % self.cfg.logging.logging_steps == 0 or self.step_index == total:
-                self.metrics.log(self.step_index, row)
-            bar.update(1)
-            bar.set_postfix(reward=f"{row['reward_mean']:.3f}", kl=f"{row['kl']:.4f}",
-                            sps=f"{row['samples_per_s']:.1f}")
-        bar.close()
-        return history
+    def fit_async(self) -> list[dict]:
+        """Engines generate batch k+1 (and up to --async_queue_size ahead) while the trainers learn on batch k.
 
-    def step(self, prompts: list) -> dict[str, Any]:
-        """One PPO step on a batch of prompts; returns its metrics row."""
-        self.timings = {}
-        t0 = time.perf_counter()
-        with self.timed("generate"):
-            rollouts = self.generate(prompts)
+        Weight syncs take the producer's lock, so they never race a generation; each rollout keeps the weight
+        version it was generated with, and staleness (trainer version - generation version) <= queue size.
+        """
+        from orlhf.async_rollout import RolloutProducer
+
+        producer = RolloutProducer(self.generate, self.loader, self.cfg.ppo.async_queue_size,
+                                   lambda: self.weight_version)
+        self._sync_lock = producer.lock
+        with producer, self.progress() as report:
+            for prompts, rollouts, gen_seconds in producer:
+                self.timings = {"generate": gen_seconds}
+                report(self.learn(prompts, rollouts))
+        return self.history
+
+    def learn(self, prompts: list, rollouts: list[Rollout]) -> dict[str, Any]:
+        """Everything after generation for one batch: score, make experience, train, sync. Returns metrics."""
         batch, engine_log_probs = rollouts_to_batch(rollouts, self.tok.pad_token_id)
         with self.timed("score"):
             scores, old_lp, ref_lp, values = self.score(batch, rollouts, prompts)
@@ -95,13 +108,17 @@ class Controller:
             exp, info = self.make_experience(batch, scores, old_lp, ref_lp, values)
         with self.timed("train"):
             actor_stats, critic_stats = self.train(exp)
+        gen_version = min(r.weight_version for r in rollouts)
+        staleness = self.weight_version - gen_version  # trainer version these rollouts are trained at
         with self.timed("sync"):
             self.sync_weights()
         self.step_index += 1
-        seconds = time.perf_counter() - t0
+        now = time.perf_counter()
+        seconds, self._last_step_end = now - self._last_step_end, now  # wall time per step, overlap included
         row = {**info, "policy_loss": actor_stats["loss"], "actor_lr": actor_stats["lr"],
                "clip_frac": actor_stats["clip_frac"], "approx_kl": actor_stats["approx_kl"],
                "kl_coef": self.kl_ctl.value, "weight_version": self.weight_version,
+               "generation_weight_version": gen_version, "staleness": staleness,
                "engine_logprob_gap": _masked_abs_mean(engine_log_probs - old_lp, batch.action_mask),
                "samples": len(rollouts), "samples_per_s": len(rollouts) / seconds, "step_s": seconds,
                **{f"timing/{k}": v for k, v in self.timings.items()}}
@@ -110,11 +127,34 @@ class Controller:
                        value_clip_frac=critic_stats["clip_frac"])
         return row
 
+    @contextmanager
+    def progress(self):
+        """A progress bar (step, ETA, reward, samples/s) and per-step logging; yields report(row)."""
+        from tqdm import tqdm
+
+        total = self.loader.total_steps
+        bar = tqdm(total=total, initial=self.step_index, desc="ppo", unit="step", dynamic_ncols=True)
+        self._last_step_end = time.perf_counter()
+
+        def report(row: dict) -> None:
+            self.history.append(row)
+            if self.step_index % self.cfg.logging.logging_steps == 0 or self.step_index == total:
+                self.metrics.log(self.step_index, row)
+            bar.update(1)
+            bar.set_postfix(reward=f"{row['reward_mean']:.3f}", kl=f"{row['kl']:.4f}",
+                            sps=f"{row['samples_per_s']:.1f}")
+
+        try:
+            yield report
+        finally:
+            bar.close()
+
     # ---- phases -----------------------------------------------------------------------------------------------
-    def generate(self, prompts: list) -> list[Rollout]:
+    def generate(self, prompts: list, batch_index: int) -> list[Rollout]:
+        """Rollouts for one prompt batch; sampling seeds depend on (seed, batch index) only (reproducible)."""
         p = self.cfg.ppo
         sampling = SamplingSpec(temperature=p.temperature, top_p=p.top_p, max_new_tokens=p.generate_max_len,
-                                n=p.n_samples_per_prompt, seed=p.seed * 1_000_003 + self.step_index)
+                                n=p.n_samples_per_prompt, seed=p.seed * 1_000_003 + batch_index)
         return self.m.engines.generate([q.ids for q in prompts], sampling)
 
     def score(self, batch: SequenceBatch, rollouts: list[Rollout], prompts: list):
@@ -154,8 +194,9 @@ class Controller:
         return _mean_stats(actor_stats), _mean_stats(critic_stats) if critic_stats else None
 
     def sync_weights(self) -> None:
-        self.weight_version += 1
-        self.m.sync.sync(self.weight_version)
+        with self._sync_lock:  # async mode: waits for the generation in flight; sync mode: uncontended
+            self.weight_version += 1
+            self.m.sync.sync(self.weight_version)
 
     # ---- helpers ----------------------------------------------------------------------------------------------
     def _reward_inputs(self, rollouts: list[Rollout], prompts: list) -> tuple[list[str], list[str], list]:

@@ -63,3 +63,20 @@ def test_reward_model_group_plumbing(ray_local, tmp_path):
     rows = train(tmp_path, "--reward_pretrain", str(rm), "--max_samples", "128", "--num_episodes", "1",
                  "--advantage_estimator", "reinforce")
     assert len(rows) == 2 and all(r["reward_mean"] == r["reward_mean"] for r in rows)  # finite scores
+
+
+def test_async_learns_within_the_staleness_bound(ray_local, tmp_path):
+    rows = train(tmp_path, "--async_train", "--async_queue_size", "2", "--advantage_estimator", "group_norm",
+                 "--n_samples_per_prompt", "4", "--num_episodes", "3")
+    assert [r["weight_version"] for r in rows] == list(range(1, len(rows) + 1))
+    for r in rows:  # trained at version weight_version - 1 on rollouts of generation_weight_version
+        assert r["staleness"] == r["weight_version"] - 1 - r["generation_weight_version"]
+        assert 0 <= r["staleness"] <= 2
+    assert max(r["staleness"] for r in rows) >= 1  # generation really overlapped training
+    assert rise(rows) >= 1.5, [round(r["reward_mean"], 3) for r in rows]
+
+
+def test_hybrid_colocate_all_models_runs(ray_local, tmp_path, caplog):
+    rows = train(tmp_path, "--colocate_all_models", "--vllm_enable_sleep", "--deepspeed_enable_sleep",
+                 "--max_samples", "128", "--num_episodes", "1")
+    assert len(rows) == 2 and [r["weight_version"] for r in rows] == [1, 2]

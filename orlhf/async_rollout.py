@@ -1,0 +1,68 @@
+"""The producer side of --async_train: a thread that keeps the engines generating ahead of the trainers.
+
+    producer thread:  [acquire a slot] -> lock -> engines.generate(batch i) -> unlock -> queue.put(batch i)
+    controller:       queue.get() -> release a slot -> score, train -> sync (takes the lock)
+
+Invariants:
+- At most `queue_size` batches are generated and not yet taken by the trainer (a semaphore of queue_size
+  slots, released when the controller takes a batch); so rollouts are at most queue_size versions stale.
+- A weight sync holds `lock`, which the producer holds while generating: weights never change mid-generation.
+- An exception in the producer is re-raised in the controller's thread at the next get; stopping the
+  producer (context exit) never leaves the thread blocked.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Callable, Iterator
+
+_DONE = object()
+
+
+class RolloutProducer:
+    def __init__(self, generate: Callable[[list, int], list], loader, queue_size: int,
+                 current_version: Callable[[], int]):
+        self.generate, self.loader, self.current_version = generate, loader, current_version
+        self.lock = threading.Lock()  # held while generating and while syncing weights
+        self._slots = threading.Semaphore(queue_size)
+        self._queue: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="orlhf-rollout-producer", daemon=True)
+        self._first_index = getattr(loader, "steps_done", 0)
+
+    def __enter__(self) -> "RolloutProducer":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._slots.release()  # unblock a producer waiting for a slot
+        self._thread.join(timeout=600)
+
+    def __iter__(self) -> Iterator[tuple[list, list, float]]:
+        """(prompts, rollouts, generation seconds) per batch, in loader order."""
+        while True:
+            item = self._queue.get()
+            if item is _DONE:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            self._slots.release()  # the trainer has it: the producer may start one more
+            yield item
+
+    def _run(self) -> None:
+        try:
+            for i, prompts in enumerate(self.loader, start=self._first_index):
+                self._slots.acquire()
+                if self._stop.is_set():
+                    return
+                with self.lock:
+                    t0 = time.perf_counter()
+                    rollouts = self.generate(prompts, i)
+                    seconds = time.perf_counter() - t0
+                self._queue.put((prompts, rollouts, seconds))
+            self._queue.put(_DONE)
+        except BaseException as e:  # surfaced in the controller's thread
+            self._queue.put(e)

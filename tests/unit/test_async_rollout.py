@@ -1,0 +1,76 @@
+"""RolloutProducer (the --async_train producer): staleness bound, version bookkeeping, no sync mid-generation."""
+
+import threading
+import time
+from dataclasses import dataclass
+
+import pytest
+
+from orlhf.async_rollout import RolloutProducer
+
+
+@dataclass
+class FakeRollout:
+    weight_version: int
+
+
+class FakeTrainer:
+    """Plays the controller: takes batches, 'trains', then syncs under the producer's lock (version += 1)."""
+
+    def __init__(self):
+        self.version = 0
+        self.generating = False
+        self.overlaps = 0  # syncs that started while a generation was in flight (must stay 0)
+
+    def generate(self, prompts, index):
+        self.generating = True
+        time.sleep(0.01)
+        out = [FakeRollout(self.version)]
+        self.generating = False
+        return out
+
+    def run(self, queue_size, batches=12, train_s=0.02):
+        staleness = []
+        producer = RolloutProducer(self.generate, [[i] for i in range(batches)], queue_size, lambda: self.version)
+        seen = []
+        with producer:
+            for prompts, rollouts, seconds in producer:
+                seen.append(prompts[0])
+                time.sleep(train_s)  # training overlaps the next generation
+                staleness.append(self.version - rollouts[0].weight_version)
+                with producer.lock:
+                    self.overlaps += self.generating
+                    self.version += 1
+        return seen, staleness
+
+
+@pytest.mark.parametrize("queue_size", [1, 2, 3])
+def test_staleness_never_exceeds_queue_size(queue_size):
+    trainer = FakeTrainer()
+    seen, staleness = trainer.run(queue_size)
+    assert seen == list(range(12))  # every batch once, in order
+    assert max(staleness) <= queue_size, staleness
+    assert max(staleness) >= 1  # generation really ran ahead of training
+    assert trainer.overlaps == 0
+
+
+def test_producer_error_reaches_the_trainer():
+    def boom(prompts, index):
+        raise RuntimeError("engine 0 died")
+
+    with pytest.raises(RuntimeError, match="engine 0 died"):
+        with RolloutProducer(boom, [[0], [1]], 1, lambda: 0) as producer:
+            for _ in producer:
+                pass
+
+
+def test_stopping_early_does_not_hang():
+    trainer = FakeTrainer()
+    producer = RolloutProducer(trainer.generate, [[i] for i in range(100)], 2, lambda: 0)
+    t0 = time.monotonic()
+    with producer:
+        for i, _ in enumerate(producer):
+            if i == 2:
+                break
+    assert time.monotonic() - t0 < 10
+    assert not any(t.name == "orlhf-rollout-producer" and t.is_alive() for t in threading.enumerate())
