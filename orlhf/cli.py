@@ -8,6 +8,7 @@ Heavy packages (torch, ray, deepspeed, vllm) are imported inside the commands, s
 from __future__ import annotations
 
 import inspect
+import os
 import sys
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional
@@ -156,6 +157,31 @@ def fill_optional_values(argv: list[str]) -> list[str]:
             if nxt is None or nxt.startswith("-"):
                 out.append("")
     return out
+
+
+@app.command("serve-rm")
+def serve_rm(
+    reward_fn: Path = typer.Argument(..., help="A .py file defining reward_func(queries, prompts, labels)."),
+    host: str = typer.Option("127.0.0.1", help="Address to bind; 0.0.0.0 exposes it to the network."),
+    port: int = typer.Option(5000, help="Port (0: any free one)."),
+    token: Optional[str] = typer.Option(None, help="Require 'Authorization: Bearer TOKEN' (default: $ORLHF_RM_TOKEN)."),
+) -> None:
+    """Serve a reward function over HTTP for --remote_rm_url http://HOST:PORT/get_reward."""
+    from orlhf.rewards import RewardError
+    from orlhf.serve_rm import make_server
+
+    try:
+        server = make_server(str(reward_fn), host, port, token)
+    except (RewardError, OSError) as e:
+        typer.secho(f"error: {e}", fg="red", err=True)
+        raise typer.Exit(1)
+    h, p = server.server_address[:2]
+    typer.echo(f"serving {reward_fn} on http://{h}:{p}/get_reward" + (" (bearer token required)"
+                                                                     if token or os.environ.get("ORLHF_RM_TOKEN") else ""))
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        server.shutdown()
 
 
 def main(argv: Optional[list[str]] = None) -> None:
