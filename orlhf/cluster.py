@@ -128,6 +128,7 @@ class ActorGroup:
                         "LOCAL_RANK": "0" if device == "cuda" else str(rank % max(gpus_per_node, 1))}
             setups.append(actor.setup.remote(worker_cls, cfg, rank_env))
         wait_all(setups, list(range(self.world_size)), role, "setup", timeout_s)
+        log.info("%s: %d rank(s), pids %s", role, self.world_size, self.pids())
 
     def _spawn(self, rank: int, slot: RankBundle, device: str, env: dict[str, str]):
         if slot.placement_group is not None:

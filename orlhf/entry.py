@@ -136,7 +136,7 @@ def start_models(cfg: TrainConfig, placed, optimizer_steps: int, stack: ExitStac
         stack.callback(groups[role].shutdown)
     for call in [g.call_all_async("init") for g in groups.values()]:
         call.get()
-    engines.wait_ready()
+    log.info("vllm engines: %d, pids %s", len(engines), engines.wait_ready())
     sync = WeightSync(groups["actor"], engines, cfg.vllm.sync_backend, cfg.vllm.sync_bucket_mb, timeout)
     return Models(actor=groups["actor"], ref=groups["ref"], engines=engines, sync=sync,
                   critic=groups.get("critic"), reward=groups.get("reward"))

@@ -1,0 +1,105 @@
+"""Faults in a real run (a subprocess with its own local Ray): a killed rank, a killed engine, Ctrl-C.
+
+Each must stop the run within 60 s with an error naming the role and rank, and leave no process behind: every
+descendant of the run (raylet, GCS, rank actors, engines) is recorded while it runs and must be gone after.
+"""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.ray, pytest.mark.vllm]
+ORLHF = str(Path(sys.executable).parent / "orlhf")
+
+
+def start_run(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
+    log = tmp_path / "run.log"
+    proc = subprocess.Popen([ORLHF, "train-ppo", "--num_episodes", "50", "--device", "cpu",
+                             "--save_path", str(tmp_path / "run")],
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, log
+
+
+def wait_for(log: Path, pattern: str, proc: subprocess.Popen, timeout: float = 240) -> re.Match:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        m = re.search(pattern, log.read_text())
+        if m:
+            return m
+        assert proc.poll() is None, log.read_text()[-3000:]
+        time.sleep(0.5)
+    raise AssertionError(f"no {pattern!r} in the log within {timeout} s:\n{log.read_text()[-3000:]}")
+
+
+def descendants(proc: subprocess.Popen) -> list[psutil.Process]:
+    return psutil.Process(proc.pid).children(recursive=True)
+
+
+def assert_stops_clean(proc: subprocess.Popen, tree: list[psutil.Process], t0: float, log: Path) -> str:
+    try:
+        proc.wait(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    elapsed = time.monotonic() - t0
+    text = log.read_text()
+    assert elapsed < 60, f"the run took {elapsed:.0f} s to stop:\n{text[-3000:]}"
+    deadline = time.monotonic() + 20
+    alive = [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.5)
+        alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    for p in alive:
+        p.kill()
+    assert not alive, f"left behind: {[(p.pid, p.name()) for p in alive]}"
+    return text
+
+
+def first_step_logged(tmp_path: Path, proc, log) -> None:
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.exists() and metrics.read_text().strip()):
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.5)
+
+
+def test_killed_actor_rank_stops_the_run_naming_it(tmp_path):
+    proc, log = start_run(tmp_path)
+    pids = wait_for(log, r"actor: 1 rank\(s\), pids \[(\d+)\]", proc)
+    first_step_logged(tmp_path, proc, log)
+    tree = descendants(proc)
+    t0 = time.monotonic()
+    os.kill(int(pids.group(1)), signal.SIGKILL)
+    text = assert_stops_clean(proc, tree, t0, log)
+    assert proc.returncode == 1
+    assert re.search(r"error: actor rank 0 failed in \w+\(\)", text), text[-2000:]
+
+
+def test_killed_engine_stops_the_run_naming_it(tmp_path):
+    proc, log = start_run(tmp_path)
+    pids = wait_for(log, r"vllm engines: 1, pids \[(\d+)\]", proc)
+    first_step_logged(tmp_path, proc, log)
+    tree = descendants(proc)
+    t0 = time.monotonic()
+    os.kill(int(pids.group(1)), signal.SIGKILL)
+    text = assert_stops_clean(proc, tree, t0, log)
+    assert proc.returncode == 1
+    assert re.search(r"error: (vllm engine|weight sync).* 0 failed", text), text[-2000:]
+
+
+def test_ctrl_c_stops_cleanly(tmp_path):
+    proc, log = start_run(tmp_path)
+    first_step_logged(tmp_path, proc, log)
+    tree = descendants(proc)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    text = assert_stops_clean(proc, tree, t0, log)
+    assert proc.returncode == 130, text[-2000:]
+    assert "interrupted" in text
