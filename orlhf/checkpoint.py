@@ -1,0 +1,412 @@
+"""Checkpoints: folder layout, atomic commit, rotation, resume lookup, config check, safe (de)serialization.
+
+    <ckpt_path>/
+      step_000010/                 a complete checkpoint: it only ever appears by one os.rename, meta.json inside
+        meta.json                  written last: format, step, time, orlhf version, ranks per role, fingerprint
+        controller.json            driver state as plain JSON (step, loader, KL, reward norm, python/numpy RNG)
+        controller.safetensors     its tensors (torch RNG states), referenced from controller.json
+        actor/                     the actor group's DeepSpeed checkpoint (DeepSpeedWorker.save_checkpoint):
+          latest, global_stepN/    every rank's ZeRO shards of parameters and optimizer, LR scheduler, counters
+          rng_rank<r>.json|.safetensors   each rank's RNG states
+          zero_to_fp32.py          DeepSpeed's offline consolidation script (python zero_to_fp32.py actor out)
+        critic/                    the same for the critic (gae only)
+        hf/actor/                  with --save_hf_ckpt: HF folder (safetensors) that transformers and vLLM load
+      .tmp-step_000020-1a2b3c4d/   a save in progress, or one that crashed: never read, cleanup_stale_tmp removes it
+      .trash-step_000001-...       a rotated checkpoint being deleted
+
+    start:  mgr = CheckpointManager(--ckpt_path, --max_ckpt_num); mgr.cleanup_stale_tmp()
+            saving without --load_checkpoint: mgr.check_new_run() (another run's checkpoints are there: refuse)
+    save:   tmp = mgr.begin(step) -> every trained group: save_checkpoint(tmp/<role>) (collective per group)
+            -> driver: save_controller_state(tmp, state) -> mgr.commit(tmp, step, meta)
+    resume: path = mgr.latest() (None: start fresh) -> check_compatible(read_meta(path), config_fingerprint(cfg))
+            -> every trained group, right after init: load_checkpoint(path/<role>) -> load_controller_state(path)
+
+Invariants
+- A `step_*` folder with a readable meta.json is complete: everything else is written and fsynced first, then
+  meta.json, then one rename. A crash at any point leaves either the previous checkpoints or a `.tmp-*`/`.trash-*`
+  folder that latest() never returns. Deletion renames to `.trash-*` first, so a half-deleted checkpoint is
+  never mistaken for a complete one.
+- The manager deletes only folders named `step_<digits>` or `.tmp-step_*` / `.trash-step_*` in ckpt_path.
+- --ckpt_path must be storage every node sees (one shared filesystem): ranks write, the driver renames.
+- Loading never unpickles code: JSON, safetensors, and torch.load(weights_only=True) (DeepSpeed's own
+  files: its two plain state classes are allow-listed for that load only, see safe_torch_load).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+if TYPE_CHECKING:
+    from orlhf.config import TrainConfig
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+META = "meta.json"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+_TMP_PREFIX, _TRASH_PREFIX = ".tmp-", ".trash-"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be used by this run; the message names the folder, what differs, and the fix."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+# ---- the folder: begin, commit, rotate, latest ----------------------------------------------------------------
+
+class CheckpointManager:
+    """Owns <ckpt_path>: temporary folders, atomic commits, keeping the newest `max_ckpt_num`, finding the latest.
+
+    Driver-side only (one process). max_ckpt_num < 1 keeps every checkpoint.
+    """
+
+    def __init__(self, ckpt_path: str | os.PathLike, max_ckpt_num: int):
+        self.root = Path(ckpt_path).expanduser().absolute()
+        self.max_ckpt_num = max_ckpt_num
+
+    def begin(self, step: int) -> Path:
+        """A fresh temporary folder for the checkpoint of `step`, next to where it will be renamed to."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / f"{_TMP_PREFIX}{step_dir_name(step)}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()  # not mkdtemp: its 0700 mode would stick to the final folder; this respects the umask
+        return tmp
+
+    def commit(self, tmp: str | os.PathLike, step: int, meta: dict[str, Any]) -> Path:
+        """Make `tmp` the complete checkpoint of `step` and rotate; returns its final path.
+
+        `meta` is JSON-able and should hold "fingerprint" (config_fingerprint) and "roles" ({role: ranks}); it is
+        stored with format, step, time and orlhf version added. For each role the folder must hold every rank's
+        RNG file (a cheap proof that all ranks' writes reached the storage the driver sees). Everything is
+        fsynced, meta.json written last, then one rename; a checkpoint of the same step already there is replaced.
+        """
+        from orlhf import __version__
+
+        tmp = Path(tmp).absolute()
+        if tmp.parent != self.root or not tmp.name.startswith(_TMP_PREFIX):
+            raise ValueError(f"{tmp} is not a folder from {type(self).__name__}.begin() in {self.root}")
+        for role, ranks in (meta.get("roles") or {}).items():
+            _check_ranks_wrote(tmp / role, role, ranks)
+        full = {**meta, "format": FORMAT_VERSION, "step": int(step), "time": time.time(),
+                "orlhf_version": __version__}
+        _fsync_tree(tmp)
+        _write_json_durable(tmp / META, full)
+        final = self.root / step_dir_name(step)
+        old = self._trash(final) if final.exists() else None
+        os.rename(tmp, final)
+        _fsync_dir(self.root)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        log.info("checkpoint saved: %s", final)
+        self.rotate()
+        return final
+
+    def rotate(self) -> list[Path]:
+        """Delete complete checkpoints beyond the newest max_ckpt_num; returns the deleted paths."""
+        if self.max_ckpt_num < 1:
+            return []
+        doomed = self.complete()[self.max_ckpt_num:]
+        for path in doomed:
+            shutil.rmtree(self._trash(path), ignore_errors=True)
+            log.info("checkpoint rotated out (--max_ckpt_num %d): %s", self.max_ckpt_num, path)
+        return doomed
+
+    def complete(self) -> list[Path]:
+        """Complete checkpoints, newest first. Logs (does not delete) everything it skips and why."""
+        if not self.root.is_dir():
+            return []
+        found = []
+        for entry in self.root.iterdir():
+            if entry.name.startswith((_TMP_PREFIX, _TRASH_PREFIX)):
+                log.info("ignoring %s: an unfinished save or deletion (cleanup_stale_tmp removes it)", entry)
+                continue
+            match = _STEP_DIR.match(entry.name)
+            if not match or not entry.is_dir():
+                continue
+            problem = _meta_problem(entry, int(match.group(1)))
+            if problem:
+                log.warning("ignoring %s: %s", entry, problem)
+                continue
+            found.append((int(match.group(1)), entry))
+        return [path for _, path in sorted(found, reverse=True)]
+
+    def latest(self) -> Optional[Path]:
+        """The newest complete checkpoint, or None."""
+        done = self.complete()
+        return done[0] if done else None
+
+    def check_new_run(self) -> None:
+        """For a run that saves without --load_checkpoint: refuse a --ckpt_path that holds another run's
+        checkpoints (rotation by step would delete this run's new, lower-numbered ones, and a later resume would
+        pick the old run's)."""
+        done = self.complete()
+        if done:
+            raise CheckpointError(
+                f"--ckpt_path {self.root} already holds {len(done)} checkpoint(s), the newest {done[0].name}. Pass "
+                "--load_checkpoint to resume from it, or choose another --ckpt_path (or delete those folders).")
+
+    def cleanup_stale_tmp(self) -> list[Path]:
+        """Remove `.tmp-step_*` / `.trash-step_*` leftovers of crashed saves. Call before the first save only
+        (no save of this run may be in flight). Returns what was removed."""
+        if not self.root.is_dir():
+            return []
+        stale = [e for e in self.root.iterdir()
+                 if e.is_dir() and e.name.startswith((_TMP_PREFIX + "step_", _TRASH_PREFIX + "step_"))]
+        for path in stale:
+            shutil.rmtree(path, ignore_errors=True)
+            log.info("removed leftover of an unfinished checkpoint save: %s", path)
+        return stale
+
+    def _trash(self, path: Path) -> Path:
+        trash = self.root / f"{_TRASH_PREFIX}{path.name}-{uuid.uuid4().hex[:8]}"
+        os.rename(path, trash)  # atomic: from here on nothing reads it as a checkpoint
+        return trash
+
+
+def read_meta(path: str | os.PathLike) -> dict[str, Any]:
+    """meta.json of a checkpoint folder; CheckpointError if missing or unreadable."""
+    try:
+        return json.loads((Path(path) / META).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: no readable {META} ({e}); it is not a complete orlhf checkpoint") from e
+
+
+def _meta_problem(path: Path, step: int) -> Optional[str]:
+    try:
+        meta = json.loads((path / META).read_text())
+    except FileNotFoundError:
+        return f"no {META} (not a complete orlhf checkpoint)"
+    except (OSError, ValueError) as e:
+        return f"unreadable {META} ({e})"
+    if not isinstance(meta, dict) or meta.get("step") != step:
+        return f"{META} does not describe step {step}"
+    return None
+
+
+def _check_ranks_wrote(folder: Path, role: str, ranks: int) -> None:
+    missing = [r for r in range(ranks) if not (folder / f"rng_rank{r}.json").exists()]
+    if missing:
+        raise CheckpointError(
+            f"{folder}: ranks {missing} of the {role} group ({ranks} ranks) left no files here. Every rank must "
+            "see --ckpt_path: on several nodes put it on a shared filesystem.")
+
+
+# ---- does this checkpoint belong to this run? -----------------------------------------------------------------
+
+def config_fingerprint(cfg: "TrainConfig") -> dict[str, Any]:
+    """The settings a checkpoint is only valid under, by flag name. Resuming with any of them changed either
+    cannot load (ranks, ZeRO stage, bf16 layout, critic or not) or would silently continue another run (models,
+    data, seed, batch geometry, reward normalization, KL controller kind).
+
+    Deliberately left out, free to change on resume: learning rates, clip/KL coefficients, --num_episodes and
+    --max_epochs (to extend a run), micro-batch sizes, offload, vLLM and logging flags, --save_steps, paths of
+    outputs. Paths are compared absolute.
+    """
+    d, p, ppo, ds = cfg.data, cfg.placement, cfg.ppo, cfg.deepspeed
+    critic_model = (d.critic_pretrain or d.reward_pretrain or d.pretrain) if cfg.has_critic else None
+    return {
+        "--pretrain": _abs(d.pretrain),
+        "critic model (--critic_pretrain, else --reward_pretrain, else --pretrain)": _abs(critic_model),
+        "--reward_pretrain": _abs(d.reward_pretrain),
+        "--prompt_data": _abs(d.prompt_data),
+        "--max_samples": d.max_samples,
+        "actor ranks (--actor_num_nodes x --actor_num_gpus_per_node)": p.world_size("actor"),
+        "critic ranks (--critic_num_nodes x --critic_num_gpus_per_node)":
+            p.world_size("critic") if cfg.has_critic else None,
+        "--zero_stage": ds.zero_stage,
+        "--bf16": ds.bf16,
+        "--advantage_estimator": ppo.advantage_estimator,
+        "--n_samples_per_prompt": ppo.n_samples_per_prompt,
+        "--rollout_batch_size": ppo.rollout_batch_size,
+        "--train_batch_size": ppo.train_batch_size,
+        "--seed": ppo.seed,
+        "--normalize_reward": ppo.normalize_reward,
+        "KL controller (--kl_target given: adaptive)": "fixed" if ppo.kl_target is None else "adaptive",
+    }
+
+
+def _abs(path: Optional[str]) -> Optional[str]:
+    if path is None or "://" in path or not os.path.exists(os.path.expanduser(path)):
+        return path  # URLs and hub ids as given
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def check_compatible(meta: dict[str, Any], fingerprint: dict[str, Any], path: str | os.PathLike = "") -> None:
+    """Raise CheckpointError listing every setting that differs between the checkpoint and this run."""
+    where = f"checkpoint {path}" if path else "the checkpoint"
+    if meta.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"{where} has format {meta.get('format')!r}; this orlhf reads format {FORMAT_VERSION}. "
+                              "Resume with the orlhf version that wrote it, or start fresh with another --ckpt_path.")
+    saved = meta.get("fingerprint") or {}
+    missing = object()
+    diffs = [(k, saved.get(k, missing), fingerprint.get(k, missing)) for k in sorted({*saved, *fingerprint})
+             if saved.get(k, missing) != fingerprint.get(k, missing)]
+    if diffs:
+        show = lambda v: "(not recorded)" if v is missing else repr(v)  # noqa: E731
+        lines = "\n".join(f"  - {k}: checkpoint {show(a)}, this run {show(b)}" for k, a, b in diffs)
+        raise CheckpointError(f"{where} was written by a run with other settings:\n{lines}\nResume with the "
+                              "checkpoint's values of these flags, or start fresh: another --ckpt_path, or leave "
+                              "out --load_checkpoint.")
+
+
+# ---- driver state and RNG -------------------------------------------------------------------------------------
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states: python `random`, numpy's global generator, torch CPU, and CUDA if in use."""
+    import numpy as np
+
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": random.getstate(),
+             "numpy": {"kind": kind, "keys": keys.tolist(), "pos": int(pos), "has_gauss": int(has_gauss),
+                       "cached_gaussian": float(cached)},
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # never initialise CUDA just to read it
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    import numpy as np
+
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    n = state["numpy"]
+    np.random.set_state((n["kind"], np.asarray(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        if len(state["cuda"]) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(state["cuda"])
+        else:
+            log.warning("checkpoint has CUDA RNG states of %d devices, this process sees %d: not restored",
+                        len(state["cuda"]), torch.cuda.device_count())
+
+
+def save_state(folder: str | os.PathLike, name: str, state: dict[str, Any]) -> None:
+    """Write `state` as <name>.json, its tensors (any depth) in <name>.safetensors. Tuples come back as tuples.
+    Dict keys must be strings; leaves: None, bool, int, float, str, torch.Tensor."""
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    doc = _encode(state, tensors, "")
+    folder = Path(folder)
+    if tensors:
+        save_file(tensors, str(folder / f"{name}.safetensors"))
+    (folder / f"{name}.json").write_text(json.dumps(doc, indent=1))
+
+
+def load_state(folder: str | os.PathLike, name: str) -> dict[str, Any]:
+    """Read what save_state wrote (JSON + safetensors: no pickle)."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    try:
+        doc = json.loads((folder / f"{name}.json").read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{folder}: cannot read {name}.json ({e})") from e
+    blob = folder / f"{name}.safetensors"
+    tensors = load_file(str(blob)) if blob.exists() else {}
+    return _decode(doc, tensors)
+
+
+def save_controller_state(folder: str | os.PathLike, state: dict[str, Any]) -> None:
+    """The driver's state (include "rng": rng_state()) into a checkpoint folder: controller.json (+ tensors)."""
+    save_state(folder, "controller", state)
+
+
+def load_controller_state(folder: str | os.PathLike) -> dict[str, Any]:
+    return load_state(folder, "controller")
+
+
+def _encode(obj: Any, tensors: dict[str, torch.Tensor], key: str) -> Any:
+    if isinstance(obj, torch.Tensor):
+        tensors[key] = obj.detach().cpu().contiguous()
+        return {"__tensor__": key}
+    if isinstance(obj, dict):
+        bad = [k for k in obj if not isinstance(k, str)]
+        if bad or "__tensor__" in obj or "__tuple__" in obj:
+            raise TypeError(f"state at {key or '<root>'!r}: keys must be strings other than __tensor__/__tuple__")
+        return {k: _encode(v, tensors, f"{key}.{k}" if key else k) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        items = [_encode(v, tensors, f"{key}.{i}") for i, v in enumerate(obj)]
+        return {"__tuple__": items} if isinstance(obj, tuple) else items
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    raise TypeError(f"state at {key!r}: cannot store a {type(obj).__name__} (use plain values or tensors)")
+
+
+def _decode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(obj, dict):
+        if "__tensor__" in obj:
+            return tensors[obj["__tensor__"]]
+        if "__tuple__" in obj:
+            return tuple(_decode(v, tensors) for v in obj["__tuple__"])
+        return {k: _decode(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_decode(v, tensors) for v in obj]
+    return obj
+
+
+# ---- DeepSpeed's files, loaded without unpickling code --------------------------------------------------------
+
+def deepspeed_safe_globals() -> list:
+    """The non-torch classes in DeepSpeed 0.19.8's checkpoint files for orlhf's configs (ZeRO 0/1/2/3, bf16, Adam
+    offload), as torch.serialization.get_unsafe_globals_in_checkpoint lists them: an enum and two plain
+    data holders (no code runs when they are rebuilt). Allowed for loads of those files only."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [ZeroStageEnum, LossScaler, fragment_address]
+
+
+def safe_torch_load(path: str | os.PathLike, map_location=None) -> Any:
+    """torch.load(weights_only=True) with DeepSpeed's state classes allowed for this call only."""
+    with torch.serialization.safe_globals(deepspeed_safe_globals()):
+        return torch.load(path, map_location=map_location, weights_only=True)
+
+
+# ---- durability ------------------------------------------------------------------------------------------------
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            fd = os.open(os.path.join(dirpath, f), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a directory's entries (new files, a rename) durable. Some network filesystems refuse fsync on a
+    directory (EINVAL); there the rename is as durable as that filesystem makes it."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_json_durable(path: Path, obj: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(path.parent)

@@ -1,0 +1,184 @@
+"""orlhf/checkpoint.py without DeepSpeed: atomic commit, what latest() accepts, rotation, the config check, and
+the driver's state (with RNG) round trip through JSON + safetensors."""
+
+import dataclasses
+import json
+import logging
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from orlhf.checkpoint import (CheckpointError, CheckpointManager, check_compatible, config_fingerprint,
+                              load_controller_state, read_meta, rng_state, save_controller_state, save_state,
+                              set_rng_state)
+from orlhf.config import TrainConfig
+
+
+def _meta(cfg: TrainConfig | None = None) -> dict:
+    return {"fingerprint": config_fingerprint(cfg or TrainConfig())}
+
+
+def _save(mgr: CheckpointManager, step: int, roles: dict | None = None):
+    tmp = mgr.begin(step)
+    (tmp / "actor").mkdir()
+    (tmp / "actor" / "shard.bin").write_bytes(b"x" * 10)
+    for r in range((roles or {}).get("actor", 0)):
+        (tmp / "actor" / f"rng_rank{r}.json").write_text("{}")
+    return mgr.commit(tmp, step, {**_meta(), **({"roles": roles} if roles else {})})
+
+
+def test_commit_renames_into_place_with_meta_written(tmp_path):
+    mgr = CheckpointManager(tmp_path / "ck", max_ckpt_num=3)
+    tmp = mgr.begin(10)
+    assert tmp.parent == mgr.root and tmp.name.startswith(".tmp-step_000010-") and mgr.latest() is None
+    final = _save(mgr, 10, roles={"actor": 2})
+    assert final == mgr.root / "step_000010" and mgr.latest() == final
+    meta = read_meta(final)
+    assert meta["step"] == 10 and meta["format"] == 1 and meta["roles"] == {"actor": 2} and meta["orlhf_version"]
+    assert (final / "actor" / "shard.bin").read_bytes() == b"x" * 10
+    assert sorted(p.name for p in mgr.root.iterdir()) == [tmp.name, "step_000010"]  # only the unused begin() left
+
+
+def test_latest_skips_unfinished_and_incomplete_folders(tmp_path, caplog):
+    mgr = CheckpointManager(tmp_path, max_ckpt_num=5)
+    done = _save(mgr, 10)
+    crashed = mgr.begin(20)  # a save that died before commit: holds files, never meta.json nor the final name
+    (crashed / "actor").mkdir()
+    (crashed / "meta.json").write_text(json.dumps({"step": 20}))  # even with a meta.json inside
+    (tmp_path / "step_000030").mkdir()  # no meta.json: e.g. copied by hand, half-way
+    (tmp_path / "step_000040").mkdir()
+    (tmp_path / "step_000040" / "meta.json").write_text("{not json")
+    (tmp_path / "step_000050").mkdir()
+    (tmp_path / "step_000050" / "meta.json").write_text(json.dumps({"step": 7}))  # describes another step
+    with caplog.at_level(logging.INFO, logger="orlhf.checkpoint"):
+        assert mgr.latest() == done
+    log = caplog.text
+    assert crashed.name in log and "unfinished" in log
+    assert "step_000030: no meta.json" in log and "step_000040: unreadable" in log and "step_000050" in log
+    assert mgr.cleanup_stale_tmp() == [crashed] and not crashed.exists()
+    assert (tmp_path / "step_000030").exists()  # incomplete step_ folders are reported, never deleted
+
+
+def test_rotation_keeps_the_newest_n_and_touches_nothing_else(tmp_path):
+    mgr = CheckpointManager(tmp_path, max_ckpt_num=2)
+    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "step_000000").mkdir()  # not a complete checkpoint: not the manager's to delete
+    (tmp_path / "global_step5").mkdir()
+    for step in (1, 2, 3, 4):
+        _save(mgr, step)
+    assert [p.name for p in mgr.complete()] == ["step_000004", "step_000003"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step5", "notes.txt", "step_000000",
+                                                          "step_000003", "step_000004"]  # no .trash-* left
+    keep_all = CheckpointManager(tmp_path / "all", max_ckpt_num=0)
+    for step in (1, 2, 3):
+        _save(keep_all, step)
+    assert len(keep_all.complete()) == 3
+
+
+def test_a_new_run_refuses_a_folder_with_checkpoints(tmp_path):
+    mgr = CheckpointManager(tmp_path, max_ckpt_num=3)
+    mgr.check_new_run()  # empty (or missing) folder: fine
+    mgr.begin(1)  # a leftover temp folder is no checkpoint
+    mgr.check_new_run()
+    _save(mgr, 8)
+    with pytest.raises(CheckpointError, match="holds 1 checkpoint.*step_000008.*--load_checkpoint.*another --ckpt_path"):
+        mgr.check_new_run()
+
+
+def test_commit_of_an_existing_step_replaces_it(tmp_path):
+    mgr = CheckpointManager(tmp_path, max_ckpt_num=3)
+    _save(mgr, 5)
+    tmp = mgr.begin(5)
+    (tmp / "new").write_text("2")
+    final = mgr.commit(tmp, 5, _meta())
+    assert (final / "new").read_text() == "2" and not (final / "actor").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["step_000005"]
+
+
+def test_commit_refuses_when_a_rank_left_no_files(tmp_path):
+    # Rank 1 wrote to a disk the driver does not see (no shared filesystem): never a "complete" checkpoint.
+    mgr = CheckpointManager(tmp_path, max_ckpt_num=3)
+    tmp = mgr.begin(3)
+    (tmp / "actor").mkdir()
+    (tmp / "actor" / "rng_rank0.json").write_text("{}")
+    with pytest.raises(CheckpointError, match=r"ranks \[1\] of the actor group .*shared filesystem"):
+        mgr.commit(tmp, 3, {**_meta(), "roles": {"actor": 2}})
+    assert mgr.latest() is None and tmp.exists()
+    with pytest.raises(ValueError, match="not a folder from CheckpointManager.begin"):
+        mgr.commit(tmp_path / "elsewhere", 3, _meta())
+
+
+def test_fingerprint_mismatch_lists_every_field_with_both_values(tmp_path):
+    base = TrainConfig()
+    other = dataclasses.replace(
+        base, deepspeed=dataclasses.replace(base.deepspeed, zero_stage=2),
+        placement=dataclasses.replace(base.placement, actor_num_gpus_per_node=4),
+        ppo=dataclasses.replace(base.ppo, advantage_estimator="group_norm", n_samples_per_prompt=4,
+                                actor_learning_rate=1.0),  # the learning rate is free to change
+        logging=dataclasses.replace(base.logging, save_steps=7, max_ckpt_num=9))  # so is everything here
+    meta = {"format": 1, "fingerprint": config_fingerprint(base)}
+    with pytest.raises(CheckpointError) as err:
+        check_compatible(meta, config_fingerprint(other), path="/ck/step_000010")
+    msg = str(err.value)
+    assert "/ck/step_000010" in msg and "another --ckpt_path" in msg and "checkpoint's values" in msg
+    # gae -> group_norm also drops the critic: its ranks and its model differ too. Hand-listed expectation:
+    expected = ["--zero_stage: checkpoint 3, this run 2",
+                "actor ranks (--actor_num_nodes x --actor_num_gpus_per_node): checkpoint 1, this run 4",
+                "--advantage_estimator: checkpoint 'gae', this run 'group_norm'",
+                "--n_samples_per_prompt: checkpoint 1, this run 4",
+                "critic ranks (--critic_num_nodes x --critic_num_gpus_per_node): checkpoint 1, this run None"]
+    for line in expected:
+        assert f"  - {line}" in msg
+    assert msg.count("\n  - ") == len(expected)  # nothing else (the critic model path is None on both sides)
+    check_compatible(meta, config_fingerprint(dataclasses.replace(base, logging=other.logging)))  # no raise
+    with pytest.raises(CheckpointError, match="format 99"):
+        check_compatible({**meta, "format": 99}, config_fingerprint(base))
+    with pytest.raises(CheckpointError, match=r"--seed: checkpoint \(not recorded\), this run 42"):
+        check_compatible({"format": 1, "fingerprint": {k: v for k, v in meta["fingerprint"].items() if k != "--seed"}},
+                         config_fingerprint(base))
+
+
+def test_fingerprint_paths_are_absolute(tmp_path, monkeypatch):
+    model = tmp_path / "model"
+    model.mkdir()
+    monkeypatch.chdir(tmp_path)
+    cfg = TrainConfig()
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, pretrain="model"))
+    fp = config_fingerprint(cfg)
+    assert fp["--pretrain"] == str(model)
+    assert fp["critic model (--critic_pretrain, else --reward_pretrain, else --pretrain)"] == str(model)
+
+
+def test_controller_state_round_trip_restores_values_and_rng(tmp_path):
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    torch.rand(5), random.random(), np.random.rand()  # move off the seeded states
+    np.random.randn()  # numpy now caches a gaussian: has_gauss / cached_gaussian must come back too
+    state = {"step_index": 12, "weight_version": 12, "episode": 1,
+             "loader": {"episode": 1, "batch_in_episode": 2, "seed": 42, "batch_size": 64, "num_prompts": 300},
+             "kl_ctl": {"kind": "adaptive", "value": 0.1 + 0.2}, "reward_norm": None,
+             "clip_range": (-10.0, 10.0), "nested": [{"t": torch.arange(3, dtype=torch.int64)}],
+             "rng": rng_state()}
+    save_controller_state(tmp_path, state)
+    expected = (random.random(), np.random.rand(), np.random.randn(), torch.rand(4))
+    random.random(), np.random.rand(5), torch.rand(9)  # the run goes on; RNGs move
+    loaded = load_controller_state(tmp_path)
+    set_rng_state(loaded["rng"])
+    got = (random.random(), np.random.rand(), np.random.randn(), torch.rand(4))
+    assert got[:3] == expected[:3] and torch.equal(got[3], expected[3])
+    assert {k: v for k, v in loaded.items() if k not in ("rng", "nested")} == \
+        {k: v for k, v in state.items() if k not in ("rng", "nested")}  # 0.1 + 0.2 exactly, the tuple a tuple
+    assert torch.equal(loaded["nested"][0]["t"], state["nested"][0]["t"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["controller.json", "controller.safetensors"]  # no pickle
+
+
+def test_save_state_refuses_what_it_cannot_store_safely(tmp_path):
+    with pytest.raises(TypeError, match="cannot store a ndarray"):
+        save_state(tmp_path, "x", {"a": np.zeros(2)})
+    with pytest.raises(TypeError, match="keys must be strings"):
+        save_state(tmp_path, "x", {1: 2})
+    with pytest.raises(CheckpointError, match="cannot read controller.json"):
+        load_controller_state(tmp_path)
