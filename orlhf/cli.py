@@ -101,6 +101,7 @@ def _train_ppo(ctx: typer.Context, **flags: Any) -> None:
 def run_reporting_errors(fn: Callable[[C.TrainConfig], int], cfg: C.TrainConfig) -> int:
     """Errors a user can act on (bad data, a reward file, placement, a failed rank) print as one message
     without a Python traceback of orlhf's own frames; anything else is a bug and keeps its traceback."""
+    from orlhf.checkpoint import CheckpointError
     from orlhf.cluster import RankError
     from orlhf.data import DataError
     from orlhf.placement import PlacementError
@@ -112,7 +113,7 @@ def run_reporting_errors(fn: Callable[[C.TrainConfig], int], cfg: C.TrainConfig)
         typer.secho(f"error: {len(e.problems)} problem(s) with the flags:", fg="red", err=True)
         typer.echo(str(e), err=True)
         return 2
-    except (DataError, RewardError, PlacementError, RankError, TimeoutError) as e:
+    except (DataError, RewardError, PlacementError, RankError, CheckpointError, TimeoutError) as e:
         typer.secho(f"error: {e}", fg="red", err=True)
         return 1
     except KeyboardInterrupt:

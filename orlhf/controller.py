@@ -55,7 +55,7 @@ class Models:
 
 class Controller:
     def __init__(self, cfg: TrainConfig, models: Models, loader, tokenizer, metrics: MetricsLogger,
-                 reward_source=None):
+                 reward_source=None, checkpoints=None):
         self.cfg, self.m, self.loader, self.tok, self.metrics = cfg, models, loader, tokenizer, metrics
         self.reward_source = reward_source  # function file / HTTP; None when a reward-model group scores
         self.exp_cfg = ExperienceConfig.from_ppo(cfg.ppo)
@@ -66,6 +66,8 @@ class Controller:
         self.weight_version = 0  # bumped by every sync; engines tag rollouts with the version they hold
         self.timings: dict[str, float] = {}
         self.history: list[dict] = []
+        self.checkpoints = checkpoints  # a checkpoint.CheckpointManager, or None
+        self._first_step = 0  # step_index when this invocation started (resume)
         self._sync_lock = threading.Lock()
         self._last_step_end = time.perf_counter()
 
@@ -76,6 +78,8 @@ class Controller:
             return self.fit_async()
         with self.progress() as report:
             for prompts in self.loader:
+                if self.should_stop():
+                    break
                 self.timings = {}
                 with self.timed("generate"):
                     rollouts = self.generate(prompts, self.step_index)
@@ -95,6 +99,8 @@ class Controller:
         self._sync_lock = producer.lock
         with producer, self.progress() as report:
             for prompts, rollouts, gen_seconds in producer:
+                if self.should_stop():
+                    break
                 self.timings = {"generate": gen_seconds}
                 report(self.learn(prompts, rollouts))
         return self.history
@@ -140,6 +146,9 @@ class Controller:
             self.history.append(row)
             if self.step_index % self.cfg.logging.logging_steps == 0 or self.step_index == total:
                 self.metrics.log(self.step_index, row)
+            if self.checkpoints is not None and self.cfg.logging.save_steps > 0 \
+                    and self.step_index % self.cfg.logging.save_steps == 0:
+                self.save_checkpoint()
             bar.update(1)
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", kl=f"{row['kl']:.4f}",
                             sps=f"{row['samples_per_s']:.1f}")
@@ -148,6 +157,54 @@ class Controller:
             yield report
         finally:
             bar.close()
+
+    # ---- checkpoints (orlhf/checkpoint.py holds the format; this is the call order) ---------------------------
+    def should_stop(self) -> bool:
+        """--stop_after_steps: end this invocation early, on a step boundary, keeping the full run's schedule."""
+        n = self.cfg.runtime.stop_after_steps
+        return n is not None and self.step_index - self._first_step >= n
+
+    def save_checkpoint(self) -> None:
+        """Every trained group's DeepSpeed state + the controller's, into a temp folder renamed into place."""
+        from orlhf.checkpoint import config_fingerprint, rng_state, save_controller_state
+
+        t0 = time.perf_counter()
+        mgr, step = self.checkpoints, self.step_index
+        tmp = mgr.begin(step)
+        trained = [("actor", self.m.actor)] + ([("critic", self.m.critic)] if self.m.critic else [])
+        calls = [g.call_all_async("save_checkpoint", str(tmp / role)) for role, g in trained]
+        if self.cfg.logging.save_hf_ckpt:
+            calls.append(self.m.actor.call_all_async("save_hf", str(tmp / "hf" / "actor")))
+        for call in calls:
+            call.get()
+        spe = self.loader.steps_per_episode  # loader position of the consumed batches (async reads ahead)
+        loader_state = {**self.loader.state_dict(), "episode": step // spe, "batch_in_episode": step % spe}
+        save_controller_state(tmp, {
+            "step_index": step, "weight_version": self.weight_version, "loader": loader_state,
+            "kl_ctl": self.kl_ctl.state_dict(),
+            "reward_norm": self.reward_norm.state_dict() if self.reward_norm else None, "rng": rng_state()})
+        path = mgr.commit(tmp, step, {"fingerprint": config_fingerprint(self.cfg),
+                                      "roles": {role: g.world_size for role, g in trained}})
+        log.info("checkpoint %s (%.1f s)", path, time.perf_counter() - t0)
+
+    def resume(self, path) -> None:
+        """Load a checkpoint written by save_checkpoint (groups already init()-ed), then re-sync the engines,
+        which still hold the initial weights, before the first generation."""
+        from orlhf.checkpoint import load_controller_state, set_rng_state
+
+        trained = [("actor", self.m.actor)] + ([("critic", self.m.critic)] if self.m.critic else [])
+        for call in [g.call_all_async("load_checkpoint", str(path / role)) for role, g in trained]:
+            call.get()
+        state = load_controller_state(path)
+        self.step_index, self.weight_version = state["step_index"], state["weight_version"]
+        self._first_step = self.step_index
+        self.loader.load_state_dict(state["loader"])
+        self.kl_ctl.load_state_dict(state["kl_ctl"])
+        if self.reward_norm is not None:
+            self.reward_norm.load_state_dict(state["reward_norm"])
+        set_rng_state(state["rng"])
+        self.m.sync.sync(self.weight_version)
+        log.info("resumed from %s at step %d (weight version %d)", path, self.step_index, self.weight_version)
 
     # ---- phases -----------------------------------------------------------------------------------------------
     def generate(self, prompts: list, batch_index: int) -> list[Rollout]:

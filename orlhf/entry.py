@@ -71,7 +71,8 @@ def train_ppo(cfg: TrainConfig) -> int:
     """Run PPO with `cfg`. Returns the process exit code."""
     import ray
 
-    from orlhf.controller import Controller, Models
+    from orlhf.checkpoint import CheckpointManager
+    from orlhf.controller import Controller
     from orlhf.data import PromptLoader, build_prompts, load_prompt_rows, load_tokenizer
     from orlhf.metrics import MetricsLogger
     from orlhf.placement import create_placement_groups, local_num_cpus, plan_layout, remove_placement_groups
@@ -88,6 +89,8 @@ def train_ppo(cfg: TrainConfig) -> int:
     samples_per_step = p.rollout_batch_size * p.n_samples_per_prompt
     optimizer_steps = loader.total_steps * p.max_epochs * (samples_per_step // p.train_batch_size)
     layout = plan_layout(cfg, device)
+    checkpoints = CheckpointManager(cfg.logging.ckpt_path, cfg.logging.max_ckpt_num)
+    resume_from = find_checkpoint(cfg, checkpoints)  # one from other flags fails here, before anything starts
 
     with ExitStack() as stack:
         if connect_ray(cfg, local_num_cpus(layout)):
@@ -100,8 +103,12 @@ def train_ppo(cfg: TrainConfig) -> int:
                  time.monotonic() - t0)
         metrics = MetricsLogger(cfg.logging.save_path, use_wandb=cfg.logging.use_wandb,
                                 wandb_project=cfg.logging.wandb_project, wandb_run_name=cfg.logging.wandb_run_name,
-                                use_tensorboard=cfg.logging.use_tensorboard, config=dataclasses.asdict(cfg))
-        controller = Controller(cfg, models, loader, tokenizer, metrics, reward_source=make_reward(cfg))
+                                use_tensorboard=cfg.logging.use_tensorboard, config=dataclasses.asdict(cfg),
+                                resume=resume_from is not None)
+        controller = Controller(cfg, models, loader, tokenizer, metrics, reward_source=make_reward(cfg),
+                                checkpoints=checkpoints)
+        if resume_from is not None:
+            controller.resume(resume_from)
         try:
             history = controller.fit()
         finally:
@@ -112,6 +119,24 @@ def train_ppo(cfg: TrainConfig) -> int:
                  f"; curve in {png}" if png else "")
         summarize(history)
     return 0
+
+
+def find_checkpoint(cfg: TrainConfig, checkpoints):
+    """--load_checkpoint: the newest complete checkpoint (checked against these flags), or None to start fresh.
+    Without it, a --ckpt_path that already holds checkpoints is refused when this run would save there."""
+    from orlhf.checkpoint import check_compatible, config_fingerprint, read_meta
+
+    checkpoints.cleanup_stale_tmp()
+    if not cfg.logging.load_checkpoint:
+        if cfg.logging.save_steps > 0:
+            checkpoints.check_new_run()
+        return None
+    path = checkpoints.latest()
+    if path is None:
+        log.info("--load_checkpoint: no complete checkpoint in %s, starting fresh", cfg.logging.ckpt_path)
+        return None
+    check_compatible(read_meta(path), config_fingerprint(cfg), path)
+    return path
 
 
 def start_models(cfg: TrainConfig, placed, optimizer_steps: int, stack: ExitStack):

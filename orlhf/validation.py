@@ -73,6 +73,8 @@ def _ranges(cfg: TrainConfig, out: list[str]) -> None:
          f"--vllm_gpu_memory_utilization must be in (0, 1] (got {v.gpu_memory_utilization}).")
     need(v.cpu_kv_cache_gb > 0, f"--vllm_cpu_kv_cache_gb must be > 0 (got {v.cpu_kv_cache_gb}).")
     need(v.sync_bucket_mb > 0, f"--vllm_sync_bucket_mb must be > 0 (got {v.sync_bucket_mb}).")
+    need(cfg.runtime.stop_after_steps is None or cfg.runtime.stop_after_steps >= 1,
+         f"--stop_after_steps must be >= 1 (got {cfg.runtime.stop_after_steps}).")
     need(cfg.runtime.ray_timeout_s > 0, f"--ray_timeout_s must be > 0 (got {cfg.runtime.ray_timeout_s}).")
     tpl = cfg.data.input_template
     need(tpl is None or tpl.count("{}") == 1,
