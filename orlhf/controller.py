@@ -32,6 +32,7 @@ from orlhf.config import TrainConfig
 from orlhf.experience import ExperienceConfig, make_experience, rollouts_to_batch
 from orlhf.metrics import MetricsLogger
 from orlhf.rollout.engine import EngineGroup, SamplingSpec
+from orlhf.sleep import SleepSwitch
 from orlhf.types import Experience, Rollout, SequenceBatch, TrainStats
 from orlhf.weight_sync import WeightSync
 
@@ -67,6 +68,7 @@ class Controller:
         self.timings: dict[str, float] = {}
         self.history: list[dict] = []
         self.checkpoints = checkpoints  # a checkpoint.CheckpointManager, or None
+        self.sleep = SleepSwitch(cfg, models)  # hybrid mode's memory hand-over (no-op unless asked, on GPU)
         self._first_step = 0  # step_index when this invocation started (resume)
         self._sync_lock = threading.Lock()
         self._last_step_end = time.perf_counter()
@@ -82,7 +84,9 @@ class Controller:
                     break
                 self.timings = {}
                 with self.timed("generate"):
+                    self.sleep.before_generate()
                     rollouts = self.generate(prompts, self.step_index)
+                    self.sleep.after_generate()
                 report(self.learn(prompts, rollouts))
         return self.history
 
@@ -252,6 +256,7 @@ class Controller:
 
     def sync_weights(self) -> None:
         with self._sync_lock:  # async mode: waits for the generation in flight; sync mode: uncontended
+            self.sleep.before_sync()
             self.weight_version += 1
             self.m.sync.sync(self.weight_version)
 

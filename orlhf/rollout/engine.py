@@ -40,6 +40,7 @@ class EngineConfig:
     max_model_len: int = 2048  # prompt_max_len + generate_max_len
     dtype: str = "float32"  # "bfloat16" with --bf16
     kv_cache_gb: float = 1.0  # CPU only: KV cache size (vLLM would otherwise ask for 92% of host memory)
+    enable_sleep: bool = False  # GPU only (--vllm_enable_sleep): vLLM's sleep mode, for hybrid placement
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,8 @@ def engine_config(cfg, device: str) -> EngineConfig:
         seed=cfg.ppo.seed, enforce_eager=v.enforce_eager, enable_prefix_caching=v.enable_prefix_caching,
         gpu_memory_utilization=v.gpu_memory_utilization,
         max_model_len=cfg.ppo.prompt_max_len + cfg.ppo.generate_max_len,
-        dtype="bfloat16" if cfg.deepspeed.bf16 else "float32", kv_cache_gb=v.cpu_kv_cache_gb)
+        dtype="bfloat16" if cfg.deepspeed.bf16 else "float32", kv_cache_gb=v.cpu_kv_cache_gb,
+        enable_sleep=v.enable_sleep and device == "cuda")
 
 
 def request_seed(seed: int, prompt_index: int) -> int:
@@ -93,6 +95,7 @@ class EngineActor:
             kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_gb * 2**30)
         else:
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+            kwargs["enable_sleep_mode"] = cfg.enable_sleep  # vLLM frees weights / KV cache on request (GPU only)
             if cfg.tensor_parallel_size > 1:
                 kwargs["distributed_executor_backend"] = "ray"
         self.llm = LLM(**kwargs)
@@ -102,8 +105,10 @@ class EngineActor:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        # detokenize=False: rollouts carry token ids only (the controller decodes for rewards); vLLM's incremental
+        # detokenizer cost ~20% of generation time on CPU (benchmarks/bench_generation.py).
         params = [SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
-                                 max_tokens=sampling.max_new_tokens, logprobs=0,
+                                 max_tokens=sampling.max_new_tokens, logprobs=0, detokenize=False,
                                  seed=request_seed(sampling.seed, i)) for i, _ in prompts]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for _, ids in prompts], params,
                                  use_tqdm=False)
@@ -121,7 +126,7 @@ class EngineActor:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in sequences], params, use_tqdm=False)
         result = []
         for seq, out in zip(sequences, outs):
@@ -134,6 +139,14 @@ class EngineActor:
 
     def reset_prefix_cache(self) -> None:
         self.llm.reset_prefix_cache()
+
+    def sleep(self) -> None:
+        """Free weights and KV cache (level 1 keeps a host copy of the weights): hybrid mode, during training."""
+        self.llm.sleep(level=1)
+
+    def wake_up(self, tags: list[str]) -> None:
+        """tags: ["weights"] before a weight sync, ["kv_cache"] before generating."""
+        self.llm.wake_up(tags=tags)
 
     def set_weight_version(self, version: int) -> None:
         self.weight_version = version

@@ -402,6 +402,22 @@ class DeepSpeedWorker:
 
     # ---- checkpoints (trained roles; orlhf/checkpoint.py owns the folder around these) ----
 
+    # ---- hybrid mode: give the device to the engines while they generate (--deepspeed_enable_sleep) ----
+
+    def offload_states(self) -> bool:
+        """Move ZeRO-3 parameters, gradients and optimizer states to host memory. False if there is nothing
+        to do (CPU, or not ZeRO-3, where DeepSpeed has no offload_states)."""
+        if self.cfg.device != "cuda" or not self.zero3:
+            return False
+        self.engine.offload_states(pin_memory=True, non_blocking=False)
+        return True
+
+    def reload_states(self) -> bool:
+        if self.cfg.device != "cuda" or not self.zero3:
+            return False
+        self.engine.reload_states(non_blocking=False)
+        return True
+
     def save_checkpoint(self, folder: str) -> None:
         """Collective: write this model's training state into `folder` as a DeepSpeed checkpoint.
 

@@ -77,6 +77,8 @@ def test_async_learns_within_the_staleness_bound(ray_local, tmp_path):
 
 
 def test_hybrid_colocate_all_models_runs(ray_local, tmp_path, caplog):
+    caplog.set_level("INFO", logger="orlhf.sleep")
     rows = train(tmp_path, "--colocate_all_models", "--vllm_enable_sleep", "--deepspeed_enable_sleep",
                  "--max_samples", "128", "--num_episodes", "1")
     assert len(rows) == 2 and [r["weight_version"] for r in rows] == [1, 2]
+    assert "do nothing on CPU" in caplog.text  # said once, not silently ignored

@@ -1,0 +1,48 @@
+"""Hybrid mode (--colocate_all_models): who holds the shared devices' memory in each phase.
+
+    before_generate   trainers offload their ZeRO-3 states (--deepspeed_enable_sleep); engines wake their KV cache
+    after_generate    engines sleep (free weights + KV cache; --vllm_enable_sleep); trainers reload their states
+    before_sync       engines wake their weights only, so the sync has somewhere to write
+
+On CPU there is no device memory to hand over: the flags are accepted (so GPU launch scripts run unchanged)
+and the switch says once that it does nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger(__name__)
+
+
+class SleepSwitch:
+    def __init__(self, cfg, models):
+        self.m = models
+        on_gpu = cfg.runtime.device == "cuda"
+        asked = cfg.vllm.enable_sleep or cfg.deepspeed.enable_sleep
+        self.vllm = cfg.vllm.enable_sleep and on_gpu
+        self.deepspeed = cfg.deepspeed.enable_sleep and on_gpu
+        if asked and not on_gpu:
+            log.info("--vllm_enable_sleep / --deepspeed_enable_sleep do nothing on CPU (no device memory to free); "
+                     "the run is otherwise the same")
+
+    def _trained(self) -> list:
+        return [g for g in (self.m.actor, self.m.critic) if g is not None]
+
+    def before_generate(self) -> None:
+        if self.deepspeed:
+            for call in [g.call_all_async("offload_states") for g in self._trained()]:
+                call.get()
+        if self.vllm:
+            self.m.engines.call_all("wake_up", ["kv_cache"])
+
+    def after_generate(self) -> None:
+        if self.vllm:
+            self.m.engines.call_all("sleep")
+        if self.deepspeed:
+            for call in [g.call_all_async("reload_states") for g in self._trained()]:
+                call.get()
+
+    def before_sync(self) -> None:
+        if self.vllm:
+            self.m.engines.call_all("wake_up", ["weights"])
