@@ -21,7 +21,6 @@ Invariants
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import os
@@ -45,7 +44,6 @@ MIN_LR_RATIO = 0.1  # cosine decays to 10% of the peak LR, as OpenRLHF's "cosine
 # Parameters of one transformer block share a "<...>.layers.<i>." prefix (Llama, Qwen, Mistral; GPT-2 uses "h").
 _LAYER_PREFIX = re.compile(r"^(.*?\.(?:layers|h|blocks|layer)\.\d+)\.")
 _warned_cpu_param_offload = False
-_MICRO_STEPS = "orlhf_micro_steps"  # client_state key: DeepSpeed does not save engine.micro_steps itself
 
 
 def worker_device(device: str) -> torch.device:
@@ -400,8 +398,6 @@ class DeepSpeedWorker:
         out.update({n: b.detach().float().cpu().clone() for n, b in persistent_buffers(self.module)})
         return out
 
-    # ---- checkpoints (trained roles; orlhf/checkpoint.py owns the folder around these) ----
-
     # ---- hybrid mode: give the device to the engines while they generate (--deepspeed_enable_sleep) ----
 
     def offload_states(self) -> bool:
@@ -419,71 +415,16 @@ class DeepSpeedWorker:
         return True
 
     def save_checkpoint(self, folder: str) -> None:
-        """Collective: write this model's training state into `folder` as a DeepSpeed checkpoint.
+        """Collective: this model's training state as a DeepSpeed checkpoint (workers/checkpoint_io.py)."""
+        from orlhf.workers.checkpoint_io import save_worker_checkpoint
 
-        `folder`/latest names the tag `global_step<N>`, whose files hold every rank's ZeRO partitions of parameters
-        and optimizer states (ZeRO-0: rank 0's full copy), the LR scheduler and DeepSpeed's step counters; each rank
-        adds its RNG states (rng_rank<r>.json/.safetensors). Returns on every rank after all ranks wrote.
-        """
-        import torch.distributed as dist
-
-        from orlhf.checkpoint import rng_state, save_state
-
-        engine = self._engine_for_checkpoints()
-        tag = f"global_step{engine.global_steps}"
-        engine.save_checkpoint(folder, tag=tag, client_state={_MICRO_STEPS: engine.micro_steps}, save_latest=True)
-        save_state(folder, f"rng_rank{self.rank}", rng_state())
-        if self.world_size > 1:
-            dist.barrier()
+        save_worker_checkpoint(self, folder)
 
     def load_checkpoint(self, folder: str) -> None:
-        """Collective: restore what save_checkpoint wrote, right after init() and before any other call (ZeRO-3
-        loads into the freshly partitioned model). Parameters, optimizer states, LR scheduler, DeepSpeed's step
-        counters and this rank's RNG come back, so training continues as if never stopped.
+        """Collective: restore save_checkpoint's folder, right after init() (workers/checkpoint_io.py)."""
+        from orlhf.workers.checkpoint_io import load_worker_checkpoint
 
-        Reads with torch.load(weights_only=True) only (see _engine_for_checkpoints).
-        """
-        from orlhf.checkpoint import CheckpointError, load_state, set_rng_state
-
-        ranks = len([f for f in os.listdir(folder) if re.fullmatch(r"rng_rank\d+\.json", f)]) \
-            if os.path.isdir(folder) else 0
-        if ranks != self.world_size:
-            raise CheckpointError(f"{folder}: written by {ranks} {self.cfg.role} ranks, this group has "
-                                  f"{self.world_size}; resume with the same number of {self.cfg.role} GPUs/ranks")
-        try:
-            with open(os.path.join(folder, "latest")) as f:
-                tag = f.read().strip()
-        except OSError as e:
-            raise CheckpointError(f"{folder}: no DeepSpeed checkpoint here ({e})") from e
-        engine = self._engine_for_checkpoints()
-        path, client = engine.load_checkpoint(folder, tag=tag, load_module_strict=True, load_optimizer_states=True,
-                                              load_lr_scheduler_states=True)
-        if path is None:  # DeepSpeed only warns when it finds nothing; a resume must not go on from scratch
-            raise CheckpointError(f"{folder}: DeepSpeed found no checkpoint under tag {tag!r}")
-        engine.micro_steps = int(client.get(_MICRO_STEPS, engine.micro_steps))
-        set_rng_state(load_state(folder, f"rng_rank{self.rank}"))
-        log.info("%s rank %d: resumed from %s (optimizer step %d)", self.cfg.role, self.rank, folder,
-                 engine.global_steps)
-
-    def _engine_for_checkpoints(self):
-        """The engine, with DeepSpeed's checkpoint I/O reading through torch.load(weights_only=True).
-
-        DeepSpeed 0.19.8's TorchCheckpointEngine.load calls torch.load(weights_only=False), which would run any
-        code pickled into a checkpoint file. Every file this engine reads goes through engine.checkpoint_engine,
-        so swapping it for a subclass whose load() is checkpoint.safe_torch_load makes the whole load safe; saving
-        is unchanged (the same torch.save).
-        """
-        if not self.cfg.trainable:
-            raise RuntimeError(f"{self.cfg.role} is frozen: it has no training state to checkpoint")
-        from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
-
-        current = self.engine.checkpoint_engine
-        if type(current) is TorchCheckpointEngine:
-            self.engine.checkpoint_engine = _safe_checkpoint_engine_cls()(self.engine._config)
-        elif type(current) is not _safe_checkpoint_engine_cls():
-            raise RuntimeError(f"unexpected DeepSpeed checkpoint engine {type(current).__name__}: orlhf loads "
-                               "checkpoints through TorchCheckpointEngine with weights_only=True only")
-        return self.engine
+        load_worker_checkpoint(self, folder)
 
 
 def persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -492,17 +433,3 @@ def persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         for name, buf in mod.named_buffers(recurse=False):
             if buf is not None and name not in mod._non_persistent_buffers_set:
                 yield (f"{mod_name}.{name}" if mod_name else name), buf
-
-
-@functools.lru_cache(maxsize=None)
-def _safe_checkpoint_engine_cls() -> type:
-    """DeepSpeed's TorchCheckpointEngine with load() = orlhf.checkpoint.safe_torch_load (weights_only=True)."""
-    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
-
-    from orlhf.checkpoint import safe_torch_load
-
-    class SafeLoadCheckpointEngine(TorchCheckpointEngine):
-        def load(self, path: str, map_location=None):
-            return safe_torch_load(path, map_location=map_location)
-
-    return SafeLoadCheckpointEngine

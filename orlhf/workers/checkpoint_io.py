@@ -1,0 +1,96 @@
+"""DeepSpeed checkpoint I/O of one worker (trained roles); orlhf/checkpoint.py owns the folder around it.
+
+Loading reads every file through torch.load(weights_only=True) only: see _engine_for_checkpoints.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import re
+
+log = logging.getLogger(__name__)
+_MICRO_STEPS = "orlhf_micro_steps"  # DeepSpeed does not save engine.micro_steps; kept in its client_state
+
+
+def save_worker_checkpoint(worker, folder: str) -> None:
+    """Collective: write this model's training state into `folder` as a DeepSpeed checkpoint.
+
+    `folder`/latest names the tag `global_step<N>`, whose files hold every rank's ZeRO partitions of parameters
+    and optimizer states (ZeRO-0: rank 0's full copy), the LR scheduler and DeepSpeed's step counters; each rank
+    adds its RNG states (rng_rank<r>.json/.safetensors). Returns on every rank after all ranks wrote.
+    """
+    import torch.distributed as dist
+
+    from orlhf.checkpoint import rng_state, save_state
+
+    engine = _engine_for_checkpoints(worker)
+    tag = f"global_step{engine.global_steps}"
+    engine.save_checkpoint(folder, tag=tag, client_state={_MICRO_STEPS: engine.micro_steps}, save_latest=True)
+    save_state(folder, f"rng_rank{worker.rank}", rng_state())
+    if worker.world_size > 1:
+        dist.barrier()
+
+def load_worker_checkpoint(worker, folder: str) -> None:
+    """Collective: restore what save_checkpoint wrote, right after init() and before any other call (ZeRO-3
+    loads into the freshly partitioned model). Parameters, optimizer states, LR scheduler, DeepSpeed's step
+    counters and this rank's RNG come back, so training continues as if never stopped.
+
+    Reads with torch.load(weights_only=True) only (see _engine_for_checkpoints).
+    """
+    from orlhf.checkpoint import CheckpointError, load_state, set_rng_state
+
+    ranks = len([f for f in os.listdir(folder) if re.fullmatch(r"rng_rank\d+\.json", f)]) \
+        if os.path.isdir(folder) else 0
+    if ranks != worker.world_size:
+        raise CheckpointError(f"{folder}: written by {ranks} {worker.cfg.role} ranks, this group has "
+                              f"{worker.world_size}; resume with the same number of {worker.cfg.role} GPUs/ranks")
+    try:
+        with open(os.path.join(folder, "latest")) as f:
+            tag = f.read().strip()
+    except OSError as e:
+        raise CheckpointError(f"{folder}: no DeepSpeed checkpoint here ({e})") from e
+    engine = _engine_for_checkpoints(worker)
+    path, client = engine.load_checkpoint(folder, tag=tag, load_module_strict=True, load_optimizer_states=True,
+                                          load_lr_scheduler_states=True)
+    if path is None:  # DeepSpeed only warns when it finds nothing; a resume must not go on from scratch
+        raise CheckpointError(f"{folder}: DeepSpeed found no checkpoint under tag {tag!r}")
+    engine.micro_steps = int(client.get(_MICRO_STEPS, engine.micro_steps))
+    set_rng_state(load_state(folder, f"rng_rank{worker.rank}"))
+    log.info("%s rank %d: resumed from %s (optimizer step %d)", worker.cfg.role, worker.rank, folder,
+             engine.global_steps)
+
+def _engine_for_checkpoints(worker):
+    """The engine, with DeepSpeed's checkpoint I/O reading through torch.load(weights_only=True).
+
+    DeepSpeed 0.19.8's TorchCheckpointEngine.load calls torch.load(weights_only=False), which would run any
+    code pickled into a checkpoint file. Every file this engine reads goes through engine.checkpoint_engine,
+    so swapping it for a subclass whose load() is checkpoint.safe_torch_load makes the whole load safe; saving
+    is unchanged (the same torch.save).
+    """
+    if not worker.cfg.trainable:
+        raise RuntimeError(f"{worker.cfg.role} is frozen: it has no training state to checkpoint")
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    current = worker.engine.checkpoint_engine
+    if type(current) is TorchCheckpointEngine:
+        worker.engine.checkpoint_engine = _safe_checkpoint_engine_cls()(worker.engine._config)
+    elif type(current) is not _safe_checkpoint_engine_cls():
+        raise RuntimeError(f"unexpected DeepSpeed checkpoint engine {type(current).__name__}: orlhf loads "
+                           "checkpoints through TorchCheckpointEngine with weights_only=True only")
+    return worker.engine
+
+
+@functools.lru_cache(maxsize=None)
+def _safe_checkpoint_engine_cls() -> type:
+    """DeepSpeed's TorchCheckpointEngine with load() = orlhf.checkpoint.safe_torch_load (weights_only=True)."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    from orlhf.checkpoint import safe_torch_load
+
+    class SafeLoadCheckpointEngine(TorchCheckpointEngine):
+        def load(self, path: str, map_location=None):
+            return safe_torch_load(path, map_location=map_location)
+
+    return SafeLoadCheckpointEngine
