@@ -4,7 +4,6 @@ One module-scoped set of groups (DeepSpeed start-up dominates): actor world size
 world size 2, on the placement groups that `plan_layout` builds from the flags.
 """
 
-import dataclasses
 import time
 
 import pytest

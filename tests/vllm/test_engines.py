@@ -116,8 +116,6 @@ def test_sync_after_train_step_gives_trainer_log_probs(rig, tmp_path):
 
 
 def test_dead_engine_is_named_and_leaves_no_process(rig):
-    import ray
-
     cfg, _, _, _, tok = rig
     group = EngineGroup(engine_config(cfg, "cpu"), [EngineBundles(None, [0], 0.0)], timeout_s=120)
     pid = group.call_all("pid")[0]
