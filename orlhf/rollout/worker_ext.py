@@ -6,11 +6,17 @@ Worker attributes must not be shadowed (`update_weights` is taken).
 
 Loading goes through `reload_weights(..., is_checkpoint_format=True)`, never model.load_weights: on CPU oneDNN
 repacks linear weights after the first load and a second load_weights fails (../shared/STACK.md). Each call
-must hold whole layers; the sender groups tensors so.
+must hold whole layers, so one sync is ONE reload_weights call fed by a generator that yields tensors as they
+arrive: vLLM processes each layer as soon as its last tensor is in. (One call per bucket also worked, but
+every call warned once per layer it did not hold, ~150 log lines per sync for a 12-layer model, and redid its
+whole-model set-up.) Buckets are the receive-ahead unit: under gloo, bucket k+1's broadcasts are posted
+(gloo runs them on its own threads) before bucket k is handed to vLLM, so the wire overlaps the reload; at
+most two buckets are held at once.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from datetime import timedelta
 
 import torch
@@ -44,18 +50,40 @@ class WeightSyncExtension:
         metas[i] = (hf_name, dtype, shape) in the sender's order; buckets = lists of indices into metas, each
         holding whole layers, in the order the sender broadcasts them.
         """
+        expected = sum(len(b) for b in buckets)
+        loaded = [0]
+        self.reload_weights(weights_iterator=self._orlhf_stream(metas, buckets, loaded), is_checkpoint_format=True)
+        if loaded[0] != expected:  # vLLM stopped early: the trainer would block on the rest
+            raise RuntimeError(f"vLLM's reload consumed {loaded[0]} of {expected} tensors")
+        return loaded[0]
+
+    def _orlhf_stream(self, metas: list[tuple[str, str, tuple]], buckets: list[list[int]], loaded: list[int]):
+        """Yield (name, tensor in the model dtype) in the sender's order; bucket k+1 is received while vLLM
+        loads bucket k (gloo only: NCCL broadcasts are already asynchronous on the stream)."""
         model_dtype = self.model_config.dtype
-        loaded = 0
-        for bucket in buckets:
-            weights = []
-            for i in bucket:
-                name, dtype, shape = metas[i]
-                t = torch.empty(tuple(shape), dtype=_DTYPES[dtype], device=self.device)
+        ahead = 1 if self._orlhf_backend == "gloo" else 0
+        posted = deque(self._orlhf_post(metas, b) for b in buckets[:ahead])
+        for k in range(len(buckets)):
+            if k + ahead < len(buckets):
+                posted.append(self._orlhf_post(metas, buckets[k + ahead]))
+            for name, t, work in posted.popleft():
+                if work is not None:
+                    work.wait()
+                loaded[0] += 1
+                yield name, (t.to(model_dtype) if t.dtype != model_dtype else t)
+
+    def _orlhf_post(self, metas: list[tuple[str, str, tuple]], bucket: list[int]) -> list:
+        """Start receiving one bucket: [(name, buffer, gloo work or None)]."""
+        out = []
+        for i in bucket:
+            name, dtype, shape = metas[i]
+            t = torch.empty(tuple(shape), dtype=_DTYPES[dtype], device=self.device)
+            if self._orlhf_backend == "nccl":
                 self._orlhf_broadcast(t)
-                weights.append((name, t.to(model_dtype) if t.dtype != model_dtype else t))
-            self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
-            loaded += len(weights)
-        return loaded
+                out.append((name, t, None))
+            else:
+                out.append((name, t, self._orlhf_comm.broadcast(t, 0)))
+        return out
 
     def orlhf_load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> int:
         """Load tensors handed over directly (same process / IPC-rebuilt). Whole layers per call."""
