@@ -144,7 +144,7 @@ def start_models(cfg: TrainConfig, placed, optimizer_steps: int, stack: ExitStac
     from orlhf.cluster import ActorGroup
     from orlhf.controller import Models
     from orlhf.rollout.engine import EngineGroup, engine_config
-    from orlhf.weight_sync import WeightSync
+    from orlhf.weight_sync import make_weight_sync
     from orlhf.workers import CriticWorker, PolicyWorker, ReferenceWorker, RewardWorker
 
     device, pl, timeout = cfg.runtime.device, cfg.placement, cfg.runtime.ray_timeout_s
@@ -162,7 +162,7 @@ def start_models(cfg: TrainConfig, placed, optimizer_steps: int, stack: ExitStac
     for call in [g.call_all_async("init") for g in groups.values()]:
         call.get()
     log.info("vllm engines: %d, pids %s", len(engines), engines.wait_ready())
-    sync = WeightSync(groups["actor"], engines, cfg.vllm.sync_backend, cfg.vllm.sync_bucket_mb, timeout)
+    sync = make_weight_sync(cfg, groups["actor"], engines)
     return Models(actor=groups["actor"], ref=groups["ref"], engines=engines, sync=sync,
                   critic=groups.get("critic"), reward=groups.get("reward"))
 

@@ -17,7 +17,9 @@ Invariants:
 - dtypes: the trainer sends its own dtype (fp32, or bf16 with --bf16); engines cast to theirs on receipt.
 - Backend: gloo on CPU (a stateless TCPStore + ProcessGroupGloo next to DeepSpeed's default group), NCCL on
   GPUs (vLLM's PyNcclCommunicator over a StatelessProcessGroup). Colocated on one GPU (--colocate_all_models),
-  CUDA IPC handles replace the broadcast: see send_ipc_handles / WeightSyncExtension.orlhf_load_ipc.
+  CUDA IPC handles replace the broadcast (IpcWeightSync): actor rank r and engine r // TP's worker r % TP sit on
+  the same GPU, so each rank hands its worker handles to its own gathered copy of each layer; the layer is
+  freed only after every engine of the step loaded it (a barrier). Per layer, so the extra memory is one layer.
 """
 
 from __future__ import annotations
@@ -147,3 +149,57 @@ class WeightSync:
         refs = actor_refs + engine_refs
         ranks = list(range(len(actor_refs))) + [f"engine {i}" for i in range(len(engine_refs))]
         self._wait(refs, ranks, "weight sync (actor / vllm engines)", what, self.timeout_s)
+
+
+def send_ipc(worker, engine, tp: int) -> int:
+    """Actor-rank side of IpcWeightSync (runs inside PolicyWorker.send_weights_ipc, every rank).
+
+    For each parameter group: all ranks gather it (collective), each clones its full copy and makes CUDA IPC
+    handles; the TP group's first rank collects its TP peers' handles and has its engine load them; a barrier
+    keeps every clone alive until all engines are done with the group.
+    """
+    import ray
+    import torch.distributed as dist
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    sent = 0
+    for group in worker.named_full_weights(to_cpu=False, copy=True, all_ranks=True):
+        handles = {name: reduce_tensor(t) for name, t in group}
+        gathered: list = [None] * worker.world_size
+        dist.all_gather_object(gathered, handles)
+        if worker.rank % tp == 0:
+            per_tp_rank = gathered[worker.rank:worker.rank + tp]
+            ray.get(engine.collective_rpc.remote("orlhf_load_ipc", ([n for n, _ in group], per_tp_rank)))
+        dist.barrier()
+        sent += len(group)
+    return sent
+
+
+class IpcWeightSync:
+    """Driver side for --colocate_all_models on GPUs: no broadcast, CUDA IPC handles on each shared GPU."""
+
+    def __init__(self, actor, engines, timeout_s: float = 600.0):
+        from orlhf.cluster import wait_all
+
+        self.actor, self.engines, self.timeout_s, self._wait = actor, engines, timeout_s, wait_all
+        tp = engines.cfg.tensor_parallel_size
+        if actor.world_size != len(engines) * tp:
+            raise ValueError(f"CUDA IPC sync needs one engine worker per actor rank ({actor.world_size} actor "
+                             f"ranks, {len(engines)} engines x TP {tp})")
+        refs = [a.call.remote("init_ipc_sync", engines.engines[r // tp], tp) for r, a in enumerate(actor.actors)]
+        self._wait(refs, list(range(actor.world_size)), "actor", "init_ipc_sync", timeout_s)
+        log.info("weight sync: CUDA IPC on %d shared GPUs", actor.world_size)
+
+    def sync(self, version: int) -> float:
+        t0 = time.perf_counter()
+        self.actor.call_all("send_weights_ipc")
+        self.engines.call_all("reset_prefix_cache")
+        self.engines.call_all("set_weight_version", version)
+        return time.perf_counter() - t0
+
+
+def make_weight_sync(cfg, actor, engines):
+    """CUDA IPC when every engine shares its GPUs with actor ranks, else a broadcast group (NCCL | gloo)."""
+    if cfg.placement.colocate_all_models and cfg.runtime.device == "cuda":
+        return IpcWeightSync(actor, engines, cfg.runtime.ray_timeout_s)
+    return WeightSync(actor, engines, cfg.vllm.sync_backend, cfg.vllm.sync_bucket_mb, cfg.runtime.ray_timeout_s)

@@ -85,6 +85,20 @@ class WeightSyncExtension:
                 out.append((name, t, self._orlhf_comm.broadcast(t, 0)))
         return out
 
+    def orlhf_load_ipc(self, names: list[str], handles_per_tp_rank: list[dict]) -> int:
+        """Load one group of whole layers from CUDA IPC handles made by the actor rank on this same GPU."""
+        handles = handles_per_tp_rank[self.rank]
+        model_dtype = self.model_config.dtype
+        weights = []
+        for name in names:
+            rebuild, args = handles[name]
+            args = list(args)
+            args[6] = self.device.index  # the sender's device index means the same GPU here, by our own index
+            t = rebuild(*args)
+            weights.append((name, t if t.dtype == model_dtype else t.to(model_dtype)))
+        self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+        return len(weights)
+
     def orlhf_load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> int:
         """Load tensors handed over directly (same process / IPC-rebuilt). Whole layers per call."""
         model_dtype = self.model_config.dtype

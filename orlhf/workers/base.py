@@ -365,8 +365,8 @@ class DeepSpeedWorker:
             groups.setdefault(match.group(1) if match else "", []).append((name, p))
         return [g for g in groups.values() if g]
 
-    def named_full_weights(self, to_cpu: bool = True,
-                           copy: bool = True) -> Iterator[list[tuple[str, Optional[torch.Tensor]]]]:
+    def named_full_weights(self, to_cpu: bool = True, copy: bool = True,
+                           all_ranks: bool = False) -> Iterator[list[tuple[str, Optional[torch.Tensor]]]]:
         """Yield the full weights one group at a time: a group is whole transformer blocks' worth of
         (hf_name, tensor) (one block per group, plus one group of embeddings / final norm / head).
 
@@ -375,6 +375,7 @@ class DeepSpeedWorker:
         other ranks get the same names with None tensors. Without ZeRO-3 every rank holds full weights, but the
         contract is the same (None off rank 0) so callers need no branch. copy=False yields the live (gathered)
         tensors, valid only until the generator resumes: for senders that use them at once (weight sync).
+        all_ranks=True gives every rank the full tensors (CUDA IPC sync: each GPU serves its own engine).
         """
         import deepspeed
 
@@ -382,7 +383,7 @@ class DeepSpeedWorker:
             params = [p for _, p in group]
             ctx = deepspeed.zero.GatheredParameters(params) if self.zero3 else nullcontext()
             with ctx:
-                if self.rank == 0:
+                if self.rank == 0 or all_ranks:
                     yield [(n, p.data.detach().to("cpu" if to_cpu else p.device, copy=copy)) for n, p in group]
                 else:
                     yield [(n, None) for n, _ in group]

@@ -148,6 +148,15 @@ class PolicyWorker(DeepSpeedWorker):
             raise RuntimeError("send_weights before init_weight_sender: the engines would wait forever")
         return send_groups(sender, self.named_full_weights(to_cpu=False, copy=False), expected)
 
+    def init_ipc_sync(self, engine, tp: int) -> None:
+        """Colocated on GPUs: remember this rank's engine (the one sharing its GPU) for send_weights_ipc."""
+        self._ipc_engine, self._ipc_tp = engine, tp
+
+    def send_weights_ipc(self) -> int:
+        from orlhf.weight_sync import send_ipc
+
+        return send_ipc(self, self._ipc_engine, self._ipc_tp)
+
     def save_hf(self, out_dir: str) -> None:
         """Write an HF folder (weights in the module dtype, config, tokenizer) that transformers and vLLM load.
 
