@@ -1,0 +1,538 @@
+"""PPO throughput: the DeepSpeed-Chat-style hybrid baseline against orlhf's modes, same flags, one invocation.
+
+    settings (+ --preset) -> ONE flag list, given to every mode (model, prompts, reward, batch sizes, lengths, LRs)
+    for repeat: for mode:                 interleaved, so machine-load drift hits every mode alike
+        hybrid        benchmarks/hybrid_engine_baseline.py FLAGS [--hybrid_flags: --world_size --gather ...]
+        hybrid_ws2    the same with --world_size 2 --threads 1 (two SPMD ranks: on 2 cores, one per core)
+        split         orlhf train-ppo FLAGS                       (one device per role + one vLLM engine)
+        colocate      orlhf train-ppo FLAGS --colocate_actor_ref [--colocate_critic_reward with an RM]
+        colocate_all  orlhf train-ppo FLAGS --colocate_all_models (models and engine share the actor's devices)
+        async         orlhf train-ppo FLAGS --async_train         (only where the controller supports it)
+      each a subprocess with <out>/<mode>-r<k>/ as --save_path; while it runs a sampler thread sums the RSS of
+      its process tree per group (driver, ray::RankActor, ray::EngineActor, hybrid ranks, Ray system, ...)
+      every 0.25 s and keeps each group's peak, and notes when each metrics.jsonl row appears
+    -> per mode: the rows after --warmup: samples/s = sum(samples) / sum(step_s); seconds per phase
+       (timing/<phase>, averaged per step); the median over repeats; speedup_vs_hybrid = samples/s / hybrid's,
+       speedup_vs_best_hybrid against the faster of hybrid and hybrid_ws2
+    -> a table, <out>/ppo_throughput.png, and one final JSON line with every figure
+
+Steps: --max_samples = rollout_batch_size x (warmup + steps) and --num_episodes 1, so each run makes exactly
+warmup + steps PPO steps on the same prompts in the same order. Start-up (Ray, vLLM, DeepSpeed) is not counted.
+wall_samples_per_s is a check from outside: measured samples over the time between the arrival of the last
+warm-up row and the last row (it holds for async mode, where a step's own timings overlap).
+
+On CPU every "GPU" is a Ray CPU slot, so colocation only changes placement bookkeeping: all processes share the
+same cores either way, and other jobs on the machine show up in every number (see load_avg in the JSON).
+
+Reproduce (2-core CPU box; ~4 min for the defaults, ~11 min with --repeats 3; gen_heavy ~2.5x that):
+    .venv/bin/python benchmarks/ppo_throughput.py --repeats 3
+    .venv/bin/python benchmarks/ppo_throughput.py --preset gen_heavy --repeats 2
+    .venv/bin/python benchmarks/ppo_throughput.py --hidden 512 --layers 4 --modes hybrid,split
+One GPU node (8 GPUs; DeepSpeed-Chat on all 8, orlhf split 2 actor + 2 critic + 2 ref + 2 engines):
+    python benchmarks/ppo_throughput.py --device cuda --modes hybrid,split,colocate_all \\
+        --pretrain MODEL --generate_max_len 512 --rollout_batch_size 256 --common_flags "--bf16" \\
+        --hybrid_flags "--world_size 8 --hybrid_engine --adam_offload --ref_reward_offload" \\
+        --orlhf_flags "--actor_num_gpus_per_node 2 --critic_num_gpus_per_node 2 --ref_num_gpus_per_node 2 \\
+                       --vllm_num_engines 2" --colocate_all_flags "--actor_num_gpus_per_node 8 \\
+                       --critic_num_gpus_per_node 8 --ref_num_gpus_per_node 8 --vllm_num_engines 8"
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from orlhf import config as C  # noqa: E402
+
+MODES = ("hybrid", "hybrid_ws2", "split", "colocate", "colocate_all", "async")
+# hybrid_ws2: the baseline as 2 SPMD ranks of 1 thread each. On a 2-core box that is DeepSpeed-Chat using both
+# "devices", like orlhf's processes do; plain hybrid is one process using both cores through torch threads.
+HYBRID_WS2 = ["--world_size", "2", "--threads", "1"]
+PHASES = ("generate", "score", "make_experience", "train", "sync")
+# Regimes. default: the demo's preset (24 new tokens). gen_heavy: long responses to short prompts, as in real
+# RLHF, where generation dominates a step.
+PRESETS = {"default": {}, "gen_heavy": {"generate_max_len": 256, "prompt_max_len": 64}}
+
+
+def log(msg: str) -> None:
+    print(f"[ppo_throughput] {msg}", file=sys.stderr, flush=True)
+
+
+# ---- settings -> one flag list --------------------------------------------------------------------------------
+
+
+def build_model(out: Path, hidden: int, layers: int, max_len: int) -> Path:
+    """A random Llama of the given size with the demo's tokenizer (cached under <out>/models)."""
+    path = out / "models" / f"llama-h{hidden}-l{layers}"
+    if (path / "config.json").exists():
+        return path
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from orlhf.demo import ensure_demo
+
+    tok = AutoTokenizer.from_pretrained(ensure_demo().model)
+    heads = max(1, hidden // (32 if hidden <= 256 else 64))
+    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=max(512, max_len),
+                      vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    gen = model.generation_config
+    gen.bos_token_id, gen.eos_token_id, gen.pad_token_id = tok.bos_token_id, tok.eos_token_id, tok.pad_token_id
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    log(f"built {path}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params")
+    return path
+
+
+def common_values(args) -> dict:
+    """Every train-ppo flag both sides get, all explicit (the demo preset spelled out, so a --pretrain model
+    gets the same settings as the demo would)."""
+    from orlhf.demo import ensure_demo
+
+    demo = ensure_demo()
+    values = {k: v for k, v in C.DEMO_PRESET.items() if k != "num_episodes"}
+    values.update(PRESETS[args.preset])
+    for k in ("prompt_max_len", "generate_max_len", "rollout_batch_size", "n_samples_per_prompt",
+              "train_batch_size", "micro_train_batch_size", "micro_rollout_batch_size", "advantage_estimator", "seed"):
+        if getattr(args, k) is not None:
+            values[k] = getattr(args, k)
+    model = args.pretrain or str(demo.model)
+    if args.pretrain is None and args.hidden is not None:
+        max_len = values["prompt_max_len"] + values["generate_max_len"]
+        model = str(build_model(Path(args.out), args.hidden, args.layers, max_len))
+    device = args.device
+    if device == "auto":  # resolved here so the JSON says what ran; both sides would resolve it the same way
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    values.update(pretrain=model, prompt_data=args.prompt_data or str(demo.prompts), device=device,
+                  num_episodes=1, max_samples=values["rollout_batch_size"] * (args.warmup + args.steps))
+    if args.reward_pretrain:
+        values["reward_pretrain"] = args.reward_pretrain
+    else:
+        values["remote_rm_url"] = args.remote_rm_url or str(demo.reward_fn)
+    return values
+
+
+def model_name(path: str) -> str:
+    p = Path(path)
+    return p.parent.name if p.name == "model" else p.name  # the demo's folder is <cache>/demo-v1/model
+
+
+def to_argv(values: dict) -> list[str]:
+    argv = []
+    for k, v in values.items():
+        if isinstance(v, bool):
+            argv += [f"--{k}"] if v else []
+        elif isinstance(v, (list, tuple)):
+            argv += [f"--{k}", *map(str, v)]
+        elif v is not None:
+            argv += [f"--{k}", str(v)]
+    return argv
+
+
+def async_support() -> Optional[str]:
+    """None when --async_train can run, else why not: the flag must exist and something besides the config,
+    validation and CLI must read it (the controller / entry)."""
+    if "async_train" not in {f.name for f in dataclasses.fields(C.PPOConfig)}:
+        return "build_config has no --async_train flag"
+    readers = [p.name for p in (ROOT / "orlhf").rglob("*.py")
+               if p.name not in ("config.py", "validation.py", "cli.py", "plan.py") and "async_train" in p.read_text()]
+    return None if readers else "--async_train is accepted, but no orlhf module reads it yet (controller pending)"
+
+
+def mode_argv(mode: str, values: dict, args) -> tuple[list[str], Optional[str]]:
+    """(command, None), or ([], why the mode is skipped). orlhf's own validation runs in the subprocess: an
+    invalid combination exits 2 before anything starts and is reported as skipped with orlhf's message."""
+    common = shlex.split(args.common_flags)
+    if mode in ("hybrid", "hybrid_ws2"):
+        return [sys.executable, str(ROOT / "benchmarks" / "hybrid_engine_baseline.py"), *to_argv(values), *common,
+                *shlex.split(args.hybrid_flags), *(HYBRID_WS2 if mode == "hybrid_ws2" else [])], None
+    if mode == "async" and (why := async_support()):
+        return [], why
+    extra = {"split": [], "colocate": ["--colocate_actor_ref"] + (["--colocate_critic_reward"]
+                                                                 if values.get("reward_pretrain") else []),
+             "colocate_all": ["--colocate_all_models"], "async": ["--async_train"]}[mode]
+    own = args.colocate_all_flags if mode == "colocate_all" and args.colocate_all_flags else args.orlhf_flags
+    return [sys.executable, "-m", "orlhf.cli", "train-ppo", *to_argv(values), *common, *shlex.split(own),
+            *extra], None
+
+
+# ---- one run: a subprocess, its process tree's memory, its metrics rows ----------------------------------------
+
+
+# RSS groups, in table order. Ray's own actors (IDLE workers, dashboard and runtime-env agents) count as Ray system.
+RSS_GROUPS = ("driver", "RankActor", "EngineActor", "hybrid ranks", "ray system", "other")
+_RAY_SYSTEM = re.compile(r"gcs_server|raylet|dashboard|log_monitor|monitor\.py|runtime_env|ray/_private")
+
+
+def rss_group(pid: int, cmd: list[str], root_pid: int) -> str:
+    """Which group a process of the run's tree counts under: by Ray actor class, else by command line."""
+    if pid == root_pid:
+        return "driver"  # orlhf's controller; the hybrid baseline's only rank with --world_size 1
+    head = cmd[0] if cmd else ""
+    if head.startswith("ray::"):  # Ray's process titles: ray::RankActor, ray::EngineActor.generate, ray::IDLE
+        cls = re.split(r"[.\s(]", head[5:], maxsplit=1)[0]
+        return cls if cls in ("RankActor", "EngineActor") else "ray system"
+    text = " ".join(cmd)
+    if "spawn_main" in text:
+        return "hybrid ranks"  # torch.multiprocessing ranks of the baseline (--world_size > 1)
+    return "ray system" if _RAY_SYSTEM.search(text) else "other"
+
+
+class TreeSampler(threading.Thread):
+    """Peak RSS per group (the peak of each group's sum, sampled every `every` s) and metrics-row arrival times."""
+
+    def __init__(self, pid: int, metrics: Path, every: float = 0.25):
+        super().__init__(daemon=True)
+        self.pid, self.metrics, self.every = pid, metrics, every
+        self.peak: dict[str, float] = {}  # group -> bytes
+        self.procs: dict[str, int] = {}  # group -> most processes seen at once
+        self.peak_total = 0.0
+        self.other: tuple[float, str] = (0.0, "")  # the largest "other" process seen: (RSS, command line)
+        self.row_times: list[float] = []
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        import psutil
+
+        try:
+            root = psutil.Process(self.pid)
+        except psutil.NoSuchProcess:
+            return
+        next_rss = 0.0
+        while not self.done.is_set():
+            now = time.monotonic()
+            if self.metrics.exists():
+                with open(self.metrics) as f:
+                    n = sum(1 for line in f if line.strip())
+                self.row_times += [now] * (n - len(self.row_times))
+            if now >= next_rss:
+                next_rss = now + self.every
+                self.sample(root, psutil)
+            self.done.wait(0.05)
+
+    def sample(self, root, psutil) -> None:
+        sums: dict[str, float] = {}
+        counts: dict[str, int] = {}
+        try:
+            procs = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return
+        cmds = {}
+        for p in procs:
+            try:
+                cmds[p.pid] = (p.ppid(), p.cmdline())
+            except psutil.Error:
+                continue
+        for p in procs:
+            if p.pid not in cmds:
+                continue
+            ppid, cmd = cmds[p.pid]
+            if ppid in cmds and cmds[ppid][1] == cmd:
+                continue  # a fork not yet exec'd (e.g. a subprocess being started): its pages are its parent's
+            try:
+                group, rss = rss_group(p.pid, cmd, self.pid), p.memory_info().rss
+            except psutil.Error:
+                continue
+            sums[group] = sums.get(group, 0.0) + rss
+            if group == "other" and rss > self.other[0]:
+                self.other = (rss, " ".join(cmd)[:120])
+            counts[group] = counts.get(group, 0) + 1
+        for g, v in sums.items():
+            self.peak[g] = max(self.peak.get(g, 0.0), v)
+            self.procs[g] = max(self.procs.get(g, 0), counts[g])
+        self.peak_total = max(self.peak_total, sum(sums.values()))
+
+
+def kill_tree(pid: int) -> None:
+    """The run's own processes, by id: children first collected, then terminated, then killed if still there."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return
+    for p in procs:
+        try:
+            p.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=10)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+
+
+def run_once(mode: str, cmd: list[str], save: Path, warmup: int, timeout: float) -> dict:
+    """Run one mode; returns its figures, or {"error": ...} / {"skipped": ...}."""
+    import shutil
+
+    shutil.rmtree(save, ignore_errors=True)
+    save.mkdir(parents=True)
+    cmd = [*cmd, "--save_path", str(save)]
+    (save / "cmd.txt").write_text(shlex.join(cmd) + "\n")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # each orlhf run starts its own Ray
+    env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", WANDB_MODE="offline")
+    t0 = time.monotonic()
+    with open(save / "run.log", "w") as logf:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT, env=env)
+        sampler = TreeSampler(proc.pid, save / "metrics.jsonl")
+        sampler.start()
+        try:
+            rc = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            kill_tree(proc.pid)
+            rc = proc.wait()
+            rc = f"timed out after {timeout:.0f} s"
+        finally:
+            sampler.done.set()
+            sampler.join()
+    wall = time.monotonic() - t0
+    text = (save / "run.log").read_text(errors="replace")
+    if rc == 2 and "problem(s) with the flags" in text:  # orlhf's validation refused the mode's flags
+        return {"skipped": " ".join(line.strip(" -") for line in text.splitlines() if line.startswith("  - "))}
+    if rc != 0:
+        return {"error": f"exit {rc}; see {save / 'run.log'}: " + " | ".join(text.strip().splitlines()[-6:])}
+    rows = [json.loads(line) for line in open(save / "metrics.jsonl") if line.strip()]
+    return summarize_rows(rows, sampler, warmup, wall, t0)
+
+
+def summarize_rows(rows: list[dict], sampler: TreeSampler, warmup: int, wall: float, t0: float) -> dict:
+    measured = rows[warmup:]
+    if not measured:
+        return {"error": f"{len(rows)} metrics rows, none after {warmup} warm-up steps"}
+    samples, seconds = sum(r["samples"] for r in measured), sum(r["step_s"] for r in measured)
+    tokens = sum(r["samples"] * r["response_length"] for r in measured)  # sampled lengths differ a little by side
+    phases = sorted({k[7:] for r in measured for k in r if k.startswith("timing/")})
+    times = sampler.row_times
+    wall_sps = (samples / (times[-1] - times[warmup - 1]) if warmup >= 1 and len(times) == len(rows)
+                and times[-1] > times[warmup - 1] else None)
+    return {
+        "samples_per_s": samples / seconds, "wall_samples_per_s": wall_sps, "step_s": seconds / len(measured),
+        "response_tokens_per_s": tokens / seconds,
+        "phases": {p: statistics.fmean(r.get(f"timing/{p}", 0.0) for r in measured) for p in phases},
+        "steps_measured": len(measured), "samples_per_step": measured[0]["samples"],
+        "response_length": statistics.fmean(r["response_length"] for r in measured),
+        "rewards": [round(r["reward_mean"], 4) for r in rows],  # every step, warm-up included
+        "startup_s": (times[0] - t0 - rows[0]["step_s"]) if times else None, "wall_s": wall,
+        "peak_rss_gb": {g: round(sampler.peak[g] / 2**30, 3) for g in RSS_GROUPS if g in sampler.peak},
+        "processes": {g: sampler.procs[g] for g in RSS_GROUPS if g in sampler.procs},
+        "peak_rss_total_gb": round(sampler.peak_total / 2**30, 3),
+        "largest_other_process": sampler.other[1] or None,
+    }
+
+
+def combine(runs: list[dict]) -> dict:
+    """Repeats of one mode -> medians (throughput, phases), max (memory); every repeat's samples/s kept."""
+    med = statistics.median
+    out = dict(runs[len(runs) // 2])  # non-numeric fields from one run (rewards of the median-ish repeat)
+    out["samples_per_s"] = med(r["samples_per_s"] for r in runs)
+    walls = [r["wall_samples_per_s"] for r in runs if r["wall_samples_per_s"] is not None]
+    out["wall_samples_per_s"] = med(walls) if walls else None
+    out["step_s"] = med(r["step_s"] for r in runs)
+    out["response_tokens_per_s"] = med(r["response_tokens_per_s"] for r in runs)
+    out["phases"] = {p: med(r["phases"].get(p, 0.0) for r in runs) for p in runs[0]["phases"]}
+    groups = [g for g in RSS_GROUPS if any(g in r["peak_rss_gb"] for r in runs)]
+    out["peak_rss_gb"] = {g: max(r["peak_rss_gb"].get(g, 0.0) for r in runs) for g in groups}
+    out["processes"] = {g: max(r["processes"].get(g, 0) for r in runs) for g in groups}
+    out["peak_rss_total_gb"] = max(r["peak_rss_total_gb"] for r in runs)
+    out["samples_per_s_runs"] = [round(r["samples_per_s"], 3) for r in runs]
+    return out
+
+
+# ---- report ----------------------------------------------------------------------------------------------------
+
+def markdown(rows: list[list[str]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in rows]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
+
+
+def tables(results: dict, speedup: dict) -> str:
+    """Speed and phases (seconds per step, averaged over measured steps), then peak RSS per process group."""
+    speed = [["mode", "samples/s", "vs hybrid", "wall samples/s", "resp tokens/s", "step s", *PHASES, "start-up s",
+              "reward first -> last step"]]
+    for mode, r in results.items():
+        wall = r["wall_samples_per_s"]
+        speed.append([mode, f"{r['samples_per_s']:.1f}", f"{speedup[mode]:.2f}x", f"{wall:.1f}" if wall else "-",
+                      f"{r['response_tokens_per_s']:.0f}", f"{r['step_s']:.2f}", *(f"{r['phases'][p]:.2f}" if p in r["phases"] else "-" for p in PHASES),
+                      f"{r['startup_s']:.0f}" if r["startup_s"] is not None else "-",
+                      f"{r['rewards'][0]:.3f} -> {r['rewards'][-1]:.3f}"])
+    memory = [["mode", "total GiB", *(f"{g} GiB (procs)" for g in RSS_GROUPS)]]
+    for mode, r in results.items():
+        memory.append([mode, f"{r['peak_rss_total_gb']:.2f}", *(
+            f"{r['peak_rss_gb'][g]:.2f} ({r['processes'][g]})" if g in r["peak_rss_gb"] else "-" for g in RSS_GROUPS)])
+    return markdown(speed) + "\n\npeak RSS, summed per group (the peak of each group's sum over the run):\n" + \
+        markdown(memory)
+
+
+def plot(results: dict, speedup: dict, out: Path, title: str) -> Optional[Path]:
+    """Throughput (bars: median, whiskers: min..max over repeats), seconds per phase, peak RSS."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    modes = list(results)
+    x = range(len(modes))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    ax = axes[0]
+    sps = [results[m]["samples_per_s"] for m in modes]
+    runs = [results[m]["samples_per_s_runs"] for m in modes]
+    err = [[s - min(r) for s, r in zip(sps, runs)], [max(r) - s for s, r in zip(sps, runs)]]
+    bars = ax.bar(x, sps, yerr=err, capsize=4, color="#4c72b0")
+    for b, m in zip(bars, modes):
+        ax.annotate(f"{speedup[m]:.2f}x", (b.get_x() + b.get_width() / 2, 0), ha="center", va="bottom",
+                    color="white", fontweight="bold")
+    ax.set_title("samples/s (median; whiskers: min..max of repeats)")
+    ax = axes[1]
+    bottom = [0.0] * len(modes)
+    colors = dict(zip(PHASES, ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3")))
+    for p in PHASES:
+        h = [results[m]["phases"].get(p, 0.0) for m in modes]
+        hatch = ["//" if (m == "async" and p == "generate") else "" for m in modes]
+        for i in x:
+            ax.bar(i, h[i], bottom=bottom[i], color=colors[p], hatch=hatch[i], label=p if i == 0 else None)
+        bottom = [a + b for a, b in zip(bottom, h)]
+    ax.scatter(list(x), [results[m]["step_s"] for m in modes], marker="_", s=900, color="black", zorder=3,
+               label="step (wall)")
+    ax.set_title("seconds per step by phase (async: generate overlaps, hatched)")
+    ax.legend(fontsize=7, ncol=2)
+    ax = axes[2]
+    ax.bar(x, [results[m]["peak_rss_total_gb"] for m in modes], color="#dd8452")
+    ax.set_title("peak RSS of each run's process tree (GiB)")
+    for a in axes:
+        a.set_xticks(list(x), modes, rotation=20)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path = out / "ppo_throughput.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ---- main ------------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--modes", default="hybrid,hybrid_ws2,split,colocate_all,async",
+                   help=f"comma-separated, from {MODES}")
+    p.add_argument("--warmup", type=int, default=2, help="steps run and dropped before measuring")
+    p.add_argument("--steps", type=int, default=5, help="measured steps per run")
+    p.add_argument("--repeats", type=int, default=1, help="runs per mode, interleaved; medians reported")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="default")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--out", default=str(ROOT / "runs" / "ppo_throughput"), help="run folders, logs, the PNG")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per run before it is killed")
+    g = p.add_argument_group("model and data (default: the built-in demo)")
+    g.add_argument("--pretrain", default=None, help="HF model folder (actor, ref, critic init)")
+    g.add_argument("--hidden", type=int, default=None, help="build a random Llama of this width (demo tokenizer)")
+    g.add_argument("--layers", type=int, default=2, help="its layers (with --hidden)")
+    g.add_argument("--prompt_data", default=None)
+    g.add_argument("--remote_rm_url", default=None, help="reward function file / URL (default: the demo's)")
+    g.add_argument("--reward_pretrain", default=None, help="a reward model instead of the function")
+    g = p.add_argument_group("PPO settings (default: the demo preset, then --preset)")
+    for k, t in (("prompt_max_len", int), ("generate_max_len", int), ("rollout_batch_size", int),
+                 ("n_samples_per_prompt", int), ("train_batch_size", int), ("micro_train_batch_size", int),
+                 ("micro_rollout_batch_size", int), ("advantage_estimator", str), ("seed", int)):
+        g.add_argument(f"--{k}", type=t, default=None)
+    g = p.add_argument_group("extra flags, as one quoted string each (later flags win)")
+    g.add_argument("--common_flags", default="", help="train-ppo flags for every mode, e.g. '--bf16'")
+    g.add_argument("--hybrid_flags", default="", help="the baseline's, e.g. '--world_size 2 --threads 1'")
+    g.add_argument("--orlhf_flags", default="", help="orlhf modes', e.g. '--actor_num_gpus_per_node 2'")
+    g.add_argument("--colocate_all_flags", default="", help="colocate_all's instead of --orlhf_flags")
+    args = p.parse_args(argv)
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in args.modes if m not in MODES]
+    if bad or "hybrid" not in args.modes:
+        p.error(f"--modes: unknown {bad}" if bad else "--modes must include hybrid (the reference for speed-ups)")
+    if args.warmup < 1 or args.steps < 1:
+        p.error("--warmup and --steps must be >= 1 (the first step pays one-off costs)")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    values = common_values(args)
+    load_start = os.getloadavg()
+    log(f"settings: {shlex.join(to_argv(values))}")
+    runs: dict[str, list[dict]] = {m: [] for m in args.modes}
+    skipped: dict[str, str] = {}
+    failed: dict[str, str] = {}
+    for k in range(args.repeats):
+        for mode in args.modes:
+            if mode in skipped or mode in failed:
+                continue
+            cmd, why = mode_argv(mode, values, args)
+            if why:
+                skipped[mode] = why
+                log(f"{mode}: skipped ({why})")
+                continue
+            log(f"{mode} (repeat {k + 1}/{args.repeats}): running")
+            r = run_once(mode, cmd, out / f"{mode}-r{k}", args.warmup, args.timeout)
+            if "skipped" in r or "error" in r:
+                (skipped if "skipped" in r else failed)[mode] = r.get("skipped") or r["error"]
+                log(f"{mode}: {'skipped' if 'skipped' in r else 'FAILED'}: {r.get('skipped') or r['error']}")
+                continue
+            runs[mode].append(r)
+            log(f"{mode}: {r['samples_per_s']:.1f} samples/s, {r['step_s']:.2f} s/step, start-up "
+                f"{r['startup_s'] or 0:.0f} s, rewards {r['rewards']}")
+    results = {m: combine(rs) for m, rs in runs.items() if rs}
+    if "hybrid" not in results:
+        raise SystemExit(f"the hybrid baseline did not run: {failed.get('hybrid') or skipped.get('hybrid')}")
+    base = results["hybrid"]["samples_per_s"]
+    speedup = {m: r["samples_per_s"] / base for m, r in results.items()}
+    best = max(r["samples_per_s"] for m, r in results.items() if m.startswith("hybrid"))
+    title = (f"{values['rollout_batch_size'] * values.get('n_samples_per_prompt', 1)} samples/step, prompt<="
+             f"{values['prompt_max_len']}, gen<={values['generate_max_len']}, model {model_name(values['pretrain'])}, "
+             f"{args.steps} steps after {args.warmup} warm-up, median of {args.repeats}")
+    print(title)
+    print(tables(results, speedup))
+    if "async" in results:
+        print("async: generate runs beside score/train (its seconds are not on the step's critical path); step s "
+              "is the wall time between step ends")
+    for mode, why in {**skipped, **failed}.items():
+        print(f"{mode}: {'skipped' if mode in skipped else 'FAILED'}: {why}")
+    png = plot(results, speedup, out, title)
+    print(json.dumps({
+        "benchmark": "ppo_throughput", "preset": args.preset, "device": values["device"], "flags": values,
+        "warmup": args.warmup, "steps": args.steps, "repeats": args.repeats, "modes": results,
+        "speedup_vs_hybrid": {m: round(s, 3) for m, s in speedup.items()},
+        "speedup_vs_best_hybrid": {m: round(r["samples_per_s"] / best, 3) for m, r in results.items()},
+        "skipped": skipped, "failed": failed,
+        "load_avg_start": [round(x, 2) for x in load_start], "load_avg_end": [round(x, 2) for x in os.getloadavg()],
+        "cpu_count": os.cpu_count(), "png": str(png) if png else None,
+    }))
+
+
+if __name__ == "__main__":
+    main()
