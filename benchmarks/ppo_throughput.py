@@ -8,7 +8,7 @@
         colocate      orlhf train-ppo FLAGS --colocate_actor_ref [--colocate_critic_reward with an RM]
         colocate_all  orlhf train-ppo FLAGS --colocate_all_models (models and engine share the actor's devices)
         async         orlhf train-ppo FLAGS --async_train         (only where the controller supports it)
-      each a subprocess with <out>/<mode>-r<k>/ as --save_path; while it runs a sampler thread sums the RSS of
+      each a subprocess with <out>/<mode>-r<k>/ as --save_path; while it runs proctree.TreeSampler sums the RSS of
       its process tree per group (driver, ray::RankActor, ray::EngineActor, hybrid ranks, Ray system, ...)
       every 0.25 s and keeps each group's peak, and notes when each metrics.jsonl row appears
     -> per mode: the rows after --warmup: samples/s = sum(samples) / sum(step_s); seconds per phase
@@ -43,12 +43,10 @@ import argparse
 import dataclasses
 import json
 import os
-import re
 import shlex
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Optional
@@ -58,6 +56,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from orlhf import config as C  # noqa: E402
+from proctree import RSS_GROUPS, TreeSampler, kill_tree  # noqa: E402  (benchmarks/proctree.py)
 
 MODES = ("hybrid", "hybrid_ws2", "split", "colocate", "colocate_all", "async")
 # hybrid_ws2: the baseline as 2 SPMD ranks of 1 thread each. On a 2-core box that is DeepSpeed-Chat using both
@@ -179,112 +178,6 @@ def mode_argv(mode: str, values: dict, args) -> tuple[list[str], Optional[str]]:
 # ---- one run: a subprocess, its process tree's memory, its metrics rows ----------------------------------------
 
 
-# RSS groups, in table order. Ray's own actors (IDLE workers, dashboard and runtime-env agents) count as Ray system.
-RSS_GROUPS = ("driver", "RankActor", "EngineActor", "hybrid ranks", "ray system", "other")
-_RAY_SYSTEM = re.compile(r"gcs_server|raylet|dashboard|log_monitor|monitor\.py|runtime_env|ray/_private")
-
-
-def rss_group(pid: int, cmd: list[str], root_pid: int) -> str:
-    """Which group a process of the run's tree counts under: by Ray actor class, else by command line."""
-    if pid == root_pid:
-        return "driver"  # orlhf's controller; the hybrid baseline's only rank with --world_size 1
-    head = cmd[0] if cmd else ""
-    if head.startswith("ray::"):  # Ray's process titles: ray::RankActor, ray::EngineActor.generate, ray::IDLE
-        cls = re.split(r"[.\s(]", head[5:], maxsplit=1)[0]
-        return cls if cls in ("RankActor", "EngineActor") else "ray system"
-    text = " ".join(cmd)
-    if "spawn_main" in text:
-        return "hybrid ranks"  # torch.multiprocessing ranks of the baseline (--world_size > 1)
-    return "ray system" if _RAY_SYSTEM.search(text) else "other"
-
-
-class TreeSampler(threading.Thread):
-    """Peak RSS per group (the peak of each group's sum, sampled every `every` s) and metrics-row arrival times."""
-
-    def __init__(self, pid: int, metrics: Path, every: float = 0.25):
-        super().__init__(daemon=True)
-        self.pid, self.metrics, self.every = pid, metrics, every
-        self.peak: dict[str, float] = {}  # group -> bytes
-        self.procs: dict[str, int] = {}  # group -> most processes seen at once
-        self.peak_total = 0.0
-        self.other: tuple[float, str] = (0.0, "")  # the largest "other" process seen: (RSS, command line)
-        self.row_times: list[float] = []
-        self.done = threading.Event()
-
-    def run(self) -> None:
-        import psutil
-
-        try:
-            root = psutil.Process(self.pid)
-        except psutil.NoSuchProcess:
-            return
-        next_rss = 0.0
-        while not self.done.is_set():
-            now = time.monotonic()
-            if self.metrics.exists():
-                with open(self.metrics) as f:
-                    n = sum(1 for line in f if line.strip())
-                self.row_times += [now] * (n - len(self.row_times))
-            if now >= next_rss:
-                next_rss = now + self.every
-                self.sample(root, psutil)
-            self.done.wait(0.05)
-
-    def sample(self, root, psutil) -> None:
-        sums: dict[str, float] = {}
-        counts: dict[str, int] = {}
-        try:
-            procs = [root, *root.children(recursive=True)]
-        except psutil.Error:
-            return
-        cmds = {}
-        for p in procs:
-            try:
-                cmds[p.pid] = (p.ppid(), p.cmdline())
-            except psutil.Error:
-                continue
-        for p in procs:
-            if p.pid not in cmds:
-                continue
-            ppid, cmd = cmds[p.pid]
-            if ppid in cmds and cmds[ppid][1] == cmd:
-                continue  # a fork not yet exec'd (e.g. a subprocess being started): its pages are its parent's
-            try:
-                group, rss = rss_group(p.pid, cmd, self.pid), p.memory_info().rss
-            except psutil.Error:
-                continue
-            sums[group] = sums.get(group, 0.0) + rss
-            if group == "other" and rss > self.other[0]:
-                self.other = (rss, " ".join(cmd)[:120])
-            counts[group] = counts.get(group, 0) + 1
-        for g, v in sums.items():
-            self.peak[g] = max(self.peak.get(g, 0.0), v)
-            self.procs[g] = max(self.procs.get(g, 0), counts[g])
-        self.peak_total = max(self.peak_total, sum(sums.values()))
-
-
-def kill_tree(pid: int) -> None:
-    """The run's own processes, by id: children first collected, then terminated, then killed if still there."""
-    import psutil
-
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return
-    for p in procs:
-        try:
-            p.terminate()
-        except psutil.Error:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=10)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-
-
 def run_once(mode: str, cmd: list[str], save: Path, warmup: int, timeout: float) -> dict:
     """Run one mode; returns its figures, or {"error": ...} / {"skipped": ...}."""
     import shutil
@@ -378,7 +271,8 @@ def tables(results: dict, speedup: dict) -> str:
     for mode, r in results.items():
         wall = r["wall_samples_per_s"]
         speed.append([mode, f"{r['samples_per_s']:.1f}", f"{speedup[mode]:.2f}x", f"{wall:.1f}" if wall else "-",
-                      f"{r['response_tokens_per_s']:.0f}", f"{r['step_s']:.2f}", *(f"{r['phases'][p]:.2f}" if p in r["phases"] else "-" for p in PHASES),
+                      f"{r['response_tokens_per_s']:.0f}", f"{r['step_s']:.2f}",
+                      *(f"{r['phases'][p]:.2f}" if p in r["phases"] else "-" for p in PHASES),
                       f"{r['startup_s']:.0f}" if r["startup_s"] is not None else "-",
                       f"{r['rewards'][0]:.3f} -> {r['rewards'][-1]:.3f}"])
     memory = [["mode", "total GiB", *(f"{g} GiB (procs)" for g in RSS_GROUPS)]]
@@ -404,7 +298,7 @@ def plot(results: dict, speedup: dict, out: Path, title: str) -> Optional[Path]:
     ax = axes[0]
     sps = [results[m]["samples_per_s"] for m in modes]
     runs = [results[m]["samples_per_s_runs"] for m in modes]
-    err = [[s - min(r) for s, r in zip(sps, runs)], [max(r) - s for s, r in zip(sps, runs)]]
+    err = [[max(0.0, s - min(r)) for s, r in zip(sps, runs)], [max(0.0, max(r) - s) for s, r in zip(sps, runs)]]
     bars = ax.bar(x, sps, yerr=err, capsize=4, color="#4c72b0")
     for b, m in zip(bars, modes):
         ax.annotate(f"{speedup[m]:.2f}x", (b.get_x() + b.get_width() / 2, 0), ha="center", va="bottom",

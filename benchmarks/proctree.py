@@ -1,0 +1,123 @@
+"""The memory of a run's process tree, by group, while it runs; and ending that tree by process id.
+
+    TreeSampler(pid, metrics.jsonl).start()   every 0.25 s: RSS of pid and all its descendants, summed per group
+                                              (rss_group: driver, Ray actor class, hybrid ranks, Ray system, other),
+                                              each group's peak sum kept; metrics rows' arrival times noted
+    kill_tree(pid)                            terminate, then kill, exactly the processes of that tree
+
+Groups come from command lines: Ray titles its workers "ray::<Class>[.<method>]", torch.multiprocessing ranks run
+"spawn_main". A fork not yet exec'd has its parent's command line and shares its pages: it is skipped, or every
+subprocess a rank starts would count that rank twice.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from pathlib import Path
+
+# RSS groups, in table order. Ray's own actors (IDLE workers, dashboard and runtime-env agents) count as Ray system.
+RSS_GROUPS = ("driver", "RankActor", "EngineActor", "hybrid ranks", "ray system", "other")
+_RAY_SYSTEM = re.compile(r"gcs_server|raylet|dashboard|log_monitor|monitor\.py|runtime_env|ray/_private")
+
+
+def rss_group(pid: int, cmd: list[str], root_pid: int) -> str:
+    """Which group a process of the run's tree counts under: by Ray actor class, else by command line."""
+    if pid == root_pid:
+        return "driver"  # orlhf's controller; the hybrid baseline's only rank with --world_size 1
+    head = cmd[0] if cmd else ""
+    if head.startswith("ray::"):  # Ray's process titles: ray::RankActor, ray::EngineActor.generate, ray::IDLE
+        cls = re.split(r"[.\s(]", head[5:], maxsplit=1)[0]
+        return cls if cls in ("RankActor", "EngineActor") else "ray system"
+    text = " ".join(cmd)
+    if "spawn_main" in text:
+        return "hybrid ranks"  # torch.multiprocessing ranks of the baseline (--world_size > 1)
+    return "ray system" if _RAY_SYSTEM.search(text) else "other"
+
+
+class TreeSampler(threading.Thread):
+    """Peak RSS per group (the peak of each group's sum, sampled every `every` s) and metrics-row arrival times."""
+
+    def __init__(self, pid: int, metrics: Path, every: float = 0.25):
+        super().__init__(daemon=True)
+        self.pid, self.metrics, self.every = pid, metrics, every
+        self.peak: dict[str, float] = {}  # group -> bytes
+        self.procs: dict[str, int] = {}  # group -> most processes seen at once
+        self.peak_total = 0.0
+        self.other: tuple[float, str] = (0.0, "")  # the largest "other" process seen: (RSS, command line)
+        self.row_times: list[float] = []
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        import psutil
+
+        try:
+            root = psutil.Process(self.pid)
+        except psutil.NoSuchProcess:
+            return
+        next_rss = 0.0
+        while not self.done.is_set():
+            now = time.monotonic()
+            if self.metrics.exists():
+                with open(self.metrics) as f:
+                    n = sum(1 for line in f if line.strip())
+                self.row_times += [now] * (n - len(self.row_times))
+            if now >= next_rss:
+                next_rss = now + self.every
+                self.sample(root, psutil)
+            self.done.wait(0.05)
+
+    def sample(self, root, psutil) -> None:
+        sums: dict[str, float] = {}
+        counts: dict[str, int] = {}
+        try:
+            procs = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return
+        cmds = {}
+        for p in procs:
+            try:
+                cmds[p.pid] = (p.ppid(), p.cmdline())
+            except psutil.Error:
+                continue
+        for p in procs:
+            if p.pid not in cmds:
+                continue
+            ppid, cmd = cmds[p.pid]
+            if ppid in cmds and cmds[ppid][1] == cmd:
+                continue  # a fork not yet exec'd (e.g. a subprocess being started): its pages are its parent's
+            try:
+                group, rss = rss_group(p.pid, cmd, self.pid), p.memory_info().rss
+            except psutil.Error:
+                continue
+            sums[group] = sums.get(group, 0.0) + rss
+            if group == "other" and rss > self.other[0]:
+                self.other = (rss, " ".join(cmd)[:120])
+            counts[group] = counts.get(group, 0) + 1
+        for g, v in sums.items():
+            self.peak[g] = max(self.peak.get(g, 0.0), v)
+            self.procs[g] = max(self.procs.get(g, 0), counts[g])
+        self.peak_total = max(self.peak_total, sum(sums.values()))
+
+
+def kill_tree(pid: int) -> None:
+    """The run's own processes, by id: children first collected, then terminated, then killed if still there."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return
+    for p in procs:
+        try:
+            p.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=10)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
