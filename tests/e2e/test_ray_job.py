@@ -40,11 +40,14 @@ def test_demo_through_ray_jobs_api(tmp_path):
         save = tmp_path / "job"
         runtime_env = json.dumps({"env_vars": {"HF_HUB_OFFLINE": "1", "ORLHF_CACHE": os.environ.get("ORLHF_CACHE", "")}})
         # The same command scripts/train_ppo_ray.sh runs; it waits for the job and exits non-zero if it fails.
-        job = subprocess.run(
-            [str(ray_bin), "job", "submit", "--address", f"http://127.0.0.1:{dash_port}", "--runtime-env-json",
-             runtime_env, "--", "orlhf", "train-ppo", "--num_episodes", "1", "--max_samples", "128",
-             "--device", "cpu", "--save_path", str(save)],
-            env=env, capture_output=True, text=True, timeout=400)
+        submit = [str(ray_bin), "job", "submit", "--address", f"http://127.0.0.1:{dash_port}", "--runtime-env-json",
+                  runtime_env, "--", "orlhf", "train-ppo", "--num_episodes", "1", "--max_samples", "128",
+                  "--device", "cpu", "--save_path", str(save)]
+        for _ in range(30):  # the dashboard answers before its job agent is up: Ray says "try again later"
+            job = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=400)
+            if "No available agent to submit job" not in job.stdout + job.stderr:
+                break
+            time.sleep(2)
         assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-2000:]
         assert "succeeded" in job.stdout and "done: 2 steps" in job.stdout
         assert len((save / "metrics.jsonl").read_text().splitlines()) == 2

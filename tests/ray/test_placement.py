@@ -29,6 +29,8 @@ NODE = {"num_cpus": 4, "num_gpus": 4, "include_dashboard": False}
 def cluster():
     from ray.cluster_utils import Cluster
 
+    if ray.is_initialized():
+        ray.shutdown()  # the session's local cluster (conftest.ray_local starts a new one when next asked)
     c = Cluster(initialize_head=True, head_node_args=NODE)
     try:
         for _ in range(2):
