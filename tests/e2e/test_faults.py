@@ -70,28 +70,20 @@ def first_step_logged(tmp_path: Path, proc, log) -> None:
         time.sleep(0.5)
 
 
-def test_killed_actor_rank_stops_the_run_naming_it(tmp_path):
+@pytest.mark.parametrize("pid_line, error", [
+    (r"actor: 1 rank\(s\), pids \[(\d+)\]", r"error: actor rank 0 failed in \w+\(\)"),
+    (r"vllm engines: 1, pids \[(\d+)\]", r"error: (vllm engine|weight sync).* 0 failed"),
+], ids=["actor_rank", "vllm_engine"])
+def test_killed_process_stops_the_run_naming_it(tmp_path, pid_line, error):
     proc, log = start_run(tmp_path)
-    pids = wait_for(log, r"actor: 1 rank\(s\), pids \[(\d+)\]", proc)
+    pid = int(wait_for(log, pid_line, proc).group(1))
     first_step_logged(tmp_path, proc, log)
     tree = descendants(proc)
     t0 = time.monotonic()
-    os.kill(int(pids.group(1)), signal.SIGKILL)
+    os.kill(pid, signal.SIGKILL)
     text = assert_stops_clean(proc, tree, t0, log)
     assert proc.returncode == 1
-    assert re.search(r"error: actor rank 0 failed in \w+\(\)", text), text[-2000:]
-
-
-def test_killed_engine_stops_the_run_naming_it(tmp_path):
-    proc, log = start_run(tmp_path)
-    pids = wait_for(log, r"vllm engines: 1, pids \[(\d+)\]", proc)
-    first_step_logged(tmp_path, proc, log)
-    tree = descendants(proc)
-    t0 = time.monotonic()
-    os.kill(int(pids.group(1)), signal.SIGKILL)
-    text = assert_stops_clean(proc, tree, t0, log)
-    assert proc.returncode == 1
-    assert re.search(r"error: (vllm engine|weight sync).* 0 failed", text), text[-2000:]
+    assert re.search(error, text), text[-2000:]
 
 
 def test_ctrl_c_stops_cleanly(tmp_path):
