@@ -2,7 +2,7 @@
 
     driver: WeightSync.sync(version)
       1. engines: orlhf_receive_weights(metas, buckets)  (async; each engine worker blocks in broadcast)
-      2. actor ranks: send_weights(buckets)              (all ranks gather each ZeRO-3 layer; rank 0 broadcasts)
+      2. actor ranks: send_weights(n tensors)            (all ranks gather each ZeRO-3 layer; rank 0 broadcasts)
       3. wait for both, then engines: reset_prefix_cache, set_weight_version(version)
 
 Invariants:
@@ -95,7 +95,7 @@ class WeightSender:
 
 
 def send_groups(sender: Optional[WeightSender], groups: Iterable[list[tuple[str, Optional[torch.Tensor]]]],
-                buckets_len: int) -> int:
+                expected: int) -> int:
     """Walk the worker's gathered groups (all ranks must) and broadcast them from rank 0 (sender not None).
 
     Returns the number of tensors broadcast (0 on ranks > 0).
@@ -107,8 +107,8 @@ def send_groups(sender: Optional[WeightSender], groups: Iterable[list[tuple[str,
         for _, t in group:
             sender.broadcast(t)
             sent += 1
-    if sender is not None and sent != buckets_len:
-        raise RuntimeError(f"sent {sent} tensors but the engines expect {buckets_len}: the parameter list changed "
+    if sender is not None and sent != expected:
+        raise RuntimeError(f"sent {sent} tensors but the engines expect {expected}: the parameter list changed "
                            "between planning and sending")
     return sent
 
