@@ -73,6 +73,10 @@ class VLLMConfig:
         flag="vllm_enable_sleep",
     )
     cpu_kv_cache_gb: float = opt(1.0, "CPU only: KV cache per engine in GiB.", flag="vllm_cpu_kv_cache_gb")
+    cpu_threads: int = opt(
+        0, "CPU only: torch threads per engine (0: one per CPU slot it holds, as Ray sets). More than that lets "
+        "generation use cores the trainers leave idle while it runs.", flag="vllm_cpu_threads"
+    )
     sync_bucket_mb: float = opt(256.0, "Weight-sync bucket size in MiB (whole layers per bucket).",
                                 flag="vllm_sync_bucket_mb")
 
@@ -88,7 +92,17 @@ class DeepSpeedConfig:
     enable_sleep: bool = opt(
         False, "Offload DeepSpeed states during generation (hybrid mode).", flag="deepspeed_enable_sleep"
     )
-    packing_samples: bool = opt(False, "Pack samples into one row without padding (where attention allows).")
+    packing_samples: bool = opt(
+        False, "Pack each micro-batch's samples into one row without padding (flash-attn varlen on GPUs; a "
+        "block-diagonal mask under SDPA)."
+    )
+    train_cpu_threads: int = opt(
+        0, "CPU only: torch threads per model rank (0: one per CPU slot it holds, as Ray sets)."
+    )
+    no_trim_padding: bool = opt(
+        False, "Keep training/scoring micro-batches padded to the whole batch's longest sequence (turns off "
+        "padding removal; for benchmarks)."
+    )
 
 
 @dataclass(frozen=True)
@@ -304,6 +318,9 @@ class WorkerConfig:
     param_offload: bool = False  # frozen models (--ref_reward_offload): params on host between uses
     seed: int = 42
     micro_forward_batch_size: int = 16  # --micro_rollout_batch_size
+    cpu_threads: int = 0  # CPU only: torch threads in this rank's process (0: leave Ray's OMP_NUM_THREADS)
+    trim_padding: bool = True  # cut each micro-batch to its real length (not --no_trim_padding)
+    packing_samples: bool = False  # one row of real tokens per micro-batch (--packing_samples)
     # Training (actor, critic). train_batch_size is global; each rank sees train_batch_size / world per step.
     learning_rate: float = 0.0
     lr_warmup_ratio: float = 0.0
@@ -342,6 +359,7 @@ def worker_config(cfg: TrainConfig, role: str, device: str, total_optimizer_step
         role=role, model_path=path, device=device, zero_stage=ds.zero_stage, bf16=ds.bf16,
         gradient_checkpointing=ds.gradient_checkpointing, flash_attn=ds.flash_attn, seed=ppo.seed,
         micro_forward_batch_size=ppo.micro_rollout_batch_size, temperature=ppo.temperature,
+        trim_padding=not ds.no_trim_padding, packing_samples=ds.packing_samples, cpu_threads=ds.train_cpu_threads,
     )
     if role in ("ref", "reward"):
         return WorkerConfig(**common, param_offload=ds.ref_reward_offload)

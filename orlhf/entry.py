@@ -80,9 +80,6 @@ def train_ppo(cfg: TrainConfig) -> int:
     logging.basicConfig(level=logging.INFO, format="[orlhf] %(message)s")
     cfg = resolve_device(resolve_demo(cfg))
     device, d, p = cfg.runtime.device, cfg.data, cfg.ppo
-    if cfg.deepspeed.packing_samples:
-        log.warning("--packing_samples is not implemented yet: batches are padded to their longest prompt and "
-                    "response instead (same results, more padding)")
     tokenizer = load_tokenizer(d.pretrain)
     rows = load_prompt_rows(d.prompt_data, d.input_key, d.label_key, d.max_samples)
     prompts, stats = build_prompts(rows, tokenizer, d.input_key, d.label_key, d.apply_chat_template,

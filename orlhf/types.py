@@ -54,6 +54,10 @@ class SequenceBatch:
         """Split along the batch dim into chunks of the given sizes (order kept)."""
         return _split_dataclass(self, sizes)
 
+    def index(self, idx: torch.Tensor) -> "SequenceBatch":
+        """Rows `idx` (B',) of every tensor field."""
+        return _index_dataclass(self, idx)
+
     @classmethod
     def cat(cls, parts: list["SequenceBatch"]) -> "SequenceBatch":
         return _cat_dataclass(cls, parts)
@@ -88,8 +92,7 @@ class Experience:
 
     def index(self, idx: torch.Tensor) -> "Experience":
         """Rows `idx` (B',) of every tensor field, e.g. a shuffle before splitting into train batches."""
-        return replace(self, **{f.name: getattr(self, f.name)[idx] for f in fields(self)
-                                if isinstance(getattr(self, f.name), torch.Tensor)})
+        return _index_dataclass(self, idx)
 
     @classmethod
     def cat(cls, parts: list["Experience"]) -> "Experience":
@@ -109,6 +112,11 @@ class TrainStats:
     kl_loss: float = 0.0  # actor only, with --use_kl_loss
     micro_steps: int = 0
     extra: dict = field(default_factory=dict)
+
+
+def _index_dataclass(obj, idx: torch.Tensor):
+    return replace(obj, **{f.name: getattr(obj, f.name)[idx] for f in fields(obj)
+                           if isinstance(getattr(obj, f.name), torch.Tensor)})
 
 
 def _split_dataclass(obj, sizes: list[int]):

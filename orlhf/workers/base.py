@@ -32,6 +32,7 @@ from typing import Callable, Iterator, Optional
 import torch
 from torch import nn
 
+from orlhf.batching import pad_actions, sort_by_length, trim
 from orlhf.config import WorkerConfig
 from orlhf.types import Experience, SequenceBatch, TrainStats
 
@@ -228,6 +229,8 @@ class DeepSpeedWorker:
         init_distributed(self.cfg.device)
         import deepspeed
 
+        if self.cfg.device == "cpu" and self.cfg.cpu_threads:
+            torch.set_num_threads(self.cfg.cpu_threads)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         seed_everything(self.cfg.seed)
         self._ds_config = ds_config(self.cfg, self.world_size)
@@ -293,10 +296,15 @@ class DeepSpeedWorker:
         """fn over micro-batches of cfg.micro_forward_batch_size, results concatenated as float32 on CPU.
 
         Under ZeRO-3 ranks with fewer micro-batches run dummy forwards (collective parameter gathers).
+        With cfg.trim_padding the rows are sorted by length first and each micro-batch is trimmed to its own
+        longest prompt and response (orlhf/batching.py); `fn` may then return (b, A') and results come back
+        (B, A) in the input order, zeros on padding.
         """
         m = self.cfg.micro_forward_batch_size
+        order = sort_by_length(batch) if self.cfg.trim_padding and len(batch) > m else None
+        rows = batch.index(order) if order is not None else batch
         sizes = [min(m, len(batch) - i) for i in range(0, len(batch), m)]
-        parts = batch.split(sizes) if sizes else []
+        parts = rows.split(sizes) if sizes else []
         n_calls = self._max_over_ranks(len(parts)) if self.zero3 else len(parts)
         # A one-row dummy with this batch's shapes: used for padding calls and to shape an empty result.
         t, a = batch.sequences.shape[1], batch.num_actions
@@ -305,15 +313,23 @@ class DeepSpeedWorker:
         outs = []
         for i in range(max(n_calls, 1)):
             real = i < len(parts)
-            out = fn(self._to_device(parts[i] if real else dummy))
+            mb = parts[i] if real else dummy
+            out = fn(self._to_device(trim(mb) if self.cfg.trim_padding else mb))
+            out = pad_actions(out, batch.num_actions) if out.dim() >= 2 else out
             outs.append((out if real else out[:0]).float().cpu())
-        return torch.cat(outs)
+        result = torch.cat(outs)
+        if order is None:
+            return result
+        unsorted = torch.empty_like(result)
+        unsorted[order] = result
+        return unsorted
 
     def train_micro_batches(self, batch: Experience,
                             loss_fn: Callable[[Experience], tuple[torch.Tensor, dict]]) -> TrainStats:
         """Forward/backward/step over micro-batches of cfg.micro_train_batch_size; DeepSpeed applies the
         optimizer at each accumulation boundary (every train_batch_size / world samples on this rank).
 
+        With cfg.trim_padding each micro-batch (kept in order) is trimmed to its real length first.
         `loss_fn(micro_batch) -> (loss, stats)` where stats maps TrainStats field names (or extra keys) to
         scalars; they are averaged over micro-batches.
         """
@@ -331,7 +347,7 @@ class DeepSpeedWorker:
         grad_norm = 0.0
         for mb in batch.split([m] * (n // m)):
             lr = self.engine.get_lr()[0]  # the LR the coming optimizer step uses
-            loss, stats = loss_fn(self._to_device(mb))
+            loss, stats = loss_fn(self._to_device(trim(mb) if self.cfg.trim_padding else mb))
             self.engine.backward(loss)
             boundary = self.engine.is_gradient_accumulation_boundary()
             own_norm = self._plain_grad_norm() if boundary else None

@@ -12,10 +12,13 @@ Parameter names are OpenRLHF's critic layout: "<base_model_prefix>.*" (e.g. "mod
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
 from orlhf.algo.losses import masked_mean, value_loss
+from orlhf.batching import pack
 from orlhf.config import WorkerConfig
 from orlhf.types import Experience, SequenceBatch, TrainStats
 from orlhf.workers.base import DeepSpeedWorker, from_pretrained, position_ids_from
@@ -35,9 +38,14 @@ class ValueModel(nn.Module):
     def backbone(self) -> nn.Module:
         return getattr(self, self.prefix)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """position_ids default to counting attention_mask's real tokens; a packed row (orlhf/batching.py)
+        passes its own and attention_mask=None."""
+        if position_ids is None:
+            position_ids = position_ids_from(attention_mask)
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
-                               position_ids=position_ids_from(attention_mask), use_cache=False).last_hidden_state
+                               position_ids=position_ids, use_cache=False).last_hidden_state
         return self.value_head(hidden).squeeze(-1).float()  # (B, T)
 
     def gradient_checkpointing_enable(self, **kwargs) -> None:
@@ -94,6 +102,10 @@ class CriticWorker(DeepSpeedWorker):
         return self.forward_micro_batches(batch, fn)
 
     def _action_values(self, mb: SequenceBatch | Experience) -> torch.Tensor:
+        if self.cfg.packing_samples:
+            p = pack(mb)
+            v = self.engine(input_ids=p.input_ids, attention_mask=None, position_ids=p.position_ids)  # (1, N)
+            return p.unflatten(v[0, p.score_index])
         a = mb.num_actions
         v = self.engine(input_ids=mb.sequences, attention_mask=mb.attention_mask)  # (b, T)
         return v[:, -a - 1:-1] * mb.action_mask

@@ -24,6 +24,7 @@ from torch import nn
 
 from orlhf.algo.kl import approx_kl
 from orlhf.algo.losses import entropy_from_logits, masked_mean, policy_loss
+from orlhf.batching import pack
 from orlhf.config import WorkerConfig
 from orlhf.types import Experience, SequenceBatch, TrainStats
 from orlhf.workers.base import DeepSpeedWorker, from_pretrained, position_ids_from
@@ -39,8 +40,13 @@ def load_causal_lm(cfg: WorkerConfig) -> nn.Module:
     return model
 
 
-def action_logits(model: nn.Module, batch: SequenceBatch, temperature: float) -> torch.Tensor:
-    """(B, A, V) float32 logits / temperature that score the A action tokens (positions T-A-1 .. T-2)."""
+def action_logits(model: nn.Module, batch: SequenceBatch, temperature: float, packed: bool = False) -> torch.Tensor:
+    """(B, A, V) float32 logits / temperature that score the A action tokens (positions T-A-1 .. T-2).
+
+    packed: run the batch as one row of real tokens (orlhf/batching.py); zeros where there is no action token.
+    """
+    if packed:
+        return _packed_action_logits(model, batch) / temperature
     num_actions = batch.num_actions
     kwargs = {}
     if _accepts_logits_to_keep(model):  # the LM head then runs on A+1 positions only, not all T
@@ -48,6 +54,16 @@ def action_logits(model: nn.Module, batch: SequenceBatch, temperature: float) ->
     out = model(input_ids=batch.sequences, attention_mask=batch.attention_mask,
                 position_ids=position_ids_from(batch.attention_mask), use_cache=False, **kwargs)
     return out.logits[:, -num_actions - 1:-1].float() / temperature
+
+
+def _packed_action_logits(model: nn.Module, batch: SequenceBatch) -> torch.Tensor:
+    p = pack(batch)
+    keep = _accepts_logits_to_keep(model)
+    # attention_mask=None: transformers reads the sample boundaries from position_ids (varlen / block mask)
+    out = model(input_ids=p.input_ids, position_ids=p.position_ids, attention_mask=None, use_cache=False,
+                **({"logits_to_keep": p.score_index} if keep else {}))
+    logits = out.logits[0] if keep else out.logits[0, p.score_index]
+    return p.unflatten(logits.float())
 
 
 def gather_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -68,7 +84,7 @@ def _forward_takes_logits_to_keep(cls: type) -> bool:
 
 def _log_probs(worker: DeepSpeedWorker, batch: SequenceBatch) -> torch.Tensor:
     def fn(mb: SequenceBatch) -> torch.Tensor:
-        logits = action_logits(worker.engine, mb, worker.cfg.temperature)
+        logits = action_logits(worker.engine, mb, worker.cfg.temperature, worker.cfg.packing_samples)
         return gather_log_probs(logits, mb.sequences[:, -mb.num_actions:])
 
     return worker.forward_micro_batches(batch, fn)
@@ -104,7 +120,7 @@ class PolicyWorker(DeepSpeedWorker):
 
     def _loss(self, mb: Experience) -> tuple[torch.Tensor, dict]:
         cfg, mask = self.cfg, mb.action_mask
-        logits = action_logits(self.engine, mb.as_sequence_batch(), cfg.temperature)  # (b, A, V)
+        logits = action_logits(self.engine, mb.as_sequence_batch(), cfg.temperature, cfg.packing_samples)  # (b, A, V)
         log_probs = gather_log_probs(logits, mb.sequences[:, -mb.num_actions:])  # (b, A)
         loss, clip_frac = policy_loss(log_probs, mb.action_log_probs, mb.advantages, mask, cfg.eps_clip, cfg.dual_clip)
         stats = {"loss": loss.item(), "clip_frac": clip_frac.item(),

@@ -33,7 +33,7 @@ def rig():
         ray.init(address="local", num_cpus=TEST_CLUSTER_CPUS, include_dashboard=False)
     flags = {"train_batch_size": 8, "micro_train_batch_size": 2, "rollout_batch_size": 8,
              "actor_num_gpus_per_node": 2, "vllm_num_engines": 2, "vllm_cpu_kv_cache_gb": 0.25,
-             "advantage_estimator": "reinforce", "device": "cpu"}
+             "vllm_cpu_threads": 2, "advantage_estimator": "reinforce", "device": "cpu"}
     cfg = resolve_demo(build_config(flags, explicit=set(flags)))
     placed = create_placement_groups(plan_layout(cfg, "cpu"), timeout_s=60)
     t0 = time.monotonic()
@@ -72,6 +72,11 @@ def test_generation_order_shapes_and_masks(rig):
     assert (lps[~batch.action_mask] == 0).all()
     again = engines.generate(ps, SamplingSpec(max_new_tokens=8, n=2, seed=3))
     assert [r.response_ids for r in again] == [r.response_ids for r in out]  # per-request seeds
+
+
+def test_engines_run_the_threads_asked_for(rig):
+    _, engines, _, _, _ = rig
+    assert engines.call_all("num_threads") == [2, 2]  # --vllm_cpu_threads 2 (Ray alone would give 1 each)
 
 
 def test_sync_after_train_step_gives_trainer_log_probs(rig, tmp_path):

@@ -153,7 +153,7 @@ def _ws2(rank: int, out: dict, paths: dict, exp: Experience) -> None:
 
 
 def _ws1(rank: int, out: dict, paths: dict, exp: Experience) -> None:
-    from orlhf.workers import CriticWorker, PolicyWorker, ReferenceWorker
+    from orlhf.workers import CriticWorker, PolicyWorker, ReferenceWorker, RewardWorker
 
     actor = PolicyWorker(_cfg("actor", paths["lm"]))
     actor.init()
@@ -183,6 +183,21 @@ def _ws1(rank: int, out: dict, paths: dict, exp: Experience) -> None:
     critic = CriticWorker(_cfg("critic", paths["rm"]))
     critic.init()
     out["rm_critic_values"] = critic.values(exp.as_sequence_batch())
+
+    # Padding removal on and off: the same step (trimming is the default above; packing and padded here).
+    for name, kw in (("padded", {"trim_padding": False}), ("packed", {"packing_samples": True})):
+        worker = PolicyWorker(_cfg("actor", paths["lm"], **kw))
+        worker.init()
+        out[f"{name}_log_probs"] = worker.log_probs(exp.as_sequence_batch())
+        out[f"{name}_stats"] = worker.train_step(exp)
+        out[f"{name}_after"] = worker.state_dict_full()
+    packed_critic = CriticWorker(_cfg("critic", paths["rm"], packing_samples=True))
+    packed_critic.init()
+    out["packed_rm_critic_values"] = packed_critic.values(exp.as_sequence_batch())
+    out["packed_critic_stats"] = packed_critic.train_step(exp)
+    packed_reward = RewardWorker(_cfg("reward", paths["rm"], packing_samples=True))
+    packed_reward.init()
+    out["packed_scores"] = packed_reward.scores(exp.as_sequence_batch())
 
 
 def _rank_main(rank: int, world: int, port: int, job: str, paths: dict, exp: Experience, out_dir: str) -> None:
@@ -257,13 +272,14 @@ def test_zero3_log_probs_equal_plain_hf(ws2, hf_lm, experience):
     expected = _hf_log_probs(hf_lm, experience.as_sequence_batch())  # (B, A)
     r0, r1 = ws2[0]["log_probs"], ws2[1]["log_probs"]
     assert r0.shape == (B, A) and r1.shape == (4, A) and r0.dtype == torch.float32
-    assert (r0 - expected).abs().max().item() <= 1e-5
-    assert (r1 - expected[:4]).abs().max().item() <= 1e-5
+    mask = experience.action_mask  # padding positions are not scored (trimmed micro-batches leave zeros there)
+    assert (r0 - expected)[mask].abs().max().item() <= 1e-5
+    assert (r1 - expected[:4])[mask[:4]].abs().max().item() <= 1e-5
 
 
 def test_stage0_reference_log_probs_equal_plain_hf(ws1, hf_lm, experience):
     expected = _hf_log_probs(hf_lm, experience.as_sequence_batch())
-    assert (ws1[0]["ref_log_probs"] - expected).abs().max().item() <= 1e-5
+    assert (ws1[0]["ref_log_probs"] - expected)[experience.action_mask].abs().max().item() <= 1e-5
 
 
 def test_train_step_changes_parameters_and_loss_is_finite(ws2, hf_lm):
@@ -355,6 +371,20 @@ def test_adam_offload_train_step_runs(ws1, hf_lm):
     assert math.isfinite(stats.loss) and stats.grad_norm > 0
     # DeepSpeedCPUAdam and torch AdamW make the same first step (up to float rounding).
     assert _max_diff(ws1[0]["offload_after"], ws1[0]["after"]) <= 1e-5
+
+
+def test_padding_removal_trimmed_padded_and_packed_agree(ws1, ws2, hf_lm, experience):
+    expected = _hf_log_probs(hf_lm, experience.as_sequence_batch())
+    mask = experience.action_mask
+    for name in ("padded", "packed"):
+        got = ws1[0][f"{name}_log_probs"]
+        assert got.shape == (B, A) and (got - expected)[mask].abs().max().item() <= 1e-5, name
+        assert ws1[0][f"{name}_stats"].loss == pytest.approx(ws1[0]["stats"].loss, rel=1e-4, abs=1e-6), name
+        assert _max_diff(ws1[0][f"{name}_after"], ws1[0]["after"]) <= 1e-5, name  # the same optimizer step
+    rm_values = ws1[0]["rm_critic_values"]
+    assert (ws1[0]["packed_rm_critic_values"] - rm_values).abs().max().item() <= 1e-5
+    assert math.isfinite(ws1[0]["packed_critic_stats"].loss) and ws1[0]["packed_critic_stats"].grad_norm > 0
+    assert (ws1[0]["packed_scores"] - ws2[0]["scores"]).abs().max().item() <= 1e-5
 
 
 def test_report_costs(ws2, ws1):
