@@ -8,12 +8,15 @@
         colocate      orlhf train-ppo FLAGS --colocate_actor_ref [--colocate_critic_reward with an RM]
         colocate_all  orlhf train-ppo FLAGS --colocate_all_models (models and engine share the actor's devices)
         async         orlhf train-ppo FLAGS --async_train         (only where the controller supports it)
+        <mode>+<knob>  the same mode with one speed-up's flags appended (KNOBS: padded, pack, mb_small, mb_full,
+                       engines2, engine_threads, rank_threads, adam_offload), compared with <mode> in its own
+                       table: each speed-up measured on vs off in one invocation (--modes ablation: all of them)
       each a subprocess with <out>/<mode>-r<k>/ as --save_path; while it runs proctree.TreeSampler sums the RSS of
       its process tree per group (driver, ray::RankActor, ray::EngineActor, hybrid ranks, Ray system, ...)
       every 0.25 s and keeps each group's peak, and notes when each metrics.jsonl row appears
     -> per mode: the rows after --warmup: samples/s = sum(samples) / sum(step_s); seconds per phase
        (timing/<phase>, averaged per step); the median over repeats; speedup_vs_hybrid = samples/s / hybrid's,
-       speedup_vs_best_hybrid against the faster of hybrid and hybrid_ws2
+       speedup_vs_best_hybrid against the fastest baseline run (hybrid, hybrid_ws2 or hybrid+<knob>)
     -> a table, <out>/ppo_throughput.png, and one final JSON line with every figure
 
 Steps: --max_samples = rollout_batch_size x (warmup + steps) and --num_episodes 1, so each run makes exactly
@@ -28,6 +31,7 @@ Reproduce (2-core CPU box; ~4 min for the defaults, ~11 min with --repeats 3; ge
     .venv/bin/python benchmarks/ppo_throughput.py --repeats 3
     .venv/bin/python benchmarks/ppo_throughput.py --preset gen_heavy --repeats 2
     .venv/bin/python benchmarks/ppo_throughput.py --hidden 512 --layers 4 --modes hybrid,split
+    .venv/bin/python benchmarks/ppo_throughput.py --modes ablation --repeats 2     # every knob on vs off, ~16 min
 One GPU node (8 GPUs; DeepSpeed-Chat on all 8, orlhf split 2 actor + 2 critic + 2 ref + 2 engines):
     python benchmarks/ppo_throughput.py --device cuda --modes hybrid,split,colocate_all \\
         --pretrain MODEL --generate_max_len 512 --rollout_batch_size 256 --common_flags "--bf16" \\
@@ -63,6 +67,27 @@ MODES = ("hybrid", "hybrid_ws2", "split", "colocate", "colocate_all", "async")
 # "devices", like orlhf's processes do; plain hybrid is one process using both cores through torch threads.
 HYBRID_WS2 = ["--world_size", "2", "--threads", "1"]
 PHASES = ("generate", "score", "make_experience", "train", "sync")
+# Knobs: "<mode>+<knob>[+<knob>]" runs <mode> with the knob's flags appended (later flags win), so each speed-up
+# is measured on vs off in the same invocation. f(values) -> (extra argv, what the knob does).
+KNOBS = {
+    "padded": lambda v: (["--no_trim_padding"], "padding removal OFF (micro-batches padded to the step's longest)"),
+    "pack": lambda v: (["--packing_samples"], "samples packed into one row per micro-batch (no padding at all)"),
+    "mb_small": lambda v: (["--micro_train_batch_size", "4", "--micro_rollout_batch_size", "4"],
+                           "micro-batches of 4 (train and scoring)"),
+    "mb_full": lambda v: (["--micro_train_batch_size", str(v["train_batch_size"]), "--micro_rollout_batch_size",
+                           str(v["rollout_batch_size"] * v.get("n_samples_per_prompt", 1))],
+                          "micro-batches as large as the batch (one forward/backward per step and model)"),
+    "engines2": lambda v: (["--vllm_num_engines", "2"], "two vLLM engines instead of one (more devices to generation)"),
+    "engine_threads": lambda v: (["--vllm_cpu_threads", str(os.cpu_count() or 1)],
+                                 "CPU: each vLLM engine runs as many torch threads as the machine has cores"),
+    "rank_threads": lambda v: (["--train_cpu_threads", str(os.cpu_count() or 1)],
+                               "CPU: each model rank runs as many torch threads as the machine has cores"),
+    "adam_offload": lambda v: (["--adam_offload"], "Adam states on the host: DeepSpeedCPUAdam (pinned on GPUs)"),
+}
+# --modes ablation: every knob against its base, one run each.
+ABLATION = ("hybrid", "hybrid+padded", "hybrid+mb_full", "split", "split+padded", "split+pack", "split+mb_small",
+            "split+mb_full", "split+engines2", "split+engine_threads", "split+rank_threads", "split+adam_offload",
+            "async", "async+mb_full")
 # Regimes. default: the demo's preset (24 new tokens). gen_heavy: long responses to short prompts, as in real
 # RLHF, where generation dominates a step.
 PRESETS = {"default": {}, "gen_heavy": {"generate_max_len": 256, "prompt_max_len": 64}}
@@ -158,9 +183,25 @@ def async_support() -> Optional[str]:
     return None if readers else "--async_train is accepted, but no orlhf module reads it yet (controller pending)"
 
 
+def split_mode(mode: str) -> tuple[str, list[str]]:
+    """"split+pack+mb_full" -> ("split", ["pack", "mb_full"])."""
+    base, *knobs = mode.split("+")
+    return base, knobs
+
+
+def knob_argv(knobs: list[str], values: dict) -> list[str]:
+    return [a for k in knobs for a in KNOBS[k](values)[0]]
+
+
 def mode_argv(mode: str, values: dict, args) -> tuple[list[str], Optional[str]]:
     """(command, None), or ([], why the mode is skipped). orlhf's own validation runs in the subprocess: an
     invalid combination exits 2 before anything starts and is reported as skipped with orlhf's message."""
+    mode, knobs = split_mode(mode)
+    cmd, why = _base_argv(mode, values, args)
+    return ([*cmd, *knob_argv(knobs, values)] if cmd else cmd), why
+
+
+def _base_argv(mode: str, values: dict, args) -> tuple[list[str], Optional[str]]:
     common = shlex.split(args.common_flags)
     if mode in ("hybrid", "hybrid_ws2"):
         return [sys.executable, str(ROOT / "benchmarks" / "hybrid_engine_baseline.py"), *to_argv(values), *common,
@@ -222,6 +263,9 @@ def summarize_rows(rows: list[dict], sampler: TreeSampler, warmup: int, wall: fl
     times = sampler.row_times
     wall_sps = (samples / (times[-1] - times[warmup - 1]) if warmup >= 1 and len(times) == len(rows)
                 and times[-1] > times[warmup - 1] else None)
+    cpu = sampler.cpu_at_rows
+    cpu_per_step = ({g: (cpu[-1].get(g, 0.0) - cpu[warmup - 1].get(g, 0.0)) / len(measured) for g in cpu[-1]}
+                    if warmup >= 1 and len(cpu) == len(rows) else {})
     return {
         "samples_per_s": samples / seconds, "wall_samples_per_s": wall_sps, "step_s": seconds / len(measured),
         "response_tokens_per_s": tokens / seconds,
@@ -233,6 +277,10 @@ def summarize_rows(rows: list[dict], sampler: TreeSampler, warmup: int, wall: fl
         "peak_rss_gb": {g: round(sampler.peak[g] / 2**30, 3) for g in RSS_GROUPS if g in sampler.peak},
         "processes": {g: sampler.procs[g] for g in RSS_GROUPS if g in sampler.procs},
         "peak_rss_total_gb": round(sampler.peak_total / 2**30, 3),
+        # CPU seconds per measured step, per process group, and their sum: on a C-core machine a step of s
+        # seconds has C x s core-seconds to spend; cpu_busy = total / (C x step_s) is the share it used.
+        "cpu_s_per_step": {g: round(v, 3) for g, v in cpu_per_step.items() if v > 0.0005},
+        "cpu_s_per_step_total": round(sum(cpu_per_step.values()), 3) if cpu_per_step else None,
         "largest_other_process": sampler.other[1] or None,
     }
 
@@ -252,6 +300,10 @@ def combine(runs: list[dict]) -> dict:
     out["processes"] = {g: max(r["processes"].get(g, 0) for r in runs) for g in groups}
     out["peak_rss_total_gb"] = max(r["peak_rss_total_gb"] for r in runs)
     out["samples_per_s_runs"] = [round(r["samples_per_s"], 3) for r in runs]
+    cpu_groups = sorted({g for r in runs for g in r.get("cpu_s_per_step", {})})
+    out["cpu_s_per_step"] = {g: med(r.get("cpu_s_per_step", {}).get(g, 0.0) for r in runs) for g in cpu_groups}
+    totals = [r["cpu_s_per_step_total"] for r in runs if r.get("cpu_s_per_step_total") is not None]
+    out["cpu_s_per_step_total"] = med(totals) if totals else None
     return out
 
 
@@ -279,8 +331,33 @@ def tables(results: dict, speedup: dict) -> str:
     for mode, r in results.items():
         memory.append([mode, f"{r['peak_rss_total_gb']:.2f}", *(
             f"{r['peak_rss_gb'][g]:.2f} ({r['processes'][g]})" if g in r["peak_rss_gb"] else "-" for g in RSS_GROUPS)])
+    cores = os.cpu_count() or 1
+    cpu = [["mode", "CPU s per step", f"busy (of {cores} cores)",
+            *(f"{g} CPU s" for g in RSS_GROUPS)]]
+    for mode, r in results.items():
+        total = r.get("cpu_s_per_step_total")
+        if total is None:
+            continue
+        cpu.append([mode, f"{total:.2f}", f"{total / (cores * r['step_s']):.0%}",
+                    *(f"{r['cpu_s_per_step'][g]:.2f}" if g in r["cpu_s_per_step"] else "-" for g in RSS_GROUPS)])
     return markdown(speed) + "\n\npeak RSS, summed per group (the peak of each group's sum over the run):\n" + \
-        markdown(memory)
+        markdown(memory) + "\n\nCPU seconds per measured step, per process group (user + system):\n" + markdown(cpu)
+
+
+def knob_table(results: dict, values: dict) -> Optional[str]:
+    """Each "<mode>+<knobs>" against its <mode>: the speed-ups measured on vs off."""
+    rows = [["mode", "against", "what changes", "samples/s", "base samples/s", "ratio", "score s", "train s",
+             "generate s"]]
+    for mode, r in results.items():
+        base, knobs = split_mode(mode)
+        if not knobs or base not in results:
+            continue
+        b = results[base]
+        rows.append([mode, base, "; ".join(KNOBS[k](values)[1] for k in knobs), f"{r['samples_per_s']:.1f}",
+                     f"{b['samples_per_s']:.1f}", f"{r['samples_per_s'] / b['samples_per_s']:.2f}x",
+                     *(f"{b['phases'].get(p, 0):.2f} -> {r['phases'].get(p, 0):.2f}" for p in ("score", "train",
+                                                                                             "generate"))])
+    return markdown(rows) if len(rows) > 1 else None
 
 
 def plot(results: dict, speedup: dict, out: Path, title: str) -> Optional[Path]:
@@ -309,7 +386,7 @@ def plot(results: dict, speedup: dict, out: Path, title: str) -> Optional[Path]:
     colors = dict(zip(PHASES, ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3")))
     for p in PHASES:
         h = [results[m]["phases"].get(p, 0.0) for m in modes]
-        hatch = ["//" if (m == "async" and p == "generate") else "" for m in modes]
+        hatch = ["//" if (split_mode(m)[0] == "async" and p == "generate") else "" for m in modes]
         for i in x:
             ax.bar(i, h[i], bottom=bottom[i], color=colors[p], hatch=hatch[i], label=p if i == 0 else None)
         bottom = [a + b for a, b in zip(bottom, h)]
@@ -337,7 +414,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--modes", default="hybrid,hybrid_ws2,split,colocate_all,async",
-                   help=f"comma-separated, from {MODES}")
+                   help=f"comma-separated, from {MODES}, each optionally with +knob from {tuple(KNOBS)} "
+                        f"(e.g. split+mb_full); 'ablation' = {','.join(ABLATION)}")
     p.add_argument("--warmup", type=int, default=2, help="steps run and dropped before measuring")
     p.add_argument("--steps", type=int, default=5, help="measured steps per run")
     p.add_argument("--repeats", type=int, default=1, help="runs per mode, interleaved; medians reported")
@@ -364,9 +442,12 @@ def parse_args(argv=None):
     g.add_argument("--colocate_all_flags", default="", help="colocate_all's instead of --orlhf_flags")
     args = p.parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in args.modes if m not in MODES]
+    if args.modes == ["ablation"]:
+        args.modes = list(ABLATION)
+    bad = [m for m in args.modes if split_mode(m)[0] not in MODES or any(k not in KNOBS for k in split_mode(m)[1])]
     if bad or "hybrid" not in args.modes:
-        p.error(f"--modes: unknown {bad}" if bad else "--modes must include hybrid (the reference for speed-ups)")
+        p.error(f"--modes: unknown {bad}: modes are {MODES}, optionally +{'/+'.join(KNOBS)}" if bad
+                else "--modes must include hybrid (the reference for speed-ups)")
     if args.warmup < 1 or args.steps < 1:
         p.error("--warmup and --steps must be >= 1 (the first step pays one-off costs)")
     return args
@@ -411,7 +492,11 @@ def main(argv=None) -> None:
              f"{args.steps} steps after {args.warmup} warm-up, median of {args.repeats}")
     print(title)
     print(tables(results, speedup))
-    if "async" in results:
+    knobs = knob_table(results, values)
+    if knobs:
+        print("\nspeed-ups, each on vs off (same invocation, same flags otherwise):")
+        print(knobs)
+    if any(split_mode(m)[0] == "async" for m in results):
         print("async: generate runs beside score/train (its seconds are not on the step's critical path); step s "
               "is the wall time between step ends")
     for mode, why in {**skipped, **failed}.items():
@@ -421,6 +506,8 @@ def main(argv=None) -> None:
         "benchmark": "ppo_throughput", "preset": args.preset, "device": values["device"], "flags": values,
         "warmup": args.warmup, "steps": args.steps, "repeats": args.repeats, "modes": results,
         "speedup_vs_hybrid": {m: round(s, 3) for m, s in speedup.items()},
+        "knob_speedups": {m: round(r["samples_per_s"] / results[split_mode(m)[0]]["samples_per_s"], 3)
+                          for m, r in results.items() if split_mode(m)[1] and split_mode(m)[0] in results},
         "speedup_vs_best_hybrid": {m: round(r["samples_per_s"] / best, 3) for m, r in results.items()},
         "skipped": skipped, "failed": failed,
         "load_avg_start": [round(x, 2) for x in load_start], "load_avg_end": [round(x, 2) for x in os.getloadavg()],

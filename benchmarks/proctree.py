@@ -2,7 +2,8 @@
 
     TreeSampler(pid, metrics.jsonl).start()   every 0.25 s: RSS of pid and all its descendants, summed per group
                                               (rss_group: driver, Ray actor class, hybrid ranks, Ray system, other),
-                                              each group's peak sum kept; metrics rows' arrival times noted
+                                              each group's peak sum kept; metrics rows' arrival times noted,
+                                              with the CPU seconds each group had used by then (cpu_at_rows)
     kill_tree(pid)                            terminate, then kill, exactly the processes of that tree
 
 Groups come from command lines: Ray titles its workers "ray::<Class>[.<method>]", torch.multiprocessing ranks run
@@ -47,6 +48,8 @@ class TreeSampler(threading.Thread):
         self.peak_total = 0.0
         self.other: tuple[float, str] = (0.0, "")  # the largest "other" process seen: (RSS, command line)
         self.row_times: list[float] = []
+        self.cpu_at_rows: list[dict[str, float]] = []  # per metrics row: group -> CPU seconds used so far
+        self._cpu: dict[int, tuple[str, float]] = {}  # pid -> (group, user + system seconds when last seen)
         self.done = threading.Event()
 
     def run(self) -> None:
@@ -62,7 +65,10 @@ class TreeSampler(threading.Thread):
             if self.metrics.exists():
                 with open(self.metrics) as f:
                     n = sum(1 for line in f if line.strip())
-                self.row_times += [now] * (n - len(self.row_times))
+                if n > len(self.row_times):
+                    self.row_times += [now] * (n - len(self.row_times))
+                    self.sample(root, psutil)
+                    self.cpu_at_rows += [self.cpu_by_group()] * (n - len(self.cpu_at_rows))
             if now >= next_rss:
                 next_rss = now + self.every
                 self.sample(root, psutil)
@@ -89,6 +95,8 @@ class TreeSampler(threading.Thread):
                 continue  # a fork not yet exec'd (e.g. a subprocess being started): its pages are its parent's
             try:
                 group, rss = rss_group(p.pid, cmd, self.pid), p.memory_info().rss
+                t = p.cpu_times()
+                self._cpu[p.pid] = (group, t.user + t.system)
             except psutil.Error:
                 continue
             sums[group] = sums.get(group, 0.0) + rss
@@ -99,6 +107,13 @@ class TreeSampler(threading.Thread):
             self.peak[g] = max(self.peak.get(g, 0.0), v)
             self.procs[g] = max(self.procs.get(g, 0), counts[g])
         self.peak_total = max(self.peak_total, sum(sums.values()))
+
+    def cpu_by_group(self) -> dict[str, float]:
+        """CPU seconds (user + system) used so far per group; a process that ended counts as last seen."""
+        out: dict[str, float] = {}
+        for group, seconds in self._cpu.values():
+            out[group] = out.get(group, 0.0) + seconds
+        return out
 
 
 def kill_tree(pid: int) -> None:

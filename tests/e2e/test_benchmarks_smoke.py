@@ -22,7 +22,7 @@ def throughput(tmp_path_factory):
     out = tmp_path_factory.mktemp("ppo_throughput")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     proc = subprocess.run([sys.executable, "benchmarks/ppo_throughput.py", "--steps", "1", "--warmup", "1",
-                           "--modes", "hybrid,split", "--device", "cpu", "--out", str(out)],
+                           "--modes", "hybrid,hybrid+padded,split", "--device", "cpu", "--out", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return out, proc.stdout
@@ -43,12 +43,33 @@ def test_hybrid_baseline_runs_two_steps_with_finite_reward(throughput):
 def test_ppo_throughput_ends_with_one_json_line(throughput):
     out, stdout = throughput
     result = json.loads(stdout.strip().splitlines()[-1])
-    assert set(result["speedup_vs_hybrid"]) == {"hybrid", "split"}
+    assert set(result["speedup_vs_hybrid"]) == {"hybrid", "hybrid+padded", "split"}
     assert result["speedup_vs_hybrid"]["hybrid"] == 1.0 and result["speedup_vs_hybrid"]["split"] > 0
     for mode in ("hybrid", "split"):
         r = result["modes"][mode]
         assert r["steps_measured"] == 1 and r["samples_per_s"] > 0 and r["peak_rss_total_gb"] > 0
         assert {"generate", "score", "train"} <= set(r["phases"])
+        assert r["cpu_s_per_step_total"] > 0 and r["cpu_s_per_step"]["driver"] > 0
     assert "RankActor" in result["modes"]["split"]["peak_rss_gb"]
     assert "EngineActor" in result["modes"]["split"]["peak_rss_gb"]
+    assert result["modes"]["split"]["cpu_s_per_step"]["RankActor"] > 0  # the trainers' processes are counted
+    assert "CPU seconds per measured step" in stdout
     assert Path(result["png"]).stat().st_size > 1000
+
+
+def test_knob_runs_its_base_with_the_flag_and_is_compared_to_it(throughput):
+    out, stdout = throughput
+    result = json.loads(stdout.strip().splitlines()[-1])
+    assert set(result["knob_speedups"]) == {"hybrid+padded"} and result["knob_speedups"]["hybrid+padded"] > 0
+    assert "--no_trim_padding" in (out / "hybrid+padded-r0" / "cmd.txt").read_text()
+    assert "--no_trim_padding" not in (out / "hybrid-r0" / "cmd.txt").read_text()
+    assert "speed-ups, each on vs off" in stdout
+    # Padding changes no result: the first step (before any update) scores the same samples the same way.
+    modes = result["modes"]
+    assert modes["hybrid+padded"]["rewards"][0] == modes["hybrid"]["rewards"][0]
+
+
+def test_unknown_knob_is_refused():
+    proc = subprocess.run([sys.executable, "benchmarks/ppo_throughput.py", "--modes", "hybrid,split+turbo"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "split+turbo" in proc.stderr and "mb_full" in proc.stderr
