@@ -201,6 +201,8 @@ def test_paths_must_exist(tmp_path, prompts, reward_py, monkeypatch):
     ({"save_steps": 0}, "--save_steps must be -1 (never) or >= 1"),
     ({"input_template": "no placeholder"}, "--input_template must contain exactly one '{}'"),
     ({"async_queue_size": 0}, "--async_queue_size must be >= 1"),
+    ({"vllm_cpu_threads": -1}, "--vllm_cpu_threads must be >= 0"),
+    ({"train_cpu_threads": -2}, "--train_cpu_threads must be >= 0"),
 ])
 def test_value_ranges(flags, fragment):
     assert any(fragment in p for p in problems(**flags)), problems(**flags)
@@ -211,6 +213,21 @@ def test_cpu_device_rules():
     assert_fails(["--flash_attn", "CUDA"], device="cpu", flash_attn=True)
     assert build(device="cpu", vllm_sync_backend="gloo").vllm.sync_backend == "gloo"
     assert build(device="cuda", vllm_sync_backend="nccl", flash_attn=True)
+
+
+def test_padding_and_thread_flags_reach_the_workers_and_engines():
+    from orlhf.config import worker_config
+    from orlhf.rollout.engine import engine_config
+
+    from dataclasses import replace
+
+    cfg = build(no_trim_padding=True, packing_samples=True, train_cpu_threads=2, vllm_cpu_threads=3)
+    cfg = replace(cfg, data=replace(cfg.data, pretrain="model"))  # as entry.resolve_demo fills it in
+    w = worker_config(cfg, "ref", "cpu")
+    assert (w.trim_padding, w.packing_samples, w.cpu_threads) == (False, True, 2)
+    assert engine_config(cfg, "cpu").cpu_threads == 3
+    default = worker_config(replace(cfg, deepspeed=type(cfg.deepspeed)()), "actor", "cpu")
+    assert (default.trim_padding, default.packing_samples, default.cpu_threads) == (True, False, 0)
 
 
 def test_all_problems_reported_at_once():
