@@ -19,11 +19,18 @@ pytestmark = [pytest.mark.e2e, pytest.mark.ray, pytest.mark.vllm]
 ORLHF = str(Path(sys.executable).parent / "orlhf")
 
 
+def _default_sigint() -> None:
+    # As from a terminal. A suite started in the background (`cmd &` in a script, nohup) inherits SIGINT as
+    # ignored, and Python then installs no KeyboardInterrupt handler: Ctrl-C would rightly do nothing.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start_run(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
     log = tmp_path / "run.log"
     proc = subprocess.Popen([ORLHF, "train-ppo", "--num_episodes", "50", "--device", "cpu",
                              "--save_path", str(tmp_path / "run")],
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=_default_sigint)
     return proc, log
 
 

@@ -148,7 +148,7 @@ def test_a_failing_rank_names_role_rank_and_traceback(setup):
 
     vocab = AutoConfig.from_pretrained(cfg.data.pretrain).vocab_size
     batch = make_batch(vocab, seed=3)
-    batch.sequences[B // 2:, -1] = vocab + 100  # only rank 1's half holds an out-of-vocabulary token
+    batch.sequences[B // 2:, -A] = vocab + 100  # only rank 1's half: an out-of-vocabulary first response token
     t0 = time.monotonic()
     with pytest.raises(RankError) as err:
         groups["reward"].call_sharded("scores", batch)
