@@ -73,3 +73,15 @@ def test_unknown_knob_is_refused():
     proc = subprocess.run([sys.executable, "benchmarks/ppo_throughput.py", "--modes", "hybrid,split+turbo"],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "split+turbo" in proc.stderr and "mb_full" in proc.stderr
+
+
+def test_bench_padding_compares_three_layouts_with_equal_results(tmp_path):
+    proc = subprocess.run([sys.executable, "benchmarks/bench_padding.py", "--batch", "8", "--micro", "4",
+                           "--response_len", "4", "24", "--repeats", "1", "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(result["results"]) == {"padded", "trimmed", "packed"} and 0 < result["real_token_share"] < 1
+    for name, r in result["results"].items():
+        assert r["log_probs_s"] > 0 and r["train_step_s"] > 0
+        assert r["max_abs_diff_vs_padded"] < 1e-4, (name, r)
