@@ -9,7 +9,7 @@
         colocate_all  orlhf train-ppo FLAGS --colocate_all_models (models and engine share the actor's devices)
         async         orlhf train-ppo FLAGS --async_train         (only where the controller supports it)
         <mode>+<knob>  the same mode with one speed-up's flags appended (KNOBS: padded, pack, mb_small, mb_full,
-                       engines2, engine_threads, rank_threads, adam_offload), compared with <mode> in its own
+                       engines2, engine_threads, rank_threads, zero0, adam_offload), compared with <mode> in its own
                        table: each speed-up measured on vs off in one invocation (--modes ablation: all of them)
       each a subprocess with <out>/<mode>-r<k>/ as --save_path; while it runs proctree.TreeSampler sums the RSS of
       its process tree per group (driver, ray::RankActor, ray::EngineActor, hybrid ranks, Ray system, ...)
@@ -82,6 +82,7 @@ KNOBS = {
                                  "CPU: each vLLM engine runs as many torch threads as the machine has cores"),
     "rank_threads": lambda v: (["--train_cpu_threads", str(os.cpu_count() or 1)],
                                "CPU: each model rank runs as many torch threads as the machine has cores"),
+    "zero0": lambda v: (["--zero_stage", "0"], "ZeRO stage 0 instead of 3 (no parameter partitioning hooks)"),
     "adam_offload": lambda v: (["--adam_offload"], "Adam states on the host: DeepSpeedCPUAdam (pinned on GPUs)"),
 }
 # --modes ablation: every knob against its base, one run each.

@@ -59,6 +59,7 @@ class HybridPolicyWorker(PolicyWorker):
             raise ValueError(f"gather must be one of {GATHER_MODES}, got {gather!r}")
         super().__init__(cfg)
         self.gather, self.hybrid_engine, self.max_out_tokens = gather, hybrid_engine, max_out_tokens
+        self.hook_free = True  # whole: generate with ZeRO-3's module hooks removed (False: marked external)
 
     def init(self) -> None:
         if not self.hybrid_engine:
@@ -125,7 +126,18 @@ class HybridPolicyWorker(PolicyWorker):
         import deepspeed
 
         params = list(self.module.parameters())
+        offload = getattr(self.engine.optimizer, "parameter_offload", None)
         with deepspeed.zero.GatheredParameters(params):
+            if self.hook_free and offload is not None:
+                # As DeepSpeed's hybrid engine runs generation outside ZeRO-3's per-module hooks: with them
+                # every decode step pays their bookkeeping (fetch checks, trace, prefetch) on every layer.
+                offload._remove_module_hooks()
+                try:
+                    yield
+                finally:
+                    offload.forward_hooks, offload.backward_hooks = [], []
+                    offload.setup_zero_stage3_hooks()
+                return
             was_external = [p.is_external_param for p in params]
             for p in params:
                 p.is_external_param = True
