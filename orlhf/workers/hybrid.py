@@ -7,9 +7,11 @@ its own ZeRO-3 engine (no vLLM, no weight sync). Used by benchmarks/hybrid_engin
 How the parameters reach `generate` (`gather`):
     whole       GatheredParameters over the whole model for the whole generate call, as DeepSpeed's hybrid
                 engine does with pin_parameters=True; ranks generate independently (no collectives inside).
-                ZeRO-3's forward hooks would re-partition a layer's parameters after its forward (they do not
-                know a GatheredParameters context holds them), so they are marked external to their modules
-                for the call: the hooks then leave them in place and every decode step runs on full weights.
+                ZeRO-3's per-module hooks are removed for the call and registered again after it (hook_free,
+                the default): the hybrid engine's inference containers run outside them too, and with them
+                every decode step pays their bookkeeping on every layer (2x the generation time on the demo).
+                hook_free=False keeps the hooks and marks the parameters external instead, so the hooks leave
+                them gathered (they would otherwise release each layer after its forward).
     per_layer   no gather: ZeRO-3's hooks fetch each layer on every decode step (DeepSpeed-Chat without the
                 hybrid engine); collective, so ranks run in lockstep (synced_gpus) until all are done.
     hybrid_engine=True  DeepSpeed's own DeepSpeedHybridEngine ("hybrid_engine": {"enabled": true}) and its
