@@ -26,7 +26,7 @@ import math
 import os
 import random
 import re
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -34,6 +34,7 @@ from torch import nn
 
 from orlhf.batching import pad_actions, sort_by_length, trim
 from orlhf.config import WorkerConfig
+from orlhf.workers.loading import hf_zero3_loading
 from orlhf.types import Experience, SequenceBatch, TrainStats
 
 log = logging.getLogger("orlhf.workers")
@@ -138,68 +139,6 @@ def _log_cpu_param_offload_once() -> None:
     if not _warned_cpu_param_offload:
         _warned_cpu_param_offload = True
         log.info("param_offload (--ref_reward_offload) is a no-op on CPU: parameters already live in host memory")
-
-
-@contextmanager
-def hf_zero3_loading(config: dict):
-    """While loading an HF model: partition at load under ZeRO-3 (HfDeepSpeedConfig alive), plain otherwise.
-
-    transformers keeps only a weak global reference to the HfDeepSpeedConfig; it is set for this load and
-    cleared after it, so a later non-ZeRO-3 load in the same process is not partitioned by mistake.
-    """
-    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
-
-    unset_hf_deepspeed_config()
-    keep_alive = _hf_deepspeed_config(config) if config["zero_optimization"]["stage"] == 3 else None
-    try:
-        yield
-    finally:
-        del keep_alive
-        unset_hf_deepspeed_config()
-
-
-class _ZeRO3LoadMarker:
-    """What transformers reads from its HfDeepSpeedConfig (`is_zero3()` and `config`) when loading a model.
-
-    transformers' HfDeepSpeedConfig refuses to start without the `accelerate` package, which nothing else here
-    needs; this stand-in makes from_pretrained wrap model creation in deepspeed.zero.Init all the same.
-    """
-
-    def __init__(self, config: dict):
-        self.config = config
-
-    def is_zero3(self) -> bool:
-        return self.config["zero_optimization"]["stage"] == 3
-
-
-def _hf_deepspeed_config(config: dict):
-    import importlib.util
-
-    from transformers.integrations.deepspeed import HfDeepSpeedConfig, set_hf_deepspeed_config
-
-    if importlib.util.find_spec("accelerate") is not None:
-        return HfDeepSpeedConfig(config)
-    marker = _ZeRO3LoadMarker(config)
-    set_hf_deepspeed_config(marker)
-    return marker
-
-
-def hf_load_kwargs(cfg: WorkerConfig) -> dict:
-    """from_pretrained kwargs shared by every role: dtype and attention kernels."""
-    return {"dtype": torch.bfloat16 if cfg.bf16 else torch.float32,
-            "attn_implementation": "flash_attention_2" if cfg.flash_attn else "sdpa"}
-
-
-def from_pretrained(auto_cls, path: str, cfg: WorkerConfig, **kwargs):
-    """auto_cls.from_pretrained with our kwargs; falls back to eager attention for models without SDPA."""
-    kw = {**hf_load_kwargs(cfg), **kwargs}
-    try:
-        return auto_cls.from_pretrained(path, **kw)
-    except ValueError as e:
-        if kw["attn_implementation"] != "sdpa" or "sdpa" not in str(e).lower():
-            raise
-        log.warning("%s does not support SDPA attention; using eager", path)
-        return auto_cls.from_pretrained(path, **{**kw, "attn_implementation": "eager"})
 
 
 def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,8 @@ from orlhf.algo.losses import masked_mean, value_loss
 from orlhf.batching import pack
 from orlhf.config import WorkerConfig
 from orlhf.types import Experience, SequenceBatch, TrainStats
-from orlhf.workers.base import DeepSpeedWorker, from_pretrained, position_ids_from
+from orlhf.workers.base import DeepSpeedWorker, position_ids_from
+from orlhf.workers.loading import from_pretrained
 
 
 class ValueModel(nn.Module):

@@ -35,7 +35,8 @@ import torch
 
 from orlhf.config import WorkerConfig
 from orlhf.types import Rollout
-from orlhf.workers.base import ds_config, hf_zero3_loading, init_distributed, seed_everything
+from orlhf.workers.base import ds_config, init_distributed, seed_everything
+from orlhf.workers.loading import hf_zero3_loading
 from orlhf.workers.policy import PolicyWorker
 
 GATHER_MODES = ("whole", "per_layer")

@@ -1,0 +1,78 @@
+"""Loading an HF model for a worker: dtype and attention kernels, partitioned at load under ZeRO-3.
+
+    with hf_zero3_loading(ds_config):                 transformers builds the model inside deepspeed.zero.Init
+        model = from_pretrained(AutoModelForCausalLM, path, cfg)    (each rank holds only its shard)
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+
+import torch
+
+from orlhf.config import WorkerConfig
+
+log = logging.getLogger("orlhf.workers")
+
+
+@contextmanager
+def hf_zero3_loading(config: dict):
+    """While loading an HF model: partition at load under ZeRO-3 (HfDeepSpeedConfig alive), plain otherwise.
+
+    transformers keeps only a weak global reference to the HfDeepSpeedConfig; it is set for this load and
+    cleared after it, so a later non-ZeRO-3 load in the same process is not partitioned by mistake.
+    """
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    keep_alive = _hf_deepspeed_config(config) if config["zero_optimization"]["stage"] == 3 else None
+    try:
+        yield
+    finally:
+        del keep_alive
+        unset_hf_deepspeed_config()
+
+
+class _ZeRO3LoadMarker:
+    """What transformers reads from its HfDeepSpeedConfig (`is_zero3()` and `config`) when loading a model.
+
+    transformers' HfDeepSpeedConfig refuses to start without the `accelerate` package, which nothing else here
+    needs; this stand-in makes from_pretrained wrap model creation in deepspeed.zero.Init all the same.
+    """
+
+    def __init__(self, config: dict):
+        self.config = config
+
+    def is_zero3(self) -> bool:
+        return self.config["zero_optimization"]["stage"] == 3
+
+
+def _hf_deepspeed_config(config: dict):
+    import importlib.util
+
+    from transformers.integrations.deepspeed import HfDeepSpeedConfig, set_hf_deepspeed_config
+
+    if importlib.util.find_spec("accelerate") is not None:
+        return HfDeepSpeedConfig(config)
+    marker = _ZeRO3LoadMarker(config)
+    set_hf_deepspeed_config(marker)
+    return marker
+
+
+def hf_load_kwargs(cfg: WorkerConfig) -> dict:
+    """from_pretrained kwargs shared by every role: dtype and attention kernels."""
+    return {"dtype": torch.bfloat16 if cfg.bf16 else torch.float32,
+            "attn_implementation": "flash_attention_2" if cfg.flash_attn else "sdpa"}
+
+
+def from_pretrained(auto_cls, path: str, cfg: WorkerConfig, **kwargs):
+    """auto_cls.from_pretrained with our kwargs; falls back to eager attention for models without SDPA."""
+    kw = {**hf_load_kwargs(cfg), **kwargs}
+    try:
+        return auto_cls.from_pretrained(path, **kw)
+    except ValueError as e:
+        if kw["attn_implementation"] != "sdpa" or "sdpa" not in str(e).lower():
+            raise
+        log.warning("%s does not support SDPA attention; using eager", path)
+        return auto_cls.from_pretrained(path, **{**kw, "attn_implementation": "eager"})
