@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from orlhf.algo.losses import masked_mean, value_loss
-from orlhf.batching import pack
+from orlhf.batching import Packed, pack
 from orlhf.config import WorkerConfig
 from orlhf.types import Experience, SequenceBatch, TrainStats
 from orlhf.workers.base import DeepSpeedWorker, position_ids_from
@@ -51,6 +51,12 @@ class ValueModel(nn.Module):
 
     def gradient_checkpointing_enable(self, **kwargs) -> None:
         self.backbone.gradient_checkpointing_enable(**kwargs)
+
+
+def packed_values(model: nn.Module, batch) -> tuple[torch.Tensor, Packed]:
+    """A ValueModel over the batch packed into one row (orlhf/batching.py): (N,) values and the Packed layout."""
+    p = pack(batch)
+    return model(input_ids=p.input_ids, attention_mask=None, position_ids=p.position_ids)[0], p
 
 
 def is_reward_model_folder(path: str) -> bool:
@@ -104,9 +110,8 @@ class CriticWorker(DeepSpeedWorker):
 
     def _action_values(self, mb: SequenceBatch | Experience) -> torch.Tensor:
         if self.cfg.packing_samples:
-            p = pack(mb)
-            v = self.engine(input_ids=p.input_ids, attention_mask=None, position_ids=p.position_ids)  # (1, N)
-            return p.unflatten(v[0, p.score_index])
+            v, p = packed_values(self.engine, mb)
+            return p.unflatten(v[p.score_index])
         a = mb.num_actions
         v = self.engine(input_ids=mb.sequences, attention_mask=mb.attention_mask)  # (b, T)
         return v[:, -a - 1:-1] * mb.action_mask

@@ -132,14 +132,8 @@ class HybridPolicyWorker(PolicyWorker):
         offload = getattr(self.engine.optimizer, "parameter_offload", None)
         with deepspeed.zero.GatheredParameters(params):
             if self.hook_free and offload is not None:
-                # As DeepSpeed's hybrid engine runs generation outside ZeRO-3's per-module hooks: with them
-                # every decode step pays their bookkeeping (fetch checks, trace, prefetch) on every layer.
-                offload._remove_module_hooks()
-                try:
+                with _zero3_hooks_removed(offload):
                     yield
-                finally:
-                    offload.forward_hooks, offload.backward_hooks = [], []
-                    offload.setup_zero_stage3_hooks()
                 return
             was_external = [p.is_external_param for p in params]
             for p in params:
@@ -149,6 +143,24 @@ class HybridPolicyWorker(PolicyWorker):
             finally:
                 for p, w in zip(params, was_external):
                     p.is_external_param = w
+
+
+@contextmanager
+def _zero3_hooks_removed(offload):
+    """ZeRO-3's per-module hooks off for the block, as DeepSpeed's hybrid engine generates outside them: with them
+    every decode step pays their bookkeeping (fetch checks, trace, prefetch) on every layer. Registering them
+    again also pushes the root module on DeepSpeed's module stack; that entry is dropped so the stack (which
+    its hooks scan on every forward) does not grow by one per step."""
+    from deepspeed.runtime.zero import parameter_offload
+
+    depth = len(parameter_offload.FWD_MODULE_STACK)
+    offload._remove_module_hooks()
+    try:
+        yield
+    finally:
+        offload.forward_hooks, offload.backward_hooks = [], []
+        offload.setup_zero_stage3_hooks()
+        del parameter_offload.FWD_MODULE_STACK[depth:]
 
 
 def sampling_processors(spec: GenerateSpec, recorder: "SampledLogProbs"):

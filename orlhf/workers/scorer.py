@@ -12,10 +12,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from orlhf.batching import pack
 from orlhf.types import SequenceBatch
 from orlhf.workers.base import DeepSpeedWorker
-from orlhf.workers.critic import load_sequence_classifier
+from orlhf.workers.critic import load_sequence_classifier, packed_values
 
 
 def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -35,9 +34,8 @@ class RewardWorker(DeepSpeedWorker):
 
         def fn(mb: SequenceBatch) -> torch.Tensor:
             if self.cfg.packing_samples:
-                p = pack(mb)
-                v = self.engine(input_ids=p.input_ids, attention_mask=None, position_ids=p.position_ids)
-                return v[0, p.last_index]
+                v, p = packed_values(self.engine, mb)
+                return v[p.last_index]
             v = self.engine(input_ids=mb.sequences, attention_mask=mb.attention_mask)  # (b, T)
             return v.gather(1, last_token_index(mb.attention_mask).unsqueeze(1)).squeeze(1)
 
