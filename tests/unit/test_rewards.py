@@ -266,3 +266,24 @@ def test_http_reward_bad_answers_are_checked_like_files(serve):
     server = serve(lambda n, body: (200, {"rewards": [1.0]}))
     with pytest.raises(RewardError, match=r"--remote_rm_url http://127\.0\.0\.1:\d+/score returned shape \(1,\)"):
         HttpReward(server.url).score(QUERIES, PROMPTS, LABELS)
+
+
+def test_reward_query_is_the_prompt_text_plus_the_decoded_response():
+    """With a chat template the prompt text holds special tokens; decoding prompt + response with
+    skip_special_tokens dropped them, so queries[i] no longer started with prompts[i] (issue 16)."""
+    from types import SimpleNamespace
+
+    from orlhf.controller import reward_inputs
+    from orlhf.data import load_tokenizer
+
+    tok = load_tokenizer(str(ensure_demo().model))
+    text = f"{tok.bos_token}user: say colors:\nassistant:"
+    prompt = SimpleNamespace(text=text, label="colors")
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    response = tok(" red blue", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    rollout = SimpleNamespace(prompt_ids=ids, response_ids=response, prompt_index=0)
+    queries, prompts, labels = reward_inputs(tok, [rollout], [prompt])
+    assert prompts == [text] and labels == ["colors"]
+    assert queries[0].startswith(text) and queries[0][len(text):] == tok.decode(response, skip_special_tokens=True)
+    old = tok.decode(ids + response, skip_special_tokens=True)
+    assert not old.startswith(text)  # what the old query was: the bug this guards against
