@@ -8,17 +8,22 @@ Invariants:
   slots, released when the controller takes a batch); so rollouts are at most queue_size versions stale.
 - A weight sync holds `lock`, which the producer holds while generating: weights never change mid-generation.
 - An exception in the producer is re-raised in the controller's thread at the next get; stopping the
-  producer (context exit) never leaves the thread blocked.
+  producer (context exit: the end, an error or Ctrl-C) returns within STOP_WAIT_S. A generation in flight
+  cannot be interrupted from here: the thread (a daemon) is left to end when the engines are shut down, which
+  the caller does right after, and its result is dropped.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
 from typing import Callable, Iterator
 
 _DONE = object()
+STOP_WAIT_S = 5.0  # how long context exit waits for the producer thread
+log = logging.getLogger(__name__)
 
 
 class RolloutProducer:
@@ -39,7 +44,10 @@ class RolloutProducer:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._slots.release()  # unblock a producer waiting for a slot
-        self._thread.join(timeout=600)
+        self._thread.join(timeout=STOP_WAIT_S)
+        if self._thread.is_alive():
+            log.info("rollout producer still in a generation after %.0f s; leaving it to end with the engines",
+                     STOP_WAIT_S)
 
     def __iter__(self) -> Iterator[tuple[list, list, float]]:
         """(prompts, rollouts, generation seconds) per batch, in loader order."""
@@ -62,6 +70,8 @@ class RolloutProducer:
                     t0 = time.perf_counter()
                     rollouts = self.generate(prompts, i)
                     seconds = time.perf_counter() - t0
+                if self._stop.is_set():
+                    return
                 self._queue.put((prompts, rollouts, seconds))
             self._queue.put(_DONE)
         except BaseException as e:  # surfaced in the controller's thread

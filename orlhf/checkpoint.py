@@ -2,7 +2,7 @@
 
     <ckpt_path>/
       step_000010/                 a complete checkpoint: it only ever appears by one os.rename, meta.json inside
-        meta.json                  written last: format, step, time, orlhf version, ranks per role, fingerprint
+        meta.json                  written last: format, step, time, orlhf version, run id, ranks per role, fingerprint
         controller.json            driver state as plain JSON (step, loader, KL, reward norm, python/numpy RNG)
         controller.safetensors     its tensors (torch RNG states), referenced from controller.json
         actor/                     the actor group's DeepSpeed checkpoint (DeepSpeedWorker.save_checkpoint):
@@ -11,10 +11,12 @@
           zero_to_fp32.py          DeepSpeed's offline consolidation script (python zero_to_fp32.py actor out)
         critic/                    the same for the critic (gae only)
         hf/actor/                  with --save_hf_ckpt: HF folder (safetensors) that transformers and vLLM load
-      .tmp-step_000020-1a2b3c4d/   a save in progress, or one that crashed: never read, cleanup_stale_tmp removes it
+      .tmp-step_000020-1a2b3c4d/   a save in progress, or one that crashed: never read; owner.json inside names its
+                                   writer (pid, host, run id): cleanup_stale_tmp removes it once that writer is gone
       .trash-step_000001-...       a rotated checkpoint being deleted
 
-    start:  mgr = CheckpointManager(--ckpt_path, --max_ckpt_num); mgr.cleanup_stale_tmp()
+    start:  (runlock: this run holds <ckpt_path>/.orlhf.lock) mgr = CheckpointManager(--ckpt_path, --max_ckpt_num,
+            run_id); mgr.cleanup_stale_tmp()
             saving without --load_checkpoint: mgr.check_new_run() (another run's checkpoints are there: refuse)
     save:   tmp = mgr.begin(step) -> every trained group: save_checkpoint(tmp/<role>) (collective per group)
             -> driver: save_controller_state(tmp, state) -> mgr.commit(tmp, step, meta)
@@ -43,12 +45,12 @@ import shutil
 import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 
-if TYPE_CHECKING:
-    from orlhf.config import TrainConfig
+from orlhf.fingerprint import config_fingerprint  # noqa: F401 (part of this module's interface)
+from orlhf.runlock import OWNER_NAME, owner_gone, write_owner
 
 log = logging.getLogger(__name__)
 
@@ -74,15 +76,17 @@ class CheckpointManager:
     Driver-side only (one process). max_ckpt_num < 1 keeps every checkpoint.
     """
 
-    def __init__(self, ckpt_path: str | os.PathLike, max_ckpt_num: int):
+    def __init__(self, ckpt_path: str | os.PathLike, max_ckpt_num: int, run_id: str = ""):
         self.root = Path(ckpt_path).expanduser().absolute()
         self.max_ckpt_num = max_ckpt_num
+        self.run_id = run_id  # recorded in every temp folder's owner.json and every meta.json
 
     def begin(self, step: int) -> Path:
         """A fresh temporary folder for the checkpoint of `step`, next to where it will be renamed to."""
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.root / f"{_TMP_PREFIX}{step_dir_name(step)}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()  # not mkdtemp: its 0700 mode would stick to the final folder; this respects the umask
+        write_owner(tmp, self.run_id)
         return tmp
 
     def commit(self, tmp: str | os.PathLike, step: int, meta: dict[str, Any]) -> Path:
@@ -101,7 +105,7 @@ class CheckpointManager:
         for role, ranks in (meta.get("roles") or {}).items():
             _check_ranks_wrote(tmp / role, role, ranks)
         full = {**meta, "format": FORMAT_VERSION, "step": int(step), "time": time.time(),
-                "orlhf_version": __version__}
+                "orlhf_version": __version__, "run_id": self.run_id}
         _fsync_tree(tmp)
         _write_json_durable(tmp / META, full)
         final = self.root / step_dir_name(step)
@@ -159,12 +163,20 @@ class CheckpointManager:
                 "--load_checkpoint to resume from it, or choose another --ckpt_path (or delete those folders).")
 
     def cleanup_stale_tmp(self) -> list[Path]:
-        """Remove `.tmp-step_*` / `.trash-step_*` leftovers of crashed saves. Call before the first save only
+        """Remove `.tmp-step_*` / `.trash-step_*` leftovers of crashed saves whose writer is gone (runlock.owner_gone;
+        a trash folder is a complete checkpoint being deleted: nobody writes it). Call before the first save only
         (no save of this run may be in flight). Returns what was removed."""
         if not self.root.is_dir():
             return []
-        stale = [e for e in self.root.iterdir()
-                 if e.is_dir() and e.name.startswith((_TMP_PREFIX + "step_", _TRASH_PREFIX + "step_"))]
+        stale = []
+        for e in self.root.iterdir():
+            if not e.is_dir():
+                continue
+            if e.name.startswith(_TRASH_PREFIX + "step_") or (e.name.startswith(_TMP_PREFIX + "step_")
+                                                              and owner_gone(e)):
+                stale.append(e)
+            elif e.name.startswith(_TMP_PREFIX + "step_"):
+                log.warning("keeping %s: its writer (%s) is still running", e, e / OWNER_NAME)
         for path in stale:
             shutil.rmtree(path, ignore_errors=True)
             log.info("removed leftover of an unfinished checkpoint save: %s", path)
@@ -205,44 +217,6 @@ def _check_ranks_wrote(folder: Path, role: str, ranks: int) -> None:
 
 
 # ---- does this checkpoint belong to this run? -----------------------------------------------------------------
-
-def config_fingerprint(cfg: "TrainConfig") -> dict[str, Any]:
-    """The settings a checkpoint is only valid under, by flag name. Resuming with any of them changed either
-    cannot load (ranks, ZeRO stage, bf16 layout, critic or not) or would silently continue another run (models,
-    data, seed, batch geometry, reward normalization, KL controller kind).
-
-    Deliberately left out, free to change on resume: learning rates, clip/KL coefficients, --num_episodes and
-    --max_epochs (to extend a run), micro-batch sizes, offload, vLLM and logging flags, --save_steps, paths of
-    outputs. Paths are compared absolute.
-    """
-    d, p, ppo, ds = cfg.data, cfg.placement, cfg.ppo, cfg.deepspeed
-    critic_model = (d.critic_pretrain or d.reward_pretrain or d.pretrain) if cfg.has_critic else None
-    return {
-        "--pretrain": _abs(d.pretrain),
-        "critic model (--critic_pretrain, else --reward_pretrain, else --pretrain)": _abs(critic_model),
-        "--reward_pretrain": _abs(d.reward_pretrain),
-        "--prompt_data": _abs(d.prompt_data),
-        "--max_samples": d.max_samples,
-        "actor ranks (--actor_num_nodes x --actor_num_gpus_per_node)": p.world_size("actor"),
-        "critic ranks (--critic_num_nodes x --critic_num_gpus_per_node)":
-            p.world_size("critic") if cfg.has_critic else None,
-        "--zero_stage": ds.zero_stage,
-        "--bf16": ds.bf16,
-        "--advantage_estimator": ppo.advantage_estimator,
-        "--n_samples_per_prompt": ppo.n_samples_per_prompt,
-        "--rollout_batch_size": ppo.rollout_batch_size,
-        "--train_batch_size": ppo.train_batch_size,
-        "--seed": ppo.seed,
-        "--normalize_reward": ppo.normalize_reward,
-        "KL controller (--kl_target given: adaptive)": "fixed" if ppo.kl_target is None else "adaptive",
-    }
-
-
-def _abs(path: Optional[str]) -> Optional[str]:
-    if path is None or "://" in path or not os.path.exists(os.path.expanduser(path)):
-        return path  # URLs and hub ids as given
-    return os.path.abspath(os.path.expanduser(path))
-
 
 def check_compatible(meta: dict[str, Any], fingerprint: dict[str, Any], path: str | os.PathLike = "") -> None:
     """Raise CheckpointError listing every setting that differs between the checkpoint and this run."""

@@ -106,6 +106,7 @@ def run_reporting_errors(fn: Callable[[C.TrainConfig], int], cfg: C.TrainConfig)
     from orlhf.data import DataError
     from orlhf.placement import PlacementError
     from orlhf.rewards import RewardError
+    from orlhf.runlock import RunLockError
 
     try:
         return fn(cfg)
@@ -113,7 +114,7 @@ def run_reporting_errors(fn: Callable[[C.TrainConfig], int], cfg: C.TrainConfig)
         typer.secho(f"error: {len(e.problems)} problem(s) with the flags:", fg="red", err=True)
         typer.echo(str(e), err=True)
         return 2
-    except (DataError, RewardError, PlacementError, RankError, CheckpointError, TimeoutError) as e:
+    except (DataError, RewardError, PlacementError, RankError, CheckpointError, RunLockError, TimeoutError) as e:
         typer.secho(f"error: {e}", fg="red", err=True)
         return 1
     except KeyboardInterrupt:
@@ -166,13 +167,24 @@ def serve_rm(
     host: str = typer.Option("127.0.0.1", help="Address to bind; 0.0.0.0 exposes it to the network."),
     port: int = typer.Option(5000, help="Port (0: any free one)."),
     token: Optional[str] = typer.Option(None, help="Require 'Authorization: Bearer TOKEN' (default: $ORLHF_RM_TOKEN)."),
+    timeout_s: float = typer.Option(30.0, "--timeout_s", help="Cut a connection idle this long (seconds)."),
+    workers: int = typer.Option(8, "--workers", help="Requests handled at once; more wait in the backlog."),
+    reward_timeout_s: float = typer.Option(300.0, "--reward_timeout_s",
+                                           help="Longest reward_func call before answering 500."),
 ) -> None:
     """Serve a reward function over HTTP for --remote_rm_url http://HOST:PORT/get_reward."""
     from orlhf.rewards import RewardError
     from orlhf.serve_rm import make_server
 
+    if timeout_s <= 0 or workers < 1 or reward_timeout_s <= 0:
+        typer.secho("error: --timeout_s and --reward_timeout_s must be > 0, --workers >= 1", fg="red", err=True)
+        raise typer.Exit(2)
     try:
-        server = make_server(str(reward_fn), host, port, token)
+        server = make_server(str(reward_fn), host, port, token, timeout_s=timeout_s, workers=workers,
+                             reward_timeout_s=reward_timeout_s)
+    except ValueError as e:  # a flag problem: a public --host without a token
+        typer.secho(f"error: {e}", fg="red", err=True)
+        raise typer.Exit(2)
     except (RewardError, OSError) as e:
         typer.secho(f"error: {e}", fg="red", err=True)
         raise typer.Exit(1)

@@ -13,6 +13,7 @@ torch, ray, deepspeed or vllm: `orlhf --help` must stay fast, and validation run
 from __future__ import annotations
 
 import dataclasses
+import os
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -124,6 +125,8 @@ class DataConfig:
         "skip", "Prompts longer than --prompt_max_len: skip them or truncate (keep the end).",
         choices=("skip", "truncate"),
     )
+    reward_timeout_s: float = opt(
+        300.0, "Longest wait for one call of a --remote_rm_url .py file's reward_func before the run fails.")
 
     @property
     def uses_demo(self) -> bool:
@@ -177,12 +180,19 @@ class LoggingConfig:
         None, "Log to TensorBoard; optionally the log folder (default: <save_path>/tensorboard).", metavar="DIR"
     )
     save_path: str = opt("./ckpt", "Run folder: metrics.jsonl, reward.png, the final model.")
-    ckpt_path: str = opt("./ckpt/checkpoints_ppo", "Checkpoint folder.")
+    ckpt_path: Optional[str] = opt(None, "Checkpoint folder (default: <save_path>/checkpoints_ppo).")
     save_steps: int = opt(-1, "Checkpoint every N steps (-1: never).")
     logging_steps: int = opt(1, "Log every N steps.")
     max_ckpt_num: int = opt(3, "Checkpoints to keep.")
     load_checkpoint: bool = opt(False, "Resume from the newest complete checkpoint in --ckpt_path.")
     save_hf_ckpt: bool = opt(False, "Also export HF-format model folders with checkpoints.")
+    allow_no_checkpoint: bool = opt(
+        False, "With --load_checkpoint: start fresh when --ckpt_path holds no checkpoint (default: an error).")
+
+    @property
+    def checkpoint_dir(self) -> str:
+        """--ckpt_path, else <save_path>/checkpoints_ppo: a run's checkpoints follow its run folder."""
+        return self.ckpt_path if self.ckpt_path is not None else os.path.join(self.save_path, "checkpoints_ppo")
 
 
 @dataclass(frozen=True)
@@ -191,7 +201,8 @@ class RuntimeConfig:
     address: Optional[str] = opt(None, "Ray cluster address (default: the job's cluster, else a new local one).")
     ray_timeout_s: float = opt(600.0, "Longest wait on any Ray call or placement group before failing.")
     stop_after_steps: Optional[int] = opt(
-        None, "End this invocation after N steps (schedule unchanged; resume later with --load_checkpoint).")
+        None, "End this invocation after N steps, saving a checkpoint there (schedule unchanged; resume later "
+        "with --load_checkpoint).")
 
 
 # The sections, in --help order: (attribute on TrainConfig, class, help panel).
@@ -372,3 +383,33 @@ def worker_config(cfg: TrainConfig, role: str, device: str, total_optimizer_step
                             dual_clip=ppo.dual_clip, entropy_loss_coef=ppo.entropy_loss_coef,
                             use_kl_loss=ppo.use_kl_loss, kl_coef=ppo.init_kl_coef, kl_estimator=ppo.kl_estimator)
     return WorkerConfig(**common, **train, learning_rate=ppo.critic_learning_rate, value_clip=ppo.value_clip)
+
+
+# Flags whose value can be a secret (OpenRLHF's `--use_wandb KEY`). Their values never leave this process: the
+# config sent to W&B and any other dump goes through public_config(); argv through redact_argv().
+SECRET_FLAGS = ("use_wandb",)
+REDACTED = "<redacted>"
+
+
+def public_config(cfg: TrainConfig) -> dict[str, Any]:
+    """dataclasses.asdict(cfg) with every non-empty secret value replaced by REDACTED."""
+    out = dataclasses.asdict(cfg)
+    for attr, flag, f, _ in flag_fields():
+        if flag in SECRET_FLAGS and out[attr][f.name]:
+            out[attr][f.name] = REDACTED
+    return out
+
+
+def redact_argv(argv: list[str]) -> list[str]:
+    """A copy of a command line with the values of SECRET_FLAGS replaced (`--use_wandb KEY`, `--use-wandb=KEY`)."""
+    out, hide_next = [], False
+    for tok in argv:
+        name = tok[2:].split("=", 1)[0].replace("-", "_") if tok.startswith("--") else None
+        if hide_next and not tok.startswith("-"):
+            out.append(REDACTED)
+        elif name in SECRET_FLAGS and "=" in tok:
+            out.append(f"{tok.split('=', 1)[0]}={REDACTED}" if tok.split("=", 1)[1] else tok)
+        else:
+            out.append(tok)
+        hide_next = name in SECRET_FLAGS and "=" not in tok
+    return out

@@ -70,6 +70,7 @@ class Controller:
         self.checkpoints = checkpoints  # a checkpoint.CheckpointManager, or None
         self.sleep = SleepSwitch(cfg, models)  # hybrid mode's memory hand-over (no-op unless asked, on GPU)
         self._first_step = 0  # step_index when this invocation started (resume)
+        self._saved_step: Optional[int] = None  # step of this invocation's newest checkpoint
         self._sync_lock = threading.Lock()
         self._last_step_end = time.perf_counter()
 
@@ -81,6 +82,7 @@ class Controller:
         with self.progress() as report:
             for prompts in self.loader:
                 if self.should_stop():
+                    self.save_at_stop()
                     break
                 self.timings = {}
                 with self.timed("generate"):
@@ -104,6 +106,7 @@ class Controller:
         with producer, self.progress() as report:
             for prompts, rollouts, gen_seconds in producer:
                 if self.should_stop():
+                    self.save_at_stop()
                     break
                 self.timings = {"generate": gen_seconds}
                 report(self.learn(prompts, rollouts))
@@ -113,9 +116,9 @@ class Controller:
         """Everything after generation for one batch: score, make experience, train, sync. Returns metrics."""
         batch, engine_log_probs = rollouts_to_batch(rollouts, self.tok.pad_token_id)
         with self.timed("score"):
-            scores, old_lp, ref_lp, values = self.score(batch, rollouts, prompts)
+            reward, old_lp, ref_lp, values = self.score(batch, rollouts, prompts)
         with self.timed("make_experience"):
-            exp, info = self.make_experience(batch, scores, old_lp, ref_lp, values)
+            exp, info = self.make_experience(batch, reward.rewards, old_lp, ref_lp, values)
         with self.timed("train"):
             actor_stats, critic_stats = self.train(exp)
         gen_version = min(r.weight_version for r in rollouts)
@@ -131,7 +134,7 @@ class Controller:
                "generation_weight_version": gen_version, "staleness": staleness,
                "engine_logprob_gap": _masked_abs_mean(engine_log_probs - old_lp, batch.action_mask),
                "samples": len(rollouts), "samples_per_s": len(rollouts) / seconds, "step_s": seconds,
-               **{f"timing/{k}": v for k, v in self.timings.items()}}
+               **reward.log_row(), **{f"timing/{k}": v for k, v in self.timings.items()}}
         if critic_stats is not None:
             row.update(value_loss=critic_stats["loss"], critic_lr=critic_stats["lr"],
                        value_clip_frac=critic_stats["clip_frac"])
@@ -168,6 +171,12 @@ class Controller:
         n = self.cfg.runtime.stop_after_steps
         return n is not None and self.step_index - self._first_step >= n
 
+    def save_at_stop(self) -> None:
+        """--stop_after_steps ended this invocation: save where it stopped (unless that step is saved already),
+        so the later --load_checkpoint continues from here, not from the last --save_steps multiple."""
+        if self.checkpoints is not None and self._saved_step != self.step_index:
+            self.save_checkpoint()
+
     def save_checkpoint(self) -> None:
         """Every trained group's DeepSpeed state + the controller's, into a temp folder renamed into place."""
         from orlhf.checkpoint import config_fingerprint, rng_state, save_controller_state
@@ -176,11 +185,10 @@ class Controller:
         mgr, step = self.checkpoints, self.step_index
         tmp = mgr.begin(step)
         trained = [("actor", self.m.actor)] + ([("critic", self.m.critic)] if self.m.critic else [])
-        calls = [g.call_all_async("save_checkpoint", str(tmp / role)) for role, g in trained]
-        if self.cfg.logging.save_hf_ckpt:
-            calls.append(self.m.actor.call_all_async("save_hf", str(tmp / "hf" / "actor")))
-        for call in calls:
+        for call in [g.call_all_async("save_checkpoint", str(tmp / role)) for role, g in trained]:
             call.get()
+        if self.cfg.logging.save_hf_ckpt:  # after: both are collectives on the actor ranks, never interleaved
+            self.m.actor.call_all("save_hf", str(tmp / "hf" / "actor"))
         spe = self.loader.steps_per_episode  # loader position of the consumed batches (async reads ahead)
         loader_state = {**self.loader.state_dict(), "episode": step // spe, "batch_in_episode": step % spe}
         save_controller_state(tmp, {
@@ -189,6 +197,7 @@ class Controller:
             "reward_norm": self.reward_norm.state_dict() if self.reward_norm else None, "rng": rng_state()})
         path = mgr.commit(tmp, step, {"fingerprint": config_fingerprint(self.cfg),
                                       "roles": {role: g.world_size for role, g in trained}})
+        self._saved_step = step
         log.info("checkpoint %s (%.1f s)", path, time.perf_counter() - t0)
 
     def resume(self, path) -> None:
@@ -201,7 +210,7 @@ class Controller:
             call.get()
         state = load_controller_state(path)
         self.step_index, self.weight_version = state["step_index"], state["weight_version"]
-        self._first_step = self.step_index
+        self._first_step = self._saved_step = self.step_index
         self.loader.load_state_dict(state["loader"])
         self.kl_ctl.load_state_dict(state["kl_ctl"])
         if self.reward_norm is not None:
@@ -219,19 +228,22 @@ class Controller:
         return self.m.engines.generate([q.ids for q in prompts], sampling)
 
     def score(self, batch: SequenceBatch, rollouts: list[Rollout], prompts: list):
-        """Everything that reads the rollouts, started together and gathered after."""
+        """Everything that reads the rollouts, started together and gathered after. The reward part is a
+        rewards.RewardResult: .rewards to train on, .scores for filtering, .extra_logs to log."""
+        from orlhf.rewards import RewardResult
+
         old_call = self.m.actor.call_sharded_async("log_probs", batch)
         ref_call = self.m.ref.call_sharded_async("log_probs", batch)
         value_call = self.m.critic.call_sharded_async("values", batch) if self.m.critic else None
         reward_call = self.m.reward.call_sharded_async("scores", batch) if self.m.reward else None
         if self.reward_source is not None:  # runs here while the groups compute
-            scores = self.reward_source.score(*self._reward_inputs(rollouts, prompts))
+            reward = self.reward_source.evaluate(*self._reward_inputs(rollouts, prompts))
         else:
-            scores = reward_call.get_cat()
+            reward = RewardResult.of(reward_call.get_cat().float())
         if self.reward_norm is not None:
-            self.reward_norm.update(scores)
+            self.reward_norm.update(reward.rewards)
         values = value_call.get_cat() if value_call else None
-        return scores.float(), old_call.get_cat(), ref_call.get_cat(), values
+        return reward, old_call.get_cat(), ref_call.get_cat(), values
 
     def make_experience(self, batch, scores, old_lp, ref_lp, values) -> tuple[Experience, dict]:
         shaped_scores = self.reward_norm.normalize(scores) if self.reward_norm is not None else scores
@@ -262,15 +274,22 @@ class Controller:
 
     # ---- helpers ----------------------------------------------------------------------------------------------
     def _reward_inputs(self, rollouts: list[Rollout], prompts: list) -> tuple[list[str], list[str], list]:
-        texts = self.tok.batch_decode([r.prompt_ids + r.response_ids for r in rollouts], skip_special_tokens=True)
-        return texts, [prompts[r.prompt_index].text for r in rollouts], [prompts[r.prompt_index].label
-                                                                         for r in rollouts]
+        return reward_inputs(self.tok, rollouts, prompts)
 
     @contextmanager
     def timed(self, phase: str):
         t0 = time.perf_counter()
         yield
         self.timings[phase] = self.timings.get(phase, 0.0) + time.perf_counter() - t0
+
+
+def reward_inputs(tokenizer, rollouts: list[Rollout], prompts: list) -> tuple[list[str], list[str], list]:
+    """(queries, prompts, labels) as rewards.py's contract says: query = the prompt text exactly as given to the
+    model + the decoded response. Decoding prompt + response together would drop the chat template's special
+    tokens from the prompt part, so the query would no longer start with the prompt text."""
+    texts = [prompts[r.prompt_index].text for r in rollouts]
+    responses = tokenizer.batch_decode([r.response_ids for r in rollouts], skip_special_tokens=True)
+    return [t + resp for t, resp in zip(texts, responses)], texts, [prompts[r.prompt_index].label for r in rollouts]
 
 
 def _mean_stats(stats: list[TrainStats]) -> dict[str, float]:

@@ -86,7 +86,7 @@ def _read_jsonl(path: Path, max_samples: int | None) -> tuple[list[Any], list[st
             if max_samples is not None and len(rows) >= max_samples:
                 break
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # a UTF-8 BOM (Windows editors): ok
                 if not line.strip():
                     continue  # blank lines (a trailing newline, a separator) are not rows
                 rows.append(json.loads(line))
@@ -99,7 +99,7 @@ def _read_jsonl(path: Path, max_samples: int | None) -> tuple[list[Any], list[st
 def _read_json(path: Path, max_samples: int | None) -> tuple[list[Any], list[str]]:
     """A list of objects, HF's column layout {"col": [...], ...}, or {"data": [objects]}; JSON lines also work."""
     try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
+        obj = json.loads(path.read_text(encoding="utf-8-sig"))  # utf-8-sig: with or without a BOM
     except json.JSONDecodeError as e:
         if e.msg == "Extra data":  # one object per line in a .json file: datasets accepts it, so do we
             return _read_jsonl(path, max_samples)
@@ -238,11 +238,26 @@ def _format(value: Any, index: int, key: str, tokenizer, apply_chat_template: bo
     if apply_chat_template:
         # A row may hold a whole conversation ([{"role", "content"}, ...]), as OpenRLHF allows.
         messages = value if isinstance(value, list) else [{"role": "user", "content": str(value)}]
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        _check_messages(messages, index, key)
+        try:
+            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # jinja2 errors of the model's own template: name the row, not the template line
+            raise DataError(f"row {index + 1}: the chat template failed on this conversation "
+                            f"({type(e).__name__}: {e}); check its roles and contents.") from None
     if not isinstance(value, str):
         raise DataError(f"row {index + 1}: the prompt ({key!r}, --input_key) is a list of chat messages, which "
                         "needs --apply_chat_template.")
     return input_template.format(value) if input_template else value
+
+
+def _check_messages(messages: list, index: int, key: str) -> None:
+    """A conversation is a list of {"role": str, "content": str}; anything else fails inside Jinja, unreadably."""
+    for j, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            got = sorted(m) if isinstance(m, dict) else type(m).__name__
+            raise DataError(f"row {index + 1}: message {j + 1} of the conversation in {key!r} (--input_key) needs "
+                            f'"role" and "content" strings, got {got}; fix that row, e.g. '
+                            '{"role": "user", "content": "..."}.')
 
 
 def _keep_end(ids: list[int], max_len: int, bos_id: int | None) -> list[int]:

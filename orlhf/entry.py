@@ -1,8 +1,9 @@
 """What `orlhf train-ppo` runs once its flags are a valid TrainConfig.
 
-    resolve demo paths and the device -> connect Ray -> pre-flight + placement groups -> prompts
-    -> start engines (async) and model groups -> init all -> weight-sync group -> Controller.fit()
-    -> save the final actor -> tear everything down (also on errors and Ctrl-C)
+    resolve demo paths and the device -> lock the run and checkpoint folders (runlock: a second run on them
+    exits here) -> prompts -> connect Ray -> pre-flight + placement groups -> start engines (async) and model
+    groups -> init all -> weight-sync group -> Controller.fit() -> export the final actor (atomic, export.py)
+    -> draw the reward curve (best effort) -> tear everything down (also on errors and Ctrl-C)
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ import logging
 import math
 import os
 import time
+import uuid
 from contextlib import ExitStack
 from pathlib import Path
 
-from orlhf.config import TrainConfig, worker_config
+from orlhf.config import TrainConfig, public_config, worker_config
 
 log = logging.getLogger("orlhf")
 
@@ -69,16 +71,26 @@ def connect_ray(cfg: TrainConfig, num_cpus: int) -> bool:
 
 def train_ppo(cfg: TrainConfig) -> int:
     """Run PPO with `cfg`. Returns the process exit code."""
+    from orlhf.runlock import hold_folders
+
+    logging.basicConfig(level=logging.INFO, format="[orlhf] %(message)s")
+    cfg = resolve_device(resolve_demo(cfg))
+    run_id = uuid.uuid4().hex[:12]  # a resumed run takes its checkpoint's (run_locked)
+    with hold_folders(cfg.logging.save_path, cfg.logging.checkpoint_dir, run_id):
+        return run_locked(cfg, run_id)
+
+
+def run_locked(cfg: TrainConfig, run_id: str) -> int:
+    """train_ppo once this process holds the run folder and the checkpoint folder."""
     import ray
 
     from orlhf.checkpoint import CheckpointManager
     from orlhf.controller import Controller
     from orlhf.data import PromptLoader, build_prompts, load_prompt_rows, load_tokenizer
+    from orlhf.export import export_actor
     from orlhf.metrics import MetricsLogger
     from orlhf.placement import create_placement_groups, local_num_cpus, plan_layout, remove_placement_groups
 
-    logging.basicConfig(level=logging.INFO, format="[orlhf] %(message)s")
-    cfg = resolve_device(resolve_demo(cfg))
     device, d, p = cfg.runtime.device, cfg.data, cfg.ppo
     if cfg.deepspeed.packing_samples and not cfg.deepspeed.flash_attn:
         log.warning("--packing_samples without --flash_attn: attention runs over each packed row with a "
@@ -94,8 +106,15 @@ def train_ppo(cfg: TrainConfig) -> int:
     samples_per_step = p.rollout_batch_size * p.n_samples_per_prompt
     optimizer_steps = loader.total_steps * p.max_epochs * (samples_per_step // p.train_batch_size)
     layout = plan_layout(cfg, device)
-    checkpoints = CheckpointManager(cfg.logging.ckpt_path, cfg.logging.max_ckpt_num)
+    checkpoints = CheckpointManager(cfg.logging.checkpoint_dir, cfg.logging.max_ckpt_num, run_id)
     resume_from = find_checkpoint(cfg, checkpoints)  # one from other flags fails here, before anything starts
+    resume_step = None
+    if resume_from is not None:  # the same run goes on: same run id in its checkpoints and on W&B
+        from orlhf.checkpoint import read_meta
+
+        meta = read_meta(resume_from)
+        run_id = checkpoints.run_id = meta.get("run_id") or run_id
+        resume_step = int(meta["step"])  # metrics logged after it are cut: those steps are trained again
 
     with ExitStack() as stack:
         if connect_ray(cfg, local_num_cpus(layout)):
@@ -108,8 +127,8 @@ def train_ppo(cfg: TrainConfig) -> int:
                  time.monotonic() - t0)
         metrics = MetricsLogger(cfg.logging.save_path, use_wandb=cfg.logging.use_wandb,
                                 wandb_project=cfg.logging.wandb_project, wandb_run_name=cfg.logging.wandb_run_name,
-                                use_tensorboard=cfg.logging.use_tensorboard, config=dataclasses.asdict(cfg),
-                                resume=resume_from is not None)
+                                use_tensorboard=cfg.logging.use_tensorboard, config=public_config(cfg),
+                                resume_step=resume_step, run_id=run_id)
         controller = Controller(cfg, models, loader, tokenizer, metrics, reward_source=make_reward(cfg),
                                 checkpoints=checkpoints)
         if resume_from is not None:
@@ -117,9 +136,9 @@ def train_ppo(cfg: TrainConfig) -> int:
         try:
             history = controller.fit()
         finally:
-            png = metrics.close()
-        out = Path(cfg.logging.save_path) / "actor"
-        models.actor.call_all("save_hf", str(out))
+            metrics.close(plot=False)
+        out = export_actor(models.actor, Path(cfg.logging.save_path) / "actor", run_id)  # before the plot
+        png = metrics.plot()  # best effort: a plotting failure costs the curve, never the model
         log.info("done: %d steps; final actor in %s; metrics in %s%s", len(history), out, metrics.path,
                  f"; curve in {png}" if png else "")
         summarize(history)
@@ -131,14 +150,25 @@ def find_checkpoint(cfg: TrainConfig, checkpoints):
     Without it, a --ckpt_path that already holds checkpoints is refused when this run would save there."""
     from orlhf.checkpoint import check_compatible, config_fingerprint, read_meta
 
+    from orlhf.checkpoint import CheckpointError
+
     checkpoints.cleanup_stale_tmp()
+    saves = cfg.logging.save_steps > 0 or cfg.runtime.stop_after_steps is not None  # (it saves at the stop)
     if not cfg.logging.load_checkpoint:
-        if cfg.logging.save_steps > 0:
+        if saves:
             checkpoints.check_new_run()
         return None
     path = checkpoints.latest()
     if path is None:
-        log.info("--load_checkpoint: no complete checkpoint in %s, starting fresh", cfg.logging.ckpt_path)
+        if not cfg.logging.allow_no_checkpoint:
+            raise CheckpointError(
+                f"--load_checkpoint: no complete checkpoint in {checkpoints.root} (--ckpt_path), so there is "
+                "nothing to resume. Check --ckpt_path (it defaults to <save_path>/checkpoints_ppo), or add "
+                "--allow_no_checkpoint to start fresh when there is none.")
+        log.info("--load_checkpoint: no complete checkpoint in %s, starting fresh (--allow_no_checkpoint)",
+                 checkpoints.root)
+        if saves:
+            checkpoints.check_new_run()
         return None
     check_compatible(read_meta(path), config_fingerprint(cfg), path)
     return path
@@ -177,7 +207,7 @@ def make_reward(cfg: TrainConfig):
         return None  # the reward-model group scores
     from orlhf.rewards import make_reward_source
 
-    return make_reward_source(cfg.data.remote_rm_url)
+    return make_reward_source(cfg.data.remote_rm_url, timeout_s=cfg.data.reward_timeout_s)
 
 
 def summarize(history: list[dict]) -> None:

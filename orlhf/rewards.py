@@ -1,6 +1,10 @@
 """Reward sources besides a reward model: a python file's reward_func, or a remote HTTP reward server.
 
     queries (prompt + response text), prompts, labels --RewardSource.score()--> rewards: torch.float32 (B,)
+                                                      --RewardSource.evaluate()--> RewardResult
+                                                          .rewards (B,) train on these
+                                                          .scores (B,) for dynamic filtering (default: rewards)
+                                                          .extra_logs {name: (B,)} logged as reward/<name> means
 
 --remote_rm_url picks the source (make_reward_source): http(s)://... -> HttpReward, a .py file -> FunctionReward.
 The reward-model group (--reward_pretrain) is wrapped to the same interface by the controller.
@@ -8,8 +12,12 @@ The reward-model group (--reward_pretrain) is wrapped to the same interface by t
 Contract, as OpenRLHF's: queries[i] is the decoded prompt + response of sample i, prompts[i] the decoded prompt
 (so queries[i][len(prompts[i]):] is the response), labels[i] the --label_key value, "" when there is none (None
 labels become "", as OpenRLHF's dataset gives ""). Whatever a source answers is checked the same way
-(to_rewards): one finite number per query, else a RewardError naming the source and the bad indices, because a
-NaN reward silently poisons every advantage of the step.
+(to_result): one finite number per query, else a RewardError naming the source and the bad indices, because a
+NaN reward silently poisons every advantage of the step. A source may answer OpenRLHF's dict
+{"rewards", "scores", "extra_logs"}; each part is checked alike.
+
+A python file's reward_func runs in this process, in a daemon thread with a deadline (--reward_timeout_s): a
+stuck function fails the run with a RewardError naming the file instead of hanging it.
 """
 
 from __future__ import annotations
@@ -22,7 +30,9 @@ import logging
 import os
 import sys
 import time
+import threading
 import traceback
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -38,19 +48,41 @@ class RewardError(RuntimeError):
     """A reward source failed or answered something unusable; the message names the source and the fix."""
 
 
+@dataclass(frozen=True)
+class RewardResult:
+    """What a reward source answered for one batch of B queries, checked."""
+
+    rewards: torch.Tensor  # float32 (B,): what PPO trains on
+    scores: torch.Tensor  # float32 (B,): what dynamic filtering compares (OpenRLHF: rewards unless given)
+    extra_logs: dict[str, torch.Tensor] = field(default_factory=dict)  # float32 (B,) each: logged, not trained
+
+    @classmethod
+    def of(cls, rewards: torch.Tensor) -> "RewardResult":
+        return cls(rewards=rewards, scores=rewards)
+
+    def log_row(self) -> dict[str, float]:
+        """extra_logs as metrics: the batch mean of each, under reward/<name>."""
+        return {f"reward/{k}": v.mean().item() for k, v in self.extra_logs.items()}
+
+
 @runtime_checkable
 class RewardSource(Protocol):
     def score(self, queries: list[str], prompts: list[str], labels: list) -> torch.Tensor:
         """One float32 reward per query, shape (B,)."""
         ...
 
+    def evaluate(self, queries: list[str], prompts: list[str], labels: list) -> RewardResult:
+        """Rewards, scores and extra logs, shape (B,) each."""
+        ...
 
-def make_reward_source(remote_rm_url: str) -> RewardSource:
-    """--remote_rm_url -> its source: http(s)://host:port/path -> HttpReward, path/to/file.py -> FunctionReward."""
+
+def make_reward_source(remote_rm_url: str, timeout_s: float = 300.0) -> RewardSource:
+    """--remote_rm_url -> its source: http(s)://host:port/path -> HttpReward, path/to/file.py -> FunctionReward
+    (timeout_s: --reward_timeout_s, the deadline of one reward_func call)."""
     if remote_rm_url.startswith(("http://", "https://")):
         return HttpReward(remote_rm_url)
     if remote_rm_url.endswith(".py"):
-        return FunctionReward(remote_rm_url)
+        return FunctionReward(remote_rm_url, timeout_s=timeout_s)
     raise RewardError(f"--remote_rm_url {remote_rm_url}: expected an http(s)://host:port/path URL or a .py file "
                       "defining reward_func.")
 
@@ -59,14 +91,36 @@ def make_reward_source(remote_rm_url: str) -> RewardSource:
 
 
 def to_rewards(out: Any, n: int, source: str) -> torch.Tensor:
-    """A source's answer -> float32 (n,). Accepts a tensor, list, numpy array, or {"rewards": ...} (OpenRLHF's
-    {"rewards", "scores", "extra_logs"} answer included); shape (n, 1) is flattened. Raises RewardError otherwise.
-    """
-    if isinstance(out, dict):
-        if "rewards" not in out:
-            raise RewardError(f"{source} returned a dict without 'rewards' (keys: {sorted(map(str, out))}); "
-                              "return {'rewards': [...]} or the rewards themselves.")
-        out = out["rewards"]
+    """A source's answer -> its float32 (n,) rewards (see to_result)."""
+    return to_result(out, n, source).rewards
+
+
+def to_result(out: Any, n: int, source: str) -> RewardResult:
+    """A source's answer -> RewardResult. Accepts a tensor, list, numpy array, or a dict with "rewards" and
+    optionally "scores" (n values) and "extra_logs" ({name: n values or one number}), OpenRLHF's answer; shape
+    (n, 1) is flattened. Raises RewardError naming the source and the part otherwise."""
+    if not isinstance(out, dict):
+        return RewardResult.of(_to_vector(out, n, source))
+    if "rewards" not in out:
+        raise RewardError(f"{source} returned a dict without 'rewards' (keys: {sorted(map(str, out))}); "
+                          "return {'rewards': [...]} or the rewards themselves.")
+    rewards = _to_vector(out["rewards"], n, source)
+    scores = rewards if out.get("scores") is None else _to_vector(out["scores"], n, f"{source} ['scores']")
+    extra = out.get("extra_logs") or {}
+    if not isinstance(extra, dict):
+        raise RewardError(f"{source} returned 'extra_logs' as a {type(extra).__name__}; return a dict "
+                          "{name: one number per query}.")
+    logs = {}
+    for name, value in extra.items():
+        where = f"{source} ['extra_logs'][{name!r}]"
+        if isinstance(value, (int, float)) or (isinstance(value, torch.Tensor) and value.dim() == 0):
+            value = [float(value)] * n  # one number for the batch
+        logs[str(name)] = _to_vector(value, n, where)
+    return RewardResult(rewards=rewards, scores=scores, extra_logs=logs)
+
+
+def _to_vector(out: Any, n: int, source: str) -> torch.Tensor:
+    """Numbers -> float32 (n,), finite, or a RewardError naming `source`."""
     try:
         if isinstance(out, torch.Tensor):
             rewards = out.detach().to("cpu", torch.float32)
@@ -106,22 +160,48 @@ def _check_batch(queries: list[str], prompts: list[str], labels: list) -> list:
 class FunctionReward:
     """reward_func(queries, prompts, labels) from a .py file, run in this process (see orlhf/demo_reward.py)."""
 
-    def __init__(self, path: str | os.PathLike):
-        self.path = str(Path(path).expanduser())
+    def __init__(self, path: str | os.PathLike, timeout_s: float = 300.0):
+        self.path, self.timeout_s = str(Path(path).expanduser()), timeout_s
         self._func = _load_reward_func(self.path)
 
     def score(self, queries: list[str], prompts: list[str], labels: list) -> torch.Tensor:
+        return self.evaluate(queries, prompts, labels).rewards
+
+    def evaluate(self, queries: list[str], prompts: list[str], labels: list) -> RewardResult:
         labels = _check_batch(queries, prompts, labels)
-        try:
-            out = self._func(list(queries), list(prompts), labels)
-        except Exception as e:
+        out = self._call_with_deadline(list(queries), list(prompts), labels)
+        return to_result(out, len(queries), f"{self.path}: reward_func")
+
+    def _call_with_deadline(self, *args) -> Any:
+        """reward_func(*args) in a daemon thread; past timeout_s, a RewardError (the thread is abandoned: python
+        cannot kill it, and a daemon thread does not keep the process alive)."""
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                box["out"] = self._func(*args)
+            except BaseException as e:  # noqa: BLE001 (re-raised below, in the caller's thread)
+                box["error"] = e
+
+        worker = threading.Thread(target=run, name="orlhf-reward-func", daemon=True)
+        worker.start()
+        worker.join(self.timeout_s)
+        if worker.is_alive():
+            raise RewardError(f"{self.path}: reward_func did not return within {self.timeout_s:g} s "
+                              f"(--reward_timeout_s) for a batch of {len(args[0])} queries. Fix what it waits on "
+                              f"in {self.path} (a network call, a lock, an endless loop), or raise "
+                              "--reward_timeout_s if it is just slow.")
+        e = box.get("error")
+        if e is not None:
+            if not isinstance(e, Exception):
+                raise e  # KeyboardInterrupt, SystemExit: not the user's bug to report
             raise RewardError(f"{self.path}: reward_func raised {type(e).__name__}: {e}\n"
                               f"{_user_frames(e, self.path)}\nFix reward_func in {self.path}.") from e
-        return to_rewards(out, len(queries), f"{self.path}: reward_func")
+        return box.get("out")
 
     def __reduce__(self):
         # Sent to a Ray actor by path, and imported again there: a module loaded from a file does not pickle.
-        return (FunctionReward, (self.path,))
+        return (FunctionReward, (self.path, self.timeout_s))
 
 
 def _load_reward_func(path: str):
@@ -176,13 +256,16 @@ class HttpReward:
         self.token = token if token is not None else os.environ.get(TOKEN_ENV)
 
     def score(self, queries: list[str], prompts: list[str], labels: list) -> torch.Tensor:
+        return self.evaluate(queries, prompts, labels).rewards
+
+    def evaluate(self, queries: list[str], prompts: list[str], labels: list) -> RewardResult:
         labels = _check_batch(queries, prompts, labels)
         try:
             body = json.dumps({"query": list(queries), "prompts": list(prompts), "labels": labels})
         except (TypeError, ValueError) as e:
             raise RewardError(f"--remote_rm_url {self.url}: the labels cannot be sent as JSON ({e}); use "
                               "JSON-compatible values in the --label_key field.") from None
-        return to_rewards(self._post(body), len(queries), f"--remote_rm_url {self.url}")
+        return to_result(self._post(body), len(queries), f"--remote_rm_url {self.url}")
 
     def _post(self, body: str) -> Any:
         import requests

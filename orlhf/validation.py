@@ -83,6 +83,20 @@ def _ranges(cfg: TrainConfig, out: list[str]) -> None:
     tpl = cfg.data.input_template
     need(tpl is None or tpl.count("{}") == 1,
          f"--input_template must contain exactly one '{{}}' where the prompt goes (got {tpl!r}).")
+    if tpl is not None and tpl.count("{}") == 1:
+        _template_formats(tpl, out)
+    need(cfg.logging.load_checkpoint or not cfg.logging.allow_no_checkpoint,
+         "--allow_no_checkpoint only applies with --load_checkpoint; add --load_checkpoint or drop it.")
+    need(cfg.data.reward_timeout_s > 0, f"--reward_timeout_s must be > 0 (got {cfg.data.reward_timeout_s}).")
+
+
+def _template_formats(tpl: str, out: list[str]) -> None:
+    """The template is applied with str.format (as OpenRLHF does), so any other brace must be doubled."""
+    try:
+        tpl.format("x")
+    except (KeyError, IndexError, ValueError) as e:
+        out.append(f"--input_template {tpl!r}: braces other than the one '{{}}' ({type(e).__name__}: {e}); "
+                   "write literal braces doubled, '{{' and '}}'.")
 
 
 def _estimators(cfg: TrainConfig, out: list[str]) -> None:

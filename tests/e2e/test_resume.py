@@ -29,12 +29,19 @@ def rows(save: Path) -> list[dict]:
     return [json.loads(line) for line in open(save / "metrics.jsonl")]
 
 
+def meta(ckpt: Path) -> dict:
+    return json.loads((ckpt / "meta.json").read_text())
+
+
 def test_resume_equals_uninterrupted_run(ray_local, tmp_path, capsys):
     a, b = tmp_path / "a", tmp_path / "b"
     assert run("--save_path", str(a), "--ckpt_path", str(a / "ckpt")) == 0
     assert run("--save_path", str(b), "--ckpt_path", str(b / "ckpt"), "--stop_after_steps", "3") == 0
     assert [r["step"] for r in rows(b)] == [1, 2, 3]
-    assert sorted(p.name for p in (b / "ckpt").iterdir()) == ["step_000003"]
+    assert sorted(p.name for p in (b / "ckpt").iterdir()) == [".orlhf.lock", "step_000003"]
+    # a crash after the checkpoint: steps 4 and 5 were logged (the last line torn), then trained again on resume
+    with open(b / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({**rows(b)[-1], "step": 4}) + "\n" + '{"step": 5, "reward_me')
     assert run("--save_path", str(b), "--ckpt_path", str(b / "ckpt"), "--load_checkpoint") == 0
 
     full, resumed = rows(a), rows(b)
@@ -49,11 +56,20 @@ def test_resume_equals_uninterrupted_run(ray_local, tmp_path, capsys):
 
 def test_checkpoint_from_other_flags_is_refused(ray_local, tmp_path, capsys):
     save = tmp_path / "c"
-    assert run("--save_path", str(save), "--ckpt_path", str(save / "ckpt"), "--stop_after_steps", "3") == 0
+    assert run("--save_path", str(save), "--load_checkpoint") == 1  # nothing to load: an error, not step 0
+    assert "no complete checkpoint in" in capsys.readouterr().err and not (save / "metrics.jsonl").exists()
+    # --stop_after_steps 2 saves at the stop (2 is no multiple of --save_steps 3); checkpoints default under
+    # --save_path and record the run id
+    assert run("--save_path", str(save), "--stop_after_steps", "2") == 0
+    ckpt = save / "checkpoints_ppo" / "step_000002"
+    assert meta(ckpt)["step"] == 2 and len(meta(ckpt)["run_id"]) == 12
     capsys.readouterr()
-    code = run("--save_path", str(save), "--ckpt_path", str(save / "ckpt"), "--load_checkpoint",
-               "--rollout_batch_size", "32", "--train_batch_size", "32")
+    code = run("--save_path", str(save), "--load_checkpoint", "--rollout_batch_size", "32", "--train_batch_size",
+               "32", "--temperature", "0.7")
     err = capsys.readouterr().err
-    assert code == 1 and "--rollout_batch_size" in err and "step_000003" in err, err
+    assert code == 1 and "step_000002" in err, err
+    for line in ("--rollout_batch_size: checkpoint 64, this run 32", "--train_batch_size: checkpoint 64, this run 32",
+                 "--temperature: checkpoint 1.0, this run 0.7"):
+        assert line in err, err
     # a fresh run must not mix with old checkpoints either
-    assert run("--save_path", str(save), "--ckpt_path", str(save / "ckpt")) == 1
+    assert run("--save_path", str(save)) == 1

@@ -74,3 +74,34 @@ def test_stopping_early_does_not_hang():
                 break
     assert time.monotonic() - t0 < 10
     assert not any(t.name == "orlhf-rollout-producer" and t.is_alive() for t in threading.enumerate())
+
+
+@pytest.mark.parametrize("error", [RuntimeError("trainer rank 1 died"), KeyboardInterrupt()])
+def test_an_error_or_ctrl_c_mid_generation_stops_within_seconds(error, monkeypatch):
+    """The trainer fails (or the user presses Ctrl-C) while the producer is inside a generation that would take
+    10 minutes: leaving the producer returns within STOP_WAIT_S, not after the generation (was: up to 600 s)."""
+    import orlhf.async_rollout
+
+    assert orlhf.async_rollout.STOP_WAIT_S <= 10  # seconds, as promised
+    monkeypatch.setattr(orlhf.async_rollout, "STOP_WAIT_S", 1.0)  # keep the test short
+    STOP_WAIT_S = 1.0
+
+    release = threading.Event()
+    started = threading.Event()
+
+    def generate(prompts, index):
+        if index == 0:
+            return [FakeRollout(0)]
+        started.set()
+        release.wait(600)  # a generation stuck in the engines
+        return [FakeRollout(0)]
+
+    t0 = None
+    with pytest.raises(type(error)):
+        with RolloutProducer(generate, [[0], [1], [2]], 1, lambda: 0) as producer:
+            for _ in producer:
+                assert started.wait(10)
+                t0 = time.monotonic()
+                raise error
+    assert time.monotonic() - t0 < STOP_WAIT_S + 2
+    release.set()  # let the abandoned daemon thread end: its result is dropped, never queued

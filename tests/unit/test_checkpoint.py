@@ -116,19 +116,18 @@ def test_fingerprint_mismatch_lists_every_field_with_both_values(tmp_path):
         base, deepspeed=dataclasses.replace(base.deepspeed, zero_stage=2),
         placement=dataclasses.replace(base.placement, actor_num_gpus_per_node=4),
         ppo=dataclasses.replace(base.ppo, advantage_estimator="group_norm", n_samples_per_prompt=4,
-                                actor_learning_rate=1.0),  # the learning rate is free to change
+                                actor_learning_rate=1.0, micro_train_batch_size=2),  # micro batches are free
         logging=dataclasses.replace(base.logging, save_steps=7, max_ckpt_num=9))  # so is everything here
     meta = {"format": 1, "fingerprint": config_fingerprint(base)}
     with pytest.raises(CheckpointError) as err:
         check_compatible(meta, config_fingerprint(other), path="/ck/step_000010")
     msg = str(err.value)
     assert "/ck/step_000010" in msg and "another --ckpt_path" in msg and "checkpoint's values" in msg
-    # gae -> group_norm also drops the critic: its ranks and its model differ too. Hand-listed expectation:
     expected = ["--zero_stage: checkpoint 3, this run 2",
-                "actor ranks (--actor_num_nodes x --actor_num_gpus_per_node): checkpoint 1, this run 4",
+                "--actor_num_gpus_per_node: checkpoint 1, this run 4",
                 "--advantage_estimator: checkpoint 'gae', this run 'group_norm'",
                 "--n_samples_per_prompt: checkpoint 1, this run 4",
-                "critic ranks (--critic_num_nodes x --critic_num_gpus_per_node): checkpoint 1, this run None"]
+                "--actor_learning_rate: checkpoint 1e-06, this run 1.0"]
     for line in expected:
         assert f"  - {line}" in msg
     assert msg.count("\n  - ") == len(expected)  # nothing else (the critic model path is None on both sides)
@@ -138,6 +137,37 @@ def test_fingerprint_mismatch_lists_every_field_with_both_values(tmp_path):
     with pytest.raises(CheckpointError, match=r"--seed: checkpoint \(not recorded\), this run 42"):
         check_compatible({"format": 1, "fingerprint": {k: v for k, v in meta["fingerprint"].items() if k != "--seed"}},
                          config_fingerprint(base))
+
+
+# The flags issue 16 found missing from the fingerprint; each must now refuse a resume when changed.
+TRAJECTORY = {"remote_rm_url": "http://h:1/r", "input_template": "Q: {}", "apply_chat_template": True,
+              "input_key": "q", "label_key": "a", "prompt_max_len": 7, "prompt_overflow": "truncate",
+              "generate_max_len": 9, "temperature": 0.5, "gamma": 0.9, "lambd": 0.9, "kl_estimator": "k3",
+              "use_kl_loss": True, "actor_learning_rate": 0.5, "critic_learning_rate": 0.5, "num_episodes": 9,
+              "lr_warmup_ratio": 0.5, "max_epochs": 3}
+
+
+@pytest.mark.parametrize("flag,value", sorted(TRAJECTORY.items()))
+def test_every_trajectory_flag_is_fingerprinted(flag, value):
+    from orlhf.config import flag_fields
+
+    base = TrainConfig()
+    meta = {"format": 1, "fingerprint": json.loads(json.dumps(config_fingerprint(base)))}
+    attr, name = next((a, f.name) for a, fl, f, _ in flag_fields() if fl == flag)
+    changed = dataclasses.replace(base, **{attr: dataclasses.replace(getattr(base, attr), **{name: value})})
+    with pytest.raises(CheckpointError, match=f"  - --{flag}: checkpoint "):
+        check_compatible(meta, config_fingerprint(changed))
+    check_compatible(meta, config_fingerprint(TrainConfig()))  # read back from JSON, it still matches
+
+
+def test_every_flag_is_fingerprinted_or_argued_free():
+    from orlhf.config import flag_fields
+    from orlhf.fingerprint import FREE_ON_RESUME
+
+    flags = {flag for _, flag, _, _ in flag_fields()}
+    assert set(FREE_ON_RESUME) <= flags, set(FREE_ON_RESUME) - flags  # no stale names
+    fp = config_fingerprint(TrainConfig())
+    assert {f"--{f}" for f in flags - set(FREE_ON_RESUME)} <= set(fp)
 
 
 def test_fingerprint_paths_are_absolute(tmp_path, monkeypatch):

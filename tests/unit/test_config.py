@@ -238,3 +238,26 @@ def test_all_problems_reported_at_once():
 def test_unknown_flag_is_a_programming_error():
     with pytest.raises(KeyError):
         build_config({"not_a_flag": 1})
+
+
+@pytest.mark.parametrize("template", ['{"question": {}}', "Q: {} {name}", "{0} and {}", "Q: {}}"])
+def test_input_template_with_other_braces_is_one_flag_error(template):
+    with pytest.raises(ConfigError) as e:
+        build_config({"input_template": template}, {"input_template"})
+    (problem,) = e.value.problems
+    assert problem.startswith(f"--input_template {template!r}: braces other than") and "'{{' and '}}'" in problem
+    build_config({"input_template": '{{"question": {}}}'}, {"input_template"})  # doubled braces format fine
+
+
+def test_allow_no_checkpoint_needs_load_checkpoint_and_reward_timeout_positive():
+    with pytest.raises(ConfigError) as e:
+        build_config({"allow_no_checkpoint": True, "reward_timeout_s": 0.0}, {"allow_no_checkpoint"})
+    assert any("--allow_no_checkpoint only applies with --load_checkpoint" in p for p in e.value.problems)
+    assert any("--reward_timeout_s must be > 0" in p for p in e.value.problems)
+
+
+def test_checkpoints_default_under_the_run_folder():
+    cfg = build_config({"save_path": "/runs/a"}, {"save_path"})
+    assert cfg.logging.checkpoint_dir == "/runs/a/checkpoints_ppo"
+    cfg = build_config({"save_path": "/runs/a", "ckpt_path": "/ck"}, {"save_path", "ckpt_path"})
+    assert cfg.logging.checkpoint_dir == "/ck"

@@ -260,3 +260,30 @@ def test_demo_prompts_load_end_to_end(tok):
     prompts, stats = build_prompts(rows, tok, "prompt", "label", False, None, 64)
     assert stats.used == stats.total == 512 and prompts[0].label == "colors"
     assert PromptLoader(prompts, 64, 4, seed=42).total_steps == 32
+
+
+# ---- bad input of issue 16: one clear line each ----
+
+
+def test_utf8_bom_files_are_accepted(tmp_path):
+    rows = [{"q": "say colors: red", "a": "x"}, {"q": "say colors: blue", "a": "y"}]
+    jsonl, js = tmp_path / "bom.jsonl", tmp_path / "bom.json"
+    jsonl.write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(r) + "\n" for r in rows).encode())
+    js.write_bytes(b"\xef\xbb\xbf" + json.dumps(rows).encode())
+    assert load_prompt_rows(str(jsonl), "q", "a", None) == rows
+    assert load_prompt_rows(str(js), "q", "a", None) == rows
+
+
+@pytest.mark.parametrize("message, got", [
+    ({"role": "user"}, "got ['role']"),
+    ({"role": "user", "text": "hi"}, "got ['role', 'text']"),
+    ({"role": "user", "content": None}, "got ['content', 'role']"),
+    ("hi", "got str"),
+])
+def test_chat_rows_without_content_name_the_row_and_message(tok, message, got):
+    rows = [{"q": "fine", "a": ""}, {"q": [{"role": "system", "content": "be brief"}, message], "a": ""}]
+    with pytest.raises(DataError) as e:
+        prompts_of(rows, tok, apply_chat_template=True)
+    msg = str(e.value)
+    assert msg.startswith("row 2: message 2 of the conversation in 'q' (--input_key)") and got in msg, msg
+    assert "\n" not in msg

@@ -104,6 +104,48 @@ def test_bad_answers_name_the_file_and_problem(tmp_path, answer, problem):
         FunctionReward(path).score(QUERIES, PROMPTS, LABELS)
 
 
+def test_openrlhf_dict_keeps_scores_for_filtering_and_extra_logs(tmp_path):
+    path = reward_file(tmp_path, """
+        import torch
+        def reward_func(queries, prompts, labels):
+            return {"rewards": torch.tensor([0.5, 1.0]), "scores": torch.tensor([1.0, 0.0]),
+                    "extra_logs": {"format_ok": torch.tensor([1.0, 0.0]), "batch_len": 7}}
+    """)
+    result = FunctionReward(path).evaluate(QUERIES, PROMPTS, LABELS)
+    assert result.rewards.tolist() == [0.5, 1.0] and result.scores.tolist() == [1.0, 0.0]
+    assert {k: v.tolist() for k, v in result.extra_logs.items()} == {"format_ok": [1.0, 0.0], "batch_len": [7.0, 7.0]}
+    assert result.log_row() == {"reward/format_ok": 0.5, "reward/batch_len": 7.0}
+    plain = FunctionReward(reward_file(tmp_path, "def reward_func(q, p, l):\n    return [0.0, 2.0]\n", "b.py"))
+    result = plain.evaluate(QUERIES, PROMPTS, LABELS)
+    assert result.scores.tolist() == [0.0, 2.0] and result.extra_logs == {}  # scores default to rewards
+
+
+@pytest.mark.parametrize("answer, problem", [
+    ("{'rewards': [1, 2], 'scores': [1]}", r"\['scores'\] returned shape \(1,\) for 2 queries"),
+    ("{'rewards': [1, 2], 'extra_logs': [1, 2]}", r"returned 'extra_logs' as a list"),
+    ("{'rewards': [1, 2], 'extra_logs': {'acc': ['a', 'b']}}", r"\['extra_logs'\]\['acc'\] returned non-numeric"),
+])
+def test_bad_dict_parts_name_the_part(tmp_path, answer, problem):
+    path = reward_file(tmp_path, f"def reward_func(queries, prompts, labels):\n    return {answer}\n")
+    with pytest.raises(RewardError, match=problem):
+        FunctionReward(path).evaluate(QUERIES, PROMPTS, LABELS)
+
+
+def test_a_stuck_reward_func_fails_at_its_deadline_naming_the_file(tmp_path):
+    path = reward_file(tmp_path, """
+        import threading
+        def reward_func(queries, prompts, labels):
+            threading.Event().wait()  # never returns
+    """)
+    t0 = time.monotonic()
+    with pytest.raises(RewardError, match=r"my_reward\.py: reward_func did not return within 0\.5 s "
+                                          r"\(--reward_timeout_s\)"):
+        FunctionReward(path, timeout_s=0.5).score(QUERIES, PROMPTS, LABELS)
+    assert time.monotonic() - t0 < 5
+    source = make_reward_source(path, timeout_s=0.3)
+    assert pickle.loads(pickle.dumps(source)).timeout_s == 0.3
+
+
 def test_to_rewards_lists_at_most_ten_bad_indices():
     with pytest.raises(RewardError, match=r"12 non-finite .* indices \[0, 1, 2, 3, 4, 5, 6, 7, 8, 9\] \.\.\."):
         to_rewards(torch.full((12,), float("nan")), 12, "src")
@@ -224,3 +266,24 @@ def test_http_reward_bad_answers_are_checked_like_files(serve):
     server = serve(lambda n, body: (200, {"rewards": [1.0]}))
     with pytest.raises(RewardError, match=r"--remote_rm_url http://127\.0\.0\.1:\d+/score returned shape \(1,\)"):
         HttpReward(server.url).score(QUERIES, PROMPTS, LABELS)
+
+
+def test_reward_query_is_the_prompt_text_plus_the_decoded_response():
+    """With a chat template the prompt text holds special tokens; decoding prompt + response with
+    skip_special_tokens dropped them, so queries[i] no longer started with prompts[i] (issue 16)."""
+    from types import SimpleNamespace
+
+    from orlhf.controller import reward_inputs
+    from orlhf.data import load_tokenizer
+
+    tok = load_tokenizer(str(ensure_demo().model))
+    text = f"{tok.bos_token}user: say colors:\nassistant:"
+    prompt = SimpleNamespace(text=text, label="colors")
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    response = tok(" red blue", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    rollout = SimpleNamespace(prompt_ids=ids, response_ids=response, prompt_index=0)
+    queries, prompts, labels = reward_inputs(tok, [rollout], [prompt])
+    assert prompts == [text] and labels == ["colors"]
+    assert queries[0].startswith(text) and queries[0][len(text):] == tok.decode(response, skip_special_tokens=True)
+    old = tok.decode(ids + response, skip_special_tokens=True)
+    assert not old.startswith(text)  # what the old query was: the bug this guards against

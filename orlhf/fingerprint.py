@@ -1,0 +1,59 @@
+"""What a checkpoint is only valid under: every flag that changes a run's trajectory, by flag name.
+
+Deny by default: every flag of config.py is in the fingerprint unless it is listed in FREE_ON_RESUME with the
+reason it cannot change the numbers (where outputs go, how fast or in how much memory the same math runs). So a
+flag added later is checked on resume until someone argues it free. Resuming with a fingerprinted flag changed
+is refused with the list of differences (checkpoint.check_compatible): it would silently continue another run,
+or rebuild the LR schedule from other --num_episodes / --max_epochs / --lr_warmup_ratio values.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    from orlhf.config import TrainConfig
+
+# Flags free to change between a checkpoint and its resume, each with why.
+FREE_ON_RESUME: dict[str, str] = {
+    **dict.fromkeys(("save_path", "ckpt_path", "save_steps", "logging_steps", "max_ckpt_num", "load_checkpoint",
+                     "allow_no_checkpoint", "save_hf_ckpt", "use_wandb", "wandb_project", "wandb_run_name",
+                     "use_tensorboard"), "where outputs go"),
+    **dict.fromkeys(("stop_after_steps", "ray_timeout_s", "address", "reward_timeout_s"), "when to stop or fail"),
+    **dict.fromkeys(("micro_rollout_batch_size", "micro_train_batch_size", "gradient_checkpointing", "adam_offload",
+                     "ref_reward_offload", "deepspeed_enable_sleep", "vllm_enable_sleep", "vllm_gpu_memory_utilization",
+                     "vllm_cpu_kv_cache_gb", "vllm_cpu_threads", "train_cpu_threads", "vllm_sync_bucket_mb",
+                     "vllm_sync_backend", "enforce_eager", "enable_prefix_caching", "packing_samples",
+                     "no_trim_padding", "flash_attn", "colocate_actor_ref", "colocate_critic_reward",
+                     "colocate_all_models", "ref_num_nodes", "ref_num_gpus_per_node", "reward_num_nodes",
+                     "reward_num_gpus_per_node", "device"),
+                    "memory, speed and placement of the same computation"),
+}
+# Flags naming files or folders: compared as absolute paths, so `./data.jsonl` and its full path match.
+_PATH_FLAGS = ("pretrain", "reward_pretrain", "critic_pretrain", "prompt_data", "remote_rm_url")
+
+
+def config_fingerprint(cfg: "TrainConfig") -> dict[str, Any]:
+    """{"--flag": value} for every flag not in FREE_ON_RESUME, plus the critic's resolved init model. Values are
+    JSON-able (tuples become lists) so a fingerprint read back from meta.json compares equal."""
+    from orlhf.config import flag_fields
+
+    out: dict[str, Any] = {}
+    for attr, flag, f, _typ in flag_fields():
+        if flag in FREE_ON_RESUME:
+            continue
+        value = getattr(getattr(cfg, attr), f.name)
+        if flag in _PATH_FLAGS:
+            value = _abs(value)
+        out[f"--{flag}"] = list(value) if isinstance(value, tuple) else value
+    d = cfg.data
+    critic_model = (d.critic_pretrain or d.reward_pretrain or d.pretrain) if cfg.has_critic else None
+    out["critic model (--critic_pretrain, else --reward_pretrain, else --pretrain)"] = _abs(critic_model)
+    return out
+
+
+def _abs(path: Optional[str]) -> Optional[str]:
+    if path is None or "://" in path or not os.path.exists(os.path.expanduser(path)):
+        return path  # URLs and hub ids as given
+    return os.path.abspath(os.path.expanduser(path))

@@ -1,0 +1,73 @@
+"""The controller's checkpoint call order, with recording stand-ins for the rank groups (pure call-order logic:
+the real groups are exercised by tests/e2e/test_resume.py): DeepSpeed's save_checkpoint and save_hf are both
+collectives on the actor ranks, so they must never be in flight together; --stop_after_steps saves at the stop."""
+
+from types import SimpleNamespace
+
+from orlhf.checkpoint import CheckpointManager
+from orlhf.config import build_config
+from orlhf.controller import Controller
+
+
+class Call:
+    def __init__(self, group, method):
+        self.group, self.method = group, method
+
+    def get(self):
+        self.group.in_flight.remove(self.method)
+
+
+class RecordingGroup:
+    """Records which methods are in flight on its ranks whenever one starts."""
+
+    def __init__(self, name, log, world_size=1):
+        self.name, self.log, self.world_size, self.in_flight = name, log, world_size, []
+
+    def call_all_async(self, method, path):
+        self.log.append((self.name, method, tuple(self.in_flight)))
+        self.in_flight.append(method)
+        from pathlib import Path
+
+        Path(path).mkdir(parents=True, exist_ok=True)
+        (Path(path) / "rng_rank0.json").write_text("{}")
+        return Call(self, method)
+
+    def call_all(self, method, path):
+        self.call_all_async(method, path).get()
+
+
+class Loader:
+    steps_per_episode, total_steps = 10, 10
+
+    def state_dict(self):
+        return {"episode": 0, "batch_in_episode": 0}
+
+
+def make(tmp_path, **flags):
+    cfg = build_config({"save_path": str(tmp_path), "save_hf_ckpt": True, **flags}, {"save_hf_ckpt", *flags})
+    log = []
+    models = SimpleNamespace(actor=RecordingGroup("actor", log), critic=RecordingGroup("critic", log), ref=None,
+                             engines=None, reward=None)
+    ctl = Controller(cfg, models, Loader(), tokenizer=None, metrics=None,
+                     checkpoints=CheckpointManager(tmp_path / "ck", 3, run_id="r"))
+    return ctl, log
+
+
+def test_save_hf_starts_only_after_the_deepspeed_saves_finished(tmp_path):
+    ctl, log = make(tmp_path)
+    ctl.step_index = 4
+    ctl.save_checkpoint()
+    assert [(g, m) for g, m, _ in log] == [("actor", "save_checkpoint"), ("critic", "save_checkpoint"),
+                                          ("actor", "save_hf")]
+    assert log[-1][2] == ()  # nothing else in flight on the actor ranks when save_hf started
+    assert (tmp_path / "ck" / "step_000004" / "meta.json").exists()
+
+
+def test_stop_saves_once_at_the_stop_step(tmp_path):
+    ctl, log = make(tmp_path, stop_after_steps=3)
+    ctl.step_index = 3
+    assert ctl.should_stop()
+    ctl.save_at_stop()
+    ctl.save_at_stop()  # already saved at this step: no second save
+    assert [m for _, m, _ in log].count("save_hf") == 1
+    assert [p.name for p in (tmp_path / "ck").glob("step_*")] == ["step_000003"]

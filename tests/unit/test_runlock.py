@@ -1,0 +1,156 @@
+"""One run per folder (orlhf/runlock.py) with real processes: a second `orlhf train-ppo` on a held folder exits at
+once naming the holder's pid; a kill -9 frees the lock; temp folders are removed only once their writer is gone;
+the final export (orlhf/export.py) survives a kill mid-write."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from orlhf.checkpoint import CheckpointManager
+from orlhf.export import export_actor
+from orlhf.runlock import FolderLock, RunLockError, hold_folders, owner_gone, write_owner
+
+REPO = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "PYTHONPATH": str(REPO)}
+
+
+def spawn(code: str) -> subprocess.Popen:
+    """A python process running `code`; it prints 'ready' once set up, then waits to be killed."""
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=ENV, stdout=subprocess.PIPE,
+                            text=True)
+
+
+def wait_ready(proc: subprocess.Popen) -> None:
+    assert proc.stdout.readline().strip() == "ready"
+
+
+def hold(save: Path, ckpt: Path) -> subprocess.Popen:
+    proc = spawn(f"""
+        import time
+        from orlhf.runlock import hold_folders
+        with hold_folders({str(save)!r}, {str(ckpt)!r}, "firstrun0001"):
+            print("ready", flush=True)
+            time.sleep(600)
+    """)
+    wait_ready(proc)
+    return proc
+
+
+def train_ppo(*flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "orlhf.cli", "train-ppo", "--device", "cpu", *flags], env=ENV,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_a_second_orlhf_run_on_a_held_folder_exits_at_once_naming_the_holder(tmp_path):
+    save = tmp_path / "run"
+    holder = hold(save, save / "checkpoints_ppo")
+    try:
+        t0 = time.monotonic()
+        second = train_ppo("--save_path", str(save))
+        assert second.returncode == 1, second.stderr
+        assert f"--save_path {save} is in use by another orlhf run (pid {holder.pid} on" in second.stderr
+        assert "run id firstrun0001" in second.stderr and f"kill {holder.pid}" in second.stderr
+        assert time.monotonic() - t0 < 60 and "ray" not in second.stderr.lower()  # before Ray starts
+        assert not (save / "metrics.jsonl").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    with hold_folders(str(save), str(save / "checkpoints_ppo"), "next"):  # kill -9 released it
+        pass
+
+
+def test_a_shared_checkpoint_folder_alone_is_refused_too(tmp_path):
+    shared = tmp_path / "ckpt"
+    holder = hold(tmp_path / "a", shared)
+    try:
+        second = train_ppo("--save_path", str(tmp_path / "b"), "--ckpt_path", str(shared))
+        assert second.returncode == 1 and f"--ckpt_path {shared} is in use" in second.stderr, second.stderr
+        assert f"pid {holder.pid}" in second.stderr
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_same_process_second_lock_is_refused_and_same_folder_is_locked_once(tmp_path):
+    with FolderLock(tmp_path, "r1", "--save_path"):
+        with pytest.raises(RunLockError, match=f"pid {os.getpid()}"):
+            with FolderLock(tmp_path, "r2", "--save_path"):
+                pass
+    with hold_folders(str(tmp_path), str(tmp_path), "r3"):  # --ckpt_path == --save_path: no self-deadlock
+        pass
+
+
+def test_only_temp_folders_whose_writer_is_gone_are_removed(tmp_path):
+    live = spawn('print("ready", flush=True)\nimport time\ntime.sleep(600)')
+    wait_ready(live)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    mgr = CheckpointManager(tmp_path, 3, run_id="me")
+    in_flight, crashed = mgr.begin(4), mgr.begin(6)
+    for folder, pid in ((in_flight, live.pid), (crashed, dead.pid)):
+        rec = json.loads((folder / "owner.json").read_text())
+        (folder / "owner.json").write_text(json.dumps({**rec, "pid": pid}))
+    try:
+        assert mgr.cleanup_stale_tmp() == [crashed]
+        assert in_flight.exists() and not crashed.exists() and not owner_gone(in_flight)
+    finally:
+        live.kill()
+        live.wait()
+    assert owner_gone(in_flight) and mgr.cleanup_stale_tmp() == [in_flight]
+
+
+class FakeActorGroup:
+    """Stands in for the actor ActorGroup (only its call_all("save_hf", dir)): the file protocol is under test."""
+
+    def __init__(self, payload: bytes):
+        self.payload = payload
+
+    def call_all(self, method: str, out: str) -> None:
+        assert method == "save_hf"
+        (Path(out) / "model.safetensors").write_bytes(self.payload)
+        (Path(out) / "config.json").write_text("{}")
+
+
+def test_export_swaps_in_the_new_model_and_a_kill_mid_export_keeps_the_old_one(tmp_path):
+    out = tmp_path / "actor"
+    export_actor(FakeActorGroup(b"v1" * 100), out, "r1")
+    assert (out / "model.safetensors").read_bytes() == b"v1" * 100 and not (out / "owner.json").exists()
+    # a real process dies (kill -9) in the middle of writing the next export
+    victim = spawn(f"""
+        import time
+        from pathlib import Path
+        from orlhf.export import export_actor
+
+        class Slow:
+            def call_all(self, method, out):
+                (Path(out) / "model.safetensors").write_bytes(b"half")
+                print("ready", flush=True)
+                time.sleep(600)
+
+        export_actor(Slow(), {str(out)!r}, "r2")
+    """)
+    wait_ready(victim)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    assert (out / "model.safetensors").read_bytes() == b"v1" * 100  # still the whole previous model
+    (leftover,) = tmp_path.glob(".tmp-actor-*")
+    export_actor(FakeActorGroup(b"v2" * 100), out, "r3")  # the next export removes the dead one's folder
+    assert (out / "model.safetensors").read_bytes() == b"v2" * 100
+    assert not leftover.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["actor"]
+
+
+def test_a_live_exports_temp_folder_is_kept(tmp_path):
+    tmp = tmp_path / ".tmp-actor-abcdef12"
+    tmp.mkdir()
+    write_owner(tmp, "other")
+    rec = json.loads((tmp / "owner.json").read_text())
+    (tmp / "owner.json").write_text(json.dumps({**rec, "pid": 1}))  # pid 1 (init) is always alive
+    export_actor(FakeActorGroup(b"x"), tmp_path / "actor", "me")
+    assert tmp.exists()
