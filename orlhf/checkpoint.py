@@ -217,11 +217,18 @@ def config_fingerprint(cfg: "TrainConfig") -> dict[str, Any]:
     """
     d, p, ppo, ds = cfg.data, cfg.placement, cfg.ppo, cfg.deepspeed
     critic_model = (d.critic_pretrain or d.reward_pretrain or d.pretrain) if cfg.has_critic else None
+    # The prompt mix's flags are recorded only when not at their default, so checkpoints of earlier runs match.
+    mix = {}
+    if d.prompt_data_probs is not None:
+        mix["--prompt_data_probs"] = d.prompt_data_probs
+    if d.prompt_split != "train":
+        mix["--prompt_split"] = d.prompt_split
     return {
+        **mix,
         "--pretrain": _abs(d.pretrain),
         "critic model (--critic_pretrain, else --reward_pretrain, else --pretrain)": _abs(critic_model),
         "--reward_pretrain": _abs(d.reward_pretrain),
-        "--prompt_data": _abs(d.prompt_data),
+        "--prompt_data": ",".join(_abs(s.strip()) for s in d.prompt_data.split(",")) if d.prompt_data else None,
         "--max_samples": d.max_samples,
         "actor ranks (--actor_num_nodes x --actor_num_gpus_per_node)": p.world_size("actor"),
         "critic ranks (--critic_num_nodes x --critic_num_gpus_per_node)":
