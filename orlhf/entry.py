@@ -73,8 +73,7 @@ def train_ppo(cfg: TrainConfig) -> int:
 
     from orlhf.checkpoint import CheckpointManager
     from orlhf.controller import Controller
-    from orlhf.data import PromptLoader, build_prompts, load_tokenizer
-    from orlhf.prompt_mix import load_prompt_mix
+    from orlhf.data import PromptLoader, load_tokenizer
     from orlhf.metrics import MetricsLogger
     from orlhf.placement import create_placement_groups, local_num_cpus, plan_layout, remove_placement_groups
 
@@ -87,11 +86,7 @@ def train_ppo(cfg: TrainConfig) -> int:
                     "the default trimmed micro-batches, benchmarks/bench_padding.py); packing pays with "
                     "flash-attn's varlen kernels on GPUs")
     tokenizer = load_tokenizer(d.pretrain)
-    rows = load_prompt_mix(d.prompt_data, d.prompt_data_probs, d.prompt_split, d.input_key, d.label_key,
-                           d.max_samples, p.seed)
-    prompts, stats = build_prompts(rows, tokenizer, d.input_key, d.label_key, d.apply_chat_template,
-                                   d.input_template, p.prompt_max_len, d.prompt_overflow)
-    log.info("%s", stats.summary())  # the summary starts with "prompts: "
+    prompts = load_prompts(cfg, tokenizer)
     check_value_heads(cfg)
     loader = PromptLoader(prompts, p.rollout_batch_size, p.num_episodes, p.seed)
     samples_per_step = p.rollout_batch_size * p.n_samples_per_prompt
@@ -127,6 +122,21 @@ def train_ppo(cfg: TrainConfig) -> int:
                  f"; curve in {png}" if png else "")
         summarize(history)
     return 0
+
+
+def load_prompts(cfg: TrainConfig, tokenizer) -> list:
+    """--prompt_data (one source or a mix) -> formatted, tokenized Prompts; logs the start-up line
+    "prompts: N of M used (...)"."""
+    from orlhf.data import build_prompts
+    from orlhf.prompt_mix import load_prompt_mix
+
+    d, p = cfg.data, cfg.ppo
+    rows = load_prompt_mix(d.prompt_data, d.prompt_data_probs, d.prompt_split, d.input_key, d.label_key,
+                           d.max_samples, p.seed)
+    prompts, stats = build_prompts(rows, tokenizer, d.input_key, d.label_key, d.apply_chat_template,
+                                   d.input_template, p.prompt_max_len, d.prompt_overflow)
+    log.info("%s", stats.summary())  # the summary starts with "prompts: " itself
+    return prompts
 
 
 def check_value_heads(cfg: TrainConfig) -> None:

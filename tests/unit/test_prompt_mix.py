@@ -113,3 +113,22 @@ def test_validation_reports_mix_flags_before_anything_starts(tmp_path):
     assert "--value_head_prefix 'a.b' must be a module name" in text
     with pytest.raises(ConfigError, match="--prompt_data_probs needs --prompt_data"):
         build_config({"prompt_data_probs": "1.0"})
+
+
+def test_start_up_line_says_prompts_once_and_the_mix_reaches_the_prompts(tmp_path, caplog):
+    import logging
+
+    from orlhf.data import load_tokenizer
+    from orlhf.demo import ensure_demo
+    from orlhf.entry import load_prompts, resolve_demo
+
+    a, b = write_jsonl(tmp_path / "a.jsonl", "a", 40), write_jsonl(tmp_path / "b.jsonl", "b", 40)
+    flags = {"prompt_data": f"{a},{b}", "prompt_data_probs": "0.25,0.75", "input_key": "q", "label_key": None,
+             "max_samples": 40}
+    cfg = resolve_demo(build_config(flags, explicit=set(flags)))  # the demo's model and reward, these prompts
+    with caplog.at_level(logging.INFO, logger="orlhf"):
+        prompts = load_prompts(cfg, load_tokenizer(str(ensure_demo().model)))
+    lines = [r.getMessage() for r in caplog.records if "used (" in r.getMessage()]
+    assert lines == ["prompts: 40 of 40 used (0 empty skipped, 0 longer than --prompt_max_len skipped, "
+                     "0 truncated)"], lines
+    assert 0 < sum(p.text.startswith("a ") for p in prompts) < 20  # about 10 of 40 from a (p = 0.25)
