@@ -9,7 +9,8 @@
 Invariants:
 - Prompt.text is exactly the string the model is prompted with, and Prompt.ids its tokens; for a truncated prompt
   text is the decoded kept tokens, so the reward function's `prompts[i]` is still a prefix of `queries[i]`.
-- Prompt.index is the 0-based row index in the file, stable under skipping and shuffling (for debugging a row).
+- Prompt.index is the 0-based row index in the file, stable under skipping and shuffling (for debugging a row);
+  with several --prompt_data sources, the row's position in the mixed list (prompt_mix.py).
 - The loader's order depends only on (seed, episode): a run resumed from PromptLoader.state_dict() yields the
   same batches an uninterrupted run would have.
 Messages use 1-based positions ("line 17" for JSONL, "row 17" otherwise), as editors and `sed -n 17p` do.
