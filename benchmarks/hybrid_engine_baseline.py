@@ -86,6 +86,7 @@ class HybridTrainer:
         from orlhf.rewards import make_reward_source
         from orlhf.workers import CriticWorker, ReferenceWorker, RewardWorker
         from orlhf.workers.hybrid import HybridPolicyWorker
+        from orlhf.workers.value_head import reward_normalization
 
         self.cfg, self.rank, self.world = cfg, rank, world
         d, p, device = cfg.data, cfg.ppo, cfg.runtime.device
@@ -110,7 +111,8 @@ class HybridTrainer:
         self.reward_fn = make_reward_source(d.remote_rm_url) if d.remote_rm_url else None
         self.exp_cfg = ExperienceConfig.from_ppo(p)
         self.kl_ctl = make_kl_controller(p.init_kl_coef, p.kl_target, p.kl_horizon)
-        self.reward_norm = RunningMoments() if p.normalize_reward else None
+        norm = reward_normalization(p.normalize_reward, d.reward_pretrain)  # as orlhf's controller decides
+        self.reward_norm = RunningMoments() if norm == "running" else None
         self.step_index, self.timings, self.train_split = 0, {}, {}
 
     def models(self) -> list:

@@ -107,6 +107,7 @@ def run_reporting_errors(fn: Callable[[C.TrainConfig], int], cfg: C.TrainConfig)
     from orlhf.placement import PlacementError
     from orlhf.rewards import RewardError
     from orlhf.runlock import RunLockError
+    from orlhf.workers.value_head import HeadError
 
     try:
         return fn(cfg)
@@ -114,7 +115,8 @@ def run_reporting_errors(fn: Callable[[C.TrainConfig], int], cfg: C.TrainConfig)
         typer.secho(f"error: {len(e.problems)} problem(s) with the flags:", fg="red", err=True)
         typer.echo(str(e), err=True)
         return 2
-    except (DataError, RewardError, PlacementError, RankError, CheckpointError, RunLockError, TimeoutError) as e:
+    except (DataError, RewardError, HeadError, PlacementError, RankError, CheckpointError, RunLockError,
+            TimeoutError) as e:
         typer.secho(f"error: {e}", fg="red", err=True)
         return 1
     except KeyboardInterrupt:

@@ -115,7 +115,20 @@ class DataConfig:
     remote_rm_url: Optional[str] = opt(
         None, "Reward source instead of a reward model: http(s)://host:port/path, or a .py file with reward_func."
     )
-    prompt_data: Optional[str] = opt(None, "Prompts: .jsonl, .json, .parquet or a saved HF dataset folder.")
+    prompt_data: Optional[str] = opt(
+        None, "Prompts: .jsonl, .json, .parquet or a saved HF dataset folder; several comma-separated (a,b) are "
+        "concatenated, or mixed with --prompt_data_probs."
+    )
+    prompt_data_probs: Optional[str] = opt(
+        None, "Sampling mix of the --prompt_data sources, comma-separated (0.7,0.3): one probability > 0 per "
+        "source, summing to 1; sources are drawn until every one has been used whole at least once (as "
+        "OpenRLHF's interleave, 'all_exhausted')."
+    )
+    prompt_split: str = opt("train", "Split of --prompt_data to use (saved DatasetDict folders, hub datasets).")
+    value_head_prefix: str = opt(
+        "score", "Name of the reward model's / critic's value head (its weight is <prefix>.weight); models from "
+        "OpenRLHF before 0.5 use value_head. A value_head_prefix in the model's config.json wins, as in OpenRLHF."
+    )
     input_key: str = opt("input", "Prompt field in the data.")
     label_key: Optional[str] = opt(None, "Label field passed to the reward function.")
     apply_chat_template: bool = opt(False, "Wrap prompts with the tokenizer's chat template.")
@@ -158,7 +171,11 @@ class PPOConfig:
     eps_clip: float = opt(0.2, "PPO policy ratio clip.")
     value_clip: Optional[float] = opt(0.5, "Critic value clip.")
     dual_clip: Optional[float] = opt(None, "Dual-clip PPO constant (> 1).")
-    normalize_reward: bool = opt(False, "Normalize rewards with running statistics.")
+    normalize_reward: bool = opt(
+        False, "Normalize rewards: with the mean/std stored in the reward model's config.json, as OpenRLHF (the "
+        "critic's values too, with its own); reward sources without stored statistics (functions, URLs) use "
+        "running statistics of this run's rewards."
+    )
     reward_clip_range: tuple[float, float] = opt((-10.0, 10.0), "Clip rewards to [LOW HIGH].", metavar="LOW HIGH")
     entropy_loss_coef: float = opt(0.0, "Entropy bonus coefficient.")
     temperature: float = opt(1.0, "Sampling temperature.")
@@ -331,6 +348,9 @@ class WorkerConfig:
     cpu_threads: int = 0  # CPU only: torch threads in this rank's process (0: leave Ray's OMP_NUM_THREADS)
     trim_padding: bool = True  # cut each micro-batch to its real length (not --no_trim_padding)
     packing_samples: bool = False  # one row of real tokens per micro-batch (--packing_samples)
+    # Reward model and critic: the head's name and whether config.json's mean/std apply (workers/value_head.py).
+    value_head_prefix: str = "score"
+    normalize_reward: bool = False
     # Training (actor, critic). train_batch_size is global; each rank sees train_batch_size / world per step.
     learning_rate: float = 0.0
     lr_warmup_ratio: float = 0.0
@@ -371,8 +391,11 @@ def worker_config(cfg: TrainConfig, role: str, device: str, total_optimizer_step
         micro_forward_batch_size=ppo.micro_rollout_batch_size, temperature=ppo.temperature,
         trim_padding=not ds.no_trim_padding, packing_samples=ds.packing_samples, cpu_threads=ds.train_cpu_threads,
     )
-    if role in ("ref", "reward"):
+    heads = dict(value_head_prefix=d.value_head_prefix, normalize_reward=ppo.normalize_reward)
+    if role == "ref":
         return WorkerConfig(**common, param_offload=ds.ref_reward_offload)
+    if role == "reward":
+        return WorkerConfig(**common, **heads, param_offload=ds.ref_reward_offload)
     train = dict(
         adam_offload=ds.adam_offload, lr_warmup_ratio=ppo.lr_warmup_ratio,
         total_optimizer_steps=total_optimizer_steps, train_batch_size=ppo.train_batch_size,
@@ -382,7 +405,8 @@ def worker_config(cfg: TrainConfig, role: str, device: str, total_optimizer_step
         return WorkerConfig(**common, **train, learning_rate=ppo.actor_learning_rate, eps_clip=ppo.eps_clip,
                             dual_clip=ppo.dual_clip, entropy_loss_coef=ppo.entropy_loss_coef,
                             use_kl_loss=ppo.use_kl_loss, kl_coef=ppo.init_kl_coef, kl_estimator=ppo.kl_estimator)
-    return WorkerConfig(**common, **train, learning_rate=ppo.critic_learning_rate, value_clip=ppo.value_clip)
+    return WorkerConfig(**common, **train, **heads, learning_rate=ppo.critic_learning_rate,
+                        value_clip=ppo.value_clip)
 
 
 # Flags whose value can be a secret (OpenRLHF's `--use_wandb KEY`). Their values never leave this process: the

@@ -35,6 +35,7 @@ from orlhf.rollout.engine import EngineGroup, SamplingSpec
 from orlhf.sleep import SleepSwitch
 from orlhf.types import Experience, Rollout, SequenceBatch, TrainStats
 from orlhf.weight_sync import WeightSync
+from orlhf.workers.value_head import reward_normalization
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,13 @@ class Controller:
         self.exp_cfg = ExperienceConfig.from_ppo(cfg.ppo)
         p = cfg.ppo
         self.kl_ctl = make_kl_controller(p.init_kl_coef, p.kl_target, p.kl_horizon)
-        self.reward_norm = RunningMoments() if p.normalize_reward else None
+        # --normalize_reward: a reward model's stored mean/std (applied in its worker, as OpenRLHF), else running
+        # statistics here; never both (workers/value_head.py, reward_normalization).
+        norm = reward_normalization(p.normalize_reward, cfg.data.reward_pretrain)
+        self.reward_norm = RunningMoments() if norm == "running" else None
+        if norm != "off":
+            log.info("--normalize_reward: %s", "the reward model's stored mean/std" if norm == "stored" else
+                     "running mean/std of this run's rewards (the reward source stores none)")
         self.step_index = 0  # steps done
         self.weight_version = 0  # bumped by every sync; engines tag rollouts with the version they hold
         self.timings: dict[str, float] = {}

@@ -1,13 +1,16 @@
 """Prompts: file -> rows -> formatted, tokenized Prompts -> shuffled batches, resumable.
 
     --prompt_data --load_prompt_rows()--> list[dict]          (jsonl | json | parquet | saved HF dataset folder)
+       a,b,...    --prompt_mix.load_prompt_mix()--> list[dict]   (each source as above; concatenated, or mixed
+                                                                  by --prompt_data_probs)
                   --build_prompts()-----> list[Prompt], PromptStats   (template, tokenize, length policy)
                   --PromptLoader--------> list[Prompt] per step (rollout_batch_size, reshuffled each episode)
 
 Invariants:
 - Prompt.text is exactly the string the model is prompted with, and Prompt.ids its tokens; for a truncated prompt
   text is the decoded kept tokens, so the reward function's `prompts[i]` is still a prefix of `queries[i]`.
-- Prompt.index is the 0-based row index in the file, stable under skipping and shuffling (for debugging a row).
+- Prompt.index is the 0-based row index in the file, stable under skipping and shuffling (for debugging a row);
+  with several --prompt_data sources, the row's position in the mixed list (prompt_mix.py).
 - The loader's order depends only on (seed, episode): a run resumed from PromptLoader.state_dict() yields the
   same batches an uninterrupted run would have.
 Messages use 1-based positions ("line 17" for JSONL, "row 17" otherwise), as editors and `sed -n 17p` do.
@@ -34,12 +37,14 @@ class DataError(ValueError):
 # ---- Reading rows ----
 
 
-def load_prompt_rows(path: str, input_key: str, label_key: str | None, max_samples: int | None) -> list[dict]:
+def load_prompt_rows(path: str, input_key: str, label_key: str | None, max_samples: int | None,
+                     split: str = "train") -> list[dict]:
     """The first `max_samples` rows of `path` (all if None), each checked to hold `input_key` (and `label_key`).
 
     Rows with an empty prompt are kept here (build_prompts skips and counts them) unless every prompt is empty.
+    `split` (--prompt_split) picks the split of a saved DatasetDict folder or hub dataset; a file is one split.
     """
-    rows, locs = _read_rows(Path(path).expanduser(), path, max_samples)
+    rows, locs = _read_rows(Path(path).expanduser(), path, max_samples, split)
     if not rows:
         raise DataError(f"--prompt_data {path}: no rows; point --prompt_data at a file with one prompt per row.")
     for row, loc in zip(rows, locs):
@@ -59,14 +64,19 @@ def load_prompt_rows(path: str, input_key: str, label_key: str | None, max_sampl
     return rows
 
 
-def _read_rows(path: Path, given: str, max_samples: int | None) -> tuple[list[Any], list[str]]:
+def _read_rows(path: Path, given: str, max_samples: int | None, split: str = "train",
+               ) -> tuple[list[Any], list[str]]:
     """(rows, where each row is: "line N" or "row N") for every supported format."""
+    if path.is_file() and split != "train":
+        # OpenRLHF reads a file as a dataset with the one split "train" (and crashes on another --prompt_split).
+        raise DataError(f"--prompt_split {split}: {given} is a single file, whose only split is 'train'; use "
+                        "--prompt_split train, or pass the file of the split you mean.")
     if not path.exists():
         if path.suffix in SUFFIXES:
             raise DataError(f"--prompt_data {given}: no such file.")
-        rows = _read_hub_dataset(given, max_samples)
+        rows = _read_hub_dataset(given, max_samples, split)
     elif path.is_dir():
-        rows = _read_saved_dataset(path, max_samples)
+        rows = _read_saved_dataset(path, max_samples, split)
     elif path.suffix == ".jsonl":
         return _read_jsonl(path, max_samples)
     elif path.suffix == ".json":
@@ -133,7 +143,7 @@ def _read_parquet(path: Path, max_samples: int | None) -> list[Any]:
     return table.to_pylist()
 
 
-def _read_saved_dataset(path: Path, max_samples: int | None) -> list[Any]:
+def _read_saved_dataset(path: Path, max_samples: int | None, split: str = "train") -> list[Any]:
     import datasets
 
     try:
@@ -142,18 +152,21 @@ def _read_saved_dataset(path: Path, max_samples: int | None) -> list[Any]:
         raise DataError(f"{path}: a folder, but not one written by datasets' save_to_disk "
                         f"({type(e).__name__}: {e}); use {FORMATS}.") from e
     if isinstance(ds, datasets.DatasetDict):
-        if "train" not in ds:
-            raise DataError(f"{path}: a DatasetDict without a 'train' split (splits: {sorted(ds)}); "
-                            f"pass the split's folder instead, e.g. --prompt_data {path / sorted(ds)[0]}.")
-        ds = ds["train"]
+        if split not in ds:
+            raise DataError(f"--prompt_split {split}: {path} has no split {split!r} (splits: {sorted(ds)}); "
+                            f"pick one with --prompt_split, e.g. --prompt_split {sorted(ds)[0]}.")
+        ds = ds[split]
+    elif split != "train":
+        raise DataError(f"--prompt_split {split}: {path} holds one dataset, not a DatasetDict of splits; use "
+                        "--prompt_split train, or pass the folder of the split you mean.")
     return _first_rows(ds, max_samples)
 
 
-def _read_hub_dataset(name: str, max_samples: int | None) -> list[Any]:
+def _read_hub_dataset(name: str, max_samples: int | None, split: str = "train") -> list[Any]:
     import datasets
 
     try:
-        ds = datasets.load_dataset(name, split="train")
+        ds = datasets.load_dataset(name, split=split)
     except Exception as e:
         raise DataError(f"--prompt_data {name}: no such file or folder, and loading it as a hub dataset failed "
                         f"({type(e).__name__}: {e}); use {FORMATS}.") from e

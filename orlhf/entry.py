@@ -86,7 +86,7 @@ def run_locked(cfg: TrainConfig, run_id: str) -> int:
 
     from orlhf.checkpoint import CheckpointManager
     from orlhf.controller import Controller
-    from orlhf.data import PromptLoader, build_prompts, load_prompt_rows, load_tokenizer
+    from orlhf.data import PromptLoader, load_tokenizer
     from orlhf.export import export_actor
     from orlhf.metrics import MetricsLogger
     from orlhf.placement import create_placement_groups, local_num_cpus, plan_layout, remove_placement_groups
@@ -98,10 +98,8 @@ def run_locked(cfg: TrainConfig, run_id: str) -> int:
                     "the default trimmed micro-batches, benchmarks/bench_padding.py); packing pays with "
                     "flash-attn's varlen kernels on GPUs")
     tokenizer = load_tokenizer(d.pretrain)
-    rows = load_prompt_rows(d.prompt_data, d.input_key, d.label_key, d.max_samples)
-    prompts, stats = build_prompts(rows, tokenizer, d.input_key, d.label_key, d.apply_chat_template,
-                                   d.input_template, p.prompt_max_len, d.prompt_overflow)
-    log.info("prompts: %s", stats.summary())
+    prompts = load_prompts(cfg, tokenizer)
+    check_value_heads(cfg)
     loader = PromptLoader(prompts, p.rollout_batch_size, p.num_episodes, p.seed)
     samples_per_step = p.rollout_batch_size * p.n_samples_per_prompt
     optimizer_steps = loader.total_steps * p.max_epochs * (samples_per_step // p.train_batch_size)
@@ -143,6 +141,33 @@ def run_locked(cfg: TrainConfig, run_id: str) -> int:
                  f"; curve in {png}" if png else "")
         summarize(history)
     return 0
+
+
+def load_prompts(cfg: TrainConfig, tokenizer) -> list:
+    """--prompt_data (one source or a mix) -> formatted, tokenized Prompts; logs the start-up line
+    "prompts: N of M used (...)"."""
+    from orlhf.data import build_prompts
+    from orlhf.prompt_mix import load_prompt_mix
+
+    d, p = cfg.data, cfg.ppo
+    rows = load_prompt_mix(d.prompt_data, d.prompt_data_probs, d.prompt_split, d.input_key, d.label_key,
+                           d.max_samples, p.seed)
+    prompts, stats = build_prompts(rows, tokenizer, d.input_key, d.label_key, d.apply_chat_template,
+                                   d.input_template, p.prompt_max_len, d.prompt_overflow)
+    log.info("%s", stats.summary())  # the summary starts with "prompts: " itself
+    return prompts
+
+
+def check_value_heads(cfg: TrainConfig) -> None:
+    """The reward model's and critic's value heads, checked from their files before Ray starts (a wrong
+    --value_head_prefix fails in a second, not after the start-up); the workers load the same way."""
+    from orlhf.workers.value_head import check_head
+
+    d = cfg.data
+    if cfg.has_reward_model:
+        check_head(d.reward_pretrain, d.value_head_prefix, required=True)
+    if cfg.has_critic:
+        check_head(d.critic_pretrain or d.reward_pretrain or d.pretrain, d.value_head_prefix, required=False)
 
 
 def find_checkpoint(cfg: TrainConfig, checkpoints):

@@ -44,8 +44,8 @@ def config_fingerprint(cfg: "TrainConfig") -> dict[str, Any]:
         if flag in FREE_ON_RESUME:
             continue
         value = getattr(getattr(cfg, attr), f.name)
-        if flag in _PATH_FLAGS:
-            value = _abs(value)
+        if flag in _PATH_FLAGS and value is not None:
+            value = ",".join(_abs(v.strip()) for v in value.split(","))  # --prompt_data a,b: each source
         out[f"--{flag}"] = list(value) if isinstance(value, tuple) else value
     d = cfg.data
     critic_model = (d.critic_pretrain or d.reward_pretrain or d.pretrain) if cfg.has_critic else None

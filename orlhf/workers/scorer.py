@@ -14,7 +14,7 @@ from torch import nn
 
 from orlhf.types import SequenceBatch
 from orlhf.workers.base import DeepSpeedWorker
-from orlhf.workers.critic import load_sequence_classifier, packed_values
+from orlhf.workers.critic import load_value_model, packed_values
 
 
 def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -24,10 +24,12 @@ def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 class RewardWorker(DeepSpeedWorker):
-    """A reward model folder (sequence-classification layout, num_labels=1) under ZeRO inference."""
+    """A reward model folder under ZeRO inference: OpenRLHF's layout (backbone + "<--value_head_prefix>.weight",
+    optional mean/std in config.json applied with --normalize_reward) or HF's XForSequenceClassification
+    (num_labels=1, head "score"). A folder without that head is a HeadError (workers/value_head.py)."""
 
     def build_model(self) -> nn.Module:
-        return load_sequence_classifier(self.cfg)
+        return load_value_model(self.cfg, required=True)
 
     def scores(self, batch: SequenceBatch) -> torch.Tensor:
         """(B,) float32 on CPU: the reward model's score of each whole sequence."""

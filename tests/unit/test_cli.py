@@ -98,3 +98,17 @@ def test_cli_imports_no_heavy_packages():
             "if m in sys.modules]; print(heavy); sys.exit(bool(heavy))")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ))
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_openrlhf_mix_and_head_flags_parse(capsys, no_training, tmp_path):
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    for p in (a, b):
+        p.write_text('{"input": "hi"}\n')
+    argv = ["train-ppo", "--prompt_data", f"{a},{b}", "--prompt-data-probs", "0.7,0.3", "--prompt_split", "test",
+            "--value-head-prefix", "value_head", "--device", "cpu"]
+    code, _, err = run(argv, capsys)
+    assert code == 0, err
+    d = no_training[0].data
+    assert (d.prompt_data_probs, d.prompt_split, d.value_head_prefix) == ("0.7,0.3", "test", "value_head")
+    code, _, err = run(argv[:3] + ["--prompt_data_probs", "0.5,0.3,0.2", "--device", "cpu"], capsys)
+    assert code == 2 and "--prompt_data_probs 0.5,0.3,0.2: 3 values for 2 --prompt_data sources" in err, err

@@ -261,3 +261,33 @@ def test_checkpoints_default_under_the_run_folder():
     assert cfg.logging.checkpoint_dir == "/runs/a/checkpoints_ppo"
     cfg = build_config({"save_path": "/runs/a", "ckpt_path": "/ck"}, {"save_path", "ckpt_path"})
     assert cfg.logging.checkpoint_dir == "/ck"
+
+
+def test_prompt_mix_and_value_head_flags(model_dir, prompts, reward_py, tmp_path):
+    other = tmp_path / "q.jsonl"
+    other.write_text('{"input": "ho"}\n')
+    base = dict(pretrain=model_dir, remote_rm_url=reward_py)
+    cfg = build(**base, prompt_data=f"{prompts},{other}", prompt_data_probs="0.7,0.3", prompt_split="test",
+                value_head_prefix="value_head")
+    assert (cfg.data.prompt_data_probs, cfg.data.prompt_split, cfg.data.value_head_prefix) == \
+        ("0.7,0.3", "test", "value_head")
+    assert build(**base, prompt_data=prompts).data.value_head_prefix == "score"  # OpenRLHF's default
+    found = problems(**base, prompt_data=f"{prompts},{tmp_path}/missing.jsonl", prompt_data_probs="0.7",
+                     value_head_prefix="a.b", prompt_split=" ")
+    for fragment in ("missing.jsonl: no such file or folder", "--prompt_data_probs 0.7: 1 values for 2 "
+                     "--prompt_data sources", "--value_head_prefix 'a.b' must be a module name",
+                     "--prompt_split must name a split"):
+        assert any(fragment in p for p in found), (fragment, found)
+    assert_fails(["--prompt_data_probs 0.6,0.3", "sum to 0.9"], **base, prompt_data=f"{prompts},{other}",
+                 prompt_data_probs="0.6,0.3")
+    assert_fails(["--prompt_data_probs needs --prompt_data"], prompt_data_probs="1.0")
+
+
+def test_value_head_flags_reach_the_reward_and_critic_workers(model_dir, prompts):
+    from orlhf.config import worker_config
+
+    cfg = build(pretrain=model_dir, reward_pretrain=model_dir, prompt_data=prompts, value_head_prefix="value_head",
+                normalize_reward=True)
+    for role in ("reward", "critic"):
+        w = worker_config(cfg, role, "cpu")
+        assert (w.value_head_prefix, w.normalize_reward) == ("value_head", True), role

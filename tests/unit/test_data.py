@@ -67,7 +67,7 @@ def test_dataset_dict_without_train_lists_its_splits(tmp_path):
     import datasets
 
     datasets.DatasetDict({"test": datasets.Dataset.from_list(ROWS)}).save_to_disk(str(tmp_path / "d"))
-    with pytest.raises(DataError, match=r"without a 'train' split \(splits: \['test'\]\)"):
+    with pytest.raises(DataError, match=r"--prompt_split train: .* has no split 'train' \(splits: \['test'\]\)"):
         load_prompt_rows(str(tmp_path / "d"), "q", None, None)
 
 
