@@ -82,24 +82,34 @@ class Controller:
         """Train over the loader: step by step, or with generation overlapping training (--async_train)."""
         if self.cfg.ppo.async_train:
             return self.fit_async()
-        batches = iter(self.loader)
+        if self.filter is not None:
+            return self.fit_filtered()
         with self.progress() as report:
-            for prompts in batches:
+            for prompts in self.loader:
                 if self.should_stop():
                     break
                 self.timings = {}
-                scores, extra = None, {}
                 with self.timed("generate"):
                     self.sleep.before_generate()
-                    if self.filter is None:
-                        rollouts = self.generate(prompts, self.step_index)
-                    else:
-                        filled = self.filter.fill(prompts, batches, self.step_index)
-                        if filled is None:
-                            break
-                        prompts, rollouts, scores, extra = filled.prompts, filled.rollouts, filled.scores, filled.info
+                    rollouts = self.generate(prompts, self.step_index)
                     self.sleep.after_generate()
-                report({**self.learn(prompts, rollouts, scores), **extra})
+                report(self.learn(prompts, rollouts))
+        return self.history
+
+    def fit_filtered(self) -> list[dict]:
+        """--dynamic_filtering: each step's prompts, rollouts and scores come from the filter, which reads the
+        loader as far as it needs (dynamic_filtering.py); the run ends when the prompts run out."""
+        batches = iter(self.loader)
+        with self.progress() as report:
+            while not self.should_stop():
+                self.timings = {}
+                with self.timed("generate"):
+                    self.sleep.before_generate()
+                    filled = self.filter.fill(batches, self.step_index)
+                    self.sleep.after_generate()
+                if filled is None:
+                    break
+                report({**self.learn(filled.prompts, filled.rollouts, filled.scores), **filled.info})
         return self.history
 
     def fit_async(self) -> list[dict]:

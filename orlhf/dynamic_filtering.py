@@ -1,6 +1,6 @@
 """DAPO dynamic sampling (--dynamic_filtering): fill a step's batch with prompts whose samples disagree.
 
-    pool = spare prompts from earlier steps + the loader's next batch
+    pool = spare prompts from earlier steps, topped up with loader batches only when too few are spare
     round 0: generate the first rollout_batch_size prompts of the pool, n samples each; score them
     keep a prompt iff low < mean of its n scores < high (algo/rewards.keep_groups, open range)
     round k: generate as many new prompts as are still missing (from the pool, then more loader batches)
@@ -55,9 +55,9 @@ class DynamicFilter:
         self.max_rounds = max_rounds
         self.spare: list = []
 
-    def fill(self, prompts: list, more: Iterator[list], step_index: int) -> Optional[FilledBatch]:
-        """Kept prompts, their rollouts and scores for one step; None when the data ran out first."""
-        self.spare.extend(prompts)
+    def fill(self, more: Iterator[list], step_index: int) -> Optional[FilledBatch]:
+        """Kept prompts, their rollouts and scores for one step; None when the data ran out first.
+        `more` yields the loader's prompt batches; only as many are read as the step needs."""
         kept_prompts: list = []
         kept_rollouts: list[Rollout] = []
         kept_scores: list[torch.Tensor] = []

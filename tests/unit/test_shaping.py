@@ -80,14 +80,15 @@ def _fake_engine(score_of: dict):
 
 
 def test_dynamic_filter_refills_until_full_and_keeps_spares():
+    # The loader yields batches [10, 11], [12, 13], [14, 15]; the filter reads one only when it runs short.
     # Batch of 2 prompts. Prompts 10, 11 score 0 (all wrong: dropped), 12 scores 1 (all right: dropped);
     # 13 and 14 score 0.5 (kept). Round 0 generates [10, 11] (both dropped), round 1 needs 2: [12, 13] (13 kept),
     # round 2 needs 1: [14] (kept). 5 prompts generated for 2 kept: pass rate 40%, 2.5 generated per kept.
     score_of = {10: 0.0, 11: 0.0, 12: 1.0, 13: 0.5, 14: 0.5, 15: 0.5}
     generate, score, calls = _fake_engine(score_of)
     f = DynamicFilter(2, 2, (0.0, 1.0), generate, score)
-    more = iter([[12, 13], [14, 15]])
-    out = f.fill([10, 11], more, step_index=3)
+    more = iter([[10, 11], [12, 13], [14, 15]])
+    out = f.fill(more, step_index=3)
     assert out.prompts == [13, 14] and [r.prompt_index for r in out.rollouts] == [0, 0, 1, 1]
     assert out.scores.tolist() == [0.5] * 4
     assert out.info["dynamic_filtering_pass_rate"] == pytest.approx(40.0)
@@ -96,11 +97,11 @@ def test_dynamic_filter_refills_until_full_and_keeps_spares():
     assert out.info["reward_generated_mean"] == pytest.approx(0.4)
     assert [c[0] for c in calls] == [[10, 11], [12, 13], [14]] and len({c[1] for c in calls}) == 3
     assert f.spare == [15]  # drawn from the loader, not yet used: the next step starts with it
-    assert f.fill([], iter([]), step_index=4) is None  # 15 alone cannot fill a batch of 2: data ran out
+    assert f.fill(more, step_index=4) is None  # 15 alone cannot fill a batch of 2: data ran out
 
 
 def test_dynamic_filter_gives_up_with_a_clear_error():
     generate, score, _ = _fake_engine({i: 0.0 for i in range(100)})
     f = DynamicFilter(1, 2, (0.0, 1.0), generate, score, max_rounds=3)
     with pytest.raises(RuntimeError, match="dynamic_filtering_reward_range"):
-        f.fill([0], iter([[1], [2], [3], [4]]), step_index=0)
+        f.fill(iter([[0], [1], [2], [3], [4]]), step_index=0)
