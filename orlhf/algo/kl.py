@@ -37,7 +37,8 @@ def approx_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: s
 
 
 # --- KL coefficient controllers -------------------------------------------------------------------------------
-# The coefficient `value` multiplies the per-token KL in the shaped reward (orlhf/algo/rewards.py:shape_rewards).
+# The coefficient `value` multiplies the per-token KL in the shaped reward (orlhf/algo/rewards.py:shape_rewards),
+# or, with --use_kl_loss, the KL term of the actor's loss: the controller passes the value to every train step.
 # The controller calls update(kl, n_steps) once per rollout step with that step's mean KL and its sample count,
 # as OpenRLHF's PPO trainer does (n_steps = rollout_batch_size * n_samples_per_prompt).
 

@@ -5,7 +5,8 @@ WORLD_SIZE and LOCAL_RANK, then `init()` on every rank at once. A Ray rank actor
 
     init():  process group (gloo on cpu, nccl on cuda) -> seed -> load HF model (partitioned at load under
              ZeRO-3) -> deepspeed.initialize (AdamW + warm-up/cosine LR for trained roles; no optimizer, eval
-             mode for frozen ones)
+             mode for frozen ones); AdamW takes --adam_betas / --l2, the LR follows
+             --lr_scheduler, DeepSpeed clips gradients at --max_norm
 
     save_checkpoint(folder) / load_checkpoint(folder): trained roles' DeepSpeed state + RNG, collective; the
              folder layout around them, commit and resume order are in orlhf/checkpoint.py

@@ -4,7 +4,8 @@ Real DeepSpeed workers (ZeRO-0, where the averaged gradient sits in p.grad at th
 gloo process groups at world size 1 and 2, micro-batch sizes 1, 3 and the whole share; the reference is the
 same loss computed here on the whole batch in one forward with plain transformers. Response lengths differ from
 row to row (1..5 tokens), so a mean of micro-batch means would weigh tokens unequally: a check below shows that
-the old aggregation misses the reference by far more than the tolerance.
+the old aggregation misses the reference by far more than the tolerance. The actor is configured with a KL
+coefficient 5x the one its train_step is given, so the match also shows the passed (adaptive) value is used.
 """
 
 import os
@@ -57,7 +58,9 @@ def experience(model_dir) -> Experience:
 
 
 def _cfg(role: str, path: str, mb: int, mode: str) -> WorkerConfig:
-    extra = (dict(entropy_loss_coef=ENT, use_kl_loss=True, kl_coef=KL, kl_estimator="k3") if role == "actor"
+    # kl_coef here is the configured initial value; the step's coefficient comes with train_step (an adaptive
+    # controller moves it), and the reference uses KL: the gradients agree only if the passed value is used.
+    extra = (dict(entropy_loss_coef=ENT, use_kl_loss=True, kl_coef=5 * KL, kl_estimator="k3") if role == "actor"
              else dict(value_clip=0.5))
     return WorkerConfig(role=role, model_path=path, device="cpu", zero_stage=0, learning_rate=1e-3,
                         train_batch_size=B, micro_train_batch_size=mb, max_norm=1e9, loss_agg_mode=mode, **extra)
@@ -83,7 +86,8 @@ def _rank_main(rank: int, world: int, port: int, path: str, exp: Experience, out
             return _step(*a, **kw)
 
         worker.engine.step = capture
-        worker.train_step(share)
+        stats = worker.train_step(share, KL) if role == "actor" else worker.train_step(share)
+        assert role == "critic" or stats.kl_coef == KL
         out[(role, mb, mode)] = grads
     if rank == 0:
         torch.save(out, Path(out_dir) / f"ws{world}.pt")
