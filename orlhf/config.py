@@ -23,6 +23,11 @@ ADVANTAGE_ESTIMATORS = ("gae", "reinforce", "rloo", "reinforce_baseline", "group
 GROUP_ESTIMATORS = ("rloo", "reinforce_baseline", "group_norm", "dr_grpo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 SYNC_BACKENDS = ("nccl", "gloo")
+# Kept equal to orlhf/algo/losses.py's tuples (a unit test checks): this module imports no torch.
+LOSS_AGG_MODES = ("token_mean", "seq_mean")
+POLICY_LOSS_TYPES = ("ppo", "gspo")
+IS_CORRECTION_TYPES = ("tis", "icepop", "seq-mask-tis")
+LR_SCHEDULERS = ("cosine_with_min_lr", "cosine", "linear", "constant", "constant_with_warmup")
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -183,6 +188,42 @@ class PPOConfig:
     seed: int = opt(42, "Random seed (engines get seed + engine index).")
     async_train: bool = opt(False, "Generate step k+1 while training on step k.")
     async_queue_size: int = opt(1, "Rollout batches that may wait between generation and training (async).")
+    # ---- losses and their variants (OpenRLHF v0.10-0.11, DAPO, GSPO) ----
+    loss_agg_mode: Optional[str] = opt(
+        None, "Loss aggregation over an optimizer step (all micro-batches and ranks): token_mean (each token "
+        "weighs the same) or seq_mean (each sequence's token mean weighs the same). Default: seq_mean with "
+        "--policy_loss_type gspo (as OpenRLHF), else token_mean.", choices=LOSS_AGG_MODES)
+    eps_clip_low_high: Optional[tuple[float, float]] = opt(
+        None, "Asymmetric PPO clip [1 - LOW, 1 + HIGH] (DAPO's clip-higher, e.g. 0.2 0.28); default: --eps_clip "
+        "both sides.", metavar="LOW HIGH")
+    policy_loss_type: str = opt("ppo", "ppo: token ratios; gspo: one sequence-level ratio (geometric mean of the "
+                                "token ratios, GSPO).", choices=POLICY_LOSS_TYPES)
+    enable_vllm_is_correction: bool = opt(
+        False, "Importance-sampling correction for the engine/trainer log-prob mismatch (engine log-probs).")
+    vllm_is_correction_type: str = opt(
+        "tis", "tis: truncate each token's ratio to the thresholds; icepop: drop tokens outside them; "
+        "seq-mask-tis: drop sequences whose geometric-mean ratio is outside them.", choices=IS_CORRECTION_TYPES)
+    vllm_is_truncated_threshold: tuple[float, float] = opt(
+        (0.5, 5.0), "IS-correction thresholds LOW HIGH on pi_trainer / pi_engine.", metavar="LOW HIGH")
+    dynamic_filtering: bool = opt(
+        False, "DAPO dynamic sampling: drop prompts whose samples' mean reward is outside the open "
+        "--dynamic_filtering_reward_range, generate more until the batch is full.")
+    dynamic_filtering_reward_range: tuple[float, float] = opt(
+        (0.0, 1.0), "Open range (LOW, HIGH) a prompt's mean reward must fall in to be kept.", metavar="LOW HIGH")
+    overlong_buffer_len: Optional[float] = opt(
+        None, "DAPO soft overlong penalty: responses longer than --generate_max_len minus this lose up to "
+        "--overlong_penalty_factor, linearly.")
+    overlong_penalty_factor: float = opt(1.0, "Largest overlong penalty (at --generate_max_len).")
+    stop_properly_penalty_coef: Optional[float] = opt(
+        None, "Responses cut at --generate_max_len: in [0, 1] scales their reward; < 0 sets it to this value.")
+    no_advantage_std_norm: bool = opt(
+        False, "Whitened estimators (gae, reinforce, reinforce_baseline): subtract the batch mean, do not "
+        "divide by the std.")
+    max_norm: float = opt(1.0, "Gradient clipping: largest global gradient norm.")
+    adam_betas: tuple[float, float] = opt((0.9, 0.95), "Adam betas.", metavar="BETA1 BETA2")
+    l2: float = opt(0.0, "Weight decay (AdamW).")
+    lr_scheduler: str = opt("cosine_with_min_lr", "LR schedule after warm-up: cosine_with_min_lr (to 10%), "
+                            "cosine (to 0), linear (to 0), constant, constant_with_warmup.", choices=LR_SCHEDULERS)
 
 
 @dataclass(frozen=True)
@@ -357,8 +398,18 @@ class WorkerConfig:
     total_optimizer_steps: int = 1  # for the LR schedule
     train_batch_size: int = 0
     micro_train_batch_size: int = 1
-    # Losses. Actor: eps_clip, dual_clip, entropy_loss_coef, use_kl_loss/kl_coef/kl_estimator. Critic: value_clip.
-    eps_clip: float = 0.2
+    max_norm: float = 1.0
+    adam_betas: tuple = (0.9, 0.95)
+    weight_decay: float = 0.0
+    lr_scheduler: str = "cosine_with_min_lr"
+    # Losses. Actor: eps_clip(_high), dual_clip, entropy_loss_coef, use_kl_loss/kl_coef/kl_estimator, policy_loss_type,
+    # IS correction. Critic: value_clip. Both: loss_agg_mode.
+    loss_agg_mode: str = "token_mean"
+    eps_clip: float = 0.2  # the low side: ratio >= 1 - eps_clip
+    eps_clip_high: Optional[float] = None  # the high side; None: eps_clip
+    policy_loss_type: str = "ppo"
+    is_correction: Optional[str] = None  # None, or tis | icepop | seq-mask-tis
+    is_threshold: tuple = (0.5, 5.0)
     dual_clip: Optional[float] = None
     entropy_loss_coef: float = 0.0
     use_kl_loss: bool = False
@@ -370,6 +421,13 @@ class WorkerConfig:
     @property
     def trainable(self) -> bool:
         return self.role in ("actor", "critic")
+
+
+def resolved_loss_agg_mode(ppo: PPOConfig) -> str:
+    """--loss_agg_mode as given, else OpenRLHF's choice: sequence mean for GSPO, token mean otherwise."""
+    if ppo.loss_agg_mode is not None:
+        return ppo.loss_agg_mode
+    return "seq_mean" if ppo.policy_loss_type == "gspo" else "token_mean"
 
 
 def worker_config(cfg: TrainConfig, role: str, device: str, total_optimizer_steps: int = 1) -> WorkerConfig:
@@ -399,12 +457,17 @@ def worker_config(cfg: TrainConfig, role: str, device: str, total_optimizer_step
     train = dict(
         adam_offload=ds.adam_offload, lr_warmup_ratio=ppo.lr_warmup_ratio,
         total_optimizer_steps=total_optimizer_steps, train_batch_size=ppo.train_batch_size,
-        micro_train_batch_size=ppo.micro_train_batch_size,
+        micro_train_batch_size=ppo.micro_train_batch_size, max_norm=ppo.max_norm, adam_betas=tuple(ppo.adam_betas),
+        weight_decay=ppo.l2, lr_scheduler=ppo.lr_scheduler, loss_agg_mode=resolved_loss_agg_mode(ppo),
     )
     if role == "actor":
-        return WorkerConfig(**common, **train, learning_rate=ppo.actor_learning_rate, eps_clip=ppo.eps_clip,
-                            dual_clip=ppo.dual_clip, entropy_loss_coef=ppo.entropy_loss_coef,
-                            use_kl_loss=ppo.use_kl_loss, kl_coef=ppo.init_kl_coef, kl_estimator=ppo.kl_estimator)
+        low, high = ppo.eps_clip_low_high if ppo.eps_clip_low_high is not None else (ppo.eps_clip, ppo.eps_clip)
+        return WorkerConfig(**common, **train, learning_rate=ppo.actor_learning_rate, eps_clip=low,
+                            eps_clip_high=high, dual_clip=ppo.dual_clip, entropy_loss_coef=ppo.entropy_loss_coef,
+                            use_kl_loss=ppo.use_kl_loss, kl_coef=ppo.init_kl_coef, kl_estimator=ppo.kl_estimator,
+                            policy_loss_type=ppo.policy_loss_type,
+                            is_correction=ppo.vllm_is_correction_type if ppo.enable_vllm_is_correction else None,
+                            is_threshold=tuple(ppo.vllm_is_truncated_threshold))
     return WorkerConfig(**common, **train, **heads, learning_rate=ppo.critic_learning_rate,
                         value_clip=ppo.value_clip)
 

@@ -1,7 +1,8 @@
 """The PPO loop. One driver process (this one) calls the model groups and engines; no logic lives in them.
 
     for each step (a batch of --rollout_batch_size prompts):
-      generate         engines: prompt ids -> n_samples_per_prompt rollouts each (ids, engine log-probs)
+      generate         engines: prompt ids -> n_samples_per_prompt rollouts each (ids, engine log-probs);
+                       with --dynamic_filtering scored at once and refilled until full (dynamic_filtering.py)
       score            in parallel: actor old log-probs | ref log-probs | critic values | rewards (RM group, or
                        the reward function / HTTP server while the groups work)
       make_experience  driver: KL, group baseline, KL-shaped rewards, advantages and returns (algo/)
@@ -29,6 +30,7 @@ from orlhf.algo.kl import make_kl_controller
 from orlhf.algo.rewards import RunningMoments
 from orlhf.cluster import ActorGroup
 from orlhf.config import TrainConfig
+from orlhf.dynamic_filtering import DynamicFilter
 from orlhf.experience import ExperienceConfig, make_experience, rollouts_to_batch
 from orlhf.metrics import MetricsLogger
 from orlhf.rollout.engine import EngineGroup, SamplingSpec
@@ -80,12 +82,16 @@ class Controller:
         self._saved_step: Optional[int] = None  # step of this invocation's newest checkpoint
         self._sync_lock = threading.Lock()
         self._last_step_end = time.perf_counter()
+        self.filter = DynamicFilter(p.rollout_batch_size, p.n_samples_per_prompt, p.dynamic_filtering_reward_range,
+                                    self.generate, self._score_rollouts) if p.dynamic_filtering else None
 
     # ---- the loop ---------------------------------------------------------------------------------------------
     def fit(self) -> list[dict]:
         """Train over the loader: step by step, or with generation overlapping training (--async_train)."""
         if self.cfg.ppo.async_train:
             return self.fit_async()
+        if self.filter is not None:
+            return self.fit_filtered()
         with self.progress() as report:
             for prompts in self.loader:
                 if self.should_stop():
@@ -97,6 +103,22 @@ class Controller:
                     rollouts = self.generate(prompts, self.step_index)
                     self.sleep.after_generate()
                 report(self.learn(prompts, rollouts))
+        return self.history
+
+    def fit_filtered(self) -> list[dict]:
+        """--dynamic_filtering: each step's prompts, rollouts and scores come from the filter, which reads the
+        loader as far as it needs (dynamic_filtering.py); the run ends when the prompts run out."""
+        batches = iter(self.loader)
+        with self.progress() as report:
+            while not self.should_stop():
+                self.timings = {}
+                with self.timed("generate"):
+                    self.sleep.before_generate()
+                    filled = self.filter.fill(batches, self.step_index)
+                    self.sleep.after_generate()
+                if filled is None:
+                    break
+                report({**self.learn(filled.prompts, filled.rollouts, filled.reward), **filled.info})
         return self.history
 
     def fit_async(self) -> list[dict]:
@@ -119,15 +141,18 @@ class Controller:
                 report(self.learn(prompts, rollouts))
         return self.history
 
-    def learn(self, prompts: list, rollouts: list[Rollout]) -> dict[str, Any]:
-        """Everything after generation for one batch: score, make experience, train, sync. Returns metrics."""
+    def learn(self, prompts: list, rollouts: list[Rollout], reward=None) -> dict[str, Any]:
+        """Everything after generation for one batch: score, make experience, train, sync. Returns metrics.
+        reward: a rewards.RewardResult already computed while generating (--dynamic_filtering), else scored here."""
         batch, engine_log_probs = rollouts_to_batch(rollouts, self.tok.pad_token_id)
         with self.timed("score"):
-            reward, old_lp, ref_lp, values = self.score(batch, rollouts, prompts)
+            reward, old_lp, ref_lp, values = self.score(batch, rollouts, prompts, reward)
         with self.timed("make_experience"):
-            exp, info = self.make_experience(batch, reward.rewards, old_lp, ref_lp, values)
+            truncated = torch.tensor([not r.finished for r in rollouts])
+            exp, info = self.make_experience(batch, reward.rewards, old_lp, ref_lp, values, truncated,
+                                             engine_log_probs)
         with self.timed("train"):
-            actor_stats, critic_stats = self.train(exp)
+            actor_stats, critic_stats = self.train(exp, info["kl_coef"])
         gen_version = min(r.weight_version for r in rollouts)
         staleness = self.weight_version - gen_version  # trainer version these rollouts are trained at
         with self.timed("sync"):
@@ -137,14 +162,19 @@ class Controller:
         seconds, self._last_step_end = now - self._last_step_end, now  # wall time per step, overlap included
         row = {**info, "policy_loss": actor_stats["loss"], "actor_lr": actor_stats["lr"],
                "clip_frac": actor_stats["clip_frac"], "approx_kl": actor_stats["approx_kl"],
-               "kl_coef": self.kl_ctl.value, "weight_version": self.weight_version,
+               **{k: actor_stats[k] for k in ("clip_frac_low", "clip_frac_high", "entropy")},
+               "actor_grad_norm": actor_stats["grad_norm"], "weight_version": self.weight_version,
                "generation_weight_version": gen_version, "staleness": staleness,
                "engine_logprob_gap": _masked_abs_mean(engine_log_probs - old_lp, batch.action_mask),
                "samples": len(rollouts), "samples_per_s": len(rollouts) / seconds, "step_s": seconds,
                **reward.log_row(), **{f"timing/{k}": v for k, v in self.timings.items()}}
+        if self.cfg.ppo.use_kl_loss:
+            row.update(kl_loss=actor_stats["kl_loss"], kl_coef=actor_stats["kl_coef"])  # the coefficient used
+        if self.cfg.ppo.enable_vllm_is_correction:
+            row["is_cut_frac"] = actor_stats["is_cut_frac"]
         if critic_stats is not None:
             row.update(value_loss=critic_stats["loss"], critic_lr=critic_stats["lr"],
-                       value_clip_frac=critic_stats["clip_frac"])
+                       value_clip_frac=critic_stats["clip_frac"], critic_grad_norm=critic_stats["grad_norm"])
         return row
 
     @contextmanager
@@ -198,6 +228,8 @@ class Controller:
             self.m.actor.call_all("save_hf", str(tmp / "hf" / "actor"))
         spe = self.loader.steps_per_episode  # loader position of the consumed batches (async reads ahead)
         loader_state = {**self.loader.state_dict(), "episode": step // spe, "batch_in_episode": step % spe}
+        if self.filter is not None:  # refills read more batches than steps (sync only): the loader's own position
+            loader_state = self.loader.state_dict()
         save_controller_state(tmp, {
             "step_index": step, "weight_version": self.weight_version, "loader": loader_state,
             "kl_ctl": self.kl_ctl.state_dict(),
@@ -234,17 +266,20 @@ class Controller:
                                 n=p.n_samples_per_prompt, seed=p.seed * 1_000_003 + batch_index)
         return self.m.engines.generate([q.ids for q in prompts], sampling)
 
-    def score(self, batch: SequenceBatch, rollouts: list[Rollout], prompts: list):
+    def score(self, batch: SequenceBatch, rollouts: list[Rollout], prompts: list, reward=None):
         """Everything that reads the rollouts, started together and gathered after. The reward part is a
-        rewards.RewardResult: .rewards to train on, .scores for filtering, .extra_logs to log."""
+        rewards.RewardResult: .rewards to train on, .scores for filtering, .extra_logs to log (`reward`: known
+        already, from --dynamic_filtering)."""
         from orlhf.rewards import RewardResult
 
         old_call = self.m.actor.call_sharded_async("log_probs", batch)
         ref_call = self.m.ref.call_sharded_async("log_probs", batch)
         value_call = self.m.critic.call_sharded_async("values", batch) if self.m.critic else None
-        reward_call = self.m.reward.call_sharded_async("scores", batch) if self.m.reward else None
-        if self.reward_source is not None:  # runs here while the groups compute
-            reward = self.reward_source.evaluate(*self._reward_inputs(rollouts, prompts))
+        reward_call = self.m.reward.call_sharded_async("scores", batch) if self.m.reward and reward is None else None
+        if reward is not None:
+            pass
+        elif self.reward_source is not None:  # runs here while the groups compute
+            reward = self._score_rollouts(rollouts, prompts)
         else:
             reward = RewardResult.of(reward_call.get_cat().float())
         if self.reward_norm is not None:
@@ -252,21 +287,28 @@ class Controller:
         values = value_call.get_cat() if value_call else None
         return reward, old_call.get_cat(), ref_call.get_cat(), values
 
-    def make_experience(self, batch, scores, old_lp, ref_lp, values) -> tuple[Experience, dict]:
+    def make_experience(self, batch, scores, old_lp, ref_lp, values, truncated=None,
+                        engine_log_probs=None) -> tuple[Experience, dict]:
+        """info["kl_coef"] is the KL coefficient of this step (reward penalty, or the actor's KL loss), taken
+        before the adaptive controller moves it for the next step (OpenRLHF's order)."""
         shaped_scores = self.reward_norm.normalize(scores) if self.reward_norm is not None else scores
-        exp, info = make_experience(batch, shaped_scores, old_lp, ref_lp, values, self.kl_ctl.value, self.exp_cfg,
-                                    weight_version=self.weight_version)
+        kl_coef = self.kl_ctl.value
+        exp, info = make_experience(batch, shaped_scores, old_lp, ref_lp, values, kl_coef, self.exp_cfg,
+                                    weight_version=self.weight_version, truncated=truncated,
+                                    rollout_log_probs=engine_log_probs)
         info["reward_mean"] = scores.mean().item()  # the raw task reward, whatever the normalization
+        info["kl_coef"] = kl_coef
         self.kl_ctl.update(info["kl"], len(scores))
         return exp, info
 
-    def train(self, exp: Experience) -> tuple[dict, Optional[dict]]:
-        """max_epochs passes over the step's experience, shuffled; actor and critic in parallel."""
+    def train(self, exp: Experience, kl_coef: float) -> tuple[dict, Optional[dict]]:
+        """max_epochs passes over the step's experience, shuffled; actor and critic in parallel.
+        kl_coef goes to the actor's KL loss (--use_kl_loss), so an adaptive coefficient reaches the loss."""
         actor_stats, critic_stats = [], []
         for epoch in range(self.cfg.ppo.max_epochs):
             g = torch.Generator().manual_seed(self.cfg.ppo.seed + 7919 * self.step_index + epoch)
             shuffled = exp.index(torch.randperm(len(exp), generator=g))
-            actor_call = self.m.actor.call_sharded_async("train_step", shuffled)
+            actor_call = self.m.actor.call_sharded_async("train_step", shuffled, kl_coef)
             critic_call = self.m.critic.call_sharded_async("train_step", shuffled) if self.m.critic else None
             actor_stats += actor_call.get()
             if critic_call is not None:
@@ -280,6 +322,10 @@ class Controller:
             self.m.sync.sync(self.weight_version)
 
     # ---- helpers ----------------------------------------------------------------------------------------------
+    def _score_rollouts(self, rollouts: list[Rollout], prompts: list):
+        """rewards.RewardResult from the reward function / server (not the reward-model group)."""
+        return self.reward_source.evaluate(*self._reward_inputs(rollouts, prompts))
+
     def _reward_inputs(self, rollouts: list[Rollout], prompts: list) -> tuple[list[str], list[str], list]:
         return reward_inputs(self.tok, rollouts, prompts)
 

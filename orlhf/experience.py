@@ -2,6 +2,7 @@
 
     [Rollout] --rollouts_to_batch--> SequenceBatch (+ engine log-probs, rewards' text inputs)
     SequenceBatch --ref/critic/reward/actor groups--> log-probs, values, scores
+    --> length penalties on the scores (DAPO overlong, stop-properly) --> group baseline
     --> KL-shaped rewards, advantages, returns (algo/) --> Experience
 """
 
@@ -15,7 +16,7 @@ import torch
 from orlhf.algo.advantages import compute_advantages
 from orlhf.algo.kl import approx_kl
 from orlhf.algo.losses import masked_mean
-from orlhf.algo.rewards import group_baseline, shape_rewards
+from orlhf.algo.rewards import group_baseline, overlong_penalty, shape_rewards, stop_properly_penalty
 from orlhf.types import Experience, Rollout, SequenceBatch
 
 
@@ -57,30 +58,56 @@ class ExperienceConfig:
     reward_clip_range: tuple = (-10.0, 10.0)
     gamma: float = 1.0
     lambd: float = 1.0
+    std_norm: bool = True  # not --no_advantage_std_norm
+    generate_max_len: int = 1024
+    overlong_buffer_len: Optional[float] = None
+    overlong_penalty_factor: float = 1.0
+    stop_properly_penalty_coef: Optional[float] = None
+    keep_rollout_log_probs: bool = False  # --enable_vllm_is_correction: the actor needs the engine's log-probs
 
     @classmethod
     def from_ppo(cls, ppo) -> "ExperienceConfig":
         return cls(ppo.advantage_estimator, ppo.n_samples_per_prompt, ppo.kl_estimator, ppo.use_kl_loss,
-                   tuple(ppo.reward_clip_range), ppo.gamma, ppo.lambd)
+                   tuple(ppo.reward_clip_range), ppo.gamma, ppo.lambd, not ppo.no_advantage_std_norm,
+                   ppo.generate_max_len, ppo.overlong_buffer_len, ppo.overlong_penalty_factor,
+                   ppo.stop_properly_penalty_coef, ppo.enable_vllm_is_correction)
+
+
+def length_penalties(scores: torch.Tensor, lengths: torch.Tensor, truncated: Optional[torch.Tensor],
+                     cfg: ExperienceConfig) -> tuple[torch.Tensor, dict[str, float]]:
+    """Scores (B,) after the DAPO overlong and the stop-properly penalties (OpenRLHF's order: overlong first)."""
+    info: dict[str, float] = {}
+    if cfg.overlong_buffer_len is not None:
+        pen = overlong_penalty(lengths, cfg.generate_max_len, cfg.overlong_buffer_len, cfg.overlong_penalty_factor)
+        scores = scores.float() + pen
+        info["overlong_penalized_share"] = (pen < 0).float().mean().item()
+    if cfg.stop_properly_penalty_coef is not None and truncated is not None:
+        scores = stop_properly_penalty(scores, truncated, cfg.stop_properly_penalty_coef)
+        info["truncated_share"] = truncated.float().mean().item()
+    return scores, info
 
 
 def make_experience(batch: SequenceBatch, scores: torch.Tensor, old_log_probs: torch.Tensor,
                     ref_log_probs: torch.Tensor, values: Optional[torch.Tensor], kl_coef: float,
-                    cfg: ExperienceConfig, weight_version: int = 0) -> tuple[Experience, dict[str, float]]:
+                    cfg: ExperienceConfig, weight_version: int = 0, truncated: Optional[torch.Tensor] = None,
+                    rollout_log_probs: Optional[torch.Tensor] = None) -> tuple[Experience, dict[str, float]]:
     """One step's scored rollouts -> an Experience batch and its summary numbers.
 
-    scores (B,) task rewards (already normalized if --normalize_reward); log-probs and values (B, A).
+    scores (B,) task rewards (already normalized if --normalize_reward); log-probs and values (B, A);
+    truncated (B,) bool: responses cut at --generate_max_len; rollout_log_probs (B, A): the engine's.
     Order (algo/advantages.py's contract): scores -> group baseline -> KL-shaped per-token rewards -> advantages.
     """
     mask = batch.action_mask
     kl = approx_kl(old_log_probs, ref_log_probs, cfg.kl_estimator) * mask  # (B, A)
+    scores, penalty_info = length_penalties(scores, mask.sum(-1), truncated, cfg)
     baselined = group_baseline(scores, cfg.n_samples_per_prompt, cfg.advantage_estimator)  # (B,)
     rewards = shape_rewards(baselined, kl, mask, 0.0 if cfg.use_kl_loss else kl_coef, cfg.reward_clip_range)
     advantages, returns = compute_advantages(cfg.advantage_estimator, rewards, mask, values=values,
-                                             gamma=cfg.gamma, lambd=cfg.lambd)
+                                             gamma=cfg.gamma, lambd=cfg.lambd, std_norm=cfg.std_norm)
     exp = Experience(batch.sequences, batch.attention_mask, mask, action_log_probs=old_log_probs,
                      advantages=advantages, returns=returns if values is not None else None, values=values,
                      base_action_log_probs=ref_log_probs if cfg.use_kl_loss else None,
+                     rollout_log_probs=rollout_log_probs if cfg.keep_rollout_log_probs else None,
                      weight_version=weight_version)
     lengths = mask.sum(-1).clamp(min=1).float()
     info = {
@@ -89,6 +116,7 @@ def make_experience(batch: SequenceBatch, scores: torch.Tensor, old_log_probs: t
         "kl": ((kl.sum(-1) / lengths).mean()).item(),  # per-token KL, averaged per sequence
         "response_length": mask.sum(-1).float().mean().item(),
         "advantage_abs_mean": masked_mean(advantages.abs(), mask).item(),
+        **penalty_info,
     }
     if values is not None:
         info["value_mean"] = masked_mean(values, mask).item()

@@ -60,6 +60,18 @@ class RewardResult:
     def of(cls, rewards: torch.Tensor) -> "RewardResult":
         return cls(rewards=rewards, scores=rewards)
 
+    def rows(self, start: int, stop: int) -> "RewardResult":
+        """Rows start:stop of every field (one prompt's group of samples, for dynamic filtering)."""
+        return RewardResult(self.rewards[start:stop], self.scores[start:stop],
+                            {k: v[start:stop] for k, v in self.extra_logs.items()})
+
+    @classmethod
+    def cat(cls, parts: list["RewardResult"]) -> "RewardResult":
+        """Rows of several results, in order (the same extra_logs keys in each)."""
+        keys = parts[0].extra_logs.keys()
+        return cls(torch.cat([p.rewards for p in parts]), torch.cat([p.scores for p in parts]),
+                   {k: torch.cat([p.extra_logs[k] for p in parts]) for k in keys})
+
     def log_row(self) -> dict[str, float]:
         """extra_logs as metrics: the batch mean of each, under reward/<name>."""
         return {f"reward/{k}": v.mean().item() for k, v in self.extra_logs.items()}

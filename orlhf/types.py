@@ -75,6 +75,7 @@ class Experience:
     returns: Optional[torch.Tensor] = None  # (B, A) float: critic targets (gae only)
     values: Optional[torch.Tensor] = None  # (B, A) float: V_old(s), for the clipped value loss (gae only)
     base_action_log_probs: Optional[torch.Tensor] = None  # (B, A): reference log-probs, for --use_kl_loss
+    rollout_log_probs: Optional[torch.Tensor] = None  # (B, A): the engine's log-probs, for IS correction
     weight_version: int = 0  # actor weight version the engines generated with (async staleness bookkeeping)
 
     @property
@@ -111,6 +112,10 @@ class TrainStats:
     entropy: float = 0.0  # actor only, when --entropy_loss_coef > 0
     kl_loss: float = 0.0  # actor only, with --use_kl_loss
     micro_steps: int = 0
+    kl_coef: float = 0.0  # actor only: the KL-loss coefficient this step used (--use_kl_loss)
+    clip_frac_low: float = 0.0  # actor: share of tokens clipped at 1 - eps_low (A < 0)
+    clip_frac_high: float = 0.0  # actor: share of tokens clipped at 1 + eps_high (A > 0)
+    is_cut_frac: float = 0.0  # actor, IS correction: share of tokens whose weight was truncated or masked
     extra: dict = field(default_factory=dict)
 
 

@@ -21,7 +21,7 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 def validate(cfg: TrainConfig) -> None:
     problems: list[str] = []
     for rule in (_ranges, _estimators, _reward_source, _colocation, _vllm, _batches, _paths, _device,
-                 _prompt_mix_and_heads):
+                 _prompt_mix_and_heads, _losses, _sampling):
         rule(cfg, problems)
     if problems:
         raise ConfigError(problems)
@@ -266,3 +266,72 @@ def _prompt_mix_and_heads(cfg: TrainConfig, out: list[str]) -> None:
     if not d.value_head_prefix.isidentifier():
         out.append(f"--value_head_prefix {d.value_head_prefix!r} must be a module name (letters, digits, _), the "
                    "head's weight being <prefix>.weight: e.g. score (OpenRLHF's default) or value_head.")
+
+
+def _pair(value: tuple) -> tuple[float, float]:
+    return float(value[0]), float(value[1])
+
+
+def _losses(cfg: TrainConfig, out: list[str]) -> None:
+    """The loss variants (clip-higher, GSPO, IS correction, KL loss, optimizer knobs)."""
+    ppo = cfg.ppo
+    if ppo.eps_clip_low_high is not None:
+        lo, hi = _pair(ppo.eps_clip_low_high)
+        if not (0 < lo < 1 and hi > 0):
+            out.append(f"--eps_clip_low_high LOW HIGH needs 0 < LOW < 1 and HIGH > 0 (got {lo} {hi}); DAPO uses "
+                       "0.2 0.28.")
+    lo, hi = _pair(ppo.vllm_is_truncated_threshold)
+    if not 0 <= lo < hi:
+        out.append(f"--vllm_is_truncated_threshold LOW HIGH needs 0 <= LOW < HIGH (got {lo} {hi}); e.g. 0.5 5.0.")
+    if ppo.policy_loss_type == "gspo" and ppo.enable_vllm_is_correction and ppo.vllm_is_correction_type != "tis":
+        out.append(f"--vllm_is_correction_type {ppo.vllm_is_correction_type} weights tokens of the token-level PPO "
+                   "loss; --policy_loss_type gspo corrects with the engine log-probs inside its sequence ratio "
+                   "instead. Drop --vllm_is_correction_type or use --policy_loss_type ppo.")
+    if ppo.kl_target is not None and ppo.use_kl_loss and ppo.init_kl_coef == 0:
+        out.append("--kl_target adapts the KL coefficient multiplicatively, but --init_kl_coef is 0 so it stays 0 "
+                   "under --use_kl_loss: set --init_kl_coef > 0 or drop --kl_target.")
+    if ppo.max_norm <= 0:
+        out.append(f"--max_norm must be > 0 (got {ppo.max_norm}).")
+    b1, b2 = _pair(ppo.adam_betas)
+    if not (0 <= b1 < 1 and 0 <= b2 < 1):
+        out.append(f"--adam_betas BETA1 BETA2 must both be in [0, 1) (got {b1} {b2}); OpenRLHF uses 0.9 0.95.")
+    if ppo.l2 < 0:
+        out.append(f"--l2 (weight decay) must be >= 0 (got {ppo.l2}).")
+    if ppo.lr_scheduler == "constant" and ppo.lr_warmup_ratio > 0:
+        out.append(f"--lr_scheduler constant has no warm-up but --lr_warmup_ratio is {ppo.lr_warmup_ratio}: use "
+                   "--lr_scheduler constant_with_warmup, or --lr_warmup_ratio 0.")
+    est = ppo.advantage_estimator
+    if ppo.no_advantage_std_norm and est not in ("gae", "reinforce", "reinforce_baseline"):
+        out.append(f"--no_advantage_std_norm changes the batch whitening of gae / reinforce / reinforce_baseline; "
+                   f"--advantage_estimator {est} is not whitened, so it would do nothing"
+                   + (" (for group_norm without the /std use --advantage_estimator dr_grpo)." if est == "group_norm"
+                      else "."))
+
+
+def _sampling(cfg: TrainConfig, out: list[str]) -> None:
+    """Reward shaping by length, and DAPO's dynamic sampling."""
+    ppo = cfg.ppo
+    if ppo.overlong_buffer_len is not None:
+        if not 0 < ppo.overlong_buffer_len <= ppo.generate_max_len:
+            out.append(f"--overlong_buffer_len must be in (0, --generate_max_len {ppo.generate_max_len}] (got "
+                       f"{ppo.overlong_buffer_len}).")
+        if ppo.overlong_penalty_factor < 0:
+            out.append(f"--overlong_penalty_factor must be >= 0 (got {ppo.overlong_penalty_factor}).")
+    coef = ppo.stop_properly_penalty_coef
+    if coef is not None and coef > 1:
+        out.append(f"--stop_properly_penalty_coef must be in [0, 1] (scales a cut response's reward) or < 0 (sets "
+                   f"it); got {coef}.")
+    if not ppo.dynamic_filtering:
+        return
+    lo, hi = _pair(ppo.dynamic_filtering_reward_range)
+    if not lo < hi:
+        out.append(f"--dynamic_filtering_reward_range LOW HIGH needs LOW < HIGH (got {lo} {hi}).")
+    if ppo.n_samples_per_prompt < 2:
+        out.append(f"--dynamic_filtering drops prompts whose samples all score alike: it needs "
+                   f"--n_samples_per_prompt 2 or more (got {ppo.n_samples_per_prompt}).")
+    if cfg.data.reward_pretrain is not None:
+        out.append("--dynamic_filtering scores samples while generating, with a reward function or server: it "
+                   "cannot use --reward_pretrain; use --remote_rm_url.")
+    if ppo.async_train:
+        out.append("--dynamic_filtering refills a batch before training on it; --async_train generates ahead of "
+                   "training. Drop one of them.")

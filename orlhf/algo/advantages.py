@@ -76,12 +76,13 @@ def discounted_returns(rewards: torch.Tensor, action_mask: torch.Tensor, gamma: 
     return returns
 
 
-def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, divide_std: bool = True) -> torch.Tensor:
     """Whiten x with the mean and std of its masked entries only (one global mean/std); padding comes out 0.
 
     x' = (x - mean) * rsqrt(max(var, 1e-8)), var the biased (divide-by-N) variance over the masked entries:
     exactly OpenRLHF's advantage normalization. (The common `/ (std + 1e-8)` form differs only when std < ~1e-4.)
     shift_mean=False scales around the mean without removing it (x' + mean), as TRL's whiten.
+    divide_std=False only centres: x' = x - mean (OpenRLHF's --no_advantage_std_norm).
     Where this departs from OpenRLHF: padding is set to 0 (OpenRLHF leaves -mean/std there; the losses mask it).
     """
     m = mask.bool()
@@ -91,7 +92,7 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torc
         return x
     mean = x.sum() / n
     var = torch.where(m, (x - mean).square(), 0.0).sum() / n
-    out = (x - mean) * var.clamp(min=WHITEN_VAR_EPS).rsqrt()
+    out = (x - mean) * var.clamp(min=WHITEN_VAR_EPS).rsqrt() if divide_std else x - mean
     if not shift_mean:
         out = out + mean
     return torch.where(m, out, 0.0)
@@ -104,8 +105,11 @@ def compute_advantages(
     values: Optional[torch.Tensor] = None,  # (B, A) critic values, gae only
     gamma: float = 1.0,
     lambd: float = 1.0,
+    std_norm: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages, returns), both (B, A) float32 and 0 on padding, for one whole rollout batch.
+
+    std_norm=False (--no_advantage_std_norm): the whitened estimators only subtract the batch mean.
 
     The controller's order (OpenRLHF's): scores -> rewards.group_baseline -> rewards.shape_rewards(kl) -> here.
     The group baseline acts on the *scores*, before the KL penalty is added, so the KL part of the reward is never
@@ -137,7 +141,7 @@ def compute_advantages(
         returns = discounted_returns(rewards, action_mask, gamma)
         advantages = returns
     if spec.whiten:
-        advantages = whiten(advantages, action_mask)
+        advantages = whiten(advantages, action_mask, divide_std=std_norm)
     else:
         advantages = advantages.clone()  # callers may edit advantages in place without touching returns
     return advantages, returns

@@ -6,9 +6,9 @@ With log r = log pi(a|s) - log pi_ref(a|s) for a token a sampled from pi:
     k3 = exp(-log r) - 1 + log r      unbiased for KL(pi || ref) and always >= 0 (r_ref/pi - 1 - log(r_ref/pi))
 Sign convention: positive log r means the policy is more confident than the reference on that token.
 
-Where this departs from OpenRLHF's compute_approx_kl: OpenRLHF clamps the *estimate* to [-10, 10]; here log r is
-clamped to [-10, 10] *before* the estimator, so k3's exp cannot overflow (exp(10) ~ 2.2e4 is the largest term).
-The two agree whenever |log r| stays small, which is the regime PPO works in.
+Every estimate is clamped to [-10, 10] after it is computed, as OpenRLHF's compute_approx_kl: at log r = -5, k3
+is exp(5) - 1 - 5 = 142.4 unclamped and 10 here, so one wild token cannot dominate a shaped reward. exp may
+overflow to inf for log r < -88 (float32); the clamp turns that into 10 as well.
 
 The KL controllers below own the coefficient of the KL penalty in the shaped reward: fixed, or adaptive towards
 a target KL (make_kl_controller picks). Both save and restore through state_dict() for checkpoint resume.
@@ -19,23 +19,26 @@ from __future__ import annotations
 import torch
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
-LOG_RATIO_CLAMP = 10.0
+KL_CLAMP = 10.0  # bound on the estimate, not on log r (OpenRLHF's)
 
 
 def approx_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
     """Per-token KL estimate, (B, A) float32. Padding positions are not masked here: mask downstream."""
-    log_ratio = (log_probs.float() - ref_log_probs.float()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    log_ratio = log_probs.float() - ref_log_probs.float()
     if estimator == "k1":
-        return log_ratio
-    if estimator == "k2":
-        return log_ratio.square() / 2
-    if estimator == "k3":
-        return torch.exp(-log_ratio) - 1 + log_ratio
-    raise ValueError(f"unknown KL estimator {estimator!r}; expected one of {KL_ESTIMATORS}")
+        kl = log_ratio
+    elif estimator == "k2":
+        kl = log_ratio.square() / 2
+    elif estimator == "k3":
+        kl = torch.exp(-log_ratio) - 1 + log_ratio
+    else:
+        raise ValueError(f"unknown KL estimator {estimator!r}; expected one of {KL_ESTIMATORS}")
+    return kl.clamp(-KL_CLAMP, KL_CLAMP)
 
 
 # --- KL coefficient controllers -------------------------------------------------------------------------------
-# The coefficient `value` multiplies the per-token KL in the shaped reward (orlhf/algo/rewards.py:shape_rewards).
+# The coefficient `value` multiplies the per-token KL in the shaped reward (orlhf/algo/rewards.py:shape_rewards),
+# or, with --use_kl_loss, the KL term of the actor's loss: the controller passes the value to every train step.
 # The controller calls update(kl, n_steps) once per rollout step with that step's mean KL and its sample count,
 # as OpenRLHF's PPO trainer does (n_steps = rollout_batch_size * n_samples_per_prompt).
 

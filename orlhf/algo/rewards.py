@@ -141,3 +141,44 @@ class RunningMoments:
 
     def load_state_dict(self, state: dict) -> None:
         self.count, self.mean, self.m2 = int(state["count"]), float(state["mean"]), float(state["m2"])
+
+
+# --- length shaping of the scores (before the group baseline, as OpenRLHF's experience maker) -----------------
+
+
+def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer_len: float, factor: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment, (B,) float32 to add to the scores (0 or negative).
+
+        expected = max_new_tokens - buffer_len
+        penalty  = -min(length - expected, buffer_len) / buffer_len * factor   where length > expected, else 0
+    So the penalty grows linearly from 0 at `expected` tokens to -factor at max_new_tokens (OpenRLHF's
+    apply_overlong_penalty).
+    """
+    if not 0 < buffer_len <= max_new_tokens:
+        raise ValueError(f"overlong buffer_len must be in (0, max_new_tokens={max_new_tokens}], got {buffer_len}")
+    exceed = (lengths.float() - (max_new_tokens - buffer_len)).clamp(max=buffer_len)
+    return torch.where(exceed > 0, -exceed / buffer_len * factor, 0.0)
+
+
+def stop_properly_penalty(scores: torch.Tensor, truncated: torch.Tensor, coef: float) -> torch.Tensor:
+    """ProRL's penalty for responses cut at the length limit (OpenRLHF's apply_stop_properly_penalty), (B,).
+
+    coef in [0, 1]: a truncated sample's score is multiplied by coef; coef < 0: it is set to coef.
+    """
+    if coef > 1:
+        raise ValueError(f"stop_properly_penalty_coef must be in [0, 1] or negative, got {coef}")
+    cut = truncated.bool()
+    penalized = torch.full_like(scores.float(), coef) if coef < 0 else scores.float() * coef
+    return torch.where(cut, penalized, scores.float())
+
+
+def keep_groups(scores: torch.Tensor, n_samples: int, low: float, high: float) -> torch.Tensor:
+    """DAPO dynamic sampling's test, (prompts,) bool: a prompt's group is kept iff low < mean score < high.
+
+    Open interval, on the group mean (OpenRLHF's dynamic filtering): with 0/1 rewards and range (0, 1) this drops
+    the groups that are all right or all wrong, whose group-baselined advantages would be all zero.
+    """
+    if scores.shape[0] % n_samples:
+        raise ValueError(f"{scores.shape[0]} scores are not whole groups of n_samples_per_prompt={n_samples}")
+    mean = scores.float().reshape(-1, n_samples).mean(dim=1)
+    return (mean > low) & (mean < high)

@@ -5,7 +5,8 @@ WORLD_SIZE and LOCAL_RANK, then `init()` on every rank at once. A Ray rank actor
 
     init():  process group (gloo on cpu, nccl on cuda) -> seed -> load HF model (partitioned at load under
              ZeRO-3) -> deepspeed.initialize (AdamW + warm-up/cosine LR for trained roles; no optimizer, eval
-             mode for frozen ones)
+             mode for frozen ones); AdamW takes --adam_betas / --l2, the LR follows
+             --lr_scheduler, DeepSpeed clips gradients at --max_norm
 
     save_checkpoint(folder) / load_checkpoint(folder): trained roles' DeepSpeed state + RNG, collective; the
              folder layout around them, commit and resume order are in orlhf/checkpoint.py
@@ -32,6 +33,7 @@ from typing import Callable, Iterator, Optional
 import torch
 from torch import nn
 
+from orlhf.algo.losses import LossNorm, step_norm
 from orlhf.batching import pad_actions, sort_by_length, trim
 from orlhf.config import WorkerConfig
 from orlhf.workers.loading import hf_zero3_loading
@@ -39,9 +41,6 @@ from orlhf.types import Experience, SequenceBatch, TrainStats
 
 log = logging.getLogger("orlhf.workers")
 
-# Adam settings as OpenRLHF's defaults (--adam_betas 0.9 0.95, --l2 0); not flags here yet.
-ADAM_BETAS = (0.9, 0.95)
-WEIGHT_DECAY = 0.0
 MIN_LR_RATIO = 0.1  # cosine decays to 10% of the peak LR, as OpenRLHF's "cosine_with_min_lr"
 # Parameters of one transformer block share a "<...>.layers.<i>." prefix (Llama, Qwen, Mistral; GPT-2 uses "h").
 _LAYER_PREFIX = re.compile(r"^(.*?\.(?:layers|h|blocks|layer)\.\d+)\.")
@@ -80,17 +79,27 @@ def seed_everything(seed: int) -> None:
         pass
 
 
-def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float = MIN_LR_RATIO) -> float:
-    """LR multiplier at optimizer step `step` (0-based): linear warm-up, then cosine down to `min_ratio`.
+def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float = MIN_LR_RATIO,
+              kind: str = "cosine_with_min_lr") -> float:
+    """LR multiplier at optimizer step `step` (0-based): linear warm-up, then the decay `kind` (--lr_scheduler):
 
+        cosine_with_min_lr  cosine down to min_ratio (OpenRLHF's default)     cosine  cosine down to 0
+        linear              straight down to 0                               constant, constant_with_warmup  1
     Warm-up is (step + 1) / warmup, so the first step already moves the weights (HF's schedule starts at 0).
-    Past `total_steps` the LR stays at min_ratio.
+    Past `total_steps` the LR stays where the decay ended. `constant` has no warm-up (validation checks).
     """
-    if step < warmup_steps:
+    if step < warmup_steps and kind != "constant":
         return (step + 1) / warmup_steps
     decay_steps = max(1, total_steps - warmup_steps)
     progress = min(1.0, (step - warmup_steps) / decay_steps)
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    if kind in ("constant", "constant_with_warmup"):
+        return 1.0
+    if kind == "linear":
+        return 1.0 - progress
+    floor = min_ratio if kind == "cosine_with_min_lr" else 0.0
+    if kind not in ("cosine_with_min_lr", "cosine"):
+        raise ValueError(f"unknown lr scheduler {kind!r}")
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def ds_config(cfg: WorkerConfig, world_size: int) -> dict:
@@ -124,7 +133,7 @@ def ds_config(cfg: WorkerConfig, world_size: int) -> dict:
         **batch,
         "zero_optimization": zero,
         "bf16": {"enabled": cfg.bf16},
-        "gradient_clipping": 1.0,
+        "gradient_clipping": cfg.max_norm,
         # ZeRO-Offload refuses a client (torch) optimizer unless this is off. With adam_offload we pass
         # DeepSpeedCPUAdam anyway; off, it cannot refuse the torch AdamW of a non-offloaded combination.
         "zero_force_ds_cpu_optimizer": False,
@@ -194,14 +203,16 @@ class DeepSpeedWorker:
         if self.cfg.adam_offload:
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-            return DeepSpeedCPUAdam(params, lr=self.cfg.learning_rate, betas=ADAM_BETAS,
-                                    weight_decay=WEIGHT_DECAY, adamw_mode=True)
-        return torch.optim.AdamW(params, lr=self.cfg.learning_rate, betas=ADAM_BETAS, weight_decay=WEIGHT_DECAY)
+            return DeepSpeedCPUAdam(params, lr=self.cfg.learning_rate, betas=tuple(self.cfg.adam_betas),
+                                    weight_decay=self.cfg.weight_decay, adamw_mode=True)
+        return torch.optim.AdamW(params, lr=self.cfg.learning_rate, betas=tuple(self.cfg.adam_betas),
+                                 weight_decay=self.cfg.weight_decay)
 
     def _make_scheduler(self, optimizer):
         warmup = math.ceil(self.cfg.lr_warmup_ratio * self.cfg.total_optimizer_steps)
         total = self.cfg.total_optimizer_steps
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, warmup, total))
+        kind = self.cfg.lr_scheduler
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, warmup, total, kind=kind))
 
     @property
     def module(self) -> nn.Module:
@@ -264,13 +275,16 @@ class DeepSpeedWorker:
         return unsorted
 
     def train_micro_batches(self, batch: Experience,
-                            loss_fn: Callable[[Experience], tuple[torch.Tensor, dict]]) -> TrainStats:
+                            loss_fn: Callable[[Experience, LossNorm], tuple[torch.Tensor, dict]]) -> TrainStats:
         """Forward/backward/step over micro-batches of cfg.micro_train_batch_size; DeepSpeed applies the
         optimizer at each accumulation boundary (every train_batch_size / world samples on this rank).
 
-        With cfg.trim_padding each micro-batch (kept in order) is trimmed to its real length first.
-        `loss_fn(micro_batch) -> (loss, stats)` where stats maps TrainStats field names (or extra keys) to
-        scalars; they are averaged over micro-batches.
+        Each micro-batch's loss is normalized by its optimizer step's LossNorm: the real action tokens and
+        sequences of all the step's micro-batches on all ranks (one all-reduce per step), so the step's
+        gradient is that of the whole batch's mean loss (orlhf/algo/losses.py). With cfg.trim_padding each
+        micro-batch (kept in order) is trimmed to its real length first.
+        `loss_fn(micro_batch, norm) -> (loss, stats)` where stats maps TrainStats field names (or extra keys)
+        to scalars; they are averaged over micro-batches.
         """
         per_rank, n = self.cfg.train_batch_size // self.world_size, len(batch)
         # Checked on every rank before any collective, so a bad call raises everywhere instead of hanging.
@@ -281,26 +295,41 @@ class DeepSpeedWorker:
             raise ValueError(f"{self.cfg.role} train_step got {n} samples per rank; expected a positive multiple "
                              f"of train_batch_size / world = {per_rank} (whole optimizer steps)")
         m = self.cfg.micro_train_batch_size
+        gas = per_rank // m  # micro-batches per optimizer step on this rank
         self.engine.train()
         sums: dict[str, float] = {}
         grad_norm = 0.0
-        for mb in batch.split([m] * (n // m)):
+        micro = batch.split([m] * (n // m))
+        for i, mb in enumerate(micro):
+            if i % gas == 0:
+                norm = self._step_norm([x.action_mask for x in micro[i:i + gas]], gas)
             lr = self.engine.get_lr()[0]  # the LR the coming optimizer step uses
-            loss, stats = loss_fn(self._to_device(trim(mb) if self.cfg.trim_padding else mb))
+            loss, stats = loss_fn(self._to_device(trim(mb) if self.cfg.trim_padding else mb), norm)
             self.engine.backward(loss)
             boundary = self.engine.is_gradient_accumulation_boundary()
             own_norm = self._plain_grad_norm() if boundary else None
             self.engine.step()
             if boundary and self.engine.was_step_applied():
-                norm = self.engine.get_global_grad_norm()
-                norm = own_norm if norm is None else norm
-                grad_norm = math.nan if norm is None else float(norm)
+                norm_value = self.engine.get_global_grad_norm()
+                norm_value = own_norm if norm_value is None else norm_value
+                grad_norm = math.nan if norm_value is None else float(norm_value)
             for k, v in stats.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
         steps = n // m
         means = {k: v / steps for k, v in sums.items()}
         known = {k: means.pop(k) for k in list(means) if k in TrainStats.__dataclass_fields__}
         return TrainStats(lr=lr, grad_norm=grad_norm, micro_steps=steps, extra=means, **known)
+
+    def _step_norm(self, masks: list[torch.Tensor], gas: int) -> LossNorm:
+        """One optimizer step's LossNorm: token and sequence counts summed over its micro-batches and ranks."""
+        local = step_norm(masks)
+        counts = torch.tensor([local.tokens, local.seqs], dtype=torch.float64, device=self.device)
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(counts, op=dist.ReduceOp.SUM)
+        # DeepSpeed divides each micro-batch loss by gas and averages gradients over ranks: scale undoes both.
+        return LossNorm(float(counts[0]), float(counts[1]), scale=float(gas * self.world_size))
 
     def _plain_grad_norm(self) -> Optional[float]:
         """Pre-clip gradient norm where DeepSpeed does not record one (ZeRO-0 in fp32: it clips and drops it).

@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from orlhf.algo.losses import masked_mean, value_loss
+from orlhf.algo.losses import LossNorm, aggregate, masked_mean, value_loss_per_token
 from orlhf.batching import Packed, pack
 from orlhf.config import WorkerConfig
 from orlhf.types import Experience, SequenceBatch, TrainStats
@@ -138,8 +138,11 @@ class CriticWorker(DeepSpeedWorker):
             raise ValueError("critic train_step needs Experience.returns (gae advantages)")
         return self.train_micro_batches(batch, self._loss)
 
-    def _loss(self, mb: Experience) -> tuple[torch.Tensor, dict]:
+    def _loss(self, mb: Experience, norm: LossNorm) -> tuple[torch.Tensor, dict]:
+        """Clipped value loss, aggregated over the optimizer step like the actor's (algo/losses.py)."""
         values = self._action_values(mb)
-        loss, clip_frac = value_loss(values, mb.values, mb.returns, mb.action_mask, self.cfg.value_clip)
-        return loss, {"loss": loss.item(), "clip_frac": clip_frac.item(),
+        per_token, bound = value_loss_per_token(values, mb.values, mb.returns, self.cfg.value_clip)
+        loss = aggregate(per_token, mb.action_mask, self.cfg.loss_agg_mode, norm)
+        return loss, {"loss": masked_mean(per_token.detach(), mb.action_mask).item(),
+                      "clip_frac": masked_mean(bound.float(), mb.action_mask).item(),
                       "values": masked_mean(values.detach(), mb.action_mask).item()}

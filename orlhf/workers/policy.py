@@ -5,10 +5,11 @@ Both score the same thing, log pi(a_t | s_<t) for the last A tokens of each sequ
     sequences (B, T) --model(position_ids from attention_mask)--> logits of positions T-A-1 .. T-2 (B, A, V)
         / temperature --log-softmax, gather sequences[:, -A:]--> log_probs (B, A)
 
-The actor's train_step is OpenRLHF's PPO actor step, per micro-batch:
-    loss = policy_loss(log pi, log pi_old, advantages)          clipped surrogate, token-level mean
-         - entropy_loss_coef * entropy                          (if > 0)
-         + kl_coef * approx_kl(log pi, log pi_ref)              (if use_kl_loss)
+The actor's train_step is OpenRLHF's PPO actor step, per micro-batch (algo/losses.py for the terms):
+    loss = agg(policy_loss_terms(log pi, log pi_old, A, ...))   clipped surrogate (ppo | gspo, IS correction)
+         - entropy_loss_coef * agg(entropy)                     (if > 0; entropy is logged either way)
+         + kl_coef * agg(approx_kl(log pi, log pi_ref))         (if use_kl_loss; kl_coef from the controller)
+agg is the step-global token (or sequence) mean: each micro-batch divides by its optimizer step's counts.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from torch import nn
 
 from orlhf.algo.kl import approx_kl
-from orlhf.algo.losses import entropy_from_logits, masked_mean, policy_loss
+from orlhf.algo.losses import LossNorm, aggregate, entropy_from_logits, masked_mean, policy_loss_terms
 from orlhf.batching import pack
 from orlhf.config import WorkerConfig
 from orlhf.types import Experience, SequenceBatch, TrainStats
@@ -113,27 +114,46 @@ class PolicyWorker(DeepSpeedWorker):
         self.engine.eval()
         return _log_probs(self, batch)
 
-    def train_step(self, batch: Experience) -> TrainStats:
-        """PPO on this rank's share: len(batch) must be a multiple of train_batch_size / world."""
+    def train_step(self, batch: Experience, kl_coef: Optional[float] = None) -> TrainStats:
+        """PPO on this rank's share: len(batch) must be a multiple of train_batch_size / world.
+
+        kl_coef: the KL-loss coefficient for this step (the controller's adaptive value); None: cfg.kl_coef.
+        """
         if self.cfg.use_kl_loss and batch.base_action_log_probs is None:
             raise ValueError("use_kl_loss needs Experience.base_action_log_probs (the reference log-probs)")
-        return self.train_micro_batches(batch, self._loss)
+        coef = self.cfg.kl_coef if kl_coef is None else float(kl_coef)
+        stats = self.train_micro_batches(batch, functools.partial(self._loss, kl_coef=coef))
+        stats.kl_coef = coef
+        return stats
 
-    def _loss(self, mb: Experience) -> tuple[torch.Tensor, dict]:
+    def _loss(self, mb: Experience, norm: LossNorm, kl_coef: float) -> tuple[torch.Tensor, dict]:
         cfg, mask = self.cfg, mb.action_mask
         logits = action_logits(self.engine, mb.as_sequence_batch(), cfg.temperature, cfg.packing_samples)  # (b, A, V)
         log_probs = gather_log_probs(logits, mb.sequences[:, -mb.num_actions:])  # (b, A)
-        loss, clip_frac = policy_loss(log_probs, mb.action_log_probs, mb.advantages, mask, cfg.eps_clip, cfg.dual_clip)
-        stats = {"loss": loss.item(), "clip_frac": clip_frac.item(),
+        terms = policy_loss_terms(log_probs, mb.action_log_probs, mb.advantages, mask, cfg.eps_clip,
+                                  cfg.eps_clip_high if cfg.eps_clip_high is not None else cfg.eps_clip,
+                                  cfg.dual_clip, cfg.policy_loss_type, mb.rollout_log_probs, cfg.is_correction,
+                                  tuple(cfg.is_threshold))
+        loss = aggregate(terms.loss, mask, cfg.loss_agg_mode, norm)
+        cut = terms.clipped_low | terms.clipped_high | terms.dual_clipped
+        stats = {"loss": loss.item(), "clip_frac": masked_mean(cut.float(), mask).item(),
+                 "clip_frac_low": masked_mean(terms.clipped_low.float(), mask).item(),
+                 "clip_frac_high": masked_mean(terms.clipped_high.float(), mask).item(),
                  "approx_kl": masked_mean(mb.action_log_probs - log_probs.detach(), mask).item()}
+        if terms.is_cut is not None:
+            stats["is_cut_frac"] = masked_mean(terms.is_cut.float(), mask).item()
+        # Entropy is logged on every step; it joins the graph only when it is in the loss.
+        entropy = entropy_from_logits(logits if cfg.entropy_loss_coef > 0 else logits.detach())  # (b, A)
         if cfg.entropy_loss_coef > 0:
-            entropy = masked_mean(entropy_from_logits(logits), mask)
-            loss = loss - cfg.entropy_loss_coef * entropy
-            stats["entropy"] = entropy.item()
+            loss = loss - cfg.entropy_loss_coef * aggregate(entropy, mask, cfg.loss_agg_mode, norm)
+        stats["entropy"] = masked_mean(entropy.detach(), mask).item()
         if cfg.use_kl_loss:
-            kl = masked_mean(approx_kl(log_probs, mb.base_action_log_probs, cfg.kl_estimator), mask)
-            loss = loss + cfg.kl_coef * kl
-            stats["kl_loss"] = kl.item()
+            kl = aggregate(approx_kl(log_probs, mb.base_action_log_probs, cfg.kl_estimator), mask, cfg.loss_agg_mode,
+                           norm)
+            loss = loss + kl_coef * kl
+            stats["kl_loss"] = masked_mean(approx_kl(log_probs.detach(), mb.base_action_log_probs, cfg.kl_estimator),
+                                           mask).item()
+        stats["loss"] = masked_mean(terms.loss.detach(), mask).item()
         return loss, stats
 
     # ---- weight sync: orlhf/weight_sync.py drives these; only rank 0 talks to the engines ----

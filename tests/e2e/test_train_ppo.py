@@ -82,3 +82,24 @@ def test_hybrid_colocate_all_models_runs(ray_local, tmp_path, caplog):
                  "--max_samples", "128", "--num_episodes", "1")
     assert len(rows) == 2 and [r["weight_version"] for r in rows] == [1, 2]
     assert "do nothing on CPU" in caplog.text  # said once, not silently ignored
+
+
+def test_dapo_style_run_learns(ray_local, tmp_path):
+    """Clip-higher + dynamic filtering + soft overlong penalty + group_norm (DAPO's recipe, shortened)."""
+    rows = train(tmp_path, "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "4",
+                 "--eps_clip_low_high", "0.2", "0.28", "--dynamic_filtering", "--overlong_buffer_len", "4",
+                 "--overlong_penalty_factor", "0.1", "--num_episodes", "3")
+    assert len(rows) >= 20, len(rows)  # refills read more prompts than there are steps: up to 3 x 8
+    assert {"dynamic_filtering_pass_rate", "clip_frac_low", "clip_frac_high", "entropy", "actor_grad_norm",
+            "overlong_penalized_share"} <= set(rows[0]), set(rows[0])
+    assert all(0 < r["dynamic_filtering_pass_rate"] <= 100 for r in rows)
+    # reward_mean is over the kept samples, which filtering biases; the policy's own reward is over all generated.
+    rewards = [r["reward_generated_mean"] for r in rows]
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert last >= 1.5 * first, [round(x, 3) for x in rewards]
+
+
+def test_gspo_run_learns(ray_local, tmp_path):
+    rows = train(tmp_path, "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "4",
+                 "--policy_loss_type", "gspo", "--num_episodes", "3")  # 24 steps of 64 prompts x 4 samples
+    assert rise(rows) >= 1.5, [round(r["reward_mean"], 3) for r in rows]

@@ -112,3 +112,22 @@ def test_openrlhf_mix_and_head_flags_parse(capsys, no_training, tmp_path):
     assert (d.prompt_data_probs, d.prompt_split, d.value_head_prefix) == ("0.7,0.3", "test", "value_head")
     code, _, err = run(argv[:3] + ["--prompt_data_probs", "0.5,0.3,0.2", "--device", "cpu"], capsys)
     assert code == 2 and "--prompt_data_probs 0.5,0.3,0.2: 3 values for 2 --prompt_data sources" in err, err
+
+
+def test_loss_variant_flags_parse(capsys, no_training):
+    argv = ["train-ppo", "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "4",
+            "--eps_clip_low_high", "0.2", "0.28", "--policy-loss-type", "gspo", "--enable_vllm_is_correction",
+            "--vllm_is_truncated_threshold", "0.4", "4", "--dynamic_filtering", "--dynamic_filtering_reward_range",
+            "0", "1", "--overlong_buffer_len", "8", "--stop_properly_penalty_coef", "-0.5", "--adam_betas", "0.9",
+            "0.99", "--l2", "0.01", "--max_norm", "0.5", "--lr_scheduler", "cosine", "--loss_agg_mode", "token_mean"]
+    code, _, err = run(argv, capsys)
+    assert code == 0, err
+    (cfg,) = no_training
+    p = cfg.ppo
+    assert p.eps_clip_low_high == (0.2, 0.28) and p.policy_loss_type == "gspo" and p.enable_vllm_is_correction
+    assert p.vllm_is_truncated_threshold == (0.4, 4.0) and p.dynamic_filtering and p.overlong_buffer_len == 8.0
+    assert (p.stop_properly_penalty_coef, p.adam_betas, p.l2, p.max_norm) == (-0.5, (0.9, 0.99), 0.01, 0.5)
+    assert p.lr_scheduler == "cosine" and p.loss_agg_mode == "token_mean"
+    code, _, err = run(["train-ppo", "--policy_loss_type", "gspo", "--enable_vllm_is_correction",
+                        "--vllm_is_correction_type", "seq-mask-tis"], capsys)
+    assert code == 2 and "--policy_loss_type gspo" in err and "--vllm_is_correction_type seq-mask-tis" in err

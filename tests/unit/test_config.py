@@ -291,3 +291,74 @@ def test_value_head_flags_reach_the_reward_and_critic_workers(model_dir, prompts
     for role in ("reward", "critic"):
         w = worker_config(cfg, role, "cpu")
         assert (w.value_head_prefix, w.normalize_reward) == ("value_head", True), role
+
+
+# ---------------------------------------------------------------- losses, DAPO / GSPO, IS correction, optimizer
+
+def _actor(cfg):
+    from dataclasses import replace
+
+    from orlhf.config import worker_config
+
+    return worker_config(replace(cfg, data=replace(cfg.data, pretrain="model")), "actor", "cpu")
+
+
+def test_loss_flags_reach_the_actor_slice():
+    w = _actor(build(eps_clip_low_high=(0.2, 0.28), enable_vllm_is_correction=True, vllm_is_correction_type="icepop",
+                     vllm_is_truncated_threshold=(0.3, 3.0), max_norm=0.5, adam_betas=(0.9, 0.99), l2=0.01,
+                     lr_scheduler="linear"))
+    assert (w.eps_clip, w.eps_clip_high, w.is_correction, w.is_threshold) == (0.2, 0.28, "icepop", (0.3, 3.0))
+    assert (w.max_norm, w.adam_betas, w.weight_decay, w.lr_scheduler) == (0.5, (0.9, 0.99), 0.01, "linear")
+    assert w.loss_agg_mode == "token_mean" and w.policy_loss_type == "ppo"
+    plain = _actor(build(eps_clip=0.3))
+    assert (plain.eps_clip, plain.eps_clip_high, plain.is_correction) == (0.3, 0.3, None)
+    # GSPO defaults to the sequence mean (OpenRLHF); an explicit --loss_agg_mode wins.
+    assert _actor(build(policy_loss_type="gspo")).loss_agg_mode == "seq_mean"
+    assert _actor(build(policy_loss_type="gspo", loss_agg_mode="token_mean")).loss_agg_mode == "token_mean"
+
+
+def test_config_choices_match_the_algo_registries():
+    from orlhf import config
+    from orlhf.algo import losses
+
+    assert config.LOSS_AGG_MODES == losses.LOSS_AGG_MODES
+    assert config.POLICY_LOSS_TYPES == losses.POLICY_LOSS_TYPES
+    assert config.IS_CORRECTION_TYPES == losses.IS_CORRECTION_TYPES
+
+
+def test_dynamic_filtering_rules(model_dir, prompts):
+    assert_fails(["--dynamic_filtering", "--n_samples_per_prompt"], dynamic_filtering=True)
+    assert_fails(["--dynamic_filtering_reward_range", "LOW < HIGH"], dynamic_filtering=True, n_samples_per_prompt=2,
+                 advantage_estimator="group_norm", dynamic_filtering_reward_range=(1.0, 0.0))
+    assert_fails(["--dynamic_filtering", "--reward_pretrain"], dynamic_filtering=True, n_samples_per_prompt=2,
+                 pretrain=model_dir, reward_pretrain=model_dir, prompt_data=prompts)
+    assert_fails(["--dynamic_filtering", "--async_train"], dynamic_filtering=True, n_samples_per_prompt=2,
+                 async_train=True)
+    build(dynamic_filtering=True, n_samples_per_prompt=4, advantage_estimator="group_norm")
+
+
+@pytest.mark.parametrize("flags,fragments", [
+    (dict(eps_clip_low_high=(0.0, 0.28)), ["--eps_clip_low_high"]),
+    (dict(vllm_is_truncated_threshold=(5.0, 0.5)), ["--vllm_is_truncated_threshold"]),
+    (dict(policy_loss_type="gspo", enable_vllm_is_correction=True, vllm_is_correction_type="icepop"),
+     ["--vllm_is_correction_type icepop", "--policy_loss_type gspo"]),
+    (dict(use_kl_loss=True, kl_target=0.1, init_kl_coef=0.0), ["--kl_target", "--init_kl_coef"]),
+    (dict(max_norm=0.0), ["--max_norm"]),
+    (dict(adam_betas=(0.9, 1.0)), ["--adam_betas"]),
+    (dict(l2=-0.1), ["--l2"]),
+    (dict(lr_scheduler="constant", lr_warmup_ratio=0.1), ["--lr_scheduler constant", "--lr_warmup_ratio"]),
+    (dict(no_advantage_std_norm=True, advantage_estimator="group_norm", n_samples_per_prompt=2),
+     ["--no_advantage_std_norm", "--advantage_estimator group_norm", "dr_grpo"]),
+    (dict(overlong_buffer_len=30.0, generate_max_len=24), ["--overlong_buffer_len", "--generate_max_len"]),
+    (dict(stop_properly_penalty_coef=1.5), ["--stop_properly_penalty_coef"]),
+])
+def test_loss_variant_rules(flags, fragments):
+    assert_fails(fragments, **flags)
+
+
+def test_valid_dapo_and_gspo_combinations():
+    build(advantage_estimator="group_norm", n_samples_per_prompt=4, eps_clip_low_high=(0.2, 0.28),
+          dynamic_filtering=True, overlong_buffer_len=8.0, overlong_penalty_factor=1.0, stop_properly_penalty_coef=0.0)
+    build(advantage_estimator="group_norm", n_samples_per_prompt=4, policy_loss_type="gspo",
+          enable_vllm_is_correction=True)
+    build(no_advantage_std_norm=True, advantage_estimator="reinforce_baseline", n_samples_per_prompt=2)
