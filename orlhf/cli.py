@@ -106,6 +106,7 @@ def run_reporting_errors(fn: Callable[[C.TrainConfig], int], cfg: C.TrainConfig)
     from orlhf.data import DataError
     from orlhf.placement import PlacementError
     from orlhf.rewards import RewardError
+    from orlhf.rollout.agent import AgentError
 
     try:
         return fn(cfg)
@@ -113,7 +114,8 @@ def run_reporting_errors(fn: Callable[[C.TrainConfig], int], cfg: C.TrainConfig)
         typer.secho(f"error: {len(e.problems)} problem(s) with the flags:", fg="red", err=True)
         typer.echo(str(e), err=True)
         return 2
-    except (DataError, RewardError, PlacementError, RankError, CheckpointError, TimeoutError) as e:
+    except (DataError, RewardError, AgentError, PlacementError, RankError, CheckpointError,
+            TimeoutError) as e:
         typer.secho(f"error: {e}", fg="red", err=True)
         return 1
     except KeyboardInterrupt:
@@ -139,9 +141,12 @@ def make_demo(
     from orlhf.demo import make_demo as build
 
     paths = build(out_dir, seed=seed)
-    typer.echo(f"model:   {paths.model}\nprompts: {paths.prompts}\nreward:  {paths.reward_fn}")
+    typer.echo(f"model:   {paths.model}\nprompts: {paths.prompts}\nreward:  {paths.reward_fn}\n"
+               f"agent:   {paths.agent_fn} (multi-turn)")
     typer.echo(f"train on it: orlhf train-ppo --pretrain {paths.model} --prompt_data {paths.prompts} "
                f"--input_key prompt --label_key label --remote_rm_url {paths.reward_fn}")
+    typer.echo(f"or multi-turn: orlhf train-ppo --pretrain {paths.model} --prompt_data {paths.prompts} "
+               f"--input_key prompt --label_key label --agent_func_path {paths.agent_fn} --generate_max_len 8")
 
 
 # Flags whose value is optional: OpenRLHF scripts pass `--use_wandb KEY` / `--use_tensorboard DIR`, others

@@ -114,6 +114,10 @@ class DataConfig:
     remote_rm_url: Optional[str] = opt(
         None, "Reward source instead of a reward model: http(s)://host:port/path, or a .py file with reward_func."
     )
+    agent_func_path: Optional[str] = opt(
+        None, "Multi-turn agent: a .py file defining AgentInstance and AgentExecutor (OpenRLHF's contract, "
+        "orlhf.rollout.agent); the agent's rewards replace a reward source."
+    )
     prompt_data: Optional[str] = opt(None, "Prompts: .jsonl, .json, .parquet or a saved HF dataset folder.")
     input_key: str = opt("input", "Prompt field in the data.")
     label_key: Optional[str] = opt(None, "Label field passed to the reward function.")

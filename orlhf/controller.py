@@ -1,7 +1,8 @@
 """The PPO loop. One driver process (this one) calls the model groups and engines; no logic lives in them.
 
     for each step (a batch of --rollout_batch_size prompts):
-      generate         engines: prompt ids -> n_samples_per_prompt rollouts each (ids, engine log-probs)
+      generate         engines: prompt ids -> n_samples_per_prompt rollouts each (ids, engine log-probs); with
+                       --agent_func_path one multi-turn agent episode per sample (rollout/executor.py)
       score            in parallel: actor old log-probs | ref log-probs | critic values | rewards (RM group, or
                        the reward function / HTTP server while the groups work)
       make_experience  driver: KL, group baseline, KL-shaped rewards, advantages and returns (algo/)
@@ -32,6 +33,7 @@ from orlhf.config import TrainConfig
 from orlhf.experience import ExperienceConfig, make_experience, rollouts_to_batch
 from orlhf.metrics import MetricsLogger
 from orlhf.rollout.engine import EngineGroup, SamplingSpec
+from orlhf.rollout.executor import agent_metrics, agent_scores, make_executor
 from orlhf.sleep import SleepSwitch
 from orlhf.types import Experience, Rollout, SequenceBatch, TrainStats
 from orlhf.weight_sync import WeightSync
@@ -69,6 +71,9 @@ class Controller:
         self.history: list[dict] = []
         self.checkpoints = checkpoints  # a checkpoint.CheckpointManager, or None
         self.sleep = SleepSwitch(cfg, models)  # hybrid mode's memory hand-over (no-op unless asked, on GPU)
+        # Rollouts: one generation per sample, or an agent episode per sample with --agent_func_path.
+        self.executor = make_executor(cfg.data.agent_func_path, models.engines, tokenizer,
+                                      cfg.ppo.prompt_max_len + cfg.ppo.generate_max_len, cfg.runtime.ray_timeout_s)
         self._first_step = 0  # step_index when this invocation started (resume)
         self._sync_lock = threading.Lock()
         self._last_step_end = time.perf_counter()
@@ -131,7 +136,7 @@ class Controller:
                "generation_weight_version": gen_version, "staleness": staleness,
                "engine_logprob_gap": _masked_abs_mean(engine_log_probs - old_lp, batch.action_mask),
                "samples": len(rollouts), "samples_per_s": len(rollouts) / seconds, "step_s": seconds,
-               **{f"timing/{k}": v for k, v in self.timings.items()}}
+               **{f"timing/{k}": v for k, v in self.timings.items()}, **agent_metrics(rollouts)}
         if critic_stats is not None:
             row.update(value_loss=critic_stats["loss"], critic_lr=critic_stats["lr"],
                        value_clip_frac=critic_stats["clip_frac"])
@@ -216,7 +221,7 @@ class Controller:
         p = self.cfg.ppo
         sampling = SamplingSpec(temperature=p.temperature, top_p=p.top_p, max_new_tokens=p.generate_max_len,
                                 n=p.n_samples_per_prompt, seed=p.seed * 1_000_003 + batch_index)
-        return self.m.engines.generate([q.ids for q in prompts], sampling)
+        return self.executor.generate(prompts, sampling)
 
     def score(self, batch: SequenceBatch, rollouts: list[Rollout], prompts: list):
         """Everything that reads the rollouts, started together and gathered after."""
@@ -224,7 +229,9 @@ class Controller:
         ref_call = self.m.ref.call_sharded_async("log_probs", batch)
         value_call = self.m.critic.call_sharded_async("values", batch) if self.m.critic else None
         reward_call = self.m.reward.call_sharded_async("scores", batch) if self.m.reward else None
-        if self.reward_source is not None:  # runs here while the groups compute
+        if agent_scores(rollouts) is not None:  # the agents scored their own episodes
+            scores = torch.tensor(agent_scores(rollouts), dtype=torch.float32)
+        elif self.reward_source is not None:  # runs here while the groups compute
             scores = self.reward_source.score(*self._reward_inputs(rollouts, prompts))
         else:
             scores = reward_call.get_cat()

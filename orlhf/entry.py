@@ -31,7 +31,7 @@ def resolve_demo(cfg: TrainConfig) -> TrainConfig:
 
     demo = ensure_demo()
     d = cfg.data
-    no_reward = d.remote_rm_url is None and d.reward_pretrain is None
+    no_reward = d.remote_rm_url is None and d.reward_pretrain is None and d.agent_func_path is None
     data = dataclasses.replace(d, pretrain=str(demo.model), prompt_data=d.prompt_data or str(demo.prompts),
                                remote_rm_url=str(demo.reward_fn) if no_reward else d.remote_rm_url)
     return dataclasses.replace(cfg, data=data)

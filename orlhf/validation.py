@@ -106,7 +106,16 @@ def _reward_source(cfg: TrainConfig, out: list[str]) -> None:
     d = cfg.data
     if d.reward_pretrain is not None and d.remote_rm_url is not None:
         out.append("--reward_pretrain and --remote_rm_url are both given: choose one reward source.")
-    if d.reward_pretrain is None and d.remote_rm_url is None and not d.uses_demo:
+    if d.agent_func_path is not None:
+        path = Path(d.agent_func_path).expanduser()
+        if path.suffix != ".py" or not path.is_file():
+            out.append(f"--agent_func_path {d.agent_func_path}: expected an existing .py file defining AgentInstance "
+                       "and AgentExecutor (see orlhf/demo_agent.py).")
+        for flag, given in (("--reward_pretrain", d.reward_pretrain), ("--remote_rm_url", d.remote_rm_url)):
+            if given is not None:
+                out.append(f"--agent_func_path and {flag} are both given: the agent's step() returns the rewards; "
+                           f"drop {flag}.")
+    elif d.reward_pretrain is None and d.remote_rm_url is None and not d.uses_demo:
         out.append("--pretrain is given without a reward source: add --reward_pretrain MODEL_DIR or "
                    "--remote_rm_url (http://host:port/path or reward.py).")
     if not d.uses_demo and d.prompt_data is None:

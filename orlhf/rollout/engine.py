@@ -132,6 +132,27 @@ class EngineActor:
                                         weight_version=self.weight_version))
         return rollouts
 
+    def generate_tokens(self, requests: list[tuple[list[int], Any]]) -> list[tuple[list[int], list[float], Any, int]]:
+        """Token in, token out, one turn each: (token ids, vLLM SamplingParams) -> (new ids, their engine
+        log-probs, finish reason, weight version). Each request carries its own params (agents may change them
+        per turn); the whole list runs as one vLLM batch."""
+        from vllm.inputs import TokensPrompt
+
+        params = []
+        for _, p in requests:
+            p.logprobs = p.logprobs or 0  # the sampled token's log-prob is always kept
+            if not p.stop:
+                p.detokenize = False  # the driver decodes; vLLM's detokenizer costs ~20% on CPU
+            params.append(p)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(ids)) for ids, _ in requests], params,
+                                 use_tqdm=False)
+        results = []
+        for out in outs:
+            c = out.outputs[0]
+            lps = [lp[t].logprob if lp and t in lp else 0.0 for t, lp in zip(c.token_ids, c.logprobs or [])]
+            results.append((list(c.token_ids), lps, c.finish_reason, self.weight_version))
+        return results
+
     def sequence_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """log p(token_t | tokens_<t) for t >= 1 of each full sequence (prompt logprobs, temperature 1)."""
         from vllm import SamplingParams
