@@ -58,7 +58,7 @@ class Models:
 
 class Controller:
     def __init__(self, cfg: TrainConfig, models: Models, loader, tokenizer, metrics: MetricsLogger,
-                 reward_source=None, checkpoints=None):
+                 reward_source=None, checkpoints=None, evaluator=None, best_checkpoints=None):
         self.cfg, self.m, self.loader, self.tok, self.metrics = cfg, models, loader, tokenizer, metrics
         self.reward_source = reward_source  # function file / HTTP; None when a reward-model group scores
         self.exp_cfg = ExperienceConfig.from_ppo(cfg.ppo)
@@ -70,6 +70,8 @@ class Controller:
         self.timings: dict[str, float] = {}
         self.history: list[dict] = []
         self.checkpoints = checkpoints  # a checkpoint.CheckpointManager, or None
+        self.evaluator = evaluator  # an evaluation.Evaluator (--eval_dataset), or None
+        self.best_checkpoints = best_checkpoints  # CheckpointManager of <ckpt_path>/best (--best_metric_key)
         self.sleep = SleepSwitch(cfg, models)  # hybrid mode's memory hand-over (no-op unless asked, on GPU)
         # Rollouts: one generation per sample, or an agent episode per sample with --agent_func_path.
         self.executor = make_executor(cfg.data.agent_func_path, models.engines, tokenizer,
@@ -152,6 +154,9 @@ class Controller:
         self._last_step_end = time.perf_counter()
 
         def report(row: dict) -> None:
+            if self.evaluator is not None and self.evaluator.due(self.step_index, self.step_index == total
+                                                                 or self.should_stop()):
+                row.update(self.evaluate())
             self.history.append(row)
             if self.step_index % self.cfg.logging.logging_steps == 0 or self.step_index == total:
                 self.metrics.log(self.step_index, row)
@@ -173,12 +178,12 @@ class Controller:
         n = self.cfg.runtime.stop_after_steps
         return n is not None and self.step_index - self._first_step >= n
 
-    def save_checkpoint(self) -> None:
+    def save_checkpoint(self, mgr=None) -> None:
         """Every trained group's DeepSpeed state + the controller's, into a temp folder renamed into place."""
         from orlhf.checkpoint import config_fingerprint, rng_state, save_controller_state
 
         t0 = time.perf_counter()
-        mgr, step = self.checkpoints, self.step_index
+        mgr, step = mgr or self.checkpoints, self.step_index
         tmp = mgr.begin(step)
         trained = [("actor", self.m.actor)] + ([("critic", self.m.critic)] if self.m.critic else [])
         calls = [g.call_all_async("save_checkpoint", str(tmp / role)) for role, g in trained]
@@ -191,7 +196,8 @@ class Controller:
         save_controller_state(tmp, {
             "step_index": step, "weight_version": self.weight_version, "loader": loader_state,
             "kl_ctl": self.kl_ctl.state_dict(),
-            "reward_norm": self.reward_norm.state_dict() if self.reward_norm else None, "rng": rng_state()})
+            "reward_norm": self.reward_norm.state_dict() if self.reward_norm else None, "rng": rng_state(),
+            "best_eval": self.evaluator.best if self.evaluator else None})
         path = mgr.commit(tmp, step, {"fingerprint": config_fingerprint(self.cfg),
                                       "roles": {role: g.world_size for role, g in trained}})
         log.info("checkpoint %s (%.1f s)", path, time.perf_counter() - t0)
@@ -212,8 +218,30 @@ class Controller:
         if self.reward_norm is not None:
             self.reward_norm.load_state_dict(state["reward_norm"])
         set_rng_state(state["rng"])
+        if self.evaluator is not None:
+            self.evaluator.best = state.get("best_eval")
         self.m.sync.sync(self.weight_version)
         log.info("resumed from %s at step %d (weight version %d)", path, self.step_index, self.weight_version)
+
+    def evaluate(self) -> dict[str, float]:
+        """Held-out prompts on the current weights (orlhf/evaluation.py); the best checkpoint when it improved."""
+        self.sleep.before_generate()
+        metrics = self.evaluator.run(self.step_index, self.executor.generate, self.eval_scores)
+        self.sleep.after_generate()
+        if self.evaluator.improved(metrics) and self.best_checkpoints is not None:
+            log.info("best %s so far: %.4f at step %d", self.evaluator.best_key, self.evaluator.best,
+                     self.step_index)
+            self.save_checkpoint(self.best_checkpoints)
+        return metrics
+
+    def eval_scores(self, rollouts: list[Rollout], prompts: list) -> torch.Tensor:
+        """Scores from the run's reward source, touching no training state (no reward normalization update)."""
+        if agent_scores(rollouts) is not None:
+            return torch.tensor(agent_scores(rollouts), dtype=torch.float32)
+        if self.reward_source is not None:
+            return self.reward_source.score(*self._reward_inputs(rollouts, prompts)).float()
+        batch, _ = rollouts_to_batch(rollouts, self.tok.pad_token_id)
+        return self.m.reward.call_sharded_async("scores", batch).get_cat().float()
 
     # ---- phases -----------------------------------------------------------------------------------------------
     def generate(self, prompts: list, batch_index: int) -> list[Rollout]:

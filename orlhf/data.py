@@ -34,12 +34,14 @@ class DataError(ValueError):
 # ---- Reading rows ----
 
 
-def load_prompt_rows(path: str, input_key: str, label_key: str | None, max_samples: int | None) -> list[dict]:
+def load_prompt_rows(path: str, input_key: str, label_key: str | None, max_samples: int | None,
+                     split: str = "train") -> list[dict]:
     """The first `max_samples` rows of `path` (all if None), each checked to hold `input_key` (and `label_key`).
+    `split` picks the split of a saved DatasetDict or a hub dataset (files have none).
 
     Rows with an empty prompt are kept here (build_prompts skips and counts them) unless every prompt is empty.
     """
-    rows, locs = _read_rows(Path(path).expanduser(), path, max_samples)
+    rows, locs = _read_rows(Path(path).expanduser(), path, max_samples, split)
     if not rows:
         raise DataError(f"--prompt_data {path}: no rows; point --prompt_data at a file with one prompt per row.")
     for row, loc in zip(rows, locs):
@@ -59,14 +61,14 @@ def load_prompt_rows(path: str, input_key: str, label_key: str | None, max_sampl
     return rows
 
 
-def _read_rows(path: Path, given: str, max_samples: int | None) -> tuple[list[Any], list[str]]:
+def _read_rows(path: Path, given: str, max_samples: int | None, split: str = "train") -> tuple[list[Any], list[str]]:
     """(rows, where each row is: "line N" or "row N") for every supported format."""
     if not path.exists():
         if path.suffix in SUFFIXES:
             raise DataError(f"--prompt_data {given}: no such file.")
-        rows = _read_hub_dataset(given, max_samples)
+        rows = _read_hub_dataset(given, max_samples, split)
     elif path.is_dir():
-        rows = _read_saved_dataset(path, max_samples)
+        rows = _read_saved_dataset(path, max_samples, split)
     elif path.suffix == ".jsonl":
         return _read_jsonl(path, max_samples)
     elif path.suffix == ".json":
@@ -133,7 +135,7 @@ def _read_parquet(path: Path, max_samples: int | None) -> list[Any]:
     return table.to_pylist()
 
 
-def _read_saved_dataset(path: Path, max_samples: int | None) -> list[Any]:
+def _read_saved_dataset(path: Path, max_samples: int | None, split: str = "train") -> list[Any]:
     import datasets
 
     try:
@@ -142,18 +144,18 @@ def _read_saved_dataset(path: Path, max_samples: int | None) -> list[Any]:
         raise DataError(f"{path}: a folder, but not one written by datasets' save_to_disk "
                         f"({type(e).__name__}: {e}); use {FORMATS}.") from e
     if isinstance(ds, datasets.DatasetDict):
-        if "train" not in ds:
-            raise DataError(f"{path}: a DatasetDict without a 'train' split (splits: {sorted(ds)}); "
+        if split not in ds:
+            raise DataError(f"{path}: a DatasetDict without a {split!r} split (splits: {sorted(ds)}); "
                             f"pass the split's folder instead, e.g. --prompt_data {path / sorted(ds)[0]}.")
-        ds = ds["train"]
+        ds = ds[split]
     return _first_rows(ds, max_samples)
 
 
-def _read_hub_dataset(name: str, max_samples: int | None) -> list[Any]:
+def _read_hub_dataset(name: str, max_samples: int | None, split: str = "train") -> list[Any]:
     import datasets
 
     try:
-        ds = datasets.load_dataset(name, split="train")
+        ds = datasets.load_dataset(name, split=split)
     except Exception as e:
         raise DataError(f"--prompt_data {name}: no such file or folder, and loading it as a hub dataset failed "
                         f"({type(e).__name__}: {e}); use {FORMATS}.") from e

