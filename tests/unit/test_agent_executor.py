@@ -39,6 +39,8 @@ class FakeEngine:
         def answer():
             time.sleep(self.delay_s)
             out = [ord(c) for c in "red "]
+            if fut.cancelled():  # the runner stopped early (an agent raised)
+                return
             fut.set_result([(out[:p.max_tokens], [-0.25] * min(4, p.max_tokens), "length", 7) for _, p in requests])
 
         threading.Thread(target=answer).start()
