@@ -92,6 +92,10 @@ def train_ppo(cfg: TrainConfig) -> int:
     log.info("prompts: %s", stats.summary())
     loader = PromptLoader(prompts, p.rollout_batch_size, p.num_episodes, p.seed)
     evaluator = make_evaluator(cfg, tokenizer)  # eval data problems fail here, before anything starts
+    if d.agent_func_path:  # so does an agent file that does not import or defines no AgentExecutor
+        from orlhf.rollout.executor import load_agent_executor
+
+        load_agent_executor(d.agent_func_path)
     samples_per_step = p.rollout_batch_size * p.n_samples_per_prompt
     optimizer_steps = loader.total_steps * p.max_epochs * (samples_per_step // p.train_batch_size)
     layout = plan_layout(cfg, device)
