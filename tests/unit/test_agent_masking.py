@@ -6,11 +6,12 @@ The row used throughout (prompt P, model turns a/b, feedback f):
     action_mask           1  1  0  0  1     0
 """
 
+import pytest
 import torch
 
-from orlhf.algo.advantages import compute_advantages
+from orlhf.algo.advantages import ESTIMATORS, actions_first, compute_advantages
 from orlhf.algo.losses import policy_loss
-from orlhf.algo.rewards import shape_rewards
+from orlhf.algo.rewards import group_baseline, shape_rewards
 from orlhf.experience import ExperienceConfig, make_experience, rollouts_to_batch
 from orlhf.rollout.executor import episode_to_rollout
 from orlhf.types import Rollout
@@ -113,3 +114,21 @@ def test_experience_of_a_mixed_batch_masks_feedback_everywhere():
     assert info["kl"] == 0.0  # the feedback disagreement never reaches the KL
     assert exp.advantages[0, 2:4].tolist() == [0.0, 0.0]
     assert info["response_length"] == (3 + 2) / 2  # model tokens only
+
+
+@pytest.mark.parametrize("estimator", sorted(ESTIMATORS))
+def test_every_estimator_equals_its_compacted_row(estimator):
+    """Two prompts x 2 samples; rows 0 and 3 have feedback gaps. Each row's advantages on its model tokens equal
+    those of the same batch with the feedback removed; feedback positions get 0."""
+    mask = torch.tensor([[1, 0, 1, 1, 0], [1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 0, 0, 1]], dtype=torch.bool)
+    scores = torch.tensor([1.0, 0.0, 0.5, 0.2])
+    kl = torch.rand(4, 5) * 0.1
+    values = torch.rand(4, 5)
+    gapped = shape_rewards(group_baseline(scores, 2, estimator), kl, mask, 0.05)
+    adv, ret = compute_advantages(estimator, gapped, mask, values, gamma=1.0, lambd=0.9)
+    order = actions_first(mask)
+    dense_mask = mask.gather(1, order)
+    dense = shape_rewards(group_baseline(scores, 2, estimator), kl.gather(1, order), dense_mask, 0.05)
+    adv2, ret2 = compute_advantages(estimator, dense, dense_mask, values.gather(1, order), gamma=1.0, lambd=0.9)
+    assert torch.allclose(adv.gather(1, order), adv2, atol=1e-6) and torch.allclose(ret.gather(1, order), ret2)
+    assert (adv[~mask] == 0).all() and (ret[~mask] == 0).all()
