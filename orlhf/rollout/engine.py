@@ -99,6 +99,11 @@ class EngineActor:
         )
         if cfg.device == "cpu":
             kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_gb * 2**30)
+            # No chunked prefill on CPU: a seeded request whose prompt is split over steps makes vLLM rewind its
+            # generator (`set_offset`), which CPU generators do not have ("CPU Generator does not use offset").
+            # Batches of many separate requests (agents' turns, large rollout batches) hit it.
+            kwargs["enable_chunked_prefill"] = False
+            kwargs["max_num_batched_tokens"] = max(cfg.max_model_len, 4096)
         else:
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
             kwargs["enable_sleep_mode"] = cfg.enable_sleep  # vLLM frees weights / KV cache on request (GPU only)
