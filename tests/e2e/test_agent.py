@@ -48,6 +48,9 @@ def test_multi_turn_demo_learns_async_with_eval_and_best_checkpoint(ray_local, t
     assert len(rows) == 24
     assert all(r["agent/turns"] == 3.0 for r in rows)  # every episode ran its 3 turns
     assert all(0 < r["response_length"] <= 24 for r in rows)  # model tokens only: 3 turns x <= 8
+    # step 1 generates and scores with the same weights: the engine's and the trainer's log-probs of the model's
+    # tokens agree, so actions and feedback are aligned token for token (later steps are one version stale)
+    assert rows[0]["engine_logprob_gap"] < 2e-3
     first = sum(r["reward_mean"] for r in rows[:10]) / 10
     last = sum(r["reward_mean"] for r in rows[-10:]) / 10
     assert last >= 1.3 * first, [round(r["reward_mean"], 3) for r in rows]
@@ -63,11 +66,12 @@ def test_multi_turn_demo_learns_async_with_eval_and_best_checkpoint(ray_local, t
 
 
 def test_eval_does_not_change_the_training_trajectory(ray_local, tmp_path, eval_data):
-    flags = ["--max_samples", "96", "--rollout_batch_size", "32", "--train_batch_size", "32", "--num_episodes", "1"]
+    flags = ["--max_samples", "64", "--rollout_batch_size", "32", "--train_batch_size", "32", "--num_episodes", "1"]
     assert run(tmp_path, "plain", *flags) == 0
     assert run(tmp_path, "eval", *flags, "--eval_dataset", eval_data, "--eval_steps", "1") == 0
     plain, with_eval = rows_of(tmp_path, "plain"), rows_of(tmp_path, "eval")
-    assert len(plain) == len(with_eval) == 3 and all("eval/reward_mean" in r for r in with_eval)
+    assert len(plain) == len(with_eval) == 2 and all("eval/reward_mean" in r for r in with_eval)
+    assert all(r["engine_logprob_gap"] < 2e-3 for r in plain)  # synced weights: engine and trainer agree
     for key in ("reward_mean", "policy_loss", "value_loss", "kl", "response_length"):
         assert [r[key] for r in plain] == [r[key] for r in with_eval], key
 
