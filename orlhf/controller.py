@@ -8,6 +8,8 @@
       make_experience  driver: KL, group baseline, KL-shaped rewards, advantages and returns (algo/)
       train            actor and critic train_step at the same time (non-blocking calls, gathered after)
       sync_weights     actor -> engines (weight_sync.py); weight_version += 1; before the next generate
+      evaluate         every --eval_steps steps and after the last: held-out prompts on the new weights
+                       (evaluation.py; no training state touched), the best checkpoint kept apart
 
 Invariants: weights are synced after the optimizer steps of a step and before the next generation, so every
 rollout of step k+1 comes from weight_version k+1. Async mode (fit_async) relaxes this: generation runs ahead
