@@ -108,6 +108,7 @@ def run_reporting_errors(fn: Callable[[C.TrainConfig], int], cfg: C.TrainConfig)
     from orlhf.rewards import RewardError
     from orlhf.runlock import RunLockError
     from orlhf.workers.value_head import HeadError
+    from orlhf.rollout.agent import AgentError
 
     try:
         return fn(cfg)
@@ -115,7 +116,8 @@ def run_reporting_errors(fn: Callable[[C.TrainConfig], int], cfg: C.TrainConfig)
         typer.secho(f"error: {len(e.problems)} problem(s) with the flags:", fg="red", err=True)
         typer.echo(str(e), err=True)
         return 2
-    except (DataError, RewardError, HeadError, PlacementError, RankError, CheckpointError, RunLockError,
+    except (DataError, RewardError, HeadError, AgentError, PlacementError, RankError, CheckpointError,
+            RunLockError,
             TimeoutError) as e:
         typer.secho(f"error: {e}", fg="red", err=True)
         return 1
@@ -142,9 +144,12 @@ def make_demo(
     from orlhf.demo import make_demo as build
 
     paths = build(out_dir, seed=seed)
-    typer.echo(f"model:   {paths.model}\nprompts: {paths.prompts}\nreward:  {paths.reward_fn}")
+    typer.echo(f"model:   {paths.model}\nprompts: {paths.prompts}\nreward:  {paths.reward_fn}\n"
+               f"agent:   {paths.agent_fn} (multi-turn)")
     typer.echo(f"train on it: orlhf train-ppo --pretrain {paths.model} --prompt_data {paths.prompts} "
                f"--input_key prompt --label_key label --remote_rm_url {paths.reward_fn}")
+    typer.echo(f"or multi-turn: orlhf train-ppo --pretrain {paths.model} --prompt_data {paths.prompts} "
+               f"--input_key prompt --label_key label --agent_func_path {paths.agent_fn} --generate_max_len 8")
 
 
 # Flags whose value is optional: OpenRLHF scripts pass `--use_wandb KEY` / `--use_tensorboard DIR`, others

@@ -120,6 +120,10 @@ class DataConfig:
     remote_rm_url: Optional[str] = opt(
         None, "Reward source instead of a reward model: http(s)://host:port/path, or a .py file with reward_func."
     )
+    agent_func_path: Optional[str] = opt(
+        None, "Multi-turn agent: a .py file defining AgentInstance and AgentExecutor (OpenRLHF's contract, "
+        "orlhf.rollout.agent); the agent's rewards replace a reward source."
+    )
     prompt_data: Optional[str] = opt(
         None, "Prompts: .jsonl, .json, .parquet or a saved HF dataset folder; several comma-separated (a,b) are "
         "concatenated, or mixed with --prompt_data_probs."
@@ -254,6 +258,21 @@ class LoggingConfig:
 
 
 @dataclass(frozen=True)
+class EvalConfig:
+    """Evaluation during training on held-out prompts (orlhf/evaluation.py)."""
+
+    eval_dataset: Optional[str] = opt(None, "Held-out prompts (same formats and keys as --prompt_data).")
+    eval_split: str = opt("train", "Split of a saved / hub dataset to evaluate on.")
+    eval_steps: int = opt(-1, "Evaluate every N steps (-1: only after the last step, when --eval_dataset is set).")
+    eval_temperature: float = opt(0.6, "Sampling temperature for evaluation.")
+    eval_n_samples_per_prompt: int = opt(4, "Samples per eval prompt (k of eval/pass@k).")
+    best_metric_key: Optional[str] = opt(
+        None, "Keep the checkpoint with the best eval metric in <ckpt_path>/best (never rotated out).",
+        choices=("reward_mean", "pass@1", "pass@k"),
+    )
+
+
+@dataclass(frozen=True)
 class RuntimeConfig:
     device: str = opt("auto", "cuda (NCCL) or cpu (gloo); auto: cuda when a GPU is visible.", choices=DEVICES)
     address: Optional[str] = opt(None, "Ray cluster address (default: the job's cluster, else a new local one).")
@@ -271,6 +290,7 @@ SECTIONS: tuple[tuple[str, type, str], ...] = (
     ("data", DataConfig, "Models and data"),
     ("ppo", PPOConfig, "PPO"),
     ("logging", LoggingConfig, "Logging and checkpoints"),
+    ("eval", EvalConfig, "Evaluation"),
     ("runtime", RuntimeConfig, "Runtime"),
 )
 
@@ -283,6 +303,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
     @property

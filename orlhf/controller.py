@@ -1,13 +1,16 @@
 """The PPO loop. One driver process (this one) calls the model groups and engines; no logic lives in them.
 
     for each step (a batch of --rollout_batch_size prompts):
-      generate         engines: prompt ids -> n_samples_per_prompt rollouts each (ids, engine log-probs);
+      generate         engines: prompt ids -> n_samples_per_prompt rollouts each (ids, engine log-probs); with
+                       --agent_func_path one multi-turn agent episode per sample (rollout/executor.py);
                        with --dynamic_filtering scored at once and refilled until full (dynamic_filtering.py)
       score            in parallel: actor old log-probs | ref log-probs | critic values | rewards (RM group, or
                        the reward function / HTTP server while the groups work)
       make_experience  driver: KL, group baseline, KL-shaped rewards, advantages and returns (algo/)
       train            actor and critic train_step at the same time (non-blocking calls, gathered after)
       sync_weights     actor -> engines (weight_sync.py); weight_version += 1; before the next generate
+      evaluate         every --eval_steps steps and after the last: held-out prompts on the new weights
+                       (evaluation.py; no training state touched), the best checkpoint kept apart
 
 Invariants: weights are synced after the optimizer steps of a step and before the next generation, so every
 rollout of step k+1 comes from weight_version k+1. Async mode (fit_async) relaxes this: generation runs ahead
@@ -34,6 +37,7 @@ from orlhf.dynamic_filtering import DynamicFilter
 from orlhf.experience import ExperienceConfig, make_experience, rollouts_to_batch
 from orlhf.metrics import MetricsLogger
 from orlhf.rollout.engine import EngineGroup, SamplingSpec
+from orlhf.rollout.executor import agent_metrics, agent_scores, make_executor
 from orlhf.sleep import SleepSwitch
 from orlhf.types import Experience, Rollout, SequenceBatch, TrainStats
 from orlhf.weight_sync import WeightSync
@@ -59,7 +63,7 @@ class Models:
 
 class Controller:
     def __init__(self, cfg: TrainConfig, models: Models, loader, tokenizer, metrics: MetricsLogger,
-                 reward_source=None, checkpoints=None):
+                 reward_source=None, checkpoints=None, evaluator=None, best_checkpoints=None):
         self.cfg, self.m, self.loader, self.tok, self.metrics = cfg, models, loader, tokenizer, metrics
         self.reward_source = reward_source  # function file / HTTP; None when a reward-model group scores
         self.exp_cfg = ExperienceConfig.from_ppo(cfg.ppo)
@@ -77,7 +81,12 @@ class Controller:
         self.timings: dict[str, float] = {}
         self.history: list[dict] = []
         self.checkpoints = checkpoints  # a checkpoint.CheckpointManager, or None
+        self.evaluator = evaluator  # an evaluation.Evaluator (--eval_dataset), or None
+        self.best_checkpoints = best_checkpoints  # CheckpointManager of <ckpt_path>/best (--best_metric_key)
         self.sleep = SleepSwitch(cfg, models)  # hybrid mode's memory hand-over (no-op unless asked, on GPU)
+        # Rollouts: one generation per sample, or an agent episode per sample with --agent_func_path.
+        self.executor = make_executor(cfg.data.agent_func_path, models.engines, tokenizer,
+                                      cfg.ppo.prompt_max_len + cfg.ppo.generate_max_len, cfg.runtime.ray_timeout_s)
         self._first_step = 0  # step_index when this invocation started (resume)
         self._saved_step: Optional[int] = None  # step of this invocation's newest checkpoint
         self._sync_lock = threading.Lock()
@@ -167,7 +176,8 @@ class Controller:
                "generation_weight_version": gen_version, "staleness": staleness,
                "engine_logprob_gap": _masked_abs_mean(engine_log_probs - old_lp, batch.action_mask),
                "samples": len(rollouts), "samples_per_s": len(rollouts) / seconds, "step_s": seconds,
-               **reward.log_row(), **{f"timing/{k}": v for k, v in self.timings.items()}}
+               **reward.log_row(), **{f"timing/{k}": v for k, v in self.timings.items()},
+               **agent_metrics(rollouts)}
         if self.cfg.ppo.use_kl_loss:
             row.update(kl_loss=actor_stats["kl_loss"], kl_coef=actor_stats["kl_coef"])  # the coefficient used
         if self.cfg.ppo.enable_vllm_is_correction:
@@ -187,6 +197,9 @@ class Controller:
         self._last_step_end = time.perf_counter()
 
         def report(row: dict) -> None:
+            if self.evaluator is not None and self.evaluator.due(self.step_index, self.step_index == total
+                                                                 or self.should_stop()):
+                row.update(self.evaluate())
             self.history.append(row)
             if self.step_index % self.cfg.logging.logging_steps == 0 or self.step_index == total:
                 self.metrics.log(self.step_index, row)
@@ -214,12 +227,12 @@ class Controller:
         if self.checkpoints is not None and self._saved_step != self.step_index:
             self.save_checkpoint()
 
-    def save_checkpoint(self) -> None:
+    def save_checkpoint(self, mgr=None) -> None:
         """Every trained group's DeepSpeed state + the controller's, into a temp folder renamed into place."""
         from orlhf.checkpoint import config_fingerprint, rng_state, save_controller_state
 
         t0 = time.perf_counter()
-        mgr, step = self.checkpoints, self.step_index
+        mgr, step = mgr or self.checkpoints, self.step_index
         tmp = mgr.begin(step)
         trained = [("actor", self.m.actor)] + ([("critic", self.m.critic)] if self.m.critic else [])
         for call in [g.call_all_async("save_checkpoint", str(tmp / role)) for role, g in trained]:
@@ -233,10 +246,12 @@ class Controller:
         save_controller_state(tmp, {
             "step_index": step, "weight_version": self.weight_version, "loader": loader_state,
             "kl_ctl": self.kl_ctl.state_dict(),
-            "reward_norm": self.reward_norm.state_dict() if self.reward_norm else None, "rng": rng_state()})
+            "reward_norm": self.reward_norm.state_dict() if self.reward_norm else None, "rng": rng_state(),
+            "best_eval": self.evaluator.best if self.evaluator else None})
         path = mgr.commit(tmp, step, {"fingerprint": config_fingerprint(self.cfg),
                                       "roles": {role: g.world_size for role, g in trained}})
-        self._saved_step = step
+        if mgr is self.checkpoints:  # the best-eval copy is not the rotation's save of this step
+            self._saved_step = step
         log.info("checkpoint %s (%.1f s)", path, time.perf_counter() - t0)
 
     def resume(self, path) -> None:
@@ -255,8 +270,30 @@ class Controller:
         if self.reward_norm is not None:
             self.reward_norm.load_state_dict(state["reward_norm"])
         set_rng_state(state["rng"])
+        if self.evaluator is not None:
+            self.evaluator.best = state.get("best_eval")
         self.m.sync.sync(self.weight_version)
         log.info("resumed from %s at step %d (weight version %d)", path, self.step_index, self.weight_version)
+
+    def evaluate(self) -> dict[str, float]:
+        """Held-out prompts on the current weights (orlhf/evaluation.py); the best checkpoint when it improved."""
+        self.sleep.before_generate()
+        metrics = self.evaluator.run(self.step_index, self.executor.generate, self.eval_scores)
+        self.sleep.after_generate()
+        if self.evaluator.improved(metrics) and self.best_checkpoints is not None:
+            log.info("best %s so far: %.4f at step %d", self.evaluator.best_key, self.evaluator.best,
+                     self.step_index)
+            self.save_checkpoint(self.best_checkpoints)
+        return metrics
+
+    def eval_scores(self, rollouts: list[Rollout], prompts: list) -> torch.Tensor:
+        """Scores from the run's reward source, touching no training state (no reward normalization update)."""
+        if agent_scores(rollouts) is not None:
+            return torch.tensor(agent_scores(rollouts), dtype=torch.float32)
+        if self.reward_source is not None:
+            return self.reward_source.score(*self._reward_inputs(rollouts, prompts)).float()
+        batch, _ = rollouts_to_batch(rollouts, self.tok.pad_token_id)
+        return self.m.reward.call_sharded_async("scores", batch).get_cat().float()
 
     # ---- phases -----------------------------------------------------------------------------------------------
     def generate(self, prompts: list, batch_index: int) -> list[Rollout]:
@@ -264,7 +301,7 @@ class Controller:
         p = self.cfg.ppo
         sampling = SamplingSpec(temperature=p.temperature, top_p=p.top_p, max_new_tokens=p.generate_max_len,
                                 n=p.n_samples_per_prompt, seed=p.seed * 1_000_003 + batch_index)
-        return self.m.engines.generate([q.ids for q in prompts], sampling)
+        return self.executor.generate(prompts, sampling)
 
     def score(self, batch: SequenceBatch, rollouts: list[Rollout], prompts: list, reward=None):
         """Everything that reads the rollouts, started together and gathered after. The reward part is a
@@ -278,7 +315,7 @@ class Controller:
         reward_call = self.m.reward.call_sharded_async("scores", batch) if self.m.reward and reward is None else None
         if reward is not None:
             pass
-        elif self.reward_source is not None:  # runs here while the groups compute
+        elif self.reward_source is not None or agent_scores(rollouts) is not None:  # while the groups compute
             reward = self._score_rollouts(rollouts, prompts)
         else:
             reward = RewardResult.of(reward_call.get_cat().float())
@@ -323,7 +360,13 @@ class Controller:
 
     # ---- helpers ----------------------------------------------------------------------------------------------
     def _score_rollouts(self, rollouts: list[Rollout], prompts: list):
-        """rewards.RewardResult from the reward function / server (not the reward-model group)."""
+        """rewards.RewardResult from the agents' own episode scores (--agent_func_path), else from the reward
+        function / server (not the reward-model group)."""
+        from orlhf.rewards import RewardResult
+
+        given = agent_scores(rollouts)
+        if given is not None:
+            return RewardResult.of(torch.tensor(given, dtype=torch.float32))
         return self.reward_source.evaluate(*self._reward_inputs(rollouts, prompts))
 
     def _reward_inputs(self, rollouts: list[Rollout], prompts: list) -> tuple[list[str], list[str], list]:

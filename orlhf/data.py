@@ -40,6 +40,7 @@ class DataError(ValueError):
 def load_prompt_rows(path: str, input_key: str, label_key: str | None, max_samples: int | None,
                      split: str = "train") -> list[dict]:
     """The first `max_samples` rows of `path` (all if None), each checked to hold `input_key` (and `label_key`).
+    `split` picks the split of a saved DatasetDict or a hub dataset (files have none).
 
     Rows with an empty prompt are kept here (build_prompts skips and counts them) unless every prompt is empty.
     `split` (--prompt_split) picks the split of a saved DatasetDict folder or hub dataset; a file is one split.

@@ -8,6 +8,7 @@ with nothing downloaded (the machines this runs on cannot reach the hub). The pi
                          trained on the demo's ~200 words; loads in transformers, DeepSpeed and vLLM
         prompts.jsonl    512 rows {"prompt": "say colors: cat run blue ...", "label": "colors"}
         reward_func.py   a copy of orlhf/demo_reward.py: share of the response's words that are colors
+        agent_func.py    a copy of orlhf/demo_agent.py: the multi-turn version (--agent_func_path), 3 turns
         demo.json        what was built (version, seed), written last
 
 The task is learnable from scratch: the vocabulary is mostly whole demo words, so a random model already says a
@@ -30,7 +31,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-DEMO_VERSION = "1"  # bump when the recipe below changes: it names the cache folder, so old caches are not reused
+DEMO_VERSION = "2"  # bump when the recipe below changes: it names the cache folder, so old caches are not reused
 DEMO_LABEL = "colors"  # every prompt asks for colors: one target keeps the task learnable in minutes
 NUM_PROMPTS = 512
 VOCAB_SIZE = 1024  # an upper bound: 256 bytes + 4 specials + merges; the corpus runs out of merges at ~965
@@ -56,10 +57,12 @@ class DemoPaths:
     model: Path  # HF model + tokenizer folder
     prompts: Path  # jsonl, one {"prompt": str, "label": str} per line
     reward_fn: Path  # python file defining reward_func(queries, prompts, labels) -> torch.Tensor
+    agent_fn: Path  # python file defining AgentInstance and AgentExecutor (multi-turn demo environment)
 
     @classmethod
     def under(cls, root: Path) -> DemoPaths:
-        return cls(root=root, model=root / "model", prompts=root / "prompts.jsonl", reward_fn=root / "reward_func.py")
+        return cls(root=root, model=root / "model", prompts=root / "prompts.jsonl", reward_fn=root / "reward_func.py",
+                   agent_fn=root / "agent_func.py")
 
 
 def default_cache_dir() -> Path:
@@ -169,6 +172,7 @@ def make_demo(out_dir: Path, seed: int = 0) -> DemoPaths:
         for row in _prompt_rows(rng):
             f.write(json.dumps(row) + "\n")
     shutil.copyfile(Path(__file__).with_name("demo_reward.py"), paths.reward_fn)
+    shutil.copyfile(Path(__file__).with_name("demo_agent.py"), paths.agent_fn)
     (paths.root / _MANIFEST).write_text(json.dumps({"version": DEMO_VERSION, "seed": seed}) + "\n")
     return paths
 

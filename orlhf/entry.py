@@ -33,7 +33,7 @@ def resolve_demo(cfg: TrainConfig) -> TrainConfig:
 
     demo = ensure_demo()
     d = cfg.data
-    no_reward = d.remote_rm_url is None and d.reward_pretrain is None
+    no_reward = d.remote_rm_url is None and d.reward_pretrain is None and d.agent_func_path is None
     data = dataclasses.replace(d, pretrain=str(demo.model), prompt_data=d.prompt_data or str(demo.prompts),
                                remote_rm_url=str(demo.reward_fn) if no_reward else d.remote_rm_url)
     return dataclasses.replace(cfg, data=data)
@@ -101,6 +101,11 @@ def run_locked(cfg: TrainConfig, run_id: str) -> int:
     prompts = load_prompts(cfg, tokenizer)
     check_value_heads(cfg)
     loader = PromptLoader(prompts, p.rollout_batch_size, p.num_episodes, p.seed)
+    evaluator = make_evaluator(cfg, tokenizer)  # eval data problems fail here, before anything starts
+    if d.agent_func_path:  # so does an agent file that does not import or defines no AgentExecutor
+        from orlhf.rollout.executor import load_agent_executor
+
+        load_agent_executor(d.agent_func_path)
     samples_per_step = p.rollout_batch_size * p.n_samples_per_prompt
     optimizer_steps = loader.total_steps * p.max_epochs * (samples_per_step // p.train_batch_size)
     layout = plan_layout(cfg, device)
@@ -128,7 +133,8 @@ def run_locked(cfg: TrainConfig, run_id: str) -> int:
                                 use_tensorboard=cfg.logging.use_tensorboard, config=public_config(cfg),
                                 resume_step=resume_step, run_id=run_id)
         controller = Controller(cfg, models, loader, tokenizer, metrics, reward_source=make_reward(cfg),
-                                checkpoints=checkpoints)
+                                checkpoints=checkpoints, evaluator=evaluator,
+                                best_checkpoints=CheckpointManager(Path(cfg.logging.ckpt_path) / "best", 1))
         if resume_from is not None:
             controller.resume(resume_from)
         try:
@@ -225,6 +231,17 @@ def start_models(cfg: TrainConfig, placed, optimizer_steps: int, stack: ExitStac
     sync = make_weight_sync(cfg, groups["actor"], engines)
     return Models(actor=groups["actor"], ref=groups["ref"], engines=engines, sync=sync,
                   critic=groups.get("critic"), reward=groups.get("reward"))
+
+
+def make_evaluator(cfg: TrainConfig, tokenizer):
+    """--eval_dataset: the held-out prompts and when to run them (orlhf/evaluation.py); None without it."""
+    e = cfg.eval
+    if e.eval_dataset is None:
+        return None
+    from orlhf.evaluation import Evaluator, load_eval_prompts
+
+    return Evaluator(load_eval_prompts(cfg, tokenizer), e.eval_n_samples_per_prompt, e.eval_temperature,
+                     cfg.ppo.top_p, cfg.ppo.generate_max_len, cfg.ppo.seed, e.eval_steps, e.best_metric_key)
 
 
 def make_reward(cfg: TrainConfig):

@@ -23,6 +23,7 @@ from orlhf.types import Experience, Rollout, SequenceBatch
 def rollouts_to_batch(rollouts: list[Rollout], pad_id: int) -> tuple[SequenceBatch, torch.Tensor]:
     """Pad rollouts into one batch: prompts left-padded to the longest prompt, responses right-padded to the
     longest response. Returns the batch and the engine's log-probs (B, A), 0 on padding.
+    A multi-turn rollout's feedback tokens are real tokens (attention 1) but no actions (action_mask 0).
 
     An empty response keeps one padded action slot with action_mask 0, so A >= 1 always.
     """
@@ -42,7 +43,7 @@ def rollouts_to_batch(rollouts: list[Rollout], pad_id: int) -> tuple[SequenceBat
         if n:
             seq[i, P:P + n] = torch.tensor(r.response_ids, dtype=torch.long)
             attn[i, P:P + n] = 1
-            action_mask[i, :n] = True
+            action_mask[i, :n] = True if r.action_mask is None else torch.tensor(r.action_mask[:n]).bool()
             logprobs[i, :n] = torch.tensor(r.logprobs[:n], dtype=torch.float32)
     return SequenceBatch(seq, attn, action_mask), logprobs
 

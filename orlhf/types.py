@@ -33,6 +33,12 @@ class Rollout:
     finished: bool  # True when the response ended with EOS, False when cut at --generate_max_len
     engine: int = 0  # which engine generated it
     weight_version: int = 0  # actor weight version the engine held
+    # Multi-turn agents (--agent_func_path; orlhf/rollout/executor.py). response_ids then holds every token after
+    # the prompt: the model's turns and the environment's feedback between them.
+    action_mask: Optional[list[int]] = None  # (R,) 1 on the model's own tokens, 0 on feedback; None: all are
+    reward: Optional[float] = None  # the agent's reward for the episode (its turns' rewards summed)
+    score: Optional[float] = None  # the agent's `scores` (for filtering and pass@k; defaults to reward)
+    extra_logs: dict = field(default_factory=dict)  # the agent's last extra_logs, floats, logged as agent/<key>
 
 
 @dataclass

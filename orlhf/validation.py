@@ -21,7 +21,7 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 def validate(cfg: TrainConfig) -> None:
     problems: list[str] = []
     for rule in (_ranges, _estimators, _reward_source, _colocation, _vllm, _batches, _paths, _device,
-                 _prompt_mix_and_heads, _losses, _sampling):
+                 _prompt_mix_and_heads, _losses, _sampling, _eval):
         rule(cfg, problems)
     if problems:
         raise ConfigError(problems)
@@ -121,7 +121,16 @@ def _reward_source(cfg: TrainConfig, out: list[str]) -> None:
     d = cfg.data
     if d.reward_pretrain is not None and d.remote_rm_url is not None:
         out.append("--reward_pretrain and --remote_rm_url are both given: choose one reward source.")
-    if d.reward_pretrain is None and d.remote_rm_url is None and not d.uses_demo:
+    if d.agent_func_path is not None:
+        path = Path(d.agent_func_path).expanduser()
+        if path.suffix != ".py" or not path.is_file():
+            out.append(f"--agent_func_path {d.agent_func_path}: expected an existing .py file defining AgentInstance "
+                       "and AgentExecutor (see orlhf/demo_agent.py).")
+        for flag, given in (("--reward_pretrain", d.reward_pretrain), ("--remote_rm_url", d.remote_rm_url)):
+            if given is not None:
+                out.append(f"--agent_func_path and {flag} are both given: the agent's step() returns the rewards; "
+                           f"drop {flag}.")
+    elif d.reward_pretrain is None and d.remote_rm_url is None and not d.uses_demo:
         out.append("--pretrain is given without a reward source: add --reward_pretrain MODEL_DIR or "
                    "--remote_rm_url (http://host:port/path or reward.py).")
     if not d.uses_demo and d.prompt_data is None:
@@ -335,3 +344,22 @@ def _sampling(cfg: TrainConfig, out: list[str]) -> None:
     if ppo.async_train:
         out.append("--dynamic_filtering refills a batch before training on it; --async_train generates ahead of "
                    "training. Drop one of them.")
+
+
+def _eval(cfg: TrainConfig, out: list[str]) -> None:
+    e = cfg.eval
+    if e.eval_steps != -1 and e.eval_steps < 1:
+        out.append(f"--eval_steps must be -1 (after the last step only) or >= 1 (got {e.eval_steps}).")
+    if e.eval_n_samples_per_prompt < 1:
+        out.append(f"--eval_n_samples_per_prompt must be >= 1 (got {e.eval_n_samples_per_prompt}).")
+    if e.eval_temperature < 0:
+        out.append(f"--eval_temperature must be >= 0 (0: greedy; got {e.eval_temperature}).")
+    if e.eval_dataset is None:
+        for flag, given in (("--eval_steps", e.eval_steps != -1), ("--best_metric_key", e.best_metric_key)):
+            if given:
+                out.append(f"{flag} needs --eval_dataset (held-out prompts to evaluate on).")
+    else:
+        path = Path(e.eval_dataset).expanduser()
+        offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
+        if not path.exists() and (offline or not _HUB_ID.match(e.eval_dataset)):
+            out.append(f"--eval_dataset {e.eval_dataset}: no such file or folder.")

@@ -124,12 +124,24 @@ def compute_advantages(
     Whitening uses the statistics of this batch: call it once on the whole rollout batch, not per micro-batch, as
     OpenRLHF normalizes across all experiences of a step.
 
+    Multi-turn rollouts (feedback tokens inside the response, action_mask 0 there): the recurrences run over the
+    model's own tokens only, as if the feedback took no time step; rows are compacted (actions first, in order),
+    computed as above and put back, so feedback positions get advantage 0 and GAE bootstraps from the value of
+    the next model token, not from a feedback position (OpenRLHF runs through the gap with zeroed values, which
+    is the same only for gamma = lambd = 1).
+
     Where this departs from OpenRLHF: a group estimator with gamma != 1 raises, where OpenRLHF warns and rewrites
     args.gamma to 1 (its group baseline assumes one undiscounted reward per sample).
     """
     spec = ESTIMATORS.get(estimator)
     if spec is None:
         raise ValueError(f"unknown advantage estimator {estimator!r}; expected one of {tuple(ESTIMATORS)}")
+    order = actions_first(action_mask)
+    if not bool((order == torch.arange(order.shape[1])).all()):  # multi-turn: feedback tokens between actions
+        compact = lambda x: None if x is None else x.gather(1, order)  # noqa: E731
+        adv, ret = compute_advantages(estimator, compact(rewards), compact(action_mask), compact(values),
+                                      gamma, lambd)
+        return _scatter_rows(adv, order), _scatter_rows(ret, order)
     if spec.needs_critic:
         if values is None:
             raise ValueError(f"advantage estimator {estimator!r} needs critic values")
@@ -145,3 +157,13 @@ def compute_advantages(
     else:
         advantages = advantages.clone()  # callers may edit advantages in place without touching returns
     return advantages, returns
+
+
+def actions_first(action_mask: torch.Tensor) -> torch.Tensor:
+    """(B, A) long: per row, the action positions in order, then the others (identity for right padding)."""
+    return torch.sort((~action_mask.bool()).to(torch.int8), dim=1, stable=True).indices
+
+
+def _scatter_rows(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """Undo x.gather(1, order) (order is a permutation of each row)."""
+    return torch.empty_like(x).scatter_(1, order, x)

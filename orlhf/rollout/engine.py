@@ -99,6 +99,11 @@ class EngineActor:
         )
         if cfg.device == "cpu":
             kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_gb * 2**30)
+            # No chunked prefill on CPU: a seeded request whose prompt is split over steps makes vLLM rewind its
+            # generator (`set_offset`), which CPU generators do not have ("CPU Generator does not use offset").
+            # Batches of many separate requests (agents' turns, large rollout batches) hit it.
+            kwargs["enable_chunked_prefill"] = False
+            kwargs["max_num_batched_tokens"] = max(cfg.max_model_len, 4096)
         else:
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
             kwargs["enable_sleep_mode"] = cfg.enable_sleep  # vLLM frees weights / KV cache on request (GPU only)
@@ -131,6 +136,27 @@ class EngineActor:
                                         logprobs=lps, finished=c.finish_reason == "stop", engine=self.index,
                                         weight_version=self.weight_version))
         return rollouts
+
+    def generate_tokens(self, requests: list[tuple[list[int], Any]]) -> list[tuple[list[int], list[float], Any, int]]:
+        """Token in, token out, one turn each: (token ids, vLLM SamplingParams) -> (new ids, their engine
+        log-probs, finish reason, weight version). Each request carries its own params (agents may change them
+        per turn); the whole list runs as one vLLM batch."""
+        from vllm.inputs import TokensPrompt
+
+        params = []
+        for _, p in requests:
+            p.logprobs = p.logprobs or 0  # the sampled token's log-prob is always kept
+            if not p.stop:
+                p.detokenize = False  # the driver decodes; vLLM's detokenizer costs ~20% on CPU
+            params.append(p)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(ids)) for ids, _ in requests], params,
+                                 use_tqdm=False)
+        results = []
+        for out in outs:
+            c = out.outputs[0]
+            lps = [lp[t].logprob if lp and t in lp else 0.0 for t, lp in zip(c.token_ids, c.logprobs or [])]
+            results.append((list(c.token_ids), lps, c.finish_reason, self.weight_version))
+        return results
 
     def sequence_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """log p(token_t | tokens_<t) for t >= 1 of each full sequence (prompt logprobs, temperature 1)."""

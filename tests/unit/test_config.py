@@ -362,3 +362,25 @@ def test_valid_dapo_and_gspo_combinations():
     build(advantage_estimator="group_norm", n_samples_per_prompt=4, policy_loss_type="gspo",
           enable_vllm_is_correction=True)
     build(no_advantage_std_norm=True, advantage_estimator="reinforce_baseline", n_samples_per_prompt=2)
+
+
+def test_agent_file_replaces_the_reward_source(model_dir, prompts, reward_py, tmp_path):
+    agent = tmp_path / "agent.py"
+    agent.write_text("")
+    cfg = build(pretrain=model_dir, prompt_data=prompts, agent_func_path=str(agent))
+    assert cfg.data.agent_func_path == str(agent) and not cfg.has_reward_model
+    assert_fails(["--agent_func_path", "--remote_rm_url", "drop --remote_rm_url"],
+                 pretrain=model_dir, prompt_data=prompts, agent_func_path=str(agent), remote_rm_url=reward_py)
+    assert_fails(["--agent_func_path", "--reward_pretrain"],
+                 pretrain=model_dir, prompt_data=prompts, agent_func_path=str(agent), reward_pretrain=model_dir)
+    assert_fails(["--agent_func_path", "missing.py", ".py file"], agent_func_path=str(tmp_path / "missing.py"))
+
+
+def test_eval_rules(prompts):
+    cfg = build(eval_dataset=prompts, eval_steps=5, eval_n_samples_per_prompt=2, best_metric_key="pass@k")
+    assert (cfg.eval.eval_steps, cfg.eval.eval_n_samples_per_prompt, cfg.eval.best_metric_key) == (5, 2, "pass@k")
+    assert_fails(["--eval_steps", "needs --eval_dataset"], eval_steps=5)
+    assert_fails(["--best_metric_key", "needs --eval_dataset"], best_metric_key="pass@1")
+    assert_fails(["--eval_steps must be -1"], eval_dataset=prompts, eval_steps=0)
+    assert_fails(["--eval_n_samples_per_prompt must be >= 1"], eval_dataset=prompts, eval_n_samples_per_prompt=0)
+    assert_fails(["--eval_dataset", "no such file"], eval_dataset="nowhere/at_all.jsonl")

@@ -42,6 +42,7 @@ def test_make_demo_writes_the_layout(demo):
         assert (demo.model / f).is_file(), f
     assert demo.prompts.is_file() and demo.reward_fn.is_file()
     assert demo.reward_fn.read_text() == (Path(__file__).parents[2] / "orlhf" / "demo_reward.py").read_text()
+    assert demo.agent_fn.read_text() == (Path(__file__).parents[2] / "orlhf" / "demo_agent.py").read_text()
 
 
 def test_model_forward_gives_vocab_logits(model, tokenizer):

@@ -1,0 +1,293 @@
+"""Where rollouts come from: an executor turns a prompt batch into Rollouts.
+
+    SingleTurnExecutor   (default)            engines.generate(prompt ids) once; the reward source scores later
+    AgentRunner          (--agent_func_path)  every sample its own agent episode (agent.py), all concurrently:
+
+        asyncio.gather(episode(sample j) for j in prompts x n_samples_per_prompt)
+          episode: executor.execute(prompt, label, params, max_length, tokenizer, EngineHandle(j))
+                   EngineHandle.generate(ids, params) --queue--> EngineClient(engine of j)
+          EngineClient: while the engine runs one batch, the requests of every agent that is ready queue up; the
+                        next engine call takes them all (one slow environment never holds the batch back)
+        -> Rollout(prompt ids | response = actions and feedback, action_mask 1 on actions, reward from the agent)
+
+Invariants: samples stay in prompt-major order (sample k of prompt i is row i * n + k); sample j's turn t samples
+with a seed derived from (step seed, j, t) unless the agent sets one, so a run is reproducible whatever the
+timing of the environments; an agent's exception or bad result stops the step with an AgentError naming the
+file, the sample and the key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import hashlib
+import importlib.util
+import sys
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from orlhf.rollout.agent import AgentError, AgentExecutorBase, AgentStepError, as_float
+from orlhf.types import Rollout
+
+
+class SingleTurnExecutor:
+    """Generate once per sample; rewards come from the run's reward source."""
+
+    def __init__(self, engines):
+        self.engines = engines
+
+    def generate(self, prompts: list, sampling) -> list[Rollout]:
+        return self.engines.generate([q.ids for q in prompts], sampling)
+
+
+# ---- what an agent executor sees: OpenRLHF's llm_engine and vLLM's RequestOutput, as far as agents read them ----
+
+@dataclass
+class Logprob:
+    logprob: float
+
+
+@dataclass
+class CompletionOutput:
+    token_ids: list[int]
+    text: str
+    logprobs: list[dict[int, Logprob]]  # one {token id: Logprob} per generated token (the sampled one)
+    finish_reason: Optional[str]
+
+
+@dataclass
+class RequestOutput:
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+
+
+class EngineClient:
+    """Batches many agents' one-turn requests into one call to one engine (see the module docstring).
+
+    `call(requests)` starts an engine call and returns a concurrent.futures.Future of its results."""
+
+    def __init__(self, call: Callable[[list], Any]):
+        self.call = call
+        self.pending: list[tuple[list[int], Any, asyncio.Future]] = []
+        self.batches: list[int] = []  # requests per engine call (for logs and tests)
+        self._wake = asyncio.Event()
+
+    async def generate(self, ids: list[int], params) -> tuple:
+        fut = asyncio.get_running_loop().create_future()
+        self.pending.append((ids, params, fut))
+        self._wake.set()
+        return await fut
+
+    async def serve(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            await asyncio.sleep(0)  # let every agent that is ready queue its request first
+            batch, self.pending = self.pending, []
+            if not batch:
+                continue
+            self.batches.append(len(batch))
+            try:
+                results = await asyncio.wrap_future(self.call([(ids, p) for ids, p, _ in batch]))
+            except Exception as e:  # noqa: BLE001 - handed to every waiting agent
+                for _, _, fut in batch:
+                    if not fut.done():
+                        fut.set_exception(e)
+                continue
+            for (_, _, fut), res in zip(batch, results):
+                if not fut.done():
+                    fut.set_result(res)
+
+
+class EngineHandle:
+    """One sample's llm_engine: `await llm_engine.generate(prompt_token_ids, sampling_params)`."""
+
+    def __init__(self, client: EngineClient, tokenizer, prompt_token_ids: list[int], seed: int, sample: int):
+        self.client, self.tokenizer, self.prompt_token_ids = client, tokenizer, list(prompt_token_ids)
+        self.seed, self.sample, self.turns, self.weight_versions = seed, sample, 0, []
+        self.finish_reason: Optional[str] = None
+
+    async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None) -> RequestOutput:
+        if multi_modal_data:
+            raise AgentError("multi_modal_data: orlhf trains text models only (multimodal is a non-goal)")
+        params = copy.deepcopy(sampling_params)
+        if getattr(params, "n", 1) != 1:
+            raise AgentStepError(f"sampling_params.n = {params.n}: an agent turn generates one response (each "
+                                 "sample already has its own agent; use --n_samples_per_prompt)")
+        if params.seed is None:
+            params.seed = turn_seed(self.seed, self.sample, self.turns)
+        self.turns += 1
+        ids, lps, finish, version = await self.client.generate(list(prompt_token_ids), params)
+        self.weight_versions.append(version)
+        self.finish_reason = finish
+        text = self.tokenizer.decode(ids, skip_special_tokens=getattr(params, "skip_special_tokens", True))
+        logprobs = [{t: Logprob(lp)} for t, lp in zip(ids, lps)]
+        return RequestOutput(list(prompt_token_ids), [CompletionOutput(ids, text, logprobs, finish)])
+
+
+def turn_seed(seed: int, sample: int, turn: int) -> int:
+    digest = hashlib.sha256(f"{seed}:{sample}:{turn}".encode()).digest()
+    return int.from_bytes(digest[:4], "little")
+
+
+@dataclass
+class _Job:
+    index: int  # row in the step's batch
+    prompt_index: int
+    prompt: Any  # data.Prompt: text, ids, label
+    engine: int
+    extra: dict = field(default_factory=dict)
+
+
+class AgentRunner:
+    """--agent_func_path: every sample one concurrent agent episode; rollouts carry the agent's rewards."""
+
+    def __init__(self, path: str, engines, tokenizer, max_length: int, timeout_s: float = 600.0,
+                 call: Optional[Callable[[int, list], Any]] = None):
+        self.path, self.engines, self.tokenizer, self.max_length = str(path), engines, tokenizer, max_length
+        self.timeout_s = timeout_s
+        self.executor = load_agent_executor(self.path)
+        # call(engine index, requests) -> concurrent Future; the real engines by default (tests may pass a fake).
+        self.call = call or (lambda i, reqs: engines.engines[i].generate_tokens.remote(reqs).future())
+        self.num_engines = len(engines) if engines is not None else 1
+        self.last_batches: list[list[int]] = []
+
+    def generate(self, prompts: list, sampling) -> list[Rollout]:
+        """All prompts x sampling.n samples, prompt-major; blocks until every episode is done."""
+        return asyncio.run(self._run(prompts, sampling))
+
+    async def _run(self, prompts: list, sampling) -> list[Rollout]:
+        from vllm import SamplingParams
+
+        clients = [EngineClient(lambda reqs, i=i: self.call(i, reqs)) for i in range(self.num_engines)]
+        servers = [asyncio.create_task(c.serve()) for c in clients]
+        jobs = [_Job(j, i, q, 0) for j, (i, q) in enumerate((i, q) for i, q in enumerate(prompts)
+                                                             for _ in range(sampling.n))]
+        for job in jobs:  # contiguous blocks per engine: a prompt's samples share an engine (prefix cache)
+            job.engine = job.index * self.num_engines // len(jobs)
+        params = SamplingParams(n=1, temperature=sampling.temperature, top_p=sampling.top_p,
+                                max_tokens=sampling.max_new_tokens, logprobs=0)
+        try:
+            episodes = [self._episode(job, sampling, clients[job.engine], params) for job in jobs]
+            rollouts = await asyncio.wait_for(asyncio.gather(*episodes), self.timeout_s)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"agent episodes of {self.path} did not finish in {self.timeout_s:.0f} s "
+                               "(--ray_timeout_s); an environment's step may be stuck") from None
+        finally:
+            for s in servers:
+                s.cancel()
+        self.last_batches = [c.batches for c in clients]
+        return list(rollouts)
+
+    async def _episode(self, job: _Job, sampling, client: EngineClient, params) -> Rollout:
+        handle = EngineHandle(client, self.tokenizer, job.prompt.ids, sampling.seed, job.index)
+        where = (f"{self.path}: sample {job.index} (prompt {job.prompt_index} of the batch, "
+                 f"sample {job.index % sampling.n + 1} of {sampling.n})")
+        try:
+            out = await self.executor.execute(prompt=job.prompt.text, label=job.prompt.label,
+                                              sampling_params=copy.deepcopy(params), max_length=self.max_length,
+                                              hf_tokenizer=self.tokenizer, llm_engine=handle)
+            rollout = episode_to_rollout(out, job.prompt_index, job.engine)
+        except AgentStepError as e:
+            raise AgentError(f"{where}: {e}. Fix the agent in {self.path}.") from e
+        except AgentError as e:
+            raise AgentError(f"{where}: {e}") from e
+        except Exception as e:
+            raise AgentError(f"{where}: {type(e).__name__}: {e}\n{_user_frames(e, self.path)}\n"
+                             f"Fix the agent in {self.path}.") from e
+        rollout.weight_version = min(handle.weight_versions, default=0)
+        rollout.finished = handle.finish_reason == "stop"
+        rollout.extra_logs["turns"] = float(handle.turns)
+        return rollout
+
+
+def episode_to_rollout(out: Any, prompt_index: int, engine: int) -> Rollout:
+    """An execute() result dict (OpenRLHF's keys) -> Rollout; AgentStepError naming the key when unusable."""
+    if not isinstance(out, dict):
+        raise AgentStepError(f"AgentExecutor.execute returned a {type(out).__name__}, not a dict")
+    for key in ("observation_tokens", "action_ranges", "reward"):
+        if key not in out:
+            raise AgentStepError(f"AgentExecutor.execute returned no {key!r} key (it returned keys {sorted(out)})")
+    tokens = [int(t) for t in out["observation_tokens"]]
+    ranges = [(int(s), int(e)) for s, e in out["action_ranges"]]
+    start = ranges[0][0] if ranges else len(tokens)
+    prev = start
+    for s, e in ranges:
+        if not prev <= s <= e <= len(tokens):
+            raise AgentStepError(f"AgentExecutor.execute returned 'action_ranges' {ranges}: ranges must be in "
+                                 f"order, not overlap and lie within the {len(tokens)} observation_tokens")
+        prev = e
+    mask = [0] * (len(tokens) - start)
+    for s, e in ranges:
+        mask[s - start:e - start] = [1] * (e - s)
+    lps = out.get("rollout_log_probs")
+    if lps is not None and len(lps) != len(tokens):
+        raise AgentStepError(f"AgentExecutor.execute returned {len(lps)} 'rollout_log_probs' for {len(tokens)} "
+                             "observation_tokens: give one per token (0.0 on non-action tokens)")
+    reward = as_float(out["reward"])
+    if reward is None:
+        raise AgentStepError(f"AgentExecutor.execute returned 'reward' = {out['reward']!r}: expected a number")
+    score = as_float(out.get("scores")) if out.get("scores") is not None else reward
+    extra = {k: as_float(v) for k, v in (out.get("extra_logs") or {}).items()}
+    return Rollout(prompt_index=prompt_index, prompt_ids=tokens[:start], response_ids=tokens[start:],
+                   logprobs=[float(x) for x in lps[start:]] if lps is not None else [0.0] * len(mask),
+                   finished=True, engine=engine, action_mask=mask, reward=reward,
+                   score=reward if score is None else score,
+                   extra_logs={k: v for k, v in extra.items() if v is not None})
+
+
+def load_agent_executor(path: str) -> AgentExecutorBase:
+    """Import the user's file and build its AgentExecutor(); AgentError saying what to fix otherwise."""
+    if not Path(path).is_file():
+        raise AgentError(f"--agent_func_path {path}: no such file")
+    name = f"orlhf_agent_{hashlib.sha1(str(Path(path).resolve()).encode()).hexdigest()[:10]}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except (Exception, SystemExit) as e:
+        sys.modules.pop(name, None)
+        hint = (" An OpenRLHF agent file needs its import changed to `from orlhf.rollout.agent import "
+                "AgentInstanceBase, MultiTurnAgentExecutor`." if "openrlhf" in str(e) else "")
+        raise AgentError(f"{path} failed to import: {type(e).__name__}: {e}\n{_user_frames(e, path)}{hint}") from e
+    cls = getattr(module, "AgentExecutor", None)
+    if not (isinstance(cls, type) and issubclass(cls, AgentExecutorBase)):
+        raise AgentError(f"{path} must define `class AgentExecutor(MultiTurnAgentExecutor)` (or a subclass of "
+                         "orlhf.rollout.agent.AgentExecutorBase) whose __init__ passes your AgentInstance class")
+    try:
+        return cls()
+    except Exception as e:
+        raise AgentError(f"{path}: AgentExecutor() raised {type(e).__name__}: {e}\n{_user_frames(e, path)}") from e
+
+
+def _user_frames(exc: BaseException, path: str, limit: int = 3) -> str:
+    frames = traceback.extract_tb(exc.__traceback__)
+    target = Path(path).resolve()
+    mine = [f for f in frames if Path(f.filename).resolve() == target] or frames[-1:]
+    return "\n".join(f"  {f.filename}, line {f.lineno}, in {f.name}: {(f.line or '').strip()}" for f in mine[-limit:])
+
+
+def agent_scores(rollouts: list[Rollout]) -> Optional[list[float]]:
+    """The agents' rewards, one per rollout, or None when the rollouts are single-turn (no agent reward)."""
+    if not rollouts or rollouts[0].reward is None:
+        return None
+    return [r.reward for r in rollouts]
+
+
+def agent_metrics(rollouts: list[Rollout]) -> dict[str, float]:
+    """Means of the agents' extra_logs (turns included) over the batch, as agent/<key>."""
+    keys = sorted({k for r in rollouts for k in r.extra_logs})
+    out = {}
+    for k in keys:
+        vals = [r.extra_logs[k] for r in rollouts if k in r.extra_logs]
+        out[f"agent/{k}"] = sum(vals) / len(vals)
+    return out
+
+
+def make_executor(agent_func_path: Optional[str], engines, tokenizer, max_length: int, timeout_s: float = 600.0):
+    if agent_func_path:
+        return AgentRunner(agent_func_path, engines, tokenizer, max_length, timeout_s)
+    return SingleTurnExecutor(engines)

@@ -1,0 +1,185 @@
+"""The agent executor's logic against a fake engine (pure logic; the real engines run in tests/e2e/test_agent.py).
+
+The fake engine answers every request with the tokens of "red " (cut at max_tokens) and log-prob -0.25 each; the
+tokenizer is one token per character, so expected token sequences can be written by hand.
+"""
+
+import concurrent.futures
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from orlhf.rollout.agent import AgentError
+from orlhf.rollout.engine import SamplingSpec
+from orlhf.rollout.executor import AgentRunner, load_agent_executor
+
+pytest.importorskip("vllm")
+
+
+class CharTokenizer:
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(c) for c in text]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+
+class FakeEngine:
+    """call(engine, requests) -> Future of [(ids, log-probs, finish, version)]; records each call's params."""
+
+    def __init__(self, delay_s: float = 0.0):
+        self.delay_s, self.calls = delay_s, []
+
+    def __call__(self, engine: int, requests: list):
+        self.calls.append([(list(ids), p.max_tokens, p.seed) for ids, p in requests])
+        fut = concurrent.futures.Future()
+
+        def answer():
+            time.sleep(self.delay_s)
+            out = [ord(c) for c in "red "]
+            if fut.cancelled():  # the runner stopped early (an agent raised)
+                return
+            fut.set_result([(out[:p.max_tokens], [-0.25] * min(4, p.max_tokens), "length", 7) for _, p in requests])
+
+        threading.Thread(target=answer).start()
+        return fut
+
+
+AGENT = '''
+import asyncio, torch
+from orlhf.rollout.agent import AgentInstanceBase, MultiTurnAgentExecutor
+
+class AgentInstance(AgentInstanceBase):
+    {init}
+    async def reset(self, states, **kwargs):
+        return {{"observation": states["observation"]}}
+
+    async def step(self, states, **kwargs):
+        self.turn += 1
+        if states["label"] == "slow":
+            await asyncio.sleep(0.3)
+        {body}
+        return {{"rewards": torch.tensor(1.0), "scores": self.turn, "environment_feedback": "ok",
+                "done": self.turn >= 2, "sampling_params": states["sampling_params"], "extra_logs": {{"t": self.turn}}}}
+
+class AgentExecutor(MultiTurnAgentExecutor):
+    def __init__(self):
+        super().__init__(AgentInstance)
+'''
+
+
+def write_agent(tmp_path, init="def __init__(self):\n        self.turn = 0", body="pass"):
+    path = tmp_path / "my_agent.py"
+    path.write_text(AGENT.format(init=init, body=body))
+    return str(path)
+
+
+def prompts(labels):
+    return [SimpleNamespace(text="Q", ids=[ord("Q")], label=lab) for lab in labels]
+
+
+def run(path, labels, n=1, max_new=3, max_length=20, engine=None):
+    runner = AgentRunner(path, engines=None, tokenizer=CharTokenizer(), max_length=max_length,
+                         call=engine or FakeEngine())
+    spec = SamplingSpec(temperature=1.0, max_new_tokens=max_new, n=n, seed=5)
+    return runner, runner.generate(prompts(labels), spec)
+
+
+def test_two_turns_token_in_token_out(tmp_path):
+    engine = FakeEngine()
+    runner, (r,) = run(write_agent(tmp_path), ["x"], engine=engine)
+    # Q | r e d (turn 1, max 3 tokens) | o k (feedback) | r e d (turn 2) | o k
+    assert r.prompt_ids == [ord("Q")]
+    assert r.response_ids == [ord(c) for c in "redokredok"]
+    assert r.action_mask == [1, 1, 1, 0, 0, 1, 1, 1, 0, 0]
+    assert r.logprobs == [-0.25] * 3 + [0.0] * 2 + [-0.25] * 3 + [0.0] * 2
+    assert (r.reward, r.score, r.weight_version) == (2.0, 2.0, 7)  # rewards summed; scores = the last one
+    assert r.extra_logs == {"t": 2.0, "turns": 2.0}
+    # turn 2 generates from the whole running sequence, tokens as they were (no re-tokenization)
+    assert engine.calls[1][0][0] == [ord(c) for c in "Qredok"]
+
+
+def test_episode_stops_at_the_length_budget(tmp_path):
+    _, (r,) = run(write_agent(tmp_path), ["x"], max_new=3, max_length=6)
+    # Q + red + ok = 6 tokens: no budget left for turn 2
+    assert r.response_ids == [ord(c) for c in "redok"] and r.action_mask == [1, 1, 1, 0, 0]
+
+
+def test_samples_are_prompt_major_with_distinct_reproducible_seeds(tmp_path):
+    engine = FakeEngine()
+    _, rollouts = run(write_agent(tmp_path), ["a", "b"], n=3, engine=engine)
+    assert [r.prompt_index for r in rollouts] == [0, 0, 0, 1, 1, 1]
+    seeds = [s for call in engine.calls for _, _, s in call]
+    assert len(set(seeds)) == len(seeds) == 12  # 6 samples x 2 turns
+    engine2 = FakeEngine()
+    run(write_agent(tmp_path), ["a", "b"], n=3, engine=engine2)
+    assert sorted(seeds) == sorted(s for call in engine2.calls for _, _, s in call)
+
+
+def test_a_slow_environment_does_not_hold_back_the_others(tmp_path):
+    engine = FakeEngine(delay_s=0.02)
+    t0 = time.perf_counter()
+    runner, rollouts = run(write_agent(tmp_path), ["slow"] + ["x"] * 7, engine=engine)
+    wall = time.perf_counter() - t0
+    assert len(rollouts) == 8 and all(r.reward == 2.0 for r in rollouts)
+    sizes = [len(c) for c in engine.calls]
+    assert sizes[0] == 8  # every first turn in one engine call
+    assert sizes[1] == 7  # the 7 fast agents' second turns go on without the slow one
+    assert 0.6 <= wall < 1.5  # the slow agent's 2 x 0.3 s, not 8 agents' worth of waiting
+
+
+def test_async_init_as_in_openrlhf_files(tmp_path):
+    path = write_agent(tmp_path, init="async def __init__(self, *args, **kwargs):\n        self.turn = 0")
+    _, (r,) = run(path, ["x"])
+    assert r.reward == 2.0
+
+
+def test_a_bad_step_names_the_file_sample_and_key(tmp_path):
+    path = write_agent(tmp_path, body='if states["label"] == "bad": return {"rewards": 1.0, '
+                                      '"environment_feedback": ""}')
+    with pytest.raises(AgentError) as e:
+        run(path, ["x", "bad"], n=2)
+    msg = str(e.value)
+    assert path in msg and "sample 2 (prompt 1 of the batch, sample 1 of 2)" in msg and "'done'" in msg
+
+
+def test_a_raising_step_names_the_file_sample_and_line(tmp_path):
+    path = write_agent(tmp_path, body='if states["label"] == "bad": raise KeyError("answer")')
+    with pytest.raises(AgentError) as e:
+        run(path, ["bad"])
+    msg = str(e.value)
+    assert path in msg and "sample 0" in msg and "KeyError" in msg and 'raise KeyError("answer")' in msg
+
+
+def test_bad_reward_type_names_the_key(tmp_path):
+    path = write_agent(tmp_path, body='return {"rewards": "high", "environment_feedback": "", "done": True}')
+    with pytest.raises(AgentError, match="'rewards'"):
+        run(path, ["x"])
+
+
+def test_openrlhf_import_line_gets_a_hint(tmp_path):
+    path = tmp_path / "openrlhf_agent.py"
+    path.write_text("from openrlhf.utils.agent import AgentInstanceBase, MultiTurnAgentExecutor\n")
+    with pytest.raises(AgentError, match="from orlhf.rollout.agent import"):
+        load_agent_executor(str(path))
+
+
+def test_file_without_agent_executor_is_refused(tmp_path):
+    path = tmp_path / "empty_agent.py"
+    path.write_text("x = 1\n")
+    with pytest.raises(AgentError, match="class AgentExecutor"):
+        load_agent_executor(str(path))
+
+
+def test_the_demo_agent_loads_and_scores_colors():
+    import asyncio
+    from pathlib import Path
+
+    import orlhf
+
+    executor = load_agent_executor(str(Path(orlhf.__file__).with_name("demo_agent.py")))
+    agent = executor.agent_instance_cls()
+    out = asyncio.run(agent.step({"action_text": " red blue cat", "label": "colors", "sampling_params": None}))
+    assert abs(float(out["rewards"]) - (2 / 3) / 3) < 1e-6 and not out["done"]
