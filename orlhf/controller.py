@@ -3,7 +3,9 @@
     for each step (a batch of --rollout_batch_size prompts):
       generate         engines: prompt ids -> n_samples_per_prompt rollouts each (ids, engine log-probs)
       score            in parallel: actor old log-probs | ref log-probs | critic values | rewards (RM group, or
-                       the reward function / HTTP server while the groups work)
+                       the reward function / HTTP server while the groups work). Skipped, as they cannot change
+                       the update: ref without a KL (TrainConfig.has_reference), old log-probs on a single pass
+                       (TrainConfig.single_pass: the actor's training forward supplies them, the ratio is 1)
       make_experience  driver: KL, group baseline, KL-shaped rewards, advantages and returns (algo/)
       train            actor and critic train_step at the same time (non-blocking calls, gathered after)
       sync_weights     actor -> engines (weight_sync.py); weight_version += 1; before the next generate
@@ -41,10 +43,11 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Models:
-    """Everything the controller drives. critic exists with gae only; reward with --reward_pretrain only."""
+    """Everything the controller drives. critic exists with gae only; reward with --reward_pretrain only; ref only
+    when a KL uses it (TrainConfig.has_reference)."""
 
     actor: ActorGroup
-    ref: ActorGroup
+    ref: Optional[ActorGroup]
     engines: EngineGroup
     sync: WeightSync
     critic: Optional[ActorGroup] = None
@@ -115,7 +118,7 @@ class Controller:
         with self.timed("score"):
             scores, old_lp, ref_lp, values = self.score(batch, rollouts, prompts)
         with self.timed("make_experience"):
-            exp, info = self.make_experience(batch, scores, old_lp, ref_lp, values)
+            exp, info = self.make_experience(batch, scores, old_lp, ref_lp, values, engine_log_probs)
         with self.timed("train"):
             actor_stats, critic_stats = self.train(exp)
         gen_version = min(r.weight_version for r in rollouts)
@@ -129,7 +132,7 @@ class Controller:
                "clip_frac": actor_stats["clip_frac"], "approx_kl": actor_stats["approx_kl"],
                "kl_coef": self.kl_ctl.value, "weight_version": self.weight_version,
                "generation_weight_version": gen_version, "staleness": staleness,
-               "engine_logprob_gap": _masked_abs_mean(engine_log_probs - old_lp, batch.action_mask),
+               "engine_logprob_gap": _engine_gap(engine_log_probs, old_lp, batch.action_mask, actor_stats),
                "samples": len(rollouts), "samples_per_s": len(rollouts) / seconds, "step_s": seconds,
                **{f"timing/{k}": v for k, v in self.timings.items()}}
         if critic_stats is not None:
@@ -219,9 +222,10 @@ class Controller:
         return self.m.engines.generate([q.ids for q in prompts], sampling)
 
     def score(self, batch: SequenceBatch, rollouts: list[Rollout], prompts: list):
-        """Everything that reads the rollouts, started together and gathered after."""
-        old_call = self.m.actor.call_sharded_async("log_probs", batch)
-        ref_call = self.m.ref.call_sharded_async("log_probs", batch)
+        """Everything that reads the rollouts, started together and gathered after. old / ref log-probs are None
+        where their forward is skipped (see the module docstring)."""
+        old_call = None if self.cfg.single_pass else self.m.actor.call_sharded_async("log_probs", batch)
+        ref_call = self.m.ref.call_sharded_async("log_probs", batch) if self.m.ref else None
         value_call = self.m.critic.call_sharded_async("values", batch) if self.m.critic else None
         reward_call = self.m.reward.call_sharded_async("scores", batch) if self.m.reward else None
         if self.reward_source is not None:  # runs here while the groups compute
@@ -231,12 +235,13 @@ class Controller:
         if self.reward_norm is not None:
             self.reward_norm.update(scores)
         values = value_call.get_cat() if value_call else None
-        return scores.float(), old_call.get_cat(), ref_call.get_cat(), values
+        old_lp = old_call.get_cat() if old_call else None
+        return scores.float(), old_lp, ref_call.get_cat() if ref_call else None, values
 
-    def make_experience(self, batch, scores, old_lp, ref_lp, values) -> tuple[Experience, dict]:
+    def make_experience(self, batch, scores, old_lp, ref_lp, values, engine_lp=None) -> tuple[Experience, dict]:
         shaped_scores = self.reward_norm.normalize(scores) if self.reward_norm is not None else scores
         exp, info = make_experience(batch, shaped_scores, old_lp, ref_lp, values, self.kl_ctl.value, self.exp_cfg,
-                                    weight_version=self.weight_version)
+                                    weight_version=self.weight_version, rollout_log_probs=engine_lp)
         info["reward_mean"] = scores.mean().item()  # the raw task reward, whatever the normalization
         self.kl_ctl.update(info["kl"], len(scores))
         return exp, info
@@ -275,7 +280,17 @@ class Controller:
 
 def _mean_stats(stats: list[TrainStats]) -> dict[str, float]:
     keys = [f.name for f in fields(TrainStats) if f.name != "extra"]
-    return {k: sum(float(getattr(s, k)) for s in stats) / len(stats) for k in keys}
+    out = {k: sum(float(getattr(s, k)) for s in stats) / len(stats) for k in keys}
+    extra = set.intersection(*(set(s.extra) for s in stats)) if stats else set()  # reported by every rank
+    return {**out, **{k: sum(float(s.extra[k]) for s in stats) / len(stats) for k in extra if k not in out}}
+
+
+def _engine_gap(engine_lp: torch.Tensor, old_lp: Optional[torch.Tensor], mask: torch.Tensor, actor: dict) -> float:
+    """Mean |engine log-prob - trainer log-prob| per action token. On a single pass the actor measured it in its
+    training forward (sums and token counts averaged alike over ranks and micro-batches: their ratio is exact)."""
+    if old_lp is not None:
+        return _masked_abs_mean(engine_lp - old_lp, mask)
+    return actor["engine_gap_sum"] / max(1.0, actor["engine_gap_tokens"])
 
 
 def _masked_abs_mean(x: torch.Tensor, mask: torch.Tensor) -> float:

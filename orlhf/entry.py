@@ -148,6 +148,7 @@ def start_models(cfg: TrainConfig, placed, optimizer_steps: int, stack: ExitStac
     """Engines and model groups on their bundles, started together; each is shut down when `stack` closes."""
     from orlhf.cluster import ActorGroup
     from orlhf.controller import Models
+    from orlhf.placement import active_roles
     from orlhf.rollout.engine import EngineGroup, engine_config
     from orlhf.weight_sync import make_weight_sync
     from orlhf.workers import CriticWorker, PolicyWorker, ReferenceWorker, RewardWorker
@@ -157,9 +158,9 @@ def start_models(cfg: TrainConfig, placed, optimizer_steps: int, stack: ExitStac
                           timeout_s=timeout, wait=False)
     stack.callback(engines.shutdown)
     workers = {"actor": PolicyWorker, "ref": ReferenceWorker, "critic": CriticWorker, "reward": RewardWorker}
-    present = ["actor", "ref"] + (["critic"] if cfg.has_critic else []) + (["reward"] if cfg.has_reward_model else [])
+    log_skipped_forwards(cfg)
     groups = {}
-    for role in present:
+    for role in active_roles(cfg):  # no ref without a KL (TrainConfig.has_reference)
         groups[role] = ActorGroup(role, workers[role], worker_config(cfg, role, device, optimizer_steps),
                                   placed.role_bundles(role), device=device,
                                   gpus_per_node=getattr(pl, f"{role}_num_gpus_per_node"), timeout_s=timeout)
@@ -168,8 +169,18 @@ def start_models(cfg: TrainConfig, placed, optimizer_steps: int, stack: ExitStac
         call.get()
     log.info("vllm engines: %d, pids %s", len(engines), engines.wait_ready())
     sync = make_weight_sync(cfg, groups["actor"], engines)
-    return Models(actor=groups["actor"], ref=groups["ref"], engines=engines, sync=sync,
+    return Models(actor=groups["actor"], ref=groups.get("ref"), engines=engines, sync=sync,
                   critic=groups.get("critic"), reward=groups.get("reward"))
+
+
+def log_skipped_forwards(cfg: TrainConfig) -> None:
+    """Say which forwards this run leaves out because they cannot change an update."""
+    if not cfg.has_reference:
+        log.info("no reference model: --init_kl_coef 0 without --use_kl_loss puts no KL anywhere%s",
+                 " (--colocate_actor_ref has nothing to colocate)" if cfg.placement.colocate_actor_ref else "")
+    if cfg.single_pass:
+        log.info("no old-log-prob forward: one optimizer step per batch (--max_epochs 1), so the PPO ratio is 1 and "
+                 "the actor's training forward supplies log pi_old")
 
 
 def make_reward(cfg: TrainConfig):
