@@ -69,6 +69,9 @@ def connect_ray(cfg: TrainConfig, num_cpus: int) -> bool:
 
 def train_ppo(cfg: TrainConfig) -> int:
     """Run PPO with `cfg`. Returns the process exit code."""
+    from orlhf.startup import StartupClock
+
+    clock = StartupClock()  # from process start: imports and flag parsing count too
     import ray
 
     from orlhf.checkpoint import CheckpointManager
@@ -78,6 +81,7 @@ def train_ppo(cfg: TrainConfig) -> int:
     from orlhf.placement import create_placement_groups, local_num_cpus, plan_layout, remove_placement_groups
 
     logging.basicConfig(level=logging.INFO, format="[orlhf] %(message)s")
+    clock.mark("imports")
     cfg = resolve_device(resolve_demo(cfg))
     device, d, p = cfg.runtime.device, cfg.data, cfg.ppo
     if cfg.deepspeed.packing_samples and not cfg.deepspeed.flash_attn:
@@ -97,13 +101,16 @@ def train_ppo(cfg: TrainConfig) -> int:
     checkpoints = CheckpointManager(cfg.logging.ckpt_path, cfg.logging.max_ckpt_num)
     resume_from = find_checkpoint(cfg, checkpoints)  # one from other flags fails here, before anything starts
 
+    clock.mark("prompts")
     with ExitStack() as stack:
         if connect_ray(cfg, local_num_cpus(layout)):
             stack.callback(ray.shutdown)
+        clock.mark("ray")
         placed = create_placement_groups(layout, cfg.runtime.ray_timeout_s)
         stack.callback(remove_placement_groups, placed)
+        clock.mark("placement")
         t0 = time.monotonic()
-        models = start_models(cfg, placed, optimizer_steps, stack)
+        models = start_models(cfg, placed, optimizer_steps, stack, clock)
         log.info("%d model group(s) and %d engine(s) ready in %.1f s", len(models.groups()), len(models.engines),
                  time.monotonic() - t0)
         metrics = MetricsLogger(cfg.logging.save_path, use_wandb=cfg.logging.use_wandb,
@@ -114,6 +121,9 @@ def train_ppo(cfg: TrainConfig) -> int:
                                 checkpoints=checkpoints)
         if resume_from is not None:
             controller.resume(resume_from)
+        clock.mark("controller")
+        log.info("%s", clock.report())
+        clock.save(Path(cfg.logging.save_path) / "startup.json")
         try:
             history = controller.fit()
         finally:
@@ -144,8 +154,13 @@ def find_checkpoint(cfg: TrainConfig, checkpoints):
     return path
 
 
-def start_models(cfg: TrainConfig, placed, optimizer_steps: int, stack: ExitStack):
-    """Engines and model groups on their bundles, started together; each is shut down when `stack` closes."""
+def start_models(cfg: TrainConfig, placed, optimizer_steps: int, stack: ExitStack, clock=None):
+    """Engines and model groups on their bundles, started together; each is shut down when `stack` closes.
+
+    Engines start first without waiting (vLLM's start-up is the longest); the model groups' actors are spawned
+    and set up concurrently (one thread each: every ActorGroup waits on its ranks' process start and imports),
+    then all groups init() together, then the engines are awaited. `clock` (startup.StartupClock) gets a mark
+    after each of these phases."""
     from orlhf.cluster import ActorGroup
     from orlhf.controller import Models
     from orlhf.placement import active_roles
@@ -159,18 +174,43 @@ def start_models(cfg: TrainConfig, placed, optimizer_steps: int, stack: ExitStac
     stack.callback(engines.shutdown)
     workers = {"actor": PolicyWorker, "ref": ReferenceWorker, "critic": CriticWorker, "reward": RewardWorker}
     log_skipped_forwards(cfg)
-    groups = {}
-    for role in active_roles(cfg):  # no ref without a KL (TrainConfig.has_reference)
-        groups[role] = ActorGroup(role, workers[role], worker_config(cfg, role, device, optimizer_steps),
-                                  placed.role_bundles(role), device=device,
-                                  gpus_per_node=getattr(pl, f"{role}_num_gpus_per_node"), timeout_s=timeout)
-        stack.callback(groups[role].shutdown)
+    mark = clock.mark if clock is not None else (lambda phase: None)
+
+    def spawn(role: str) -> ActorGroup:
+        return ActorGroup(role, workers[role], worker_config(cfg, role, device, optimizer_steps),
+                          placed.role_bundles(role), device=device,
+                          gpus_per_node=getattr(pl, f"{role}_num_gpus_per_node"), timeout_s=timeout)
+
+    groups = _spawn_concurrently(active_roles(cfg), spawn, stack)  # no ref without a KL (TrainConfig.has_reference)
+    mark("groups spawned")
     for call in [g.call_all_async("init") for g in groups.values()]:
         call.get()
+    mark("groups init")
     log.info("vllm engines: %d, pids %s", len(engines), engines.wait_ready())
+    mark("engines ready")
     sync = make_weight_sync(cfg, groups["actor"], engines)
+    mark("weight sync group")
     return Models(actor=groups["actor"], ref=groups.get("ref"), engines=engines, sync=sync,
                   critic=groups.get("critic"), reward=groups.get("reward"))
+
+
+def _spawn_concurrently(roles: list[str], spawn, stack: ExitStack) -> dict:
+    """{role: spawn(role)} built in parallel threads; every group built is shut down when `stack` closes, also
+    when another one failed (its error is raised after all have finished)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=len(roles), thread_name_prefix="orlhf-spawn") as pool:
+        futures = {role: pool.submit(spawn, role) for role in roles}
+    groups, errors = {}, []
+    for role, future in futures.items():
+        if future.exception() is not None:
+            errors.append(future.exception())
+            continue
+        groups[role] = future.result()
+        stack.callback(groups[role].shutdown)
+    if errors:
+        raise errors[0]
+    return groups
 
 
 def log_skipped_forwards(cfg: TrainConfig) -> None:
