@@ -369,8 +369,13 @@ def test_reward_scores_are_the_last_real_token(ws2, ws1, paths, experience):
 def test_single_pass_without_old_log_probs_makes_the_same_step(ws1, hf_lm):
     # exp's old log-probs are a plain HF forward on the initial weights; without them the actor uses its own
     # detached log-probs: the ratio is 1 either way (up to float rounding), so the optimizer step is the same.
-    full, single = ws1[0]["stats"], ws1[0]["single_stats"]
-    assert _max_diff(ws1[0]["single_after"], ws1[0]["after"]) <= 1e-5
+    full, single, after = ws1[0]["stats"], ws1[0]["single_stats"], ws1[0]["after"]
+    diffs = torch.cat([(ws1[0]["single_after"][k] - after[k]).abs().flatten() for k in after])
+    # Adam's first step is lr * g / (|g| + eps), ~lr * sign(g): an entry whose gradient is ~0 can move by a few %
+    # of lr (1e-3) with the float rounding of pi_old (a plain HF forward there, the actor's own forward here).
+    # Every other entry agrees to rounding.
+    share = (diffs > 1e-6).float().mean().item()
+    assert diffs.max().item() <= 5e-5 and share < 1e-3, (diffs.max().item(), share)
     assert _max_diff(ws1[0]["single_after"], dict(hf_lm.state_dict())) > 1e-4  # and the step did move the weights
     assert single.loss == pytest.approx(full.loss, rel=1e-5, abs=1e-6)
     assert single.kl_loss == pytest.approx(full.kl_loss, rel=1e-5, abs=1e-6)
