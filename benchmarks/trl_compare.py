@@ -104,13 +104,15 @@ def trl_cmd(a, python: Path) -> list[str]:
 # ---- one run --------------------------------------------------------------------------------------------------
 
 
-def run_once(cmd: list[str], save: Path, warmup: int, timeout: float) -> dict:
+def run_once(cmd: list[str], save: Path, warmup: int, timeout: float, trl_threads: int = 0) -> dict:
     shutil.rmtree(save, ignore_errors=True)
     save.mkdir(parents=True)
     is_trl = "trl_grpo_runner.py" in " ".join(cmd)
     cmd = [*cmd, "--out" if is_trl else "--save_path", str(save)]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # orlhf starts its own Ray
     env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", WANDB_MODE="offline")
+    if is_trl and trl_threads:
+        env["OMP_NUM_THREADS"] = str(trl_threads)
     if not is_trl:
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     launched = time.monotonic()
@@ -195,6 +197,8 @@ def parse_args(argv=None):
     ap.add_argument("--lr", type=float, default=5e-4)
     ap.add_argument("--kl", type=float, default=0.01, help="KL coefficient (TRL beta); 0: no reference model")
     ap.add_argument("--orlhf_flags", default="", help="extra train-ppo flags for the orlhf modes")
+    ap.add_argument("--trl_threads", type=int, default=0,
+                    help="OMP_NUM_THREADS for TRL (default: unset, torch's one thread per core, as a user runs it)")
     ap.add_argument("--trl_version", default=TRL_VERSION)
     ap.add_argument("--trl_venv", type=Path, default=None, help="default: <orlhf cache>/trl-venv-<version>")
     ap.add_argument("--no_install", action="store_true", help="fail instead of installing TRL's virtualenv")
@@ -218,7 +222,7 @@ def main(argv=None) -> None:
     for rep in range(a.repeats):
         for mode in a.modes:
             print(f"repeat {rep + 1}/{a.repeats}: {mode} ...", flush=True)
-            runs[mode].append(run_once(cmds[mode], a.out / f"{mode}-r{rep}", a.warmup, a.timeout))
+            runs[mode].append(run_once(cmds[mode], a.out / f"{mode}-r{rep}", a.warmup, a.timeout, a.trl_threads))
     result = {m: median_of(rs) for m, rs in runs.items()}
     trl_sps = result.get("trl", {}).get("samples_per_s")
     for m, r in result.items():
