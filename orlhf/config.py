@@ -314,6 +314,25 @@ class TrainConfig:
     def has_reward_model(self) -> bool:
         return self.data.reward_pretrain is not None
 
+    @property
+    def has_reference(self) -> bool:
+        """A reference model runs only when a KL reads it (OpenRLHF: --init_kl_coef 0 means no reference model).
+        Without one the KL term is 0 * KL in the rewards; its forward could not change a single update."""
+        return self.ppo.init_kl_coef > 0 or self.ppo.use_kl_loss
+
+    @property
+    def single_pass(self) -> bool:
+        """Each step's experience meets exactly one optimizer step (--max_epochs 1 and rollout_batch_size x
+        n_samples_per_prompt == train_batch_size), no KL is shaped into the rewards and no adaptive KL controller
+        reads KL(old || ref). Then the old policy IS the current one: the PPO ratio is exactly 1, and the actor
+        uses its own detached log-probs from the training forward instead of a separate old-log-prob forward (the
+        same update; TRL's GRPO does the same)."""
+        p = self.ppo
+        one_step = p.rollout_batch_size * p.n_samples_per_prompt == p.train_batch_size
+        kl_in_reward = p.init_kl_coef > 0 and not p.use_kl_loss  # shaped from the old log-probs
+        adaptive = p.kl_target is not None and self.has_reference  # steered by KL(old || ref) each step
+        return p.max_epochs == 1 and one_step and not kl_in_reward and not adaptive
+
 
 # Values the built-in demo runs with unless the user sets the flag: a tiny model on 2 CPU cores learns its task
 # in minutes with these, while OpenRLHF's defaults (1024-token generations, lr 1e-6) would not move it.

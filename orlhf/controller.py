@@ -5,7 +5,9 @@
                        --agent_func_path one multi-turn agent episode per sample (rollout/executor.py);
                        with --dynamic_filtering scored at once and refilled until full (dynamic_filtering.py)
       score            in parallel: actor old log-probs | ref log-probs | critic values | rewards (RM group, or
-                       the reward function / HTTP server while the groups work)
+                       the reward function / HTTP server while the groups work). Skipped, as they cannot change
+                       the update: ref without a KL (TrainConfig.has_reference), old log-probs on a single pass
+                       (TrainConfig.single_pass: the actor's training forward supplies them, the ratio is 1)
       make_experience  driver: KL, group baseline, KL-shaped rewards, advantages and returns (algo/)
       train            actor and critic train_step at the same time (non-blocking calls, gathered after)
       sync_weights     actor -> engines (weight_sync.py); weight_version += 1; before the next generate
@@ -48,10 +50,11 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Models:
-    """Everything the controller drives. critic exists with gae only; reward with --reward_pretrain only."""
+    """Everything the controller drives. critic exists with gae only; reward with --reward_pretrain only; ref only
+    when a KL uses it (TrainConfig.has_reference)."""
 
     actor: ActorGroup
-    ref: ActorGroup
+    ref: Optional[ActorGroup]
     engines: EngineGroup
     sync: WeightSync
     critic: Optional[ActorGroup] = None
@@ -174,7 +177,7 @@ class Controller:
                **{k: actor_stats[k] for k in ("clip_frac_low", "clip_frac_high", "entropy")},
                "actor_grad_norm": actor_stats["grad_norm"], "weight_version": self.weight_version,
                "generation_weight_version": gen_version, "staleness": staleness,
-               "engine_logprob_gap": _masked_abs_mean(engine_log_probs - old_lp, batch.action_mask),
+               "engine_logprob_gap": _engine_gap(engine_log_probs, old_lp, batch.action_mask, actor_stats),
                "samples": len(rollouts), "samples_per_s": len(rollouts) / seconds, "step_s": seconds,
                **reward.log_row(), **{f"timing/{k}": v for k, v in self.timings.items()},
                **agent_metrics(rollouts)}
@@ -309,8 +312,8 @@ class Controller:
         already, from --dynamic_filtering)."""
         from orlhf.rewards import RewardResult
 
-        old_call = self.m.actor.call_sharded_async("log_probs", batch)
-        ref_call = self.m.ref.call_sharded_async("log_probs", batch)
+        old_call = None if self.cfg.single_pass else self.m.actor.call_sharded_async("log_probs", batch)
+        ref_call = self.m.ref.call_sharded_async("log_probs", batch) if self.m.ref else None
         value_call = self.m.critic.call_sharded_async("values", batch) if self.m.critic else None
         reward_call = self.m.reward.call_sharded_async("scores", batch) if self.m.reward and reward is None else None
         if reward is not None:
@@ -322,7 +325,8 @@ class Controller:
         if self.reward_norm is not None:
             self.reward_norm.update(reward.rewards)
         values = value_call.get_cat() if value_call else None
-        return reward, old_call.get_cat(), ref_call.get_cat(), values
+        old_lp = old_call.get_cat() if old_call else None  # None on a single pass (module docstring)
+        return reward, old_lp, ref_call.get_cat() if ref_call else None, values
 
     def make_experience(self, batch, scores, old_lp, ref_lp, values, truncated=None,
                         engine_log_probs=None) -> tuple[Experience, dict]:
@@ -390,7 +394,17 @@ def reward_inputs(tokenizer, rollouts: list[Rollout], prompts: list) -> tuple[li
 
 def _mean_stats(stats: list[TrainStats]) -> dict[str, float]:
     keys = [f.name for f in fields(TrainStats) if f.name != "extra"]
-    return {k: sum(float(getattr(s, k)) for s in stats) / len(stats) for k in keys}
+    out = {k: sum(float(getattr(s, k)) for s in stats) / len(stats) for k in keys}
+    extra = set.intersection(*(set(s.extra) for s in stats)) if stats else set()  # reported by every rank
+    return {**out, **{k: sum(float(s.extra[k]) for s in stats) / len(stats) for k in extra if k not in out}}
+
+
+def _engine_gap(engine_lp: torch.Tensor, old_lp: Optional[torch.Tensor], mask: torch.Tensor, actor: dict) -> float:
+    """Mean |engine log-prob - trainer log-prob| per action token. On a single pass the actor measured it in its
+    training forward (sums and token counts averaged alike over ranks and micro-batches: their ratio is exact)."""
+    if old_lp is not None:
+        return _masked_abs_mean(engine_lp - old_lp, mask)
+    return actor["engine_gap_sum"] / max(1.0, actor["engine_gap_tokens"])
 
 
 def _masked_abs_mean(x: torch.Tensor, mask: torch.Tensor) -> float:

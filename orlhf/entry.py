@@ -72,16 +72,19 @@ def connect_ray(cfg: TrainConfig, num_cpus: int) -> bool:
 def train_ppo(cfg: TrainConfig) -> int:
     """Run PPO with `cfg`. Returns the process exit code."""
     from orlhf.runlock import hold_folders
+    from orlhf.startup import StartupClock
 
+    clock = StartupClock()  # from process start: imports and flag parsing count too
     logging.basicConfig(level=logging.INFO, format="[orlhf] %(message)s")
+    clock.mark("imports")
     cfg = resolve_device(resolve_demo(cfg))
     run_id = uuid.uuid4().hex[:12]  # a resumed run takes its checkpoint's (run_locked)
     with hold_folders(cfg.logging.save_path, cfg.logging.checkpoint_dir, run_id):
-        return run_locked(cfg, run_id)
+        return run_locked(cfg, run_id, clock)
 
 
-def run_locked(cfg: TrainConfig, run_id: str) -> int:
-    """train_ppo once this process holds the run folder and the checkpoint folder."""
+def run_locked(cfg: TrainConfig, run_id: str, clock) -> int:
+    """train_ppo once this process holds the run folder and the checkpoint folder (`clock`: startup.StartupClock)."""
     import ray
 
     from orlhf.checkpoint import CheckpointManager
@@ -119,13 +122,16 @@ def run_locked(cfg: TrainConfig, run_id: str) -> int:
         run_id = checkpoints.run_id = meta.get("run_id") or run_id
         resume_step = int(meta["step"])  # metrics logged after it are cut: those steps are trained again
 
+    clock.mark("prompts")
     with ExitStack() as stack:
         if connect_ray(cfg, local_num_cpus(layout)):
             stack.callback(ray.shutdown)
+        clock.mark("ray")
         placed = create_placement_groups(layout, cfg.runtime.ray_timeout_s)
         stack.callback(remove_placement_groups, placed)
+        clock.mark("placement")
         t0 = time.monotonic()
-        models = start_models(cfg, placed, optimizer_steps, stack)
+        models = start_models(cfg, placed, optimizer_steps, stack, clock)
         log.info("%d model group(s) and %d engine(s) ready in %.1f s", len(models.groups()), len(models.engines),
                  time.monotonic() - t0)
         metrics = MetricsLogger(cfg.logging.save_path, use_wandb=cfg.logging.use_wandb,
@@ -137,6 +143,9 @@ def run_locked(cfg: TrainConfig, run_id: str) -> int:
                                 best_checkpoints=CheckpointManager(Path(cfg.logging.ckpt_path) / "best", 1))
         if resume_from is not None:
             controller.resume(resume_from)
+        clock.mark("controller")
+        log.info("%s", clock.report())
+        clock.save(Path(cfg.logging.save_path) / "startup.json")
         try:
             history = controller.fit()
         finally:
@@ -205,10 +214,16 @@ def find_checkpoint(cfg: TrainConfig, checkpoints):
     return path
 
 
-def start_models(cfg: TrainConfig, placed, optimizer_steps: int, stack: ExitStack):
-    """Engines and model groups on their bundles, started together; each is shut down when `stack` closes."""
+def start_models(cfg: TrainConfig, placed, optimizer_steps: int, stack: ExitStack, clock=None):
+    """Engines and model groups on their bundles, started together; each is shut down when `stack` closes.
+
+    Engines start first without waiting (vLLM's start-up is the longest); the model groups' actors are spawned
+    and set up concurrently (one thread each: every ActorGroup waits on its ranks' process start and imports),
+    then all groups init() together, then the engines are awaited. `clock` (startup.StartupClock) gets a mark
+    after each of these phases."""
     from orlhf.cluster import ActorGroup
     from orlhf.controller import Models
+    from orlhf.placement import active_roles
     from orlhf.rollout.engine import EngineGroup, engine_config
     from orlhf.weight_sync import make_weight_sync
     from orlhf.workers import CriticWorker, PolicyWorker, ReferenceWorker, RewardWorker
@@ -218,18 +233,24 @@ def start_models(cfg: TrainConfig, placed, optimizer_steps: int, stack: ExitStac
                           timeout_s=timeout, wait=False)
     stack.callback(engines.shutdown)
     workers = {"actor": PolicyWorker, "ref": ReferenceWorker, "critic": CriticWorker, "reward": RewardWorker}
-    present = ["actor", "ref"] + (["critic"] if cfg.has_critic else []) + (["reward"] if cfg.has_reward_model else [])
-    groups = {}
-    for role in present:
-        groups[role] = ActorGroup(role, workers[role], worker_config(cfg, role, device, optimizer_steps),
-                                  placed.role_bundles(role), device=device,
-                                  gpus_per_node=getattr(pl, f"{role}_num_gpus_per_node"), timeout_s=timeout)
-        stack.callback(groups[role].shutdown)
+    log_skipped_forwards(cfg)
+    mark = clock.mark if clock is not None else (lambda phase: None)
+
+    def spawn(role: str) -> ActorGroup:
+        return ActorGroup(role, workers[role], worker_config(cfg, role, device, optimizer_steps),
+                          placed.role_bundles(role), device=device,
+                          gpus_per_node=getattr(pl, f"{role}_num_gpus_per_node"), timeout_s=timeout)
+
+    groups = _spawn_concurrently(active_roles(cfg), spawn, stack)  # no ref without a KL (TrainConfig.has_reference)
+    mark("groups spawned")
     for call in [g.call_all_async("init") for g in groups.values()]:
         call.get()
+    mark("groups init")
     log.info("vllm engines: %d, pids %s", len(engines), engines.wait_ready())
+    mark("engines ready")
     sync = make_weight_sync(cfg, groups["actor"], engines)
-    return Models(actor=groups["actor"], ref=groups["ref"], engines=engines, sync=sync,
+    mark("weight sync group")
+    return Models(actor=groups["actor"], ref=groups.get("ref"), engines=engines, sync=sync,
                   critic=groups.get("critic"), reward=groups.get("reward"))
 
 
@@ -242,6 +263,35 @@ def make_evaluator(cfg: TrainConfig, tokenizer):
 
     return Evaluator(load_eval_prompts(cfg, tokenizer), e.eval_n_samples_per_prompt, e.eval_temperature,
                      cfg.ppo.top_p, cfg.ppo.generate_max_len, cfg.ppo.seed, e.eval_steps, e.best_metric_key)
+
+
+def _spawn_concurrently(roles: list[str], spawn, stack: ExitStack) -> dict:
+    """{role: spawn(role)} built in parallel threads; every group built is shut down when `stack` closes, also
+    when another one failed (its error is raised after all have finished)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=len(roles), thread_name_prefix="orlhf-spawn") as pool:
+        futures = {role: pool.submit(spawn, role) for role in roles}
+    groups, errors = {}, []
+    for role, future in futures.items():
+        if future.exception() is not None:
+            errors.append(future.exception())
+            continue
+        groups[role] = future.result()
+        stack.callback(groups[role].shutdown)
+    if errors:
+        raise errors[0]
+    return groups
+
+
+def log_skipped_forwards(cfg: TrainConfig) -> None:
+    """Say which forwards this run leaves out because they cannot change an update."""
+    if not cfg.has_reference:
+        log.info("no reference model: --init_kl_coef 0 without --use_kl_loss puts no KL anywhere%s",
+                 " (--colocate_actor_ref has nothing to colocate)" if cfg.placement.colocate_actor_ref else "")
+    if cfg.single_pass:
+        log.info("no old-log-prob forward: one optimizer step per batch (--max_epochs 1), so the PPO ratio is 1 and "
+                 "the actor's training forward supplies log pi_old")
 
 
 def make_reward(cfg: TrainConfig):

@@ -88,8 +88,8 @@ def length_penalties(scores: torch.Tensor, lengths: torch.Tensor, truncated: Opt
     return scores, info
 
 
-def make_experience(batch: SequenceBatch, scores: torch.Tensor, old_log_probs: torch.Tensor,
-                    ref_log_probs: torch.Tensor, values: Optional[torch.Tensor], kl_coef: float,
+def make_experience(batch: SequenceBatch, scores: torch.Tensor, old_log_probs: Optional[torch.Tensor],
+                    ref_log_probs: Optional[torch.Tensor], values: Optional[torch.Tensor], kl_coef: float,
                     cfg: ExperienceConfig, weight_version: int = 0, truncated: Optional[torch.Tensor] = None,
                     rollout_log_probs: Optional[torch.Tensor] = None) -> tuple[Experience, dict[str, float]]:
     """One step's scored rollouts -> an Experience batch and its summary numbers.
@@ -97,9 +97,11 @@ def make_experience(batch: SequenceBatch, scores: torch.Tensor, old_log_probs: t
     scores (B,) task rewards (already normalized if --normalize_reward); log-probs and values (B, A);
     truncated (B,) bool: responses cut at --generate_max_len; rollout_log_probs (B, A): the engine's.
     Order (algo/advantages.py's contract): scores -> group baseline -> KL-shaped per-token rewards -> advantages.
+    Skipped forwards: ref_log_probs None (no reference model) gives KL 0; old_log_probs None (a single pass) is
+    allowed only when no KL is shaped into the rewards, and the "kl" figure then reads the engines' log-probs.
     """
     mask = batch.action_mask
-    kl = approx_kl(old_log_probs, ref_log_probs, cfg.kl_estimator) * mask  # (B, A)
+    kl = _kl(old_log_probs, ref_log_probs, rollout_log_probs, kl_coef, cfg) * mask  # (B, A)
     scores, penalty_info = length_penalties(scores, mask.sum(-1), truncated, cfg)
     baselined = group_baseline(scores, cfg.n_samples_per_prompt, cfg.advantage_estimator)  # (B,)
     rewards = shape_rewards(baselined, kl, mask, 0.0 if cfg.use_kl_loss else kl_coef, cfg.reward_clip_range)
@@ -108,8 +110,10 @@ def make_experience(batch: SequenceBatch, scores: torch.Tensor, old_log_probs: t
     exp = Experience(batch.sequences, batch.attention_mask, mask, action_log_probs=old_log_probs,
                      advantages=advantages, returns=returns if values is not None else None, values=values,
                      base_action_log_probs=ref_log_probs if cfg.use_kl_loss else None,
-                     rollout_log_probs=rollout_log_probs if cfg.keep_rollout_log_probs else None,
-                     weight_version=weight_version)
+                     weight_version=weight_version,
+                     # engine log-probs: for IS correction, and for the engine gap on a single pass
+                     rollout_log_probs=rollout_log_probs if cfg.keep_rollout_log_probs or old_log_probs is None
+                     else None)
     lengths = mask.sum(-1).clamp(min=1).float()
     info = {
         "reward_mean": scores.mean().item(),
@@ -123,3 +127,18 @@ def make_experience(batch: SequenceBatch, scores: torch.Tensor, old_log_probs: t
         info["value_mean"] = masked_mean(values, mask).item()
         info["return_mean"] = masked_mean(returns, mask).item()
     return exp, info
+
+
+def _kl(old_log_probs, ref_log_probs, rollout_log_probs, kl_coef: float, cfg: ExperienceConfig) -> torch.Tensor:
+    """(B, A) per-token KL(policy || ref) estimate; zeros without a reference model."""
+    if ref_log_probs is None:
+        if cfg.use_kl_loss:
+            raise ValueError("--use_kl_loss needs the reference log-probs")
+        return torch.zeros_like(old_log_probs if old_log_probs is not None else rollout_log_probs)
+    if old_log_probs is None:
+        if kl_coef != 0 and not cfg.use_kl_loss:
+            raise ValueError("a KL-shaped reward needs the old log-probs (TrainConfig.single_pass is False here)")
+        if rollout_log_probs is None:
+            raise ValueError("without old log-probs the KL figure needs the engines' log-probs")
+        return approx_kl(rollout_log_probs, ref_log_probs, cfg.kl_estimator)  # a figure only: coefficient 0
+    return approx_kl(old_log_probs, ref_log_probs, cfg.kl_estimator)

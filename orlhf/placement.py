@@ -96,8 +96,9 @@ class Layout:
 
 
 def active_roles(cfg: TrainConfig) -> list[str]:
-    """The models this run places: actor and ref always, critic with gae, reward with --reward_pretrain."""
-    present = {"actor": True, "ref": True, "critic": cfg.has_critic, "reward": cfg.has_reward_model}
+    """The models this run places: the actor always, ref when a KL uses it (not with --init_kl_coef 0 and no
+    --use_kl_loss), critic with gae, reward with --reward_pretrain. Entry, plan and validation all read this."""
+    present = {"actor": True, "ref": cfg.has_reference, "critic": cfg.has_critic, "reward": cfg.has_reward_model}
     return [r for r in ROLE_ORDER if present[r]]
 
 

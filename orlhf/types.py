@@ -76,13 +76,18 @@ class Experience:
     sequences: torch.Tensor  # (B, T) long
     attention_mask: torch.Tensor  # (B, T)
     action_mask: torch.Tensor  # (B, A) bool
-    action_log_probs: torch.Tensor  # (B, A) float: log pi_old(a|s), the policy that generated (recomputed)
+    # (B, A) float: log pi_old(a|s), the policy that generated (recomputed). None when the step is a single pass
+    # (TrainConfig.single_pass): pi_old is then the current policy and the actor uses its own detached log-probs.
+    action_log_probs: Optional[torch.Tensor]
     advantages: torch.Tensor  # (B, A) float
     returns: Optional[torch.Tensor] = None  # (B, A) float: critic targets (gae only)
     values: Optional[torch.Tensor] = None  # (B, A) float: V_old(s), for the clipped value loss (gae only)
     base_action_log_probs: Optional[torch.Tensor] = None  # (B, A): reference log-probs, for --use_kl_loss
     rollout_log_probs: Optional[torch.Tensor] = None  # (B, A): the engine's log-probs, for IS correction
     weight_version: int = 0  # actor weight version the engines generated with (async staleness bookkeeping)
+    # (B, A) float: the engines' sampling log-probs, sent only when action_log_probs is None so the actor can
+    # report the engine/trainer mismatch (engine_logprob_gap) from its training forward. Never in the loss.
+    rollout_log_probs: Optional[torch.Tensor] = None
 
     @property
     def num_actions(self) -> int:

@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 from orlhf.config import GROUP_ESTIMATORS, ConfigError, TrainConfig
+from orlhf.placement import active_roles
 
 # "org/name" on the HF hub; allowed for model paths when the hub is reachable (HF_HUB_OFFLINE unset).
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -158,7 +159,7 @@ def _colocation(cfg: TrainConfig, out: list[str]) -> None:
         out.append(f"--colocate_critic_reward needs --reward_num_nodes/--reward_num_gpus_per_node equal to the "
                    f"critic's (critic {shape('critic')}, reward {shape('reward')}).")
     if p.colocate_all_models:
-        roles = ["ref"] + (["critic"] if cfg.has_critic else []) + (["reward"] if cfg.has_reward_model else [])
+        roles = [r for r in active_roles(cfg) if r != "actor"]
         for role in roles:
             if not same_shape("actor", role):
                 out.append(f"--colocate_all_models needs --{role}_num_nodes/--{role}_num_gpus_per_node equal to "

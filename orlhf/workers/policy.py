@@ -130,7 +130,8 @@ class PolicyWorker(DeepSpeedWorker):
         cfg, mask = self.cfg, mb.action_mask
         logits = action_logits(self.engine, mb.as_sequence_batch(), cfg.temperature, cfg.packing_samples)  # (b, A, V)
         log_probs = gather_log_probs(logits, mb.sequences[:, -mb.num_actions:])  # (b, A)
-        terms = policy_loss_terms(log_probs, mb.action_log_probs, mb.advantages, mask, cfg.eps_clip,
+        old = _old_log_probs(mb, log_probs)
+        terms = policy_loss_terms(log_probs, old, mb.advantages, mask, cfg.eps_clip,
                                   cfg.eps_clip_high if cfg.eps_clip_high is not None else cfg.eps_clip,
                                   cfg.dual_clip, cfg.policy_loss_type, mb.rollout_log_probs, cfg.is_correction,
                                   tuple(cfg.is_threshold))
@@ -139,7 +140,7 @@ class PolicyWorker(DeepSpeedWorker):
         stats = {"loss": loss.item(), "clip_frac": masked_mean(cut.float(), mask).item(),
                  "clip_frac_low": masked_mean(terms.clipped_low.float(), mask).item(),
                  "clip_frac_high": masked_mean(terms.clipped_high.float(), mask).item(),
-                 "approx_kl": masked_mean(mb.action_log_probs - log_probs.detach(), mask).item()}
+                 "approx_kl": masked_mean(old - log_probs.detach(), mask).item(), **_engine_gap_sums(mb, log_probs)}
         if terms.is_cut is not None:
             stats["is_cut_frac"] = masked_mean(terms.is_cut.float(), mask).item()
         # Entropy is logged on every step; it joins the graph only when it is in the loss.
@@ -210,6 +211,22 @@ class PolicyWorker(DeepSpeedWorker):
             _copy_tokenizer(self.cfg.model_path, out_dir)
         if self.world_size > 1:
             dist.barrier()
+
+
+def _old_log_probs(mb: Experience, log_probs: torch.Tensor) -> torch.Tensor:
+    """log pi_old: the experience's, or on a single pass (action_log_probs None: one optimizer step per batch, so
+    the weights here are the ones that would have scored it) this forward's own, detached: ratio exactly 1,
+    gradient that of log pi, as with a separately recomputed pi_old equal up to float rounding."""
+    return mb.action_log_probs if mb.action_log_probs is not None else log_probs.detach()
+
+
+def _engine_gap_sums(mb: Experience, log_probs: torch.Tensor) -> dict[str, float]:
+    """Sum |engine - trainer log-prob| and token count (engine_logprob_gap) when the engines' log-probs came along."""
+    if mb.rollout_log_probs is None:
+        return {}
+    mask = mb.action_mask
+    gap = ((mb.rollout_log_probs - log_probs.detach()).abs() * mask).sum()
+    return {"engine_gap_sum": gap.item(), "engine_gap_tokens": float(mask.sum().item())}
 
 
 def _copy_tokenizer(src: str, out_dir: str) -> Optional[str]:

@@ -230,6 +230,21 @@ def test_padding_and_thread_flags_reach_the_workers_and_engines():
     assert (default.trim_padding, default.packing_samples, default.cpu_threads) == (True, False, 0)
 
 
+def test_reference_and_old_log_prob_forwards_only_where_they_can_change_the_update():
+    demo = build()  # KL 0.01 shaped into the rewards from the old log-probs: both forwards needed
+    assert demo.has_reference and not demo.single_pass
+    no_kl = build(init_kl_coef=0.0)  # demo preset: 64 prompts x 1 sample = one train batch of 64
+    assert not no_kl.has_reference and no_kl.single_pass
+    assert build(use_kl_loss=True).single_pass  # the KL loss reads the current log-probs, not pi_old
+    assert not build(use_kl_loss=True, kl_target=0.1).single_pass  # the adaptive controller reads KL(old || ref)
+    assert build(init_kl_coef=0.0, use_kl_loss=True).has_reference
+    assert not build(init_kl_coef=0.0, max_epochs=2).single_pass  # epoch 2 moves away from pi_old
+    # 64 x 4 = 256 samples: one optimizer step with train_batch 256, four with 64 (steps 2-4 start moved)
+    group = dict(init_kl_coef=0.0, advantage_estimator="group_norm", n_samples_per_prompt=4)
+    assert build(**group, train_batch_size=256).single_pass
+    assert not build(**group, train_batch_size=64).single_pass
+
+
 def test_all_problems_reported_at_once():
     found = problems(eps_clip=-1.0, top_p=2.0, advantage_estimator="rloo")
     assert len(found) == 3

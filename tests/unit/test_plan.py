@@ -74,6 +74,19 @@ def test_no_critic_without_gae():
     assert list(layout.roles) == ["actor", "ref"]
 
 
+def test_no_reference_model_without_a_kl():
+    # --init_kl_coef 0 without --use_kl_loss: no KL anywhere, so no ref group (OpenRLHF's rule)
+    layout = plan_layout(cfg_of(init_kl_coef=0.0), "cpu")
+    assert list(layout.roles) == ["actor", "critic"] and [p.name for p in layout.pools] == ["actor", "critic", "vllm0"]
+    # --colocate_actor_ref then has nothing to colocate; under --colocate_all_models the ref takes no share
+    assert [p.name for p in plan_layout(cfg_of(init_kl_coef=0.0, colocate_actor_ref=True), "cpu").pools] == [
+        "actor", "critic", "vllm0"]
+    shared = plan_layout(cfg_of(init_kl_coef=0.0, colocate_all_models=True), "cpu")
+    assert [p.name for p in shared.pools] == ["actor+critic+vllm"] and shared.roles["actor"][0].share == 0.33
+    # a KL in the loss reads the reference even at coefficient 0
+    assert list(plan_layout(cfg_of(init_kl_coef=0.0, use_kl_loss=True), "cpu").roles) == ["actor", "ref", "critic"]
+
+
 def test_colocate_actor_ref_shares_one_pool():
     cfg = cfg_of(actor_num_gpus_per_node=4, ref_num_gpus_per_node=4, colocate_actor_ref=True)
     layout = plan_layout(cfg, "cuda")
@@ -259,6 +272,13 @@ def test_plan_on_this_machine_cpu(capsys):
     code, out, _ = plan(["--device", "cpu", "--colocate_all_models", "--vllm_num_engines", "1"], capsys)
     assert code == 0, out
     assert "this machine" in out and "actor+ref+critic+vllm" in out and "0.25" in out
+
+
+def test_plan_without_a_kl_lists_no_reference(capsys):
+    code, out, _ = plan(["--device", "cpu", "--init_kl_coef", "0"], capsys)
+    assert code == 0, out
+    assert not any(ln.startswith("ref") for ln in out.splitlines()), out
+    assert any(ln.startswith("actor") for ln in out.splitlines())
 
 
 def test_plan_needs_both_cluster_flags(capsys):

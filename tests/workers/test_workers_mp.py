@@ -5,6 +5,7 @@ at world size 1. Each rank runs a fixed script of worker calls and writes what i
 the tests below compare those results with plain transformers forwards computed here in the parent.
 """
 
+import dataclasses
 import math
 import os
 import socket
@@ -159,6 +160,14 @@ def _ws1(rank: int, out: dict, paths: dict, exp: Experience) -> None:
     actor.init()
     out["stats"] = actor.train_step(exp)
     out["after"] = actor.state_dict_full()
+
+    # A single pass (one optimizer step per batch, TrainConfig.single_pass): no old log-probs in the experience,
+    # the actor's own detached training log-probs stand in; the engines' (here: shifted by 0.25) give the gap.
+    single = PolicyWorker(_cfg("actor", paths["lm"]))
+    single.init()
+    shifted = exp.action_log_probs + 0.25 * exp.action_mask
+    out["single_stats"] = single.train_step(dataclasses.replace(exp, action_log_probs=None, rollout_log_probs=shifted))
+    out["single_after"] = single.state_dict_full()
 
     plain = PolicyWorker(_cfg("actor", paths["lm"], zero_stage=0))  # no ZeRO: DeepSpeed's plain data parallel
     plain.init()
@@ -355,6 +364,25 @@ def test_reward_scores_are_the_last_real_token(ws2, ws1, paths, experience):
     assert (ws2[1]["scores"] - expected[:4]).abs().max().item() <= 1e-5
     # A critic initialised from the reward model starts as the reward model's per-token score.
     assert (ws1[0]["rm_critic_values"] - per_token[:, -A - 1:-1] * batch.action_mask).abs().max().item() <= 1e-5
+
+
+def test_single_pass_without_old_log_probs_makes_the_same_step(ws1, hf_lm):
+    # exp's old log-probs are a plain HF forward on the initial weights; without them the actor uses its own
+    # detached log-probs: the ratio is 1 either way (up to float rounding), so the optimizer step is the same.
+    full, single, after = ws1[0]["stats"], ws1[0]["single_stats"], ws1[0]["after"]
+    diffs = torch.cat([(ws1[0]["single_after"][k] - after[k]).abs().flatten() for k in after])
+    # Adam's first step is lr * g / (|g| + eps), ~lr * sign(g): an entry whose gradient is ~0 can move by a few %
+    # of lr (1e-3) with the float rounding of pi_old (a plain HF forward there, the actor's own forward here).
+    # Every other entry agrees to rounding.
+    share = (diffs > 1e-6).float().mean().item()
+    assert diffs.max().item() <= 5e-5 and share < 1e-3, (diffs.max().item(), share)
+    assert _max_diff(ws1[0]["single_after"], dict(hf_lm.state_dict())) > 1e-4  # and the step did move the weights
+    assert single.loss == pytest.approx(full.loss, rel=1e-5, abs=1e-6)
+    assert single.kl_loss == pytest.approx(full.kl_loss, rel=1e-5, abs=1e-6)
+    assert single.clip_frac == 0.0 and single.approx_kl == 0.0  # exactly 1: pi_old is this very forward
+    gap = single.extra["engine_gap_sum"] / single.extra["engine_gap_tokens"]
+    assert gap == pytest.approx(0.25, abs=1e-4)  # the engines' shift, measured in the training forward
+    assert "engine_gap_sum" not in full.extra
 
 
 def test_zero_stages_agree_and_bf16_checkpointed_step_runs(ws1):

@@ -1,0 +1,249 @@
+"""orlhf against TRL's GRPOTrainer at equal work on the demo, interleaved, in one invocation.
+
+    TRL: installed by this script into its own virtualenv (<cache>/trl-venv-<version>; orlhf's stays clean):
+         python -m venv, pip install torch==<orlhf's torch> (same build: CPU wheel on CPU), then trl==<version>
+         with torch pinned by a constraints file. Reused when it already imports that TRL version.
+    equal work (issue 13): the demo model, the first --max_samples demo prompts, the demo reward function; per step
+         64 prompts x 4 samples = 256 completions and ONE optimizer step (micro-batch 64), 24 new tokens,
+         temperature 1, lr 5e-4 cosine to 10%, fp32, group-normalised advantages, PPO clip 0.2, KL 0.01 as a k3 loss
+         term against the reference (TRL's beta; orlhf --use_kl_loss --kl_estimator k3); --kl 0: no reference on
+         either side (TRL beta 0; orlhf --init_kl_coef 0).
+    for repeat: for mode in --modes:      interleaved, so machine-load drift hits every side alike
+        orlhf        orlhf train-ppo (sync)          orlhf_async   the same with --async_train
+        trl          benchmarks/trl_grpo_runner.py under TRL's python (HF generate; no vLLM on CPU)
+      each a subprocess; proctree.TreeSampler notes when each metrics.jsonl row lands and the CPU seconds of the
+      whole process tree (Ray and vLLM processes included) at that moment
+    -> per run: samples/s of the median measured step (steps after --warmup), start-up (launch -> start of step 1
+       = arrival of row 1 - its step_s), busy share (CPU seconds / (wall x cores) from the end of the warm-up to
+       the last row), CPU seconds per step, seconds per phase (median step); per mode the median over repeats
+    -> a table, and one final JSON line: every mode's figures and ratio_vs_trl (samples/s over TRL's)
+
+Reproduce (2-core CPU box; about 1.5 min a run at the default 12 steps, so ~14 min with 3 repeats of 3 modes):
+    .venv/bin/python benchmarks/trl_compare.py --repeats 3
+    .venv/bin/python benchmarks/trl_compare.py --kl 0 --repeats 3               # the no-KL row of the issue
+Speed figures from a machine shared with other jobs are only comparable within one invocation (see load_avg).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from proctree import TreeSampler, kill_tree  # noqa: E402  (benchmarks/proctree.py)
+
+MODES = ("orlhf", "orlhf_async", "trl")
+TRL_VERSION = "1.16.0"
+
+
+# ---- TRL's own virtualenv ------------------------------------------------------------------------------------
+
+
+def trl_python(venv: Path, version: str, install: bool) -> Path:
+    """The python of a virtualenv holding trl==version, created and installed here when missing (and allowed)."""
+    py = venv / "bin" / "python"
+    check = f"import sys, trl; sys.exit(trl.__version__ != {version!r})"
+    if py.exists() and subprocess.run([str(py), "-c", check], capture_output=True).returncode == 0:
+        return py
+    if not install:
+        raise SystemExit(f"no TRL {version} virtualenv at {venv} and --no_install was given: run this script once "
+                         "without --no_install (it needs the package registry)")
+    torch_version = importlib.metadata.version("torch")  # distribution version: "2.13.0+cpu" on the CPU wheel
+    print(f"installing TRL {version} into {venv} (torch=={torch_version}); once, a few minutes", flush=True)
+    shutil.rmtree(venv, ignore_errors=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    (venv / "constraints.txt").write_text(f"torch=={torch_version}\n")
+    pip = [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    subprocess.run([*pip, f"torch=={torch_version}"], check=True)
+    subprocess.run([*pip, "-c", str(venv / "constraints.txt"), f"trl=={version}"], check=True)
+    if subprocess.run([str(py), "-c", check]).returncode != 0:
+        raise SystemExit(f"{venv}: trl=={version} did not install")
+    return py
+
+
+# ---- the two sides' command lines (the same work) ------------------------------------------------------------
+
+
+def orlhf_cmd(a, asynchronous: bool) -> list[str]:
+    kl = (["--use_kl_loss", "--init_kl_coef", str(a.kl), "--kl_estimator", "k3"] if a.kl > 0
+          else ["--init_kl_coef", "0"])
+    samples = a.prompts_per_step * a.samples_per_prompt
+    return [sys.executable, "-m", "orlhf.cli", "train-ppo", "--device", "cpu", "--max_samples", str(a.max_samples),
+            "--num_episodes", str(a.episodes), "--advantage_estimator", "group_norm",
+            "--n_samples_per_prompt", str(a.samples_per_prompt), "--rollout_batch_size", str(a.prompts_per_step),
+            "--train_batch_size", str(samples), "--micro_train_batch_size", str(a.micro_batch),
+            "--micro_rollout_batch_size", str(a.micro_batch), "--generate_max_len", str(a.new_tokens),
+            "--temperature", "1.0", "--actor_learning_rate", str(a.lr), "--lr_warmup_ratio", "0",
+            "--eps_clip", "0.2", "--seed", "42", *kl, *(["--async_train"] if asynchronous else []),
+            *a.orlhf_flags.split()]
+
+
+def trl_cmd(a, python: Path) -> list[str]:
+    from orlhf.demo import ensure_demo
+
+    demo = ensure_demo()
+    return [str(python), str(ROOT / "benchmarks" / "trl_grpo_runner.py"), "--model", str(demo.model),
+            "--prompts", str(demo.prompts), "--reward", str(demo.reward_fn), "--max_samples", str(a.max_samples),
+            "--episodes", str(a.episodes), "--prompts_per_step", str(a.prompts_per_step),
+            "--samples_per_prompt", str(a.samples_per_prompt), "--micro_batch", str(a.micro_batch),
+            "--new_tokens", str(a.new_tokens), "--lr", str(a.lr), "--beta", str(a.kl)]
+
+
+# ---- one run --------------------------------------------------------------------------------------------------
+
+
+def run_once(cmd: list[str], save: Path, warmup: int, timeout: float, trl_threads: int = 0) -> dict:
+    shutil.rmtree(save, ignore_errors=True)
+    save.mkdir(parents=True)
+    is_trl = "trl_grpo_runner.py" in " ".join(cmd)
+    cmd = [*cmd, "--out" if is_trl else "--save_path", str(save)]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # orlhf starts its own Ray
+    env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", WANDB_MODE="offline")
+    if is_trl and trl_threads:
+        env["OMP_NUM_THREADS"] = str(trl_threads)
+    if not is_trl:
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    launched = time.monotonic()
+    with open(save / "run.log", "w") as logf:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT, env=env)
+        sampler = TreeSampler(proc.pid, save / "metrics.jsonl")
+        sampler.start()
+        try:
+            rc = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            kill_tree(proc.pid)
+            rc = f"timed out after {timeout:.0f} s ({proc.wait()})"
+        finally:
+            sampler.done.set()
+            sampler.join()
+    if rc != 0:
+        tail = (save / "run.log").read_text(errors="replace").strip().splitlines()[-8:]
+        return {"error": f"exit {rc}; see {save / 'run.log'}: " + " | ".join(tail)}
+    rows = [json.loads(line) for line in open(save / "metrics.jsonl") if line.strip()]
+    result = figures(rows, sampler, warmup, launched)
+    if (save / "startup.json").exists():  # orlhf's own start-up breakdown (orlhf/startup.py)
+        result["startup_phases"] = json.loads((save / "startup.json").read_text())["phases_s"]
+    return result
+
+
+def figures(rows: list[dict], sampler: TreeSampler, warmup: int, launched: float) -> dict:
+    """One run's figures from its metrics rows and the sampler's row arrival times and CPU seconds."""
+    if len(rows) <= warmup or len(sampler.row_times) < len(rows):
+        return {"error": f"{len(rows)} metrics rows ({len(sampler.row_times)} seen landing); need > {warmup}"}
+    measured = rows[warmup:]
+    t = sampler.row_times
+    cpu = [sum(c.values()) for c in sampler.cpu_at_rows]
+    # From the end of the warm-up (or the start of step 1 without warm-up) to the last row.
+    t_from = t[warmup - 1] if warmup else t[0] - rows[0]["step_s"]
+    cpu_from = cpu[warmup - 1] if warmup else 0.0
+    wall = t[len(rows) - 1] - t_from
+    cores = os.cpu_count() or 1
+    cpu_s = cpu[len(rows) - 1] - cpu_from
+    phases = sorted({k for r in measured for k in r if k.startswith("timing/")})
+    return {
+        "samples_per_s": statistics.median(r["samples"] / r["step_s"] for r in measured),
+        "startup_s": t[0] - rows[0]["step_s"] - launched,
+        "busy_share": cpu_s / (wall * cores) if wall > 0 else float("nan"),
+        "cpu_s_per_step": cpu_s / len(measured),
+        "step_s": statistics.median(r["step_s"] for r in measured),
+        "phases": {k[7:]: statistics.median(r.get(k, 0.0) for r in measured) for k in phases},
+        "reward_first": rows[0]["reward_mean"], "reward_last": rows[-1]["reward_mean"],
+        "steps_measured": len(measured),
+    }
+
+
+def median_of(runs: list[dict]) -> dict:
+    ok = [r for r in runs if "error" not in r]
+    if not ok:
+        return {"error": runs[0]["error"] if runs else "no runs"}
+    out = {k: statistics.median(r[k] for r in ok) for k in ok[0] if isinstance(ok[0][k], (int, float))}
+    for key in ("phases", "startup_phases"):
+        if key in ok[0]:
+            out[key] = {k: statistics.median(r[key].get(k, 0.0) for r in ok) for k in ok[0][key]}
+    out["repeats"] = len(ok)
+    if len(ok) < len(runs):
+        out["errors"] = [r["error"] for r in runs if "error" in r]
+    return out
+
+
+# ---- main -----------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None):
+    from orlhf.demo import default_cache_dir
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma list of {MODES}")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--warmup", type=int, default=2, help="steps not measured (the issue measures steps 3-12)")
+    ap.add_argument("--max_samples", type=int, default=384)
+    ap.add_argument("--episodes", type=int, default=2)
+    ap.add_argument("--prompts_per_step", type=int, default=64)
+    ap.add_argument("--samples_per_prompt", type=int, default=4)
+    ap.add_argument("--micro_batch", type=int, default=64)
+    ap.add_argument("--new_tokens", type=int, default=24)
+    ap.add_argument("--lr", type=float, default=5e-4)
+    ap.add_argument("--kl", type=float, default=0.01, help="KL coefficient (TRL beta); 0: no reference model")
+    ap.add_argument("--orlhf_flags", default="", help="extra train-ppo flags for the orlhf modes")
+    ap.add_argument("--trl_threads", type=int, default=0,
+                    help="OMP_NUM_THREADS for TRL (default: unset, torch's one thread per core, as a user runs it)")
+    ap.add_argument("--trl_version", default=TRL_VERSION)
+    ap.add_argument("--trl_venv", type=Path, default=None, help="default: <orlhf cache>/trl-venv-<version>")
+    ap.add_argument("--no_install", action="store_true", help="fail instead of installing TRL's virtualenv")
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
+    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "trl_compare")
+    a = ap.parse_args(argv)
+    a.modes = [m for m in a.modes.split(",") if m]
+    bad = [m for m in a.modes if m not in MODES]
+    if bad:
+        ap.error(f"--modes: unknown {bad}; choose from {MODES}")
+    a.trl_venv = a.trl_venv or default_cache_dir() / f"trl-venv-{a.trl_version}"
+    return a
+
+
+def main(argv=None) -> None:
+    a = parse_args(argv)
+    python = trl_python(a.trl_venv, a.trl_version, install=not a.no_install) if "trl" in a.modes else None
+    cmds = {"orlhf": orlhf_cmd(a, False), "orlhf_async": orlhf_cmd(a, True),
+            "trl": trl_cmd(a, python) if python else None}
+    runs: dict[str, list[dict]] = {m: [] for m in a.modes}
+    for rep in range(a.repeats):
+        for mode in a.modes:
+            print(f"repeat {rep + 1}/{a.repeats}: {mode} ...", flush=True)
+            runs[mode].append(run_once(cmds[mode], a.out / f"{mode}-r{rep}", a.warmup, a.timeout, a.trl_threads))
+    result = {m: median_of(rs) for m, rs in runs.items()}
+    trl_sps = result.get("trl", {}).get("samples_per_s")
+    for m, r in result.items():
+        if trl_sps and "samples_per_s" in r:
+            r["ratio_vs_trl"] = r["samples_per_s"] / trl_sps
+    print_table(result)
+    print(json.dumps({"modes": result, "runs": runs, "kl": a.kl, "trl_version": a.trl_version,
+                      "steps": a.max_samples // a.prompts_per_step * a.episodes, "warmup": a.warmup,
+                      "cores": os.cpu_count(), "load_avg": os.getloadavg()}))
+
+
+def print_table(result: dict) -> None:
+    cols = ("samples_per_s", "ratio_vs_trl", "startup_s", "busy_share", "cpu_s_per_step", "step_s")
+    print(f"{'mode':<12}" + "".join(f"{c:>16}" for c in cols) + "   phases (s per step)")
+    for m, r in result.items():
+        if "error" in r:
+            print(f"{m:<12}  error: {r['error']}")
+            continue
+        cells = "".join(f"{r.get(c, float('nan')):>16.3f}" for c in cols)
+        print(f"{m:<12}{cells}   " + ", ".join(f"{k} {v:.2f}" for k, v in r["phases"].items()))
+
+
+if __name__ == "__main__":
+    main()
