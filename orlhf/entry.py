@@ -2,6 +2,7 @@
 
     resolve demo paths and the device -> connect Ray -> pre-flight + placement groups -> prompts
     -> start engines (async) and model groups -> init all -> weight-sync group -> Controller.fit()
+       (colocated on GPUs: engines ready -> engines asleep -> model groups; see start_plan)
     -> save the final actor -> tear everything down (also on errors and Ctrl-C)
 """
 
@@ -153,9 +154,15 @@ def start_models(cfg: TrainConfig, placed, optimizer_steps: int, stack: ExitStac
     from orlhf.workers import CriticWorker, PolicyWorker, ReferenceWorker, RewardWorker
 
     device, pl, timeout = cfg.runtime.device, cfg.placement, cfg.runtime.ray_timeout_s
+    plan = start_plan(cfg, device)
     engines = EngineGroup(engine_config(cfg, device), [placed.engine_bundles(i) for i in range(cfg.vllm.num_engines)],
                           timeout_s=timeout, wait=False)
     stack.callback(engines.shutdown)
+    if plan.index("wait_engines") < plan.index("start_models"):
+        log.info("vllm engines: %d, pids %s (started before the trainers share their GPUs)", len(engines),
+                 engines.wait_ready())
+    if "sleep_engines" in plan:
+        engines.call_all("sleep")
     workers = {"actor": PolicyWorker, "ref": ReferenceWorker, "critic": CriticWorker, "reward": RewardWorker}
     present = ["actor", "ref"] + (["critic"] if cfg.has_critic else []) + (["reward"] if cfg.has_reward_model else [])
     groups = {}
@@ -166,10 +173,25 @@ def start_models(cfg: TrainConfig, placed, optimizer_steps: int, stack: ExitStac
         stack.callback(groups[role].shutdown)
     for call in [g.call_all_async("init") for g in groups.values()]:
         call.get()
-    log.info("vllm engines: %d, pids %s", len(engines), engines.wait_ready())
+    if plan.index("wait_engines") > plan.index("start_models"):
+        log.info("vllm engines: %d, pids %s", len(engines), engines.wait_ready())
     sync = make_weight_sync(cfg, groups["actor"], engines)
     return Models(actor=groups["actor"], ref=groups["ref"], engines=engines, sync=sync,
                   critic=groups.get("critic"), reward=groups.get("reward"))
+
+
+def start_plan(cfg: TrainConfig, device: str) -> tuple[str, ...]:
+    """The order start_models brings things up.
+
+    Own devices: engines and trainers start together (the engines load while DeepSpeed initialises).
+    Colocated on GPUs: the engines first, alone on the GPUs, so vLLM's memory profile sees only itself; then,
+    with --vllm_enable_sleep, they sleep (weights and KV cache freed) before the trainers allocate: OpenRLHF's
+    order. The controller's SleepSwitch starts from that asleep state.
+    """
+    if cfg.placement.colocate_all_models and device == "cuda":
+        return ("start_engines", "wait_engines") + (("sleep_engines",) if cfg.vllm.enable_sleep else ()) + (
+            "start_models",)
+    return ("start_engines", "start_models", "wait_engines")
 
 
 def make_reward(cfg: TrainConfig):

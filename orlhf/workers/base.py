@@ -4,7 +4,7 @@ A worker is a plain object (no Ray): `Worker(cfg)` in a process whose env has MA
 WORLD_SIZE and LOCAL_RANK, then `init()` on every rank at once. A Ray rank actor holds one and calls its methods.
 
     init():  process group (gloo on cpu, nccl on cuda) -> seed -> load HF model (partitioned at load under
-             ZeRO-3) -> deepspeed.initialize (AdamW + warm-up/cosine LR for trained roles; no optimizer, eval
+             ZeRO-3) -> deepspeed.initialize (Adam from workers/optim.py + warm-up/cosine LR for trained roles; no optimizer, eval
              mode for frozen ones)
 
     save_checkpoint(folder) / load_checkpoint(folder): trained roles' DeepSpeed state + RNG, collective; the
@@ -35,13 +35,11 @@ from torch import nn
 from orlhf.batching import pad_actions, sort_by_length, trim
 from orlhf.config import WorkerConfig
 from orlhf.workers.loading import hf_zero3_loading
+from orlhf.workers.optim import make_optimizer
 from orlhf.types import Experience, SequenceBatch, TrainStats
 
 log = logging.getLogger("orlhf.workers")
 
-# Adam settings as OpenRLHF's defaults (--adam_betas 0.9 0.95, --l2 0); not flags here yet.
-ADAM_BETAS = (0.9, 0.95)
-WEIGHT_DECAY = 0.0
 MIN_LR_RATIO = 0.1  # cosine decays to 10% of the peak LR, as OpenRLHF's "cosine_with_min_lr"
 # Parameters of one transformer block share a "<...>.layers.<i>." prefix (Llama, Qwen, Mistral; GPT-2 uses "h").
 _LAYER_PREFIX = re.compile(r"^(.*?\.(?:layers|h|blocks|layer)\.\d+)\.")
@@ -190,13 +188,7 @@ class DeepSpeedWorker:
                  sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()) / 1e6)
 
     def _make_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
-        params = [p for p in model.parameters() if p.requires_grad]
-        if self.cfg.adam_offload:
-            from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-            return DeepSpeedCPUAdam(params, lr=self.cfg.learning_rate, betas=ADAM_BETAS,
-                                    weight_decay=WEIGHT_DECAY, adamw_mode=True)
-        return torch.optim.AdamW(params, lr=self.cfg.learning_rate, betas=ADAM_BETAS, weight_decay=WEIGHT_DECAY)
+        return make_optimizer([p for p in model.parameters() if p.requires_grad], self.cfg)
 
     def _make_scheduler(self, optimizer):
         warmup = math.ceil(self.cfg.lr_warmup_ratio * self.cfg.total_optimizer_steps)
