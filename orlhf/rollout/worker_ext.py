@@ -99,15 +99,18 @@ class WeightSyncExtension:
 
     def orlhf_load_ipc(self, names: list[str], handles_by_uuid: dict[str, dict[str, tuple]]) -> int:
         """Load one group of whole layers from CUDA IPC handles made by the actor rank on this same GPU."""
+        uuid = str(torch.cuda.get_device_properties(self.device).uuid)
+        return receive_ipc(handles_by_uuid, names, uuid, self.device, self.model_config.dtype,
+                           self._orlhf_load_group)
+
+    def _orlhf_load_group(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """One group of whole layers into the open layerwise reload (between orlhf_ipc_begin and _finish)."""
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
-        def load(weights):  # a partial load by design: MTP models would otherwise refuse it (as vLLM's IPC engine)
-            with set_current_vllm_config(self.vllm_config), disable_mtp_completeness_check():
-                self.model_runner.get_model().load_weights(weights)
-
-        uuid = str(torch.cuda.get_device_properties(self.device).uuid)
-        return receive_ipc(handles_by_uuid, names, uuid, self.device, self.model_config.dtype, load)
+        # a partial load by design: MTP models would otherwise refuse it (as in vLLM's IPC engine)
+        with set_current_vllm_config(self.vllm_config), disable_mtp_completeness_check():
+            self.model_runner.get_model().load_weights(weights)
 
     def orlhf_ipc_finish(self) -> None:
         from vllm.config import set_current_vllm_config
