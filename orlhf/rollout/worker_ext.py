@@ -12,6 +12,11 @@ every call warned once per layer it did not hold, ~150 log lines per sync for a 
 whole-model set-up.) Buckets are the receive-ahead unit: under gloo, bucket k+1's broadcasts are posted
 (gloo runs them on its own threads) before bucket k is handed to vLLM, so the wire overlaps the reload; at
 most two buckets are held at once.
+
+CUDA IPC (colocated on GPUs) cannot be one generator: a layer's handles exist only for one collective_rpc call.
+Its sync is orlhf_ipc_begin (vLLM's initialize_layerwise_reload), then one orlhf_load_ipc per layer group
+(model.load_weights inside that open reload, as vLLM's own IPC weight-transfer engine does), then
+orlhf_ipc_finish (finalize_layerwise_reload): still one reload per sync.
 """
 
 from __future__ import annotations
