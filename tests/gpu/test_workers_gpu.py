@@ -189,13 +189,14 @@ def test_plan_estimate_counts_what_transformers_builds(tmp_path):
 def test_plan_estimate_against_measured_peak(dist_env, tmp_path, hidden, layers):
     path = tiny_llama(tmp_path / f"m{hidden}", hidden=hidden, layers=layers)
     estimate = plan_estimate_bytes(path)
+    exp = experience(path)  # before the measurement: it runs a plain HF model on the GPU
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     worker = started(actor_cfg(path))
-    worker.train_step(experience(path))
+    worker.train_step(exp)
     torch.cuda.synchronize()
     measured = torch.cuda.max_memory_allocated() - base
     ratio = measured / estimate
