@@ -69,8 +69,9 @@ class VLLMConfig:
         None, "Weight-sync backend trainer -> engines (default: nccl on GPUs, gloo on CPU).",
         flag="vllm_sync_backend", choices=SYNC_BACKENDS,
     )
-    gpu_memory_utilization: float = opt(
-        0.9, "Share of each engine GPU's memory vLLM may take.", flag="vllm_gpu_memory_utilization"
+    gpu_memory_utilization: Optional[float] = opt(
+        None, "Share of each engine GPU's memory vLLM may take (default: 0.9 on the engines' own GPUs, 0.5 under "
+        "--colocate_all_models, where the trainers share them).", flag="vllm_gpu_memory_utilization"
     )
     enable_prefix_caching: bool = opt(False, "vLLM prefix caching (reset after every weight sync).")
     enforce_eager: bool = opt(False, "Run vLLM without CUDA graphs / torch.compile (faster start-up).")
@@ -399,6 +400,22 @@ def build_config(flags: dict[str, Any], explicit: frozenset[str] | set[str] = fr
     return cfg
 
 
+# vLLM's share of an engine GPU when --vllm_gpu_memory_utilization is not given. Colocated, the trainers' CUDA
+# contexts, NCCL buffers and (without --deepspeed_enable_sleep) states stay on the same GPU while the engine
+# generates, so it gets half, as OpenRLHF's hybrid-engine examples.
+GPU_MEMORY_UTILIZATION_OWN = 0.9
+GPU_MEMORY_UTILIZATION_COLOCATED = 0.5
+
+
+def engine_gpu_memory_utilization(cfg: "TrainConfig") -> float:
+    """--vllm_gpu_memory_utilization as given, else the default for the placement (never a rewrite)."""
+    if cfg.vllm.gpu_memory_utilization is not None:
+        return cfg.vllm.gpu_memory_utilization
+    if cfg.placement.colocate_all_models:
+        return GPU_MEMORY_UTILIZATION_COLOCATED
+    return GPU_MEMORY_UTILIZATION_OWN
+
+
 def demo_preset_applied(flags: dict[str, Any], explicit: frozenset[str] | set[str]) -> dict[str, Any]:
     """The preset values build_config applies for these flags (for printing)."""
     if flags.get("pretrain") is not None:
@@ -423,6 +440,7 @@ class WorkerConfig:
     gradient_checkpointing: bool = False
     flash_attn: bool = False
     adam_offload: bool = False  # trained models: Adam states on host
+    offload_states: bool = False  # trained models, --deepspeed_enable_sleep: ZeRO-3 states leave the GPU in generation
     param_offload: bool = False  # frozen models (--ref_reward_offload): params on host between uses
     seed: int = 42
     micro_forward_batch_size: int = 16  # --micro_rollout_batch_size
@@ -495,7 +513,7 @@ def worker_config(cfg: TrainConfig, role: str, device: str, total_optimizer_step
     if role == "reward":
         return WorkerConfig(**common, **heads, param_offload=ds.ref_reward_offload)
     train = dict(
-        adam_offload=ds.adam_offload, lr_warmup_ratio=ppo.lr_warmup_ratio,
+        adam_offload=ds.adam_offload, offload_states=ds.enable_sleep, lr_warmup_ratio=ppo.lr_warmup_ratio,
         total_optimizer_steps=total_optimizer_steps, train_batch_size=ppo.train_batch_size,
         micro_train_batch_size=ppo.micro_train_batch_size, max_norm=ppo.max_norm, adam_betas=tuple(ppo.adam_betas),
         weight_decay=ppo.l2, lr_scheduler=ppo.lr_scheduler, loss_agg_mode=resolved_loss_agg_mode(ppo),

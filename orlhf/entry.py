@@ -2,7 +2,7 @@
 
     resolve demo paths and the device -> lock the run and checkpoint folders (runlock: a second run on them
     exits here) -> prompts -> connect Ray -> pre-flight + placement groups -> start engines (async) and model
-    groups -> init all -> weight-sync group -> Controller.fit() -> export the final actor (atomic, export.py)
+    groups (colocated on GPUs: engines ready -> engines asleep -> model groups; see start_plan) -> init all -> weight-sync group -> Controller.fit() -> export the final actor (atomic, export.py)
     -> draw the reward curve (best effort) -> tear everything down (also on errors and Ctrl-C)
 """
 
@@ -229,9 +229,15 @@ def start_models(cfg: TrainConfig, placed, optimizer_steps: int, stack: ExitStac
     from orlhf.workers import CriticWorker, PolicyWorker, ReferenceWorker, RewardWorker
 
     device, pl, timeout = cfg.runtime.device, cfg.placement, cfg.runtime.ray_timeout_s
+    plan = start_plan(cfg, device)
     engines = EngineGroup(engine_config(cfg, device), [placed.engine_bundles(i) for i in range(cfg.vllm.num_engines)],
                           timeout_s=timeout, wait=False)
     stack.callback(engines.shutdown)
+    if plan.index("wait_engines") < plan.index("start_models"):
+        log.info("vllm engines: %d, pids %s (started before the trainers share their GPUs)", len(engines),
+                 engines.wait_ready())
+    if "sleep_engines" in plan:
+        engines.call_all("sleep")
     workers = {"actor": PolicyWorker, "ref": ReferenceWorker, "critic": CriticWorker, "reward": RewardWorker}
     log_skipped_forwards(cfg)
     mark = clock.mark if clock is not None else (lambda phase: None)
@@ -246,7 +252,8 @@ def start_models(cfg: TrainConfig, placed, optimizer_steps: int, stack: ExitStac
     for call in [g.call_all_async("init") for g in groups.values()]:
         call.get()
     mark("groups init")
-    log.info("vllm engines: %d, pids %s", len(engines), engines.wait_ready())
+    if plan.index("wait_engines") > plan.index("start_models"):
+        log.info("vllm engines: %d, pids %s", len(engines), engines.wait_ready())
     mark("engines ready")
     sync = make_weight_sync(cfg, groups["actor"], engines)
     mark("weight sync group")
@@ -292,6 +299,20 @@ def log_skipped_forwards(cfg: TrainConfig) -> None:
     if cfg.single_pass:
         log.info("no old-log-prob forward: one optimizer step per batch (--max_epochs 1), so the PPO ratio is 1 and "
                  "the actor's training forward supplies log pi_old")
+
+
+def start_plan(cfg: TrainConfig, device: str) -> tuple[str, ...]:
+    """The order start_models brings things up.
+
+    Own devices: engines and trainers start together (the engines load while DeepSpeed initialises).
+    Colocated on GPUs: the engines first, alone on the GPUs, so vLLM's memory profile sees only itself; then,
+    with --vllm_enable_sleep, they sleep (weights and KV cache freed) before the trainers allocate: OpenRLHF's
+    order. The controller's SleepSwitch starts from that asleep state.
+    """
+    if cfg.placement.colocate_all_models and device == "cuda":
+        return ("start_engines", "wait_engines") + (("sleep_engines",) if cfg.vllm.enable_sleep else ()) + (
+            "start_models",)
+    return ("start_engines", "start_models", "wait_engines")
 
 
 def make_reward(cfg: TrainConfig):

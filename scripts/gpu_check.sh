@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# What one GPU can prove about orlhf, on a CUDA machine that has torch and transformers but no Ray, vLLM or
+# flash-attn, and no package index: runs tests/gpu (the workers are plain classes; no Ray, no vLLM needed).
+#
+#   bash scripts/gpu_check.sh --build-wheels DIR   # on a machine with a package index: DeepSpeed built with
+#                                                  # DS_BUILD_OPS=0 (a few MB, ops JIT-compile on the GPU
+#                                                  # box) plus its small pure/binary deps and pytest, into DIR
+#   bash scripts/gpu_check.sh DIR                  # on the GPU machine: install from DIR only, run tests/gpu
+#
+# The second form makes .gpu-check/venv (it sees the host's torch and transformers through a .pth file, so
+# nothing of the host's environment changes), installs DeepSpeed and whatever of its dependencies the host
+# lacks from DIR (--no-index), then runs pytest on tests/gpu with DS_ACCELERATOR=cuda and prints the GPU, the
+# test summary and the measured figures (JSON lines). FusedAdam compiles on first use: it needs nvcc + ninja.
+# PYTHON picks the host interpreter (default python3). Exit status: pytest's.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+PY=${PYTHON:-python3}
+log() { echo "[gpu_check] $*" >&2; }
+DEEPSPEED=$("$PY" -c "import runpy; print(runpy.run_path('orlhf/versions.py')['DEEPSPEED'])")
+# DeepSpeed's requirements (0.19.8) besides torch, numpy, packaging and tqdm (transformers brings those three),
+# and pytest. numpy's wheels alone would not fit what a GPU box can be handed (64 MiB).
+DEPS="einops hjson msgpack ninja psutil py-cpuinfo pydantic pytest pytest-timeout"
+
+if [ "${1:-}" = --build-wheels ]; then
+  DIR=${2:?usage: gpu_check.sh --build-wheels DIR}
+  mkdir -p "$DIR"
+  log "DeepSpeed $DEEPSPEED wheel with no prebuilt ops -> $DIR"
+  DS_BUILD_OPS=0 "$PY" -m pip wheel -q --no-deps -w "$DIR" "deepspeed==$DEEPSPEED"
+  # Binary deps (pydantic-core, msgpack, ninja, psutil, numpy) for the Pythons a CUDA box is likely to have.
+  for v in ${GPU_CHECK_PYTHONS:-3.10 3.11 3.12 3.13}; do
+    log "dependencies for Python $v (manylinux x86_64)"
+    # shellcheck disable=SC2086
+    "$PY" -m pip download -q --only-binary=:all: --python-version "$v" --implementation cp \
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+      -d "$DIR" $DEPS
+  done
+  du -sh "$DIR" >&2
+  exit 0
+fi
+
+DIR=${1:?usage: gpu_check.sh WHEEL_DIR   (make it with: gpu_check.sh --build-wheels WHEEL_DIR)}
+DIR=$(cd "$DIR" && pwd)
+ls "$DIR"/deepspeed-"$DEEPSPEED"-*.whl >/dev/null 2>&1 || { log "no deepspeed-$DEEPSPEED wheel in $DIR"; exit 2; }
+"$PY" - <<'PY' || [ "${GPU_CHECK_ALLOW_CPU:-0}" = 1 ] || { log "this check needs a CUDA GPU visible to torch"; exit 2; }
+import sys, torch, transformers
+ok = torch.cuda.is_available()
+print(f"[gpu_check] torch {torch.__version__} (CUDA {torch.version.cuda}), transformers {transformers.__version__}, "
+      f"GPUs: {[torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if ok else 'none'}",
+      file=sys.stderr)
+sys.exit(0 if ok else 1)
+PY
+# GPU_CHECK_ALLOW_CPU=1 runs on without a GPU (every GPU test then skips): to check this script itself.
+command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >&2 || true
+
+VENV=$ROOT/.gpu-check/venv
+if [ ! -x "$VENV/bin/python" ]; then
+  log "creating $VENV (host packages visible through a .pth file)"
+  # No pip of its own: the venv's bundled setuptools would shadow the host's (torch 2.13 requires >= 77).
+  "$PY" -m venv --system-site-packages --without-pip "$VENV"
+  # The host interpreter may itself be a venv, whose packages --system-site-packages would not show.
+  # addsitedir (not a plain path line) so the host's own .pth files (editable installs, ...) apply too.
+  VSITE=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+  "$PY" -c "import site; print('import site; ' + '; '.join(f'site.addsitedir({d!r})' for d in
+            site.getsitepackages() + [site.getusersitepackages()]))" >"$VSITE/_orlhf_host_sites.pth"
+fi
+log "installing deepspeed $DEEPSPEED (and what the host lacks of: $DEPS) from $DIR, no index"
+"$PY" -m pip --python "$VENV/bin/python" install -q --disable-pip-version-check --no-index --find-links "$DIR" \
+  "deepspeed==$DEEPSPEED" pytest pytest-timeout
+
+REPORT=$ROOT/.gpu-check/report.jsonl
+: >"$REPORT"
+set +e
+DS_ACCELERATOR=cuda HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false ORLHF_GPU_REPORT=$REPORT PYTHONPATH=$ROOT \
+  "$VENV/bin/python" -m pytest tests/gpu -v -rA -p no:cacheprovider "${@:2}"
+rc=$?
+set -e
+log "measured figures ($REPORT):"
+cat "$REPORT" >&2
+log "pytest exit status $rc"
+exit $rc
