@@ -140,7 +140,7 @@ def run_locked(cfg: TrainConfig, run_id: str, clock) -> int:
                                 resume_step=resume_step, run_id=run_id)
         controller = Controller(cfg, models, loader, tokenizer, metrics, reward_source=make_reward(cfg),
                                 checkpoints=checkpoints, evaluator=evaluator,
-                                best_checkpoints=CheckpointManager(Path(cfg.logging.ckpt_path) / "best", 1))
+                                best_checkpoints=CheckpointManager(Path(cfg.logging.checkpoint_dir) / "best", 1))
         if resume_from is not None:
             controller.resume(resume_from)
         clock.mark("controller")
