@@ -106,6 +106,7 @@ def run_reporting_errors(fn: Callable[[C.TrainConfig], int], cfg: C.TrainConfig)
     from orlhf.data import DataError
     from orlhf.placement import PlacementError
     from orlhf.rewards import RewardError
+    from orlhf.sync_guard import EngineMismatchError
 
     try:
         return fn(cfg)
@@ -113,7 +114,8 @@ def run_reporting_errors(fn: Callable[[C.TrainConfig], int], cfg: C.TrainConfig)
         typer.secho(f"error: {len(e.problems)} problem(s) with the flags:", fg="red", err=True)
         typer.echo(str(e), err=True)
         return 2
-    except (DataError, RewardError, PlacementError, RankError, CheckpointError, TimeoutError) as e:
+    except (DataError, RewardError, PlacementError, RankError, CheckpointError, TimeoutError,
+            EngineMismatchError) as e:
         typer.secho(f"error: {e}", fg="red", err=True)
         return 1
     except KeyboardInterrupt:

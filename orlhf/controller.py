@@ -4,6 +4,7 @@
       generate         engines: prompt ids -> n_samples_per_prompt rollouts each (ids, engine log-probs)
       score            in parallel: actor old log-probs | ref log-probs | critic values | rewards (RM group, or
                        the reward function / HTTP server while the groups work)
+      (guard)          engine log-probs vs the actor's: past --max_engine_logprob_gap the run stops (sync_guard.py)
       make_experience  driver: KL, group baseline, KL-shaped rewards, advantages and returns (algo/)
       train            actor and critic train_step at the same time (non-blocking calls, gathered after)
       sync_weights     actor -> engines (weight_sync.py); weight_version += 1; before the next generate
@@ -33,6 +34,7 @@ from orlhf.experience import ExperienceConfig, make_experience, rollouts_to_batc
 from orlhf.metrics import MetricsLogger
 from orlhf.rollout.engine import EngineGroup, SamplingSpec
 from orlhf.sleep import SleepSwitch
+from orlhf.sync_guard import SyncGuard
 from orlhf.types import Experience, Rollout, SequenceBatch, TrainStats
 from orlhf.weight_sync import WeightSync
 
@@ -69,6 +71,7 @@ class Controller:
         self.history: list[dict] = []
         self.checkpoints = checkpoints  # a checkpoint.CheckpointManager, or None
         self.sleep = SleepSwitch(cfg, models)  # hybrid mode's memory hand-over (no-op unless asked, on GPU)
+        self.guard = SyncGuard.from_config(cfg)  # --max_engine_logprob_gap (orlhf/sync_guard.py)
         self._first_step = 0  # step_index when this invocation started (resume)
         self._sync_lock = threading.Lock()
         self._last_step_end = time.perf_counter()
@@ -112,14 +115,16 @@ class Controller:
     def learn(self, prompts: list, rollouts: list[Rollout]) -> dict[str, Any]:
         """Everything after generation for one batch: score, make experience, train, sync. Returns metrics."""
         batch, engine_log_probs = rollouts_to_batch(rollouts, self.tok.pad_token_id)
+        gen_version = min(r.weight_version for r in rollouts)
+        staleness = self.weight_version - gen_version  # trainer version these rollouts are trained at
         with self.timed("score"):
             scores, old_lp, ref_lp, values = self.score(batch, rollouts, prompts)
+        gap = _masked_abs_mean(engine_log_probs - old_lp, batch.action_mask)
+        self.guard.check(gap, self.step_index + 1, staleness)  # stop before training on another policy's samples
         with self.timed("make_experience"):
             exp, info = self.make_experience(batch, scores, old_lp, ref_lp, values)
         with self.timed("train"):
             actor_stats, critic_stats = self.train(exp)
-        gen_version = min(r.weight_version for r in rollouts)
-        staleness = self.weight_version - gen_version  # trainer version these rollouts are trained at
         with self.timed("sync"):
             self.sync_weights()
         self.step_index += 1
@@ -129,7 +134,7 @@ class Controller:
                "clip_frac": actor_stats["clip_frac"], "approx_kl": actor_stats["approx_kl"],
                "kl_coef": self.kl_ctl.value, "weight_version": self.weight_version,
                "generation_weight_version": gen_version, "staleness": staleness,
-               "engine_logprob_gap": _masked_abs_mean(engine_log_probs - old_lp, batch.action_mask),
+               "engine_logprob_gap": gap,
                "samples": len(rollouts), "samples_per_s": len(rollouts) / seconds, "step_s": seconds,
                **{f"timing/{k}": v for k, v in self.timings.items()}}
         if critic_stats is not None:

@@ -52,7 +52,7 @@ class WeightSyncExtension:
         """
         expected = sum(len(b) for b in buckets)
         loaded = [0]
-        self.reload_weights(weights_iterator=self._orlhf_stream(metas, buckets, loaded), is_checkpoint_format=True)
+        self._orlhf_reload(self._orlhf_stream(metas, buckets, loaded))
         if loaded[0] != expected:  # vLLM stopped early: the trainer would block on the rest
             raise RuntimeError(f"vLLM's reload consumed {loaded[0]} of {expected} tensors")
         return loaded[0]
@@ -96,15 +96,22 @@ class WeightSyncExtension:
             args[6] = self.device.index  # the sender's device index means the same GPU here, by our own index
             t = rebuild(*args)
             weights.append((name, t if t.dtype == model_dtype else t.to(model_dtype)))
-        self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+        self._orlhf_reload(weights)
         return len(weights)
 
     def orlhf_load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> int:
         """Load tensors handed over directly (same process / IPC-rebuilt). Whole layers per call."""
         model_dtype = self.model_config.dtype
-        self.reload_weights(weights_iterator=[(n, t.to(self.device, model_dtype)) for n, t in weights],
-                            is_checkpoint_format=True)
+        self._orlhf_reload([(n, t.to(self.device, model_dtype)) for n, t in weights])
         return len(weights)
+
+    def _orlhf_reload(self, weights) -> None:
+        """vLLM's in-place reload of (checkpoint name, tensor) pairs, with the fix-ups for what it leaves stale
+        (tied heads, pre-packed MoE experts: rollout/reload_fixes.py). Every load path goes through here."""
+        from orlhf.rollout.reload_fixes import refreshed_after_reload
+
+        with refreshed_after_reload(self.model_runner.get_model()):
+            self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
 
     def _orlhf_broadcast(self, t: torch.Tensor) -> None:
         if self._orlhf_backend == "nccl":

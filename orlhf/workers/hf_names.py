@@ -1,0 +1,53 @@
+"""The trainer's parameter names -> the names a checkpoint on disk has, which is what vLLM loads.
+
+transformers 5 renames and fuses some weights at load time and undoes it in `save_pretrained`: Mixtral's
+`block_sparse_moe.experts.N.w1/w3.weight` become one `mlp.experts.gate_up_proj` (E, 2I, H) at run time,
+Qwen2-MoE's `mlp.experts.N.gate_proj/up_proj` likewise. vLLM only knows the checkpoint names, so every tensor
+that leaves the trainer for an engine goes through the same reverse conversion `save_pretrained` applies
+(transformers' own `revert_weight_conversion`, no table of ours).
+
+Tied weights: `named_parameters()` lists a shared tensor once, under its source (`model.embed_tokens.weight`),
+and not under its tied name (`lm_head.weight`). An engine that holds the head as a tensor of its own (vLLM
+unties when a checkpoint ships an `lm_head`) would keep a stale head, so the tied names are sent too, holding
+the source's tensor. Engines that tie skip that name.
+
+Conversions act within one decoder layer, so a group of whole layers converts on its own; the conversion of a
+group of meta tensors (shapes only) gives the same names, shapes and order as the real one, which lets rank 0
+plan a sync without gathering ZeRO-3 shards.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+
+def tied_names(model: nn.Module) -> dict[str, str]:
+    """{tied name: source name} for weights shared in this model (empty when untied or not a transformers model)."""
+    return dict(getattr(model, "all_tied_weights_keys", None) or {})
+
+
+def to_checkpoint_names(model: nn.Module, group: list[tuple[str, Optional[torch.Tensor]]],
+                        tied: Optional[dict[str, str]] = None) -> list[tuple[str, Optional[torch.Tensor]]]:
+    """One group of whole layers in checkpoint form: tied names added, transformers' conversions reverted.
+
+    Tensors may be real or on the meta device; they come back as views where a conversion splits a fused one.
+    """
+    from transformers import PreTrainedModel
+
+    state = dict(group)
+    for name, source in (tied if tied is not None else tied_names(model)).items():
+        if source in state and name not in state:
+            state[name] = state[source]
+    if not isinstance(model, PreTrainedModel):
+        return list(state.items())
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return list(revert_weight_conversion(model, state).items())
+
+
+def meta_group(group: list[tuple[str, nn.Parameter]]) -> list[tuple[str, torch.Tensor]]:
+    """Shape-only stand-ins for a group of (possibly ZeRO-3-partitioned) parameters: (name, meta tensor)."""
+    return [(n, torch.empty(tuple(getattr(p, "ds_shape", p.shape)), dtype=p.dtype, device="meta")) for n, p in group]
