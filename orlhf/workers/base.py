@@ -35,7 +35,7 @@ from torch import nn
 
 from orlhf.batching import pad_actions, sort_by_length, trim
 from orlhf.config import WorkerConfig
-from orlhf.workers.hf_names import meta_group, tied_names, to_checkpoint_names
+from orlhf.workers.hf_names import meta_group, to_checkpoint_names
 from orlhf.workers.loading import hf_zero3_loading
 from orlhf.types import Experience, SequenceBatch, TrainStats
 
@@ -334,12 +334,12 @@ class DeepSpeedWorker:
         tensors, valid only until the generator resumes: for senders that use them at once (weight sync).
         all_ranks=True gives every rank the full tensors (CUDA IPC sync: each GPU serves its own engine).
         checkpoint_format (default): names and tensors as a checkpoint on disk has them, which is what engines
-        load (workers/hf_names.py: fused runtime tensors split back, tied heads included); False: the module's
+        load (workers/hf_names.py: fused runtime tensors split back per expert); False: the module's
         own names (what save_pretrained takes, as it converts itself).
         """
         import deepspeed
 
-        convert = functools.partial(to_checkpoint_names, self.module, tied=tied_names(self.module))
+        convert = functools.partial(to_checkpoint_names, self.module)
         for group in self._param_groups():
             params = [p for _, p in group]
             ctx = deepspeed.zero.GatheredParameters(params) if self.zero3 else nullcontext()
@@ -353,8 +353,7 @@ class DeepSpeedWorker:
 
     def checkpoint_groups_meta(self) -> list[list[tuple[str, str, tuple]]]:
         """(name, dtype, full shape) per group, exactly as named_full_weights() yields them. Local, no gather."""
-        tied = tied_names(self.module)
-        return [[(n, str(t.dtype), tuple(t.shape)) for n, t in to_checkpoint_names(self.module, meta_group(g), tied)]
+        return [[(n, str(t.dtype), tuple(t.shape)) for n, t in to_checkpoint_names(self.module, meta_group(g))]
                 for g in self._param_groups()]
 
     def state_dict_full(self) -> Optional[dict[str, torch.Tensor]]:

@@ -6,10 +6,10 @@ Qwen2-MoE's `mlp.experts.N.gate_proj/up_proj` likewise. vLLM only knows the chec
 that leaves the trainer for an engine goes through the same reverse conversion `save_pretrained` applies
 (transformers' own `revert_weight_conversion`, no table of ours).
 
-Tied weights: `named_parameters()` lists a shared tensor once, under its source (`model.embed_tokens.weight`),
-and not under its tied name (`lm_head.weight`). An engine that holds the head as a tensor of its own (vLLM
-unties when a checkpoint ships an `lm_head`) would keep a stale head, so the tied names are sent too, holding
-the source's tensor. Engines that tie skip that name.
+Tied weights are not sent twice: `named_parameters()` lists a shared tensor once, under its source
+(`model.embed_tokens.weight`), and that is what goes to the engines. vLLM ties the same way and skips
+`lm_head.*` (Gemma 2 has no `lm_head` module at all and refuses the name); what it does not do is re-pack a tied
+head after a reload, which the engine side fixes (rollout/reload_fixes.py).
 
 Conversions act within one decoder layer, so a group of whole layers converts on its own; the conversion of a
 group of meta tensors (shapes only) gives the same names, shapes and order as the real one, which lets rank 0
@@ -24,28 +24,19 @@ import torch
 from torch import nn
 
 
-def tied_names(model: nn.Module) -> dict[str, str]:
-    """{tied name: source name} for weights shared in this model (empty when untied or not a transformers model)."""
-    return dict(getattr(model, "all_tied_weights_keys", None) or {})
-
-
-def to_checkpoint_names(model: nn.Module, group: list[tuple[str, Optional[torch.Tensor]]],
-                        tied: Optional[dict[str, str]] = None) -> list[tuple[str, Optional[torch.Tensor]]]:
-    """One group of whole layers in checkpoint form: tied names added, transformers' conversions reverted.
+def to_checkpoint_names(model: nn.Module,
+                        group: list[tuple[str, Optional[torch.Tensor]]]) -> list[tuple[str, Optional[torch.Tensor]]]:
+    """One group of whole layers with transformers' load-time conversions reverted (runtime -> checkpoint names).
 
     Tensors may be real or on the meta device; they come back as views where a conversion splits a fused one.
     """
     from transformers import PreTrainedModel
 
-    state = dict(group)
-    for name, source in (tied if tied is not None else tied_names(model)).items():
-        if source in state and name not in state:
-            state[name] = state[source]
     if not isinstance(model, PreTrainedModel):
-        return list(state.items())
+        return list(group)
     from transformers.core_model_loading import revert_weight_conversion
 
-    return list(revert_weight_conversion(model, state).items())
+    return list(revert_weight_conversion(model, dict(group)).items())
 
 
 def meta_group(group: list[tuple[str, nn.Parameter]]) -> list[tuple[str, torch.Tensor]]:
