@@ -109,6 +109,7 @@ def run_reporting_errors(fn: Callable[[C.TrainConfig], int], cfg: C.TrainConfig)
     from orlhf.runlock import RunLockError
     from orlhf.workers.value_head import HeadError
     from orlhf.rollout.agent import AgentError
+    from orlhf.sync_guard import EngineMismatchError
 
     try:
         return fn(cfg)
@@ -117,8 +118,7 @@ def run_reporting_errors(fn: Callable[[C.TrainConfig], int], cfg: C.TrainConfig)
         typer.echo(str(e), err=True)
         return 2
     except (DataError, RewardError, HeadError, AgentError, PlacementError, RankError, CheckpointError,
-            RunLockError,
-            TimeoutError) as e:
+            RunLockError, TimeoutError, EngineMismatchError) as e:
         typer.secho(f"error: {e}", fg="red", err=True)
         return 1
     except KeyboardInterrupt:

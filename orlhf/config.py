@@ -85,6 +85,12 @@ class VLLMConfig:
     )
     sync_bucket_mb: float = opt(256.0, "Weight-sync bucket size in MiB (whole layers per bucket).",
                                 flag="vllm_sync_bucket_mb")
+    max_engine_logprob_gap: Optional[float] = opt(
+        None, "Stop the run when the engines' log-probs of the sampled tokens differ from the actor's by more "
+        "than this per token on average (engine_logprob_gap: the engines sample another policy, e.g. a broken "
+        "weight sync). Default: 1e-3, or 5e-2 with --bf16; 0 or negative: off. Checked at --temperature 1 on "
+        "fresh (not async-stale) rollouts.", flag="max_engine_logprob_gap",
+    )
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@
                        the reward function / HTTP server while the groups work). Skipped, as they cannot change
                        the update: ref without a KL (TrainConfig.has_reference), old log-probs on a single pass
                        (TrainConfig.single_pass: the actor's training forward supplies them, the ratio is 1)
+      (guard)          engine log-probs vs the actor's: past --max_engine_logprob_gap the run stops (sync_guard.py)
       make_experience  driver: KL, group baseline, KL-shaped rewards, advantages and returns (algo/)
       train            actor and critic train_step at the same time (non-blocking calls, gathered after)
       sync_weights     actor -> engines (weight_sync.py); weight_version += 1; before the next generate
@@ -41,6 +42,7 @@ from orlhf.metrics import MetricsLogger
 from orlhf.rollout.engine import EngineGroup, SamplingSpec
 from orlhf.rollout.executor import agent_metrics, agent_scores, make_executor
 from orlhf.sleep import SleepSwitch
+from orlhf.sync_guard import SyncGuard
 from orlhf.types import Experience, Rollout, SequenceBatch, TrainStats
 from orlhf.weight_sync import WeightSync
 from orlhf.workers.value_head import reward_normalization
@@ -90,6 +92,7 @@ class Controller:
         # Rollouts: one generation per sample, or an agent episode per sample with --agent_func_path.
         self.executor = make_executor(cfg.data.agent_func_path, models.engines, tokenizer,
                                       cfg.ppo.prompt_max_len + cfg.ppo.generate_max_len, cfg.runtime.ray_timeout_s)
+        self.guard = SyncGuard.from_config(cfg)  # --max_engine_logprob_gap (orlhf/sync_guard.py)
         self._first_step = 0  # step_index when this invocation started (resume)
         self._saved_step: Optional[int] = None  # step of this invocation's newest checkpoint
         self._sync_lock = threading.Lock()
@@ -157,16 +160,24 @@ class Controller:
         """Everything after generation for one batch: score, make experience, train, sync. Returns metrics.
         reward: a rewards.RewardResult already computed while generating (--dynamic_filtering), else scored here."""
         batch, engine_log_probs = rollouts_to_batch(rollouts, self.tok.pad_token_id)
+        gen_version = min(r.weight_version for r in rollouts)
+        staleness = self.weight_version - gen_version  # trainer version these rollouts are trained at
         with self.timed("score"):
             reward, old_lp, ref_lp, values = self.score(batch, rollouts, prompts, reward)
+        gen_version = min(r.weight_version for r in rollouts)
+        staleness = self.weight_version - gen_version  # trainer version these rollouts are trained at
+        if old_lp is not None:  # stop before training on another policy's samples
+            gap = _masked_abs_mean(engine_log_probs - old_lp, batch.action_mask)
+            self.guard.check(gap, self.step_index + 1, staleness)
         with self.timed("make_experience"):
             truncated = torch.tensor([not r.finished for r in rollouts])
             exp, info = self.make_experience(batch, reward.rewards, old_lp, ref_lp, values, truncated,
                                              engine_log_probs)
         with self.timed("train"):
             actor_stats, critic_stats = self.train(exp, info["kl_coef"])
-        gen_version = min(r.weight_version for r in rollouts)
-        staleness = self.weight_version - gen_version  # trainer version these rollouts are trained at
+        if old_lp is None:  # single pass: the actor measured the gap in its training forward; stop after this step
+            gap = _engine_gap(engine_log_probs, None, batch.action_mask, actor_stats)
+            self.guard.check(gap, self.step_index + 1, staleness)
         with self.timed("sync"):
             self.sync_weights()
         self.step_index += 1
@@ -177,7 +188,7 @@ class Controller:
                **{k: actor_stats[k] for k in ("clip_frac_low", "clip_frac_high", "entropy")},
                "actor_grad_norm": actor_stats["grad_norm"], "weight_version": self.weight_version,
                "generation_weight_version": gen_version, "staleness": staleness,
-               "engine_logprob_gap": _engine_gap(engine_log_probs, old_lp, batch.action_mask, actor_stats),
+               "engine_logprob_gap": gap,
                "samples": len(rollouts), "samples_per_s": len(rollouts) / seconds, "step_s": seconds,
                **reward.log_row(), **{f"timing/{k}": v for k, v in self.timings.items()},
                **agent_metrics(rollouts)}

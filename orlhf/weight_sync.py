@@ -15,6 +15,9 @@ Invariants:
   whole sync in one reload_weights call and use buckets as their receive-ahead window (worker_ext.py).
 - The engines reset their prefix cache after loading: cached KV blocks hold activations of the old weights.
 - dtypes: the trainer sends its own dtype (fp32, or bf16 with --bf16); engines cast to theirs on receipt.
+- Names: tensors leave the trainer as a checkpoint on disk names them (workers/hf_names.py: transformers' fused
+  runtime tensors split back per expert), on every path; engines load them through one reload wrapper that
+  refreshes what vLLM's reload leaves stale (rollout/reload_fixes.py: tied heads, pre-packed MoE experts).
 - Backend: gloo on CPU (a stateless TCPStore + ProcessGroupGloo next to DeepSpeed's default group), NCCL on
   GPUs (vLLM's PyNcclCommunicator over a StatelessProcessGroup). Colocated on one GPU (--colocate_all_models),
   CUDA IPC handles replace the broadcast (IpcWeightSync): engine e's TP workers share GPUs with actor ranks

@@ -57,7 +57,7 @@ class WeightSyncExtension:
         """
         expected = sum(len(b) for b in buckets)
         loaded = [0]
-        self.reload_weights(weights_iterator=self._orlhf_stream(metas, buckets, loaded), is_checkpoint_format=True)
+        self._orlhf_reload(self._orlhf_stream(metas, buckets, loaded))
         if loaded[0] != expected:  # vLLM stopped early: the trainer would block on the rest
             raise RuntimeError(f"vLLM's reload consumed {loaded[0]} of {expected} tensors")
         return loaded[0]
@@ -99,6 +99,11 @@ class WeightSyncExtension:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        from orlhf.rollout.reload_fixes import refreshed_after_reload
+
+        # the fix-ups every load path gets (_orlhf_reload), here spanning begin .. finish
+        self._orlhf_fixups = refreshed_after_reload(self.model_runner.get_model())
+        self._orlhf_fixups.__enter__()
         with set_current_vllm_config(self.vllm_config):
             initialize_layerwise_reload(self.model_runner.get_model())
 
@@ -123,13 +128,21 @@ class WeightSyncExtension:
 
         with set_current_vllm_config(self.vllm_config):
             finalize_layerwise_reload(self.model_runner.get_model(), self.model_config)
+        self._orlhf_fixups.__exit__(None, None, None)  # opened by orlhf_ipc_begin (see _orlhf_reload)
 
     def orlhf_load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> int:
         """Load tensors handed over directly (same process / IPC-rebuilt). Whole layers per call."""
         model_dtype = self.model_config.dtype
-        self.reload_weights(weights_iterator=[(n, t.to(self.device, model_dtype)) for n, t in weights],
-                            is_checkpoint_format=True)
+        self._orlhf_reload([(n, t.to(self.device, model_dtype)) for n, t in weights])
         return len(weights)
+
+    def _orlhf_reload(self, weights) -> None:
+        """vLLM's in-place reload of (checkpoint name, tensor) pairs, with the fix-ups for what it leaves stale
+        (tied heads, pre-packed MoE experts: rollout/reload_fixes.py). Every load path goes through here."""
+        from orlhf.rollout.reload_fixes import refreshed_after_reload
+
+        with refreshed_after_reload(self.model_runner.get_model()):
+            self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
 
     def _orlhf_broadcast(self, t: torch.Tensor) -> None:
         if self._orlhf_backend == "nccl":

@@ -22,6 +22,7 @@ Invariants
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -36,6 +37,7 @@ from torch import nn
 from orlhf.algo.losses import LossNorm, step_norm
 from orlhf.batching import pad_actions, sort_by_length, trim
 from orlhf.config import WorkerConfig
+from orlhf.workers.hf_names import meta_group, to_checkpoint_names
 from orlhf.workers.loading import hf_zero3_loading
 from orlhf.workers.optim import make_optimizer
 from orlhf.types import Experience, SequenceBatch, TrainStats
@@ -343,8 +345,8 @@ class DeepSpeedWorker:
             groups.setdefault(match.group(1) if match else "", []).append((name, p))
         return [g for g in groups.values() if g]
 
-    def named_full_weights(self, to_cpu: bool = True, copy: bool = True,
-                           all_ranks: bool = False) -> Iterator[list[tuple[str, Optional[torch.Tensor]]]]:
+    def named_full_weights(self, to_cpu: bool = True, copy: bool = True, all_ranks: bool = False,
+                           checkpoint_format: bool = True) -> Iterator[list[tuple[str, Optional[torch.Tensor]]]]:
         """Yield the full weights one group at a time: a group is whole transformer blocks' worth of
         (hf_name, tensor) (one block per group, plus one group of embeddings / final norm / head).
 
@@ -354,23 +356,34 @@ class DeepSpeedWorker:
         contract is the same (None off rank 0) so callers need no branch. copy=False yields the live (gathered)
         tensors, valid only until the generator resumes: for senders that use them at once (weight sync).
         all_ranks=True gives every rank the full tensors (CUDA IPC sync: each GPU serves its own engine).
+        checkpoint_format (default): names and tensors as a checkpoint on disk has them, which is what engines
+        load (workers/hf_names.py: fused runtime tensors split back per expert); False: the module's
+        own names (what save_pretrained takes, as it converts itself).
         """
         import deepspeed
 
+        convert = functools.partial(to_checkpoint_names, self.module)
         for group in self._param_groups():
             params = [p for _, p in group]
             ctx = deepspeed.zero.GatheredParameters(params) if self.zero3 else nullcontext()
             with ctx:
                 if self.rank == 0 or all_ranks:
-                    yield [(n, p.data.detach().to("cpu" if to_cpu else p.device, copy=copy)) for n, p in group]
+                    full = [(n, p.data.detach().to("cpu" if to_cpu else p.device, copy=copy)) for n, p in group]
+                    yield convert(full) if checkpoint_format else full
                 else:
-                    yield [(n, None) for n, _ in group]
+                    names = convert(meta_group(group)) if checkpoint_format else group
+                    yield [(n, None) for n, _ in names]
+
+    def checkpoint_groups_meta(self) -> list[list[tuple[str, str, tuple]]]:
+        """(name, dtype, full shape) per group, exactly as named_full_weights() yields them. Local, no gather."""
+        return [[(n, str(t.dtype), tuple(t.shape)) for n, t in to_checkpoint_names(self.module, meta_group(g))]
+                for g in self._param_groups()]
 
     def state_dict_full(self) -> Optional[dict[str, torch.Tensor]]:
         """Rank 0: the full float32 state dict in HF names (parameters and persistent buffers); None elsewhere.
         Collective under ZeRO-3. Under bf16 these are the bf16 module weights upcast, not the fp32 masters."""
         out = {}
-        for group in self.named_full_weights():
+        for group in self.named_full_weights(checkpoint_format=False):
             out.update({n: t.float() for n, t in group if t is not None})
         if self.rank != 0:
             return None

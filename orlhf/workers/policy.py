@@ -160,9 +160,8 @@ class PolicyWorker(DeepSpeedWorker):
     # ---- weight sync: orlhf/weight_sync.py drives these; only rank 0 talks to the engines ----
 
     def weight_groups_meta(self) -> list[list[tuple[str, str, tuple]]]:
-        """(hf name, dtype, full shape) per group, in named_full_weights order. Local: no gather needed."""
-        return [[(n, str(p.dtype), tuple(getattr(p, "ds_shape", p.shape))) for n, p in group]
-                for group in self._param_groups()]
+        """(checkpoint name, dtype, full shape) per group, in named_full_weights order. Local: no gather."""
+        return self.checkpoint_groups_meta()
 
     def sync_address(self) -> tuple[str, int]:
         """An address on this rank's node for the trainer -> engines group (rank 0 hosts its store)."""
@@ -203,7 +202,7 @@ class PolicyWorker(DeepSpeedWorker):
         import torch.distributed as dist
 
         state: dict[str, torch.Tensor] = {}
-        for group in self.named_full_weights():
+        for group in self.named_full_weights(checkpoint_format=False):  # save_pretrained converts names itself
             state.update({n: t for n, t in group if t is not None})
         if self.rank == 0:
             os.makedirs(out_dir, exist_ok=True)

@@ -225,7 +225,7 @@ def test_ipc_sync_is_one_layerwise_reload_per_sync(monkeypatch):
     monkeypatch.setattr(reload_mod, "initialize_layerwise_reload", lambda model: calls.append("init"))
     monkeypatch.setattr(reload_mod, "finalize_layerwise_reload", lambda model, mc: calls.append("finalize"))
 
-    class Model:
+    class Model(torch.nn.Module):  # no vLLM modules to refresh (rollout/reload_fixes.py walks them)
         def load_weights(self, weights):
             calls.append(("load", [n for n, _ in weights]))
 

@@ -1,0 +1,103 @@
+"""What vLLM's in-place reload leaves stale, and the fix-ups orlhf wraps around every reload.
+
+vLLM (0.32) reloads layer by layer: each module that receives weights is rebuilt, loaded, post-processed
+(`quant_method.process_weights_after_loading`: on CPU this pre-packs linear weights into oneDNN / sgl-kernel
+layouts, MoE experts into the grouped-GEMM layout) and copied back into its old storage. Two kinds of modules
+come out of that with pre-packed data that no longer matches their weights:
+
+1. Modules that share a weight with another (a tied LM head is `embed_tokens.weight`): if the sync does not
+   name them (vLLM skips `lm_head.*` when the config ties), they load nothing, vLLM puts their old tensors back
+   ("ParallelLMHead: Failed to load weights") and never re-packs them; the shared storage has the new weights
+   but the head's packed copy is the step-0 head. Fix: after the reload, post-process every module that shares
+   a parameter with a module the reload post-processed and was not post-processed itself.
+2. MoE experts on CPU: on the first load vLLM converts the experts to kernel format and then pre-packs them; on
+   a reload it takes the "weight update" path, copies the kernel-format weights into the already pre-packed
+   storage and skips the pre-pack, so the engine reads raw weights as packed ones and matches neither the old
+   nor the new policy. Fix: for the reload, drop the layer's MoE kernel so vLLM sets it up as on a first load
+   (convert, build the kernel, pre-pack), which its copy-back then writes into the old storage. Only layers
+   whose experts pre-pack are touched (none on GPU).
+
+Both rely on a sync holding the whole model (orlhf's sync sends every parameter in one reload call).
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+
+def _experts_prepack(quant_method) -> bool:
+    kernel = getattr(quant_method, "moe_kernel", None)
+    experts = getattr(kernel, "fused_experts", None)
+    if experts is None:
+        return False
+    try:
+        from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExperts
+    except ImportError:  # another vLLM layout: leave the layer to vLLM
+        return False
+    return type(experts).process_weights_after_loading is not FusedMoEExperts.process_weights_after_loading
+
+
+@contextmanager
+def refreshed_after_reload(model: nn.Module):
+    """Wrap one `reload_weights` call on `model` (the engine's nn.Module) with the two fix-ups above."""
+    processed: set[int] = set()
+    wrapped, moe_layers = [], []
+    for module in model.modules():
+        qm = getattr(module, "quant_method", None)
+        if qm is None or not hasattr(qm, "process_weights_after_loading"):
+            continue
+        if _experts_prepack(qm):
+            moe_layers.append((module, qm, qm.moe_kernel))
+        if id(qm) not in {id(q) for q, _ in wrapped}:
+            wrapped.append((qm, "process_weights_after_loading" in vars(qm)))
+            qm.process_weights_after_loading = _recording(qm.process_weights_after_loading, processed)
+    for _, qm, _ in moe_layers:
+        qm.moe_kernel = None  # vLLM's _setup_kernel: no kernel yet = first load = convert + pre-pack
+    try:
+        yield
+    finally:
+        for qm, had_own in wrapped:
+            if had_own:
+                qm.process_weights_after_loading = qm.process_weights_after_loading.__wrapped__
+            else:
+                del qm.process_weights_after_loading
+        for module, qm, old_kernel in moe_layers:
+            if qm.moe_kernel is None:  # the reload did not reach this layer: keep it as it was
+                qm.moe_kernel = old_kernel
+                log.warning("%s was not reloaded: its experts keep their previous weights", type(module).__name__)
+    _reprocess_tied(model, processed)
+
+
+def _recording(fn, processed: set[int]):
+    def process_weights_after_loading(layer, *args, **kwargs):
+        processed.add(id(layer))
+        return fn(layer, *args, **kwargs)
+
+    process_weights_after_loading.__wrapped__ = fn
+    return process_weights_after_loading
+
+
+def _reprocess_tied(model: nn.Module, processed: set[int]) -> list[str]:
+    """Post-process modules that share a weight with a post-processed module but were skipped themselves."""
+    owners: dict[int, list[tuple[str, nn.Module]]] = {}
+    for name, module in model.named_modules():
+        for p in module.parameters(recurse=False):
+            if p.numel() > 0:  # processed linears keep an empty placeholder: not a shared weight
+                owners.setdefault(p.data_ptr(), []).append((name, module))
+    redone = []
+    for sharing in owners.values():
+        if len(sharing) < 2 or not any(id(m) in processed for _, m in sharing):
+            continue
+        for name, module in sharing:
+            qm = getattr(module, "quant_method", None)
+            if id(module) not in processed and qm is not None and hasattr(qm, "process_weights_after_loading"):
+                qm.process_weights_after_loading(module)
+                redone.append(name)
+    if redone:
+        log.debug("re-processed tied modules after reload: %s", redone)
+    return redone
