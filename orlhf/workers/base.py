@@ -66,7 +66,18 @@ def init_distributed(device: str) -> None:
     if device == "cuda":
         torch.cuda.set_device(worker_device(device))
     if not dist.is_initialized():
+        if device == "cpu":
+            skip_shm_comm_build()
         deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo")
+
+
+def skip_shm_comm_build() -> None:
+    """DeepSpeed's CPU backend loads its shm_comm op on every init_distributed, compiling it (~40 s) when it was
+    not built at install. The op serves only DeepSpeed-inference's tensor-parallel all-reduce, which orlhf never
+    calls (ZeRO's collectives go through torch.distributed/gloo), so the install skips it and so does this."""
+    import deepspeed.comm.torch as ds_torch_comm
+
+    ds_torch_comm.build_shm_op = lambda: None
 
 
 def seed_everything(seed: int) -> None:
