@@ -139,7 +139,10 @@ class PPOConfig:
     micro_train_batch_size: int = opt(8, "Samples per forward/backward pass, per rank.")
     max_epochs: int = opt(1, "Passes over each step's experience.")
     prompt_max_len: int = opt(1024, "Longest prompt in tokens.")
-    generate_max_len: int = opt(1024, "Most new tokens per response.")
+    generate_max_len: int = opt(1024, "Most new tokens per response (OpenRLHF: --max_new_tokens).")
+    max_len: Optional[int] = opt(
+        None, "Longest prompt + response in tokens (OpenRLHF's --max_len): a response gets at most max_len - its "
+        "prompt's length new tokens; without --generate_max_len / --max_new_tokens that is the only cap.")
     actor_learning_rate: float = opt(1e-6, "Actor learning rate.")
     critic_learning_rate: float = opt(9e-6, "Critic learning rate.")
     lr_warmup_ratio: float = opt(0.03, "Share of optimizer steps spent in linear LR warm-up.")
@@ -173,6 +176,8 @@ class LoggingConfig:
     )
     wandb_project: str = opt("orlhf", "wandb project.")
     wandb_run_name: Optional[str] = opt(None, "wandb run name (default: time-stamped).")
+    wandb_org: Optional[str] = opt(None, "wandb entity (team or user) to log under.")
+    wandb_group: Optional[str] = opt(None, "wandb group for this run.")
     use_tensorboard: Optional[str] = opt(
         None, "Log to TensorBoard; optionally the log folder (default: <save_path>/tensorboard).", metavar="DIR"
     )
@@ -183,6 +188,7 @@ class LoggingConfig:
     max_ckpt_num: int = opt(3, "Checkpoints to keep.")
     load_checkpoint: bool = opt(False, "Resume from the newest complete checkpoint in --ckpt_path.")
     save_hf_ckpt: bool = opt(False, "Also export HF-format model folders with checkpoints.")
+    save_value_network: bool = opt(False, "Also save the final critic (value head included) in <save_path>/critic.")
 
 
 @dataclass(frozen=True)
@@ -278,6 +284,8 @@ def build_config(flags: dict[str, Any], explicit: frozenset[str] | set[str] = fr
         for name, v in DEMO_PRESET.items():
             if name not in explicit:
                 values[name] = v
+    if values.get("max_len") is not None and "generate_max_len" not in explicit:
+        values["generate_max_len"] = values["max_len"]  # OpenRLHF: max_len - prompt length is the only cap
     sections: dict[str, dict[str, Any]] = {attr: {} for attr, _, _ in SECTIONS}
     for attr, name, f, _ in flag_fields():
         if name in values:

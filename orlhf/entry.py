@@ -109,7 +109,8 @@ def train_ppo(cfg: TrainConfig) -> int:
         metrics = MetricsLogger(cfg.logging.save_path, use_wandb=cfg.logging.use_wandb,
                                 wandb_project=cfg.logging.wandb_project, wandb_run_name=cfg.logging.wandb_run_name,
                                 use_tensorboard=cfg.logging.use_tensorboard, config=dataclasses.asdict(cfg),
-                                resume=resume_from is not None)
+                                resume=resume_from is not None, wandb_org=cfg.logging.wandb_org,
+                                wandb_group=cfg.logging.wandb_group)
         controller = Controller(cfg, models, loader, tokenizer, metrics, reward_source=make_reward(cfg),
                                 checkpoints=checkpoints)
         if resume_from is not None:
@@ -120,6 +121,8 @@ def train_ppo(cfg: TrainConfig) -> int:
             png = metrics.close()
         out = Path(cfg.logging.save_path) / "actor"
         models.actor.call_all("save_hf", str(out))
+        if cfg.logging.save_value_network and models.critic is not None:
+            models.critic.call_all("save_value_network", str(Path(cfg.logging.save_path) / "critic"))
         log.info("done: %d steps; final actor in %s; metrics in %s%s", len(history), out, metrics.path,
                  f"; curve in {png}" if png else "")
         summarize(history)

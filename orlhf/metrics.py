@@ -21,7 +21,8 @@ log = logging.getLogger(__name__)
 class MetricsLogger:
     def __init__(self, save_path: str, *, use_wandb: Optional[str] = None, wandb_project: str = "orlhf",
                  wandb_run_name: Optional[str] = None, use_tensorboard: Optional[str] = None,
-                 config: Optional[dict] = None, resume: bool = False):
+                 config: Optional[dict] = None, resume: bool = False, wandb_org: Optional[str] = None,
+                 wandb_group: Optional[str] = None):
         self.dir = Path(save_path)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "metrics.jsonl"
@@ -36,7 +37,8 @@ class MetricsLogger:
                 os.environ.setdefault("WANDB_API_KEY", use_wandb)
             self._wandb = wandb.init(project=wandb_project, dir=str(self.dir),
                                      name=wandb_run_name or time.strftime("ppo-%Y%m%d-%H%M%S"),
-                                     config=config or {}, resume="allow" if resume else None)
+                                     config=config or {}, resume="allow" if resume else None,
+                                     entity=wandb_org, group=wandb_group)
         if use_tensorboard is not None:
             from torch.utils.tensorboard import SummaryWriter
 

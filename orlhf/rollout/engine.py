@@ -50,6 +50,7 @@ class SamplingSpec:
     top_p: float = 1.0
     max_new_tokens: int = 1024
     n: int = 1  # samples per prompt (--n_samples_per_prompt)
+    max_len: Optional[int] = None  # --max_len: prompt + response at most this many tokens
     seed: int = 0  # per-step seed: each request gets a seed derived from (seed, prompt index)
 
 
@@ -60,10 +61,17 @@ def engine_config(cfg, device: str) -> EngineConfig:
         model_path=cfg.data.pretrain, device=device, tensor_parallel_size=v.tensor_parallel_size,
         seed=cfg.ppo.seed, enforce_eager=v.enforce_eager, enable_prefix_caching=v.enable_prefix_caching,
         gpu_memory_utilization=v.gpu_memory_utilization,
-        max_model_len=cfg.ppo.prompt_max_len + cfg.ppo.generate_max_len,
+        max_model_len=min(cfg.ppo.prompt_max_len + cfg.ppo.generate_max_len, cfg.ppo.max_len or 1 << 62),
         dtype="bfloat16" if cfg.deepspeed.bf16 else "float32", kv_cache_gb=v.cpu_kv_cache_gb,
         cpu_threads=v.cpu_threads,
         enable_sleep=v.enable_sleep and device == "cuda")
+
+
+def max_new_tokens(sampling: SamplingSpec, prompt_len: int) -> int:
+    """--generate_max_len, and with --max_len at most what is left after this prompt (validation keeps it >= 1)."""
+    if sampling.max_len is None:
+        return sampling.max_new_tokens
+    return max(1, min(sampling.max_new_tokens, sampling.max_len - prompt_len))
 
 
 def request_seed(seed: int, prompt_index: int) -> int:
@@ -119,8 +127,8 @@ class EngineActor:
         # detokenize=False: rollouts carry token ids only (the controller decodes for rewards); vLLM's incremental
         # detokenizer cost ~20% of generation time on CPU (benchmarks/bench_generation.py).
         params = [SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
-                                 max_tokens=sampling.max_new_tokens, logprobs=0, detokenize=False,
-                                 seed=request_seed(sampling.seed, i)) for i, _ in prompts]
+                                 max_tokens=max_new_tokens(sampling, len(ids)), logprobs=0, detokenize=False,
+                                 seed=request_seed(sampling.seed, i)) for i, ids in prompts]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for _, ids in prompts], params,
                                  use_tqdm=False)
         rollouts = []
