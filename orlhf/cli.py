@@ -146,6 +146,20 @@ def make_demo(
                f"--input_key prompt --label_key label --remote_rm_url {paths.reward_fn}")
 
 
+@app.command("report")
+def report(save_path: Path = typer.Argument(..., help="A run's --save_path (holding metrics.jsonl).")) -> None:
+    """Draw SAVE_PATH/report.png and report.html: reward, KL, losses, entropy, samples/s, phase timing,
+    staleness and the engine/trainer log-prob gap over steps. A run writes them at its end too."""
+    from orlhf.report import write_report
+
+    try:
+        png, page = write_report(save_path)
+    except (FileNotFoundError, ValueError) as e:
+        typer.secho(f"error: {e}", fg="red", err=True)
+        raise typer.Exit(1)
+    typer.echo(f"{png}\n{page}")
+
+
 # Flags whose value is optional: OpenRLHF scripts pass `--use_wandb KEY` / `--use_tensorboard DIR`, others
 # the bare flag. A bare one gets the value "" (on, no key/dir) before Typer parses the line.
 OPTIONAL_VALUE_FLAGS = ("use_wandb", "use_tensorboard")

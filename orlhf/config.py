@@ -196,6 +196,7 @@ class RuntimeConfig:
     device: str = opt("auto", "cuda (NCCL) or cpu (gloo); auto: cuda when a GPU is visible.", choices=DEVICES)
     address: Optional[str] = opt(None, "Ray cluster address (default: the job's cluster, else a new local one).")
     ray_timeout_s: float = opt(600.0, "Longest wait on any Ray call or placement group before failing.")
+    verbose: bool = opt(False, "Show every library's and worker's output here (default: in <save_path>/logs/).")
     stop_after_steps: Optional[int] = opt(
         None, "End this invocation after N steps (schedule unchanged; resume later with --load_checkpoint).")
 

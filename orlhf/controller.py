@@ -127,6 +127,7 @@ class Controller:
         seconds, self._last_step_end = now - self._last_step_end, now  # wall time per step, overlap included
         row = {**info, "policy_loss": actor_stats["loss"], "actor_lr": actor_stats["lr"],
                "clip_frac": actor_stats["clip_frac"], "approx_kl": actor_stats["approx_kl"],
+               "entropy": actor_stats["entropy"],
                "kl_coef": self.kl_ctl.value, "weight_version": self.weight_version,
                "generation_weight_version": gen_version, "staleness": staleness,
                "engine_logprob_gap": _masked_abs_mean(engine_log_probs - old_lp, batch.action_mask),

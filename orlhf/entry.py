@@ -60,10 +60,13 @@ def connect_ray(cfg: TrainConfig, num_cpus: int) -> bool:
     if ray.is_initialized():
         return False
     address = cfg.runtime.address or os.environ.get("RAY_ADDRESS")
+    # Workers' output goes to <save_path>/logs unless --verbose (logs.py); Ray's own driver-side records then go
+    # to driver.log through the root logger instead of Ray's terminal handler.
+    quiet = dict(log_to_driver=cfg.runtime.verbose, configure_logging=cfg.runtime.verbose)
     if address:
-        ray.init(address=address, log_to_driver=True)
+        ray.init(address=address, **quiet)
         return False
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **quiet)
     return True
 
 
@@ -77,8 +80,11 @@ def train_ppo(cfg: TrainConfig) -> int:
     from orlhf.metrics import MetricsLogger
     from orlhf.placement import create_placement_groups, local_num_cpus, plan_layout, remove_placement_groups
 
-    logging.basicConfig(level=logging.INFO, format="[orlhf] %(message)s")
+    from orlhf.logs import setup_driver
+
+    run_logs = setup_driver(cfg.logging.save_path, cfg.runtime.verbose)
     cfg = resolve_device(resolve_demo(cfg))
+    log.info("%s", run_logs.summary())
     device, d, p = cfg.runtime.device, cfg.data, cfg.ppo
     if cfg.deepspeed.packing_samples and not cfg.deepspeed.flash_attn:
         log.warning("--packing_samples without --flash_attn: attention runs over each packed row with a "
@@ -126,7 +132,22 @@ def train_ppo(cfg: TrainConfig) -> int:
         log.info("done: %d steps; final actor in %s; metrics in %s%s", len(history), out, metrics.path,
                  f"; curve in {png}" if png else "")
         summarize(history)
+        write_report(cfg.logging.save_path)
+    run_logs.close()
     return 0
+
+
+def write_report(save_path: str) -> None:
+    """`orlhf report` at the end of the run. Best effort: the model is already saved, so a plotting failure only
+    costs the figure."""
+    try:
+        from orlhf.report import write_report as write
+
+        png, html = write(save_path)
+        log.info("report: %s and %s", png, html)
+    except Exception as e:  # noqa: BLE001 - never lose a finished run to a plot
+        log.warning("could not write the report (%s: %s); `orlhf report %s` retries it", type(e).__name__, e,
+                    save_path)
 
 
 def find_checkpoint(cfg: TrainConfig, checkpoints):

@@ -84,7 +84,13 @@ def request_seed(seed: int, prompt_index: int) -> int:
 class EngineActor:
     """One vLLM engine. Holds the LLM object; no scheduling logic."""
 
-    def __init__(self, cfg: EngineConfig, index: int, bundle_indices: Optional[list[int]] = None):
+    def __init__(self, cfg: EngineConfig, index: int, bundle_indices: Optional[list[int]] = None,
+                 log_dir: Optional[str] = None):
+        if log_dir:  # before vLLM starts, so its engine-core processes inherit the file (logs.py)
+            from orlhf.logs import LOG_DIR_ENV, redirect_output
+
+            os.environ[LOG_DIR_ENV] = log_dir
+            redirect_output(f"vllm-{index}")
         self.index, self.weight_version = index, 0
         if cfg.device == "cpu":
             if cfg.tensor_parallel_size != 1:
@@ -199,7 +205,10 @@ class EngineGroup:
             opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 placement_group=slot.placement_group, placement_group_bundle_index=slot.bundle_indices[0],
                 placement_group_capture_child_tasks=True)
-        return EngineActor.options(**opts).remote(self.cfg, index, list(slot.bundle_indices))
+        from orlhf.logs import LOG_DIR_ENV
+
+        return EngineActor.options(**opts).remote(self.cfg, index, list(slot.bundle_indices),
+                                                  os.environ.get(LOG_DIR_ENV))
 
     def __len__(self) -> int:
         return len(self.engines)

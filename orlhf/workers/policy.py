@@ -130,6 +130,9 @@ class PolicyWorker(DeepSpeedWorker):
             entropy = masked_mean(entropy_from_logits(logits), mask)
             loss = loss - cfg.entropy_loss_coef * entropy
             stats["entropy"] = entropy.item()
+        else:  # logged either way (the run report plots it); no graph when it is not a loss term
+            with torch.no_grad():
+                stats["entropy"] = masked_mean(entropy_from_logits(logits.detach()), mask).item()
         if cfg.use_kl_loss:
             kl = masked_mean(approx_kl(log_probs, mb.base_action_log_probs, cfg.kl_estimator), mask)
             loss = loss + cfg.kl_coef * kl
