@@ -47,7 +47,9 @@ def _timing(ax, rows: list[dict]) -> bool:
     steps = [r["step"] for r in rows]
     stacks = [[float(r.get(p, 0.0)) for r in rows] for p in phases]
     ax.stackplot(steps, *stacks, labels=[p[len("timing/"):] for p in phases], alpha=0.85)
-    ax.legend(fontsize=7, loc="lower left", ncol=3, framealpha=0.8)
+    top = max(sum(col) for col in zip(*stacks))
+    ax.set_ylim(0, top * 1.4)  # headroom: the legend sits above the stack, not on it
+    ax.legend(fontsize=7, loc="upper right", ncol=3, framealpha=0.8)
     return True
 
 
