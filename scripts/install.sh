@@ -51,8 +51,11 @@ pip_quiet() { "$@" 2> >(grep -v "is ignored: it is neither a file nor a director
 "${PIP[@]}" install -q "setuptools==$SETUPTOOLS" wheel ninja packaging py-cpuinfo psutil
 UV=()
 if [ "$ORLHF_DEVICE" = cpu ] && [ "${ORLHF_INSTALLER:-uv}" = uv ] && "${PIP[@]}" install -q uv; then
-  # --compile-bytecode: as pip does, so every Ray worker does not recompile vLLM/transformers at import.
-  UV=("$VENV/bin/uv" pip install -q --python "$VENV/bin/python" --compile-bytecode)
+  # No ahead-of-time .pyc (uv's default; pip compiles every file): compiling all ~400 packages cost ~75 s on
+  # 2 cores, more than the quickstart's workers then spend compiling what they import (Python writes those .pyc
+  # on first import unless PYTHONDONTWRITEBYTECODE is set). ORLHF_COMPILE_BYTECODE=1 compiles at install.
+  UV=("$VENV/bin/uv" pip install -q --python "$VENV/bin/python")
+  [ "${ORLHF_COMPILE_BYTECODE:-0}" = 0 ] || UV+=(--compile-bytecode)
 fi
 step_done "venv + build tools"
 
