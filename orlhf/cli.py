@@ -130,7 +130,9 @@ app.command(
     "train-ppo",
     help="Train a policy with PPO (or REINFORCE++, RLOO, GRPO, ...) on Ray: DeepSpeed trainers + vLLM engines. "
     "Flags use OpenRLHF's names; --flag_name and --flag-name both work. Without --pretrain it trains the "
-    "built-in tiny demo.",
+    "built-in tiny demo. OpenRLHF v0.10.1 launch lines carry over: --param_dtype bf16, --attn_implementation, "
+    "--max_new_tokens and its newer dotted names (--actor.model_name_or_path, --algo.advantage.estimator) are "
+    "read as the flags below; a flag for a feature orlhf lacks (LoRA, ring attention, ...) exits 2 naming it.",
     context_settings={"token_normalize_func": _normalize_flag},
 )(_train_ppo)
 
@@ -150,6 +152,20 @@ def make_demo(
                f"--input_key prompt --label_key label --remote_rm_url {paths.reward_fn}")
     typer.echo(f"or multi-turn: orlhf train-ppo --pretrain {paths.model} --prompt_data {paths.prompts} "
                f"--input_key prompt --label_key label --agent_func_path {paths.agent_fn} --generate_max_len 8")
+
+
+@app.command("report")
+def report(save_path: Path = typer.Argument(..., help="A run's --save_path (holding metrics.jsonl).")) -> None:
+    """Draw SAVE_PATH/report.png and report.html: reward, KL, losses, entropy, samples/s, phase timing,
+    staleness and the engine/trainer log-prob gap over steps. A run writes them at its end too."""
+    from orlhf.report import write_report
+
+    try:
+        png, page = write_report(save_path)
+    except (FileNotFoundError, ValueError) as e:
+        typer.secho(f"error: {e}", fg="red", err=True)
+        raise typer.Exit(1)
+    typer.echo(f"{png}\n{page}")
 
 
 # Flags whose value is optional: OpenRLHF scripts pass `--use_wandb KEY` / `--use_tensorboard DIR`, others
@@ -204,8 +220,52 @@ def serve_rm(
         server.shutdown()
 
 
+def native_arity() -> dict[str, int]:
+    """How many values each orlhf flag takes: 0 for switches, 2 for ranges, else 1."""
+    out = {}
+    for _, name, _, typ in C.flag_fields():
+        out[name] = 0 if typ is bool else 2 if getattr(typ, "__origin__", None) is tuple else 1
+    return out
+
+
+def openrlhf_spellings(args: list[str]) -> list[str]:
+    """OpenRLHF's flags that orlhf spells differently, or lacks (openrlhf_flags.py), for the train-ppo and plan
+    commands; a refused or conflicting flag exits 2 naming it."""
+    from orlhf.openrlhf_flags import CompatError, translate
+
+    if not args or args[0] not in ("train-ppo", "plan"):
+        return args
+    try:
+        return args[:1] + translate(args[1:], native_arity())
+    except CompatError as e:
+        typer.secho(f"error: {len(e.problems)} problem(s) with the flags:", fg="red", err=True)
+        typer.echo(str(e), err=True)
+        sys.exit(2)
+
+
+def keep_flag_names_whole() -> None:
+    """At 80 columns rich shrinks every column of Typer's option tables to fit and cuts long flag names with '…'
+    (--vllm_gpu_memory_utilizat…). Typer builds those tables with rich's Table: hand it one whose name columns
+    (all but the type and help columns) never wrap, so the help text wraps instead (long words fold)."""
+    import typer.rich_utils as ru
+    from rich.table import Table
+
+    class OptionsTable(Table):
+        def add_row(self, *renderables, **kwargs):
+            super().add_row(*renderables, **kwargs)
+            for column in self.columns[:-2]:
+                column.no_wrap = True
+            for item in getattr(renderables[-1], "renderables", ()):  # the help cell: Columns of Text parts
+                if hasattr(item, "overflow"):
+                    item.overflow = "fold"  # a word longer than the column folds, never cut with '…'
+
+    ru.Table = OptionsTable
+
+
 def main(argv: Optional[list[str]] = None) -> None:
-    args = fill_optional_values(list(sys.argv[1:] if argv is None else argv))
+    args = fill_optional_values(openrlhf_spellings(list(sys.argv[1:] if argv is None else argv)))
+    if "--help" in args or "-h" in args or len(args) <= 1:
+        keep_flag_names_whole()
     app(args=args, prog_name="orlhf")
 
 

@@ -28,6 +28,7 @@ from typing import Any, Optional, Sequence
 import ray
 import torch
 
+from orlhf.logs import LOG_DIR_ENV, redirect_output, tail, worker_log_path
 from orlhf.placement import RankBundle, scheduling_options
 
 log = logging.getLogger(__name__)
@@ -36,10 +37,19 @@ log = logging.getLogger(__name__)
 class RankError(RuntimeError):
     """A rank actor raised or died. `role`, `rank` and `method` say where; the message holds the traceback."""
 
-    def __init__(self, role: str, rank: int, method: str, detail: str):
+    def __init__(self, role: str, rank: int, method: str, detail: str, died: bool = False):
         self.role, self.rank, self.method = role, rank, method
         detail = re.sub(r"\x1b\[[0-9;]*m", "", detail)  # Ray colours its task names
+        path = worker_log_path(log_name(role, rank))
+        if path is not None:
+            last = tail(path) if died else ""  # no traceback travelled: show what the process printed last
+            detail += (f"\nlast lines of {path}:\n{last}" if last else f"\nits full output: {path}")
         super().__init__(f"{role} rank {rank} failed in {method}():\n{detail}")
+
+
+def log_name(role: str, rank: int) -> str:
+    """The log file name (logs.py) of a rank or engine: actor-0, critic-1, vllm-0."""
+    return f"{'vllm' if role.startswith('vllm') else role}-{rank}"
 
 
 def free_port() -> int:
@@ -54,6 +64,7 @@ class RankActor:
 
     def __init__(self, role: str, rank: int, env: dict[str, str]):
         os.environ.update(env)
+        redirect_output(log_name(role, rank))
         self.role, self.rank = role, rank
         self.worker = None
 
@@ -106,7 +117,7 @@ def wait_all(refs: list, ranks: list[int], role: str, method: str, timeout_s: fl
             except ray.exceptions.RayTaskError as e:
                 raise RankError(role, ranks[i], method, str(e)) from None
             except ray.exceptions.RayActorError as e:
-                raise RankError(role, ranks[i], method, f"the rank actor died: {e}") from None
+                raise RankError(role, ranks[i], method, f"the rank actor died: {e}", died=True) from None
     return results
 
 
@@ -117,6 +128,8 @@ class ActorGroup:
                  gpus_per_node: int = 1, timeout_s: float = 600.0, env: Optional[dict[str, str]] = None):
         self.role, self.world_size, self.timeout_s = role, len(slots), timeout_s
         base_env = {"DS_ACCELERATOR": device, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+        if LOG_DIR_ENV in os.environ:  # ranks write their output to <save_path>/logs (logs.py)
+            base_env.setdefault(LOG_DIR_ENV, os.environ[LOG_DIR_ENV])
         self.actors = [self._spawn(rank, slot, device, base_env) for rank, slot in enumerate(slots)]
         # Rendezvous on rank 0's node. On CUDA each rank sees only its own GPU (Ray sets CUDA_VISIBLE_DEVICES),
         # so LOCAL_RANK is 0 there; on CPU it is the rank's index within its node group.

@@ -171,7 +171,10 @@ class PPOConfig:
     micro_train_batch_size: int = opt(8, "Samples per forward/backward pass, per rank.")
     max_epochs: int = opt(1, "Passes over each step's experience.")
     prompt_max_len: int = opt(1024, "Longest prompt in tokens.")
-    generate_max_len: int = opt(1024, "Most new tokens per response.")
+    generate_max_len: int = opt(1024, "Most new tokens per response (OpenRLHF: --max_new_tokens).")
+    max_len: Optional[int] = opt(
+        None, "Longest prompt + response in tokens (OpenRLHF's --max_len): a response gets at most max_len - its "
+        "prompt's length new tokens; without --generate_max_len / --max_new_tokens that is the only cap.")
     actor_learning_rate: float = opt(1e-6, "Actor learning rate.")
     critic_learning_rate: float = opt(9e-6, "Critic learning rate.")
     lr_warmup_ratio: float = opt(0.03, "Share of optimizer steps spent in linear LR warm-up.")
@@ -210,7 +213,7 @@ class PPOConfig:
     policy_loss_type: str = opt("ppo", "ppo: token ratios; gspo: one sequence-level ratio (geometric mean of the "
                                 "token ratios, GSPO).", choices=POLICY_LOSS_TYPES)
     enable_vllm_is_correction: bool = opt(
-        False, "Importance-sampling correction for the engine/trainer log-prob mismatch (engine log-probs).")
+        False, "Importance sampling (IS) correction of the gap between engine and trainer log-probs.")
     vllm_is_correction_type: str = opt(
         "tis", "tis: truncate each token's ratio to the thresholds; icepop: drop tokens outside them; "
         "seq-mask-tis: drop sequences whose geometric-mean ratio is outside them.", choices=IS_CORRECTION_TYPES)
@@ -218,23 +221,24 @@ class PPOConfig:
         (0.5, 5.0), "IS-correction thresholds LOW HIGH on pi_trainer / pi_engine.", metavar="LOW HIGH")
     dynamic_filtering: bool = opt(
         False, "DAPO dynamic sampling: drop prompts whose samples' mean reward is outside the open "
-        "--dynamic_filtering_reward_range, generate more until the batch is full.")
+        "reward range (the flag below); generate more until the batch is full.")
     dynamic_filtering_reward_range: tuple[float, float] = opt(
         (0.0, 1.0), "Open range (LOW, HIGH) a prompt's mean reward must fall in to be kept.", metavar="LOW HIGH")
     overlong_buffer_len: Optional[float] = opt(
-        None, "DAPO soft overlong penalty: responses longer than --generate_max_len minus this lose up to "
-        "--overlong_penalty_factor, linearly.")
-    overlong_penalty_factor: float = opt(1.0, "Largest overlong penalty (at --generate_max_len).")
+        None, "DAPO soft overlong penalty: responses longer than the most new tokens minus this lose up to "
+        "the penalty factor (the flag below), linearly.")
+    overlong_penalty_factor: float = opt(1.0, "Largest overlong penalty (at the most new tokens).")
     stop_properly_penalty_coef: Optional[float] = opt(
-        None, "Responses cut at --generate_max_len: in [0, 1] scales their reward; < 0 sets it to this value.")
+        None, "Responses cut at the most new tokens: in [0, 1] scales their reward; < 0 sets it to this value.")
     no_advantage_std_norm: bool = opt(
         False, "Whitened estimators (gae, reinforce, reinforce_baseline): subtract the batch mean, do not "
         "divide by the std.")
     max_norm: float = opt(1.0, "Gradient clipping: largest global gradient norm.")
     adam_betas: tuple[float, float] = opt((0.9, 0.95), "Adam betas.", metavar="BETA1 BETA2")
     l2: float = opt(0.0, "Weight decay (AdamW).")
-    lr_scheduler: str = opt("cosine_with_min_lr", "LR schedule after warm-up: cosine_with_min_lr (to 10%), "
-                            "cosine (to 0), linear (to 0), constant, constant_with_warmup.", choices=LR_SCHEDULERS)
+    lr_scheduler: str = opt("cosine_with_min_lr", "LR schedule after warm-up: cosine_with_min_lr (to 10%; the "
+                            "default), cosine (to 0), linear (to 0), constant, constant_with_warmup.",
+                            choices=LR_SCHEDULERS, metavar="NAME")
 
 
 @dataclass(frozen=True)
@@ -245,6 +249,8 @@ class LoggingConfig:
     )
     wandb_project: str = opt("orlhf", "wandb project.")
     wandb_run_name: Optional[str] = opt(None, "wandb run name (default: time-stamped).")
+    wandb_org: Optional[str] = opt(None, "wandb entity (team or user) to log under.")
+    wandb_group: Optional[str] = opt(None, "wandb group for this run.")
     use_tensorboard: Optional[str] = opt(
         None, "Log to TensorBoard; optionally the log folder (default: <save_path>/tensorboard).", metavar="DIR"
     )
@@ -257,6 +263,7 @@ class LoggingConfig:
     save_hf_ckpt: bool = opt(False, "Also export HF-format model folders with checkpoints.")
     allow_no_checkpoint: bool = opt(
         False, "With --load_checkpoint: start fresh when --ckpt_path holds no checkpoint (default: an error).")
+    save_value_network: bool = opt(False, "Also save the final critic (value head included) in <save_path>/critic.")
 
     @property
     def checkpoint_dir(self) -> str:
@@ -284,6 +291,7 @@ class RuntimeConfig:
     device: str = opt("auto", "cuda (NCCL) or cpu (gloo); auto: cuda when a GPU is visible.", choices=DEVICES)
     address: Optional[str] = opt(None, "Ray cluster address (default: the job's cluster, else a new local one).")
     ray_timeout_s: float = opt(600.0, "Longest wait on any Ray call or placement group before failing.")
+    verbose: bool = opt(False, "Show every library's and worker's output here (default: in <save_path>/logs/).")
     stop_after_steps: Optional[int] = opt(
         None, "End this invocation after N steps, saving a checkpoint there (schedule unchanged; resume later "
         "with --load_checkpoint).")
@@ -394,6 +402,8 @@ def build_config(flags: dict[str, Any], explicit: frozenset[str] | set[str] = fr
         for name, v in DEMO_PRESET.items():
             if name not in explicit:
                 values[name] = v
+    if values.get("max_len") is not None and "generate_max_len" not in explicit:
+        values["generate_max_len"] = values["max_len"]  # OpenRLHF: max_len - prompt length is the only cap
     sections: dict[str, dict[str, Any]] = {attr: {} for attr, _, _ in SECTIONS}
     for attr, name, f, _ in flag_fields():
         if name in values:

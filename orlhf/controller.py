@@ -314,6 +314,7 @@ class Controller:
         """Rollouts for one prompt batch; sampling seeds depend on (seed, batch index) only (reproducible)."""
         p = self.cfg.ppo
         sampling = SamplingSpec(temperature=p.temperature, top_p=p.top_p, max_new_tokens=p.generate_max_len,
+                                max_len=p.max_len,
                                 n=p.n_samples_per_prompt, seed=p.seed * 1_000_003 + batch_index)
         return self.executor.generate(prompts, sampling)
 

@@ -62,10 +62,13 @@ def connect_ray(cfg: TrainConfig, num_cpus: int) -> bool:
     if ray.is_initialized():
         return False
     address = cfg.runtime.address or os.environ.get("RAY_ADDRESS")
+    # Workers' output goes to <save_path>/logs unless --verbose (logs.py); Ray's own driver-side records then go
+    # to driver.log through the root logger instead of Ray's terminal handler.
+    quiet = dict(log_to_driver=cfg.runtime.verbose, configure_logging=cfg.runtime.verbose)
     if address:
-        ray.init(address=address, log_to_driver=True)
+        ray.init(address=address, **quiet)
         return False
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **quiet)
     return True
 
 
@@ -92,8 +95,11 @@ def run_locked(cfg: TrainConfig, run_id: str, clock) -> int:
     from orlhf.data import PromptLoader, load_tokenizer
     from orlhf.export import export_actor
     from orlhf.metrics import MetricsLogger
+    from orlhf.logs import setup_driver
     from orlhf.placement import create_placement_groups, local_num_cpus, plan_layout, remove_placement_groups
 
+    run_logs = setup_driver(cfg.logging.save_path, cfg.runtime.verbose)  # once the run folder is ours
+    log.info("%s", run_logs.summary())
     device, d, p = cfg.runtime.device, cfg.data, cfg.ppo
     if cfg.deepspeed.packing_samples and not cfg.deepspeed.flash_attn:
         log.warning("--packing_samples without --flash_attn: attention runs over each packed row with a "
@@ -137,7 +143,8 @@ def run_locked(cfg: TrainConfig, run_id: str, clock) -> int:
         metrics = MetricsLogger(cfg.logging.save_path, use_wandb=cfg.logging.use_wandb,
                                 wandb_project=cfg.logging.wandb_project, wandb_run_name=cfg.logging.wandb_run_name,
                                 use_tensorboard=cfg.logging.use_tensorboard, config=public_config(cfg),
-                                resume_step=resume_step, run_id=run_id)
+                                resume_step=resume_step, run_id=run_id, wandb_org=cfg.logging.wandb_org,
+                                wandb_group=cfg.logging.wandb_group)
         controller = Controller(cfg, models, loader, tokenizer, metrics, reward_source=make_reward(cfg),
                                 checkpoints=checkpoints, evaluator=evaluator,
                                 best_checkpoints=CheckpointManager(Path(cfg.logging.checkpoint_dir) / "best", 1))
@@ -152,9 +159,13 @@ def run_locked(cfg: TrainConfig, run_id: str, clock) -> int:
             metrics.close(plot=False)
         out = export_actor(models.actor, Path(cfg.logging.save_path) / "actor", run_id)  # before the plot
         png = metrics.plot()  # best effort: a plotting failure costs the curve, never the model
+        if cfg.logging.save_value_network and models.critic is not None:
+            models.critic.call_all("save_value_network", str(Path(cfg.logging.save_path) / "critic"))
         log.info("done: %d steps; final actor in %s; metrics in %s%s", len(history), out, metrics.path,
                  f"; curve in {png}" if png else "")
         summarize(history)
+        write_report(cfg.logging.save_path)
+    run_logs.close()
     return 0
 
 
@@ -183,6 +194,19 @@ def check_value_heads(cfg: TrainConfig) -> None:
         check_head(d.reward_pretrain, d.value_head_prefix, required=True)
     if cfg.has_critic:
         check_head(d.critic_pretrain or d.reward_pretrain or d.pretrain, d.value_head_prefix, required=False)
+
+
+def write_report(save_path: str) -> None:
+    """`orlhf report` at the end of the run. Best effort: the model is already saved, so a plotting failure only
+    costs the figure."""
+    try:
+        from orlhf.report import write_report as write
+
+        png, html = write(save_path)
+        log.info("report: %s and %s", png, html)
+    except Exception as e:  # noqa: BLE001 - never lose a finished run to a plot
+        log.warning("could not write the report (%s: %s); `orlhf report %s` retries it", type(e).__name__, e,
+                    save_path)
 
 
 def find_checkpoint(cfg: TrainConfig, checkpoints):

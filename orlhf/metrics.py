@@ -31,7 +31,8 @@ class MetricsLogger:
     def __init__(self, save_path: str, *, use_wandb: Optional[str] = None, wandb_project: str = "orlhf",
                  wandb_run_name: Optional[str] = None, use_tensorboard: Optional[str] = None,
                  config: Optional[dict] = None, resume: bool = False, resume_step: Optional[int] = None,
-                 run_id: Optional[str] = None):
+                 run_id: Optional[str] = None, wandb_org: Optional[str] = None,
+                 wandb_group: Optional[str] = None):
         self.dir = Path(save_path)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "metrics.jsonl"
@@ -54,7 +55,8 @@ class MetricsLogger:
             try:
                 self._wandb = wandb.init(project=wandb_project, dir=str(self.dir), id=run_id,
                                          name=wandb_run_name or time.strftime("ppo-%Y%m%d-%H%M%S"),
-                                         config=config or {}, resume="allow" if resume else None)
+                                         config=config or {}, resume="allow" if resume else None,
+                                         entity=wandb_org, group=wandb_group)
             finally:
                 sys.argv = argv
         if use_tensorboard is not None:

@@ -120,7 +120,7 @@ class TrainStats:
     grad_norm: float = 0.0
     clip_frac: float = 0.0  # share of action tokens whose ratio (or value) was clipped
     approx_kl: float = 0.0  # mean (log pi_old - log pi) on action tokens: how far this step moved
-    entropy: float = 0.0  # actor only, when --entropy_loss_coef > 0
+    entropy: float = 0.0  # actor only: mean per-token entropy of the policy (a loss term with --entropy_loss_coef)
     kl_loss: float = 0.0  # actor only, with --use_kl_loss
     micro_steps: int = 0
     kl_coef: float = 0.0  # actor only: the KL-loss coefficient this step used (--use_kl_loss)

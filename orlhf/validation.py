@@ -50,6 +50,9 @@ def _ranges(cfg: TrainConfig, out: list[str]) -> None:
             out.append(f"{flag} must be >= 1 (got {value}).")
     if cfg.data.max_samples is not None and cfg.data.max_samples < 1:
         out.append(f"--max_samples must be >= 1 (got {cfg.data.max_samples}); leave it out to use every prompt.")
+    if ppo.max_len is not None and ppo.max_len <= ppo.prompt_max_len:
+        out.append(f"--max_len {ppo.max_len} leaves no room for a response after a prompt of up to "
+                   f"--prompt_max_len {ppo.prompt_max_len} tokens: raise --max_len or lower --prompt_max_len.")
     if log.save_steps != -1 and log.save_steps < 1:
         out.append(f"--save_steps must be -1 (never) or >= 1 (got {log.save_steps}).")
 

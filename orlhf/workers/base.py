@@ -68,7 +68,21 @@ def init_distributed(device: str) -> None:
     if device == "cuda":
         torch.cuda.set_device(worker_device(device))
     if not dist.is_initialized():
+        if device == "cpu":
+            skip_shm_comm_build()
         deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo")
+
+
+def skip_shm_comm_build() -> None:
+    """DeepSpeed's CPU backend loads its shm_comm op on every init_distributed, compiling it (~40 s) when it was
+    not built at install. The op serves only DeepSpeed-inference's tensor-parallel all-reduce, which orlhf never
+    calls (ZeRO's collectives go through torch.distributed/gloo), so the install skips it and so does this."""
+    import importlib
+
+    # importlib, not `import deepspeed.comm.torch as m`: that resolves the attribute `torch` of deepspeed.comm,
+    # which is the real torch package (deepspeed.comm re-exports it).
+    ds_torch_comm = importlib.import_module("deepspeed.comm.torch")
+    ds_torch_comm.build_shm_op = lambda: None
 
 
 def seed_everything(seed: int) -> None:

@@ -17,7 +17,9 @@ loadable).
 
 from __future__ import annotations
 
+import copy
 import logging
+import os
 from typing import Optional
 
 import torch
@@ -137,6 +139,23 @@ class CriticWorker(DeepSpeedWorker):
         if batch.returns is None:
             raise ValueError("critic train_step needs Experience.returns (gae advantages)")
         return self.train_micro_batches(batch, self._loss)
+
+    def save_value_network(self, out_dir: str) -> None:
+        """--save_value_network: the critic as a folder (model.safetensors in OpenRLHF's critic names, backbone
+        config.json). Collective under ZeRO-3: every rank calls it; rank 0 writes."""
+        import torch.distributed as dist
+        from safetensors.torch import save_file
+
+        state = self.state_dict_full()
+        if self.rank == 0:
+            os.makedirs(out_dir, exist_ok=True)
+            save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(out_dir, "model.safetensors"))
+            config = copy.deepcopy(self.module.backbone.config)
+            config.value_head_prefix = "value_head"  # so orlhf and OpenRLHF find the head by name
+            config.save_pretrained(out_dir)
+        if self.world_size > 1:
+            dist.barrier()
+
 
     def _loss(self, mb: Experience, norm: LossNorm) -> tuple[torch.Tensor, dict]:
         """Clipped value loss, aggregated over the optimizer step like the actor's (algo/losses.py)."""

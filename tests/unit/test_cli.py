@@ -45,6 +45,21 @@ def test_help_lists_every_flag_in_panels(capsys, monkeypatch):
         assert f"─ {panel} " in out, panel
 
 
+def test_help_reads_at_80_columns(capsys, monkeypatch):
+    """No flag name cut with '…' and no line past 80 characters; the panels stay."""
+    monkeypatch.setenv("COLUMNS", "80")
+    code, out, _ = run(["train-ppo", "--help"], capsys)
+    assert code == 0
+    assert "…" not in out
+    assert max(len(line) for line in out.splitlines()) <= 80
+    from orlhf.config import flag_fields
+
+    for _, flag, _, _ in flag_fields():
+        assert f"--{flag} " in out, flag
+    for panel in PANELS:
+        assert f"─ {panel} " in out, panel
+
+
 @pytest.fixture
 def no_training(monkeypatch):
     """Parse only: the run itself is covered by the e2e tests."""

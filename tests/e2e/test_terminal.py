@@ -1,0 +1,66 @@
+"""What a person sees in the terminal during a real run (a subprocess with its own local Ray), and where the rest
+goes: orlhf's own lines and one whole progress bar; library and rank output in <save_path>/logs; a rank's error
+still on the terminal."""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.ray, pytest.mark.vllm]
+BAR = re.compile(r"^ppo: +\d+%\|")
+
+
+def run_cli(tmp_path: Path, *flags: str, timeout: float = 900) -> tuple[subprocess.CompletedProcess, Path]:
+    save = tmp_path / "run"
+    res = subprocess.run([sys.executable, "-m", "orlhf.cli", "train-ppo", "--device", "cpu", "--save_path",
+                          str(save), *flags], capture_output=True, text=True, timeout=timeout,
+                         env={**os.environ, "COLUMNS": "100"})
+    return res, save
+
+
+def terminal_lines(text: str) -> tuple[list[str], list[str]]:
+    """(lines besides the bar, bar frames). tqdm redraws its bar after a carriage return."""
+    other, bar = [], []
+    for line in text.split("\n"):
+        for seg in line.split("\r"):
+            if seg.strip():
+                (bar if seg.startswith("ppo:") else other).append(seg)
+    return other, bar
+
+
+def test_a_demo_run_shows_only_orlhf_lines_and_a_whole_bar(tmp_path):
+    res, save = run_cli(tmp_path, "--num_episodes", "1")  # 8 steps of the demo
+    assert res.returncode == 0, res.stderr[-3000:]
+    other, bar = terminal_lines(res.stdout + res.stderr)
+    assert len(other) <= 40, "\n".join(other)
+    assert all(line.startswith("[orlhf]") for line in other), "\n".join(other)
+    assert bar and all(BAR.match(frame) for frame in bar), bar  # never torn by other output
+    text = "\n".join(other)
+    assert str(save / "logs") in text and "reward: first" in text and "report:" in text
+    logs = save / "logs"
+    for name in ("driver.log", "actor-0.log", "ref-0.log", "critic-0.log", "vllm-0.log"):
+        assert (logs / name).exists(), sorted(p.name for p in logs.iterdir())
+    assert (logs / "vllm-0.log").stat().st_size > 0  # vLLM's start-up chatter went there
+    assert (save / "report.png").stat().st_size > 20_000 and (save / "report.html").exists()
+
+
+def test_a_rank_error_reaches_the_terminal_whole(tmp_path):
+    from orlhf.demo import ensure_demo
+
+    demo = ensure_demo()
+    broken = tmp_path / "broken"
+    shutil.copytree(demo.model, broken)
+    for f in broken.glob("*.safetensors"):
+        f.write_bytes(b"not a safetensors file")
+    res, save = run_cli(tmp_path, "--pretrain", str(broken), "--prompt_data", str(demo.prompts), "--remote_rm_url",
+                        str(demo.reward_fn), "--input_key", "prompt", "--label_key", "label", timeout=600)
+    assert res.returncode == 1, res.stderr[-3000:]
+    err = res.stderr
+    assert re.search(r"(actor|ref|critic) rank 0 failed in init\(\)", err), err[-3000:]
+    assert re.search(r'File ".*", line \d+', err) and "safetensor" in err.lower()  # the rank's traceback frames
+    assert str(save / "logs") in err

@@ -1,0 +1,87 @@
+"""Terminal vs log files (orlhf/logs.py): what a person sees, and that nothing is lost."""
+
+import io
+import logging
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+from orlhf.logs import LOG_DIR_ENV, setup_driver, tail
+
+
+@pytest.fixture
+def restore_logging():
+    root = logging.getLogger()
+    saved = (list(root.handlers), root.level, list(logging.getLogger("orlhf").handlers), os.environ.get(LOG_DIR_ENV))
+    yield
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    for h in saved[0]:
+        root.addHandler(h)
+    root.setLevel(saved[1])
+    ours = logging.getLogger("orlhf")
+    for h in list(ours.handlers):
+        ours.removeHandler(h)
+    for h in saved[2]:
+        ours.addHandler(h)
+    logging.captureWarnings(False)
+    os.environ.pop(LOG_DIR_ENV, None)
+    if saved[3] is not None:
+        os.environ[LOG_DIR_ENV] = saved[3]
+
+
+def test_library_chatter_goes_to_the_file_orlhf_lines_to_the_terminal(tmp_path, restore_logging):
+    term = io.StringIO()
+    ray_logger = logging.getLogger("ray")
+    own = logging.StreamHandler(sys.stderr)  # as `import ray` installs one, ahead of the run's set-up
+    ray_logger.addHandler(own)
+    ray_logger.propagate = False
+    run = setup_driver(str(tmp_path), stream=term)
+    assert own not in ray_logger.handlers and ray_logger.propagate
+    logging.getLogger("orlhf.entry").info("3 model group(s) ready")
+    logging.getLogger("vllm.engine").warning("RotaryEmbedding: Failed to load weights")
+    logging.getLogger("ray").info("Started a local Ray instance.")
+    logging.getLogger("ray._private.authentication").warning("Token authentication is enabled")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.get_logger("transformers.tokenization_utils").warning("Special tokens have been added")
+    warnings.warn("torch.cuda.amp is deprecated", FutureWarning)
+    for _ in range(5):
+        logging.getLogger("orlhf.controller").warning("reward is constant")
+    run.close()
+    shown = term.getvalue().splitlines()
+    assert shown[0] == "[orlhf] 3 model group(s) ready"
+    assert shown.count("[orlhf] reward is constant") == 1
+    assert any("repeated 4 more time(s): reward is constant" in line for line in shown)
+    assert not any("RotaryEmbedding" in s or "Ray instance" in s or "deprecated" in s for s in shown)
+    logged = (tmp_path / "logs" / "driver.log").read_text()
+    assert not any("Special tokens" in s or "Token authentication" in s for s in shown)
+    for text in ("RotaryEmbedding", "Started a local Ray instance", "torch.cuda.amp is deprecated", "Special tokens",
+                 "3 model group(s) ready"):
+        assert text in logged
+    assert os.environ[LOG_DIR_ENV] == str((tmp_path / "logs").resolve())
+    assert str(tmp_path / "logs") in run.summary()
+
+
+def test_verbose_keeps_everything_on_the_terminal(tmp_path, restore_logging):
+    term = io.StringIO()
+    run = setup_driver(str(tmp_path), verbose=True, stream=term)
+    logging.getLogger("vllm.engine").warning("RotaryEmbedding: Failed to load weights")
+    assert "RotaryEmbedding" in term.getvalue()
+    assert LOG_DIR_ENV not in os.environ and not (tmp_path / "logs").exists()
+    assert "--verbose" in run.summary()
+
+
+def test_a_worker_process_output_lands_in_its_file(tmp_path):
+    """C-level and Python output alike (fd 1 and 2 are redirected), as in a rank actor."""
+    code = ("import os, sys; from orlhf.logs import redirect_output; redirect_output('actor-0'); "
+            "print('from python'); sys.stdout.flush(); os.write(2, b'from C stderr\\n')")
+    env = {**os.environ, LOG_DIR_ENV: str(tmp_path)}
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and res.stdout == "" and res.stderr == ""
+    text = (tmp_path / "actor-0.log").read_text()
+    assert "from python" in text and "from C stderr" in text
+    assert tail(tmp_path / "actor-0.log", 1) == "from C stderr"
