@@ -49,7 +49,6 @@ import json
 import os
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -60,7 +59,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from orlhf import config as C  # noqa: E402
-from proctree import RSS_GROUPS, TreeSampler, kill_tree  # noqa: E402  (benchmarks/proctree.py)
+from proctree import RSS_GROUPS, TreeSampler, run_sampled  # noqa: E402  (benchmarks/proctree.py)
 
 MODES = ("hybrid", "hybrid_ws2", "split", "colocate", "colocate_all", "async")
 # hybrid_ws2: the baseline as 2 SPMD ranks of 1 thread each. On a 2-core box that is DeepSpeed-Chat using both
@@ -231,19 +230,7 @@ def run_once(mode: str, cmd: list[str], save: Path, warmup: int, timeout: float)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # each orlhf run starts its own Ray
     env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", WANDB_MODE="offline")
     t0 = time.monotonic()
-    with open(save / "run.log", "w") as logf:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT, env=env)
-        sampler = TreeSampler(proc.pid, save / "metrics.jsonl")
-        sampler.start()
-        try:
-            rc = proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            kill_tree(proc.pid)
-            rc = proc.wait()
-            rc = f"timed out after {timeout:.0f} s"
-        finally:
-            sampler.done.set()
-            sampler.join()
+    rc, sampler = run_sampled(cmd, ROOT, save / "run.log", env, timeout)
     wall = time.monotonic() - t0
     text = (save / "run.log").read_text(errors="replace")
     if rc == 2 and "problem(s) with the flags" in text:  # orlhf's validation refused the mode's flags

@@ -136,3 +136,24 @@ def kill_tree(pid: int) -> None:
             p.kill()
         except psutil.Error:
             pass
+
+
+def run_sampled(cmd: list[str], cwd, log_path: Path, env: dict, timeout: float) -> tuple[object, "TreeSampler"]:
+    """Run `cmd` with its output in `log_path`, its process tree sampled (memory, CPU, metrics-row arrival times:
+    TreeSampler reads <log_path's folder>/metrics.jsonl). Returns (exit code, or "timed out after N s", sampler).
+    A run past `timeout` has its whole tree killed."""
+    import subprocess
+
+    with open(log_path, "w") as logf:
+        proc = subprocess.Popen(cmd, cwd=cwd, stdout=logf, stderr=subprocess.STDOUT, env=env)
+        sampler = TreeSampler(proc.pid, log_path.parent / "metrics.jsonl")
+        sampler.start()
+        try:
+            rc = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            kill_tree(proc.pid)
+            rc = f"timed out after {timeout:.0f} s ({proc.wait()})"
+        finally:
+            sampler.done.set()
+            sampler.join()
+    return rc, sampler

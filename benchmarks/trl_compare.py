@@ -42,7 +42,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from proctree import TreeSampler, kill_tree  # noqa: E402  (benchmarks/proctree.py)
+from proctree import TreeSampler, run_sampled  # noqa: E402  (benchmarks/proctree.py)
+from trl_grpo_runner import add_work_args  # noqa: E402  (the equal work, declared once)
 
 MODES = ("orlhf", "orlhf_async", "trl")
 TRL_VERSION = "1.16.0"
@@ -116,18 +117,7 @@ def run_once(cmd: list[str], save: Path, warmup: int, timeout: float, trl_thread
     if not is_trl:
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     launched = time.monotonic()
-    with open(save / "run.log", "w") as logf:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT, env=env)
-        sampler = TreeSampler(proc.pid, save / "metrics.jsonl")
-        sampler.start()
-        try:
-            rc = proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            kill_tree(proc.pid)
-            rc = f"timed out after {timeout:.0f} s ({proc.wait()})"
-        finally:
-            sampler.done.set()
-            sampler.join()
+    rc, sampler = run_sampled(cmd, ROOT, save / "run.log", env, timeout)
     if rc != 0:
         tail = (save / "run.log").read_text(errors="replace").strip().splitlines()[-8:]
         return {"error": f"exit {rc}; see {save / 'run.log'}: " + " | ".join(tail)}
@@ -188,13 +178,7 @@ def parse_args(argv=None):
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma list of {MODES}")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--warmup", type=int, default=2, help="steps not measured (the issue measures steps 3-12)")
-    ap.add_argument("--max_samples", type=int, default=384)
-    ap.add_argument("--episodes", type=int, default=2)
-    ap.add_argument("--prompts_per_step", type=int, default=64)
-    ap.add_argument("--samples_per_prompt", type=int, default=4)
-    ap.add_argument("--micro_batch", type=int, default=64)
-    ap.add_argument("--new_tokens", type=int, default=24)
-    ap.add_argument("--lr", type=float, default=5e-4)
+    add_work_args(ap)
     ap.add_argument("--kl", type=float, default=0.01, help="KL coefficient (TRL beta); 0: no reference model")
     ap.add_argument("--orlhf_flags", default="", help="extra train-ppo flags for the orlhf modes")
     ap.add_argument("--trl_threads", type=int, default=0,

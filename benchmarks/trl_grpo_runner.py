@@ -18,6 +18,17 @@ import time
 from pathlib import Path
 
 
+def add_work_args(ap: argparse.ArgumentParser) -> None:
+    """The work both sides do (trl_compare.py passes the same values to orlhf and to this runner)."""
+    ap.add_argument("--max_samples", type=int, default=384)
+    ap.add_argument("--episodes", type=int, default=2)
+    ap.add_argument("--prompts_per_step", type=int, default=64)
+    ap.add_argument("--samples_per_prompt", type=int, default=4)
+    ap.add_argument("--micro_batch", type=int, default=64)
+    ap.add_argument("--new_tokens", type=int, default=24)
+    ap.add_argument("--lr", type=float, default=5e-4)
+
+
 def load_reward(path: str, seen: list):
     """TRL's reward signature around the demo's; each call's rewards are appended to `seen` (for the log)."""
     spec = importlib.util.spec_from_file_location("demo_reward", path)
@@ -38,13 +49,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     for name in ("model", "prompts", "reward", "out"):
         ap.add_argument(f"--{name}", required=True)
-    ap.add_argument("--max_samples", type=int, default=384)
-    ap.add_argument("--episodes", type=int, default=2)
-    ap.add_argument("--prompts_per_step", type=int, default=64)
-    ap.add_argument("--samples_per_prompt", type=int, default=4)
-    ap.add_argument("--micro_batch", type=int, default=64)
-    ap.add_argument("--new_tokens", type=int, default=24)
-    ap.add_argument("--lr", type=float, default=5e-4)
+    add_work_args(ap)
     ap.add_argument("--beta", type=float, default=0.01)
     ap.add_argument("--seed", type=int, default=42)
     args = ap.parse_args()

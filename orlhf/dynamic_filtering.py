@@ -24,8 +24,6 @@ import logging
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
-import torch
-
 from orlhf.algo.rewards import keep_groups
 from orlhf.rewards import RewardResult
 from orlhf.types import Rollout

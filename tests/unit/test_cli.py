@@ -60,16 +60,6 @@ def test_help_reads_at_80_columns(capsys, monkeypatch):
         assert f"─ {panel} " in out, panel
 
 
-@pytest.fixture
-def no_training(monkeypatch):
-    """Parse only: the run itself is covered by the e2e tests."""
-    import orlhf.entry
-
-    seen = []
-    monkeypatch.setattr(orlhf.entry, "train_ppo", lambda cfg: seen.append(cfg) or 0)
-    return seen
-
-
 def test_valid_flags_in_both_spellings(capsys, no_training):
     argv = ["train-ppo", "--actor_num_gpus_per_node", "2", "--ref-num-gpus-per-node", "2", "--colocate-actor-ref",
             "--advantage-estimator", "group_norm", "--n_samples_per_prompt", "4", "--bf16", "--zero-stage", "2",

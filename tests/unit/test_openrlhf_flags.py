@@ -63,15 +63,6 @@ def test_the_table_has_the_144_flags_once_and_knows_each():
     assert set(DOTTED.values()) <= set(OPENRLHF_V0101_FLAGS)
 
 
-@pytest.fixture
-def parsed(monkeypatch):
-    import orlhf.entry
-
-    seen = []
-    monkeypatch.setattr(orlhf.entry, "train_ppo", lambda cfg: seen.append(cfg) or 0)
-    return seen
-
-
 def run(argv, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(argv)
@@ -80,7 +71,7 @@ def run(argv, capsys):
 
 
 @pytest.mark.parametrize("dashed", [False, True])
-def test_a_launch_line_with_every_flag_parses(capsys, parsed, dashed, monkeypatch):
+def test_a_launch_line_with_every_flag_parses(capsys, no_training, dashed, monkeypatch):
     """Every flag is accepted and reaches the config. Cross-flag rules are off here: no single line can hold all
     144 validly (--async_train excludes --colocate_all_models, in OpenRLHF too); test_config.py covers them."""
     import orlhf.validation
@@ -93,7 +84,7 @@ def test_a_launch_line_with_every_flag_parses(capsys, parsed, dashed, monkeypatc
         argv = [t.replace("_", "-") if t.startswith("--") else t for t in argv]
     code, err = run(["train-ppo", *argv], capsys)
     assert code == 0, err
-    (cfg,) = parsed
+    (cfg,) = no_training
     assert cfg.deepspeed.bf16 and not cfg.deepspeed.flash_attn  # --param_dtype bf16, --attn_implementation sdpa
     assert cfg.ppo.max_len == 2048 and cfg.ppo.generate_max_len == 1024  # --max_new_tokens
     assert cfg.ppo.advantage_estimator == "reinforce_baseline" and cfg.ppo.reward_clip_range == (-5.0, 5.0)
@@ -128,7 +119,7 @@ def test_every_unsupported_flag_is_refused_when_it_asks_for_its_feature():
             translate([f"--{flag}", *value], native_arity())
 
 
-def test_dotted_names_reach_the_same_options(capsys, parsed, tmp_path):
+def test_dotted_names_reach_the_same_options(capsys, no_training, tmp_path):
     (tmp_path / "p").mkdir()
     (tmp_path / "p" / "config.json").write_text("{}")
     (tmp_path / "prompts.jsonl").write_text('{"input": "1+1="}\n')
@@ -138,7 +129,7 @@ def test_dotted_names_reach_the_same_options(capsys, parsed, tmp_path):
             "--actor.adam.lr", "3e-6", "--logger.wandb.key", "--vllm.enforce_eager", "--ckpt.output_dir=/tmp/o"]
     code, err = run(["train-ppo", *argv], capsys)
     assert code == 0, err
-    (cfg,) = parsed
+    (cfg,) = no_training
     assert cfg.data.pretrain == str(tmp_path / "p") and cfg.ppo.advantage_estimator == "group_norm"
     assert cfg.data.remote_rm_url == "http://rm:5000/get_reward"
     assert cfg.ppo.n_samples_per_prompt == 4 and cfg.deepspeed.bf16 and cfg.ppo.generate_max_len == 32
@@ -157,19 +148,19 @@ def test_one_option_two_spellings_two_values_is_an_error(capsys, argv):
     assert code == 2 and "different values" in err, err
 
 
-def test_same_value_under_two_spellings_is_fine(capsys, parsed):
+def test_same_value_under_two_spellings_is_fine(capsys, no_training):
     code, err = run(["train-ppo", "--max_new_tokens", "64", "--generate-max-len", "64", "--param_dtype", "bf16",
                      "--bf16"], capsys)
     assert code == 0, err
-    assert parsed[0].ppo.generate_max_len == 64
+    assert no_training[0].ppo.generate_max_len == 64
 
 
-def test_max_len_caps_prompt_plus_response(capsys, parsed):
+def test_max_len_caps_prompt_plus_response(capsys, no_training):
     from orlhf.rollout.engine import SamplingSpec, max_new_tokens
 
     code, err = run(["train-ppo", "--max_len", "80"], capsys)  # demo: prompt_max_len 64
     assert code == 0, err
-    p = parsed[0].ppo
+    p = no_training[0].ppo
     assert p.generate_max_len == 80  # only max_len caps, as in OpenRLHF without --max_new_tokens
     spec = SamplingSpec(max_new_tokens=p.generate_max_len, max_len=p.max_len)
     assert max_new_tokens(spec, 30) == 50 and max_new_tokens(spec, 64) == 16

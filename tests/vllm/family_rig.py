@@ -110,7 +110,7 @@ class TrainerSide:
 
     def train_step(self, sequences: torch.Tensor, seed: int = 0) -> float:
         """One PPO step on fixed sequences with random advantages: a real optimizer step."""
-        from orlhf.types import Experience, SequenceBatch
+        from orlhf.types import Experience
 
         attn = torch.ones_like(sequences)
         old = self.log_probs(sequences)
