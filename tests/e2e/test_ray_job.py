@@ -24,12 +24,15 @@ def free_port() -> int:
 def test_demo_through_ray_jobs_api(tmp_path):
     ray_bin = Path(sys.executable).parent / "ray"
     temp_dir = Path("/tmp") / f"orlhf-rj-{secrets.token_hex(3)}"  # Ray socket paths must stay short
-    gcs_port, dash_port = free_port(), free_port()
+    gcs_port, dash_port, agent_port = free_port(), free_port(), free_port()
     env = {**os.environ, "PATH": f"{ray_bin.parent}:{os.environ['PATH']}", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
     head = subprocess.Popen(
         [str(ray_bin), "start", "--head", "--block", "--port", str(gcs_port), "--node-ip-address", "127.0.0.1",
          "--temp-dir", str(temp_dir), "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash_port),
-         "--num-cpus", "8", "--include-dashboard", "true", "--disable-usage-stats"],
+         "--num-cpus", "8", "--include-dashboard", "true", "--disable-usage-stats",
+         # the agent's default port (52365) is the test session's own cluster's when it runs: the Jobs API
+         # would then wait forever for an agent ("No available agent to submit job")
+         "--dashboard-agent-listen-port", str(agent_port)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 90
@@ -43,10 +46,12 @@ def test_demo_through_ray_jobs_api(tmp_path):
         submit = [str(ray_bin), "job", "submit", "--address", f"http://127.0.0.1:{dash_port}", "--runtime-env-json",
                   runtime_env, "--", "orlhf", "train-ppo", "--num_episodes", "1", "--max_samples", "128",
                   "--device", "cpu", "--save_path", str(save)]
-        for _ in range(30):  # the dashboard answers before its job agent is up: Ray says "try again later"
+        deadline = time.monotonic() + 180
+        while True:  # the dashboard answers before its job agent is up: Ray says "try again later"
             job = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=400)
             if "No available agent to submit job" not in job.stdout + job.stderr:
                 break
+            assert time.monotonic() < deadline, "the head's job agent never came up: " + job.stderr[-1000:]
             time.sleep(2)
         assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-2000:]
         assert "succeeded" in job.stdout and "done: 2 steps" in job.stdout
