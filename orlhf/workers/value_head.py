@@ -100,15 +100,19 @@ def tensor_shapes(folder: str) -> dict[str, tuple[tuple[int, ...], Path]]:
     """name -> (shape, file) for every tensor in the folder's weight files, without loading the tensors."""
     out: dict[str, tuple[tuple[int, ...], Path]] = {}
     for f in checkpoint_files(folder):
-        if f.suffix == ".safetensors":
-            from safetensors import safe_open
+        try:
+            if f.suffix == ".safetensors":
+                from safetensors import safe_open
 
-            with safe_open(str(f), framework="pt") as st:
-                for name in st.keys():
-                    out[name] = (tuple(st.get_slice(name).get_shape()), f)
-        else:
-            state = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
-            out.update({name: (tuple(t.shape), f) for name, t in state.items()})
+                with safe_open(str(f), framework="pt") as st:
+                    for name in st.keys():
+                        out[name] = (tuple(st.get_slice(name).get_shape()), f)
+            else:
+                state = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+                out.update({name: (tuple(t.shape), f) for name, t in state.items()})
+        except Exception as e:  # a truncated or corrupt file: name it, before anything starts
+            raise HeadError(f"{f}: cannot read the model's weights ({type(e).__name__}: {e}); re-save or re-download "
+                            "the model folder.") from e
     return out
 
 

@@ -188,3 +188,11 @@ def test_value_model_normalize_is_plain_arithmetic():
     m = ValueModel(Backbone(), head, normalize=(1.0, 4.0))
     ids = torch.tensor([[1, 5, 9]])
     assert m(ids, torch.ones_like(ids)).tolist() == [[0.0, 1.0, 2.0]]  # (x - 1) / 4
+
+
+def test_a_corrupt_weights_file_is_named_by_the_pre_flight(tmp_path):
+    save_openrlhf_model(tmp_path / "rm", prefix="score")
+    (tmp_path / "rm" / "model.safetensors").write_bytes(b"not a safetensors file")
+    for required in (True, False):  # reward model and critic alike: one line naming the file, not a traceback
+        with pytest.raises(HeadError, match=r"model\.safetensors: cannot read the model's weights"):
+            check_head(str(tmp_path / "rm"), "score", required=required)
