@@ -47,8 +47,15 @@ def test_library_chatter_goes_to_the_file_orlhf_lines_to_the_terminal(tmp_path, 
     logging.getLogger("ray._private.authentication").warning("Token authentication is enabled")
     from transformers.utils import logging as hf_logging
 
-    hf_logging.get_logger("transformers.tokenization_utils").warning("Special tokens have been added")
-    warnings.warn("torch.cuda.amp is deprecated", FutureWarning)
+    verbosity = hf_logging.get_verbosity()  # libraries imported by earlier tests (vLLM) may have lowered it
+    hf_logging.set_verbosity_warning()
+    try:
+        hf_logging.get_logger("transformers.tokenization_utils").warning("Special tokens have been added")
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    with warnings.catch_warnings():  # shown even if an earlier import filtered FutureWarnings out
+        warnings.simplefilter("always")
+        warnings.warn("torch.cuda.amp is deprecated", FutureWarning)
     for _ in range(5):
         logging.getLogger("orlhf.controller").warning("reward is constant")
     run.close()
