@@ -80,7 +80,7 @@ def main(argv=None) -> None:
 
     import torch
 
-    from orlhf.config import WorkerConfig
+    from orlhf.worker_config import WorkerConfig
     from orlhf.workers import PolicyWorker
 
     with socket.socket() as s:

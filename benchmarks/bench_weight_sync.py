@@ -251,7 +251,8 @@ def run(args) -> dict:
     import ray
 
     from orlhf.cluster import ActorGroup
-    from orlhf.config import build_config, worker_config
+    from orlhf.config import build_config
+    from orlhf.worker_config import worker_config
     from orlhf.demo import ensure_demo
     from orlhf.placement import EngineBundles, RankBundle
     from orlhf.rollout.engine import EngineGroup, engine_config

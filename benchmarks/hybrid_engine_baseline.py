@@ -60,6 +60,7 @@ import typer  # noqa: E402
 
 from orlhf import cli  # noqa: E402
 from orlhf import config as C  # noqa: E402
+from orlhf.worker_config import WorkerConfig, worker_config  # noqa: E402
 
 log = logging.getLogger("hybrid")
 
@@ -100,8 +101,8 @@ class HybridTrainer:
         samples = p.rollout_batch_size * p.n_samples_per_prompt
         opt_steps = self.loader.total_steps * p.max_epochs * (samples // p.train_batch_size)
 
-        def wc(role: str) -> C.WorkerConfig:  # the role's slice of the config, as orlhf's groups get it
-            return C.worker_config(cfg, role, device, opt_steps)
+        def wc(role: str) -> WorkerConfig:  # the role's slice of the config, as orlhf's groups get it
+            return worker_config(cfg, role, device, opt_steps)
 
         self.actor = HybridPolicyWorker(wc("actor"), gather=opts.gather, hybrid_engine=opts.hybrid_engine,
                                         max_out_tokens=p.prompt_max_len + p.generate_max_len)

@@ -17,7 +17,9 @@ import uuid
 from contextlib import ExitStack
 from pathlib import Path
 
-from orlhf.config import TrainConfig, public_config, worker_config
+from orlhf.config import TrainConfig
+from orlhf.worker_config import worker_config
+from orlhf.redact import public_config
 
 log = logging.getLogger("orlhf")
 
@@ -93,7 +95,6 @@ def run_locked(cfg: TrainConfig, run_id: str, clock) -> int:
     from orlhf.checkpoint import CheckpointManager
     from orlhf.controller import Controller
     from orlhf.data import PromptLoader, load_tokenizer
-    from orlhf.export import export_actor
     from orlhf.metrics import MetricsLogger
     from orlhf.logs import setup_driver
     from orlhf.placement import create_placement_groups, local_num_cpus, plan_layout, remove_placement_groups
@@ -101,32 +102,15 @@ def run_locked(cfg: TrainConfig, run_id: str, clock) -> int:
     run_logs = setup_driver(cfg.logging.save_path, cfg.runtime.verbose)  # once the run folder is ours
     log.info("%s", run_logs.summary())
     device, d, p = cfg.runtime.device, cfg.data, cfg.ppo
-    if cfg.deepspeed.packing_samples and not cfg.deepspeed.flash_attn:
-        log.warning("--packing_samples without --flash_attn: attention runs over each packed row with a "
-                    "block-diagonal mask, whose cost grows with the square of the row (on CPU: 0.55-0.7x of "
-                    "the default trimmed micro-batches, benchmarks/bench_padding.py); packing pays with "
-                    "flash-attn's varlen kernels on GPUs")
     tokenizer = load_tokenizer(d.pretrain)
-    prompts = load_prompts(cfg, tokenizer)
-    check_value_heads(cfg)
-    loader = PromptLoader(prompts, p.rollout_batch_size, p.num_episodes, p.seed)
+    loader = PromptLoader(load_prompts(cfg, tokenizer), p.rollout_batch_size, p.num_episodes, p.seed)
     evaluator = make_evaluator(cfg, tokenizer)  # eval data problems fail here, before anything starts
-    if d.agent_func_path:  # so does an agent file that does not import or defines no AgentExecutor
-        from orlhf.rollout.executor import load_agent_executor
-
-        load_agent_executor(d.agent_func_path)
+    preflight(cfg)
     samples_per_step = p.rollout_batch_size * p.n_samples_per_prompt
     optimizer_steps = loader.total_steps * p.max_epochs * (samples_per_step // p.train_batch_size)
     layout = plan_layout(cfg, device)
     checkpoints = CheckpointManager(cfg.logging.checkpoint_dir, cfg.logging.max_ckpt_num, run_id)
-    resume_from = find_checkpoint(cfg, checkpoints)  # one from other flags fails here, before anything starts
-    resume_step = None
-    if resume_from is not None:  # the same run goes on: same run id in its checkpoints and on W&B
-        from orlhf.checkpoint import read_meta
-
-        meta = read_meta(resume_from)
-        run_id = checkpoints.run_id = meta.get("run_id") or run_id
-        resume_step = int(meta["step"])  # metrics logged after it are cut: those steps are trained again
+    resume_from, resume_step, run_id = resume_point(cfg, checkpoints, run_id)
 
     clock.mark("prompts")
     with ExitStack() as stack:
@@ -157,16 +141,53 @@ def run_locked(cfg: TrainConfig, run_id: str, clock) -> int:
             history = controller.fit()
         finally:
             metrics.close(plot=False)
-        out = export_actor(models.actor, Path(cfg.logging.save_path) / "actor", run_id)  # before the plot
-        png = metrics.plot()  # best effort: a plotting failure costs the curve, never the model
-        if cfg.logging.save_value_network and models.critic is not None:
-            models.critic.call_all("save_value_network", str(Path(cfg.logging.save_path) / "critic"))
-        log.info("done: %d steps; final actor in %s; metrics in %s%s", len(history), out, metrics.path,
-                 f"; curve in {png}" if png else "")
-        summarize(history)
-        write_report(cfg.logging.save_path)
+        finish_run(cfg, models, metrics, history, run_id)
     run_logs.close()
     return 0
+
+
+def preflight(cfg: TrainConfig) -> None:
+    """Checks that read files before Ray starts, so a wrong head or agent file fails in a second."""
+    if cfg.deepspeed.packing_samples and not cfg.deepspeed.flash_attn:
+        log.warning("--packing_samples without --flash_attn: attention runs over each packed row with a "
+                    "block-diagonal mask, whose cost grows with the square of the row (on CPU: 0.55-0.7x of "
+                    "the default trimmed micro-batches, benchmarks/bench_padding.py); packing pays with "
+                    "flash-attn's varlen kernels on GPUs")
+    check_value_heads(cfg)
+    if cfg.data.agent_func_path:  # an agent file that does not import or defines no AgentExecutor
+        from orlhf.rollout.executor import load_agent_executor
+
+        load_agent_executor(cfg.data.agent_func_path)
+
+
+def resume_point(cfg: TrainConfig, checkpoints, run_id: str):
+    """(checkpoint folder or None, its step or None, the run id). Resuming, the same run goes on: its checkpoints'
+    run id (also on W&B), and metrics logged after its step are cut (those steps are trained again). A checkpoint
+    written under other flags fails here, before anything starts."""
+    resume_from = find_checkpoint(cfg, checkpoints)
+    if resume_from is None:
+        return None, None, run_id
+    from orlhf.checkpoint import read_meta
+
+    meta = read_meta(resume_from)
+    run_id = checkpoints.run_id = meta.get("run_id") or run_id
+    return resume_from, int(meta["step"]), run_id
+
+
+def finish_run(cfg: TrainConfig, models, metrics, history: list[dict], run_id: str) -> None:
+    """The run's outputs, models first (atomic export, then the critic), then the best-effort figures: a plotting
+    failure costs a figure, never a model."""
+    from orlhf.export import export_actor
+
+    save = Path(cfg.logging.save_path)
+    out = export_actor(models.actor, save / "actor", run_id)
+    if cfg.logging.save_value_network and models.critic is not None:
+        models.critic.call_all("save_value_network", str(save / "critic"))
+    png = metrics.plot()
+    log.info("done: %d steps; final actor in %s; metrics in %s%s", len(history), out, metrics.path,
+             f"; curve in {png}" if png else "")
+    summarize(history)
+    write_report(cfg.logging.save_path)
 
 
 def load_prompts(cfg: TrainConfig, tokenizer) -> list:

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from orlhf.config import redact_argv
+from orlhf.redact import redact_argv
 
 log = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ from torch import nn
 
 from orlhf.algo.losses import LossNorm, step_norm
 from orlhf.batching import pad_actions, sort_by_length, trim
-from orlhf.config import WorkerConfig
+from orlhf.worker_config import WorkerConfig
 from orlhf.workers.hf_names import meta_group, to_checkpoint_names
 from orlhf.workers.loading import hf_zero3_loading
 from orlhf.workers.optim import make_optimizer

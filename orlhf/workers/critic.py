@@ -27,7 +27,7 @@ from torch import nn
 
 from orlhf.algo.losses import LossNorm, aggregate, masked_mean, value_loss_per_token
 from orlhf.batching import Packed, pack
-from orlhf.config import WorkerConfig
+from orlhf.worker_config import WorkerConfig
 from orlhf.types import Experience, SequenceBatch, TrainStats
 from orlhf.workers.base import DeepSpeedWorker, position_ids_from
 from orlhf.workers.loading import from_pretrained

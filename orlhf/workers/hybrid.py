@@ -33,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from orlhf.config import WorkerConfig
+from orlhf.worker_config import WorkerConfig
 from orlhf.types import Rollout
 from orlhf.workers.base import ds_config, init_distributed, seed_everything
 from orlhf.workers.loading import hf_zero3_loading

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 
 import torch
 
-from orlhf.config import WorkerConfig
+from orlhf.worker_config import WorkerConfig
 
 log = logging.getLogger("orlhf.workers")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from orlhf.config import WorkerConfig
+from orlhf.worker_config import WorkerConfig
 
 def make_optimizer(params: list, cfg: WorkerConfig) -> torch.optim.Optimizer:
     kind = optimizer_kind(cfg)

@@ -26,7 +26,7 @@ from torch import nn
 from orlhf.algo.kl import approx_kl
 from orlhf.algo.losses import LossNorm, aggregate, entropy_from_logits, masked_mean, policy_loss_terms
 from orlhf.batching import pack
-from orlhf.config import WorkerConfig
+from orlhf.worker_config import WorkerConfig
 from orlhf.types import Experience, SequenceBatch, TrainStats
 from orlhf.workers.base import DeepSpeedWorker, position_ids_from
 from orlhf.workers.loading import from_pretrained

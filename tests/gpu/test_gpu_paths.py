@@ -23,7 +23,8 @@ GPUS_NEEDED = {"nccl": 3, "cuda_ipc_hybrid": 1}
 def _rig(tmp_path, **flags):
     import ray
 
-    from orlhf.config import build_config, worker_config
+    from orlhf.config import build_config
+    from orlhf.worker_config import worker_config
     from orlhf.entry import resolve_demo, resolve_device
     from orlhf.placement import create_placement_groups, plan_layout
     from orlhf.cluster import ActorGroup

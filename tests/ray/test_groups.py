@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from orlhf.cluster import ActorGroup, RankError
-from orlhf.config import WorkerConfig, build_config, worker_config
+from orlhf.config import build_config
+from orlhf.worker_config import WorkerConfig, worker_config
 from orlhf.entry import resolve_demo
 from orlhf.placement import RankBundle, create_placement_groups, plan_layout, remove_placement_groups
 from orlhf.types import Experience, SequenceBatch

@@ -216,7 +216,7 @@ def test_cpu_device_rules():
 
 
 def test_padding_and_thread_flags_reach_the_workers_and_engines():
-    from orlhf.config import worker_config
+    from orlhf.worker_config import worker_config
     from orlhf.rollout.engine import engine_config
 
     from dataclasses import replace
@@ -299,7 +299,7 @@ def test_prompt_mix_and_value_head_flags(model_dir, prompts, reward_py, tmp_path
 
 
 def test_value_head_flags_reach_the_reward_and_critic_workers(model_dir, prompts):
-    from orlhf.config import worker_config
+    from orlhf.worker_config import worker_config
 
     cfg = build(pretrain=model_dir, reward_pretrain=model_dir, prompt_data=prompts, value_head_prefix="value_head",
                 normalize_reward=True)
@@ -313,7 +313,7 @@ def test_value_head_flags_reach_the_reward_and_critic_workers(model_dir, prompts
 def _actor(cfg):
     from dataclasses import replace
 
-    from orlhf.config import worker_config
+    from orlhf.worker_config import worker_config
 
     return worker_config(replace(cfg, data=replace(cfg.data, pretrain="model")), "actor", "cpu")
 

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from orlhf.config import ConfigError, build_config, worker_config
+from orlhf.config import ConfigError, build_config
+from orlhf.worker_config import worker_config
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -11,7 +11,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
-from orlhf.config import WorkerConfig
+from orlhf.worker_config import WorkerConfig
 from orlhf.workers.critic import ValueModel, load_value_model
 from orlhf.workers.value_head import (HeadError, check_head, reward_normalization, stored_reward_stats,
                                       tensor_shapes)

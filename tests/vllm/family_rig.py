@@ -84,7 +84,7 @@ class TrainerSide:
         self.worker = None
 
     def load(self, path: str, lr: float = 1e-2) -> None:
-        from orlhf.config import WorkerConfig
+        from orlhf.worker_config import WorkerConfig
         from orlhf.workers import PolicyWorker
 
         cfg = WorkerConfig(role="actor", model_path=path, device="cpu", zero_stage=3, micro_forward_batch_size=8,

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from orlhf.cluster import ActorGroup, RankError
-from orlhf.config import build_config, worker_config
+from orlhf.config import build_config
+from orlhf.worker_config import worker_config
 from orlhf.entry import resolve_demo
 from orlhf.experience import rollouts_to_batch
 from orlhf.placement import EngineBundles, create_placement_groups, plan_layout, remove_placement_groups

@@ -19,7 +19,7 @@ import torch
 
 from orlhf.algo.kl import approx_kl
 from orlhf.algo.losses import aggregate, entropy_from_logits, policy_loss_terms, value_loss_per_token
-from orlhf.config import WorkerConfig
+from orlhf.worker_config import WorkerConfig
 from orlhf.types import Experience
 
 B, P, A, V = 12, 4, 5, 64  # global batch, prompt length, response length, vocab

@@ -17,7 +17,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
-from orlhf.config import WorkerConfig
+from orlhf.worker_config import WorkerConfig
 from orlhf.types import Experience, SequenceBatch
 
 B, P, A, V = 8, 6, 5, 128  # global batch, prompt length, response length, vocab
