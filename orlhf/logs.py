@@ -100,7 +100,11 @@ def setup_driver(save_path: str, verbose: bool = False, stream=None) -> RunLogs:
                 h.close()
     root.setLevel(logging.INFO)
     ours.setLevel(logging.INFO)
-    logging.captureWarnings(True)  # warnings.warn -> the "py.warnings" logger -> driver.log
+    # warnings.warn -> the "py.warnings" logger -> driver.log. Off then on: an earlier run in this process may have
+    # turned capture on inside a warnings.catch_warnings() that has since restored showwarning, and a plain
+    # captureWarnings(True) is then a no-op that leaves warnings on the terminal.
+    logging.captureWarnings(False)
+    logging.captureWarnings(True)
     if verbose:
         os.environ.pop(LOG_DIR_ENV, None)
         root.addHandler(terminal)

@@ -35,6 +35,8 @@ def restore_logging():
 
 def test_library_chatter_goes_to_the_file_orlhf_lines_to_the_terminal(tmp_path, restore_logging):
     term = io.StringIO()
+    with warnings.catch_warnings():  # an earlier run in this process (as pytest's per-test capture does)
+        setup_driver(str(tmp_path / "earlier"), stream=io.StringIO())
     ray_logger = logging.getLogger("ray")
     own = logging.StreamHandler(sys.stderr)  # as `import ray` installs one, ahead of the run's set-up
     ray_logger.addHandler(own)
