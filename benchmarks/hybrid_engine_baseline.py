@@ -312,11 +312,12 @@ def fit(trainer: HybridTrainer, cfg: C.TrainConfig) -> list[dict]:
 def resolve(cfg: C.TrainConfig, opts: HybridOptions) -> C.TrainConfig:
     """The demo's paths, the device, and every role on all `world_size` ranks; validated again as orlhf does."""
     from orlhf.entry import resolve_demo, resolve_device
+    from orlhf.roles import ROLES
 
     w = opts.world_size
     if w < 1:
         raise C.ConfigError([f"--world_size must be >= 1 (got {w})"])
-    placement = C.PlacementConfig(**{f"{r}_num_gpus_per_node": w for r in C.ROLES})
+    placement = C.PlacementConfig(**{f"{r}_num_gpus_per_node": w for r in ROLES})
     cfg = resolve_device(resolve_demo(dataclasses.replace(cfg, placement=placement)))
     p, problems = cfg.ppo, []
     if p.rollout_batch_size % w:

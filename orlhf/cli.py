@@ -104,7 +104,7 @@ def run_reporting_errors(fn: Callable[[C.TrainConfig], int], cfg: C.TrainConfig)
     from orlhf.checkpoint import CheckpointError
     from orlhf.cluster import RankError
     from orlhf.data import DataError
-    from orlhf.placement import PlacementError
+    from orlhf.layout import PlacementError
     from orlhf.rewards import RewardError
     from orlhf.runlock import RunLockError
     from orlhf.workers.value_head import HeadError

@@ -18,9 +18,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-ADVANTAGE_ESTIMATORS = ("gae", "reinforce", "rloo", "reinforce_baseline", "group_norm", "dr_grpo")
-# Estimators that compare several samples of one prompt, so they need n_samples_per_prompt > 1.
-GROUP_ESTIMATORS = ("rloo", "reinforce_baseline", "group_norm", "dr_grpo")
+from orlhf.algo.registry import ESTIMATORS
+
 KL_ESTIMATORS = ("k1", "k2", "k3")
 SYNC_BACKENDS = ("nccl", "gloo")
 # Kept equal to orlhf/algo/losses.py's tuples (a unit test checks): this module imports no torch.
@@ -183,7 +182,7 @@ class PPOConfig:
     kl_horizon: int = opt(10000, "Horizon of the adaptive KL controller.")
     kl_estimator: str = opt("k1", "KL estimator.", choices=KL_ESTIMATORS)
     use_kl_loss: bool = opt(False, "KL as a loss term instead of a reward penalty.")
-    advantage_estimator: str = opt("gae", "Advantage estimator.", choices=ADVANTAGE_ESTIMATORS)
+    advantage_estimator: str = opt("gae", "Advantage estimator.", choices=tuple(ESTIMATORS))
     n_samples_per_prompt: int = opt(1, "Responses sampled per prompt.")
     gamma: float = opt(1.0, "Discount factor.")
     lambd: float = opt(1.0, "GAE lambda.")
@@ -323,7 +322,10 @@ class TrainConfig:
 
     @property
     def has_critic(self) -> bool:
-        return self.ppo.advantage_estimator == "gae"
+        """The critic rule, written once: a critic runs when the advantage estimator needs values
+        (algo/registry.py: gae)."""
+        spec = ESTIMATORS.get(self.ppo.advantage_estimator)
+        return spec is not None and spec.needs_critic
 
     @property
     def has_reward_model(self) -> bool:
@@ -438,7 +440,3 @@ def demo_preset_applied(flags: dict[str, Any], explicit: frozenset[str] | set[st
         return {}
     return {k: v for k, v in DEMO_PRESET.items() if k not in explicit}
 
-
-# ---- Slices handed to workers: each rank gets only what it needs, never the TrainConfig tree. ----
-
-ROLES = ("actor", "critic", "ref", "reward")

@@ -20,6 +20,7 @@ from pathlib import Path
 from orlhf.config import TrainConfig
 from orlhf.worker_config import worker_config
 from orlhf.redact import public_config
+from orlhf.roles import model_path
 
 log = logging.getLogger("orlhf")
 
@@ -97,7 +98,8 @@ def run_locked(cfg: TrainConfig, run_id: str, clock) -> int:
     from orlhf.data import PromptLoader, load_tokenizer
     from orlhf.metrics import MetricsLogger
     from orlhf.logs import setup_driver
-    from orlhf.placement import create_placement_groups, local_num_cpus, plan_layout, remove_placement_groups
+    from orlhf.layout import local_num_cpus, plan_layout
+    from orlhf.placement import create_placement_groups, remove_placement_groups
 
     run_logs = setup_driver(cfg.logging.save_path, cfg.runtime.verbose)  # once the run folder is ours
     log.info("%s", run_logs.summary())
@@ -214,7 +216,7 @@ def check_value_heads(cfg: TrainConfig) -> None:
     if cfg.has_reward_model:
         check_head(d.reward_pretrain, d.value_head_prefix, required=True)
     if cfg.has_critic:
-        check_head(d.critic_pretrain or d.reward_pretrain or d.pretrain, d.value_head_prefix, required=False)
+        check_head(model_path(cfg, "critic"), d.value_head_prefix, required=False)
 
 
 def write_report(save_path: str) -> None:
@@ -268,7 +270,7 @@ def start_models(cfg: TrainConfig, placed, optimizer_steps: int, stack: ExitStac
     after each of these phases."""
     from orlhf.cluster import ActorGroup
     from orlhf.controller import Models
-    from orlhf.placement import active_roles
+    from orlhf.roles import active_roles
     from orlhf.rollout.engine import EngineGroup, engine_config
     from orlhf.weight_sync import make_weight_sync
     from orlhf.workers import CriticWorker, PolicyWorker, ReferenceWorker, RewardWorker

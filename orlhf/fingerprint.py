@@ -50,8 +50,9 @@ def config_fingerprint(cfg: "TrainConfig") -> dict[str, Any]:
         if flag in _PATH_FLAGS and value is not None:
             value = ",".join(_abs(v.strip()) for v in value.split(","))  # --prompt_data a,b: each source
         out[f"--{flag}"] = list(value) if isinstance(value, tuple) else value
-    d = cfg.data
-    critic_model = (d.critic_pretrain or d.reward_pretrain or d.pretrain) if cfg.has_critic else None
+    from orlhf.roles import model_path
+
+    critic_model = model_path(cfg, "critic") if cfg.has_critic else None
     out["critic model (--critic_pretrain, else --reward_pretrain, else --pretrain)"] = _abs(critic_model)
     return out
 

@@ -35,8 +35,10 @@ from pathlib import Path
 from typing import Optional
 
 from orlhf.config import TrainConfig, engine_gpu_memory_utilization
-from orlhf.placement import (ENGINE, GroupKey, Layout, NodeSpec, Slot, described_nodes, fit_report, format_table,
-                             live_nodes, local_num_cpus, plan_layout, simulate)
+from orlhf.layout import (ENGINE, GroupKey, Layout, NodeSpec, Slot, described_nodes, fit_report, format_table,
+                          local_num_cpus, plan_layout, simulate)
+from orlhf.placement import live_nodes
+from orlhf.roles import ROLES, model_path
 
 GIB = 2**30
 
@@ -109,8 +111,7 @@ def count_params(d: ModelDims, value_head: bool = False) -> int:
 
 def role_dims(cfg: TrainConfig) -> dict[str, ModelDims]:
     d = cfg.data
-    paths = {"actor": d.pretrain, "ref": d.pretrain, "critic": d.critic_pretrain or d.reward_pretrain or d.pretrain,
-             "reward": d.reward_pretrain}
+    paths = {role: model_path(cfg, role) for role in ROLES}
     demo = demo_dims() if d.uses_demo else None  # the demo reward is a function: no reward model to size
     return {role: read_dims(p) if p else demo for role, p in paths.items() if p or demo}
 
@@ -132,7 +133,7 @@ def role_memory(cfg: TrainConfig, role: str, params: int, ranks: int) -> Memory:
     ds = cfg.deepspeed
     w = 2 if ds.bf16 else 4
     s, n = ds.zero_stage, ranks
-    if role in ("ref", "reward"):
+    if not ROLES[role].trains:
         per = w * params / (n if s == 3 else 1)
         text = f"{w}P" + (f"/{n}" if s == 3 and n > 1 else "")
         on_host = ds.ref_reward_offload
@@ -302,7 +303,7 @@ def _placement_rows(who: str, ranks: str, slots: tuple[Slot, ...], nodes: list[N
 def memory_section(cfg: TrainConfig, layout: Layout, nodes: list[NodeSpec], placed: dict[GroupKey, int],
                    dims: dict[str, ModelDims]) -> tuple[list[str], list[str]]:
     """The per-rank estimate, the per-device sums (cuda) and the per-node host sums; and what does not fit."""
-    mems = {role: role_memory(cfg, role, count_params(dims[role], value_head=role in ("critic", "reward")),
+    mems = {role: role_memory(cfg, role, count_params(dims[role], value_head=ROLES[role].value_head),
                               len(slots)) for role, slots in layout.roles.items()}
     known = [n.gpu_memory_gb for n in nodes if n.gpu_memory_gb]
     eng = engine_memory(cfg, dims["actor"], layout.device, min(known) if known else None)

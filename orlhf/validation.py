@@ -13,8 +13,9 @@ import os
 import re
 from pathlib import Path
 
-from orlhf.config import GROUP_ESTIMATORS, ConfigError, TrainConfig
-from orlhf.placement import active_roles
+from orlhf.algo.registry import ESTIMATORS, names as estimator_names
+from orlhf.config import ConfigError, TrainConfig
+from orlhf.roles import active_roles, trained_roles
 
 # "org/name" on the HF hub; allowed for model paths when the hub is reachable (HF_HUB_OFFLINE unset).
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -107,19 +108,28 @@ def _template_formats(tpl: str, out: list[str]) -> None:
 
 def _estimators(cfg: TrainConfig, out: list[str]) -> None:
     est, n = cfg.ppo.advantage_estimator, cfg.ppo.n_samples_per_prompt
-    if est in GROUP_ESTIMATORS and n < 2:
+    spec = ESTIMATORS.get(est)
+    if spec is None:  # the CLI's choices come from the registry; a config built in code may still miss
+        out.append(f"--advantage_estimator {est!r} is not one of {', '.join(ESTIMATORS)}.")
+        return
+    if spec.needs_groups and n < 2:
         out.append(f"--advantage_estimator {est} compares samples of the same prompt: set "
-                   f"--n_samples_per_prompt to 2 or more (got {n}), or use gae / reinforce.")
-    if est in GROUP_ESTIMATORS and cfg.ppo.gamma != 1.0:
+                   f"--n_samples_per_prompt to 2 or more (got {n}), or use "
+                   f"{' / '.join(estimator_names(needs_groups=False))}.")
+    if spec.needs_groups and cfg.ppo.gamma != 1.0:
         out.append(f"--advantage_estimator {est} scores whole responses (the group baseline is on the final "
                    f"score): it needs --gamma 1.0 (got {cfg.ppo.gamma}).")
     if not cfg.has_critic:
         if cfg.data.critic_pretrain is not None:
             out.append(f"--critic_pretrain is given but --advantage_estimator {est} uses no critic; "
-                       "drop --critic_pretrain or use --advantage_estimator gae.")
+                       f"drop --critic_pretrain or use --advantage_estimator {_critic_estimators()}.")
         if cfg.placement.colocate_critic_reward:
             out.append(f"--colocate_critic_reward is given but --advantage_estimator {est} uses no critic; "
-                       "drop it or use --advantage_estimator gae.")
+                       f"drop it or use --advantage_estimator {_critic_estimators()}.")
+
+
+def _critic_estimators() -> str:
+    return " / ".join(estimator_names(needs_critic=True))
 
 
 def _reward_source(cfg: TrainConfig, out: list[str]) -> None:
@@ -200,8 +210,7 @@ def _batches(cfg: TrainConfig, out: list[str]) -> None:
            ppo.n_samples_per_prompt) < 1:
         return  # already reported by _ranges
     samples = ppo.rollout_batch_size * ppo.n_samples_per_prompt
-    roles = ["actor"] + (["critic"] if cfg.has_critic else [])
-    for role in roles:
+    for role in trained_roles(cfg):
         dp = p.world_size(role)
         if dp < 1:
             continue  # already reported by _ranges
@@ -322,10 +331,12 @@ def _losses(cfg: TrainConfig, out: list[str]) -> None:
         out.append(f"--lr_scheduler constant has no warm-up but --lr_warmup_ratio is {ppo.lr_warmup_ratio}: use "
                    "--lr_scheduler constant_with_warmup, or --lr_warmup_ratio 0.")
     est = ppo.advantage_estimator
-    if ppo.no_advantage_std_norm and est not in ("gae", "reinforce", "reinforce_baseline"):
-        out.append(f"--no_advantage_std_norm changes the batch whitening of gae / reinforce / reinforce_baseline; "
+    spec = ESTIMATORS.get(est)
+    if ppo.no_advantage_std_norm and spec is not None and not spec.whiten:
+        out.append(f"--no_advantage_std_norm changes the batch whitening of "
+                   f"{' / '.join(estimator_names(whiten=True))}; "
                    f"--advantage_estimator {est} is not whitened, so it would do nothing"
-                   + (" (for group_norm without the /std use --advantage_estimator dr_grpo)." if est == "group_norm"
+                   + (f" (for {est} without the /std use --advantage_estimator {spec.std_free})." if spec.std_free
                       else "."))
 
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from orlhf.config import ROLES, PPOConfig, TrainConfig
+from orlhf.config import PPOConfig, TrainConfig
+from orlhf.roles import model_path, role as role_spec
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,7 @@ class WorkerConfig:
 
     @property
     def trainable(self) -> bool:
-        return self.role in ("actor", "critic")
+        return role_spec(self.role).trains
 
 
 def resolved_loss_agg_mode(ppo: PPOConfig) -> str:
@@ -73,15 +74,9 @@ def resolved_loss_agg_mode(ppo: PPOConfig) -> str:
 
 def worker_config(cfg: TrainConfig, role: str, device: str, total_optimizer_steps: int = 1) -> WorkerConfig:
     """The slice of `cfg` that a `role` worker needs. `device` is the resolved device ("cpu" or "cuda")."""
-    if role not in ROLES:
-        raise ValueError(f"unknown role {role!r}; expected one of {ROLES}")
+    role_spec(role)  # ValueError for an unknown role
     d, ds, ppo = cfg.data, cfg.deepspeed, cfg.ppo
-    path = {
-        "actor": d.pretrain,
-        "ref": d.pretrain,
-        "critic": d.critic_pretrain or d.reward_pretrain or d.pretrain,
-        "reward": d.reward_pretrain,
-    }[role]
+    path = model_path(cfg, role)
     if path is None:
         raise ValueError(f"no model path for role {role!r}; resolve the demo paths first (entry.resolve_demo)")
     common = dict(

@@ -11,32 +11,13 @@ scores (see compute_advantages). Padding is right padding: every position after 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from orlhf.algo.registry import estimator as estimator_spec
+
 WHITEN_VAR_EPS = 1e-8
-
-
-@dataclass(frozen=True)
-class EstimatorSpec:
-    needs_critic: bool  # advantages come from a value model (GAE)
-    needs_groups: bool  # baseline from the other samples of the same prompt: n_samples_per_prompt >= 2
-    whiten: bool  # advantages whitened over the batch's real tokens (OpenRLHF's choice per estimator)
-
-
-# Whitening follows OpenRLHF's experience maker (checked in its current source): gae, reinforce and
-# reinforce_baseline are whitened; rloo, group_norm and dr_grpo are not (their group baseline already centres
-# them, and group_norm already scales them; dr_grpo deliberately keeps the raw scale).
-ESTIMATORS: dict[str, EstimatorSpec] = {
-    "gae": EstimatorSpec(needs_critic=True, needs_groups=False, whiten=True),
-    "reinforce": EstimatorSpec(needs_critic=False, needs_groups=False, whiten=True),
-    "rloo": EstimatorSpec(needs_critic=False, needs_groups=True, whiten=False),
-    "reinforce_baseline": EstimatorSpec(needs_critic=False, needs_groups=True, whiten=True),
-    "group_norm": EstimatorSpec(needs_critic=False, needs_groups=True, whiten=False),
-    "dr_grpo": EstimatorSpec(needs_critic=False, needs_groups=True, whiten=False),
-}
 
 
 def gae(
@@ -119,7 +100,7 @@ def compute_advantages(
                             not whitened)
         reinforce, rloo, reinforce_baseline, group_norm, dr_grpo
                             returns = discounted_returns(rewards, gamma); advantages = returns, whitened for
-                            reinforce and reinforce_baseline only (ESTIMATORS[...].whiten, as OpenRLHF). The returns
+                            reinforce and reinforce_baseline only (algo/registry.ESTIMATORS[...].whiten, as OpenRLHF). The returns
                             feed no critic; they are given back for logging.
     Whitening uses the statistics of this batch: call it once on the whole rollout batch, not per micro-batch, as
     OpenRLHF normalizes across all experiences of a step.
@@ -133,9 +114,7 @@ def compute_advantages(
     Where this departs from OpenRLHF: a group estimator with gamma != 1 raises, where OpenRLHF warns and rewrites
     args.gamma to 1 (its group baseline assumes one undiscounted reward per sample).
     """
-    spec = ESTIMATORS.get(estimator)
-    if spec is None:
-        raise ValueError(f"unknown advantage estimator {estimator!r}; expected one of {tuple(ESTIMATORS)}")
+    spec = estimator_spec(estimator)
     order = actions_first(action_mask)
     if not bool((order == torch.arange(order.shape[1])).all()):  # multi-turn: feedback tokens between actions
         compact = lambda x: None if x is None else x.gather(1, order)  # noqa: E731

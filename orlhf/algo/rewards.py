@@ -20,9 +20,8 @@ from typing import Optional
 
 import torch
 
-# Kept in step with advantages.ESTIMATORS (a unit test checks); listed here so this module imports nothing of ours.
-_IDENTITY = ("gae", "reinforce")
-_GROUPED = ("rloo", "reinforce_baseline", "group_norm", "dr_grpo")
+from orlhf.algo.registry import estimator as estimator_spec
+
 GROUP_NORM_EPS = 1e-9  # OpenRLHF's: (r - mean) / (std + 1e-9)
 
 
@@ -66,7 +65,7 @@ def group_baseline(scores: torch.Tensor, n_samples: int, estimator: str) -> torc
         group_norm (GRPO)   (r_i - group mean) / (group std + 1e-9), std unbiased (torch.std, divides by n-1),
                             as OpenRLHF
         dr_grpo             r_i - group mean (Dr. GRPO drops GRPO's / std; same scores as reinforce_baseline,
-                            but its advantages are not whitened afterwards: see advantages.ESTIMATORS)
+                            but its advantages are not whitened afterwards: see algo/registry.ESTIMATORS)
         gae, reinforce      unchanged
     """
     if n_samples < 1 or scores.shape[0] % n_samples != 0:
@@ -74,20 +73,21 @@ def group_baseline(scores: torch.Tensor, n_samples: int, estimator: str) -> torc
             f"{scores.shape[0]} scores cannot be split into groups of n_samples_per_prompt={n_samples}: "
             "a rollout batch must hold every sample of each prompt, in prompt-major order"
         )
-    if estimator in _IDENTITY:
+    baseline = estimator_spec(estimator).baseline  # the registry's rule, algo/registry.py
+    if baseline is None:
         return scores
-    if estimator not in _GROUPED:
-        raise ValueError(f"unknown advantage estimator {estimator!r}; expected one of {_IDENTITY + _GROUPED}")
     if n_samples < 2:
         raise ValueError(f"{estimator} compares samples of one prompt: it needs n_samples_per_prompt >= 2")
     groups = scores.float().reshape(-1, n_samples)  # (prompts, n)
     mean = groups.mean(dim=1, keepdim=True)
-    if estimator == "rloo":
+    if baseline == "leave_one_out":  # rloo
         out = groups - (groups.sum(dim=1, keepdim=True) - groups) / (n_samples - 1)
-    elif estimator == "group_norm":
+    elif baseline == "mean_std":  # group_norm
         out = (groups - mean) / (groups.std(dim=1, keepdim=True) + GROUP_NORM_EPS)
-    else:  # reinforce_baseline, dr_grpo
+    elif baseline == "mean":  # reinforce_baseline, dr_grpo
         out = groups - mean
+    else:
+        raise ValueError(f"advantage estimator {estimator!r}: unknown group baseline {baseline!r}")
     return out.reshape(-1)
 
 

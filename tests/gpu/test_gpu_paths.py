@@ -26,7 +26,8 @@ def _rig(tmp_path, **flags):
     from orlhf.config import build_config
     from orlhf.worker_config import worker_config
     from orlhf.entry import resolve_demo, resolve_device
-    from orlhf.placement import create_placement_groups, plan_layout
+    from orlhf.layout import plan_layout
+    from orlhf.placement import create_placement_groups
     from orlhf.cluster import ActorGroup
     from orlhf.rollout.engine import EngineGroup, engine_config
     from orlhf.weight_sync import make_weight_sync

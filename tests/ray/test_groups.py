@@ -13,7 +13,8 @@ from orlhf.cluster import ActorGroup, RankError
 from orlhf.config import build_config
 from orlhf.worker_config import WorkerConfig, worker_config
 from orlhf.entry import resolve_demo
-from orlhf.placement import RankBundle, create_placement_groups, plan_layout, remove_placement_groups
+from orlhf.layout import plan_layout
+from orlhf.placement import RankBundle, create_placement_groups, remove_placement_groups
 from orlhf.types import Experience, SequenceBatch
 from orlhf.workers import CriticWorker, PolicyWorker, RewardWorker
 

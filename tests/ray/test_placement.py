@@ -17,6 +17,7 @@ ray = pytest.importorskip("ray")
 from ray.util import placement_group_table  # noqa: E402
 from ray.util.placement_group import placement_group, remove_placement_group  # noqa: E402
 
+from orlhf import layout as L  # noqa: E402
 from orlhf import placement as P  # noqa: E402
 from orlhf.cli import main  # noqa: E402
 from orlhf.config import build_config  # noqa: E402
@@ -58,7 +59,7 @@ def cfg_of(**flags):
 
 @contextlib.contextmanager
 def placed(cfg, device="cuda", timeout_s=30):
-    layout = P.plan_layout(cfg, device)
+    layout = L.plan_layout(cfg, device)
     result = P.create_placement_groups(layout, timeout_s=timeout_s)
     try:
         yield result
@@ -163,23 +164,23 @@ def test_cpu_slots(cluster):
                  critic_num_gpus_per_node=2, vllm_num_engines=2)
     with placed(cfg, device="cpu") as r:
         assert_groups_whole(r)
-        assert P.cpu_slots_needed(r.layout) == 4 + 2 + 2 + 2
+        assert L.cpu_slots_needed(r.layout) == 4 + 2 + 2 + 2
         assert all(pg.bundle_specs == [{"CPU": 1.0}] * len(pg.bundle_specs) for pg in r.groups.values())
 
 
 def test_unsatisfiable_fails_fast_with_the_table(cluster):
-    layout = P.plan_layout(cfg_of(actor_num_gpus_per_node=6, micro_train_batch_size=8, train_batch_size=48,
+    layout = L.plan_layout(cfg_of(actor_num_gpus_per_node=6, micro_train_batch_size=8, train_batch_size=48,
                                   rollout_batch_size=48), "cuda")
     start = time.monotonic()
-    with pytest.raises(P.PlacementError) as err:
+    with pytest.raises(L.PlacementError) as err:
         P.create_placement_groups(layout, timeout_s=600)
     assert time.monotonic() - start < 15  # a behaviour requirement: never the 600 s wait
     msg = str(err.value)
     assert "GPU need/free/total" in msg and "0/4/4" in msg and "actor g0: needs 6 GPU + 6 CPU on one node" in msg
     assert "--actor_num_gpus_per_node 6" in msg
     # The "a TP engine fits on one node" rule, which only the live cluster can check:
-    with pytest.raises(P.PlacementError, match="lower --vllm_tensor_parallel_size to at most 4"):
-        P.create_placement_groups(P.plan_layout(cfg_of(vllm_tensor_parallel_size=8), "cuda"), timeout_s=600)
+    with pytest.raises(L.PlacementError, match="lower --vllm_tensor_parallel_size to at most 4"):
+        P.create_placement_groups(L.plan_layout(cfg_of(vllm_tensor_parallel_size=8), "cuda"), timeout_s=600)
     assert time.monotonic() - start < 15
     assert live_groups() == 0
 
@@ -188,10 +189,10 @@ def test_busy_cluster_fails_after_settling_and_says_so(cluster):
     held = placement_group([{"GPU": 1, "CPU": 1}] * 4, strategy="STRICT_PACK")
     ray.get(held.ready(), timeout=30)
     try:
-        layout = P.plan_layout(cfg_of(actor_num_gpus_per_node=4, ref_num_gpus_per_node=4,
+        layout = L.plan_layout(cfg_of(actor_num_gpus_per_node=4, ref_num_gpus_per_node=4,
                                       critic_num_gpus_per_node=2, vllm_tensor_parallel_size=2), "cuda")
         start = time.monotonic()
-        with pytest.raises(P.PlacementError, match="only 8 are free now"):
+        with pytest.raises(L.PlacementError, match="only 8 are free now"):
             P.create_placement_groups(layout, timeout_s=600, settle_s=2)
         assert time.monotonic() - start < 15
     finally:
@@ -201,9 +202,9 @@ def test_busy_cluster_fails_after_settling_and_says_so(cluster):
 def test_not_ready_in_time_removes_what_it_created(cluster, monkeypatch):
     # A node that only the pre-flight believes in: the group passes the check, then never becomes ready.
     real = P.live_nodes
-    monkeypatch.setattr(P, "live_nodes", lambda: real() + [P.NodeSpec("ghost", "-", 8, 8)])
-    layout = P.plan_layout(cfg_of(actor_num_gpus_per_node=8, micro_train_batch_size=8), "cuda")
-    with pytest.raises(P.PlacementError, match=r"not ready after 2s: actor g0 \(8 x 1 GPU\+1 CPU\)"):
+    monkeypatch.setattr(P, "live_nodes", lambda: real() + [L.NodeSpec("ghost", "-", 8, 8)])
+    layout = L.plan_layout(cfg_of(actor_num_gpus_per_node=8, micro_train_batch_size=8), "cuda")
+    with pytest.raises(L.PlacementError, match=r"not ready after 2s: actor g0 \(8 x 1 GPU\+1 CPU\)"):
         P.create_placement_groups(layout, timeout_s=2)
     deadline = time.monotonic() + 10
     while live_groups() and time.monotonic() < deadline:

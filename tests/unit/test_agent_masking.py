@@ -9,7 +9,8 @@ The row used throughout (prompt P, model turns a/b, feedback f):
 import pytest
 import torch
 
-from orlhf.algo.advantages import ESTIMATORS, actions_first, compute_advantages
+from orlhf.algo.advantages import actions_first, compute_advantages
+from orlhf.algo.registry import ESTIMATORS
 from orlhf.algo.losses import policy_loss
 from orlhf.algo.rewards import group_baseline, shape_rewards
 from orlhf.experience import ExperienceConfig, make_experience, rollouts_to_batch

@@ -85,6 +85,30 @@ def test_critic_only_with_gae(model_dir):
     assert build(critic_pretrain=model_dir).has_critic
 
 
+def test_estimator_registry_drives_cli_choices_and_validation(monkeypatch):
+    """algo/registry.py is the one table: the flag's choices are its keys, and a new row (here a made-up grouped
+    estimator with a critic) gets the group rules, the critic and its placement with no other edit."""
+    from orlhf.algo import registry
+    from orlhf.cli import main
+    from orlhf.config import flag_fields
+    from orlhf.roles import active_roles, trained_roles
+
+    choices = next(f.metadata["choices"] for _, name, f, _ in flag_fields() if name == "advantage_estimator")
+    assert choices == tuple(registry.ESTIMATORS)
+    with pytest.raises(SystemExit) as exit_:
+        main(["train-ppo", "--advantage_estimator", "not_an_estimator"])
+    assert exit_.value.code == 2
+    monkeypatch.setitem(registry.ESTIMATORS, "grouped_gae",
+                        registry.EstimatorSpec(needs_critic=True, baseline="mean", whiten=False))
+    assert_fails(["--advantage_estimator grouped_gae", "--n_samples_per_prompt"], advantage_estimator="grouped_gae")
+    assert_fails(["--no_advantage_std_norm", "not whitened"], advantage_estimator="grouped_gae",
+                 n_samples_per_prompt=2, no_advantage_std_norm=True)
+    cfg = build(advantage_estimator="grouped_gae", n_samples_per_prompt=2)
+    assert cfg.has_critic and "critic" in active_roles(cfg) and trained_roles(cfg) == ["actor", "critic"]
+    assert "unknown" not in " ".join(problems(advantage_estimator="reinforce", n_samples_per_prompt=0))
+    assert_fails(["--advantage_estimator 'bogus'", "gae"], advantage_estimator="bogus")
+
+
 def test_exactly_one_reward_source(model_dir, prompts, reward_py):
     assert_fails(["--reward_pretrain", "--remote_rm_url", "choose one"],
                  pretrain=model_dir, prompt_data=prompts, reward_pretrain=model_dir, remote_rm_url=reward_py)

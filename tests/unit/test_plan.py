@@ -7,8 +7,8 @@ import pytest
 
 from orlhf.cli import main
 from orlhf.config import build_config
-from orlhf.placement import (PlacementError, Slot, check_fits, cpu_slots_needed, described_nodes, plan_layout,
-                             simulate)
+from orlhf.layout import (PlacementError, Slot, check_fits, cpu_slots_needed, described_nodes, plan_layout,
+                          simulate)
 from orlhf.plan import GIB, ModelDims, count_params, device_peak, read_dims, role_memory
 
 # Llama-3-70B's shape (hand count below).

@@ -14,7 +14,8 @@ from orlhf.config import build_config
 from orlhf.worker_config import worker_config
 from orlhf.entry import resolve_demo
 from orlhf.experience import rollouts_to_batch
-from orlhf.placement import EngineBundles, create_placement_groups, plan_layout, remove_placement_groups
+from orlhf.layout import plan_layout
+from orlhf.placement import EngineBundles, create_placement_groups, remove_placement_groups
 from orlhf.rollout.engine import EngineActor, EngineGroup, SamplingSpec, engine_config
 from orlhf.types import Experience
 from orlhf.weight_sync import WeightSync
