@@ -1,4 +1,6 @@
-"""Checkpoints: folder layout, atomic commit, rotation, resume lookup, config check, safe (de)serialization.
+"""Checkpoints on disk: atomic commit, rotation, resume lookup, driver/RNG state files, safe loading (the IO side).
+
+The pure side (names, meta.json's format, the compatibility check, the state encoding) is checkpoint_format.py.
 
     <ckpt_path>/
       step_000010/                 a complete checkpoint: it only ever appears by one os.rename, meta.json inside
@@ -9,7 +11,7 @@
           latest, global_stepN/    every rank's ZeRO shards of parameters and optimizer, LR scheduler, counters
           rng_rank<r>.json|.safetensors   each rank's RNG states
           zero_to_fp32.py          DeepSpeed's offline consolidation script (python zero_to_fp32.py actor out)
-        critic/                    the same for the critic (gae only)
+        critic/                    the same for the critic (every trained role of roles.py has its folder)
         hf/actor/                  with --save_hf_ckpt: HF folder (safetensors) that transformers and vLLM load
       .tmp-step_000020-1a2b3c4d/   a save in progress, or one that crashed: never read; owner.json inside names its
                                    writer (pid, host, run id): cleanup_stale_tmp removes it once that writer is gone
@@ -20,7 +22,8 @@
             saving without --load_checkpoint: mgr.check_new_run() (another run's checkpoints are there: refuse)
     save:   tmp = mgr.begin(step) -> every trained group: save_checkpoint(tmp/<role>) (collective per group)
             -> driver: save_controller_state(tmp, state) -> mgr.commit(tmp, step, meta)
-    resume: path = mgr.latest() (None: start fresh) -> check_compatible(read_meta(path), config_fingerprint(cfg))
+    resume: path = mgr.latest() (None: start fresh) -> checkpoint_format.check_compatible(read_meta(path),
+            fingerprint.config_fingerprint(cfg))
             -> every trained group, right after init: load_checkpoint(path/<role>) -> load_controller_state(path)
 
 Invariants
@@ -40,7 +43,6 @@ import json
 import logging
 import os
 import random
-import re
 import shutil
 import time
 import uuid
@@ -49,23 +51,11 @@ from typing import Any, Optional
 
 import torch
 
-from orlhf.fingerprint import config_fingerprint  # noqa: F401 (part of this module's interface)
+from orlhf.checkpoint_format import (FORMAT_VERSION, META, STEP_DIR, TMP_PREFIX, TRASH_PREFIX, CheckpointError,
+                                     decode_state, encode_state, meta_problem, step_dir_name)
 from orlhf.runlock import OWNER_NAME, owner_gone, write_owner
 
 log = logging.getLogger(__name__)
-
-FORMAT_VERSION = 1
-META = "meta.json"
-_STEP_DIR = re.compile(r"^step_(\d+)$")
-_TMP_PREFIX, _TRASH_PREFIX = ".tmp-", ".trash-"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint cannot be used by this run; the message names the folder, what differs, and the fix."""
-
-
-def step_dir_name(step: int) -> str:
-    return f"step_{step:06d}"
 
 
 # ---- the folder: begin, commit, rotate, latest ----------------------------------------------------------------
@@ -84,7 +74,7 @@ class CheckpointManager:
     def begin(self, step: int) -> Path:
         """A fresh temporary folder for the checkpoint of `step`, next to where it will be renamed to."""
         self.root.mkdir(parents=True, exist_ok=True)
-        tmp = self.root / f"{_TMP_PREFIX}{step_dir_name(step)}-{uuid.uuid4().hex[:8]}"
+        tmp = self.root / f"{TMP_PREFIX}{step_dir_name(step)}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()  # not mkdtemp: its 0700 mode would stick to the final folder; this respects the umask
         write_owner(tmp, self.run_id)
         return tmp
@@ -100,7 +90,7 @@ class CheckpointManager:
         from orlhf import __version__
 
         tmp = Path(tmp).absolute()
-        if tmp.parent != self.root or not tmp.name.startswith(_TMP_PREFIX):
+        if tmp.parent != self.root or not tmp.name.startswith(TMP_PREFIX):
             raise ValueError(f"{tmp} is not a folder from {type(self).__name__}.begin() in {self.root}")
         for role, ranks in (meta.get("roles") or {}).items():
             _check_ranks_wrote(tmp / role, role, ranks)
@@ -134,10 +124,10 @@ class CheckpointManager:
             return []
         found = []
         for entry in self.root.iterdir():
-            if entry.name.startswith((_TMP_PREFIX, _TRASH_PREFIX)):
+            if entry.name.startswith((TMP_PREFIX, TRASH_PREFIX)):
                 log.info("ignoring %s: an unfinished save or deletion (cleanup_stale_tmp removes it)", entry)
                 continue
-            match = _STEP_DIR.match(entry.name)
+            match = STEP_DIR.match(entry.name)
             if not match or not entry.is_dir():
                 continue
             problem = _meta_problem(entry, int(match.group(1)))
@@ -172,10 +162,10 @@ class CheckpointManager:
         for e in self.root.iterdir():
             if not e.is_dir():
                 continue
-            if e.name.startswith(_TRASH_PREFIX + "step_") or (e.name.startswith(_TMP_PREFIX + "step_")
+            if e.name.startswith(TRASH_PREFIX + "step_") or (e.name.startswith(TMP_PREFIX + "step_")
                                                               and owner_gone(e)):
                 stale.append(e)
-            elif e.name.startswith(_TMP_PREFIX + "step_"):
+            elif e.name.startswith(TMP_PREFIX + "step_"):
                 log.warning("keeping %s: its writer (%s) is still running", e, e / OWNER_NAME)
         for path in stale:
             shutil.rmtree(path, ignore_errors=True)
@@ -183,7 +173,7 @@ class CheckpointManager:
         return stale
 
     def _trash(self, path: Path) -> Path:
-        trash = self.root / f"{_TRASH_PREFIX}{path.name}-{uuid.uuid4().hex[:8]}"
+        trash = self.root / f"{TRASH_PREFIX}{path.name}-{uuid.uuid4().hex[:8]}"
         os.rename(path, trash)  # atomic: from here on nothing reads it as a checkpoint
         return trash
 
@@ -203,9 +193,7 @@ def _meta_problem(path: Path, step: int) -> Optional[str]:
         return f"no {META} (not a complete orlhf checkpoint)"
     except (OSError, ValueError) as e:
         return f"unreadable {META} ({e})"
-    if not isinstance(meta, dict) or meta.get("step") != step:
-        return f"{META} does not describe step {step}"
-    return None
+    return meta_problem(meta, step)
 
 
 def _check_ranks_wrote(folder: Path, role: str, ranks: int) -> None:
@@ -214,26 +202,6 @@ def _check_ranks_wrote(folder: Path, role: str, ranks: int) -> None:
         raise CheckpointError(
             f"{folder}: ranks {missing} of the {role} group ({ranks} ranks) left no files here. Every rank must "
             "see --ckpt_path: on several nodes put it on a shared filesystem.")
-
-
-# ---- does this checkpoint belong to this run? -----------------------------------------------------------------
-
-def check_compatible(meta: dict[str, Any], fingerprint: dict[str, Any], path: str | os.PathLike = "") -> None:
-    """Raise CheckpointError listing every setting that differs between the checkpoint and this run."""
-    where = f"checkpoint {path}" if path else "the checkpoint"
-    if meta.get("format") != FORMAT_VERSION:
-        raise CheckpointError(f"{where} has format {meta.get('format')!r}; this orlhf reads format {FORMAT_VERSION}. "
-                              "Resume with the orlhf version that wrote it, or start fresh with another --ckpt_path.")
-    saved = meta.get("fingerprint") or {}
-    missing = object()
-    diffs = [(k, saved.get(k, missing), fingerprint.get(k, missing)) for k in sorted({*saved, *fingerprint})
-             if saved.get(k, missing) != fingerprint.get(k, missing)]
-    if diffs:
-        show = lambda v: "(not recorded)" if v is missing else repr(v)  # noqa: E731
-        lines = "\n".join(f"  - {k}: checkpoint {show(a)}, this run {show(b)}" for k, a, b in diffs)
-        raise CheckpointError(f"{where} was written by a run with other settings:\n{lines}\nResume with the "
-                              "checkpoint's values of these flags, or start fresh: another --ckpt_path, or leave "
-                              "out --load_checkpoint.")
 
 
 # ---- driver state and RNG -------------------------------------------------------------------------------------
@@ -275,7 +243,7 @@ def save_state(folder: str | os.PathLike, name: str, state: dict[str, Any]) -> N
     from safetensors.torch import save_file
 
     tensors: dict[str, torch.Tensor] = {}
-    doc = _encode(state, tensors, "")
+    doc = encode_state(state, tensors)
     folder = Path(folder)
     if tensors:
         save_file(tensors, str(folder / f"{name}.safetensors"))
@@ -293,7 +261,7 @@ def load_state(folder: str | os.PathLike, name: str) -> dict[str, Any]:
         raise CheckpointError(f"{folder}: cannot read {name}.json ({e})") from e
     blob = folder / f"{name}.safetensors"
     tensors = load_file(str(blob)) if blob.exists() else {}
-    return _decode(doc, tensors)
+    return decode_state(doc, tensors)
 
 
 def save_controller_state(folder: str | os.PathLike, state: dict[str, Any]) -> None:
@@ -303,35 +271,6 @@ def save_controller_state(folder: str | os.PathLike, state: dict[str, Any]) -> N
 
 def load_controller_state(folder: str | os.PathLike) -> dict[str, Any]:
     return load_state(folder, "controller")
-
-
-def _encode(obj: Any, tensors: dict[str, torch.Tensor], key: str) -> Any:
-    if isinstance(obj, torch.Tensor):
-        tensors[key] = obj.detach().cpu().contiguous()
-        return {"__tensor__": key}
-    if isinstance(obj, dict):
-        bad = [k for k in obj if not isinstance(k, str)]
-        if bad or "__tensor__" in obj or "__tuple__" in obj:
-            raise TypeError(f"state at {key or '<root>'!r}: keys must be strings other than __tensor__/__tuple__")
-        return {k: _encode(v, tensors, f"{key}.{k}" if key else k) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        items = [_encode(v, tensors, f"{key}.{i}") for i, v in enumerate(obj)]
-        return {"__tuple__": items} if isinstance(obj, tuple) else items
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    raise TypeError(f"state at {key!r}: cannot store a {type(obj).__name__} (use plain values or tensors)")
-
-
-def _decode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    if isinstance(obj, dict):
-        if "__tensor__" in obj:
-            return tensors[obj["__tensor__"]]
-        if "__tuple__" in obj:
-            return tuple(_decode(v, tensors) for v in obj["__tuple__"])
-        return {k: _decode(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_decode(v, tensors) for v in obj]
-    return obj
 
 
 # ---- DeepSpeed's files, loaded without unpickling code --------------------------------------------------------

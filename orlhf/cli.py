@@ -101,7 +101,7 @@ def _train_ppo(ctx: typer.Context, **flags: Any) -> None:
 def run_reporting_errors(fn: Callable[[C.TrainConfig], int], cfg: C.TrainConfig) -> int:
     """Errors a user can act on (bad data, a reward file, placement, a failed rank) print as one message
     without a Python traceback of orlhf's own frames; anything else is a bug and keeps its traceback."""
-    from orlhf.checkpoint import CheckpointError
+    from orlhf.checkpoint_format import CheckpointError
     from orlhf.cluster import RankError
     from orlhf.data import DataError
     from orlhf.layout import PlacementError

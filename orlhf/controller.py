@@ -243,7 +243,8 @@ class Controller:
 
     def save_checkpoint(self, mgr=None) -> None:
         """Every trained group's DeepSpeed state + the controller's, into a temp folder renamed into place."""
-        from orlhf.checkpoint import config_fingerprint, rng_state, save_controller_state
+        from orlhf.checkpoint import rng_state, save_controller_state
+        from orlhf.fingerprint import config_fingerprint
 
         t0 = time.perf_counter()
         mgr, step = mgr or self.checkpoints, self.step_index

@@ -235,9 +235,9 @@ def write_report(save_path: str) -> None:
 def find_checkpoint(cfg: TrainConfig, checkpoints):
     """--load_checkpoint: the newest complete checkpoint (checked against these flags), or None to start fresh.
     Without it, a --ckpt_path that already holds checkpoints is refused when this run would save there."""
-    from orlhf.checkpoint import check_compatible, config_fingerprint, read_meta
-
-    from orlhf.checkpoint import CheckpointError
+    from orlhf.checkpoint import read_meta
+    from orlhf.checkpoint_format import CheckpointError, check_compatible
+    from orlhf.fingerprint import config_fingerprint
 
     checkpoints.cleanup_stale_tmp()
     saves = cfg.logging.save_steps > 0 or cfg.runtime.stop_after_steps is not None  # (it saves at the stop)

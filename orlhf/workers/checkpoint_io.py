@@ -39,7 +39,8 @@ def load_worker_checkpoint(worker, folder: str) -> None:
 
     Reads with torch.load(weights_only=True) only (see _engine_for_checkpoints).
     """
-    from orlhf.checkpoint import CheckpointError, load_state, set_rng_state
+    from orlhf.checkpoint import load_state, set_rng_state
+    from orlhf.checkpoint_format import CheckpointError
 
     ranks = len([f for f in os.listdir(folder) if re.fullmatch(r"rng_rank\d+\.json", f)]) \
         if os.path.isdir(folder) else 0

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from orlhf.checkpoint import (CheckpointError, CheckpointManager, check_compatible, config_fingerprint,
-                              load_controller_state, read_meta, rng_state, save_controller_state, save_state,
-                              set_rng_state)
+from orlhf.checkpoint import (CheckpointManager, load_controller_state, read_meta, rng_state,
+                              save_controller_state, save_state, set_rng_state)
+from orlhf.checkpoint_format import CheckpointError, check_compatible
+from orlhf.fingerprint import config_fingerprint
 from orlhf.config import TrainConfig
 
 

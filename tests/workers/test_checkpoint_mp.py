@@ -89,7 +89,8 @@ def _rank_main(rank: int, world: int, port: int, setup: dict, out_dir: str) -> N
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     import torch.distributed as dist
 
-    from orlhf.checkpoint import CheckpointError, CheckpointManager
+    from orlhf.checkpoint import CheckpointManager
+    from orlhf.checkpoint_format import CheckpointError
 
     exp, out = setup["exp"], {}
     mgr = CheckpointManager(setup["root"] / "ck", max_ckpt_num=2)
