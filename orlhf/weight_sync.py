@@ -131,8 +131,9 @@ class WeightSync:
         tp = engines.cfg.tensor_parallel_size
         world = 1 + len(engines) * tp
         host, port = actor.call_rank(0, "sync_address")
-        actor_ref = actor.actors[0].call.remote("init_weight_sender", host, port, world, backend)
-        engine_refs = [e.collective_rpc.remote("orlhf_init_sync_group", (host, port, 1 + i * tp, world, backend))
+        actor_ref = actor.actors[0].call.remote("init_weight_sender", host, port, world, backend, timeout_s)
+        engine_refs = [e.collective_rpc.remote("orlhf_init_sync_group",
+                                               (host, port, 1 + i * tp, world, backend, timeout_s))
                        for i, e in enumerate(engines.engines)]
         self._wait_both([actor_ref], engine_refs, "init sync group")
         log.info("weight sync: %s group of %d (1 trainer + %d engine workers), %d tensors in %d buckets",

@@ -171,10 +171,13 @@ class PolicyWorker(DeepSpeedWorker):
 
         return ray.util.get_node_ip_address(), free_port()
 
-    def init_weight_sender(self, host: str, port: int, world_size: int, backend: str) -> None:
+    def init_weight_sender(self, host: str, port: int, world_size: int, backend: str,
+                           timeout_s: float = 300.0) -> None:
+        """timeout_s: how long the sync group's store waits for every member (--ray_timeout_s)."""
         from orlhf.weight_sync import WeightSender
 
-        self._sender = WeightSender(host, port, world_size, backend, self.device) if self.rank == 0 else None
+        self._sender = (WeightSender(host, port, world_size, backend, self.device, timeout_s) if self.rank == 0
+                        else None)
 
     def send_weights(self, expected: int) -> int:
         """All ranks walk the gathered groups (collective); rank 0 broadcasts each tensor to the engines."""
