@@ -1,4 +1,5 @@
-"""Checkpoint and resume: N steps, stop, resume to 2N == an uninterrupted 2N-step run (metrics and weights).
+"""Checkpoint and resume: 2 steps, stop, resume to 6 == an uninterrupted 6-step run (metrics and weights); a
+checkpoint written under other flags is refused.
 
 Everything is seeded: vLLM samples with per-request seeds from (seed, step), training shuffles from (seed,
 step), DeepSpeed restores parameters, Adam moments, LR schedule and step counters exactly, and the engines are
@@ -33,16 +34,35 @@ def meta(ckpt: Path) -> dict:
     return json.loads((ckpt / "meta.json").read_text())
 
 
-def test_resume_equals_uninterrupted_run(ray_local, tmp_path, capsys):
+def test_resume_equals_uninterrupted_run_and_other_flags_are_refused(ray_local, tmp_path, capsys):
+    """One interrupted run serves both points (each run costs a whole start-up): the refusals fail before Ray
+    starts, and the resume after them must still equal the uninterrupted run (a refused run touches nothing)."""
     a, b = tmp_path / "a", tmp_path / "b"
     assert run("--save_path", str(a), "--ckpt_path", str(a / "ckpt")) == 0
-    assert run("--save_path", str(b), "--ckpt_path", str(b / "ckpt"), "--stop_after_steps", "3") == 0
-    assert [r["step"] for r in rows(b)] == [1, 2, 3]
-    assert sorted(p.name for p in (b / "ckpt").iterdir()) == [".orlhf.lock", "step_000003"]
-    # a crash after the checkpoint: steps 4 and 5 were logged (the last line torn), then trained again on resume
+    assert (a / "ckpt" / "step_000006").is_dir()  # an explicit --ckpt_path is used
+    assert run("--save_path", str(b), "--load_checkpoint") == 1  # nothing to load: an error, not step 0
+    assert "no complete checkpoint in" in capsys.readouterr().err and not (b / "metrics.jsonl").exists()
+    # --stop_after_steps 2 saves at the stop (2 is no multiple of --save_steps 3); checkpoints default under
+    # --save_path and record the run id
+    assert run("--save_path", str(b), "--stop_after_steps", "2") == 0
+    assert [r["step"] for r in rows(b)] == [1, 2]
+    ckpt = b / "checkpoints_ppo" / "step_000002"
+    assert sorted(p.name for p in ckpt.parent.iterdir()) == [".orlhf.lock", "step_000002"]
+    assert meta(ckpt)["step"] == 2 and len(meta(ckpt)["run_id"]) == 12
+    capsys.readouterr()
+    code = run("--save_path", str(b), "--load_checkpoint", "--rollout_batch_size", "32", "--train_batch_size",
+               "32", "--temperature", "0.7")
+    err = capsys.readouterr().err
+    assert code == 1 and "step_000002" in err, err
+    for line in ("--rollout_batch_size: checkpoint 64, this run 32", "--train_batch_size: checkpoint 64, this run 32",
+                 "--temperature: checkpoint 1.0, this run 0.7"):
+        assert line in err, err
+    # a fresh run must not mix with old checkpoints either
+    assert run("--save_path", str(b)) == 1
+    # a crash after the checkpoint: steps 3 and 4 were logged (the last line torn), then trained again on resume
     with open(b / "metrics.jsonl", "a") as f:
-        f.write(json.dumps({**rows(b)[-1], "step": 4}) + "\n" + '{"step": 5, "reward_me')
-    assert run("--save_path", str(b), "--ckpt_path", str(b / "ckpt"), "--load_checkpoint") == 0
+        f.write(json.dumps({**rows(b)[-1], "step": 3}) + "\n" + '{"step": 4, "reward_me')
+    assert run("--save_path", str(b), "--load_checkpoint") == 0
 
     full, resumed = rows(a), rows(b)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
@@ -52,24 +72,3 @@ def test_resume_equals_uninterrupted_run(ray_local, tmp_path, capsys):
     wa, wb = load_file(a / "actor" / "model.safetensors"), load_file(b / "actor" / "model.safetensors")
     assert wa.keys() == wb.keys()
     assert all((wa[k] == wb[k]).all() for k in wa), "final weights differ"
-
-
-def test_checkpoint_from_other_flags_is_refused(ray_local, tmp_path, capsys):
-    save = tmp_path / "c"
-    assert run("--save_path", str(save), "--load_checkpoint") == 1  # nothing to load: an error, not step 0
-    assert "no complete checkpoint in" in capsys.readouterr().err and not (save / "metrics.jsonl").exists()
-    # --stop_after_steps 2 saves at the stop (2 is no multiple of --save_steps 3); checkpoints default under
-    # --save_path and record the run id
-    assert run("--save_path", str(save), "--stop_after_steps", "2") == 0
-    ckpt = save / "checkpoints_ppo" / "step_000002"
-    assert meta(ckpt)["step"] == 2 and len(meta(ckpt)["run_id"]) == 12
-    capsys.readouterr()
-    code = run("--save_path", str(save), "--load_checkpoint", "--rollout_batch_size", "32", "--train_batch_size",
-               "32", "--temperature", "0.7")
-    err = capsys.readouterr().err
-    assert code == 1 and "step_000002" in err, err
-    for line in ("--rollout_batch_size: checkpoint 64, this run 32", "--train_batch_size: checkpoint 64, this run 32",
-                 "--temperature: checkpoint 1.0, this run 0.7"):
-        assert line in err, err
-    # a fresh run must not mix with old checkpoints either
-    assert run("--save_path", str(save)) == 1

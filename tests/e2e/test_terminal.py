@@ -33,8 +33,8 @@ def terminal_lines(text: str) -> tuple[list[str], list[str]]:
     return other, bar
 
 
-def test_a_demo_run_shows_only_orlhf_lines_and_a_whole_bar(tmp_path):
-    res, save = run_cli(tmp_path, "--num_episodes", "1")  # 8 steps of the demo
+def test_a_demo_run_shows_only_orlhf_lines_and_a_whole_bar(demo_cli_run):
+    res, save = demo_cli_run  # 40 steps of the demo in the hybrid layout (tests/e2e/conftest.py)
     assert res.returncode == 0, res.stderr[-3000:]
     other, bar = terminal_lines(res.stdout + res.stderr)
     assert len(other) <= 40, "\n".join(other)
