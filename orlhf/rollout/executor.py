@@ -150,7 +150,11 @@ class AgentRunner:
         self.timeout_s = timeout_s
         self.executor = load_agent_executor(self.path)
         # call(engine index, requests) -> concurrent Future; the real engines by default (tests may pass a fake).
-        self.call = call or (lambda i, reqs: engines.engines[i].generate_tokens.remote(reqs).future())
+        if call is None:
+            from orlhf.rollout.engine import EngineActor
+
+            call = lambda i, reqs: engines.call_rank(i, EngineActor.generate_tokens, reqs).future()  # noqa: E731
+        self.call = call
         self.num_engines = len(engines) if engines is not None else 1
         self.last_batches: list[list[int]] = []
 
