@@ -54,6 +54,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
+from orlhf.endpoints import endpoint  # noqa: E402
 from orlhf.workers import PolicyWorker  # noqa: E402
 
 
@@ -94,15 +95,18 @@ def build_model(out: Path, hidden: int, layers: int, vocab: int, intermediate: i
 class BenchPolicyWorker(PolicyWorker):
     """PolicyWorker plus timing entry points. The timed paths call the real methods; only timers are added."""
 
+    @endpoint
     def threads(self) -> int:
         return torch.get_num_threads()
 
+    @endpoint
     def gather_only(self) -> float:
         t0 = time.perf_counter()
         for _ in self.named_full_weights(to_cpu=False, copy=False):
             pass
         return time.perf_counter() - t0
 
+    @endpoint
     def timed_send_weights(self, expected: int) -> dict:
         """send_weights() with timers on the gather (the generator) and on each broadcast (rank 0)."""
         times = {"gather_s": 0.0, "bcast_s": 0.0}
@@ -139,6 +143,7 @@ class BenchPolicyWorker(PolicyWorker):
         times["total_s"] = time.perf_counter() - t0
         return times
 
+    @endpoint
     def bcast_only(self) -> float:
         """Broadcast this rank's gathered weights (copied once, outside the timer) over the sync group."""
         tensors = [t for group in self.named_full_weights(to_cpu=True, copy=True) for _, t in group]
@@ -229,16 +234,17 @@ def memcpy_seconds(nbytes: int, repeats: int, threads: int | None = None) -> flo
 
 def instrumented_sync(sync, version: int) -> dict:
     """WeightSync.sync()'s calls in its order, with the timed entry points in place of the plain ones."""
-    import ray
+    from orlhf.cluster import wait_calls
+    from orlhf.rollout.engine import EngineActor
+    from orlhf.weight_sync import finish
 
     t0 = time.perf_counter()
-    erefs = [e.collective_rpc.remote(engine_timed_receive, (sync.metas, sync.buckets)) for e in sync.engines.engines]
-    arefs = [a.call.remote("timed_send_weights", len(sync.metas)) for a in sync.actor.actors]
-    actor_times = ray.get(arefs, timeout=600)
-    engine_times = [r[0] for r in ray.get(erefs, timeout=600)]
+    receive = sync.engines.call(EngineActor.collective_rpc, engine_timed_receive, (sync.metas, sync.buckets))
+    send = sync.actor.call(BenchPolicyWorker.timed_send_weights, len(sync.metas))
+    engine_results, actor_times = wait_calls(receive, send, timeout_s=600)
+    engine_times = [r[0] for r in engine_results]
     t_transfer = time.perf_counter() - t0
-    sync.engines.call_all("reset_prefix_cache")
-    sync.engines.call_all("set_weight_version", version)
+    finish(sync.engines, version)
     total = time.perf_counter() - t0
     a0 = actor_times[0]
     reload = max(e["reload_s"] for e in engine_times)
@@ -255,7 +261,7 @@ def run(args) -> dict:
     from orlhf.worker_config import worker_config
     from orlhf.demo import ensure_demo
     from orlhf.placement import EngineBundles, RankBundle
-    from orlhf.rollout.engine import EngineGroup, engine_config
+    from orlhf.rollout.engine import EngineActor, EngineGroup, engine_config
     from orlhf.weight_sync import WeightSync, _nbytes
 
     tmp = Path(tempfile.mkdtemp(prefix="orlhf-bench-ws-"))
@@ -283,7 +289,7 @@ def run(args) -> dict:
         actor = ActorGroup("actor", BenchPolicyWorker, worker_config(cfg, "actor", "cpu"),
                            [RankBundle(None, 0, 1.0)] * args.actor_ranks, device="cpu",
                            gpus_per_node=args.actor_ranks, timeout_s=600)
-        actor.call_all("init")
+        actor.call(BenchPolicyWorker.init).get()
         sync = WeightSync(actor, engines, backend="gloo", bucket_mb=args.bucket_mb, timeout_s=600)
         log(f"{args.actor_ranks} actor rank(s) + {args.engines} engine(s) + sync group in "
             f"{time.perf_counter() - t0:.1f} s; {len(sync.metas)} tensors in {len(sync.buckets)} bucket(s)")
@@ -298,15 +304,15 @@ def run(args) -> dict:
         for i in range(args.repeats):
             parts.append(instrumented_sync(sync, version=100 + i))
             log("instrumented: " + " ".join(f"{k}={v:.3f}" for k, v in parts[-1].items()))
-        gather_only = [max(actor.call_all("gather_only")) for _ in range(args.repeats)]
+        gather_only = [max(actor.call(BenchPolicyWorker.gather_only).get()) for _ in range(args.repeats)]
         bcast_only = []
         for _ in range(args.repeats):
-            erefs = [e.collective_rpc.remote(engine_receive_drop, (sync.metas,)) for e in engines.engines]
-            bcast_only.append(actor.call_all("bcast_only")[0])
-            ray.get(erefs, timeout=600)
-        worker_pids = actor.pids() + engines.call_all("pid")
-        actor_threads = actor.call_all("threads")
-        eng_threads = [r[0] for r in engines.call_all("collective_rpc", engine_threads)]
+            drop = engines.call(EngineActor.collective_rpc, engine_receive_drop, (sync.metas,))
+            bcast_only.append(actor.call(BenchPolicyWorker.bcast_only).get()[0])
+            drop.get(600)
+        worker_pids = actor.pids() + engines.call(EngineActor.pid).get()
+        actor_threads = actor.call(BenchPolicyWorker.threads).get()
+        eng_threads = [r[0] for r in engines.call(EngineActor.collective_rpc, engine_threads).get()]
 
         memcpy = [memcpy_seconds(nbytes, args.repeats) for _ in range(3)]
         memcpy_1t = memcpy_seconds(nbytes, args.repeats, threads=1)

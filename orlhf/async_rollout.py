@@ -27,9 +27,8 @@ log = logging.getLogger(__name__)
 
 
 class RolloutProducer:
-    def __init__(self, generate: Callable[[list, int], list], loader, queue_size: int,
-                 current_version: Callable[[], int]):
-        self.generate, self.loader, self.current_version = generate, loader, current_version
+    def __init__(self, generate: Callable[[list, int], list], loader, queue_size: int):
+        self.generate, self.loader = generate, loader
         self.lock = threading.Lock()  # held while generating and while syncing weights
         self._slots = threading.Semaphore(queue_size)
         self._queue: queue.Queue = queue.Queue()

@@ -31,10 +31,6 @@ class CheckpointError(ValueError):
     """A checkpoint cannot be used by this run; the message names the folder, what differs, and the fix."""
 
 
-def step_dir_name(step: int) -> str:
-    return f"step_{step:06d}"
-
-
 def meta_problem(meta: Any, step: int) -> Optional[str]:
     """Why a parsed meta.json does not describe a complete checkpoint of `step` (None: it does)."""
     if not isinstance(meta, dict) or meta.get("step") != step:

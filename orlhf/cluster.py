@@ -4,9 +4,14 @@
     ActorGroup("actor", PolicyWorker, cfg, slots)    slots: placement.RankBundle per rank
       |-- RankActor(rank 0) on slot 0  --> PolicyWorker(cfg) with MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK
       |-- RankActor(rank 1) on slot 1  --> ...
-    group.call_all("init")                      every rank, same args (collectives: all ranks must enter)
-    group.call_sharded("log_probs", batch)      batch split over ranks, results gathered in batch order
-    group.call_all_async(...) -> GroupCall      start now, .get() later (actor and critic train in parallel)
+    group.call(PolicyWorker.init).get()                  every rank, same args (collectives: all ranks enter)
+    group.call_sharded(PolicyWorker.log_probs, batch)    batch split over ranks -> GroupCall; .get_cat() gathers
+    group.call_rank(0, PolicyWorker.sync_address)        one rank
+    wait_calls(call_a, call_b)                           several calls (of any groups) waited on together
+
+Calls name the method by reference (orlhf/endpoints.py): it must be an @endpoint of the group's worker class,
+checked before anything is sent. Every call starts at once and returns a GroupCall; .get() waits. The engines'
+group (rollout/engine.py) has the same call / call_rank and returns the same GroupCall.
 
 Invariants:
 - Every wait has a timeout; a timeout names the role, method and the ranks still running.
@@ -23,11 +28,12 @@ import os
 import re
 import socket
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import ray
 import torch
 
+from orlhf.endpoints import check_exports, method_name
 from orlhf.logs import LOG_DIR_ENV, redirect_output, tail, worker_log_path
 from orlhf.placement import RankBundle, scheduling_options
 
@@ -84,40 +90,71 @@ class RankActor:
 
 
 class GroupCall:
-    """Remote calls in flight on some ranks of a group; .get() waits for all of them (with a timeout)."""
+    """Remote calls in flight on some members of a group (ranks or engines); .get() waits for all of them."""
 
-    def __init__(self, group: "ActorGroup", method: str, refs: list, ranks: list[int], n_out: Optional[int] = None):
-        self.group, self.method, self.refs, self.ranks, self.n_out = group, method, refs, ranks, n_out
+    def __init__(self, role: str, method: str, refs: list, ranks: list, timeout_s: float,
+                 n_out: Optional[int] = None):
+        self.role, self.method, self.refs, self.ranks, self.n_out = role, method, refs, ranks, n_out
+        self.timeout_s = timeout_s
 
     def get(self, timeout_s: Optional[float] = None) -> list:
-        results = wait_all(self.refs, self.ranks, self.group.role, self.method, timeout_s or self.group.timeout_s)
-        return results
+        """Results in member order; a failure or a timeout raises naming the role, method and member."""
+        return wait_all(self.refs, self.ranks, self.role, self.method, timeout_s or self.timeout_s)
+
+    def future(self):
+        """A concurrent.futures.Future of a one-member call (asyncio code waits on it: rollout/executor.py)."""
+        if len(self.refs) != 1:
+            raise ValueError(f"{self.role}: future() needs a call on one member, this one has {len(self.refs)}")
+        return self.refs[0].future()
 
     def get_cat(self, timeout_s: Optional[float] = None) -> torch.Tensor:
         """Concatenate per-rank tensors along dim 0 and drop call_sharded's padding rows."""
         return torch.cat(self.get(timeout_s), dim=0)[: self.n_out]
 
 
-def wait_all(refs: list, ranks: list[int], role: str, method: str, timeout_s: float) -> list:
+def wait_all(refs: list, ranks: list, role: str, method: str, timeout_s: float) -> list:
     """ray.get for refs from several ranks, failing fast on the first error and after timeout_s."""
+    return _wait(refs, [(role, r, method) for r in ranks], f"{role}: {method}()", timeout_s)
+
+
+def wait_calls(*calls: GroupCall, timeout_s: Optional[float] = None) -> list[list]:
+    """Wait for several calls together, failing fast on the first error: when two groups talk to each other
+    (a weight sync), one side's failure leaves the other stuck in a collective, so neither is waited alone.
+    Returns each call's results."""
+    refs = [r for c in calls for r in c.refs]
+    where = [(c.role, k, c.method) for c in calls for k in c.ranks]
+    what = " + ".join(f"{c.role}: {c.method}()" for c in calls)
+    flat = _wait(refs, where, what, timeout_s or max(c.timeout_s for c in calls))
+    out, i = [], 0
+    for c in calls:
+        out.append(flat[i:i + len(c.refs)])
+        i += len(c.refs)
+    return out
+
+
+def _wait(refs: list, where: list[tuple[str, Any, str]], what: str, timeout_s: float) -> list:
+    """where[i] = (role, rank, method) of refs[i], for the error of the first one that fails or times out."""
     index = {ref: i for i, ref in enumerate(refs)}
     results: list[Any] = [None] * len(refs)
     pending, deadline = list(refs), time.monotonic() + timeout_s
     while pending:
         left = deadline - time.monotonic()
         if left <= 0:
-            still = sorted((ranks[index[r]] for r in pending), key=str)
-            raise TimeoutError(f"{role}: {method}() did not finish on rank(s) {still} within {timeout_s:.0f} s "
+            several = len({w[0] for w in where}) > 1  # name the group of each rank when there are several
+            still = sorted((f"{where[index[r]][0]} {where[index[r]][1]}" if several else where[index[r]][1]
+                            for r in pending), key=str)
+            raise TimeoutError(f"{what} did not finish on rank(s) {still} within {timeout_s:.0f} s "
                                "(raise --ray_timeout_s if the work is just slow)")
         done, pending = ray.wait(pending, num_returns=1, timeout=min(left, 5.0))
         for ref in done:
             i = index[ref]
+            role, rank, method = where[i]
             try:
                 results[i] = ray.get(ref)
             except ray.exceptions.RayTaskError as e:
-                raise RankError(role, ranks[i], method, str(e)) from None
+                raise RankError(role, rank, method, str(e)) from None
             except ray.exceptions.RayActorError as e:
-                raise RankError(role, ranks[i], method, f"the rank actor died: {e}", died=True) from None
+                raise RankError(role, rank, method, f"the rank actor died: {e}", died=True) from None
     return results
 
 
@@ -126,7 +163,8 @@ class ActorGroup:
 
     def __init__(self, role: str, worker_cls: type, cfg: Any, slots: Sequence[RankBundle], *, device: str,
                  gpus_per_node: int = 1, timeout_s: float = 600.0, env: Optional[dict[str, str]] = None):
-        self.role, self.world_size, self.timeout_s = role, len(slots), timeout_s
+        self.role, self.world_size, self.timeout_s, self.worker_cls = role, len(slots), timeout_s, worker_cls
+        check_exports(role, worker_cls)  # before any process starts
         base_env = {"DS_ACCELERATOR": device, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
         if LOG_DIR_ENV in os.environ:  # ranks write their output to <save_path>/logs (logs.py)
             base_env.setdefault(LOG_DIR_ENV, os.environ[LOG_DIR_ENV])
@@ -150,33 +188,26 @@ class ActorGroup:
             opts = {"num_cpus": slot.share, "num_gpus": slot.share if device == "cuda" else 0}
         return RankActor.options(**opts, max_restarts=0, max_concurrency=2).remote(self.role, rank, env)
 
-    # ---- calls -----------------------------------------------------------------------------------------------
-    def call_all_async(self, method: str, *args, **kwargs) -> GroupCall:
-        refs = [a.call.remote(method, *args, **kwargs) for a in self.actors]
-        return GroupCall(self, method, refs, list(range(self.world_size)))
+    # ---- calls (method references, orlhf/endpoints.py) -------------------------------------------------------
+    def call(self, fn: Callable, *args, **kwargs) -> GroupCall:
+        """Call `fn` on every rank with the same arguments; .get() gives the results in rank order."""
+        name = method_name(self.role, self.worker_cls, fn)
+        refs = [a.call.remote(name, *args, **kwargs) for a in self.actors]
+        return GroupCall(self.role, name, refs, list(range(self.world_size)), self.timeout_s)
 
-    def call_all(self, method: str, *args, **kwargs) -> list:
-        """Call `method` on every rank with the same arguments; results in rank order."""
-        return self.call_all_async(method, *args, **kwargs).get()
+    def call_rank(self, rank: int, fn: Callable, *args, **kwargs) -> GroupCall:
+        name = method_name(self.role, self.worker_cls, fn)
+        return GroupCall(self.role, name, [self.actors[rank].call.remote(name, *args, **kwargs)], [rank],
+                         self.timeout_s)
 
-    def call_rank(self, rank: int, method: str, *args, **kwargs) -> Any:
-        ref = self.actors[rank].call.remote(method, *args, **kwargs)
-        return wait_all([ref], [rank], self.role, method, self.timeout_s)[0]
-
-    def call_sharded_async(self, method: str, batch: Any, *args, **kwargs) -> GroupCall:
-        """Split `batch` (a types.py dataclass with .split, or a list) over the ranks in contiguous chunks."""
+    def call_sharded(self, fn: Callable, batch: Any, *args, **kwargs) -> GroupCall:
+        """Split `batch` (a types.py dataclass with .split, or a list) over the ranks in contiguous chunks;
+        .get_cat() gives per-rank tensors concatenated in batch order, .get() the per-rank results."""
+        name = method_name(self.role, self.worker_cls, fn)
         n = len(batch)
         chunks = shard(batch, self.world_size)
-        refs = [a.call.remote(method, chunk, *args, **kwargs) for a, chunk in zip(self.actors, chunks)]
-        return GroupCall(self, method, refs, list(range(self.world_size)), n_out=n)
-
-    def call_sharded(self, method: str, batch: Any, *args, **kwargs) -> Any:
-        """Sharded call; per-rank tensors come back concatenated in batch order, anything else as a list."""
-        call = self.call_sharded_async(method, batch, *args, **kwargs)
-        results = call.get()
-        if all(isinstance(r, torch.Tensor) for r in results):
-            return torch.cat(results, dim=0)[: call.n_out]
-        return results
+        refs = [a.call.remote(name, chunk, *args, **kwargs) for a, chunk in zip(self.actors, chunks)]
+        return GroupCall(self.role, name, refs, list(range(self.world_size)), self.timeout_s, n_out=n)
 
     def pids(self) -> list[int]:
         return wait_all([a.pid.remote() for a in self.actors], list(range(self.world_size)), self.role, "pid",

@@ -45,6 +45,8 @@ from orlhf.sleep import SleepSwitch
 from orlhf.sync_guard import SyncGuard
 from orlhf.types import Experience, Rollout, SequenceBatch, TrainStats
 from orlhf.weight_sync import WeightSync
+from orlhf.workers import CriticWorker, PolicyWorker, ReferenceWorker, RewardWorker
+from orlhf.workers.base import DeepSpeedWorker
 from orlhf.workers.value_head import reward_normalization
 
 log = logging.getLogger(__name__)
@@ -144,8 +146,7 @@ class Controller:
         """
         from orlhf.async_rollout import RolloutProducer
 
-        producer = RolloutProducer(self.generate, self.loader, self.cfg.ppo.async_queue_size,
-                                   lambda: self.weight_version)
+        producer = RolloutProducer(self.generate, self.loader, self.cfg.ppo.async_queue_size)
         self._sync_lock = producer.lock
         with producer, self.progress() as report:
             for prompts, rollouts, gen_seconds in producer:
@@ -250,10 +251,10 @@ class Controller:
         mgr, step = mgr or self.checkpoints, self.step_index
         tmp = mgr.begin(step)
         trained = [("actor", self.m.actor)] + ([("critic", self.m.critic)] if self.m.critic else [])
-        for call in [g.call_all_async("save_checkpoint", str(tmp / role)) for role, g in trained]:
+        for call in [g.call(DeepSpeedWorker.save_checkpoint, str(tmp / role)) for role, g in trained]:
             call.get()
         if self.cfg.logging.save_hf_ckpt:  # after: both are collectives on the actor ranks, never interleaved
-            self.m.actor.call_all("save_hf", str(tmp / "hf" / "actor"))
+            self.m.actor.call(PolicyWorker.save_hf, str(tmp / "hf" / "actor")).get()
         spe = self.loader.steps_per_episode  # loader position of the consumed batches (async reads ahead)
         loader_state = {**self.loader.state_dict(), "episode": step // spe, "batch_in_episode": step % spe}
         if self.filter is not None:  # refills read more batches than steps (sync only): the loader's own position
@@ -275,7 +276,7 @@ class Controller:
         from orlhf.checkpoint import load_controller_state, set_rng_state
 
         trained = [("actor", self.m.actor)] + ([("critic", self.m.critic)] if self.m.critic else [])
-        for call in [g.call_all_async("load_checkpoint", str(path / role)) for role, g in trained]:
+        for call in [g.call(DeepSpeedWorker.load_checkpoint, str(path / role)) for role, g in trained]:
             call.get()
         state = load_controller_state(path)
         self.step_index, self.weight_version = state["step_index"], state["weight_version"]
@@ -308,7 +309,7 @@ class Controller:
         if self.reward_source is not None:
             return self.reward_source.score(*self._reward_inputs(rollouts, prompts)).float()
         batch, _ = rollouts_to_batch(rollouts, self.tok.pad_token_id)
-        return self.m.reward.call_sharded_async("scores", batch).get_cat().float()
+        return self.m.reward.call_sharded(RewardWorker.scores, batch).get_cat().float()
 
     # ---- phases -----------------------------------------------------------------------------------------------
     def generate(self, prompts: list, batch_index: int) -> list[Rollout]:
@@ -325,10 +326,11 @@ class Controller:
         already, from --dynamic_filtering)."""
         from orlhf.rewards import RewardResult
 
-        old_call = None if self.cfg.single_pass else self.m.actor.call_sharded_async("log_probs", batch)
-        ref_call = self.m.ref.call_sharded_async("log_probs", batch) if self.m.ref else None
-        value_call = self.m.critic.call_sharded_async("values", batch) if self.m.critic else None
-        reward_call = self.m.reward.call_sharded_async("scores", batch) if self.m.reward and reward is None else None
+        old_call = None if self.cfg.single_pass else self.m.actor.call_sharded(PolicyWorker.log_probs, batch)
+        ref_call = self.m.ref.call_sharded(ReferenceWorker.log_probs, batch) if self.m.ref else None
+        value_call = self.m.critic.call_sharded(CriticWorker.values, batch) if self.m.critic else None
+        reward_call = (self.m.reward.call_sharded(RewardWorker.scores, batch) if self.m.reward and reward is None
+                       else None)
         if reward is not None:
             pass
         elif self.reward_source is not None or agent_scores(rollouts) is not None:  # while the groups compute
@@ -362,8 +364,8 @@ class Controller:
         for epoch in range(self.cfg.ppo.max_epochs):
             g = torch.Generator().manual_seed(self.cfg.ppo.seed + 7919 * self.step_index + epoch)
             shuffled = exp.index(torch.randperm(len(exp), generator=g))
-            actor_call = self.m.actor.call_sharded_async("train_step", shuffled, kl_coef)
-            critic_call = self.m.critic.call_sharded_async("train_step", shuffled) if self.m.critic else None
+            actor_call = self.m.actor.call_sharded(PolicyWorker.train_step, shuffled, kl_coef)
+            critic_call = self.m.critic.call_sharded(CriticWorker.train_step, shuffled) if self.m.critic else None
             actor_stats += actor_call.get()
             if critic_call is not None:
                 critic_stats += critic_call.get()

@@ -180,11 +180,12 @@ def finish_run(cfg: TrainConfig, models, metrics, history: list[dict], run_id: s
     """The run's outputs, models first (atomic export, then the critic), then the best-effort figures: a plotting
     failure costs a figure, never a model."""
     from orlhf.export import export_actor
+    from orlhf.workers import CriticWorker
 
     save = Path(cfg.logging.save_path)
     out = export_actor(models.actor, save / "actor", run_id)
     if cfg.logging.save_value_network and models.critic is not None:
-        models.critic.call_all("save_value_network", str(save / "critic"))
+        models.critic.call(CriticWorker.save_value_network, str(save / "critic")).get()
     png = metrics.plot()
     log.info("done: %d steps; final actor in %s; metrics in %s%s", len(history), out, metrics.path,
              f"; curve in {png}" if png else "")
@@ -271,9 +272,10 @@ def start_models(cfg: TrainConfig, placed, optimizer_steps: int, stack: ExitStac
     from orlhf.cluster import ActorGroup
     from orlhf.controller import Models
     from orlhf.roles import active_roles
-    from orlhf.rollout.engine import EngineGroup, engine_config
+    from orlhf.rollout.engine import EngineActor, EngineGroup, engine_config
     from orlhf.weight_sync import make_weight_sync
     from orlhf.workers import CriticWorker, PolicyWorker, ReferenceWorker, RewardWorker
+    from orlhf.workers.base import DeepSpeedWorker
 
     device, pl, timeout = cfg.runtime.device, cfg.placement, cfg.runtime.ray_timeout_s
     plan = start_plan(cfg, device)
@@ -284,7 +286,7 @@ def start_models(cfg: TrainConfig, placed, optimizer_steps: int, stack: ExitStac
         log.info("vllm engines: %d, pids %s (started before the trainers share their GPUs)", len(engines),
                  engines.wait_ready())
     if "sleep_engines" in plan:
-        engines.call_all("sleep")
+        engines.call(EngineActor.sleep).get()
     workers = {"actor": PolicyWorker, "ref": ReferenceWorker, "critic": CriticWorker, "reward": RewardWorker}
     log_skipped_forwards(cfg)
     mark = clock.mark if clock is not None else (lambda phase: None)
@@ -296,7 +298,7 @@ def start_models(cfg: TrainConfig, placed, optimizer_steps: int, stack: ExitStac
 
     groups = _spawn_concurrently(active_roles(cfg), spawn, stack)  # no ref without a KL (TrainConfig.has_reference)
     mark("groups spawned")
-    for call in [g.call_all_async("init") for g in groups.values()]:
+    for call in [g.call(DeepSpeedWorker.init) for g in groups.values()]:
         call.get()
     mark("groups init")
     if plan.index("wait_engines") > plan.index("start_models"):

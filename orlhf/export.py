@@ -23,6 +23,7 @@ from pathlib import Path
 
 from orlhf.checkpoint import _fsync_dir, _fsync_tree
 from orlhf.runlock import OWNER_NAME, owner_gone, write_owner
+from orlhf.workers.policy import PolicyWorker
 
 log = logging.getLogger(__name__)
 _TMP = ".tmp-"
@@ -37,7 +38,7 @@ def export_actor(actor_group, out: str | os.PathLike, run_id: str = "") -> Path:
     tmp = out.parent / f"{_TMP}{out.name}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     write_owner(tmp, run_id)
-    actor_group.call_all("save_hf", str(tmp))
+    actor_group.call(PolicyWorker.save_hf, str(tmp)).get()
     publish(tmp, out)
     return out
 

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import logging
 
+from orlhf.rollout.engine import EngineActor
+from orlhf.workers.base import DeepSpeedWorker
+
 log = logging.getLogger(__name__)
 
 
@@ -35,21 +38,22 @@ class SleepSwitch:
 
     def before_generate(self) -> None:
         if self.deepspeed:
-            for call in [g.call_all_async("offload_states") for g in self._trained()]:
+            for call in [g.call(DeepSpeedWorker.offload_states) for g in self._trained()]:
                 call.get()
         if self.vllm:
-            self.m.engines.call_all("wake_up", ["weights", "kv_cache"] if self.weights_asleep else ["kv_cache"])
+            self.m.engines.call(EngineActor.wake_up,
+                                ["weights", "kv_cache"] if self.weights_asleep else ["kv_cache"]).get()
             self.weights_asleep = False
 
     def after_generate(self) -> None:
         if self.vllm:
-            self.m.engines.call_all("sleep")
+            self.m.engines.call(EngineActor.sleep).get()
             self.weights_asleep = True
         if self.deepspeed:
-            for call in [g.call_all_async("reload_states") for g in self._trained()]:
+            for call in [g.call(DeepSpeedWorker.reload_states) for g in self._trained()]:
                 call.get()
 
     def before_sync(self) -> None:
         if self.vllm and self.weights_asleep:
-            self.m.engines.call_all("wake_up", ["weights"])
+            self.m.engines.call(EngineActor.wake_up, ["weights"]).get()
             self.weights_asleep = False

@@ -2,7 +2,13 @@
 
     EngineGroup(cfg, slots)                       N engines, each on its own bundles (TP bundles on one node)
       .generate(prompts, sampling) -> [Rollout]   prompts split contiguously, results back in prompt order
-      .call_all("init_sync_group", ...)           weight_sync.py drives the rest
+      .call(EngineActor.reset_prefix_cache)       every engine -> GroupCall (.get() waits), as ActorGroup.call
+      .call(WeightSyncExtension.orlhf_ipc_begin)  an extension method: runs on every vLLM worker of each engine
+      .call_rank(i, EngineActor.generate_tokens, requests)   one engine
+
+Calls name the method by reference (orlhf/endpoints.py): an @endpoint of EngineActor, or of the vLLM worker
+extension (rollout/worker_ext.py), which goes through the engine's collective_rpc and returns one result per
+TP worker. weight_sync.py drives the extension's side of a weight update through this API.
 
 On CPU each engine runs vLLM in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0): 3 s start-up instead of ~20 s and
 the fastest generation on this stack, at the cost of owning its process (a Ray actor is exactly that). On
@@ -14,17 +20,20 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from orlhf.cluster import wait_all
+from orlhf.cluster import GroupCall, wait_all
 from orlhf.config import engine_gpu_memory_utilization
+from orlhf.endpoints import check_exports, endpoint, method_name
 from orlhf.placement import EngineBundles
+from orlhf.rollout.worker_ext import WeightSyncExtension
 from orlhf.types import Rollout
 
-EXTENSION = "orlhf.rollout.worker_ext.WeightSyncExtension"
+EXTENSION = f"{WeightSyncExtension.__module__}.{WeightSyncExtension.__qualname__}"
+ROLE = "vllm engine"
 
 
 @dataclass(frozen=True)
@@ -112,9 +121,8 @@ def request_seed(seed: int, prompt_index: int) -> int:
     return int.from_bytes(digest[:4], "little")
 
 
-@ray.remote
 class EngineActor:
-    """One vLLM engine. Holds the LLM object; no scheduling logic."""
+    """One vLLM engine. Holds the LLM object; no scheduling logic. Runs as a Ray actor (RemoteEngine)."""
 
     def __init__(self, cfg: EngineConfig, index: int, bundle_indices: Optional[list[int]] = None,
                  share: float = 1.0, log_dir: Optional[str] = None):
@@ -153,11 +161,13 @@ class EngineActor:
                 kwargs["distributed_executor_backend"] = "ray"
         self.llm = LLM(**kwargs)
 
+    @endpoint
     def num_threads(self) -> int:
         import torch
 
         return torch.get_num_threads()
 
+    @endpoint
     def generate(self, prompts: list[tuple[int, list[int]]], sampling: SamplingSpec) -> list[Rollout]:
         """prompts: (prompt_index, token ids). Returns sampling.n rollouts per prompt, in the given order."""
         from vllm import SamplingParams
@@ -179,6 +189,7 @@ class EngineActor:
                                         weight_version=self.weight_version))
         return rollouts
 
+    @endpoint
     def generate_tokens(self, requests: list[tuple[list[int], Any]]) -> list[tuple[list[int], list[float], Any, int]]:
         """Token in, token out, one turn each: (token ids, vLLM SamplingParams) -> (new ids, their engine
         log-probs, finish reason, weight version). Each request carries its own params (agents may change them
@@ -200,6 +211,7 @@ class EngineActor:
             results.append((list(c.token_ids), lps, c.finish_reason, self.weight_version))
         return results
 
+    @endpoint
     def sequence_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """log p(token_t | tokens_<t) for t >= 1 of each full sequence (prompt logprobs, temperature 1)."""
         from vllm import SamplingParams
@@ -213,25 +225,34 @@ class EngineActor:
             result.append([lp[tok].logprob for lp, tok in zip(per_token, seq[1:])])
         return result
 
+    @endpoint
     def collective_rpc(self, method: str, args: tuple = (), kwargs: Optional[dict] = None) -> list:
         return self.llm.collective_rpc(method, args=args, kwargs=kwargs or {})
 
+    @endpoint
     def reset_prefix_cache(self) -> None:
         self.llm.reset_prefix_cache()
 
+    @endpoint
     def sleep(self) -> None:
         """Free weights and KV cache (level 1 keeps a host copy of the weights): hybrid mode, during training."""
         self.llm.sleep(level=1)
 
+    @endpoint
     def wake_up(self, tags: list[str]) -> None:
         """tags: ["weights"] before a weight sync, ["kv_cache"] before generating."""
         self.llm.wake_up(tags=tags)
 
+    @endpoint
     def set_weight_version(self, version: int) -> None:
         self.weight_version = version
 
+    @endpoint
     def pid(self) -> int:
         return os.getpid()
+
+
+RemoteEngine = ray.remote(EngineActor)
 
 
 class EngineGroup:
@@ -240,14 +261,15 @@ class EngineGroup:
     def __init__(self, cfg: EngineConfig, slots: Sequence[EngineBundles], timeout_s: float = 600.0,
                  wait: bool = True):
         self.cfg, self.timeout_s = cfg, timeout_s
-        self.engines = [self._spawn(i, engine_slots) for i, engine_slots in enumerate(slots)]
-        self._started = [e.pid.remote() for e in self.engines]
+        check_exports(ROLE, EngineActor, WeightSyncExtension)  # before any engine starts
+        self._engines = [self._spawn(i, engine_slots) for i, engine_slots in enumerate(slots)]
+        self._started = [e.pid.remote() for e in self._engines]
         if wait:
             self.wait_ready()
 
     def wait_ready(self) -> list[int]:
         """Block until every engine has loaded its model (start-up can overlap other work until then)."""
-        return wait_all(self._started, list(range(len(self.engines))), "vllm engine", "start", self.timeout_s)
+        return wait_all(self._started, list(range(len(self._engines))), ROLE, "start", self.timeout_s)
 
     def _spawn(self, index: int, slot: EngineBundles):
         # TP 1: the engine actor itself holds the device share. TP > 1 (GPU): vLLM's own Ray workers take the
@@ -261,30 +283,56 @@ class EngineGroup:
                 placement_group_capture_child_tasks=True)
         from orlhf.logs import LOG_DIR_ENV
 
-        return EngineActor.options(**opts).remote(self.cfg, index, list(slot.bundle_indices), slot.share,
+        return RemoteEngine.options(**opts).remote(self.cfg, index, list(slot.bundle_indices), slot.share,
                                                   os.environ.get(LOG_DIR_ENV))
 
     def __len__(self) -> int:
-        return len(self.engines)
+        return len(self._engines)
 
     def generate(self, prompts: list[list[int]], sampling: SamplingSpec) -> list[Rollout]:
         """All rollouts, ordered by prompt then sample. Prompts are split contiguously over the engines."""
         indexed = list(enumerate(prompts))
-        per = -(-len(indexed) // len(self.engines))
-        chunks = [indexed[i * per:(i + 1) * per] for i in range(len(self.engines))]
+        per = -(-len(indexed) // len(self._engines))
+        chunks = [indexed[i * per:(i + 1) * per] for i in range(len(self._engines))]
         busy = [(i, c) for i, c in enumerate(chunks) if c]
-        refs = [self.engines[i].generate.remote(c, sampling) for i, c in busy]
-        parts = wait_all(refs, [i for i, _ in busy], "vllm engine", "generate", self.timeout_s)
+        refs = [self._engines[i].generate.remote(c, sampling) for i, c in busy]
+        parts = wait_all(refs, [i for i, _ in busy], ROLE, "generate", self.timeout_s)
         return [r for part in parts for r in part]
 
-    def call_all(self, method: str, *args, **kwargs) -> list:
-        refs = [getattr(e, method).remote(*args, **kwargs) for e in self.engines]
-        return wait_all(refs, list(range(len(self.engines))), "vllm engine", method, self.timeout_s)
+    # ---- calls (method references, orlhf/endpoints.py): the same API as cluster.ActorGroup ----
+    def call(self, fn: Callable, *args, **kwargs) -> GroupCall:
+        """Call `fn` on every engine; .get() gives the results in engine order (an extension method: a list
+        per engine, one result per TP worker)."""
+        return self._call(fn, None, args, kwargs)
 
-    def call_all_async(self, method: str, *args, **kwargs) -> list:
-        return [getattr(e, method).remote(*args, **kwargs) for e in self.engines]
+    def call_rank(self, index: int, fn: Callable, *args, **kwargs) -> GroupCall:
+        """Call `fn` on engine `index` only."""
+        return self._call(fn, [index], args, kwargs)
+
+    def _call(self, fn: Callable, indices: Optional[list[int]], args: tuple, kwargs: dict) -> GroupCall:
+        extension = _defined_in(WeightSyncExtension, fn)  # runs in the engine's vLLM workers
+        name = method_name(ROLE, WeightSyncExtension if extension else EngineActor, fn)  # checked before sending
+        indices = list(range(len(self._engines))) if indices is None else indices
+        if extension:
+            refs = [self._engines[i].collective_rpc.remote(name, args, kwargs) for i in indices]
+        else:
+            refs = [getattr(self._engines[i], name).remote(*args, **kwargs) for i in indices]
+        return GroupCall(ROLE, name, refs, indices, self.timeout_s)
+
+    def subset(self, indices: Sequence[int]) -> "EngineGroup":
+        """A group of some of these engines (the same actors), e.g. the one engine an actor rank feeds over
+        CUDA IPC; it can be passed to another Ray actor. Shutting it down is the full group's job."""
+        sub = object.__new__(EngineGroup)
+        sub.cfg, sub.timeout_s, sub._started = self.cfg, self.timeout_s, []
+        sub._engines = [self._engines[i] for i in indices]
+        return sub
 
     def shutdown(self) -> None:
-        for e in self.engines:
+        for e in self._engines:
             ray.kill(e, no_restart=True)
-        self.engines = []
+        self._engines = []
+
+
+def _defined_in(cls: type, fn: Callable) -> bool:
+    name = getattr(fn, "__name__", None)
+    return name is not None and any(vars(k).get(name) is fn for k in cls.__mro__)

@@ -71,7 +71,6 @@ class EngineClient:
     def __init__(self, call: Callable[[list], Any]):
         self.call = call
         self.pending: list[tuple[list[int], Any, asyncio.Future]] = []
-        self.batches: list[int] = []  # requests per engine call (for logs and tests)
         self._wake = asyncio.Event()
 
     async def generate(self, ids: list[int], params) -> tuple:
@@ -88,7 +87,6 @@ class EngineClient:
             batch, self.pending = self.pending, []
             if not batch:
                 continue
-            self.batches.append(len(batch))
             try:
                 results = await asyncio.wrap_future(self.call([(ids, p) for ids, p, _ in batch]))
             except Exception as e:  # noqa: BLE001 - handed to every waiting agent
@@ -150,9 +148,12 @@ class AgentRunner:
         self.timeout_s = timeout_s
         self.executor = load_agent_executor(self.path)
         # call(engine index, requests) -> concurrent Future; the real engines by default (tests may pass a fake).
-        self.call = call or (lambda i, reqs: engines.engines[i].generate_tokens.remote(reqs).future())
+        if call is None:
+            from orlhf.rollout.engine import EngineActor
+
+            call = lambda i, reqs: engines.call_rank(i, EngineActor.generate_tokens, reqs).future()  # noqa: E731
+        self.call = call
         self.num_engines = len(engines) if engines is not None else 1
-        self.last_batches: list[list[int]] = []
 
     def generate(self, prompts: list, sampling) -> list[Rollout]:
         """All prompts x sampling.n samples, prompt-major; blocks until every episode is done."""
@@ -178,7 +179,6 @@ class AgentRunner:
         finally:
             for s in servers:
                 s.cancel()
-        self.last_batches = [c.batches for c in clients]
         return list(rollouts)
 
     async def _episode(self, job: _Job, sampling, client: EngineClient, params) -> Rollout:

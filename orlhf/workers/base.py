@@ -34,6 +34,7 @@ from typing import Callable, Iterator, Optional
 import torch
 from torch import nn
 
+from orlhf.endpoints import endpoint
 from orlhf.algo.losses import LossNorm, step_norm
 from orlhf.batching import pad_actions, sort_by_length, trim
 from orlhf.worker_config import WorkerConfig
@@ -187,6 +188,7 @@ class DeepSpeedWorker:
     def build_model(self) -> nn.Module:
         raise NotImplementedError
 
+    @endpoint
     def init(self) -> None:
         """Collective: all ranks call it together."""
         import torch.distributed as dist
@@ -393,6 +395,7 @@ class DeepSpeedWorker:
         return [[(n, str(t.dtype), tuple(t.shape)) for n, t in to_checkpoint_names(self.module, meta_group(g))]
                 for g in self._param_groups()]
 
+    @endpoint
     def state_dict_full(self) -> Optional[dict[str, torch.Tensor]]:
         """Rank 0: the full float32 state dict in HF names (parameters and persistent buffers); None elsewhere.
         Collective under ZeRO-3. Under bf16 these are the bf16 module weights upcast, not the fp32 masters."""
@@ -406,6 +409,7 @@ class DeepSpeedWorker:
 
     # ---- hybrid mode: give the device to the engines while they generate (--deepspeed_enable_sleep) ----
 
+    @endpoint
     def offload_states(self) -> bool:
         """Move ZeRO-3 parameters, gradients and optimizer states to host memory. False if there is nothing
         to do (CPU, or not ZeRO-3, where DeepSpeed has no offload_states)."""
@@ -414,18 +418,21 @@ class DeepSpeedWorker:
         self.engine.offload_states(pin_memory=True, non_blocking=False)
         return True
 
+    @endpoint
     def reload_states(self) -> bool:
         if self.cfg.device != "cuda" or not self.zero3:
             return False
         self.engine.reload_states(non_blocking=False)
         return True
 
+    @endpoint
     def save_checkpoint(self, folder: str) -> None:
         """Collective: this model's training state as a DeepSpeed checkpoint (workers/checkpoint_io.py)."""
         from orlhf.workers.checkpoint_io import save_worker_checkpoint
 
         save_worker_checkpoint(self, folder)
 
+    @endpoint
     def load_checkpoint(self, folder: str) -> None:
         """Collective: restore save_checkpoint's folder, right after init() (workers/checkpoint_io.py)."""
         from orlhf.workers.checkpoint_io import load_worker_checkpoint

@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from orlhf.endpoints import endpoint
 from orlhf.algo.losses import LossNorm, aggregate, masked_mean, value_loss_per_token
 from orlhf.batching import Packed, pack
 from orlhf.worker_config import WorkerConfig
@@ -117,6 +118,7 @@ class CriticWorker(DeepSpeedWorker):
     def build_model(self) -> nn.Module:
         return load_value_model(self.cfg, required=False)
 
+    @endpoint
     def values(self, batch: SequenceBatch) -> torch.Tensor:
         """(B, A) float32 on CPU: V at the position before each action; 0 where action_mask is 0."""
         self.engine.eval()
@@ -134,12 +136,14 @@ class CriticWorker(DeepSpeedWorker):
         v = self.engine(input_ids=mb.sequences, attention_mask=mb.attention_mask)  # (b, T)
         return v[:, -a - 1:-1] * mb.action_mask
 
+    @endpoint
     def train_step(self, batch: Experience) -> TrainStats:
         """Clipped value regression onto `returns`; len(batch) must be a multiple of train_batch_size / world."""
         if batch.returns is None:
             raise ValueError("critic train_step needs Experience.returns (gae advantages)")
         return self.train_micro_batches(batch, self._loss)
 
+    @endpoint
     def save_value_network(self, out_dir: str) -> None:
         """--save_value_network: the critic as a folder (model.safetensors in OpenRLHF's critic names, backbone
         config.json). Collective under ZeRO-3: every rank calls it; rank 0 writes."""

@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from orlhf.endpoints import endpoint
 from orlhf.algo.kl import approx_kl
 from orlhf.algo.losses import LossNorm, aggregate, entropy_from_logits, masked_mean, policy_loss_terms
 from orlhf.batching import pack
@@ -98,6 +99,7 @@ class ReferenceWorker(DeepSpeedWorker):
     def build_model(self) -> nn.Module:
         return load_causal_lm(self.cfg)
 
+    @endpoint
     def log_probs(self, batch: SequenceBatch) -> torch.Tensor:
         """(B, A) float32 on CPU: log pi_ref of each action token (padding positions hold garbage: mask them)."""
         return _log_probs(self, batch)
@@ -109,11 +111,13 @@ class PolicyWorker(DeepSpeedWorker):
     def build_model(self) -> nn.Module:
         return load_causal_lm(self.cfg)
 
+    @endpoint
     def log_probs(self, batch: SequenceBatch) -> torch.Tensor:
         """(B, A) float32 on CPU: log pi of each action token under the current weights."""
         self.engine.eval()
         return _log_probs(self, batch)
 
+    @endpoint
     def train_step(self, batch: Experience, kl_coef: Optional[float] = None) -> TrainStats:
         """PPO on this rank's share: len(batch) must be a multiple of train_batch_size / world.
 
@@ -157,12 +161,15 @@ class PolicyWorker(DeepSpeedWorker):
         stats["loss"] = masked_mean(terms.loss.detach(), mask).item()
         return loss, stats
 
-    # ---- weight sync: orlhf/weight_sync.py drives these; only rank 0 talks to the engines ----
+    # ---- weight sync: orlhf/weight_sync.py drives these, workers/weight_send.py does the sending; only rank 0
+    # talks to the engines (broadcast) ----
 
+    @endpoint
     def weight_groups_meta(self) -> list[list[tuple[str, str, tuple]]]:
         """(checkpoint name, dtype, full shape) per group, in named_full_weights order. Local: no gather."""
         return self.checkpoint_groups_meta()
 
+    @endpoint
     def sync_address(self) -> tuple[str, int]:
         """An address on this rank's node for the trainer -> engines group (rank 0 hosts its store)."""
         import ray
@@ -171,32 +178,39 @@ class PolicyWorker(DeepSpeedWorker):
 
         return ray.util.get_node_ip_address(), free_port()
 
+    @endpoint
     def init_weight_sender(self, host: str, port: int, world_size: int, backend: str,
                            timeout_s: float = 300.0) -> None:
-        """timeout_s: how long the sync group's store waits for every member (--ray_timeout_s)."""
-        from orlhf.weight_sync import WeightSender
+        """Rank 0 hosts the group's store and joins as rank 0; timeout_s: how long the store waits for every member
+        (--ray_timeout_s)."""
+        from orlhf.workers.weight_send import WeightSender
 
         self._sender = (WeightSender(host, port, world_size, backend, self.device, timeout_s) if self.rank == 0
                         else None)
 
+    @endpoint
     def send_weights(self, expected: int) -> int:
         """All ranks walk the gathered groups (collective); rank 0 broadcasts each tensor to the engines."""
-        from orlhf.weight_sync import send_groups
+        from orlhf.workers.weight_send import send_groups
 
         sender = getattr(self, "_sender", None)
         if self.rank == 0 and sender is None:
             raise RuntimeError("send_weights before init_weight_sender: the engines would wait forever")
         return send_groups(sender, self.named_full_weights(to_cpu=False, copy=False), expected)
 
+    @endpoint
     def init_ipc_sync(self, engine, tp: int) -> None:
-        """Colocated on GPUs: remember this rank's engine (the one sharing its GPU) for send_weights_ipc."""
+        """Colocated on GPUs: remember this rank's engine (an EngineGroup of the one engine sharing its GPU)
+        for send_weights_ipc."""
         self._ipc_engine, self._ipc_tp = engine, tp
 
+    @endpoint
     def send_weights_ipc(self) -> int:
-        from orlhf.weight_sync import send_ipc
+        from orlhf.workers.weight_send import send_ipc
 
         return send_ipc(self, self._ipc_engine, self._ipc_tp)
 
+    @endpoint
     def save_hf(self, out_dir: str) -> None:
         """Write an HF folder (weights in the module dtype, config, tokenizer) that transformers and vLLM load.
 

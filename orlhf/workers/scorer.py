@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from orlhf.endpoints import endpoint
 from orlhf.types import SequenceBatch
 from orlhf.workers.base import DeepSpeedWorker
 from orlhf.workers.critic import load_value_model, packed_values
@@ -31,6 +32,7 @@ class RewardWorker(DeepSpeedWorker):
     def build_model(self) -> nn.Module:
         return load_value_model(self.cfg, required=True)
 
+    @endpoint
     def scores(self, batch: SequenceBatch) -> torch.Tensor:
         """(B,) float32 on CPU: the reward model's score of each whole sequence."""
 

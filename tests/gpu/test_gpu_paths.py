@@ -42,7 +42,7 @@ def _rig(tmp_path, **flags):
     engines = EngineGroup(engine_config(cfg, "cuda"), [placed.engine_bundles(i) for i in range(cfg.vllm.num_engines)])
     actor = ActorGroup("actor", PolicyWorker, worker_config(cfg, "actor", "cuda", 4), placed.role_bundles("actor"),
                        device="cuda", timeout_s=300)
-    actor.call_all("init")
+    actor.call(PolicyWorker.init).get()
     return cfg, engines, actor, make_weight_sync(cfg, actor, engines)
 
 
@@ -54,17 +54,21 @@ def _parity(engines, actor, tok):
     prompts = [tok(f"say colors: red {'blue ' * i}")["input_ids"] for i in range(8)]
     rollouts = engines.generate(prompts, SamplingSpec(max_new_tokens=6, seed=1))
     batch, _ = rollouts_to_batch(rollouts, tok.pad_token_id)
-    old = actor.call_sharded("log_probs", batch)
-    actor.call_sharded("train_step", Experience(batch.sequences, batch.attention_mask, batch.action_mask,
-                                                action_log_probs=old, advantages=torch.randn(old.shape)))
-    return rollouts, actor.call_sharded("log_probs", batch)
+    from orlhf.workers import PolicyWorker
+
+    old = actor.call_sharded(PolicyWorker.log_probs, batch).get_cat()
+    actor.call_sharded(PolicyWorker.train_step, Experience(batch.sequences, batch.attention_mask, batch.action_mask,
+                                                           action_log_probs=old,
+                                                           advantages=torch.randn(old.shape))).get()
+    return rollouts, actor.call_sharded(PolicyWorker.log_probs, batch).get_cat()
 
 
 @pytest.mark.parametrize("flags", [{}, {"colocate_all_models": True, "vllm_enable_sleep": True,
                                          "deepspeed_enable_sleep": True}], ids=["nccl", "cuda_ipc_hybrid"])
 def test_sync_parity_on_gpu(tmp_path, flags, request):
-    import ray
     from transformers import AutoTokenizer
+
+    from orlhf.rollout.engine import EngineActor
 
     need = GPUS_NEEDED[request.node.callspec.id]
     if torch.cuda.device_count() < need:
@@ -74,12 +78,13 @@ def test_sync_parity_on_gpu(tmp_path, flags, request):
     tok = AutoTokenizer.from_pretrained(cfg.data.pretrain)
     rollouts, new = _parity(engines, actor, tok)
     if cfg.vllm.enable_sleep:
-        engines.call_all("sleep")
-        engines.call_all("wake_up", ["weights"])
+        engines.call(EngineActor.sleep).get()
+        engines.call(EngineActor.wake_up, ["weights"]).get()
     sync.sync(1)
     if cfg.vllm.enable_sleep:
-        engines.call_all("wake_up", ["kv_cache"])
-    lps = ray.get(engines.engines[0].sequence_logprobs.remote([r.prompt_ids + r.response_ids for r in rollouts]))
+        engines.call(EngineActor.wake_up, ["kv_cache"]).get()
+    lps = engines.call_rank(0, EngineActor.sequence_logprobs,
+                            [r.prompt_ids + r.response_ids for r in rollouts]).get()[0]
     gaps = [(torch.tensor(lps[i][-len(r.response_ids):]) - new[i, :len(r.response_ids)]).abs()
             for i, r in enumerate(rollouts)]
     assert torch.cat(gaps).mean() <= 0.02

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.gpu
 def _engine_side(handles, names, to_parent, from_parent):
     """Child process: what WeightSyncExtension.orlhf_load_ipc does, with `load` keeping the tensors."""
     from orlhf.rollout.worker_ext import receive_ipc
-    from orlhf.weight_sync import device_uuid
+    from orlhf.workers.weight_send import device_uuid
 
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
@@ -31,7 +31,7 @@ def _engine_side(handles, names, to_parent, from_parent):
 
 
 def test_ipc_handles_round_trip_between_processes():
-    from orlhf.weight_sync import device_uuid, make_ipc_handles
+    from orlhf.workers.weight_send import device_uuid, make_ipc_handles
 
     ctx = torch.multiprocessing.get_context("spawn")
     device = torch.device("cuda", 0)

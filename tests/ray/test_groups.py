@@ -17,6 +17,7 @@ from orlhf.layout import plan_layout
 from orlhf.placement import RankBundle, create_placement_groups, remove_placement_groups
 from orlhf.types import Experience, SequenceBatch
 from orlhf.workers import CriticWorker, PolicyWorker, RewardWorker
+from orlhf.workers.base import DeepSpeedWorker
 
 pytestmark = pytest.mark.ray
 B, A = 8, 6
@@ -56,7 +57,7 @@ def setup(tmp_path_factory):
         "reward": ActorGroup("reward", RewardWorker, WorkerConfig("reward", str(rm_dir), "cpu", zero_stage=3),
                              [RankBundle(None, 0, 0.5)] * 2, device="cpu", gpus_per_node=2, timeout_s=300),
     }
-    inits = [g.call_all_async("init") for g in groups.values()]
+    inits = [g.call(DeepSpeedWorker.init) for g in groups.values()]
     for call in inits:
         call.get()
     startup = time.monotonic() - t0
@@ -95,7 +96,7 @@ def test_zero3_log_probs_equal_plain_hf(setup):
     from transformers import AutoConfig
 
     batch = make_batch(AutoConfig.from_pretrained(cfg.data.pretrain).vocab_size)
-    got = groups["actor"].call_sharded("log_probs", batch) * batch.action_mask
+    got = groups["actor"].call_sharded(PolicyWorker.log_probs, batch).get_cat() * batch.action_mask
     want = hf_log_probs(cfg.data.pretrain, batch)
     assert got.shape == (B, A)
     assert (got - want).abs().max() <= 1e-5
@@ -106,15 +107,15 @@ def test_train_step_world_size_2_equals_world_size_1(setup):
     from transformers import AutoConfig
 
     batch = make_batch(AutoConfig.from_pretrained(cfg.data.pretrain).vocab_size, seed=1)
-    old = groups["actor1"].call_sharded("log_probs", batch)
+    old = groups["actor1"].call_sharded(PolicyWorker.log_probs, batch).get_cat()
     g = torch.Generator().manual_seed(5)
     exp = Experience(batch.sequences, batch.attention_mask, batch.action_mask, action_log_probs=old,
                      advantages=torch.randn(B, A, generator=g))
-    before = groups["actor1"].call_rank(0, "state_dict_full")
-    stats2 = groups["actor"].call_sharded("train_step", exp)
-    stats1 = groups["actor1"].call_sharded("train_step", exp)
-    after2 = groups["actor"].call_all("state_dict_full")[0]
-    after1 = groups["actor1"].call_rank(0, "state_dict_full")
+    before = groups["actor1"].call_rank(0, PolicyWorker.state_dict_full).get()[0]
+    stats2 = groups["actor"].call_sharded(PolicyWorker.train_step, exp).get()
+    stats1 = groups["actor1"].call_sharded(PolicyWorker.train_step, exp).get()
+    after2 = groups["actor"].call(PolicyWorker.state_dict_full).get()[0]
+    after1 = groups["actor1"].call_rank(0, PolicyWorker.state_dict_full).get()[0]
     assert all(s.micro_steps == 2 for s in stats2) and stats1[0].micro_steps == 4
     moved = max((after1[k] - before[k]).abs().max().item() for k in before)
     assert moved > 1e-4, "the train step did not change the parameters"
@@ -129,11 +130,12 @@ def test_critic_values_and_reward_scores_in_caller_order(setup):
     batch = make_batch(AutoConfig.from_pretrained(cfg.data.pretrain).vocab_size, seed=2)
     perm = torch.randperm(B, generator=torch.Generator().manual_seed(0))
     shuffled = SequenceBatch(batch.sequences[perm], batch.attention_mask[perm], batch.action_mask[perm])
-    values, values_shuffled = (groups["critic"].call_sharded("values", b) for b in (batch, shuffled))
+    values, values_shuffled = (groups["critic"].call_sharded(CriticWorker.values, b).get_cat()
+                               for b in (batch, shuffled))
     assert values.shape == (B, A)
     assert torch.allclose(values[perm], values_shuffled, atol=1e-5)
 
-    scores = groups["reward"].call_sharded("scores", batch)
+    scores = groups["reward"].call_sharded(RewardWorker.scores, batch).get_cat()
     rm = AutoModelForSequenceClassification.from_pretrained(rm_dir, dtype=torch.float32).eval()
     last = batch.attention_mask.shape[1] - 1 - batch.attention_mask.flip(-1).argmax(-1)  # last real token
     pos = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
@@ -153,7 +155,7 @@ def test_a_failing_rank_names_role_rank_and_traceback(setup):
     batch.sequences[B // 2:, -A] = vocab + 100  # only rank 1's half: an out-of-vocabulary first response token
     t0 = time.monotonic()
     with pytest.raises(RankError) as err:
-        groups["reward"].call_sharded("scores", batch)
+        groups["reward"].call_sharded(RewardWorker.scores, batch).get()
     assert time.monotonic() - t0 < 60
     assert err.value.role == "reward" and err.value.rank == 1 and err.value.method == "scores"
     assert "IndexError" in str(err.value) or "index" in str(err.value).lower()

@@ -31,7 +31,7 @@ class FakeTrainer:
 
     def run(self, queue_size, batches=12, train_s=0.02):
         staleness = []
-        producer = RolloutProducer(self.generate, [[i] for i in range(batches)], queue_size, lambda: self.version)
+        producer = RolloutProducer(self.generate, [[i] for i in range(batches)], queue_size)
         seen = []
         with producer:
             for prompts, rollouts, seconds in producer:
@@ -59,14 +59,14 @@ def test_producer_error_reaches_the_trainer():
         raise RuntimeError("engine 0 died")
 
     with pytest.raises(RuntimeError, match="engine 0 died"):
-        with RolloutProducer(boom, [[0], [1]], 1, lambda: 0) as producer:
+        with RolloutProducer(boom, [[0], [1]], 1) as producer:
             for _ in producer:
                 pass
 
 
 def test_stopping_early_does_not_hang():
     trainer = FakeTrainer()
-    producer = RolloutProducer(trainer.generate, [[i] for i in range(100)], 2, lambda: 0)
+    producer = RolloutProducer(trainer.generate, [[i] for i in range(100)], 2)
     t0 = time.monotonic()
     with producer:
         for i, _ in enumerate(producer):
@@ -98,7 +98,7 @@ def test_an_error_or_ctrl_c_mid_generation_stops_within_seconds(error, monkeypat
 
     t0 = None
     with pytest.raises(type(error)):
-        with RolloutProducer(generate, [[0], [1], [2]], 1, lambda: 0) as producer:
+        with RolloutProducer(generate, [[0], [1], [2]], 1) as producer:
             for _ in producer:
                 assert started.wait(10)
                 t0 = time.monotonic()

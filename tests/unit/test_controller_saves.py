@@ -23,7 +23,8 @@ class RecordingGroup:
     def __init__(self, name, log, world_size=1):
         self.name, self.log, self.world_size, self.in_flight = name, log, world_size, []
 
-    def call_all_async(self, method, path):
+    def call(self, method, path):
+        method = method.__name__  # a method reference (orlhf/endpoints.py)
         self.log.append((self.name, method, tuple(self.in_flight)))
         self.in_flight.append(method)
         from pathlib import Path
@@ -31,9 +32,6 @@ class RecordingGroup:
         Path(path).mkdir(parents=True, exist_ok=True)
         (Path(path) / "rng_rank0.json").write_text("{}")
         return Call(self, method)
-
-    def call_all(self, method, path):
-        self.call_all_async(method, path).get()
 
 
 class Loader:

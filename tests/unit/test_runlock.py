@@ -107,15 +107,20 @@ def test_only_temp_folders_whose_writer_is_gone_are_removed(tmp_path):
 
 
 class FakeActorGroup:
-    """Stands in for the actor ActorGroup (only its call_all("save_hf", dir)): the file protocol is under test."""
+    """Stands in for the actor ActorGroup (only its call(PolicyWorker.save_hf, dir)): the file protocol is under
+    test."""
 
     def __init__(self, payload: bytes):
         self.payload = payload
 
-    def call_all(self, method: str, out: str) -> None:
-        assert method == "save_hf"
+    def call(self, method, out: str) -> "FakeActorGroup":
+        assert method.__qualname__ == "PolicyWorker.save_hf"
         (Path(out) / "model.safetensors").write_bytes(self.payload)
         (Path(out) / "config.json").write_text("{}")
+        return self
+
+    def get(self) -> list:
+        return [None]
 
 
 def test_export_swaps_in_the_new_model_and_a_kill_mid_export_keeps_the_old_one(tmp_path):
@@ -129,7 +134,7 @@ def test_export_swaps_in_the_new_model_and_a_kill_mid_export_keeps_the_old_one(t
         from orlhf.export import export_actor
 
         class Slow:
-            def call_all(self, method, out):
+            def call(self, method, out):
                 (Path(out) / "model.safetensors").write_bytes(b"half")
                 print("ready", flush=True)
                 time.sleep(600)

@@ -154,10 +154,14 @@ class EngineSide:
                        kv_cache_memory_bytes=64 * 2**20, worker_extension_cls=EXTENSION, enable_prefix_caching=False)
 
     def join(self, host: str, port: int) -> int:
-        return self.llm.collective_rpc("orlhf_init_sync_group", args=(host, port, 1, 2, "gloo"))[0]
+        from orlhf.rollout.worker_ext import WeightSyncExtension as Ext
+
+        return self.llm.collective_rpc(Ext.orlhf_init_sync_group.__name__, args=(host, port, 1, 2, "gloo"))[0]
 
     def receive(self, metas, buckets) -> int:
-        n = self.llm.collective_rpc("orlhf_receive_weights", args=(metas, buckets))[0]
+        from orlhf.rollout.worker_ext import WeightSyncExtension as Ext
+
+        n = self.llm.collective_rpc(Ext.orlhf_receive_weights.__name__, args=(metas, buckets))[0]
         self.llm.reset_prefix_cache()
         return n
 

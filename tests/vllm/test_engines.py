@@ -3,6 +3,7 @@
     actor (2 ranks, ZeRO-3) --train_step--> --WeightSync (gloo)--> 2 engines --> log-probs == trainer's
 """
 
+import dataclasses
 import os
 import time
 
@@ -42,7 +43,7 @@ def rig():
     engines = EngineGroup(engine_config(cfg, "cpu"), [placed.engine_bundles(i) for i in range(2)], timeout_s=300)
     actor = ActorGroup("actor", PolicyWorker, worker_config(cfg, "actor", "cpu", 4), placed.role_bundles("actor"),
                        device="cpu", gpus_per_node=2, timeout_s=300)
-    actor.call_all("init")
+    actor.call(PolicyWorker.init).get()
     sync = WeightSync(actor, engines, backend="gloo", timeout_s=120)
     print(f"\n[engines] 2 engines + 2 actor ranks + sync group ready in {time.monotonic() - t0:.1f} s")
     from transformers import AutoTokenizer
@@ -78,27 +79,24 @@ def test_generation_order_shapes_and_masks(rig):
 
 def test_engines_run_the_threads_asked_for(rig):
     _, engines, _, _, _ = rig
-    assert engines.call_all("num_threads") == [2, 2]  # --vllm_cpu_threads 2 (Ray alone would give 1 each)
+    assert engines.call(EngineActor.num_threads).get() == [2, 2]  # --vllm_cpu_threads 2 (Ray alone would give 1 each)
 
 
 def test_sync_after_train_step_gives_trainer_log_probs(rig, tmp_path):
     cfg, engines, actor, sync, tok = rig
     rollouts = engines.generate(prompts(tok, 8), SamplingSpec(max_new_tokens=6, seed=1))
     batch, _ = rollouts_to_batch(rollouts, tok.pad_token_id)
-    old = actor.call_sharded("log_probs", batch)
+    old = actor.call_sharded(PolicyWorker.log_probs, batch).get_cat()
     adv = torch.randn(batch.action_mask.shape, generator=torch.Generator().manual_seed(0))
-    actor.call_sharded("train_step", Experience(batch.sequences, batch.attention_mask, batch.action_mask,
-                                                action_log_probs=old, advantages=adv))
-    new = actor.call_sharded("log_probs", batch)
+    actor.call_sharded(PolicyWorker.train_step, Experience(batch.sequences, batch.attention_mask, batch.action_mask,
+                                                           action_log_probs=old, advantages=adv)).get()
+    new = actor.call_sharded(PolicyWorker.log_probs, batch).get_cat()
     assert (new - old)[batch.action_mask].abs().max() > 1e-4, "the train step did not move the policy"
 
     seconds = sync.sync(version=1)
-    assert engines.call_all("set_weight_version", 1) == [None, None]
+    assert engines.call(EngineActor.set_weight_version, 1).get() == [None, None]
     seqs = [r.prompt_ids + r.response_ids for r in rollouts]
-    for engine in engines.engines:
-        import ray
-
-        engine_lp = ray.get(engine.sequence_logprobs.remote(seqs), timeout=120)
+    for engine_lp in engines.call(EngineActor.sequence_logprobs, seqs).get(timeout_s=120):
         for i, r in enumerate(rollouts):
             n = len(r.response_ids)
             got = torch.tensor(engine_lp[i][-n:])
@@ -107,34 +105,31 @@ def test_sync_after_train_step_gives_trainer_log_probs(rig, tmp_path):
 
     # Greedy output equals a fresh engine loaded from the trainer's exported weights.
     export = tmp_path / "export"
-    actor.call_all("save_hf", str(export))
-    import ray
+    actor.call(PolicyWorker.save_hf, str(export)).get()
 
-    fresh = EngineActor.options(num_cpus=0).remote(
-        engine_config(cfg, "cpu").__class__(**{**engine_config(cfg, "cpu").__dict__, "model_path": str(export)}), 0)
+    fresh = EngineGroup(dataclasses.replace(engine_config(cfg, "cpu"), model_path=str(export)),
+                        [EngineBundles(None, [0], 0.0)], timeout_s=300)
     try:
         greedy = SamplingSpec(temperature=0.0, max_new_tokens=8)
         ps = prompts(tok)
-        want = [r.response_ids for r in ray.get(fresh.generate.remote(list(enumerate(ps)), greedy), timeout=300)]
+        want = [r.response_ids for r in fresh.generate(ps, greedy)]
         got = [r.response_ids for r in engines.generate(ps, greedy)]
         assert got == want
     finally:
-        ray.kill(fresh)
+        fresh.shutdown()
 
 
 def test_dead_engine_is_named_and_leaves_no_process(rig):
     cfg, _, _, _, tok = rig
     group = EngineGroup(engine_config(cfg, "cpu"), [EngineBundles(None, [0], 0.0)], timeout_s=120)
-    pid = group.call_all("pid")[0]
+    pid = group.call(EngineActor.pid).get()[0]
     long = SamplingSpec(max_new_tokens=cfg.ppo.generate_max_len, n=64, seed=0)
-    refs = [group.engines[0].generate.remote(list(enumerate(prompts(tok, 32))), long)]
+    call = group.call_rank(0, EngineActor.generate, list(enumerate(prompts(tok, 32))), long)
     time.sleep(1.0)
     os.kill(pid, 9)  # the engine dies mid-generation
     t0 = time.monotonic()
-    from orlhf.cluster import wait_all
-
     with pytest.raises(RankError) as err:
-        wait_all(refs, [0], "vllm engine", "generate", 60)
+        call.get(timeout_s=60)
     assert time.monotonic() - t0 < 60
     assert err.value.role == "vllm engine" and err.value.rank == 0 and "died" in str(err.value)
     time.sleep(1.0)

@@ -1,0 +1,122 @@
+"""The trainer ranks' side of a weight sync: runs inside the actor's rank processes (PolicyWorker).
+
+    broadcast (NCCL | gloo):  rank 0 owns a WeightSender (its end of the trainer -> engines group); every rank
+                              walks the gathered ZeRO-3 groups (send_groups: a collective), rank 0 broadcasts
+    CUDA IPC (colocated GPU): send_ipc: every rank gathers each group and makes IPC handles of its own copy;
+                              the first rank of each TP group has its engine load them
+
+The driver's side (set-up, order, waits) is orlhf/weight_sync.py; the engines' side is rollout/worker_ext.py.
+The store timeout (`timeout_s`) bounds how long rank 0 waits for the engine workers to join.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Iterable, Optional
+
+import torch
+
+
+class WeightSender:
+    """Lives in actor rank 0's process: owns its end of the trainer -> engines group and broadcasts."""
+
+    def __init__(self, host: str, port: int, world_size: int, backend: str, device: torch.device,
+                 timeout_s: float = 300.0):
+        self.backend, self.device = backend, device
+        if backend == "nccl":
+            from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+            from vllm.distributed.utils import StatelessProcessGroup
+
+            group = StatelessProcessGroup.create(host=host, port=port, rank=0, world_size=world_size)
+            self.comm = PyNcclCommunicator(group, device=device)
+        else:
+            from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
+
+            store = TCPStore(host, port, world_size, is_master=True, timeout=timedelta(seconds=timeout_s))
+            self.comm = ProcessGroupGloo(PrefixStore("orlhf-sync", store), 0, world_size,
+                                         timedelta(seconds=timeout_s))
+
+    def broadcast(self, t: torch.Tensor) -> None:
+        t = t.contiguous()
+        if self.backend == "nccl":
+            self.comm.broadcast(t.to(self.device), src=0, stream=torch.cuda.current_stream())
+        else:
+            self.comm.broadcast(t, 0).wait()
+
+
+def send_groups(sender: Optional[WeightSender], groups: Iterable[list[tuple[str, Optional[torch.Tensor]]]],
+                expected: int) -> int:
+    """Walk the worker's gathered groups (all ranks must) and broadcast them from rank 0 (sender not None).
+
+    Returns the number of tensors broadcast (0 on ranks > 0).
+    """
+    sent = 0
+    for group in groups:
+        if sender is None:
+            continue
+        for _, t in group:
+            sender.broadcast(t)
+            sent += 1
+    if sender is not None and sent != expected:
+        raise RuntimeError(f"sent {sent} tensors but the engines expect {expected}: the parameter list changed "
+                           "between planning and sending")
+    return sent
+
+
+def device_uuid(device: torch.device) -> str:
+    """The physical GPU's UUID: the same string in every process, whatever its CUDA_VISIBLE_DEVICES."""
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def make_ipc_handles(named: list[tuple[str, torch.Tensor]], uuid: str) -> dict[str, dict[str, tuple]]:
+    """{gpu uuid: {name: (rebuild function, args)}} for tensors that stay alive until the receiver is done.
+
+    Keyed by the GPU's UUID because vLLM gives TP rank k the k-th lowest physical GPU of its bundles, which need
+    not be the GPU of trainer rank i*TP+k: each engine worker picks the handles made on its own GPU.
+    """
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    return {uuid: {name: reduce_tensor(t) for name, t in named}}
+
+
+def merge_handles(parts: list[dict[str, dict[str, tuple]]]) -> dict[str, dict[str, tuple]]:
+    """One {uuid: handles} dict from the TP peers' dicts; two peers on one GPU would be a placement bug."""
+    merged: dict[str, dict[str, tuple]] = {}
+    for part in parts:
+        for uuid, handles in part.items():
+            if uuid in merged:
+                raise RuntimeError(f"two trainer ranks of one engine sit on GPU {uuid}; CUDA IPC sync needs one "
+                                   "trainer rank per engine GPU")
+            merged[uuid] = handles
+    return merged
+
+
+def send_ipc(worker, engine, tp: int) -> int:
+    """Actor-rank side of IpcWeightSync (runs inside PolicyWorker.send_weights_ipc, every rank).
+
+    The TP group's first rank opens one layerwise reload on its engine (orlhf_ipc_begin), then per parameter
+    group: all ranks gather it (collective), each clones its full copy and makes CUDA IPC handles keyed by its
+    GPU's UUID; the first rank collects its TP peers' handles and has its engine load them (the engine copies
+    and synchronizes before returning); a barrier keeps every clone alive until all engines are done with the
+    group. Finally the engine finishes the reload (orlhf_ipc_finish): one reload per sync, not one per layer.
+    """
+    import torch.distributed as dist
+
+    from orlhf.rollout.worker_ext import WeightSyncExtension as Ext
+
+    leader = worker.rank % tp == 0  # `engine`: an EngineGroup of this rank's one engine (EngineGroup.subset)
+    if leader:
+        engine.call(Ext.orlhf_ipc_begin).get()
+    uuid = device_uuid(worker.device)
+    sent = 0
+    for group in worker.named_full_weights(to_cpu=False, copy=True, all_ranks=True):
+        gathered: list = [None] * worker.world_size
+        dist.all_gather_object(gathered, make_ipc_handles(group, uuid))
+        if leader:
+            merged = merge_handles(gathered[worker.rank:worker.rank + tp])
+            engine.call(Ext.orlhf_load_ipc, [n for n, _ in group], merged).get()
+        dist.barrier()
+        sent += len(group)
+    if leader:
+        engine.call(Ext.orlhf_ipc_finish).get()
+    return sent
