@@ -167,9 +167,6 @@ class HybridGenerator:
         self.actor, self.ranks, self.pad_id, self.eos_id = actor, ranks, pad_id, eos_id
         self.weight_version = 0  # the actor's: moved by HybridSync after each train step
 
-    def __len__(self) -> int:
-        return 0  # no vLLM engines
-
     def generate(self, prompts: list[list[int]], sampling) -> list:
         mine = self.ranks.share(list(enumerate(prompts)))
         local = self.actor.generate(mine, sampling, self.pad_id, self.eos_id)
@@ -207,7 +204,7 @@ class HybridController(Controller):
         for g in self.m.groups():
             g.seconds.clear()
         row = super().learn(prompts, rollouts, reward)
-        del row["timing/sync"]
+        row.pop("timing/sync", None)
         row["train_actor_s"] = self.m.actor.seconds.get("train_step", 0.0)
         row["train_critic_s"] = self.m.critic.seconds.get("train_step", 0.0) if self.m.critic else 0.0
         log.info("step %d/%d reward %.4f kl %.5f policy_loss %.4f %.1f samples/s (%s)", self.step_index,
