@@ -3,7 +3,8 @@ from its own ZeRO-3 engine (no vLLM, no weight sync). Used by hybrid_engine_base
 code, not part of the orlhf package. It takes orlhf's SamplingSpec, as the vLLM engines do.
 
     prompts (this rank's share) --left-pad--> (b, P) --module.generate(do_sample, n per prompt)--> (b*n, P+L)
-        --cut at the first EOS, per row--> [Rollout] (response ids, the sampler's log-probs, finished)
+        --cut at the prompt's token limit, then after the first EOS, per row--> [Rollout] (response ids, the
+        sampler's log-probs, finished)
 
 How the parameters reach `generate` (`gather`):
     whole       GatheredParameters over the whole model for the whole generate call, as DeepSpeed's hybrid
@@ -21,9 +22,10 @@ How the parameters reach `generate` (`gather`):
 Invariants: every rank calls generate() once per step (the collectives of per_layer / hybrid_engine need equal
 call counts). Sampling is vLLM's default: top_k off (HF's generation_config would apply top_k=50), temperature and
 top_p as given, stopping at EOS or at each prompt's own token limit (orlhf.types.max_new_tokens: --generate_max_len,
-and with --max_len what is left after the prompt; the batch generates to the largest, each row is cut to its own). The log-probs are those of the distribution sampled from
-(logits / temperature, top-p applied; recorded step by step, not kept as HF's (B, L, V) output_scores), so with
-top_p=1 they match PolicyWorker.log_probs up to float error.
+and with --max_len what is left after the prompt; the batch generates to the largest limit, each row is cut to its
+own). The log-probs are those of the distribution sampled from (logits / temperature, top-p applied; recorded step
+by step, not kept as HF's (B, L, V) output_scores), so with top_p=1 they match PolicyWorker.log_probs up to float
+error.
 """
 
 from __future__ import annotations
