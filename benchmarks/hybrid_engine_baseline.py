@@ -3,28 +3,30 @@
 DeepSpeed-Chat runs every model on every GPU: `deepspeed --num_gpus N` starts N identical processes, each holding
 the actor, critic, reference and reward engines, and each step runs strictly one phase after the other:
 
-    every rank (SPMD, no driver):  the same prompts loader, the same step
+    every rank (SPMD, no driver): the same prompts loader, the same step: orlhf's Controller, unchanged,
+    driving groups that are this rank's own workers (LocalGroup) instead of Ray rank actors
       generate         actor: HF generate inside its ZeRO-3 engine on this rank's share of the prompts
-                       (GatheredParameters over the whole model; or DeepSpeed's hybrid engine on GPUs)
-                       -> all ranks exchange rollouts -> one global batch (orlhf's rollouts_to_batch)
-      score            this rank's share, one model after the other: actor old log-probs, ref log-probs,
-                       critic values, reward (the RM engine, or the reward function) -> all-gathered
-      make_experience  every rank: the same KL-shaped rewards, advantages, returns (orlhf.experience)
-      train_actor      PPO on this rank's share of the shuffled experience (orlhf's PolicyWorker.train_step)
-      train_critic     then the critic on the same share (orlhf's CriticWorker.train_step)
-      (no weight sync: the actor that trains is the one that generates)
+                       (hybrid_worker.py: GatheredParameters over the whole model; or DeepSpeed's hybrid engine on
+                       GPUs) -> all ranks exchange rollouts -> one global batch
+      score            this rank's share, one model after the other (each call runs when the controller makes
+                       it): actor old log-probs, ref log-probs, critic values, reward model -> all-gathered when
+                       the controller collects them; a reward function scores the whole batch on every rank
+      make_experience  every rank: the same KL-shaped rewards, advantages, returns (the controller's)
+      train            PPO on this rank's share of the controller's shuffled experience: actor, then critic
+      (no weight sync: the actor that trains is the one that generates; only the version tag moves)
 
-What is orlhf's and what is not: the model workers (DeepSpeed configs, losses, micro-batching), the PPO math
-(orlhf.algo via orlhf.experience), prompts (orlhf.data), rewards (orlhf.rewards), the flags and their validation
-(orlhf train-ppo's, with the demo preset) are shared, so the same flags give the same models, data, batch sizes,
-generation lengths, sampling and learning rates. What differs is the system: one process per device holding
-every model, HF generate instead of vLLM, sequential phases instead of parallel groups. The only new orlhf code is
-orlhf/workers/hybrid.py (PolicyWorker + generate()).
+What is orlhf's and what is not: the loop and its phases (orlhf.controller.Controller: sampling seeds, scoring and
+its skips, experience, shuffles, metrics), the model workers (DeepSpeed configs, losses, micro-batching), the PPO
+math (orlhf.algo via orlhf.experience), prompts (orlhf.entry.load_prompts), rewards, the flags and their
+validation (orlhf train-ppo's, with the demo preset) are shared, so the same flags give the same models, data,
+batch sizes, generation lengths, sampling and learning rates. What differs is the system: one process per device
+holding every model, HF generate instead of vLLM, sequential phases instead of parallel groups. The code of its
+own is this file (the SPMD groups, launch, command line) and hybrid_worker.py (PolicyWorker + generate()).
 
 Why torch.multiprocessing and not Ray actors: DeepSpeed-Chat is SPMD from the `deepspeed` launcher, with no
 controller process; spawned ranks that each run the loop are that design, while Ray would add the driver and
-remote calls this baseline exists to leave out (and Ray is not installable on the lent GPU machines).
---world_size 1 runs in this process, as DeepSpeed-Chat does on one GPU.
+remote calls this baseline exists to leave out (and Ray is not installable on the lent GPU machines: nothing
+here imports it). --world_size 1 runs in this process, as DeepSpeed-Chat does on one GPU.
 
 CPU (this machine; ~30 s for the demo's 8 steps):
     .venv/bin/python benchmarks/hybrid_engine_baseline.py --max_samples 512 --save_path /tmp/hybrid
@@ -33,8 +35,9 @@ GPU node (N GPUs; all four models on every GPU; DeepSpeed-Chat's memory options)
     python benchmarks/hybrid_engine_baseline.py --device cuda --world_size 8 --pretrain MODEL \\
         --reward_pretrain RM --prompt_data prompts.jsonl --input_key prompt --bf16 --adam_offload \\
         --ref_reward_offload --hybrid_engine --generate_max_len 512 --rollout_batch_size 512
-Every `orlhf train-ppo` flag is accepted (placement and vLLM flags are ignored: every model is on every rank);
-the options of this script are listed under "Hybrid engine" in --help.
+Every `orlhf train-ppo` flag is accepted (placement and vLLM flags are ignored: every model is on every rank;
+so are checkpoint and evaluation flags); --async_train and --agent_func_path are refused (they need engines
+apart from the trainers). The options of this script are listed under "Hybrid engine" in --help.
 """
 
 from __future__ import annotations
@@ -48,11 +51,10 @@ import socket
 import sys
 import time
 import warnings
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Callable, Literal, Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -60,7 +62,9 @@ import typer  # noqa: E402
 
 from orlhf import cli  # noqa: E402
 from orlhf import config as C  # noqa: E402
-from orlhf.worker_config import WorkerConfig, worker_config  # noqa: E402
+from orlhf.controller import Controller, Models  # noqa: E402
+from orlhf.endpoints import method_name  # noqa: E402
+from orlhf.worker_config import worker_config  # noqa: E402
 
 log = logging.getLogger("hybrid")
 
@@ -68,155 +72,30 @@ log = logging.getLogger("hybrid")
 @dataclasses.dataclass(frozen=True)
 class HybridOptions:
     world_size: int = 1  # ranks (GPUs), each holding every model
-    gather: str = "whole"  # how generate sees the ZeRO-3 parameters: whole | per_layer (orlhf/workers/hybrid.py)
+    gather: str = "whole"  # how generate sees the ZeRO-3 parameters: whole | per_layer (hybrid_worker.py)
     hybrid_engine: bool = False  # DeepSpeed's DeepSpeedHybridEngine for generation (CUDA only)
     threads: Optional[int] = None  # torch threads per rank on CPU (default: cores / world_size)
 
 
-# ---- one rank: all models, the sequential step -----------------------------------------------------------------
+# ---- SPMD stand-ins for the Ray groups the controller drives ----------------------------------------------------
 
 
-class HybridTrainer:
-    """Every model of one rank and the PPO step, phases strictly in sequence. All ranks run the same calls."""
+class Ranks:
+    """This rank and the collectives that turn per-rank results into the controller's whole-batch results."""
 
-    def __init__(self, cfg: C.TrainConfig, opts: HybridOptions, rank: int, world: int):
-        from orlhf.algo.kl import make_kl_controller
-        from orlhf.algo.rewards import RunningMoments
-        from orlhf.data import PromptLoader, build_prompts, load_prompt_rows, load_tokenizer
-        from orlhf.experience import ExperienceConfig
-        from orlhf.rewards import make_reward_source
-        from orlhf.workers import CriticWorker, ReferenceWorker, RewardWorker
-        from orlhf.workers.hybrid import HybridPolicyWorker
-        from orlhf.workers.value_head import reward_normalization
+    def __init__(self, rank: int, world: int, device):
+        self.rank, self.world, self.device = rank, world, device
 
-        self.cfg, self.rank, self.world = cfg, rank, world
-        d, p, device = cfg.data, cfg.ppo, cfg.runtime.device
-        self.tok = load_tokenizer(d.pretrain)
-        rows = load_prompt_rows(d.prompt_data, d.input_key, d.label_key, d.max_samples)
-        prompts, stats = build_prompts(rows, self.tok, d.input_key, d.label_key, d.apply_chat_template,
-                                       d.input_template, p.prompt_max_len, d.prompt_overflow)
-        if rank == 0:
-            log.info("%s", stats.summary())
-        self.loader = PromptLoader(prompts, p.rollout_batch_size, p.num_episodes, p.seed)  # same order on all ranks
-        samples = p.rollout_batch_size * p.n_samples_per_prompt
-        opt_steps = self.loader.total_steps * p.max_epochs * (samples // p.train_batch_size)
+    def share(self, batch):
+        """This rank's contiguous, equal share of a batch (a types.py dataclass with .split, or a list)."""
+        if len(batch) % self.world:
+            raise ValueError(f"a batch of {len(batch)} does not split evenly over {self.world} ranks")
+        k = len(batch) // self.world
+        if isinstance(batch, list):
+            return batch[self.rank * k:(self.rank + 1) * k]
+        return batch.split([k] * self.world)[self.rank]
 
-        def wc(role: str) -> WorkerConfig:  # the role's slice of the config, as orlhf's groups get it
-            return worker_config(cfg, role, device, opt_steps)
-
-        self.actor = HybridPolicyWorker(wc("actor"), gather=opts.gather, hybrid_engine=opts.hybrid_engine,
-                                        max_out_tokens=p.prompt_max_len + p.generate_max_len)
-        self.ref = ReferenceWorker(wc("ref"))
-        self.critic = CriticWorker(wc("critic")) if cfg.has_critic else None
-        self.reward = RewardWorker(wc("reward")) if cfg.has_reward_model else None
-        self.reward_fn = make_reward_source(d.remote_rm_url) if d.remote_rm_url else None
-        self.exp_cfg = ExperienceConfig.from_ppo(p)
-        self.kl_ctl = make_kl_controller(p.init_kl_coef, p.kl_target, p.kl_horizon)
-        norm = reward_normalization(p.normalize_reward, d.reward_pretrain)  # as orlhf's controller decides
-        self.reward_norm = RunningMoments() if norm == "running" else None
-        self.step_index, self.timings, self.train_split = 0, {}, {}
-
-    def models(self) -> list:
-        return [m for m in (self.actor, self.ref, self.critic, self.reward) if m is not None]
-
-    def init(self) -> None:
-        for m in self.models():  # the same order on every rank: ZeRO-3 loading is collective
-            m.init()
-
-    def step(self, prompts: list) -> dict[str, Any]:
-        from orlhf.experience import rollouts_to_batch
-
-        self.timings, self.train_split = {}, {"actor": 0.0, "critic": 0.0}
-        t0 = time.perf_counter()
-        with self.timed("generate"):
-            rollouts = self.generate(prompts)
-        batch, engine_lp = rollouts_to_batch(rollouts, self.tok.pad_token_id)
-        with self.timed("score"):
-            scores, old_lp, ref_lp, values = self.score(batch, rollouts, prompts)
-        with self.timed("make_experience"):
-            exp, info = self.make_experience(batch, scores, old_lp, ref_lp, values)
-        actor_stats, critic_stats = self.train(exp)  # timed inside: "train" = actor then critic
-        self.step_index += 1
-        seconds = time.perf_counter() - t0
-        gap = ((engine_lp - old_lp).abs() * batch.action_mask).sum().item() / max(1, int(batch.action_mask.sum()))
-        row = {**info, "policy_loss": actor_stats["loss"], "actor_lr": actor_stats["lr"],
-               "clip_frac": actor_stats["clip_frac"], "approx_kl": actor_stats["approx_kl"],
-               "kl_coef": self.kl_ctl.value, "weight_version": self.step_index, "engine_logprob_gap": gap,
-               "samples": len(rollouts), "samples_per_s": len(rollouts) / seconds, "step_s": seconds,
-               "train_actor_s": self.train_split["actor"], "train_critic_s": self.train_split["critic"],
-               **{f"timing/{k}": v for k, v in self.timings.items()}}
-        if critic_stats is not None:
-            row.update(value_loss=critic_stats["loss"], critic_lr=critic_stats["lr"],
-                       value_clip_frac=critic_stats["clip_frac"])
-        return row
-
-    # ---- phases ----
-
-    def generate(self, prompts: list) -> list:
-        from orlhf.workers.hybrid import GenerateSpec
-
-        p, k = self.cfg.ppo, len(prompts) // self.world
-        spec = GenerateSpec(temperature=p.temperature, top_p=p.top_p, max_new_tokens=p.generate_max_len,
-                            n=p.n_samples_per_prompt, seed=p.seed * 1_000_003 + self.step_index)
-        mine = [(i, prompts[i].ids) for i in range(self.rank * k, (self.rank + 1) * k)]
-        local = self.actor.generate(mine, spec, self.tok.pad_token_id, self.tok.eos_token_id)
-        return [r for part in self.all_gather_objects(local) for r in part]  # rank order = prompt order
-
-    def score(self, batch, rollouts: list, prompts: list):
-        """This rank's contiguous share through each model in turn; the results all-gathered in batch order."""
-        share = len(batch) // self.world
-        lo, hi = self.rank * share, (self.rank + 1) * share
-        local = batch.split([lo, share, len(batch) - hi])[1]
-        old_lp = self.actor.log_probs(local)
-        ref_lp = self.ref.log_probs(local)
-        values = self.critic.values(local) if self.critic else None
-        if self.reward is not None:
-            scores = self.reward.scores(local)
-        else:
-            mine = rollouts[lo:hi]
-            texts = self.tok.batch_decode([r.prompt_ids + r.response_ids for r in mine], skip_special_tokens=True)
-            scores = self.reward_fn.score(texts, [prompts[r.prompt_index].text for r in mine],
-                                          [prompts[r.prompt_index].label for r in mine]).float()
-        scores, old_lp, ref_lp = (self.all_gather_cat(t) for t in (scores, old_lp, ref_lp))
-        values = self.all_gather_cat(values) if values is not None else None
-        if self.reward_norm is not None:
-            self.reward_norm.update(scores)
-        return scores, old_lp, ref_lp, values
-
-    def make_experience(self, batch, scores, old_lp, ref_lp, values):
-        """As orlhf's Controller.make_experience: every rank computes the same global experience."""
-        from orlhf.experience import make_experience
-
-        shaped = self.reward_norm.normalize(scores) if self.reward_norm is not None else scores
-        exp, info = make_experience(batch, shaped, old_lp, ref_lp, values, self.kl_ctl.value, self.exp_cfg,
-                                    weight_version=self.step_index)
-        info["reward_mean"] = scores.mean().item()
-        self.kl_ctl.update(info["kl"], len(scores))
-        return exp, info
-
-    def train(self, exp) -> tuple[dict, Optional[dict]]:
-        """max_epochs passes, the controller's shuffle; the actor trains, then the critic (not in parallel)."""
-        import torch
-
-        p, share = self.cfg.ppo, len(exp) // self.world
-        actor_stats, critic_stats = [], []
-        for epoch in range(p.max_epochs):
-            g = torch.Generator().manual_seed(p.seed + 7919 * self.step_index + epoch)
-            shuffled = exp.index(torch.randperm(len(exp), generator=g))
-            local = shuffled.split([share] * self.world)[self.rank]
-            with self.timed("train"):
-                t0 = time.perf_counter()
-                actor_stats += self.all_gather_objects(self.actor.train_step(local))
-                self.train_split["actor"] += time.perf_counter() - t0
-                if self.critic is not None:
-                    t0 = time.perf_counter()
-                    critic_stats += self.all_gather_objects(self.critic.train_step(local))
-                    self.train_split["critic"] += time.perf_counter() - t0
-        return mean_stats(actor_stats), mean_stats(critic_stats) if critic_stats else None
-
-    # ---- helpers ----
-
-    def all_gather_objects(self, obj) -> list:
+    def gather_objects(self, obj) -> list:
         if self.world == 1:
             return [obj]
         import torch.distributed as dist
@@ -225,51 +104,172 @@ class HybridTrainer:
         dist.all_gather_object(out, obj)
         return out
 
-    def all_gather_cat(self, t):
+    def gather_cat(self, t):
         """Equal-shaped per-rank tensors -> one tensor in rank order (results travel on the device backend)."""
         if self.world == 1:
             return t
         import torch
         import torch.distributed as dist
 
-        local = t.to(self.actor.device)
+        local = t.to(self.device)
         parts = [torch.empty_like(local) for _ in range(self.world)]
         dist.all_gather(parts, local)
         return torch.cat(parts).cpu()
 
-    @contextmanager
-    def timed(self, phase: str):
+
+class LocalCall:
+    """A finished call on this rank; like cluster.GroupCall, .get() / .get_cat() give every rank's results."""
+
+    def __init__(self, ranks: Ranks, result):
+        self.ranks, self.result = ranks, result
+
+    def get(self, timeout_s: Optional[float] = None) -> list:
+        return self.ranks.gather_objects(self.result)
+
+    def get_cat(self, timeout_s: Optional[float] = None):
+        return self.ranks.gather_cat(self.result)
+
+
+class LocalGroup:
+    """One role's worker on this rank, answering the calls the controller makes of a cluster.ActorGroup. A call
+    runs at once, on this rank's share; every rank makes the same calls in the same order (the controller's), so
+    ZeRO-3's collectives inside the workers and the gathers in .get() line up."""
+
+    def __init__(self, role: str, worker, ranks: Ranks):
+        self.role, self.worker, self.ranks = role, worker, ranks
+        self.seconds: dict[str, float] = {}  # per method, since the last reset (the step's train split)
+
+    @property
+    def world_size(self) -> int:
+        return self.ranks.world
+
+    def _run(self, fn: Callable, *args, **kwargs):
+        name = method_name(self.role, type(self.worker), fn)  # the check ActorGroup makes: an @endpoint of it
         t0 = time.perf_counter()
-        yield
-        self.timings[phase] = self.timings.get(phase, 0.0) + time.perf_counter() - t0
+        result = getattr(self.worker, name)(*args, **kwargs)
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+        return result
+
+    def call_sharded(self, fn: Callable, batch, *args, **kwargs) -> LocalCall:
+        return LocalCall(self.ranks, self._run(fn, self.ranks.share(batch), *args, **kwargs))
+
+    def call(self, fn: Callable, *args, **kwargs) -> LocalCall:
+        return LocalCall(self.ranks, self._run(fn, *args, **kwargs))
 
 
-def mean_stats(stats: list) -> dict[str, float]:
-    keys = ("loss", "lr", "clip_frac", "approx_kl")
-    return {k: sum(float(getattr(s, k)) for s in stats) / len(stats) for k in keys}
+class HybridGenerator:
+    """The controller's `engines`: the trained actor generates this rank's share of the prompts (HF generate in
+    its own engine), and the ranks exchange rollouts, so every rank holds the whole batch in prompt order."""
+
+    def __init__(self, actor, ranks: Ranks, pad_id: int, eos_id: int):
+        self.actor, self.ranks, self.pad_id, self.eos_id = actor, ranks, pad_id, eos_id
+        self.weight_version = 0  # the actor's: moved by HybridSync after each train step
+
+    def generate(self, prompts: list[list[int]], sampling) -> list:
+        mine = self.ranks.share(list(enumerate(prompts)))
+        local = self.actor.generate(mine, sampling, self.pad_id, self.eos_id)
+        for r in local:
+            r.weight_version = self.weight_version
+        return [r for part in self.ranks.gather_objects(local) for r in part]  # rank order = prompt order
 
 
-# ---- launch ----------------------------------------------------------------------------------------------------
+class HybridSync:
+    """The controller's weight sync: nothing to send, the actor that trains is the one that generates; the
+    generator's version tag moves, so rollouts carry the version they were sampled with."""
+
+    def __init__(self, generator: HybridGenerator):
+        self.generator = generator
+
+    def sync(self, version: int) -> None:
+        self.generator.weight_version = version
+
+
+class NoMetrics:
+    """Ranks other than 0 log nothing (rank 0's MetricsLogger writes metrics.jsonl)."""
+
+    def log(self, step: int, row: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class HybridController(Controller):
+    """orlhf's Controller, with the step's train time split by role (the phases run one after the other here)
+    and one log line per step; no `timing/sync` (nothing is synced)."""
+
+    def learn(self, prompts: list, rollouts: list, reward=None) -> dict[str, Any]:
+        for g in self.m.groups():
+            g.seconds.clear()
+        row = super().learn(prompts, rollouts, reward)
+        row.pop("timing/sync", None)
+        row["train_actor_s"] = self.m.actor.seconds.get("train_step", 0.0)
+        row["train_critic_s"] = self.m.critic.seconds.get("train_step", 0.0) if self.m.critic else 0.0
+        log.info("step %d/%d reward %.4f kl %.5f policy_loss %.4f %.1f samples/s (%s)", self.step_index,
+                 self.loader.total_steps, row["reward_mean"], row["kl"], row["policy_loss"], row["samples_per_s"],
+                 " ".join(f"{k[7:]} {v:.2f}s" for k, v in row.items() if k.startswith("timing/")))
+        return row
+
+
+# ---- one rank: all models, the controller's loop -----------------------------------------------------------------
+
+
+def build(cfg: C.TrainConfig, opts: HybridOptions, rank: int, world: int) -> HybridController:
+    """Every model of this rank (orlhf's workers; the roles orlhf would start), wrapped for the controller."""
+    from orlhf.data import PromptLoader, load_tokenizer
+    from orlhf.entry import load_prompts, make_reward
+    from orlhf.metrics import MetricsLogger
+    from orlhf.workers import CriticWorker, ReferenceWorker, RewardWorker
+
+    from hybrid_worker import HybridPolicyWorker
+
+    d, p, device = cfg.data, cfg.ppo, cfg.runtime.device
+    tok = load_tokenizer(d.pretrain)
+    loader = PromptLoader(load_prompts(cfg, tok), p.rollout_batch_size, p.num_episodes, p.seed)  # same on all ranks
+    samples = p.rollout_batch_size * p.n_samples_per_prompt
+    opt_steps = loader.total_steps * p.max_epochs * (samples // p.train_batch_size)
+
+    def wc(role: str):  # the role's slice of the config, as orlhf's groups get it
+        return worker_config(cfg, role, device, opt_steps)
+
+    actor = HybridPolicyWorker(wc("actor"), gather=opts.gather, hybrid_engine=opts.hybrid_engine,
+                               max_out_tokens=p.prompt_max_len + p.generate_max_len)
+    ranks = Ranks(rank, world, actor.device)
+    workers = {"actor": actor, "ref": ReferenceWorker(wc("ref")) if cfg.has_reference else None,
+               "critic": CriticWorker(wc("critic")) if cfg.has_critic else None,
+               "reward": RewardWorker(wc("reward")) if cfg.has_reward_model else None}
+    groups = {role: LocalGroup(role, w, ranks) if w is not None else None for role, w in workers.items()}
+    engines = HybridGenerator(actor, ranks, tok.pad_token_id, tok.eos_token_id)
+    models = Models(actor=groups["actor"], ref=groups["ref"], engines=engines, sync=HybridSync(engines),
+                    critic=groups["critic"], reward=groups["reward"])
+    metrics = MetricsLogger(cfg.logging.save_path) if rank == 0 else NoMetrics()
+    return HybridController(cfg, models, loader, tok, metrics, reward_source=make_reward(cfg))
 
 
 def run_rank(rank: int, world: int, cfg: C.TrainConfig, opts: HybridOptions, port: int) -> None:
-    """One rank: env for torch.distributed, all models, the loop; rank 0 logs metrics.jsonl and reward.png."""
+    """One rank: env for torch.distributed, all models, the loop; rank 0 logs metrics.jsonl and the summary."""
     import torch
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), DS_ACCELERATOR=cfg.runtime.device)
+    if rank:
+        os.environ["TQDM_DISABLE"] = "1"  # one progress bar (rank 0's)
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="[hybrid] %(message)s")
     # DeepSpeed calls all_gather_into_tensor / reduce_scatter_tensor on every ZeRO-3 step: one warning each.
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     if cfg.runtime.device == "cpu":
         torch.set_num_threads(opts.threads or max(1, (os.cpu_count() or 1) // world))
-    trainer = HybridTrainer(cfg, opts, rank, world)
+    controller = build(cfg, opts, rank, world)
     t0 = time.monotonic()
-    trainer.init()
+    for g in controller.m.groups():  # the same order on every rank: ZeRO-3 loading is collective
+        g.worker.init()
     if rank == 0:
         log.info("%d models on each of %d rank(s) ready in %.1f s (%d torch threads per rank)",
-                 len(trainer.models()), world, time.monotonic() - t0, torch.get_num_threads())
-    history = fit(trainer, cfg)
+                 len(controller.m.groups()), world, time.monotonic() - t0, torch.get_num_threads())
+    try:
+        history = controller.fit()
+    finally:
+        controller.metrics.close()
     if rank == 0:
         from orlhf.entry import summarize
 
@@ -288,27 +288,6 @@ def summary(history: list[dict], cfg: C.TrainConfig, opts: HybridOptions) -> dic
             "reward_per_step": [round(r["reward_mean"], 4) for r in history]}
 
 
-def fit(trainer: HybridTrainer, cfg: C.TrainConfig) -> list[dict]:
-    from orlhf.metrics import MetricsLogger
-
-    metrics = MetricsLogger(cfg.logging.save_path) if trainer.rank == 0 else None
-    history = []
-    try:
-        for prompts in trainer.loader:
-            row = trainer.step(prompts)
-            history.append(row)
-            if metrics is not None:
-                metrics.log(trainer.step_index, row)
-                log.info("step %d/%d reward %.4f kl %.5f policy_loss %.4f %.1f samples/s (%s)", trainer.step_index,
-                         trainer.loader.total_steps, row["reward_mean"], row["kl"], row["policy_loss"],
-                         row["samples_per_s"], " ".join(f"{k[7:]} {v:.2f}s" for k, v in row.items()
-                                                        if k.startswith("timing/")))
-    finally:
-        if metrics is not None:
-            metrics.close()
-    return history
-
-
 def resolve(cfg: C.TrainConfig, opts: HybridOptions) -> C.TrainConfig:
     """The demo's paths, the device, and every role on all `world_size` ranks; validated again as orlhf does."""
     from orlhf.entry import resolve_demo, resolve_device
@@ -323,6 +302,12 @@ def resolve(cfg: C.TrainConfig, opts: HybridOptions) -> C.TrainConfig:
     if p.rollout_batch_size % w:
         problems.append(f"--rollout_batch_size {p.rollout_batch_size} must be a multiple of --world_size {w} "
                         "(each rank generates an equal share of the prompts)")
+    if p.async_train:
+        problems.append("--async_train overlaps generation with training on other devices; here the actor that "
+                        "trains is the one that generates: drop --async_train")
+    if cfg.data.agent_func_path:
+        problems.append("--agent_func_path needs orlhf's vLLM engines (token-in, token-out turns); this baseline "
+                        "generates with HF generate: drop --agent_func_path")
     if opts.hybrid_engine and cfg.runtime.device != "cuda":
         problems.append("--hybrid_engine uses DeepSpeed's inference kernels, which need CUDA (on CPU: 'This op had "
                         "not been implemented on CPU backend'); drop it on --device cpu")

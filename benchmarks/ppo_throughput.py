@@ -7,7 +7,7 @@
         split         orlhf train-ppo FLAGS                       (one device per role + one vLLM engine)
         colocate      orlhf train-ppo FLAGS --colocate_actor_ref [--colocate_critic_reward with an RM]
         colocate_all  orlhf train-ppo FLAGS --colocate_all_models (models and engine share the actor's devices)
-        async         orlhf train-ppo FLAGS --async_train         (only where the controller supports it)
+        async         orlhf train-ppo FLAGS --async_train
         <mode>+<knob>  the same mode with one speed-up's flags appended (KNOBS: padded, pack, mb_small, mb_full,
                        engines2, engine_threads, rank_threads, zero0, adam_offload), compared with <mode> in its own
                        table: each speed-up measured on vs off in one invocation (--modes ablation: all of them)
@@ -44,7 +44,6 @@ One GPU node (8 GPUs; DeepSpeed-Chat on all 8, orlhf split 2 actor + 2 critic + 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import shlex
@@ -173,16 +172,6 @@ def to_argv(values: dict) -> list[str]:
     return argv
 
 
-def async_support() -> Optional[str]:
-    """None when --async_train can run, else why not: the flag must exist and something besides the config,
-    validation and CLI must read it (the controller / entry)."""
-    if "async_train" not in {f.name for f in dataclasses.fields(C.PPOConfig)}:
-        return "build_config has no --async_train flag"
-    readers = [p.name for p in (ROOT / "orlhf").rglob("*.py")
-               if p.name not in ("config.py", "validation.py", "cli.py", "plan.py") and "async_train" in p.read_text()]
-    return None if readers else "--async_train is accepted, but no orlhf module reads it yet (controller pending)"
-
-
 def split_mode(mode: str) -> tuple[str, list[str]]:
     """"split+pack+mb_full" -> ("split", ["pack", "mb_full"])."""
     base, *knobs = mode.split("+")
@@ -193,27 +182,24 @@ def knob_argv(knobs: list[str], values: dict) -> list[str]:
     return [a for k in knobs for a in KNOBS[k](values)[0]]
 
 
-def mode_argv(mode: str, values: dict, args) -> tuple[list[str], Optional[str]]:
-    """(command, None), or ([], why the mode is skipped). orlhf's own validation runs in the subprocess: an
-    invalid combination exits 2 before anything starts and is reported as skipped with orlhf's message."""
+def mode_argv(mode: str, values: dict, args) -> list[str]:
+    """The mode's command. orlhf's own validation runs in the subprocess: an invalid combination exits 2 before
+    anything starts and is reported as skipped with orlhf's message (run_once)."""
     mode, knobs = split_mode(mode)
-    cmd, why = _base_argv(mode, values, args)
-    return ([*cmd, *knob_argv(knobs, values)] if cmd else cmd), why
+    return [*_base_argv(mode, values, args), *knob_argv(knobs, values)]
 
 
-def _base_argv(mode: str, values: dict, args) -> tuple[list[str], Optional[str]]:
+def _base_argv(mode: str, values: dict, args) -> list[str]:
     common = shlex.split(args.common_flags)
     if mode in ("hybrid", "hybrid_ws2"):
         return [sys.executable, str(ROOT / "benchmarks" / "hybrid_engine_baseline.py"), *to_argv(values), *common,
-                *shlex.split(args.hybrid_flags), *(HYBRID_WS2 if mode == "hybrid_ws2" else [])], None
-    if mode == "async" and (why := async_support()):
-        return [], why
+                *shlex.split(args.hybrid_flags), *(HYBRID_WS2 if mode == "hybrid_ws2" else [])]
     extra = {"split": [], "colocate": ["--colocate_actor_ref"] + (["--colocate_critic_reward"]
                                                                  if values.get("reward_pretrain") else []),
              "colocate_all": ["--colocate_all_models"], "async": ["--async_train"]}[mode]
     own = args.colocate_all_flags if mode == "colocate_all" and args.colocate_all_flags else args.orlhf_flags
     return [sys.executable, "-m", "orlhf.cli", "train-ppo", *to_argv(values), *common, *shlex.split(own),
-            *extra], None
+            *extra]
 
 
 # ---- one run: a subprocess, its process tree's memory, its metrics rows ----------------------------------------
@@ -455,11 +441,7 @@ def main(argv=None) -> None:
         for mode in args.modes:
             if mode in skipped or mode in failed:
                 continue
-            cmd, why = mode_argv(mode, values, args)
-            if why:
-                skipped[mode] = why
-                log(f"{mode}: skipped ({why})")
-                continue
+            cmd = mode_argv(mode, values, args)
             log(f"{mode} (repeat {k + 1}/{args.repeats}): running")
             r = run_once(mode, cmd, out / f"{mode}-r{k}", args.warmup, args.timeout)
             if "skipped" in r or "error" in r:

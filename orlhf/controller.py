@@ -28,26 +28,29 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from orlhf.algo.kl import make_kl_controller
 from orlhf.algo.rewards import RunningMoments
-from orlhf.cluster import ActorGroup
 from orlhf.config import TrainConfig
 from orlhf.dynamic_filtering import DynamicFilter
 from orlhf.experience import ExperienceConfig, make_experience, rollouts_to_batch
 from orlhf.metrics import MetricsLogger
-from orlhf.rollout.engine import EngineGroup, SamplingSpec
 from orlhf.rollout.executor import agent_metrics, agent_scores, make_executor
 from orlhf.sleep import SleepSwitch
 from orlhf.sync_guard import SyncGuard
-from orlhf.types import Experience, Rollout, SequenceBatch, TrainStats
-from orlhf.weight_sync import WeightSync
+from orlhf.types import Experience, Rollout, SamplingSpec, SequenceBatch, TrainStats
 from orlhf.workers import CriticWorker, PolicyWorker, ReferenceWorker, RewardWorker
 from orlhf.workers.base import DeepSpeedWorker
 from orlhf.workers.value_head import reward_normalization
+
+if TYPE_CHECKING:  # annotations only: the loop itself imports no Ray (benchmarks/hybrid_engine_baseline.py runs it
+    # on SPMD ranks without Ray, with groups of its own that answer the same calls)
+    from orlhf.cluster import ActorGroup
+    from orlhf.rollout.engine import EngineGroup
+    from orlhf.weight_sync import WeightSync
 
 log = logging.getLogger(__name__)
 

@@ -22,6 +22,26 @@ def _split(t: Optional[torch.Tensor], sizes: list[int]) -> list[Optional[torch.T
     return list(torch.split(t, sizes, dim=0))
 
 
+@dataclass(frozen=True)
+class SamplingSpec:
+    """What one generation call samples; the same for vLLM's engines and any other generator (the HF
+    `generate` of benchmarks/hybrid_engine_baseline.py)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 1024
+    n: int = 1  # samples per prompt (--n_samples_per_prompt)
+    max_len: Optional[int] = None  # --max_len: prompt + response at most this many tokens
+    seed: int = 0  # per-step seed: each request gets a seed derived from (seed, prompt index)
+
+
+def max_new_tokens(sampling: SamplingSpec, prompt_len: int) -> int:
+    """--generate_max_len, and with --max_len at most what is left after this prompt (validation keeps it >= 1)."""
+    if sampling.max_len is None:
+        return sampling.max_new_tokens
+    return max(1, min(sampling.max_new_tokens, sampling.max_len - prompt_len))
+
+
 @dataclass
 class Rollout:
     """One sampled response from a vLLM engine (token ids, not text: the trainers score exactly these)."""

@@ -30,7 +30,7 @@ from orlhf.config import engine_gpu_memory_utilization
 from orlhf.endpoints import check_exports, endpoint, method_name
 from orlhf.placement import EngineBundles
 from orlhf.rollout.worker_ext import WeightSyncExtension
-from orlhf.types import Rollout
+from orlhf.types import Rollout, SamplingSpec, max_new_tokens
 
 EXTENSION = f"{WeightSyncExtension.__module__}.{WeightSyncExtension.__qualname__}"
 ROLE = "vllm engine"
@@ -53,16 +53,6 @@ class EngineConfig:
     cpu_threads: int = 0  # CPU only: torch threads (0: leave Ray's OMP_NUM_THREADS = the engine's CPU slots)
     enable_sleep: bool = False  # GPU only (--vllm_enable_sleep): vLLM's sleep mode, for hybrid placement
     cuda_ipc: bool = False  # GPU + --colocate_all_models: weights arrive as CUDA IPC handles (weight_sync.py)
-
-
-@dataclass(frozen=True)
-class SamplingSpec:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 1024
-    n: int = 1  # samples per prompt (--n_samples_per_prompt)
-    max_len: Optional[int] = None  # --max_len: prompt + response at most this many tokens
-    seed: int = 0  # per-step seed: each request gets a seed derived from (seed, prompt index)
 
 
 def engine_config(cfg, device: str) -> EngineConfig:
@@ -106,13 +96,6 @@ def engine_env(cfg: EngineConfig, bundle_indices: Optional[Sequence[int]], share
         env["VLLM_RAY_BUNDLE_INDICES"] = ",".join(map(str, bundle_indices))
         env["VLLM_RAY_PER_WORKER_GPUS"] = repr(float(share))
     return env
-
-
-def max_new_tokens(sampling: SamplingSpec, prompt_len: int) -> int:
-    """--generate_max_len, and with --max_len at most what is left after this prompt (validation keeps it >= 1)."""
-    if sampling.max_len is None:
-        return sampling.max_new_tokens
-    return max(1, min(sampling.max_new_tokens, sampling.max_len - prompt_len))
 
 
 def request_seed(seed: int, prompt_index: int) -> int:

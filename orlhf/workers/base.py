@@ -200,7 +200,7 @@ class DeepSpeedWorker:
             torch.set_num_threads(self.cfg.cpu_threads)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         seed_everything(self.cfg.seed)
-        self._ds_config = ds_config(self.cfg, self.world_size)
+        self._ds_config = self.deepspeed_config()
         with hf_zero3_loading(self._ds_config):
             model = self.build_model()
         if self.cfg.gradient_checkpointing:
@@ -216,6 +216,11 @@ class DeepSpeedWorker:
         log.info("%s rank %d/%d ready: ZeRO-%d, %s, %.2fM params", self.cfg.role, self.rank, self.world_size,
                  self._ds_config["zero_optimization"]["stage"], self.device,
                  sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()) / 1e6)
+
+    def deepspeed_config(self) -> dict:
+        """The config deepspeed.initialize gets (after the process group is up: it needs the world size). A
+        subclass may extend it (benchmarks/hybrid_worker.py adds DeepSpeed's "hybrid_engine" section)."""
+        return ds_config(self.cfg, self.world_size)
 
     def _make_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         return make_optimizer([p for p in model.parameters() if p.requires_grad], self.cfg)

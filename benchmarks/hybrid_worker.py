@@ -1,8 +1,10 @@
-"""The actor of a DeepSpeed-Chat-style hybrid engine: a PolicyWorker that also generates, with HF `generate`, from
-its own ZeRO-3 engine (no vLLM, no weight sync). Used by benchmarks/hybrid_engine_baseline.py.
+"""The actor of a DeepSpeed-Chat-style hybrid engine: orlhf's PolicyWorker that also generates, with HF `generate`,
+from its own ZeRO-3 engine (no vLLM, no weight sync). Used by hybrid_engine_baseline.py (this folder); benchmark
+code, not part of the orlhf package. It takes orlhf's SamplingSpec, as the vLLM engines do.
 
     prompts (this rank's share) --left-pad--> (b, P) --module.generate(do_sample, n per prompt)--> (b*n, P+L)
-        --cut at the first EOS, per row--> [Rollout] (response ids, the sampler's log-probs, finished)
+        --cut at the prompt's token limit, then after the first EOS, per row--> [Rollout] (response ids, the
+        sampler's log-probs, finished)
 
 How the parameters reach `generate` (`gather`):
     whole       GatheredParameters over the whole model for the whole generate call, as DeepSpeed's hybrid
@@ -19,39 +21,26 @@ How the parameters reach `generate` (`gather`):
 
 Invariants: every rank calls generate() once per step (the collectives of per_layer / hybrid_engine need equal
 call counts). Sampling is vLLM's default: top_k off (HF's generation_config would apply top_k=50), temperature and
-top_p as given, stopping at EOS or max_new_tokens. The log-probs are those of the distribution sampled from
-(logits / temperature, top-p applied; recorded step by step, not kept as HF's (B, L, V) output_scores), so with
-top_p=1 they match PolicyWorker.log_probs up to float error.
+top_p as given, stopping at EOS or at each prompt's own token limit (orlhf.types.max_new_tokens: --generate_max_len,
+and with --max_len what is left after the prompt; the batch generates to the largest limit, each row is cut to its
+own). The log-probs are those of the distribution sampled from (logits / temperature, top-p applied; recorded step
+by step, not kept as HF's (B, L, V) output_scores), so with top_p=1 they match PolicyWorker.log_probs up to float
+error.
 """
 
 from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from orlhf.types import Rollout, SamplingSpec, max_new_tokens
 from orlhf.worker_config import WorkerConfig
-from orlhf.types import Rollout
-from orlhf.workers.base import ds_config, init_distributed, seed_everything
-from orlhf.workers.loading import hf_zero3_loading
 from orlhf.workers.policy import PolicyWorker
 
 GATHER_MODES = ("whole", "per_layer")
-
-
-@dataclass(frozen=True)
-class GenerateSpec:
-    """What to sample: one step's settings (--temperature, --top_p, --generate_max_len, --n_samples_per_prompt)."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 1024
-    n: int = 1  # samples per prompt
-    seed: int = 0  # the step's seed; each rank adds its rank
-
 
 class HybridPolicyWorker(PolicyWorker):
     """PolicyWorker + generate(). Everything else (log_probs, train_step) is the orlhf actor's, unchanged."""
@@ -64,31 +53,19 @@ class HybridPolicyWorker(PolicyWorker):
         self.gather, self.hybrid_engine, self.max_out_tokens = gather, hybrid_engine, max_out_tokens
         self.hook_free = True  # whole: generate with ZeRO-3's module hooks removed (False: marked external)
 
-    def init(self) -> None:
+    def deepspeed_config(self) -> dict:
+        """orlhf's actor config; with hybrid_engine plus its section, so that deepspeed.initialize (in orlhf's
+        DeepSpeedWorker.init, unchanged) returns a DeepSpeedHybridEngine: the same training path, plus generate()
+        on injected inference kernels."""
+        config = super().deepspeed_config()
         if not self.hybrid_engine:
-            return super().init()
-        # DeepSpeedWorker.init with a "hybrid_engine" section: deepspeed.initialize then returns a
-        # DeepSpeedHybridEngine (same training path, plus generate() on injected inference kernels).
-        import deepspeed
-        import torch.distributed as dist
-
-        init_distributed(self.cfg.device)
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        seed_everything(self.cfg.seed)
-        self._ds_config = {**ds_config(self.cfg, self.world_size), "hybrid_engine": {
+            return config
+        return {**config, "hybrid_engine": {
             "enabled": True, "max_out_tokens": self.max_out_tokens, "inference_tp_size": 1,
             "release_inference_cache": False, "pin_parameters": True, "tp_gather_partition_size": 8}}
-        with hf_zero3_loading(self._ds_config):
-            model = self.build_model()
-        if self.cfg.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        optimizer = self._make_optimizer(model)
-        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
-                                               lr_scheduler=self._make_scheduler(optimizer),
-                                               config=self._ds_config, dist_init_required=False)
 
     @torch.no_grad()
-    def generate(self, prompts: list[tuple[int, list[int]]], spec: GenerateSpec, pad_id: int,
+    def generate(self, prompts: list[tuple[int, list[int]]], spec: SamplingSpec, pad_id: int,
                  eos_id: int) -> list[Rollout]:
         """prompts: (prompt_index, token ids). Returns spec.n rollouts per prompt, in the given order."""
         from transformers import GenerationConfig
@@ -103,7 +80,8 @@ class HybridPolicyWorker(PolicyWorker):
             attention_mask[i, P - len(ids):] = 1
         # Temperature and top-p are ours (HF adds no warpers at 1.0), so the recorder sees the final distribution.
         gen = GenerationConfig(do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
-                               max_new_tokens=spec.max_new_tokens, num_return_sequences=spec.n,
+                               max_new_tokens=max(max_new_tokens(spec, len(ids)) for _, ids in prompts),
+                               num_return_sequences=spec.n,
                                eos_token_id=eos_id, pad_token_id=pad_id, use_cache=True)
         recorder = SampledLogProbs()
         torch.manual_seed(spec.seed * 1009 + self.rank)
@@ -118,7 +96,7 @@ class HybridPolicyWorker(PolicyWorker):
             with self._whole_model_gathered():
                 out = self.module.generate(**kwargs)
         sequences = out.cpu()  # (b*n, P+L): rows of one prompt are adjacent (num_return_sequences)
-        return to_rollouts(prompts, sequences, recorder.finish(sequences.to(self.device)).cpu(), P, spec.n, eos_id)
+        return to_rollouts(prompts, sequences, recorder.finish(sequences.to(self.device)).cpu(), P, spec, eos_id)
 
     @contextmanager
     def _whole_model_gathered(self):
@@ -163,7 +141,7 @@ def _zero3_hooks_removed(offload):
         del parameter_offload.FWD_MODULE_STACK[depth:]
 
 
-def sampling_processors(spec: GenerateSpec, recorder: "SampledLogProbs"):
+def sampling_processors(spec: SamplingSpec, recorder: "SampledLogProbs"):
     """vLLM's order: temperature, then top-p; the recorder last, on the distribution actually sampled from."""
     from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
@@ -195,12 +173,13 @@ class SampledLogProbs:
 
 
 def to_rollouts(prompts: list[tuple[int, list[int]]], sequences: torch.Tensor, logprobs: torch.Tensor, P: int,
-                n: int, eos_id: int) -> list[Rollout]:
-    """(b*n, P+L) sequences and (b*n, L) log-probs -> Rollouts cut after the first EOS (padding dropped)."""
+                spec: SamplingSpec, eos_id: int) -> list[Rollout]:
+    """(b*n, P+L) sequences and (b*n, L) log-probs -> Rollouts cut at the prompt's token limit, then after the
+    first EOS (padding dropped)."""
     rollouts = []
     for row in range(sequences.shape[0]):
-        index, ids = prompts[row // n]
-        response = sequences[row, P:].tolist()
+        index, ids = prompts[row // spec.n]
+        response = sequences[row, P:P + max_new_tokens(spec, len(ids))].tolist()
         finished = eos_id in response
         keep = response.index(eos_id) + 1 if finished else len(response)
         lps = [lp if math.isfinite(lp) else 0.0 for lp in logprobs[row, :keep].tolist()]
