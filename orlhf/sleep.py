@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 
-from orlhf.rollout.engine import EngineActor
 from orlhf.workers.base import DeepSpeedWorker
 
 log = logging.getLogger(__name__)
@@ -33,6 +32,14 @@ class SleepSwitch:
             log.info("--vllm_enable_sleep / --deepspeed_enable_sleep do nothing on CPU (no device memory to free); "
                      "the run is otherwise the same")
 
+    @staticmethod
+    def _engine() -> type:
+        # imported here: rollout.engine imports Ray, and the controller (which imports this module) must import
+        # without it (the hybrid-engine baseline in benchmarks/ runs it on SPMD ranks, never asleep)
+        from orlhf.rollout.engine import EngineActor
+
+        return EngineActor
+
     def _trained(self) -> list:
         return [g for g in (self.m.actor, self.m.critic) if g is not None]
 
@@ -41,13 +48,13 @@ class SleepSwitch:
             for call in [g.call(DeepSpeedWorker.offload_states) for g in self._trained()]:
                 call.get()
         if self.vllm:
-            self.m.engines.call(EngineActor.wake_up,
+            self.m.engines.call(self._engine().wake_up,
                                 ["weights", "kv_cache"] if self.weights_asleep else ["kv_cache"]).get()
             self.weights_asleep = False
 
     def after_generate(self) -> None:
         if self.vllm:
-            self.m.engines.call(EngineActor.sleep).get()
+            self.m.engines.call(self._engine().sleep).get()
             self.weights_asleep = True
         if self.deepspeed:
             for call in [g.call(DeepSpeedWorker.reload_states) for g in self._trained()]:
@@ -55,5 +62,5 @@ class SleepSwitch:
 
     def before_sync(self) -> None:
         if self.vllm and self.weights_asleep:
-            self.m.engines.call(EngineActor.wake_up, ["weights"]).get()
+            self.m.engines.call(self._engine().wake_up, ["weights"]).get()
             self.weights_asleep = False
