@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from orlhf.cluster import ActorGroup, RankError
-from orlhf.config import build_config
 from orlhf.worker_config import worker_config
-from orlhf.entry import resolve_demo
+from orlhf.finish import finish_config
 from orlhf.experience import rollouts_to_batch
 from orlhf.layout import plan_layout
 from orlhf.placement import EngineBundles, create_placement_groups, remove_placement_groups
@@ -36,11 +35,11 @@ def rig():
     flags = {"train_batch_size": 8, "micro_train_batch_size": 2, "rollout_batch_size": 8,
              "actor_num_gpus_per_node": 2, "vllm_num_engines": 2, "vllm_cpu_kv_cache_gb": 0.25,
              "vllm_cpu_threads": 2, "advantage_estimator": "reinforce", "device": "cpu"}
-    cfg = resolve_demo(build_config(flags, explicit=set(flags)))
-    placed = create_placement_groups(plan_layout(cfg, "cpu"), timeout_s=60)
+    cfg = finish_config(flags, explicit=set(flags))
+    placed = create_placement_groups(plan_layout(cfg), timeout_s=60)
     t0 = time.monotonic()
-    engines = EngineGroup(engine_config(cfg, "cpu"), [placed.engine_bundles(i) for i in range(2)], timeout_s=300)
-    actor = ActorGroup("actor", PolicyWorker, worker_config(cfg, "actor", "cpu", 4), placed.role_bundles("actor"),
+    engines = EngineGroup(engine_config(cfg), [placed.engine_bundles(i) for i in range(2)], timeout_s=300)
+    actor = ActorGroup("actor", PolicyWorker, worker_config(cfg, "actor", 4), placed.role_bundles("actor"),
                        device="cpu", gpus_per_node=2, timeout_s=300)
     actor.call_all("init")
     sync = WeightSync(actor, engines, backend="gloo", timeout_s=120)
@@ -111,7 +110,7 @@ def test_sync_after_train_step_gives_trainer_log_probs(rig, tmp_path):
     import ray
 
     fresh = EngineActor.options(num_cpus=0).remote(
-        engine_config(cfg, "cpu").__class__(**{**engine_config(cfg, "cpu").__dict__, "model_path": str(export)}), 0)
+        engine_config(cfg).__class__(**{**engine_config(cfg).__dict__, "model_path": str(export)}), 0)
     try:
         greedy = SamplingSpec(temperature=0.0, max_new_tokens=8)
         ps = prompts(tok)
@@ -124,7 +123,7 @@ def test_sync_after_train_step_gives_trainer_log_probs(rig, tmp_path):
 
 def test_dead_engine_is_named_and_leaves_no_process(rig):
     cfg, _, _, _, tok = rig
-    group = EngineGroup(engine_config(cfg, "cpu"), [EngineBundles(None, [0], 0.0)], timeout_s=120)
+    group = EngineGroup(engine_config(cfg), [EngineBundles(None, [0], 0.0)], timeout_s=120)
     pid = group.call_all("pid")[0]
     long = SamplingSpec(max_new_tokens=cfg.ppo.generate_max_len, n=64, seed=0)
     refs = [group.engines[0].generate.remote(list(enumerate(prompts(tok, 32))), long)]
