@@ -27,7 +27,7 @@ from torch import nn
 
 from orlhf.algo.losses import LossNorm, aggregate, masked_mean, value_loss_per_token
 from orlhf.batching import Packed, pack
-from orlhf.worker_config import WorkerConfig
+from orlhf.worker_config import CriticConfig, RewardConfig
 from orlhf.types import Experience, SequenceBatch, TrainStats
 from orlhf.workers.base import DeepSpeedWorker, position_ids_from
 from orlhf.workers.loading import from_pretrained
@@ -77,7 +77,7 @@ def packed_values(model: nn.Module, batch) -> tuple[torch.Tensor, Packed]:
     return model(input_ids=p.input_ids, attention_mask=None, position_ids=p.position_ids)[0], p
 
 
-def load_value_model(cfg: WorkerConfig, required: bool = False) -> ValueModel:
+def load_value_model(cfg: CriticConfig | RewardConfig, required: bool = False) -> ValueModel:
     """The folder's backbone and its value head "<prefix>.weight" (workers/value_head.py), with OpenRLHF's
     (v - mean) / std when --normalize_reward is given and config.json stores mean/std.
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from orlhf.worker_config import WorkerConfig
+from orlhf.worker_config import ActorConfig, CriticConfig
 
-def make_optimizer(params: list, cfg: WorkerConfig) -> torch.optim.Optimizer:
+def make_optimizer(params: list, cfg: ActorConfig | CriticConfig) -> torch.optim.Optimizer:
     kind = optimizer_kind(cfg)
     t = cfg.train
     betas, decay = tuple(t.adam_betas), t.weight_decay  # --adam_betas, --l2
@@ -25,7 +25,7 @@ def make_optimizer(params: list, cfg: WorkerConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=t.learning_rate, betas=betas, weight_decay=decay)
 
 
-def optimizer_kind(cfg: WorkerConfig) -> str:
+def optimizer_kind(cfg: ActorConfig | CriticConfig) -> str:
     """Which Adam a trained model gets: "DeepSpeedCPUAdam" | "FusedAdam" | "AdamW" (torch).
 
     --adam_offload: DeepSpeedCPUAdam (the states live on the host; DeepSpeed's offload_states then leaves them
