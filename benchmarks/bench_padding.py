@@ -80,7 +80,7 @@ def main(argv=None) -> None:
 
     import torch
 
-    from orlhf.worker_config import WorkerConfig
+    from orlhf.worker_config import role_config
     from orlhf.workers import PolicyWorker
 
     with socket.socket() as s:
@@ -97,9 +97,9 @@ def main(argv=None) -> None:
     real = exp.attention_mask.float().mean().item()
     results, reference = {}, None
     for name, kw in LAYOUTS.items():
-        cfg = WorkerConfig(role="actor", model_path=path, device="cpu", zero_stage=3, learning_rate=1e-5,
-                           train_batch_size=args.batch, micro_train_batch_size=args.micro,
-                           micro_forward_batch_size=args.micro, total_optimizer_steps=100, **kw)
+        cfg = role_config("actor", model_path=path, device="cpu", zero_stage=3, learning_rate=1e-5,
+                          train_batch_size=args.batch, micro_train_batch_size=args.micro,
+                          micro_forward_batch_size=args.micro, total_optimizer_steps=100, **kw)
         worker = PolicyWorker(cfg)
         worker.init()
         batch = exp.as_sequence_batch()

@@ -284,9 +284,9 @@ def run(args) -> dict:
         # ray.init installs its own SIGTERM handler, which exits without running the clean-up below: take it back.
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         t0 = time.perf_counter()
-        engines = EngineGroup(engine_config(cfg, "cpu"), [EngineBundles(None, [0], 1.0)] * args.engines,
+        engines = EngineGroup(engine_config(cfg), [EngineBundles(None, [0], 1.0)] * args.engines,
                               timeout_s=600)
-        actor = ActorGroup("actor", BenchPolicyWorker, worker_config(cfg, "actor", "cpu"),
+        actor = ActorGroup("actor", BenchPolicyWorker, worker_config(cfg, "actor"),
                            [RankBundle(None, 0, 1.0)] * args.actor_ranks, device="cpu",
                            gpus_per_node=args.actor_ranks, timeout_s=600)
         actor.call(BenchPolicyWorker.init).get()

@@ -223,14 +223,14 @@ def build(cfg: C.TrainConfig, opts: HybridOptions, rank: int, world: int) -> Hyb
 
     from hybrid_worker import HybridPolicyWorker
 
-    d, p, device = cfg.data, cfg.ppo, cfg.runtime.device
+    d, p = cfg.data, cfg.ppo
     tok = load_tokenizer(d.pretrain)
     loader = PromptLoader(load_prompts(cfg, tok), p.rollout_batch_size, p.num_episodes, p.seed)  # same on all ranks
     samples = p.rollout_batch_size * p.n_samples_per_prompt
     opt_steps = loader.total_steps * p.max_epochs * (samples // p.train_batch_size)
 
     def wc(role: str):  # the role's slice of the config, as orlhf's groups get it
-        return worker_config(cfg, role, device, opt_steps)
+        return worker_config(cfg, role, opt_steps)
 
     actor = HybridPolicyWorker(wc("actor"), gather=opts.gather, hybrid_engine=opts.hybrid_engine,
                                max_out_tokens=p.prompt_max_len + p.generate_max_len)
@@ -289,15 +289,15 @@ def summary(history: list[dict], cfg: C.TrainConfig, opts: HybridOptions) -> dic
 
 
 def resolve(cfg: C.TrainConfig, opts: HybridOptions) -> C.TrainConfig:
-    """The demo's paths, the device, and every role on all `world_size` ranks; validated again as orlhf does."""
-    from orlhf.entry import resolve_demo, resolve_device
+    """Every role on all `world_size` ranks, then finished as orlhf does (device, validation, the demo's paths)."""
+    from orlhf.finish import finish
     from orlhf.roles import ROLES
 
     w = opts.world_size
     if w < 1:
         raise C.ConfigError([f"--world_size must be >= 1 (got {w})"])
     placement = C.PlacementConfig(**{f"{r}_num_gpus_per_node": w for r in ROLES})
-    cfg = resolve_device(resolve_demo(dataclasses.replace(cfg, placement=placement)))
+    cfg = finish(dataclasses.replace(cfg, placement=placement))
     p, problems = cfg.ppo, []
     if p.rollout_batch_size % w:
         problems.append(f"--rollout_batch_size {p.rollout_batch_size} must be a multiple of --world_size {w} "

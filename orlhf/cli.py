@@ -72,12 +72,14 @@ def _given(ctx: typer.Context, name: str) -> bool:
     return source is not None and source.name != "DEFAULT"
 
 
-def parse_or_exit(ctx: typer.Context, flags: dict[str, Any]) -> C.TrainConfig:
-    """Flags -> TrainConfig, or exit 2 with every problem listed (no traceback)."""
+def parse_or_exit(ctx: typer.Context, flags: dict[str, Any],
+                  build: Callable[..., C.TrainConfig] = C.build_config) -> C.TrainConfig:
+    """Flags -> TrainConfig via `build` (build_config: validated; finish.finish_config: finished for a run), or
+    exit 2 with every problem listed (no traceback)."""
     values = {name: flags[name] for _, name, _, _ in C.flag_fields()}
     explicit = {name for name in values if _given(ctx, name)}
     try:
-        cfg = C.build_config(values, explicit)
+        cfg = build(values, explicit)
     except C.ConfigError as e:
         typer.secho(f"error: {len(e.problems)} problem(s) with the flags:", fg="red", err=True)
         typer.echo(str(e), err=True)
@@ -92,7 +94,9 @@ def parse_or_exit(ctx: typer.Context, flags: dict[str, Any]) -> C.TrainConfig:
 
 @with_train_flags
 def _train_ppo(ctx: typer.Context, **flags: Any) -> None:
-    cfg = parse_or_exit(ctx, flags)
+    from orlhf.finish import finish_config
+
+    cfg = parse_or_exit(ctx, flags, finish_config)  # the device and the demo resolved, validated once
     from orlhf.entry import train_ppo
 
     sys.exit(run_reporting_errors(train_ppo, cfg))

@@ -4,7 +4,8 @@ Every flag is declared once, here, as a dataclass field whose metadata carries i
 cli.py builds the Typer command from these fields, so the flag surface, the config tree and `--help` cannot
 drift apart. Flag names are OpenRLHF's flat names (`--actor_num_gpus_per_node`), accepted with dashes too.
 
-    flags --cli.py--> dict --build_config()--> TrainConfig (frozen) --validate()--> ok | ConfigError(all problems)
+    flags --cli.py--> dict --parse_config()--> TrainConfig (frozen) --finish.py: resolve --device auto,
+        validate() once (ok | ConfigError(all problems)), the demo's paths--> the config a run starts from
 
 Workers receive only their own section (PolicyConfig-style slices), never the whole tree. Nothing here imports
 torch, ray, deepspeed or vllm: `orlhf --help` must stay fast, and validation runs before Ray starts.
@@ -321,6 +322,15 @@ class TrainConfig:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
     @property
+    def device(self) -> str:
+        """The device the run uses, "cuda" or "cpu": --device with "auto" resolved (finish.py). The one place
+        everything that places or builds a model reads it from; asking before it is resolved is a bug."""
+        if self.runtime.device not in ("cuda", "cpu"):
+            raise ValueError(f"device {self.runtime.device!r} is not resolved yet; finish the config first "
+                             "(finish.finish_config, or finish.resolve_device)")
+        return self.runtime.device
+
+    @property
     def has_critic(self) -> bool:
         """The critic rule, written once: a critic runs when the advantage estimator needs values
         (algo/registry.py: gae)."""
@@ -390,7 +400,18 @@ def flag_fields() -> list[tuple[str, str, dataclasses.Field, Any]]:
 
 
 def build_config(flags: dict[str, Any], explicit: frozenset[str] | set[str] = frozenset()) -> TrainConfig:
-    """Flat flag values (by flag name) -> validated TrainConfig. Raises ConfigError listing every problem.
+    """Flat flag values (by flag name) -> validated TrainConfig, --device as given (maybe "auto"). Raises
+    ConfigError listing every problem. A run starts from finish.finish_config instead, which also resolves the
+    device (validating once, against it) and the demo's paths; `orlhf plan` and tests use this one."""
+    cfg = parse_config(flags, explicit)
+    from orlhf.validation import validate  # local: validation imports this module
+
+    validate(cfg)
+    return cfg
+
+
+def parse_config(flags: dict[str, Any], explicit: frozenset[str] | set[str] = frozenset()) -> TrainConfig:
+    """Flat flag values (by flag name) -> TrainConfig, not validated yet (build_config / finish_config do).
 
     `explicit` names the flags the user gave; only the others may take the demo preset (no --pretrain).
     Unknown flag names are a programming error (KeyError), not a user error.
@@ -411,11 +432,7 @@ def build_config(flags: dict[str, Any], explicit: frozenset[str] | set[str] = fr
         if name in values:
             v = values[name]
             sections[attr][f.name] = tuple(v) if isinstance(v, list) else v
-    cfg = TrainConfig(**{attr: cls(**sections[attr]) for attr, cls, _ in SECTIONS})
-    from orlhf.validation import validate  # local: validation imports this module
-
-    validate(cfg)
-    return cfg
+    return TrainConfig(**{attr: cls(**sections[attr]) for attr, cls, _ in SECTIONS})
 
 
 # vLLM's share of an engine GPU when --vllm_gpu_memory_utilization is not given. Colocated, the trainers' CUDA

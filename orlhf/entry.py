@@ -1,14 +1,13 @@
-"""What `orlhf train-ppo` runs once its flags are a valid TrainConfig.
+"""What `orlhf train-ppo` runs once its flags are a finished TrainConfig (finish.py: validated, the device and
+the demo's paths resolved).
 
-    resolve demo paths and the device -> lock the run and checkpoint folders (runlock: a second run on them
-    exits here) -> prompts -> connect Ray -> pre-flight + placement groups -> start engines (async) and model
+    lock the run and checkpoint folders (runlock: a second run on them exits here) -> prompts -> connect Ray -> pre-flight + placement groups -> start engines (async) and model
     groups (colocated on GPUs: engines ready -> engines asleep -> model groups; see start_plan) -> init all -> weight-sync group -> Controller.fit() -> export the final actor (atomic, export.py)
     -> draw the reward curve (best effort) -> tear everything down (also on errors and Ctrl-C)
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import os
@@ -23,39 +22,6 @@ from orlhf.redact import public_config
 from orlhf.roles import model_path
 
 log = logging.getLogger("orlhf")
-
-
-def resolve_demo(cfg: TrainConfig) -> TrainConfig:
-    """Without --pretrain: the built-in demo's model, prompts and reward function (built once, cached).
-
-    Only unset paths are filled; a user's --prompt_data or --remote_rm_url / --reward_pretrain stays as given.
-    """
-    if not cfg.data.uses_demo:
-        return cfg
-    from orlhf.demo import ensure_demo
-
-    demo = ensure_demo()
-    d = cfg.data
-    no_reward = d.remote_rm_url is None and d.reward_pretrain is None and d.agent_func_path is None
-    data = dataclasses.replace(d, pretrain=str(demo.model), prompt_data=d.prompt_data or str(demo.prompts),
-                               remote_rm_url=str(demo.reward_fn) if no_reward else d.remote_rm_url)
-    return dataclasses.replace(cfg, data=data)
-
-
-def resolve_device(cfg: TrainConfig) -> TrainConfig:
-    """--device auto -> cuda when torch sees a GPU, else cpu; the cuda/cpu rules are then checked again."""
-    device = cfg.runtime.device
-    if device == "auto":
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    backend = cfg.vllm.sync_backend or ("nccl" if device == "cuda" else "gloo")
-    cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, device=device),
-                              vllm=dataclasses.replace(cfg.vllm, sync_backend=backend))
-    from orlhf.validation import validate
-
-    validate(cfg)
-    return cfg
 
 
 def connect_ray(cfg: TrainConfig, num_cpus: int) -> bool:
@@ -76,14 +42,13 @@ def connect_ray(cfg: TrainConfig, num_cpus: int) -> bool:
 
 
 def train_ppo(cfg: TrainConfig) -> int:
-    """Run PPO with `cfg`. Returns the process exit code."""
+    """Run PPO with a finished `cfg` (finish.finish_config). Returns the process exit code."""
     from orlhf.runlock import hold_folders
     from orlhf.startup import StartupClock
 
     clock = StartupClock()  # from process start: imports and flag parsing count too
     logging.basicConfig(level=logging.INFO, format="[orlhf] %(message)s")
     clock.mark("imports")
-    cfg = resolve_device(resolve_demo(cfg))
     run_id = uuid.uuid4().hex[:12]  # a resumed run takes its checkpoint's (run_locked)
     with hold_folders(cfg.logging.save_path, cfg.logging.checkpoint_dir, run_id):
         return run_locked(cfg, run_id, clock)
@@ -103,14 +68,14 @@ def run_locked(cfg: TrainConfig, run_id: str, clock) -> int:
 
     run_logs = setup_driver(cfg.logging.save_path, cfg.runtime.verbose)  # once the run folder is ours
     log.info("%s", run_logs.summary())
-    device, d, p = cfg.runtime.device, cfg.data, cfg.ppo
+    d, p = cfg.data, cfg.ppo
     tokenizer = load_tokenizer(d.pretrain)
     loader = PromptLoader(load_prompts(cfg, tokenizer), p.rollout_batch_size, p.num_episodes, p.seed)
     evaluator = make_evaluator(cfg, tokenizer)  # eval data problems fail here, before anything starts
     preflight(cfg)
     samples_per_step = p.rollout_batch_size * p.n_samples_per_prompt
     optimizer_steps = loader.total_steps * p.max_epochs * (samples_per_step // p.train_batch_size)
-    layout = plan_layout(cfg, device)
+    layout = plan_layout(cfg)
     checkpoints = CheckpointManager(cfg.logging.checkpoint_dir, cfg.logging.max_ckpt_num, run_id)
     resume_from, resume_step, run_id = resume_point(cfg, checkpoints, run_id)
 
@@ -277,9 +242,9 @@ def start_models(cfg: TrainConfig, placed, optimizer_steps: int, stack: ExitStac
     from orlhf.workers import CriticWorker, PolicyWorker, ReferenceWorker, RewardWorker
     from orlhf.workers.base import DeepSpeedWorker
 
-    device, pl, timeout = cfg.runtime.device, cfg.placement, cfg.runtime.ray_timeout_s
-    plan = start_plan(cfg, device)
-    engines = EngineGroup(engine_config(cfg, device), [placed.engine_bundles(i) for i in range(cfg.vllm.num_engines)],
+    pl, timeout = cfg.placement, cfg.runtime.ray_timeout_s
+    plan = start_plan(cfg)
+    engines = EngineGroup(engine_config(cfg), [placed.engine_bundles(i) for i in range(cfg.vllm.num_engines)],
                           timeout_s=timeout, wait=False)
     stack.callback(engines.shutdown)
     if plan.index("wait_engines") < plan.index("start_models"):
@@ -292,8 +257,8 @@ def start_models(cfg: TrainConfig, placed, optimizer_steps: int, stack: ExitStac
     mark = clock.mark if clock is not None else (lambda phase: None)
 
     def spawn(role: str) -> ActorGroup:
-        return ActorGroup(role, workers[role], worker_config(cfg, role, device, optimizer_steps),
-                          placed.role_bundles(role), device=device,
+        return ActorGroup(role, workers[role], worker_config(cfg, role, optimizer_steps),
+                          placed.role_bundles(role), device=cfg.device,
                           gpus_per_node=getattr(pl, f"{role}_num_gpus_per_node"), timeout_s=timeout)
 
     groups = _spawn_concurrently(active_roles(cfg), spawn, stack)  # no ref without a KL (TrainConfig.has_reference)
@@ -350,7 +315,7 @@ def log_skipped_forwards(cfg: TrainConfig) -> None:
                  "the actor's training forward supplies log pi_old")
 
 
-def start_plan(cfg: TrainConfig, device: str) -> tuple[str, ...]:
+def start_plan(cfg: TrainConfig) -> tuple[str, ...]:
     """The order start_models brings things up.
 
     Own devices: engines and trainers start together (the engines load while DeepSpeed initialises).
@@ -358,7 +323,7 @@ def start_plan(cfg: TrainConfig, device: str) -> tuple[str, ...]:
     with --vllm_enable_sleep, they sleep (weights and KV cache freed) before the trainers allocate: OpenRLHF's
     order. The controller's SleepSwitch starts from that asleep state.
     """
-    if cfg.placement.colocate_all_models and device == "cuda":
+    if cfg.placement.colocate_all_models and cfg.device == "cuda":
         return ("start_engines", "wait_engines") + (("sleep_engines",) if cfg.vllm.enable_sleep else ()) + (
             "start_models",)
     return ("start_engines", "start_models", "wait_engines")

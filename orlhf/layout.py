@@ -117,10 +117,9 @@ def _slots(pool: Pool, slot_ids: range, share: float) -> tuple[Slot, ...]:
     return tuple(Slot(pool.name, s // pool.group_size, s % pool.group_size, share) for s in slot_ids)
 
 
-def plan_layout(cfg: TrainConfig, device: str) -> Layout:
-    """Pools and slots for `cfg` on `device` ("cuda" or "cpu", already resolved). Pure: no Ray."""
-    if device not in ("cuda", "cpu"):
-        raise ValueError(f"device must be 'cuda' or 'cpu' (resolve 'auto' first), got {device!r}")
+def plan_layout(cfg: TrainConfig) -> Layout:
+    """Pools and slots for `cfg` on its device (TrainConfig.device: "cuda" or "cpu", resolved). Pure: no Ray."""
+    device = cfg.device  # ValueError while still "auto"
     p, tp = cfg.placement, cfg.vllm.tensor_parallel_size
     pools: list[Pool] = []
     roles: dict[str, tuple[Slot, ...]] = {}

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Optional
 
 from orlhf.config import TrainConfig, engine_gpu_memory_utilization
+from orlhf.finish import resolve_device
 from orlhf.layout import (ENGINE, GroupKey, Layout, NodeSpec, Slot, described_nodes, fit_report, format_table,
                           local_num_cpus, plan_layout, simulate)
 from orlhf.placement import live_nodes
@@ -235,7 +236,8 @@ def _local_cpu_node(layout: Layout, args: ClusterArgs) -> NodeSpec:
 def run_plan(cfg: TrainConfig, args: ClusterArgs) -> int:
     """Print the plan; 0 when it fits, 1 when something cannot be placed or will not fit."""
     device, nodes, where = resolve_cluster(cfg, args)
-    layout = plan_layout(cfg, device)
+    cfg = resolve_device(cfg, device)  # the described / live cluster's device, not necessarily this machine's
+    layout = plan_layout(cfg)
     nodes = nodes if nodes is not None else [_local_cpu_node(layout, args)]
     try:
         text, ok = render(cfg, layout, nodes, where)

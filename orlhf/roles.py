@@ -64,5 +64,5 @@ def trained_roles(cfg: "TrainConfig") -> list[str]:
 
 
 def model_path(cfg: "TrainConfig", name: str) -> Optional[str]:
-    """The model folder `name` loads (before entry.resolve_demo: None for the demo's models)."""
+    """The model folder `name` loads (before finish.resolve_demo: None for the demo's models)."""
     return role(name).model(cfg.data)

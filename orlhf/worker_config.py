@@ -1,41 +1,36 @@
-"""The slice of the config each model worker gets (actor, critic, reference, reward): which model, how DeepSpeed
-runs it and, for trained models, how it learns. Workers never see the TrainConfig tree; entry.py builds one
-WorkerConfig per role with worker_config() and hands it to every rank of that role's group.
+"""The slice of the config each model worker gets (actor, critic, reference, reward), one class per role.
+
+Every role gets the common part, WorkerConfig: which model, on which device, how DeepSpeed runs it and how its
+forwards are batched. On top of that, each role gets only the slices it reads (the shape of torchtitan's nested
+per-component configs):
+
+    ActorConfig   + temperature, train (TrainSlice), loss (PolicyLossSlice)
+    RefConfig     + temperature, param_offload
+    CriticConfig  + head (HeadSlice), train (TrainSlice), loss (ValueLossSlice)
+    RewardConfig  + head (HeadSlice), param_offload
+
+So the reference has no optimizer or learning rate and the critic no eps_clip: a worker cannot read a flag that
+does not apply to it. A training slice exists exactly for the roles roles.py marks `trains`. Workers never see
+the TrainConfig tree: entry.py builds one config per role with worker_config() and hands it to every rank of that
+role's group. role_config() builds one from flat field names (tests, benchmarks).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Optional
 
 from orlhf.config import PPOConfig, TrainConfig
 from orlhf.roles import model_path, role as role_spec
 
 
 @dataclass(frozen=True)
-class WorkerConfig:
-    """One model worker's slice: which model, how DeepSpeed runs it, and (for trained models) how it learns."""
+class TrainSlice:
+    """How a trained model (actor, critic) learns. train_batch_size is global; each rank sees
+    train_batch_size / world per optimizer step."""
 
-    role: str  # actor | critic | ref | reward
-    model_path: str
-    device: str  # "cpu" or "cuda" (resolved, never "auto")
-    zero_stage: int = 3
-    bf16: bool = False
-    gradient_checkpointing: bool = False
-    flash_attn: bool = False
-    adam_offload: bool = False  # trained models: Adam states on host
-    offload_states: bool = False  # trained models, --deepspeed_enable_sleep: ZeRO-3 states leave the GPU in generation
-    param_offload: bool = False  # frozen models (--ref_reward_offload): params on host between uses
-    seed: int = 42
-    micro_forward_batch_size: int = 16  # --micro_rollout_batch_size
-    cpu_threads: int = 0  # CPU only: torch threads in this rank's process (0: leave Ray's OMP_NUM_THREADS)
-    trim_padding: bool = True  # cut each micro-batch to its real length (not --no_trim_padding)
-    packing_samples: bool = False  # one row of real tokens per micro-batch (--packing_samples)
-    # Reward model and critic: the head's name and whether config.json's mean/std apply (workers/value_head.py).
-    value_head_prefix: str = "score"
-    normalize_reward: bool = False
-    # Training (actor, critic). train_batch_size is global; each rank sees train_batch_size / world per step.
-    learning_rate: float = 0.0
+    learning_rate: float
     lr_warmup_ratio: float = 0.0
     total_optimizer_steps: int = 1  # for the LR schedule
     train_batch_size: int = 0
@@ -44,8 +39,14 @@ class WorkerConfig:
     adam_betas: tuple = (0.9, 0.95)
     weight_decay: float = 0.0
     lr_scheduler: str = "cosine_with_min_lr"
-    # Losses. Actor: eps_clip(_high), dual_clip, entropy_loss_coef, use_kl_loss/kl_coef/kl_estimator, policy_loss_type,
-    # IS correction. Critic: value_clip. Both: loss_agg_mode.
+    adam_offload: bool = False  # Adam states on host
+    offload_states: bool = False  # --deepspeed_enable_sleep: ZeRO-3 states leave the GPU in generation
+
+
+@dataclass(frozen=True)
+class PolicyLossSlice:
+    """The actor's PPO loss: clipping, IS correction, entropy bonus and the KL loss."""
+
     loss_agg_mode: str = "token_mean"
     eps_clip: float = 0.2  # the low side: ratio >= 1 - eps_clip
     eps_clip_high: Optional[float] = None  # the high side; None: eps_clip
@@ -57,12 +58,109 @@ class WorkerConfig:
     use_kl_loss: bool = False
     kl_coef: float = 0.0
     kl_estimator: str = "k1"
+
+
+@dataclass(frozen=True)
+class ValueLossSlice:
+    """The critic's clipped value loss."""
+
+    loss_agg_mode: str = "token_mean"
     value_clip: Optional[float] = None
-    temperature: float = 1.0  # logits are divided by it, as the engines sample with it
+
+
+@dataclass(frozen=True)
+class HeadSlice:
+    """A value head (critic, reward model): its name and whether config.json's mean/std apply
+    (workers/value_head.py)."""
+
+    value_head_prefix: str = "score"
+    normalize_reward: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerConfig:
+    """What every role's worker reads: the model, the device, DeepSpeed, forward batching. Build a role's config
+    (the subclasses below), never this base alone."""
+
+    role: ClassVar[str]
+    model_path: str
+    device: str  # "cpu" or "cuda" (resolved, never "auto")
+    zero_stage: int = 3
+    bf16: bool = False
+    gradient_checkpointing: bool = False
+    flash_attn: bool = False
+    seed: int = 42
+    micro_forward_batch_size: int = 16  # --micro_rollout_batch_size
+    cpu_threads: int = 0  # CPU only: torch threads in this rank's process (0: leave Ray's OMP_NUM_THREADS)
+    trim_padding: bool = True  # cut each micro-batch to its real length (not --no_trim_padding)
+    packing_samples: bool = False  # one row of real tokens per micro-batch (--packing_samples)
 
     @property
     def trainable(self) -> bool:
         return role_spec(self.role).trains
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActorConfig(WorkerConfig):
+    role: ClassVar[str] = "actor"
+    temperature: float = 1.0  # logits are divided by it, as the engines sample with it
+    train: TrainSlice
+    loss: PolicyLossSlice = PolicyLossSlice()
+
+
+@dataclass(frozen=True, kw_only=True)
+class RefConfig(WorkerConfig):
+    role: ClassVar[str] = "ref"
+    temperature: float = 1.0
+    param_offload: bool = False  # --ref_reward_offload: params on host between uses
+
+
+@dataclass(frozen=True, kw_only=True)
+class CriticConfig(WorkerConfig):
+    role: ClassVar[str] = "critic"
+    head: HeadSlice = HeadSlice()
+    train: TrainSlice
+    loss: ValueLossSlice = ValueLossSlice()
+
+
+@dataclass(frozen=True, kw_only=True)
+class RewardConfig(WorkerConfig):
+    role: ClassVar[str] = "reward"
+    head: HeadSlice = HeadSlice()
+    param_offload: bool = False
+
+
+ROLE_CONFIGS: dict[str, type[WorkerConfig]] = {c.role: c for c in (ActorConfig, RefConfig, CriticConfig, RewardConfig)}
+
+
+def role_config(role: str, **fields) -> WorkerConfig:
+    """A role's config from flat field names, each routed to the slice that holds it (tests, benchmarks).
+    A field the role does not have (eps_clip for the critic, learning_rate for the reference) is a TypeError."""
+    role_spec(role)  # ValueError for an unknown role
+    cls = ROLE_CONFIGS[role]
+    top = {f.name: f for f in dataclasses.fields(cls)}
+    slices: dict[str, dict] = {}
+    flat: dict = {}
+    for name, value in fields.items():
+        home = next((s for s in ("train", "loss", "head") if s in top and name in _slice_fields(cls, s)), None)
+        if home is not None:
+            slices.setdefault(home, {})[name] = value
+        elif name in top and name not in ("train", "loss", "head"):
+            flat[name] = value
+        else:
+            raise TypeError(f"the {role} config has no field {name!r}")
+    if "train" in top:
+        slices.setdefault("train", {}).setdefault("learning_rate", 0.0)
+    return cls(**flat, **{s: _slice_type(cls, s)(**kw) for s, kw in slices.items()})
+
+
+def _slice_type(cls: type, name: str) -> type:
+    return {"train": TrainSlice, "head": HeadSlice,
+            "loss": PolicyLossSlice if cls is ActorConfig else ValueLossSlice}[name]
+
+
+def _slice_fields(cls: type, name: str) -> set[str]:
+    return {f.name for f in dataclasses.fields(_slice_type(cls, name))}
 
 
 def resolved_loss_agg_mode(ppo: PPOConfig) -> str:
@@ -72,37 +170,41 @@ def resolved_loss_agg_mode(ppo: PPOConfig) -> str:
     return "seq_mean" if ppo.policy_loss_type == "gspo" else "token_mean"
 
 
-def worker_config(cfg: TrainConfig, role: str, device: str, total_optimizer_steps: int = 1) -> WorkerConfig:
-    """The slice of `cfg` that a `role` worker needs. `device` is the resolved device ("cpu" or "cuda")."""
+def worker_config(cfg: TrainConfig, role: str, total_optimizer_steps: int = 1) -> WorkerConfig:
+    """The slice of a finished `cfg` (finish.py: the device resolved, the demo's paths filled in) that a `role`
+    worker needs."""
     role_spec(role)  # ValueError for an unknown role
     d, ds, ppo = cfg.data, cfg.deepspeed, cfg.ppo
     path = model_path(cfg, role)
     if path is None:
-        raise ValueError(f"no model path for role {role!r}; resolve the demo paths first (entry.resolve_demo)")
+        raise ValueError(f"no model path for role {role!r}; finish the config first (finish.finish_config)")
     common = dict(
-        role=role, model_path=path, device=device, zero_stage=ds.zero_stage, bf16=ds.bf16,
+        model_path=path, device=cfg.device, zero_stage=ds.zero_stage, bf16=ds.bf16,
         gradient_checkpointing=ds.gradient_checkpointing, flash_attn=ds.flash_attn, seed=ppo.seed,
-        micro_forward_batch_size=ppo.micro_rollout_batch_size, temperature=ppo.temperature,
-        trim_padding=not ds.no_trim_padding, packing_samples=ds.packing_samples, cpu_threads=ds.train_cpu_threads,
+        micro_forward_batch_size=ppo.micro_rollout_batch_size, trim_padding=not ds.no_trim_padding,
+        packing_samples=ds.packing_samples, cpu_threads=ds.train_cpu_threads,
     )
-    heads = dict(value_head_prefix=d.value_head_prefix, normalize_reward=ppo.normalize_reward)
+    head = HeadSlice(value_head_prefix=d.value_head_prefix, normalize_reward=ppo.normalize_reward)
     if role == "ref":
-        return WorkerConfig(**common, param_offload=ds.ref_reward_offload)
+        return RefConfig(**common, temperature=ppo.temperature, param_offload=ds.ref_reward_offload)
     if role == "reward":
-        return WorkerConfig(**common, **heads, param_offload=ds.ref_reward_offload)
+        return RewardConfig(**common, head=head, param_offload=ds.ref_reward_offload)
     train = dict(
         adam_offload=ds.adam_offload, offload_states=ds.enable_sleep, lr_warmup_ratio=ppo.lr_warmup_ratio,
         total_optimizer_steps=total_optimizer_steps, train_batch_size=ppo.train_batch_size,
         micro_train_batch_size=ppo.micro_train_batch_size, max_norm=ppo.max_norm, adam_betas=tuple(ppo.adam_betas),
-        weight_decay=ppo.l2, lr_scheduler=ppo.lr_scheduler, loss_agg_mode=resolved_loss_agg_mode(ppo),
+        weight_decay=ppo.l2, lr_scheduler=ppo.lr_scheduler,
     )
+    agg = resolved_loss_agg_mode(ppo)
     if role == "actor":
         low, high = ppo.eps_clip_low_high if ppo.eps_clip_low_high is not None else (ppo.eps_clip, ppo.eps_clip)
-        return WorkerConfig(**common, **train, learning_rate=ppo.actor_learning_rate, eps_clip=low,
-                            eps_clip_high=high, dual_clip=ppo.dual_clip, entropy_loss_coef=ppo.entropy_loss_coef,
-                            use_kl_loss=ppo.use_kl_loss, kl_coef=ppo.init_kl_coef, kl_estimator=ppo.kl_estimator,
-                            policy_loss_type=ppo.policy_loss_type,
-                            is_correction=ppo.vllm_is_correction_type if ppo.enable_vllm_is_correction else None,
-                            is_threshold=tuple(ppo.vllm_is_truncated_threshold))
-    return WorkerConfig(**common, **train, **heads, learning_rate=ppo.critic_learning_rate,
-                        value_clip=ppo.value_clip)
+        loss = PolicyLossSlice(
+            loss_agg_mode=agg, eps_clip=low, eps_clip_high=high, dual_clip=ppo.dual_clip,
+            entropy_loss_coef=ppo.entropy_loss_coef, use_kl_loss=ppo.use_kl_loss, kl_coef=ppo.init_kl_coef,
+            kl_estimator=ppo.kl_estimator, policy_loss_type=ppo.policy_loss_type,
+            is_correction=ppo.vllm_is_correction_type if ppo.enable_vllm_is_correction else None,
+            is_threshold=tuple(ppo.vllm_is_truncated_threshold))
+        return ActorConfig(**common, temperature=ppo.temperature,
+                           train=TrainSlice(learning_rate=ppo.actor_learning_rate, **train), loss=loss)
+    return CriticConfig(**common, head=head, train=TrainSlice(learning_rate=ppo.critic_learning_rate, **train),
+                        loss=ValueLossSlice(loss_agg_mode=agg, value_clip=ppo.value_clip))

@@ -55,9 +55,9 @@ class EngineConfig:
     cuda_ipc: bool = False  # GPU + --colocate_all_models: weights arrive as CUDA IPC handles (weight_sync.py)
 
 
-def engine_config(cfg, device: str) -> EngineConfig:
-    """The engines' slice of a TrainConfig (device resolved: "cpu" or "cuda")."""
-    v = cfg.vllm
+def engine_config(cfg) -> EngineConfig:
+    """The engines' slice of a finished TrainConfig (its device resolved: "cpu" or "cuda")."""
+    v, device = cfg.vllm, cfg.device
     return EngineConfig(
         model_path=cfg.data.pretrain, device=device, tensor_parallel_size=v.tensor_parallel_size,
         seed=cfg.ppo.seed, enforce_eager=v.enforce_eager, enable_prefix_caching=v.enable_prefix_caching,

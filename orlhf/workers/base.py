@@ -124,18 +124,20 @@ def ds_config(cfg: WorkerConfig, world_size: int) -> dict:
     """The DeepSpeed config dict for this worker's slice."""
     cuda = cfg.device == "cuda"
     if cfg.trainable:
-        per_step = cfg.micro_train_batch_size * world_size
-        if cfg.train_batch_size <= 0 or cfg.train_batch_size % per_step:
+        t = cfg.train
+        per_step = t.micro_train_batch_size * world_size
+        if t.train_batch_size <= 0 or t.train_batch_size % per_step:
             raise ValueError(
-                f"{cfg.role}: train_batch_size {cfg.train_batch_size} must be a positive multiple of "
-                f"micro_train_batch_size {cfg.micro_train_batch_size} x world size {world_size} = {per_step}; "
+                f"{cfg.role}: train_batch_size {t.train_batch_size} must be a positive multiple of "
+                f"micro_train_batch_size {t.micro_train_batch_size} x world size {world_size} = {per_step}; "
                 f"change --train_batch_size or --micro_train_batch_size")
         zero: dict = {"stage": cfg.zero_stage}
-        if cfg.adam_offload:
+        if t.adam_offload:
             zero["offload_optimizer"] = {"device": "cpu", "pin_memory": cuda}
-        batch = {"train_batch_size": cfg.train_batch_size,
-                 "train_micro_batch_size_per_gpu": cfg.micro_train_batch_size,
-                 "gradient_accumulation_steps": cfg.train_batch_size // per_step}
+        batch = {"train_batch_size": t.train_batch_size,
+                 "train_micro_batch_size_per_gpu": t.micro_train_batch_size,
+                 "gradient_accumulation_steps": t.train_batch_size // per_step}
+        clip = t.max_norm
     else:
         stage = 3 if cfg.zero_stage == 3 else 0
         zero = {"stage": stage}
@@ -147,11 +149,12 @@ def ds_config(cfg: WorkerConfig, world_size: int) -> dict:
         mb = cfg.micro_forward_batch_size
         batch = {"train_batch_size": mb * world_size, "train_micro_batch_size_per_gpu": mb,
                  "gradient_accumulation_steps": 1}
+        clip = 1.0  # no optimizer steps: DeepSpeed never clips here (the value frozen roles always had)
     return {
         **batch,
         "zero_optimization": zero,
         "bf16": {"enabled": cfg.bf16},
-        "gradient_clipping": cfg.max_norm,
+        "gradient_clipping": clip,
         # ZeRO-Offload refuses a client (torch) optimizer unless this is off. With adam_offload we pass
         # DeepSpeedCPUAdam anyway; off, it cannot refuse the torch AdamW of a non-offloaded combination.
         "zero_force_ds_cpu_optimizer": False,
@@ -226,9 +229,9 @@ class DeepSpeedWorker:
         return make_optimizer([p for p in model.parameters() if p.requires_grad], self.cfg)
 
     def _make_scheduler(self, optimizer):
-        warmup = math.ceil(self.cfg.lr_warmup_ratio * self.cfg.total_optimizer_steps)
-        total = self.cfg.total_optimizer_steps
-        kind = self.cfg.lr_scheduler
+        t = self.cfg.train
+        warmup = math.ceil(t.lr_warmup_ratio * t.total_optimizer_steps)
+        total, kind = t.total_optimizer_steps, t.lr_scheduler
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, warmup, total, kind=kind))
 
     @property
@@ -293,7 +296,7 @@ class DeepSpeedWorker:
 
     def train_micro_batches(self, batch: Experience,
                             loss_fn: Callable[[Experience, LossNorm], tuple[torch.Tensor, dict]]) -> TrainStats:
-        """Forward/backward/step over micro-batches of cfg.micro_train_batch_size; DeepSpeed applies the
+        """Forward/backward/step over micro-batches of cfg.train.micro_train_batch_size; DeepSpeed applies the
         optimizer at each accumulation boundary (every train_batch_size / world samples on this rank).
 
         Each micro-batch's loss is normalized by its optimizer step's LossNorm: the real action tokens and
@@ -303,7 +306,7 @@ class DeepSpeedWorker:
         `loss_fn(micro_batch, norm) -> (loss, stats)` where stats maps TrainStats field names (or extra keys)
         to scalars; they are averaged over micro-batches.
         """
-        per_rank, n = self.cfg.train_batch_size // self.world_size, len(batch)
+        per_rank, n = self.cfg.train.train_batch_size // self.world_size, len(batch)
         # Checked on every rank before any collective, so a bad call raises everywhere instead of hanging.
         most, fewest = self._max_over_ranks(n), -self._max_over_ranks(-n)
         if most != fewest:
@@ -311,7 +314,7 @@ class DeepSpeedWorker:
         if n == 0 or n % per_rank:
             raise ValueError(f"{self.cfg.role} train_step got {n} samples per rank; expected a positive multiple "
                              f"of train_batch_size / world = {per_rank} (whole optimizer steps)")
-        m = self.cfg.micro_train_batch_size
+        m = self.cfg.train.micro_train_batch_size
         gas = per_rank // m  # micro-batches per optimizer step on this rank
         self.engine.train()
         sums: dict[str, float] = {}

@@ -28,7 +28,7 @@ from torch import nn
 from orlhf.endpoints import endpoint
 from orlhf.algo.losses import LossNorm, aggregate, masked_mean, value_loss_per_token
 from orlhf.batching import Packed, pack
-from orlhf.worker_config import WorkerConfig
+from orlhf.worker_config import CriticConfig, RewardConfig
 from orlhf.types import Experience, SequenceBatch, TrainStats
 from orlhf.workers.base import DeepSpeedWorker, position_ids_from
 from orlhf.workers.loading import from_pretrained
@@ -78,7 +78,7 @@ def packed_values(model: nn.Module, batch) -> tuple[torch.Tensor, Packed]:
     return model(input_ids=p.input_ids, attention_mask=None, position_ids=p.position_ids)[0], p
 
 
-def load_value_model(cfg: WorkerConfig, required: bool = False) -> ValueModel:
+def load_value_model(cfg: CriticConfig | RewardConfig, required: bool = False) -> ValueModel:
     """The folder's backbone and its value head "<prefix>.weight" (workers/value_head.py), with OpenRLHF's
     (v - mean) / std when --normalize_reward is given and config.json stores mean/std.
 
@@ -87,7 +87,7 @@ def load_value_model(cfg: WorkerConfig, required: bool = False) -> ValueModel:
     """
     from transformers import AutoModel
 
-    prefix = resolve_prefix(cfg.model_path, cfg.value_head_prefix)
+    prefix = resolve_prefix(cfg.model_path, cfg.head.value_head_prefix)
     stats = stored_reward_stats(cfg.model_path)
     backbone = from_pretrained(AutoModel, cfg.model_path, cfg)
     hidden = backbone.config.hidden_size
@@ -102,8 +102,8 @@ def load_value_model(cfg: WorkerConfig, required: bool = False) -> ValueModel:
         log.info("%s: %s has no value head; starting from a fresh one", cfg.role, cfg.model_path)
     else:
         log.info("%s: value head %s.weight from %s", cfg.role, prefix, cfg.model_path)
-    normalize = stats if cfg.normalize_reward else None
-    if stats is not None and not cfg.normalize_reward:
+    normalize = stats if cfg.head.normalize_reward else None
+    if stats is not None and not cfg.head.normalize_reward:
         log.info("%s: %s stores reward mean %g / std %g; pass --normalize_reward to apply them (as OpenRLHF)",
                  cfg.role, cfg.model_path, *stats)
     elif normalize is not None:
@@ -164,8 +164,8 @@ class CriticWorker(DeepSpeedWorker):
     def _loss(self, mb: Experience, norm: LossNorm) -> tuple[torch.Tensor, dict]:
         """Clipped value loss, aggregated over the optimizer step like the actor's (algo/losses.py)."""
         values = self._action_values(mb)
-        per_token, bound = value_loss_per_token(values, mb.values, mb.returns, self.cfg.value_clip)
-        loss = aggregate(per_token, mb.action_mask, self.cfg.loss_agg_mode, norm)
+        per_token, bound = value_loss_per_token(values, mb.values, mb.returns, self.cfg.loss.value_clip)
+        loss = aggregate(per_token, mb.action_mask, self.cfg.loss.loss_agg_mode, norm)
         return loss, {"loss": masked_mean(per_token.detach(), mb.action_mask).item(),
                       "clip_frac": masked_mean(bound.float(), mb.action_mask).item(),
                       "values": masked_mean(values.detach(), mb.action_mask).item()}

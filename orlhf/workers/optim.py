@@ -9,22 +9,23 @@ from __future__ import annotations
 
 import torch
 
-from orlhf.worker_config import WorkerConfig
+from orlhf.worker_config import ActorConfig, CriticConfig
 
-def make_optimizer(params: list, cfg: WorkerConfig) -> torch.optim.Optimizer:
+def make_optimizer(params: list, cfg: ActorConfig | CriticConfig) -> torch.optim.Optimizer:
     kind = optimizer_kind(cfg)
-    betas, decay = tuple(cfg.adam_betas), cfg.weight_decay  # --adam_betas, --l2
+    t = cfg.train
+    betas, decay = tuple(t.adam_betas), t.weight_decay  # --adam_betas, --l2
     if kind == "DeepSpeedCPUAdam":
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-        return DeepSpeedCPUAdam(params, lr=cfg.learning_rate, betas=betas, weight_decay=decay,
+        return DeepSpeedCPUAdam(params, lr=t.learning_rate, betas=betas, weight_decay=decay,
                                 adamw_mode=True)
     if kind == "FusedAdam":
-        return _fused_adam(params, cfg.learning_rate, betas, decay)
-    return torch.optim.AdamW(params, lr=cfg.learning_rate, betas=betas, weight_decay=decay)
+        return _fused_adam(params, t.learning_rate, betas, decay)
+    return torch.optim.AdamW(params, lr=t.learning_rate, betas=betas, weight_decay=decay)
 
 
-def optimizer_kind(cfg: WorkerConfig) -> str:
+def optimizer_kind(cfg: ActorConfig | CriticConfig) -> str:
     """Which Adam a trained model gets: "DeepSpeedCPUAdam" | "FusedAdam" | "AdamW" (torch).
 
     --adam_offload: DeepSpeedCPUAdam (the states live on the host; DeepSpeed's offload_states then leaves them
@@ -32,9 +33,9 @@ def optimizer_kind(cfg: WorkerConfig) -> str:
     0.19.8, stage3.py) asserts the optimizer's class is exactly FusedAdam before moving Adam states. Otherwise
     torch's AdamW, which needs no compiled op (FusedAdam compiles with nvcc on first use).
     """
-    if cfg.adam_offload:
+    if cfg.train.adam_offload:
         return "DeepSpeedCPUAdam"
-    if cfg.device == "cuda" and cfg.offload_states:
+    if cfg.device == "cuda" and cfg.train.offload_states:
         return "FusedAdam"
     return "AdamW"
 

@@ -121,25 +121,25 @@ class PolicyWorker(DeepSpeedWorker):
     def train_step(self, batch: Experience, kl_coef: Optional[float] = None) -> TrainStats:
         """PPO on this rank's share: len(batch) must be a multiple of train_batch_size / world.
 
-        kl_coef: the KL-loss coefficient for this step (the controller's adaptive value); None: cfg.kl_coef.
+        kl_coef: the KL-loss coefficient for this step (the controller's adaptive value); None: cfg.loss.kl_coef.
         """
-        if self.cfg.use_kl_loss and batch.base_action_log_probs is None:
+        if self.cfg.loss.use_kl_loss and batch.base_action_log_probs is None:
             raise ValueError("use_kl_loss needs Experience.base_action_log_probs (the reference log-probs)")
-        coef = self.cfg.kl_coef if kl_coef is None else float(kl_coef)
+        coef = self.cfg.loss.kl_coef if kl_coef is None else float(kl_coef)
         stats = self.train_micro_batches(batch, functools.partial(self._loss, kl_coef=coef))
         stats.kl_coef = coef
         return stats
 
     def _loss(self, mb: Experience, norm: LossNorm, kl_coef: float) -> tuple[torch.Tensor, dict]:
-        cfg, mask = self.cfg, mb.action_mask
+        cfg, lc, mask = self.cfg, self.cfg.loss, mb.action_mask
         logits = action_logits(self.engine, mb.as_sequence_batch(), cfg.temperature, cfg.packing_samples)  # (b, A, V)
         log_probs = gather_log_probs(logits, mb.sequences[:, -mb.num_actions:])  # (b, A)
         old = _old_log_probs(mb, log_probs)
-        terms = policy_loss_terms(log_probs, old, mb.advantages, mask, cfg.eps_clip,
-                                  cfg.eps_clip_high if cfg.eps_clip_high is not None else cfg.eps_clip,
-                                  cfg.dual_clip, cfg.policy_loss_type, mb.rollout_log_probs, cfg.is_correction,
-                                  tuple(cfg.is_threshold))
-        loss = aggregate(terms.loss, mask, cfg.loss_agg_mode, norm)
+        terms = policy_loss_terms(log_probs, old, mb.advantages, mask, lc.eps_clip,
+                                  lc.eps_clip_high if lc.eps_clip_high is not None else lc.eps_clip,
+                                  lc.dual_clip, lc.policy_loss_type, mb.rollout_log_probs, lc.is_correction,
+                                  tuple(lc.is_threshold))
+        loss = aggregate(terms.loss, mask, lc.loss_agg_mode, norm)
         cut = terms.clipped_low | terms.clipped_high | terms.dual_clipped
         stats = {"loss": loss.item(), "clip_frac": masked_mean(cut.float(), mask).item(),
                  "clip_frac_low": masked_mean(terms.clipped_low.float(), mask).item(),
@@ -148,15 +148,15 @@ class PolicyWorker(DeepSpeedWorker):
         if terms.is_cut is not None:
             stats["is_cut_frac"] = masked_mean(terms.is_cut.float(), mask).item()
         # Entropy is logged on every step; it joins the graph only when it is in the loss.
-        entropy = entropy_from_logits(logits if cfg.entropy_loss_coef > 0 else logits.detach())  # (b, A)
-        if cfg.entropy_loss_coef > 0:
-            loss = loss - cfg.entropy_loss_coef * aggregate(entropy, mask, cfg.loss_agg_mode, norm)
+        entropy = entropy_from_logits(logits if lc.entropy_loss_coef > 0 else logits.detach())  # (b, A)
+        if lc.entropy_loss_coef > 0:
+            loss = loss - lc.entropy_loss_coef * aggregate(entropy, mask, lc.loss_agg_mode, norm)
         stats["entropy"] = masked_mean(entropy.detach(), mask).item()
-        if cfg.use_kl_loss:
-            kl = aggregate(approx_kl(log_probs, mb.base_action_log_probs, cfg.kl_estimator), mask, cfg.loss_agg_mode,
+        if lc.use_kl_loss:
+            kl = aggregate(approx_kl(log_probs, mb.base_action_log_probs, lc.kl_estimator), mask, lc.loss_agg_mode,
                            norm)
             loss = loss + kl_coef * kl
-            stats["kl_loss"] = masked_mean(approx_kl(log_probs.detach(), mb.base_action_log_probs, cfg.kl_estimator),
+            stats["kl_loss"] = masked_mean(approx_kl(log_probs.detach(), mb.base_action_log_probs, lc.kl_estimator),
                                            mask).item()
         stats["loss"] = masked_mean(terms.loss.detach(), mask).item()
         return loss, stats

@@ -23,9 +23,8 @@ GPUS_NEEDED = {"nccl": 3, "cuda_ipc_hybrid": 1}
 def _rig(tmp_path, **flags):
     import ray
 
-    from orlhf.config import build_config
     from orlhf.worker_config import worker_config
-    from orlhf.entry import resolve_demo, resolve_device
+    from orlhf.finish import finish_config
     from orlhf.layout import plan_layout
     from orlhf.placement import create_placement_groups
     from orlhf.cluster import ActorGroup
@@ -37,10 +36,10 @@ def _rig(tmp_path, **flags):
         ray.init(address="local", include_dashboard=False)
     base = {"train_batch_size": 8, "micro_train_batch_size": 8, "rollout_batch_size": 8, "device": "cuda",
             "advantage_estimator": "reinforce", "bf16": True, **flags}
-    cfg = resolve_device(resolve_demo(build_config(base, explicit=set(base))))
-    placed = create_placement_groups(plan_layout(cfg, "cuda"), timeout_s=120)
-    engines = EngineGroup(engine_config(cfg, "cuda"), [placed.engine_bundles(i) for i in range(cfg.vllm.num_engines)])
-    actor = ActorGroup("actor", PolicyWorker, worker_config(cfg, "actor", "cuda", 4), placed.role_bundles("actor"),
+    cfg = finish_config(base, explicit=set(base))
+    placed = create_placement_groups(plan_layout(cfg), timeout_s=120)
+    engines = EngineGroup(engine_config(cfg), [placed.engine_bundles(i) for i in range(cfg.vllm.num_engines)])
+    actor = ActorGroup("actor", PolicyWorker, worker_config(cfg, "actor", 4), placed.role_bundles("actor"),
                        device="cuda", timeout_s=300)
     actor.call(PolicyWorker.init).get()
     return cfg, engines, actor, make_weight_sync(cfg, actor, engines)

@@ -22,11 +22,11 @@ LR = 1e-2  # large enough that one Adam step moves log-probs well past bf16 nois
 
 
 def actor_cfg(path: str, **kw):
-    from orlhf.worker_config import WorkerConfig
+    from orlhf.worker_config import role_config
 
-    base = dict(role="actor", model_path=path, device="cuda", zero_stage=3, bf16=True, micro_forward_batch_size=B,
+    base = dict(model_path=path, device="cuda", zero_stage=3, bf16=True, micro_forward_batch_size=B,
                 learning_rate=LR, train_batch_size=B, micro_train_batch_size=B, total_optimizer_steps=4)
-    return WorkerConfig(**{**base, **kw})
+    return role_config("actor", **{**base, **kw})
 
 
 def experience(model_path: str):

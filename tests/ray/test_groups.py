@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from orlhf.cluster import ActorGroup, RankError
-from orlhf.config import build_config
-from orlhf.worker_config import WorkerConfig, worker_config
-from orlhf.entry import resolve_demo
+from orlhf.worker_config import RewardConfig, worker_config
+from orlhf.finish import finish_config
 from orlhf.layout import plan_layout
 from orlhf.placement import RankBundle, create_placement_groups, remove_placement_groups
 from orlhf.types import Experience, SequenceBatch
@@ -33,7 +32,7 @@ def setup(tmp_path_factory):
         ray.init(address="local", num_cpus=TEST_CLUSTER_CPUS, include_dashboard=False)
     flags = {"train_batch_size": B, "micro_train_batch_size": 2, "rollout_batch_size": B,
              "actor_num_gpus_per_node": 2, "critic_num_gpus_per_node": 2, "device": "cpu"}
-    cfg = resolve_demo(build_config(flags, explicit=set(flags)))
+    cfg = finish_config(flags, explicit=set(flags))
     # A tiny random reward model with the demo's shapes (plumbing, not learning).
     from transformers import AutoConfig, AutoTokenizer, LlamaForSequenceClassification
 
@@ -43,18 +42,18 @@ def setup(tmp_path_factory):
     LlamaForSequenceClassification(mcfg).save_pretrained(rm_dir)
     AutoTokenizer.from_pretrained(cfg.data.pretrain).save_pretrained(rm_dir)
 
-    layout = plan_layout(cfg, "cpu")
+    layout = plan_layout(cfg)
     placed = create_placement_groups(layout, timeout_s=60)
     t0 = time.monotonic()
-    actor_cfg = worker_config(cfg, "actor", "cpu", total_optimizer_steps=4)
+    actor_cfg = worker_config(cfg, "actor", total_optimizer_steps=4)
     groups = {
         "actor": ActorGroup("actor", PolicyWorker, actor_cfg, placed.role_bundles("actor"), device="cpu",
                             gpus_per_node=2, timeout_s=300),
         "actor1": ActorGroup("actor", PolicyWorker, actor_cfg, [RankBundle(None, 0, 0.5)], device="cpu",
                              timeout_s=300),
-        "critic": ActorGroup("critic", CriticWorker, worker_config(cfg, "critic", "cpu", 4),
+        "critic": ActorGroup("critic", CriticWorker, worker_config(cfg, "critic", 4),
                              placed.role_bundles("critic"), device="cpu", gpus_per_node=2, timeout_s=300),
-        "reward": ActorGroup("reward", RewardWorker, WorkerConfig("reward", str(rm_dir), "cpu", zero_stage=3),
+        "reward": ActorGroup("reward", RewardWorker, RewardConfig(model_path=str(rm_dir), device="cpu"),
                              [RankBundle(None, 0, 0.5)] * 2, device="cpu", gpus_per_node=2, timeout_s=300),
     }
     inits = [g.call(DeepSpeedWorker.init) for g in groups.values()]

@@ -21,6 +21,7 @@ from orlhf import layout as L  # noqa: E402
 from orlhf import placement as P  # noqa: E402
 from orlhf.cli import main  # noqa: E402
 from orlhf.config import build_config  # noqa: E402
+from orlhf.finish import resolve_device  # noqa: E402
 
 pytestmark = pytest.mark.ray
 NODE = {"num_cpus": 4, "num_gpus": 4, "include_dashboard": False}
@@ -57,9 +58,14 @@ def cfg_of(**flags):
     return build_config(flags, explicit=set(flags))
 
 
+def layout_of(cfg, device: str):
+    """plan_layout on `device`, as a finished config carries it."""
+    return L.plan_layout(resolve_device(cfg, device))
+
+
 @contextlib.contextmanager
 def placed(cfg, device="cuda", timeout_s=30):
-    layout = L.plan_layout(cfg, device)
+    layout = layout_of(cfg, device)
     result = P.create_placement_groups(layout, timeout_s=timeout_s)
     try:
         yield result
@@ -169,8 +175,8 @@ def test_cpu_slots(cluster):
 
 
 def test_unsatisfiable_fails_fast_with_the_table(cluster):
-    layout = L.plan_layout(cfg_of(actor_num_gpus_per_node=6, micro_train_batch_size=8, train_batch_size=48,
-                                  rollout_batch_size=48), "cuda")
+    layout = layout_of(cfg_of(actor_num_gpus_per_node=6, micro_train_batch_size=8, train_batch_size=48,
+                              rollout_batch_size=48), "cuda")
     start = time.monotonic()
     with pytest.raises(L.PlacementError) as err:
         P.create_placement_groups(layout, timeout_s=600)
@@ -180,7 +186,7 @@ def test_unsatisfiable_fails_fast_with_the_table(cluster):
     assert "--actor_num_gpus_per_node 6" in msg
     # The "a TP engine fits on one node" rule, which only the live cluster can check:
     with pytest.raises(L.PlacementError, match="lower --vllm_tensor_parallel_size to at most 4"):
-        P.create_placement_groups(L.plan_layout(cfg_of(vllm_tensor_parallel_size=8), "cuda"), timeout_s=600)
+        P.create_placement_groups(layout_of(cfg_of(vllm_tensor_parallel_size=8), "cuda"), timeout_s=600)
     assert time.monotonic() - start < 15
     assert live_groups() == 0
 
@@ -189,8 +195,8 @@ def test_busy_cluster_fails_after_settling_and_says_so(cluster):
     held = placement_group([{"GPU": 1, "CPU": 1}] * 4, strategy="STRICT_PACK")
     ray.get(held.ready(), timeout=30)
     try:
-        layout = L.plan_layout(cfg_of(actor_num_gpus_per_node=4, ref_num_gpus_per_node=4,
-                                      critic_num_gpus_per_node=2, vllm_tensor_parallel_size=2), "cuda")
+        layout = layout_of(cfg_of(actor_num_gpus_per_node=4, ref_num_gpus_per_node=4,
+                                  critic_num_gpus_per_node=2, vllm_tensor_parallel_size=2), "cuda")
         start = time.monotonic()
         with pytest.raises(L.PlacementError, match="only 8 are free now"):
             P.create_placement_groups(layout, timeout_s=600, settle_s=2)
@@ -203,7 +209,7 @@ def test_not_ready_in_time_removes_what_it_created(cluster, monkeypatch):
     # A node that only the pre-flight believes in: the group passes the check, then never becomes ready.
     real = P.live_nodes
     monkeypatch.setattr(P, "live_nodes", lambda: real() + [L.NodeSpec("ghost", "-", 8, 8)])
-    layout = L.plan_layout(cfg_of(actor_num_gpus_per_node=8, micro_train_batch_size=8), "cuda")
+    layout = layout_of(cfg_of(actor_num_gpus_per_node=8, micro_train_batch_size=8), "cuda")
     with pytest.raises(L.PlacementError, match=r"not ready after 2s: actor g0 \(8 x 1 GPU\+1 CPU\)"):
         P.create_placement_groups(layout, timeout_s=2)
     deadline = time.monotonic() + 10

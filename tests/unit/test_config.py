@@ -245,12 +245,12 @@ def test_padding_and_thread_flags_reach_the_workers_and_engines():
 
     from dataclasses import replace
 
-    cfg = build(no_trim_padding=True, packing_samples=True, train_cpu_threads=2, vllm_cpu_threads=3)
-    cfg = replace(cfg, data=replace(cfg.data, pretrain="model"))  # as entry.resolve_demo fills it in
-    w = worker_config(cfg, "ref", "cpu")
+    cfg = build(no_trim_padding=True, packing_samples=True, train_cpu_threads=2, vllm_cpu_threads=3, device="cpu")
+    cfg = replace(cfg, data=replace(cfg.data, pretrain="model"))  # as finish.resolve_demo fills it in
+    w = worker_config(cfg, "ref")
     assert (w.trim_padding, w.packing_samples, w.cpu_threads) == (False, True, 2)
-    assert engine_config(cfg, "cpu").cpu_threads == 3
-    default = worker_config(replace(cfg, deepspeed=type(cfg.deepspeed)()), "actor", "cpu")
+    assert engine_config(cfg).cpu_threads == 3
+    default = worker_config(replace(cfg, deepspeed=type(cfg.deepspeed)()), "actor")
     assert (default.trim_padding, default.packing_samples, default.cpu_threads) == (True, False, 0)
 
 
@@ -326,10 +326,10 @@ def test_value_head_flags_reach_the_reward_and_critic_workers(model_dir, prompts
     from orlhf.worker_config import worker_config
 
     cfg = build(pretrain=model_dir, reward_pretrain=model_dir, prompt_data=prompts, value_head_prefix="value_head",
-                normalize_reward=True)
+                normalize_reward=True, device="cpu")
     for role in ("reward", "critic"):
-        w = worker_config(cfg, role, "cpu")
-        assert (w.value_head_prefix, w.normalize_reward) == ("value_head", True), role
+        w = worker_config(cfg, role)
+        assert (w.head.value_head_prefix, w.head.normalize_reward) == ("value_head", True), role
 
 
 # ---------------------------------------------------------------- losses, DAPO / GSPO, IS correction, optimizer
@@ -339,21 +339,25 @@ def _actor(cfg):
 
     from orlhf.worker_config import worker_config
 
-    return worker_config(replace(cfg, data=replace(cfg.data, pretrain="model")), "actor", "cpu")
+    from orlhf.finish import resolve_device
+
+    return worker_config(resolve_device(replace(cfg, data=replace(cfg.data, pretrain="model")), "cpu"), "actor")
 
 
 def test_loss_flags_reach_the_actor_slice():
     w = _actor(build(eps_clip_low_high=(0.2, 0.28), enable_vllm_is_correction=True, vllm_is_correction_type="icepop",
                      vllm_is_truncated_threshold=(0.3, 3.0), max_norm=0.5, adam_betas=(0.9, 0.99), l2=0.01,
                      lr_scheduler="linear"))
-    assert (w.eps_clip, w.eps_clip_high, w.is_correction, w.is_threshold) == (0.2, 0.28, "icepop", (0.3, 3.0))
-    assert (w.max_norm, w.adam_betas, w.weight_decay, w.lr_scheduler) == (0.5, (0.9, 0.99), 0.01, "linear")
-    assert w.loss_agg_mode == "token_mean" and w.policy_loss_type == "ppo"
-    plain = _actor(build(eps_clip=0.3))
+    loss, t = w.loss, w.train
+    assert (loss.eps_clip, loss.eps_clip_high, loss.is_correction, loss.is_threshold) == (0.2, 0.28, "icepop",
+                                                                                          (0.3, 3.0))
+    assert (t.max_norm, t.adam_betas, t.weight_decay, t.lr_scheduler) == (0.5, (0.9, 0.99), 0.01, "linear")
+    assert loss.loss_agg_mode == "token_mean" and loss.policy_loss_type == "ppo"
+    plain = _actor(build(eps_clip=0.3)).loss
     assert (plain.eps_clip, plain.eps_clip_high, plain.is_correction) == (0.3, 0.3, None)
     # GSPO defaults to the sequence mean (OpenRLHF); an explicit --loss_agg_mode wins.
-    assert _actor(build(policy_loss_type="gspo")).loss_agg_mode == "seq_mean"
-    assert _actor(build(policy_loss_type="gspo", loss_agg_mode="token_mean")).loss_agg_mode == "token_mean"
+    assert _actor(build(policy_loss_type="gspo")).loss.loss_agg_mode == "seq_mean"
+    assert _actor(build(policy_loss_type="gspo", loss_agg_mode="token_mean")).loss.loss_agg_mode == "token_mean"
 
 
 def test_config_choices_match_the_algo_registries():

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from orlhf.config import ConfigError, build_config
+from orlhf.finish import resolve_device
 from orlhf.worker_config import worker_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,7 +33,7 @@ def problems(**flags) -> list[str]:
     return err.value.problems
 
 
-def with_model(cfg):  # as entry.resolve_demo fills in the demo's path
+def with_model(cfg):  # as finish.resolve_demo fills in the demo's path
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, pretrain="model"))
 
 
@@ -73,12 +74,12 @@ def test_engine_config_on_gpus_is_16_bit_and_shares_the_gpu_when_colocated():
     from orlhf.rollout.engine import engine_config
 
     cfg = with_model(build(device="cuda", colocate_all_models=True))
-    e = engine_config(cfg, "cuda")
+    e = engine_config(resolve_device(cfg, "cuda"))
     assert (e.dtype, e.gpu_memory_utilization, e.cuda_ipc) == ("bfloat16", 0.5, True)
     # CPU keeps the trainer's dtype, so engine and trainer log-probs agree; --bf16 gives bfloat16 everywhere
-    assert engine_config(with_model(build()), "cpu").dtype == "float32"
-    assert engine_config(with_model(build(bf16=True)), "cpu").dtype == "bfloat16"
-    assert engine_config(with_model(build()), "cuda").cuda_ipc is False
+    assert engine_config(resolve_device(with_model(build()), "cpu")).dtype == "float32"
+    assert engine_config(resolve_device(with_model(build(bf16=True)), "cpu")).dtype == "bfloat16"
+    assert engine_config(resolve_device(with_model(build()), "cuda")).cuda_ipc is False
 
 
 def test_engine_env_for_colocated_tp_asks_ray_for_the_slot_share_only():
@@ -107,11 +108,11 @@ def test_colocated_start_order_is_engines_then_sleep_then_trainers():
     from orlhf.entry import start_plan
 
     hybrid = build(colocate_all_models=True, vllm_enable_sleep=True, deepspeed_enable_sleep=True)
-    assert start_plan(hybrid, "cuda") == ("start_engines", "wait_engines", "sleep_engines", "start_models")
-    assert start_plan(build(colocate_all_models=True), "cuda") == ("start_engines", "wait_engines", "start_models")
+    assert start_plan(resolve_device(hybrid, "cuda")) == ("start_engines", "wait_engines", "sleep_engines", "start_models")
+    assert start_plan(resolve_device(build(colocate_all_models=True), "cuda")) == ("start_engines", "wait_engines", "start_models")
     # own devices, or CPU (no device memory to share): engines load while the trainers initialise
-    assert start_plan(build(), "cuda") == ("start_engines", "start_models", "wait_engines")
-    assert start_plan(hybrid, "cpu") == ("start_engines", "start_models", "wait_engines")
+    assert start_plan(resolve_device(build(), "cuda")) == ("start_engines", "start_models", "wait_engines")
+    assert start_plan(resolve_device(hybrid, "cpu")) == ("start_engines", "start_models", "wait_engines")
 
 
 class _Recorder:
@@ -150,12 +151,12 @@ def test_offloading_states_on_cuda_uses_fused_adam():
     from orlhf.workers.optim import optimizer_kind
 
     cfg = with_model(build(colocate_all_models=True, deepspeed_enable_sleep=True))
-    assert optimizer_kind(worker_config(cfg, "actor", "cuda")) == "FusedAdam"
-    assert optimizer_kind(worker_config(cfg, "critic", "cuda")) == "FusedAdam"
-    assert optimizer_kind(worker_config(cfg, "actor", "cpu")) == "AdamW"  # nothing to offload on CPU
+    assert optimizer_kind(worker_config(resolve_device(cfg, "cuda"), "actor")) == "FusedAdam"
+    assert optimizer_kind(worker_config(resolve_device(cfg, "cuda"), "critic")) == "FusedAdam"
+    assert optimizer_kind(worker_config(resolve_device(cfg, "cpu"), "actor")) == "AdamW"  # nothing to offload on CPU
     offload = with_model(build(colocate_all_models=True, deepspeed_enable_sleep=True, adam_offload=True))
-    assert optimizer_kind(worker_config(offload, "actor", "cuda")) == "DeepSpeedCPUAdam"
-    assert optimizer_kind(worker_config(with_model(build()), "actor", "cuda")) == "AdamW"
+    assert optimizer_kind(worker_config(resolve_device(offload, "cuda"), "actor")) == "DeepSpeedCPUAdam"
+    assert optimizer_kind(worker_config(resolve_device(with_model(build()), "cuda"), "actor")) == "AdamW"
 
 
 def test_deepspeed_offload_states_still_requires_exactly_fused_adam():

@@ -7,6 +7,7 @@ import pytest
 
 from orlhf.cli import main
 from orlhf.config import build_config
+from orlhf.finish import resolve_device
 from orlhf.layout import (PlacementError, Slot, check_fits, cpu_slots_needed, described_nodes, plan_layout,
                           simulate)
 from orlhf.plan import GIB, ModelDims, count_params, device_peak, read_dims, role_memory
@@ -34,6 +35,11 @@ def model70b(tmp_path):
     return tmp_path
 
 
+def layout_of(cfg, device: str):
+    """plan_layout on `device`, as a finished config (or `orlhf plan` for a described cluster) carries it."""
+    return plan_layout(resolve_device(cfg, device))
+
+
 def tiny_rm(tmp_path):
     (tmp_path / "rm").mkdir(exist_ok=True)
     (tmp_path / "rm" / "config.json").write_text(json.dumps({**CONFIG_70B, "hidden_size": 64, "num_hidden_layers": 1,
@@ -56,7 +62,7 @@ def shares_per_slot(layout):
 def test_split_layout_one_pool_per_role_and_per_engine():
     cfg = cfg_of(actor_num_nodes=2, actor_num_gpus_per_node=2, ref_num_gpus_per_node=2,
                  critic_num_gpus_per_node=2, vllm_num_engines=2, vllm_tensor_parallel_size=2)
-    layout = plan_layout(cfg, "cuda")
+    layout = layout_of(cfg, "cuda")
     assert [(p.name, p.num_groups, p.group_size) for p in layout.pools] == [
         ("actor", 2, 2), ("ref", 1, 2), ("critic", 1, 2), ("vllm0", 1, 2), ("vllm1", 1, 2)]
     # rank r -> node-group r // 2, bundle r % 2
@@ -65,31 +71,31 @@ def test_split_layout_one_pool_per_role_and_per_engine():
     assert layout.engines[1] == (Slot("vllm1", 0, 0, 1.0), Slot("vllm1", 0, 1, 1.0))
     assert "reward" not in layout.roles  # no --reward_pretrain
     assert layout.bundle == {"GPU": 1.0, "CPU": 1.0}
-    assert plan_layout(cfg, "cpu").bundle == {"CPU": 1.0}
+    assert layout_of(cfg, "cpu").bundle == {"CPU": 1.0}
     assert cpu_slots_needed(layout) == 4 + 2 + 2 + 2 * 2
 
 
 def test_no_critic_without_gae():
-    layout = plan_layout(cfg_of(advantage_estimator="reinforce"), "cpu")
+    layout = layout_of(cfg_of(advantage_estimator="reinforce"), "cpu")
     assert list(layout.roles) == ["actor", "ref"]
 
 
 def test_no_reference_model_without_a_kl():
     # --init_kl_coef 0 without --use_kl_loss: no KL anywhere, so no ref group (OpenRLHF's rule)
-    layout = plan_layout(cfg_of(init_kl_coef=0.0), "cpu")
+    layout = layout_of(cfg_of(init_kl_coef=0.0), "cpu")
     assert list(layout.roles) == ["actor", "critic"] and [p.name for p in layout.pools] == ["actor", "critic", "vllm0"]
     # --colocate_actor_ref then has nothing to colocate; under --colocate_all_models the ref takes no share
-    assert [p.name for p in plan_layout(cfg_of(init_kl_coef=0.0, colocate_actor_ref=True), "cpu").pools] == [
+    assert [p.name for p in layout_of(cfg_of(init_kl_coef=0.0, colocate_actor_ref=True), "cpu").pools] == [
         "actor", "critic", "vllm0"]
-    shared = plan_layout(cfg_of(init_kl_coef=0.0, colocate_all_models=True), "cpu")
+    shared = layout_of(cfg_of(init_kl_coef=0.0, colocate_all_models=True), "cpu")
     assert [p.name for p in shared.pools] == ["actor+critic+vllm"] and shared.roles["actor"][0].share == 0.33
     # a KL in the loss reads the reference even at coefficient 0
-    assert list(plan_layout(cfg_of(init_kl_coef=0.0, use_kl_loss=True), "cpu").roles) == ["actor", "ref", "critic"]
+    assert list(layout_of(cfg_of(init_kl_coef=0.0, use_kl_loss=True), "cpu").roles) == ["actor", "ref", "critic"]
 
 
 def test_colocate_actor_ref_shares_one_pool():
     cfg = cfg_of(actor_num_gpus_per_node=4, ref_num_gpus_per_node=4, colocate_actor_ref=True)
-    layout = plan_layout(cfg, "cuda")
+    layout = layout_of(cfg, "cuda")
     assert [p.name for p in layout.pools] == ["actor+ref", "critic", "vllm0"]
     assert layout.roles["ref"] == tuple(Slot("actor+ref", 0, b, 0.5) for b in range(4))
     assert layout.roles["actor"][3] == Slot("actor+ref", 0, 3, 0.5)
@@ -99,7 +105,7 @@ def test_colocate_actor_ref_shares_one_pool():
 def test_colocate_critic_reward_shares_one_pool(tmp_path):
     cfg = cfg_of(reward_pretrain=tiny_rm(tmp_path), critic_num_nodes=2, reward_num_nodes=2,
                  colocate_critic_reward=True)
-    layout = plan_layout(cfg, "cuda")
+    layout = layout_of(cfg, "cuda")
     assert [p.name for p in layout.pools] == ["actor", "ref", "critic+reward", "vllm0"]
     assert layout.roles["reward"] == (Slot("critic+reward", 0, 0, 0.5), Slot("critic+reward", 1, 0, 0.5))
 
@@ -109,7 +115,7 @@ def test_colocate_all_models_puts_engines_on_the_actor_pool(tmp_path):
              for k, v in (("num_nodes", 2), ("num_gpus_per_node", 4))}
     cfg = cfg_of(reward_pretrain=tiny_rm(tmp_path), colocate_all_models=True, vllm_num_engines=4,
                  vllm_tensor_parallel_size=2, micro_train_batch_size=8, **shape)
-    layout = plan_layout(cfg, "cuda")
+    layout = layout_of(cfg, "cuda")
     assert [(p.name, p.num_groups, p.group_size) for p in layout.pools] == [("actor+ref+critic+reward+vllm", 2, 4)]
     pool = "actor+ref+critic+reward+vllm"
     # 5 occupants per slot -> 0.2 each; engine i on slots [2i, 2i+2): engine 1 -> g0 b2,b3; engine 2 -> g1 b0,b1
@@ -122,7 +128,7 @@ def test_colocate_all_models_puts_engines_on_the_actor_pool(tmp_path):
 
 def test_shares_never_exceed_one_slot():
     cfg = cfg_of(colocate_all_models=True, advantage_estimator="reinforce")  # actor, ref, vllm -> 0.33 each
-    totals = shares_per_slot(plan_layout(cfg, "cpu"))
+    totals = shares_per_slot(layout_of(cfg, "cpu"))
     assert list(totals.values()) == [pytest.approx(0.99)]  # 3 x floor(100/3)/100 = 0.99 <= 1
 
 
@@ -132,7 +138,7 @@ def test_shares_never_exceed_one_slot():
 def test_first_fit_places_node_groups_whole():
     cfg = cfg_of(actor_num_gpus_per_node=4, ref_num_gpus_per_node=2, critic_num_gpus_per_node=2,
                  vllm_num_engines=2, vllm_tensor_parallel_size=2)
-    layout = plan_layout(cfg, "cuda")
+    layout = layout_of(cfg, "cuda")
     placed = check_fits(layout, described_nodes(3, 4, "cuda"))
     assert placed[("actor", 0)] == 0  # largest first, first node with room
     per_node = defaultdict(int)
@@ -142,7 +148,7 @@ def test_first_fit_places_node_groups_whole():
 
 
 def test_preflight_rejects_impossible_layout_with_a_table_and_the_fix():
-    layout = plan_layout(cfg_of(actor_num_gpus_per_node=8, micro_train_batch_size=8), "cuda")
+    layout = layout_of(cfg_of(actor_num_gpus_per_node=8, micro_train_batch_size=8), "cuda")
     with pytest.raises(PlacementError) as err:
         check_fits(layout, described_nodes(2, 4, "cuda"))
     msg = str(err.value)
@@ -153,13 +159,13 @@ def test_preflight_rejects_impossible_layout_with_a_table_and_the_fix():
 
 
 def test_preflight_names_tp_when_an_engine_exceeds_every_node():
-    layout = plan_layout(cfg_of(vllm_tensor_parallel_size=8), "cuda")
+    layout = layout_of(cfg_of(vllm_tensor_parallel_size=8), "cuda")
     with pytest.raises(PlacementError, match="lower --vllm_tensor_parallel_size to at most 4"):
         check_fits(layout, described_nodes(4, 4, "cuda"))
 
 
 def test_preflight_too_few_devices_in_all():
-    layout = plan_layout(cfg_of(actor_num_nodes=2, actor_num_gpus_per_node=2, vllm_num_engines=3), "cpu")
+    layout = layout_of(cfg_of(actor_num_nodes=2, actor_num_gpus_per_node=2, vllm_num_engines=3), "cpu")
     with pytest.raises(PlacementError) as err:  # 4 + 1 + 1 + 3 = 9 CPU slots on 2 x 4
         check_fits(layout, described_nodes(2, 4, "cpu"))
     assert "needs 9 CPUs in all, the cluster has 8: add nodes" in str(err.value)

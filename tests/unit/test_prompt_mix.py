@@ -102,7 +102,8 @@ def test_start_up_line_says_prompts_once_and_the_mix_reaches_the_prompts(tmp_pat
 
     from orlhf.data import load_tokenizer
     from orlhf.demo import ensure_demo
-    from orlhf.entry import load_prompts, resolve_demo
+    from orlhf.entry import load_prompts
+    from orlhf.finish import resolve_demo
 
     a, b = write_jsonl(tmp_path / "a.jsonl", "a", 40), write_jsonl(tmp_path / "b.jsonl", "b", 40)
     flags = {"prompt_data": f"{a},{b}", "prompt_data_probs": "0.25,0.75", "input_key": "q", "label_key": None,

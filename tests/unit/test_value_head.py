@@ -11,7 +11,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
-from orlhf.worker_config import WorkerConfig
+from orlhf.worker_config import role_config
 from orlhf.workers.critic import ValueModel, load_value_model
 from orlhf.workers.value_head import (HeadError, check_head, reward_normalization, stored_reward_stats,
                                       tensor_shapes)
@@ -68,7 +68,7 @@ def hand_values(backbone, w, ids, mask):
 
 
 def wcfg(path, role="reward", **kw):
-    return WorkerConfig(role=role, model_path=str(path), device="cpu", **kw)
+    return role_config(role, model_path=str(path), device="cpu", **kw)
 
 
 def test_openrlhf_value_head_is_loaded_and_normalized_as_openrlhf(tmp_path):

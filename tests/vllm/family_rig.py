@@ -84,11 +84,11 @@ class TrainerSide:
         self.worker = None
 
     def load(self, path: str, lr: float = 1e-2) -> None:
-        from orlhf.worker_config import WorkerConfig
+        from orlhf.worker_config import role_config
         from orlhf.workers import PolicyWorker
 
-        cfg = WorkerConfig(role="actor", model_path=path, device="cpu", zero_stage=3, micro_forward_batch_size=8,
-                           learning_rate=lr, train_batch_size=4, micro_train_batch_size=4, total_optimizer_steps=4)
+        cfg = role_config("actor", model_path=path, device="cpu", zero_stage=3, micro_forward_batch_size=8,
+                          learning_rate=lr, train_batch_size=4, micro_train_batch_size=4, total_optimizer_steps=4)
         self.worker = PolicyWorker(cfg)
         self.worker.init()
 

@@ -11,9 +11,8 @@ import pytest
 import torch
 
 from orlhf.cluster import ActorGroup, RankError
-from orlhf.config import build_config
 from orlhf.worker_config import worker_config
-from orlhf.entry import resolve_demo
+from orlhf.finish import finish_config
 from orlhf.experience import rollouts_to_batch
 from orlhf.layout import plan_layout
 from orlhf.placement import EngineBundles, create_placement_groups, remove_placement_groups
@@ -37,11 +36,11 @@ def rig():
     flags = {"train_batch_size": 8, "micro_train_batch_size": 2, "rollout_batch_size": 8,
              "actor_num_gpus_per_node": 2, "vllm_num_engines": 2, "vllm_cpu_kv_cache_gb": 0.25,
              "vllm_cpu_threads": 2, "advantage_estimator": "reinforce", "device": "cpu"}
-    cfg = resolve_demo(build_config(flags, explicit=set(flags)))
-    placed = create_placement_groups(plan_layout(cfg, "cpu"), timeout_s=60)
+    cfg = finish_config(flags, explicit=set(flags))
+    placed = create_placement_groups(plan_layout(cfg), timeout_s=60)
     t0 = time.monotonic()
-    engines = EngineGroup(engine_config(cfg, "cpu"), [placed.engine_bundles(i) for i in range(2)], timeout_s=300)
-    actor = ActorGroup("actor", PolicyWorker, worker_config(cfg, "actor", "cpu", 4), placed.role_bundles("actor"),
+    engines = EngineGroup(engine_config(cfg), [placed.engine_bundles(i) for i in range(2)], timeout_s=300)
+    actor = ActorGroup("actor", PolicyWorker, worker_config(cfg, "actor", 4), placed.role_bundles("actor"),
                        device="cpu", gpus_per_node=2, timeout_s=300)
     actor.call(PolicyWorker.init).get()
     sync = WeightSync(actor, engines, backend="gloo", timeout_s=120)
@@ -107,7 +106,7 @@ def test_sync_after_train_step_gives_trainer_log_probs(rig, tmp_path):
     export = tmp_path / "export"
     actor.call(PolicyWorker.save_hf, str(export)).get()
 
-    fresh = EngineGroup(dataclasses.replace(engine_config(cfg, "cpu"), model_path=str(export)),
+    fresh = EngineGroup(dataclasses.replace(engine_config(cfg), model_path=str(export)),
                         [EngineBundles(None, [0], 0.0)], timeout_s=300)
     try:
         greedy = SamplingSpec(temperature=0.0, max_new_tokens=8)
@@ -121,7 +120,7 @@ def test_sync_after_train_step_gives_trainer_log_probs(rig, tmp_path):
 
 def test_dead_engine_is_named_and_leaves_no_process(rig):
     cfg, _, _, _, tok = rig
-    group = EngineGroup(engine_config(cfg, "cpu"), [EngineBundles(None, [0], 0.0)], timeout_s=120)
+    group = EngineGroup(engine_config(cfg), [EngineBundles(None, [0], 0.0)], timeout_s=120)
     pid = group.call(EngineActor.pid).get()[0]
     long = SamplingSpec(max_new_tokens=cfg.ppo.generate_max_len, n=64, seed=0)
     call = group.call_rank(0, EngineActor.generate, list(enumerate(prompts(tok, 32))), long)

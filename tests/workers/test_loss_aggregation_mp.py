@@ -19,7 +19,7 @@ import torch
 
 from orlhf.algo.kl import approx_kl
 from orlhf.algo.losses import aggregate, entropy_from_logits, policy_loss_terms, value_loss_per_token
-from orlhf.worker_config import WorkerConfig
+from orlhf.worker_config import WorkerConfig, role_config
 from orlhf.types import Experience
 
 B, P, A, V = 12, 4, 5, 64  # global batch, prompt length, response length, vocab
@@ -62,8 +62,8 @@ def _cfg(role: str, path: str, mb: int, mode: str) -> WorkerConfig:
     # controller moves it), and the reference uses KL: the gradients agree only if the passed value is used.
     extra = (dict(entropy_loss_coef=ENT, use_kl_loss=True, kl_coef=5 * KL, kl_estimator="k3") if role == "actor"
              else dict(value_clip=0.5))
-    return WorkerConfig(role=role, model_path=path, device="cpu", zero_stage=0, learning_rate=1e-3,
-                        train_batch_size=B, micro_train_batch_size=mb, max_norm=1e9, loss_agg_mode=mode, **extra)
+    return role_config(role, model_path=path, device="cpu", zero_stage=0, learning_rate=1e-3,
+                       train_batch_size=B, micro_train_batch_size=mb, max_norm=1e9, loss_agg_mode=mode, **extra)
 
 
 def _rank_main(rank: int, world: int, port: int, path: str, exp: Experience, out_dir: str) -> None:

@@ -16,7 +16,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
-from orlhf.worker_config import WorkerConfig
+from orlhf.worker_config import role_config
 from orlhf.types import Experience, SequenceBatch
 
 B, P, A, V, H = 6, 5, 4, 128, 64
@@ -66,10 +66,10 @@ def _rank_main(rank: int, port: int, path: str, out_dir: str) -> None:
     batch = _batch()
     heads = dict(model_path=path, device="cpu", zero_stage=3, micro_forward_batch_size=4,
                  value_head_prefix="value_head", normalize_reward=True)
-    reward = RewardWorker(WorkerConfig(role="reward", **heads))
+    reward = RewardWorker(role_config("reward", **heads))
     reward.init()
-    critic = CriticWorker(WorkerConfig(role="critic", learning_rate=1e-3, train_batch_size=B, value_clip=0.5,
-                                       micro_train_batch_size=3, total_optimizer_steps=2, **heads))
+    critic = CriticWorker(role_config("critic", learning_rate=1e-3, train_batch_size=B, value_clip=0.5,
+                                      micro_train_batch_size=3, total_optimizer_steps=2, **heads))
     critic.init()
     out = {"scores": reward.scores(batch), "values": critic.values(batch)}
     g = torch.Generator().manual_seed(5)

@@ -17,7 +17,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
-from orlhf.worker_config import WorkerConfig
+from orlhf.worker_config import WorkerConfig, role_config
 from orlhf.types import Experience, SequenceBatch
 
 B, P, A, V = 8, 6, 5, 128  # global batch, prompt length, response length, vocab
@@ -106,9 +106,9 @@ def experience(hf_lm) -> Experience:
 def _cfg(role: str, path: str, **kw) -> WorkerConfig:
     train = dict(learning_rate=1e-3, train_batch_size=B, micro_train_batch_size=2, total_optimizer_steps=4)
     loss = dict(entropy_loss_coef=0.01, use_kl_loss=True, kl_coef=0.1, kl_estimator="k3") if role == "actor" else {}
-    base = dict(role=role, model_path=path, device="cpu", zero_stage=3, micro_forward_batch_size=3)
+    base = dict(model_path=path, device="cpu", zero_stage=3, micro_forward_batch_size=3)
     critic = {"value_clip": 0.5} if role == "critic" else {}
-    return WorkerConfig(**{**base, **(train if role in ("actor", "critic") else {}), **loss, **critic, **kw})
+    return role_config(role, **{**base, **(train if role in ("actor", "critic") else {}), **loss, **critic, **kw})
 
 
 def _timed(out: dict, key: str, fn):

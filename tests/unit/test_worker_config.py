@@ -1,0 +1,106 @@
+"""Each role's config holds only what that role uses, and the config is finished (device, validation, demo) in
+one place: finish.py."""
+
+import dataclasses
+
+import pytest
+
+from orlhf.config import ConfigError, parse_config
+from orlhf.roles import ROLES
+from orlhf.worker_config import (ActorConfig, CriticConfig, RefConfig, RewardConfig, TrainSlice, role_config,
+                                 worker_config)
+
+
+def field_names(obj) -> set[str]:
+    """Every field name in a config and its nested slices."""
+    names = set()
+    for f in dataclasses.fields(obj):
+        names.add(f.name)
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            names |= field_names(value)
+    return names
+
+
+@pytest.fixture
+def cfg():
+    from orlhf.finish import resolve_device
+
+    flags = {"pretrain": "model", "reward_pretrain": "rm", "use_kl_loss": True}
+    return resolve_device(parse_config(flags, set(flags)), "cpu")  # every role (gae: a critic; a KL: a reference)
+
+
+def test_each_role_gets_only_its_slices(cfg):
+    configs = {role: worker_config(cfg, role, 7) for role in ROLES}
+    assert [type(c) for c in configs.values()] == [ActorConfig, RefConfig, CriticConfig, RewardConfig]
+    ref, critic, reward, actor = configs["ref"], configs["critic"], configs["reward"], configs["actor"]
+    optimizer = {f.name for f in dataclasses.fields(TrainSlice)}  # learning_rate, adam_betas, max_norm, ...
+    for frozen in (ref, reward):
+        assert not field_names(frozen) & (optimizer | {"train", "eps_clip", "value_clip", "loss_agg_mode"})
+    assert not hasattr(ref, "learning_rate") and not hasattr(ref, "train")
+    assert "eps_clip" not in field_names(critic) and not hasattr(critic, "eps_clip")
+    assert "value_clip" not in field_names(actor) and "value_head_prefix" not in field_names(actor)
+    assert "temperature" not in field_names(critic) | field_names(reward)  # value heads do not sample
+    # A training slice exactly for the roles that train (roles.py), with the right learning rate.
+    for role, c in configs.items():
+        assert hasattr(c, "train") == ROLES[role].trains == c.trainable, role
+    assert (actor.train.learning_rate, critic.train.learning_rate) == (cfg.ppo.actor_learning_rate,
+                                                                       cfg.ppo.critic_learning_rate)
+    assert actor.train.total_optimizer_steps == critic.train.total_optimizer_steps == 7
+    assert critic.loss.value_clip == cfg.ppo.value_clip and actor.loss.eps_clip == cfg.ppo.eps_clip
+    assert (reward.model_path, critic.head.value_head_prefix) == ("rm", cfg.data.value_head_prefix)
+    assert all(c.device == "cpu" and c.role == role for role, c in configs.items())
+
+
+def test_role_config_refuses_a_field_the_role_does_not_have():
+    with pytest.raises(TypeError, match="critic config has no field 'eps_clip'"):
+        role_config("critic", model_path="m", device="cpu", eps_clip=0.2)
+    with pytest.raises(TypeError, match="ref config has no field 'learning_rate'"):
+        role_config("ref", model_path="m", device="cpu", learning_rate=1e-3)
+    c = role_config("critic", model_path="m", device="cpu", learning_rate=1e-3, value_clip=0.5, normalize_reward=True)
+    assert (c.train.learning_rate, c.loss.value_clip, c.head.normalize_reward) == (1e-3, 0.5, True)
+
+
+def test_the_device_is_read_from_the_finished_config_only():
+    from orlhf.layout import plan_layout
+
+    cfg = parse_config({"pretrain": "model"}, {"pretrain"})  # --device auto: not resolved
+    for use in (plan_layout, lambda c: worker_config(c, "actor")):
+        with pytest.raises(ValueError, match="not resolved yet; finish the config first"):
+            use(cfg)
+
+
+def test_finish_validates_once_against_the_resolved_device(monkeypatch):
+    import torch
+
+    from orlhf import finish, validation
+
+    calls = []
+    real = validation.validate
+    monkeypatch.setattr(validation, "validate", lambda c: calls.append(c.runtime.device) or real(c))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    done = finish.finish_config({"seed": 3}, {"seed"})  # --device auto, the demo
+    assert calls == ["cpu"] and done.device == "cpu" and done.vllm.sync_backend == "gloo"
+    assert not done.data.uses_demo and done.data.pretrain.endswith("model")  # the demo's paths are filled in
+    # --device auto on a machine without a GPU: the cuda-only flag is named (the CLI exits 2 with it).
+    bad = {"vllm_sync_backend": "nccl"}
+    with pytest.raises(ConfigError, match="--vllm_sync_backend nccl needs CUDA GPUs"):
+        finish.finish_config(bad, set(bad))
+    assert parse_config(bad, set(bad)).runtime.device == "auto"  # parsing alone neither resolves nor validates
+
+
+def test_cli_exits_2_naming_the_flag_when_the_resolved_device_refuses_it(capsys, monkeypatch, no_training):
+    import torch
+
+    from orlhf.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_:
+        main(["train-ppo", "--flash_attn", "--bf16"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "--flash_attn needs CUDA GPUs" in err and not no_training
+    with pytest.raises(SystemExit) as exit_:
+        main(["train-ppo", "--device", "cpu"])
+    assert exit_.value.code == 0
+    finished = no_training[0]  # the run gets the finished config: device and demo resolved
+    assert finished.device == "cpu" and not finished.data.uses_demo and finished.data.remote_rm_url
