@@ -58,6 +58,9 @@ class WorkerConfig:
     kl_estimator: str = "k1"
     value_clip: Optional[float] = None
     temperature: float = 1.0  # logits are divided by it, as the engines sample with it
+    # --use_dynamic_batch: micro-batches by real-token budget (orlhf/batching.py budget_micro_batches); 0: by count
+    train_max_tokens: int = 0
+    forward_max_tokens: int = 0
 
     @property
     def trainable(self) -> bool:
@@ -89,6 +92,7 @@ def worker_config(cfg: TrainConfig, role: str, device: str, total_optimizer_step
         gradient_checkpointing=ds.gradient_checkpointing, flash_attn=ds.flash_attn, seed=ppo.seed,
         micro_forward_batch_size=ppo.micro_rollout_batch_size, temperature=ppo.temperature,
         trim_padding=not ds.no_trim_padding, packing_samples=ds.packing_samples, cpu_threads=ds.train_cpu_threads,
+        **dynamic_batch_budgets(ds),
     )
     heads = dict(value_head_prefix=d.value_head_prefix, normalize_reward=ppo.normalize_reward)
     if role == "ref":
@@ -111,3 +115,12 @@ def worker_config(cfg: TrainConfig, role: str, device: str, total_optimizer_step
                             is_threshold=tuple(ppo.vllm_is_truncated_threshold))
     return WorkerConfig(**common, **train, **heads, learning_rate=ppo.critic_learning_rate,
                         value_clip=ppo.value_clip)
+
+
+def dynamic_batch_budgets(ds) -> dict:
+    """WorkerConfig's token budgets from the DeepSpeed flags: none without --use_dynamic_batch; the forward budget
+    defaults to the training one (OpenRLHF's --rollout_max_tokens_per_gpu default)."""
+    if not ds.use_dynamic_batch:
+        return {}
+    forward = ds.rollout_max_tokens_per_gpu if ds.rollout_max_tokens_per_gpu is not None else ds.train_max_tokens_per_gpu
+    return {"train_max_tokens": ds.train_max_tokens_per_gpu, "forward_max_tokens": forward}
