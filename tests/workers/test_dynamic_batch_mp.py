@@ -2,7 +2,7 @@
 
 Real DeepSpeed actors on real gloo process groups (world size 1 and 2). Each run trains one actor from the same
 weights on the same 12 samples (prompt 4 tokens, responses 1..5: real lengths 5..9) in two optimizer steps,
-once with --micro_train_batch_size 2 and once by token budget; both must end with the same weights (fp32
+once with --micro_train_batch_size 3 and once by token budget; both must end with the same weights (fp32
 tolerance) and, under ZeRO-0 where the step's gradient sits in p.grad, the same gradients. Budget 8 is below
 the longest samples (9 tokens): those get a micro-batch of their own (OpenRLHF's first fit does the same), and
 every other micro-batch holds at most 8 real tokens. Log-prob forwards by budget equal the fixed ones.
@@ -51,7 +51,7 @@ def experience() -> Experience:
 
 def _cfg(path: str, zero: int, budget: int) -> WorkerConfig:
     return WorkerConfig(role="actor", model_path=path, device="cpu", zero_stage=zero, learning_rate=1e-3,
-                        train_batch_size=B // 2, micro_train_batch_size=2, max_norm=1e9, entropy_loss_coef=0.01,
+                        train_batch_size=B // 2, micro_train_batch_size=3, max_norm=1e9, entropy_loss_coef=0.01,
                         train_max_tokens=budget, forward_max_tokens=budget)
 
 
@@ -64,7 +64,7 @@ def _rank_main(rank: int, world: int, port: int, path: str, exp: Experience, out
     share = exp.split([B // world] * world)[rank]
     out = {}
     for zero in (0, 3):
-        for budget in (0, *BUDGETS):  # 0: fixed micro-batches of 2
+        for budget in (0, *BUDGETS):  # 0: fixed micro-batches of 3
             worker = PolicyWorker(_cfg(path, zero, budget))
             worker.init()
             seen, grads = [], []
@@ -154,9 +154,9 @@ def test_budgets_are_kept_and_ranks_agree(runs, world):
                 counts.append(len(run["train_lengths"]))
                 assert sum(run["last"]) == 2  # two optimizer steps, each ended once
             assert len(set(counts)) == 1  # every rank runs the same number of micro-batches
-    # budget 8 < the 9-token samples: they run alone; the fixed run had 2 per micro-batch
+    # budget 8 < the 9-token samples: they run alone; the fixed run had 3 per micro-batch
     assert any(g == [9] for g in runs[1][0][(0, 8)]["train_lengths"])
-    assert all(len(g) == 2 for g in runs[1][0][(0, 0)]["train_lengths"])
+    assert all(len(g) == 3 for g in runs[1][0][(0, 0)]["train_lengths"])
 
 
 def test_first_fit_count_and_spread():
