@@ -37,7 +37,7 @@ def test_frozen_actor_hf_only_checkpoints_dynamic_batch(ray_local, tmp_path, cap
     from orlhf.demo import ensure_demo
 
     save = tmp_path / "run"
-    flags = ("--save_path", str(save), "--max_samples", "192", "--freezing_actor_steps", "1", "--save_steps", "1",
+    flags = ("--save_path", str(save), "--max_samples", "192", "--num_episodes", "1","--freezing_actor_steps", "1", "--save_steps", "1",
              "--disable_ds_ckpt", "--use_dynamic_batch", "--train_max_tokens_per_gpu", "300", "--packing_samples")
     assert run(*flags) == 0
     rows = [json.loads(line) for line in open(save / "metrics.jsonl")]
