@@ -15,6 +15,12 @@ pack(mb)  removes all padding: the micro-batch's real tokens in one row (1, N), 
           positions whose outputs score the action tokens (the token before each), `last_index` each sample's
           last real token; unflatten() puts per-action outputs back into (b, A).
 
+budget_micro_batches(lengths, budget)  (--use_dynamic_batch) groups samples by a token budget instead of a count:
+          the number of groups is OpenRLHF's (first fit in the given order: the fewest bins it needs), then the
+          samples are spread over that many groups longest first, each to the lightest group it fits in, so the
+          groups carry similar token counts and none exceeds the budget. A sample longer than the budget alone is
+          no error (as OpenRLHF): it gets a group of its own. Groups list sample indices in ascending order.
+
 Training micro-batches keep their order (the same samples meet in a micro-batch as without trimming, so the
 losses are the same numbers); only scoring, which is per sample, is reordered.
 """
@@ -109,3 +115,53 @@ def pack(batch) -> Packed:
     return Packed(input_ids=ids.unsqueeze(0), position_ids=positions.unsqueeze(0),
                   score_index=starts[rows] + prompt[rows] + cols - 1, action_rows=rows, action_cols=cols,
                   last_index=starts + lengths - 1, batch_size=len(batch), num_actions=batch.num_actions)
+
+
+def first_fit_bins(lengths: list[int], budget: int) -> int:
+    """How many bins of `budget` tokens first fit fills with `lengths`, in order (OpenRLHF's count of dynamic
+    micro-batches): [5, 3, 7, 2, 6] with 10 -> [8, 9, 6] -> 3."""
+    bins: list[int] = []
+    for n in lengths:
+        for i, load in enumerate(bins):
+            if load + n <= budget:
+                bins[i] += n
+                break
+        else:
+            bins.append(n)
+    return len(bins)
+
+
+def spread(lengths: list[int], budget: int, k: int) -> list[list[int]] | None:
+    """`k` groups of sample indices, longest sample first into the lightest group where it fits (an empty group
+    takes anything); None when some sample fits no group. Groups sorted by first index, indices ascending."""
+    if not lengths:
+        return []
+    groups: list[list[int]] = [[] for _ in range(k)]
+    loads = [0] * k
+    for i in sorted(range(len(lengths)), key=lambda j: (-lengths[j], j)):
+        g = min(range(k), key=lambda j: (loads[j], j))  # lightest: if it cannot take the sample, none can
+        if groups[g] and loads[g] + lengths[i] > budget:
+            return None
+        groups[g].append(i)
+        loads[g] += lengths[i]
+    return sorted((sorted(g) for g in groups if g), key=lambda g: g[0])
+
+
+def fitting_count(lengths: list[int], budget: int, at_least: int = 1) -> int:
+    """The fewest groups >= max(at_least, first_fit_bins) that spread() fills within the budget."""
+    k = max(at_least, first_fit_bins(lengths, budget), 1)
+    while spread(lengths, budget, k) is None:  # ends: with one sample per group every sample fits
+        k += 1
+    return k
+
+
+def budget_micro_batches(lengths: list[int], budget: int, k: int | None = None) -> list[list[int]]:
+    """Sample indices grouped by token budget (module docstring); k: the group count (fitting_count's value, or
+    a larger one agreed between ranks)."""
+    if budget < 1:
+        raise ValueError(f"token budget must be >= 1, got {budget}")
+    k = fitting_count(lengths, budget) if k is None else k
+    groups = spread(lengths, budget, min(k, len(lengths)))
+    if groups is None:
+        raise ValueError(f"{len(lengths)} samples do not fit {k} micro-batches of {budget} tokens")
+    return groups

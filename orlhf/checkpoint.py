@@ -13,6 +13,7 @@ The pure side (names, meta.json's format, the compatibility check, the state enc
           zero_to_fp32.py          DeepSpeed's offline consolidation script (python zero_to_fp32.py actor out)
         critic/                    the same for the critic (every trained role of roles.py has its folder)
         hf/actor/                  with --save_hf_ckpt: HF folder (safetensors) that transformers and vLLM load
+                                   (--disable_ds_ckpt: only this and controller state; meta "resumable": false)
       .tmp-step_000020-1a2b3c4d/   a save in progress, or one that crashed: never read; owner.json inside names its
                                    writer (pid, host, run id): cleanup_stale_tmp removes it once that writer is gone
       .trash-step_000001-...       a rotated checkpoint being deleted

@@ -46,6 +46,10 @@ def check_compatible(meta: dict[str, Any], fingerprint: dict[str, Any], path: st
     if meta.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"{where} has format {meta.get('format')!r}; this orlhf reads format {FORMAT_VERSION}. "
                               "Resume with the orlhf version that wrote it, or start fresh with another --ckpt_path.")
+    if meta.get("resumable") is False:
+        raise CheckpointError(f"{where} was saved with --disable_ds_ckpt: it holds the HF actor (hf/actor) but no "
+                              "DeepSpeed state, so no run can resume from it. Start fresh (another --ckpt_path, or "
+                              "leave out --load_checkpoint), or save resumable checkpoints without --disable_ds_ckpt.")
     saved = meta.get("fingerprint") or {}
     missing = object()
     diffs = [(k, saved.get(k, missing), fingerprint.get(k, missing)) for k in sorted({*saved, *fingerprint})

@@ -115,6 +115,19 @@ class DeepSpeedConfig:
         False, "Keep training/scoring micro-batches padded to the whole batch's longest sequence (turns off "
         "padding removal; for benchmarks)."
     )
+    use_dynamic_batch: bool = opt(
+        False, "Micro-batches by a token budget instead of a sample count: training (per optimizer step, "
+        "--train_max_tokens_per_gpu) and scoring forwards (--rollout_max_tokens_per_gpu). Budgets count real "
+        "tokens (prompt + response); --packing_samples makes that what a forward holds."
+    )
+    train_max_tokens_per_gpu: int = opt(
+        16192, "With --use_dynamic_batch: most real tokens in one training micro-batch per rank (a longer "
+        "sample gets a micro-batch of its own)."
+    )
+    rollout_max_tokens_per_gpu: Optional[int] = opt(
+        None, "With --use_dynamic_batch: most real tokens in one scoring forward per rank (default: "
+        "--train_max_tokens_per_gpu)."
+    )
 
 
 @dataclass(frozen=True)
@@ -198,6 +211,9 @@ class PPOConfig:
     reward_clip_range: tuple[float, float] = opt((-10.0, 10.0), "Clip rewards to [LOW HIGH].", metavar="LOW HIGH")
     entropy_loss_coef: float = opt(0.0, "Entropy bonus coefficient.")
     temperature: float = opt(1.0, "Sampling temperature.")
+    freezing_actor_steps: int = opt(
+        -1, "Critic warm-up: the actor is not trained (and the engines not synced) while the 0-based step "
+        "index is <= N, i.e. the first N+1 steps, as OpenRLHF (-1: never frozen).")
     top_p: float = opt(1.0, "Nucleus sampling p.")
     seed: int = opt(42, "Random seed (engines get seed + engine index).")
     async_train: bool = opt(False, "Generate step k+1 while training on step k.")
@@ -264,6 +280,9 @@ class LoggingConfig:
     allow_no_checkpoint: bool = opt(
         False, "With --load_checkpoint: start fresh when --ckpt_path holds no checkpoint (default: an error).")
     save_value_network: bool = opt(False, "Also save the final critic (value head included) in <save_path>/critic.")
+    disable_ds_ckpt: bool = opt(
+        False, "Checkpoints hold the HF actor folder only, no DeepSpeed state (smaller; a run cannot resume "
+        "from them).")
 
     @property
     def checkpoint_dir(self) -> str:

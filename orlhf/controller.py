@@ -10,8 +10,10 @@
                        (TrainConfig.single_pass: the actor's training forward supplies them, the ratio is 1)
       (guard)          engine log-probs vs the actor's: past --max_engine_logprob_gap the run stops (sync_guard.py)
       make_experience  driver: KL, group baseline, KL-shaped rewards, advantages and returns (algo/)
-      train            actor and critic train_step at the same time (non-blocking calls, gathered after)
+      train            actor and critic train_step at the same time (non-blocking calls, gathered after);
+                       --freezing_actor_steps N: the critic alone while the step index (0-based) is <= N
       sync_weights     actor -> engines (weight_sync.py); weight_version += 1; before the next generate
+                       (skipped after a frozen-actor step: the engines already hold those weights)
       evaluate         every --eval_steps steps and after the last: held-out prompts on the new weights
                        (evaluation.py; no training state touched), the best checkpoint kept apart
 
@@ -179,11 +181,14 @@ class Controller:
                                              engine_log_probs)
         with self.timed("train"):
             actor_stats, critic_stats = self.train(exp, info["kl_coef"])
-        if old_lp is None:  # single pass: the actor measured the gap in its training forward; stop after this step
-            gap = _engine_gap(engine_log_probs, None, batch.action_mask, actor_stats)
+        if old_lp is None and not self.actor_frozen:  # single pass: the actor measured the gap in its training
+            gap = _engine_gap(engine_log_probs, None, batch.action_mask, actor_stats)  # forward; stop after it
             self.guard.check(gap, self.step_index + 1, staleness)
+        elif old_lp is None:
+            gap = float("nan")  # nothing measured it: the frozen actor made no forward
         with self.timed("sync"):
-            self.sync_weights()
+            if not self.actor_frozen:  # a frozen actor's weights are the engines' already
+                self.sync_weights()
         self.step_index += 1
         now = time.perf_counter()
         seconds, self._last_step_end = now - self._last_step_end, now  # wall time per step, overlap included
@@ -254,9 +259,11 @@ class Controller:
         mgr, step = mgr or self.checkpoints, self.step_index
         tmp = mgr.begin(step)
         trained = [("actor", self.m.actor)] + ([("critic", self.m.critic)] if self.m.critic else [])
+        hf_only = self.cfg.logging.disable_ds_ckpt  # the HF actor alone: no DeepSpeed state, no resume from it
+        trained = [] if hf_only else trained
         for call in [g.call(DeepSpeedWorker.save_checkpoint, str(tmp / role)) for role, g in trained]:
             call.get()
-        if self.cfg.logging.save_hf_ckpt:  # after: both are collectives on the actor ranks, never interleaved
+        if self.cfg.logging.save_hf_ckpt or hf_only:  # after: both are collectives on the actor ranks, never interleaved
             self.m.actor.call(PolicyWorker.save_hf, str(tmp / "hf" / "actor")).get()
         spe = self.loader.steps_per_episode  # loader position of the consumed batches (async reads ahead)
         loader_state = {**self.loader.state_dict(), "episode": step // spe, "batch_in_episode": step % spe}
@@ -268,7 +275,8 @@ class Controller:
             "reward_norm": self.reward_norm.state_dict() if self.reward_norm else None, "rng": rng_state(),
             "best_eval": self.evaluator.best if self.evaluator else None})
         path = mgr.commit(tmp, step, {"fingerprint": config_fingerprint(self.cfg),
-                                      "roles": {role: g.world_size for role, g in trained}})
+                                      "roles": {role: g.world_size for role, g in trained},
+                                      **({"resumable": False} if hf_only else {})})
         if mgr is self.checkpoints:  # the best-eval copy is not the rotation's save of this step
             self._saved_step = step
         log.info("checkpoint %s (%.1f s)", path, time.perf_counter() - t0)
@@ -367,12 +375,20 @@ class Controller:
         for epoch in range(self.cfg.ppo.max_epochs):
             g = torch.Generator().manual_seed(self.cfg.ppo.seed + 7919 * self.step_index + epoch)
             shuffled = exp.index(torch.randperm(len(exp), generator=g))
-            actor_call = self.m.actor.call_sharded(PolicyWorker.train_step, shuffled, kl_coef)
+            actor_call = None if self.actor_frozen else self.m.actor.call_sharded(PolicyWorker.train_step, shuffled,
+                                                                                  kl_coef)
             critic_call = self.m.critic.call_sharded(CriticWorker.train_step, shuffled) if self.m.critic else None
-            actor_stats += actor_call.get()
+            actor_stats += actor_call.get() if actor_call is not None else []
             if critic_call is not None:
                 critic_stats += critic_call.get()
-        return _mean_stats(actor_stats), _mean_stats(critic_stats) if critic_stats else None
+        actor = _mean_stats(actor_stats) if actor_stats else _FROZEN_ACTOR_STATS
+        return actor, _mean_stats(critic_stats) if critic_stats else None
+
+    @property
+    def actor_frozen(self) -> bool:
+        """--freezing_actor_steps N: the actor sits out while the step index (0-based) is <= N, OpenRLHF's
+        `global_steps > freezing_actor_steps` test with its step counter starting at 0 (N + 1 steps, critic only)."""
+        return self.step_index <= self.cfg.ppo.freezing_actor_steps
 
     def sync_weights(self) -> None:
         with self._sync_lock:  # async mode: waits for the generation in flight; sync mode: uncontended
@@ -408,6 +424,12 @@ def reward_inputs(tokenizer, rollouts: list[Rollout], prompts: list) -> tuple[li
     texts = [prompts[r.prompt_index].text for r in rollouts]
     responses = tokenizer.batch_decode([r.response_ids for r in rollouts], skip_special_tokens=True)
     return [t + resp for t, resp in zip(texts, responses)], texts, [prompts[r.prompt_index].label for r in rollouts]
+
+
+# The actor's metrics on a --freezing_actor_steps step: no training, so none (NaN: metrics.jsonl writes null).
+_FROZEN_ACTOR_STATS: dict[str, float] = {
+    k: float("nan") for k in ("loss", "lr", "clip_frac", "clip_frac_low", "clip_frac_high", "approx_kl", "entropy",
+                              "grad_norm", "kl_loss", "kl_coef", "is_cut_frac")}
 
 
 def _mean_stats(stats: list[TrainStats]) -> dict[str, float]:

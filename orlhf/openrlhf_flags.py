@@ -108,8 +108,6 @@ def _u(nargs: int, default: Optional[tuple[str, ...]], what: str) -> Unsupported
 UNSUPPORTED: dict[str, Unsupported] = {
     "vllm_sync_with_ray": _u(0, None, "weight sync through Ray's collective library"),
     "partial_rollout": _u(0, None, "partial rollouts"),
-    "disable_ds_ckpt": _u(0, None, "checkpoints without DeepSpeed states (orlhf's are always resumable; "
-                                   "--save_hf_ckpt adds HF folders)"),
     "max_ckpt_mem": _u(1, ("inf",), "a disk budget for checkpoints (--max_ckpt_num bounds them)"),
     "use_ds_universal_ckpt": _u(0, None, "DeepSpeed universal checkpoints"),
     "local_rank": _u(1, ("-1",), "the deepspeed launcher (orlhf places ranks with Ray)"),
@@ -125,10 +123,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "disable_fast_tokenizer": _u(0, None, "slow (Python) tokenizers"),
     "dataloader_num_workers": _u(1, ("0",), "data-loader worker processes (prompts are read in memory)"),
     "ds_tensor_parallel_size": _u(1, ("1",), "DeepSpeed tensor parallelism"),
-    "use_dynamic_batch": _u(0, None, "token-budget micro-batches (orlhf trims each micro-batch to its real "
-                                     "length; size them with --micro_train_batch_size/--micro_rollout_batch_size)"),
-    "rollout_max_tokens_per_gpu": _u(1, None, "token-budget micro-batches (--use_dynamic_batch)"),
-    "train_max_tokens_per_gpu": _u(1, ("16192",), "token-budget micro-batches (--use_dynamic_batch)"),
     "load_in_4bit": _u(0, None, "4-bit (QLoRA) loading"),
     "lora_rank": _u(1, ("0",), "LoRA"),
     "lora_alpha": _u(1, ("16",), "LoRA"),
@@ -136,7 +130,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "lora_dropout": _u(1, ("0",), "LoRA"),
     "vllm_generate_batch_size": _u(1, None, "a vLLM batch other than --rollout_batch_size"),
     "full_determinism": _u(0, None, "fully deterministic kernels"),
-    "freezing_actor_steps": _u(1, ("-1",), "critic-only warm-up steps"),
     "aux_loss_coef": _u(1, ("0",), "the MoE balancing loss"),
     "ring_attn_size": _u(1, ("1",), "ring attention"),
     "ring_head_stride": _u(1, ("1",), "ring attention"),

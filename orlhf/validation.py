@@ -24,7 +24,7 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 def validate(cfg: TrainConfig) -> None:
     problems: list[str] = []
     for rule in (_ranges, _estimators, _reward_source, _colocation, _vllm, _batches, _paths, _device,
-                 _prompt_mix_and_heads, _losses, _sampling, _eval):
+                 _prompt_mix_and_heads, _losses, _sampling, _eval, _dynamic_batch_and_freezing):
         rule(cfg, problems)
     if problems:
         raise ConfigError(problems)
@@ -386,3 +386,20 @@ def _eval(cfg: TrainConfig, out: list[str]) -> None:
         offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
         if not path.exists() and (offline or not _HUB_ID.match(e.eval_dataset)):
             out.append(f"--eval_dataset {e.eval_dataset}: no such file or folder.")
+
+
+def _dynamic_batch_and_freezing(cfg: TrainConfig, out: list[str]) -> None:
+    """Token budgets and the critic warm-up. A budget below one sample's length is no error (OpenRLHF has none
+    either): that sample gets a micro-batch of its own."""
+    ds = cfg.deepspeed
+    for flag, value in (("--train_max_tokens_per_gpu", ds.train_max_tokens_per_gpu),
+                        ("--rollout_max_tokens_per_gpu", ds.rollout_max_tokens_per_gpu)):
+        if value is not None and value < 1:
+            out.append(f"{flag} must be >= 1 token (got {value}).")
+    n = cfg.ppo.freezing_actor_steps
+    if n < -1:
+        out.append(f"--freezing_actor_steps must be >= -1 (got {n}; -1: the actor is never frozen).")
+    elif n >= 0 and not cfg.has_critic:
+        out.append(f"--freezing_actor_steps {n} trains the critic alone in the first steps, but --advantage_estimator "
+                   f"{cfg.ppo.advantage_estimator} has no critic: nothing would train. Use --advantage_estimator gae "
+                   "or leave out --freezing_actor_steps.")

@@ -41,6 +41,9 @@ class TrainSlice:
     lr_scheduler: str = "cosine_with_min_lr"
     adam_offload: bool = False  # Adam states on host
     offload_states: bool = False  # --deepspeed_enable_sleep: ZeRO-3 states leave the GPU in generation
+    # --use_dynamic_batch: each optimizer step's samples in micro-batches of at most this many real tokens; 0: by
+    # count (micro_train_batch_size)
+    max_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,9 @@ class WorkerConfig:
     cpu_threads: int = 0  # CPU only: torch threads in this rank's process (0: leave Ray's OMP_NUM_THREADS)
     trim_padding: bool = True  # cut each micro-batch to its real length (not --no_trim_padding)
     packing_samples: bool = False  # one row of real tokens per micro-batch (--packing_samples)
+    # --use_dynamic_batch: forwards grouped by a real-token budget (orlhf/batching.py budget_micro_batches); 0: by
+    # count (--micro_rollout_batch_size)
+    forward_max_tokens: int = 0
 
     @property
     def trainable(self) -> bool:
@@ -175,6 +181,7 @@ def worker_config(cfg: TrainConfig, role: str, total_optimizer_steps: int = 1) -
     worker needs."""
     role_spec(role)  # ValueError for an unknown role
     d, ds, ppo = cfg.data, cfg.deepspeed, cfg.ppo
+    train_budget, forward_budget = dynamic_batch_budgets(ds)
     path = model_path(cfg, role)
     if path is None:
         raise ValueError(f"no model path for role {role!r}; finish the config first (finish.finish_config)")
@@ -182,7 +189,7 @@ def worker_config(cfg: TrainConfig, role: str, total_optimizer_steps: int = 1) -
         model_path=path, device=cfg.device, zero_stage=ds.zero_stage, bf16=ds.bf16,
         gradient_checkpointing=ds.gradient_checkpointing, flash_attn=ds.flash_attn, seed=ppo.seed,
         micro_forward_batch_size=ppo.micro_rollout_batch_size, trim_padding=not ds.no_trim_padding,
-        packing_samples=ds.packing_samples, cpu_threads=ds.train_cpu_threads,
+        packing_samples=ds.packing_samples, cpu_threads=ds.train_cpu_threads, forward_max_tokens=forward_budget,
     )
     head = HeadSlice(value_head_prefix=d.value_head_prefix, normalize_reward=ppo.normalize_reward)
     if role == "ref":
@@ -193,7 +200,7 @@ def worker_config(cfg: TrainConfig, role: str, total_optimizer_steps: int = 1) -
         adam_offload=ds.adam_offload, offload_states=ds.enable_sleep, lr_warmup_ratio=ppo.lr_warmup_ratio,
         total_optimizer_steps=total_optimizer_steps, train_batch_size=ppo.train_batch_size,
         micro_train_batch_size=ppo.micro_train_batch_size, max_norm=ppo.max_norm, adam_betas=tuple(ppo.adam_betas),
-        weight_decay=ppo.l2, lr_scheduler=ppo.lr_scheduler,
+        weight_decay=ppo.l2, lr_scheduler=ppo.lr_scheduler, max_tokens=train_budget,
     )
     agg = resolved_loss_agg_mode(ppo)
     if role == "actor":
@@ -208,3 +215,12 @@ def worker_config(cfg: TrainConfig, role: str, total_optimizer_steps: int = 1) -
                            train=TrainSlice(learning_rate=ppo.actor_learning_rate, **train), loss=loss)
     return CriticConfig(**common, head=head, train=TrainSlice(learning_rate=ppo.critic_learning_rate, **train),
                         loss=ValueLossSlice(loss_agg_mode=agg, value_clip=ppo.value_clip))
+
+
+def dynamic_batch_budgets(ds) -> tuple[int, int]:
+    """(training, forward) token budgets from the DeepSpeed flags: (0, 0) without --use_dynamic_batch; the forward
+    budget defaults to the training one (OpenRLHF's --rollout_max_tokens_per_gpu default)."""
+    if not ds.use_dynamic_batch:
+        return 0, 0
+    forward = ds.rollout_max_tokens_per_gpu if ds.rollout_max_tokens_per_gpu is not None else ds.train_max_tokens_per_gpu
+    return ds.train_max_tokens_per_gpu, forward

@@ -48,7 +48,7 @@ t0=$(date +%s)
 PIP=(pip_quiet "$VENV/bin/python" -m pip --disable-pip-version-check)
 # This machine's pip config lists local package folders; pip warns once per missing one. Drop only that noise.
 pip_quiet() { "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
-"${PIP[@]}" install -q "setuptools==$SETUPTOOLS" wheel ninja packaging py-cpuinfo psutil
+"${PIP[@]}" install -q --no-compile "setuptools==$SETUPTOOLS" wheel ninja packaging py-cpuinfo psutil
 UV=()
 if [ "$ORLHF_DEVICE" = cpu ] && [ "${ORLHF_INSTALLER:-uv}" = uv ] && "${PIP[@]}" install -q uv; then
   # No ahead-of-time .pyc (uv's default; pip compiles every file): compiling all ~400 packages cost ~75 s on
@@ -66,7 +66,9 @@ if [ "$ORLHF_DEVICE" = cuda ]; then
   "$VENV/bin/python" -c "import runpy; print(runpy.run_path('orlhf/versions.py')['torch_constraint']())" >"$CONSTRAINTS"
 else
   log "torch $TORCH (CPU build)"
-  "${PIP[@]}" install -q "torch==$TORCH"
+  # --no-compile: pip would byte-compile all of torch's ~3000 .py files; the import check below compiles the part
+  # that is imported (and the run reuses those .pyc)
+  "${PIP[@]}" install -q --no-compile "torch==$TORCH"
   echo "torch==$TORCH_CPU" >"$CONSTRAINTS"
 fi
 step_done "torch"

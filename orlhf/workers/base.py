@@ -36,7 +36,7 @@ from torch import nn
 
 from orlhf.endpoints import endpoint
 from orlhf.algo.losses import LossNorm, step_norm
-from orlhf.batching import pad_actions, sort_by_length, trim
+from orlhf.batching import budget_micro_batches, fitting_count, pad_actions, real_lengths, sort_by_length, trim
 from orlhf.worker_config import WorkerConfig
 from orlhf.workers.hf_names import meta_group, to_checkpoint_names
 from orlhf.workers.loading import hf_zero3_loading
@@ -138,6 +138,9 @@ def ds_config(cfg: WorkerConfig, world_size: int) -> dict:
                  "train_micro_batch_size_per_gpu": t.micro_train_batch_size,
                  "gradient_accumulation_steps": t.train_batch_size // per_step}
         clip = t.max_norm
+        if t.max_tokens:  # --use_dynamic_batch: the worker marks each step's last micro-batch itself
+            batch = {"train_batch_size": world_size, "train_micro_batch_size_per_gpu": 1,
+                     "gradient_accumulation_steps": 1}
     else:
         stage = 3 if cfg.zero_stage == 3 else 0
         zero = {"stage": stage}
@@ -272,8 +275,10 @@ class DeepSpeedWorker:
         """
         m = self.cfg.micro_forward_batch_size
         order = sort_by_length(batch) if self.cfg.trim_padding and len(batch) > m else None
-        rows = batch.index(order) if order is not None else batch
         sizes = [min(m, len(batch) - i) for i in range(0, len(batch), m)]
+        if self.cfg.forward_max_tokens:  # --use_dynamic_batch: groups of at most the budget in real tokens
+            order, sizes = _budget_order(batch, self.cfg.forward_max_tokens)
+        rows = batch.index(order) if order is not None else batch
         parts = rows.split(sizes) if sizes else []
         n_calls = self._max_over_ranks(len(parts)) if self.zero3 else len(parts)
         # A one-row dummy with this batch's shapes: used for padding calls and to shape an empty result.
@@ -298,6 +303,8 @@ class DeepSpeedWorker:
                             loss_fn: Callable[[Experience, LossNorm], tuple[torch.Tensor, dict]]) -> TrainStats:
         """Forward/backward/step over micro-batches of cfg.train.micro_train_batch_size; DeepSpeed applies the
         optimizer at each accumulation boundary (every train_batch_size / world samples on this rank).
+        With --use_dynamic_batch (cfg.train.max_tokens) each step's samples are grouped by token budget instead
+        (_dynamic_steps) and the worker marks the boundary itself (DeepSpeed runs with gas 1).
 
         Each micro-batch's loss is normalized by its optimizer step's LossNorm: the real action tokens and
         sequences of all the step's micro-batches on all ranks (one all-reduce per step), so the step's
@@ -314,15 +321,17 @@ class DeepSpeedWorker:
         if n == 0 or n % per_rank:
             raise ValueError(f"{self.cfg.role} train_step got {n} samples per rank; expected a positive multiple "
                              f"of train_batch_size / world = {per_rank} (whole optimizer steps)")
-        m = self.cfg.train.micro_train_batch_size
-        gas = per_rank // m  # micro-batches per optimizer step on this rank
+        dynamic = bool(self.cfg.train.max_tokens)
+        micro, last = self._train_plan(batch, per_rank)
         self.engine.train()
         sums: dict[str, float] = {}
         grad_norm = 0.0
-        micro = batch.split([m] * (n // m))
         for i, mb in enumerate(micro):
-            if i % gas == 0:
-                norm = self._step_norm([x.action_mask for x in micro[i:i + gas]], gas)
+            if i == 0 or last[i - 1]:  # a step begins. DeepSpeed divides each loss by its configured gas
+                gas = 1 if dynamic else per_rank // self.cfg.train.micro_train_batch_size  # (1 when dynamic)
+                norm = self._step_norm([x.action_mask for x in micro[i:last.index(True, i) + 1]], gas)
+            if dynamic:  # DeepSpeed reduces gradients and steps only where this says so
+                self.engine.set_gradient_accumulation_boundary(last[i])
             lr = self.engine.get_lr()[0]  # the LR the coming optimizer step uses
             loss, stats = loss_fn(self._to_device(trim(mb) if self.cfg.trim_padding else mb), norm)
             self.engine.backward(loss)
@@ -335,10 +344,55 @@ class DeepSpeedWorker:
                 grad_norm = math.nan if norm_value is None else float(norm_value)
             for k, v in stats.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
-        steps = n // m
+        steps = len(micro)
         means = {k: v / steps for k, v in sums.items()}
         known = {k: means.pop(k) for k in list(means) if k in TrainStats.__dataclass_fields__}
         return TrainStats(lr=lr, grad_norm=grad_norm, micro_steps=steps, extra=means, **known)
+
+    def _train_plan(self, batch: Experience, per_rank: int) -> tuple[list[Experience], list[bool]]:
+        """(micro-batches in order, whether each ends its optimizer step): fixed micro_train_batch_size, or
+        token-budget groups per step with --use_dynamic_batch."""
+        if self.cfg.train.max_tokens:
+            steps = self._dynamic_steps(batch, per_rank)
+        else:
+            m = self.cfg.train.micro_train_batch_size
+            fixed, gas = batch.split([m] * (len(batch) // m)), per_rank // m
+            steps = [fixed[i:i + gas] for i in range(0, len(fixed), gas)]
+        micro, last = [], []
+        for step in steps:
+            micro += step
+            last += [False] * (len(step) - 1) + [True]
+        return micro, last
+
+    def _dynamic_steps(self, batch: Experience, per_rank: int) -> list[list[Experience]]:
+        """--use_dynamic_batch: each optimizer step's samples (per_rank of them, in order) in token-budget
+        micro-batches. Every rank runs the same number of micro-batches per step (ZeRO's collectives and the
+        step boundary must line up): the count is agreed as the largest any rank needs, as OpenRLHF does."""
+        budget = self.cfg.train.max_tokens
+        prompt, response = real_lengths(batch)
+        lengths = (prompt + response).tolist()
+        chunks = [lengths[i:i + per_rank] for i in range(0, len(batch), per_rank)]
+        counts = [0] * len(chunks)
+        while True:  # the agreed count may need raising where a rank's spread cannot use it: repeat until stable
+            mine = [fitting_count(c, budget, at_least=k) for c, k in zip(chunks, counts)]
+            agreed = self._max_over_ranks_list(mine)
+            if agreed == counts:
+                break
+            counts = agreed
+        steps = []
+        for s, (chunk, k) in enumerate(zip(chunks, counts)):
+            groups = budget_micro_batches(chunk, budget, k)
+            steps.append([batch.index(torch.tensor([s * per_rank + j for j in g])) for g in groups])
+        return steps
+
+    def _max_over_ranks_list(self, values: list[int]) -> list[int]:
+        if self.world_size == 1:
+            return list(values)
+        import torch.distributed as dist
+
+        t = torch.tensor(values, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return [int(v) for v in t.tolist()]
 
     def _step_norm(self, masks: list[torch.Tensor], gas: int) -> LossNorm:
         """One optimizer step's LossNorm: token and sequence counts summed over its micro-batches and ranks."""
@@ -446,6 +500,13 @@ class DeepSpeedWorker:
         from orlhf.workers.checkpoint_io import load_worker_checkpoint
 
         load_worker_checkpoint(self, folder)
+
+
+def _budget_order(batch: SequenceBatch, budget: int) -> tuple[torch.Tensor, list[int]]:
+    """(row order, micro-batch sizes) grouping the rows by a real-token budget (batching.budget_micro_batches)."""
+    prompt, response = real_lengths(batch)
+    groups = budget_micro_batches((prompt + response).tolist(), budget)
+    return torch.tensor([i for g in groups for i in g], dtype=torch.long), [len(g) for g in groups]
 
 
 def persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

@@ -427,3 +427,32 @@ def test_eval_rules(prompts):
     assert_fails(["--eval_steps must be -1"], eval_dataset=prompts, eval_steps=0)
     assert_fails(["--eval_n_samples_per_prompt must be >= 1"], eval_dataset=prompts, eval_n_samples_per_prompt=0)
     assert_fails(["--eval_dataset", "no such file"], eval_dataset="nowhere/at_all.jsonl")
+
+
+def test_dynamic_batch_and_freezing_rules():
+    assert_fails(["--train_max_tokens_per_gpu must be >= 1"], use_dynamic_batch=True, train_max_tokens_per_gpu=0)
+    assert_fails(["--rollout_max_tokens_per_gpu must be >= 1"], rollout_max_tokens_per_gpu=-5)
+    assert_fails(["--freezing_actor_steps", "no critic", "gae"], advantage_estimator="reinforce",
+                 freezing_actor_steps=2)
+    assert_fails(["--freezing_actor_steps must be >= -1"], freezing_actor_steps=-2)
+    # a budget below prompt + response is no error (OpenRLHF has none): long samples run alone
+    cfg = build(use_dynamic_batch=True, train_max_tokens_per_gpu=8, prompt_max_len=64, generate_max_len=64,
+                freezing_actor_steps=1, disable_ds_ckpt=True)
+    assert cfg.deepspeed.train_max_tokens_per_gpu == 8 and cfg.ppo.freezing_actor_steps == 1
+
+
+def test_dynamic_batch_budgets_reach_the_workers():
+    from orlhf.worker_config import worker_config
+
+    def of(role, **flags):
+        cfg = build(device="cpu", **flags)
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, pretrain="/m"))  # as resolve_demo does
+        return worker_config(cfg, role)
+
+    actor, ref = of("actor", use_dynamic_batch=True, train_max_tokens_per_gpu=100), \
+        of("ref", use_dynamic_batch=True, train_max_tokens_per_gpu=100)
+    assert (actor.train.max_tokens, actor.forward_max_tokens, ref.forward_max_tokens) == (100, 100, 100)
+    critic = of("critic", use_dynamic_batch=True, train_max_tokens_per_gpu=100, rollout_max_tokens_per_gpu=300)
+    assert (critic.train.max_tokens, critic.forward_max_tokens) == (100, 300)
+    off = of("actor", train_max_tokens_per_gpu=100)
+    assert (off.train.max_tokens, off.forward_max_tokens) == (0, 0)  # budgets only with --use_dynamic_batch

@@ -99,7 +99,7 @@ def test_a_launch_line_with_every_flag_parses(capsys, no_training, dashed, monke
     (["--ring_attn_size", "2"], "--ring_attn_size"),
     (["--lora_rank", "16"], "--lora_rank"),
     (["--load_in_4bit"], "--load_in_4bit"),
-    (["--use_dynamic_batch", "--train_max_tokens_per_gpu", "8192"], "--use_dynamic_batch"),
+    (["--use_ds_universal_ckpt"], "--use_ds_universal_ckpt"),
     (["--target_modules", "q_proj", "v_proj"], "--target_modules"),
     (["--param_dtype", "fp16"], "--param_dtype fp16"),
     (["--ds.ring_attn_size", "4"], "--ring_attn_size"),
