@@ -81,7 +81,8 @@ class VLLMConfig:
     )
     cpu_kv_cache_gb: float = opt(1.0, "CPU only: KV cache per engine in GiB.", flag="vllm_cpu_kv_cache_gb")
     cpu_threads: int = opt(
-        0, "CPU only: torch threads per engine (0: one per CPU slot it holds, as Ray sets).", flag="vllm_cpu_threads"
+        0, "CPU only: torch threads per engine (0: handed over per phase: while generating, the cores shared "
+        "among the engines; sync mode).", flag="vllm_cpu_threads"
     )
     sync_bucket_mb: float = opt(256.0, "Weight-sync bucket size in MiB (whole layers per bucket).",
                                 flag="vllm_sync_bucket_mb")
@@ -109,7 +110,8 @@ class DeepSpeedConfig:
         "block-diagonal mask under SDPA)."
     )
     train_cpu_threads: int = opt(
-        0, "CPU only: torch threads per model rank (0: one per CPU slot it holds, as Ray sets)."
+        0, "CPU only: torch threads per model rank (0: handed over per phase: the cores shared among the ranks "
+        "that work in it, e.g. all to the actor while it trains alone; sync mode)."
     )
     no_trim_padding: bool = opt(
         False, "Keep training/scoring micro-batches padded to the whole batch's longest sequence (turns off "
