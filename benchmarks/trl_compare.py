@@ -12,6 +12,7 @@
         orlhf        orlhf train-ppo (sync)          orlhf_async   the same with --async_train
         orlhf_1thread  sync with one thread per process (--vllm_cpu_threads 1 --train_cpu_threads 1): no per-phase
                      hand-over of the cores (orlhf/threads.py), as before it
+        orlhf_engines2 sync with --vllm_num_engines 2: generation data-parallel over the cores, one thread each
         trl          benchmarks/trl_grpo_runner.py under TRL's python (HF generate; no vLLM on CPU)
       each a subprocess; proctree.TreeSampler notes when each metrics.jsonl row lands and the CPU seconds of the
       whole process tree (Ray and vLLM processes included) at that moment
@@ -47,7 +48,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from proctree import TreeSampler, run_sampled  # noqa: E402  (benchmarks/proctree.py)
 from trl_grpo_runner import add_work_args  # noqa: E402  (the equal work, declared once)
 
-MODES = ("orlhf", "orlhf_async", "trl", "orlhf_1thread")
+MODES = ("orlhf", "orlhf_async", "trl", "orlhf_1thread", "orlhf_engines2")
 TRL_VERSION = "1.16.0"
 
 
@@ -204,7 +205,8 @@ def main(argv=None) -> None:
     python = trl_python(a.trl_venv, a.trl_version, install=not a.no_install) if "trl" in a.modes else None
     cmds = {"orlhf": orlhf_cmd(a, False), "orlhf_async": orlhf_cmd(a, True),
             "trl": trl_cmd(a, python) if python else None,
-            "orlhf_1thread": orlhf_cmd(a, False, ("--vllm_cpu_threads", "1", "--train_cpu_threads", "1"))}
+            "orlhf_1thread": orlhf_cmd(a, False, ("--vllm_cpu_threads", "1", "--train_cpu_threads", "1")),
+            "orlhf_engines2": orlhf_cmd(a, False, ("--vllm_num_engines", "2"))}
     runs: dict[str, list[dict]] = {m: [] for m in a.modes}
     for rep in range(a.repeats):
         for mode in a.modes:

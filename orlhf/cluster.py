@@ -86,7 +86,6 @@ class RankActor:
     def set_cpu_threads(self, n: int) -> None:
         self.cpu_threads = n
 
-
     def pid(self) -> int:
         return os.getpid()
 

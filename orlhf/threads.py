@@ -22,7 +22,8 @@ Idle processes do not spin: libgomp's threads spin only briefly after a parallel
 2-thread region), so no OMP_WAIT_POLICY is set (PASSIVE would put the working team to sleep between every op).
 
 Off (nothing handed over): on GPUs, with --async_train (generation runs beside training all the time), and for a
-role whose thread count the user fixed (--train_cpu_threads / --vllm_cpu_threads N keep N).
+role whose thread count the user fixed (--train_cpu_threads / --vllm_cpu_threads N keep N; a fixed
+--train_cpu_threads is sent the same way, also in async mode, so that it reaches every pool thread).
 """
 
 from __future__ import annotations
@@ -44,11 +45,11 @@ def machine_cores() -> int:
 
 def apply_threads(n: int) -> None:
     """torch's intra-op threads of the calling thread = n (changed only when different: a change may rebuild
-    torch's pthreadpool). torch._C._set_num_threads: vLLM's CPU worker replaces the Python wrapper."""
+    torch's pthreadpool). torch._C.set_num_threads (the builtin torch.set_num_threads is bound to): vLLM's CPU worker replaces the Python wrapper."""
     import torch
 
     if n > 0 and torch.get_num_threads() != n:
-        torch._C._set_num_threads(n)
+        torch._C.set_num_threads(n)
 
 
 def share(cores: int, processes: int) -> int:
@@ -72,7 +73,7 @@ class PhaseThreads:
     @classmethod
     def from_config(cls, cfg, models, cores: Optional[int] = None) -> "PhaseThreads":
         """The plan for a run; empty (before() does nothing) where nothing is handed over."""
-        if cfg.runtime.device != "cpu" or cfg.ppo.async_train:
+        if cfg.runtime.device != "cpu":
             return cls({}, 1)
         scoring = ([] if cfg.single_pass else [models.actor]) + [models.ref, models.critic, models.reward]
         training = [models.actor, models.critic]
@@ -83,6 +84,8 @@ class PhaseThreads:
         # --train_cpu_threads N: sent like a hand-over (init() set it on one of a rank's pool threads only)
         n = cfg.deepspeed.train_cpu_threads
         fixed = {id(g): n for g in phases["score"] + phases["train"]} if n else {}
+        if cfg.ppo.async_train:  # generation runs beside training all the time: only the fixed counts are sent
+            phases = {phase: [g for g in gs if id(g) in fixed] for phase, gs in phases.items()}
         plan = cls(phases, cores or machine_cores(), fixed)
         log.info("CPU threads per phase (%d cores): %s", plan.cores, plan.describe())
         return plan

@@ -84,3 +84,9 @@ def test_fixed_train_threads_are_sent_as_asked():
     threads, sent = plan(train_cpu_threads=3)  # init() set it on one pool thread; every call applies it now
     run_step(threads)
     assert sent == [("engines", 2), ("actor", 3), ("ref", 3), ("critic", 3)]
+
+
+def test_async_mode_sends_only_fixed_counts():
+    threads, sent = plan(async_train=True, train_cpu_threads=2, **GRPO)
+    run_step(threads)
+    assert sent == [("ref", 2), ("actor", 2)]
