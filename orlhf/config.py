@@ -81,8 +81,7 @@ class VLLMConfig:
     )
     cpu_kv_cache_gb: float = opt(1.0, "CPU only: KV cache per engine in GiB.", flag="vllm_cpu_kv_cache_gb")
     cpu_threads: int = opt(
-        0, "CPU only: torch threads per engine (0: handed over per phase: while generating, the cores shared "
-        "among the engines; sync mode).", flag="vllm_cpu_threads"
+        0, "CPU only: torch threads per engine (0: one per CPU slot it holds, as Ray sets).", flag="vllm_cpu_threads"
     )
     sync_bucket_mb: float = opt(256.0, "Weight-sync bucket size in MiB (whole layers per bucket).",
                                 flag="vllm_sync_bucket_mb")

@@ -1,29 +1,31 @@
-"""CPU threads handed over per phase: the processes that work in a phase share all the machine's cores.
+"""CPU threads handed over per phase: the model ranks that work in a phase share all the machine's cores.
 
-    Controller.timed(phase) --> PhaseThreads.before(phase)          (sync mode, --device cpu only)
-        generate   engines                          cores // engines torch threads each
-        score      the ranks that score: actor (old log-probs), ref, critic, reward
-        train      actor (+ critic) ranks           cores // ranks working (at least 1)
-        other phases: nothing changes (sync, make_experience: brief, or driver work)
-    RankActor.set_cpu_threads(n) / EngineActor.set_cpu_threads(n) store n; the next call applies it on the thread
-    that runs the work (apply_threads), then returns.
+    Controller.timed(phase) --> PhaseThreads.before(phase)          (--device cpu only)
+        score      the ranks that score: actor (old log-probs), ref, critic, reward   cores // ranks working each
+        train      actor (+ critic) ranks                                              (at least 1)
+        generate   nothing: each engine keeps one thread per CPU slot (Ray's OMP_NUM_THREADS), see below
+    RankActor.set_cpu_threads(n) stores n; every later call applies it on the thread that runs the work.
 
 Why per phase: with one thread per Ray process (Ray sets OMP_NUM_THREADS to the actor's CPU slots, 1 here) a phase
-in which one process works leaves the other cores idle; with N threads everywhere, phases in which several
-processes work oversubscribe the cores and OpenMP teams wait at barriers for descheduled threads.
+in which one rank works (GRPO with one optimizer step per batch: the ref scores alone, the actor trains alone)
+leaves the other cores idle; with N threads everywhere, phases in which several ranks work oversubscribe the
+cores and OpenMP teams wait at barriers for descheduled threads.
 
 Why "on the thread that runs the work": torch's OpenMP thread count is per calling thread (libgomp keeps it in
 the thread's own ICV once a thread has run torch code), and a rank actor runs calls on a pool of threads
-(max_concurrency=2), so a set_num_threads in one call (e.g. init()) need not reach the thread that trains. And in
-an engine, in-process vLLM replaces torch.set_num_threads with a no-op (its CPU worker), so the C call is used.
+(max_concurrency=2), so a set_num_threads in one call (e.g. init()) need not reach the thread that trains.
+
+Why not the engines: generation on CPU is mostly serial Python (vLLM's scheduler, sampler and output
+processing: 27% of a 1-thread generate in math kernels, benchmarks/README.md), so a second thread gives at most
+~1.16x, and on a shared machine a 2-thread vLLM engine generated at 0.26x of one thread (trl_compare, load ~10).
+More engines (--vllm_num_engines) fill the cores in generation instead; --vllm_cpu_threads N still sets N.
 
 Idle processes do not spin: libgomp's threads spin only briefly after a parallel region and then sleep
-(benchmarks/README.md: <= 0.8% of a 1-thread phase's samples in libgomp, 0.1-3.6 ms of CPU in the second after a
-2-thread region), so no OMP_WAIT_POLICY is set (PASSIVE would put the working team to sleep between every op).
+(<= 0.8% of a 1-thread phase's samples in libgomp, 0.1-3.6 ms of CPU in the second after a 2-thread region), so
+no OMP_WAIT_POLICY is set (PASSIVE would put the working team to sleep between every op).
 
-Off (nothing handed over): on GPUs, with --async_train (generation runs beside training all the time), and for a
-role whose thread count the user fixed (--train_cpu_threads / --vllm_cpu_threads N keep N; a fixed
---train_cpu_threads is sent the same way, also in async mode, so that it reaches every pool thread).
+Off: on GPUs; with --async_train (generation runs beside training all the time) nothing is handed over; a fixed
+--train_cpu_threads N is sent the same way (also in async mode), so that it reaches every pool thread.
 """
 
 from __future__ import annotations
@@ -45,11 +47,11 @@ def machine_cores() -> int:
 
 def apply_threads(n: int) -> None:
     """torch's intra-op threads of the calling thread = n (changed only when different: a change may rebuild
-    torch's pthreadpool). torch._C.set_num_threads (the builtin torch.set_num_threads is bound to): vLLM's CPU worker replaces the Python wrapper."""
+    torch's pthreadpool)."""
     import torch
 
     if n > 0 and torch.get_num_threads() != n:
-        torch._C.set_num_threads(n)
+        torch.set_num_threads(n)
 
 
 def share(cores: int, processes: int) -> int:
@@ -58,8 +60,8 @@ def share(cores: int, processes: int) -> int:
 
 
 def processes(group) -> int:
-    """Processes in a model group (ActorGroup: its ranks) or an EngineGroup (its engines; TP is GPU-only)."""
-    return getattr(group, "world_size", None) or len(group)
+    """Processes in a model group (ActorGroup: its ranks)."""
+    return group.world_size
 
 
 class PhaseThreads:
@@ -77,9 +79,7 @@ class PhaseThreads:
             return cls({}, 1)
         scoring = ([] if cfg.single_pass else [models.actor]) + [models.ref, models.critic, models.reward]
         training = [models.actor, models.critic]
-        # --vllm_cpu_threads N: the engine set N before vLLM started, on the thread that runs its calls: leave it
-        engines = [models.engines] if not cfg.vllm.cpu_threads else []
-        phases = {"generate": engines, "score": [g for g in scoring if g is not None],
+        phases = {"score": [g for g in scoring if g is not None],
                   "train": [g for g in training if g is not None]}
         # --train_cpu_threads N: sent like a hand-over (init() set it on one of a rank's pool threads only)
         n = cfg.deepspeed.train_cpu_threads

@@ -158,13 +158,6 @@ class EngineActor:
 
         return torch.get_num_threads()
 
-    def set_cpu_threads(self, n: int) -> None:
-        """CPU, per phase (orlhf/threads.py). This actor runs its calls on one thread, so setting it here reaches
-        generate(); the C call because in-process vLLM replaced torch.set_num_threads with a no-op."""
-        from orlhf.threads import apply_threads
-
-        apply_threads(n)
-
     def generate(self, prompts: list[tuple[int, list[int]]], sampling: SamplingSpec) -> list[Rollout]:
         """prompts: (prompt_index, token ids). Returns sampling.n rollouts per prompt, in the given order."""
         from vllm import SamplingParams
@@ -290,10 +283,6 @@ class EngineGroup:
 
     def call_all_async(self, method: str, *args, **kwargs) -> list:
         return [getattr(e, method).remote(*args, **kwargs) for e in self.engines]
-
-    def set_cpu_threads(self, n: int) -> None:
-        """Every engine generates with n torch threads from now on (CPU, per phase: orlhf/threads.py)."""
-        self.call_all("set_cpu_threads", n)
 
     def shutdown(self) -> None:
         for e in self.engines:

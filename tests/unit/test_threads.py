@@ -17,19 +17,10 @@ class Group:
         self.sent.append((self.name, n))
 
 
-class Engines(list):
-    def __init__(self, n, sent):
-        super().__init__(range(n))
-        self.sent = sent
-
-    def set_cpu_threads(self, n):
-        self.sent.append(("engines", n))
-
-
 def plan(cores=2, **flags):
     cfg = build_config({"device": "cpu", **flags}, set(flags) | {"device"})
     sent = []
-    models = SimpleNamespace(actor=Group("actor", 1, sent), engines=Engines(cfg.vllm.num_engines, sent),
+    models = SimpleNamespace(actor=Group("actor", 1, sent), engines=None,
                              ref=Group("ref", 1, sent) if cfg.has_reference else None,
                              critic=Group("critic", 1, sent) if cfg.ppo.advantage_estimator == "gae" else None,
                              reward=None)
@@ -53,37 +44,31 @@ def test_share():
 def test_grpo_single_pass_gives_each_phase_s_only_process_both_cores():
     threads, sent = plan(**GRPO)  # no old-log-prob forward: score = the ref alone, train = the actor alone
     run_step(threads)
-    assert sent == [("engines", 2), ("ref", 2), ("actor", 2)]
+    assert sent == [("ref", 2), ("actor", 2)]  # the engine keeps Ray's one thread (see threads.py)
     run_step(threads)
-    assert len(sent) == 3  # nothing changes in later steps: no calls
+    assert len(sent) == 2  # nothing changes in later steps: no calls
 
 
 def test_phases_with_several_processes_split_the_cores():
     threads, sent = plan()  # gae: score = actor + ref + critic, train = actor + critic
     run_step(threads)
-    assert sent == [("engines", 2), ("actor", 1), ("ref", 1), ("critic", 1)]  # train: actor, critic keep 1
+    assert sent == [("actor", 1), ("ref", 1), ("critic", 1)]  # train: actor, critic keep 1
     threads, sent = plan(cores=4, max_epochs=2, **GRPO)  # two passes: actor scores beside the ref, trains alone
     run_step(threads)
-    assert sent == [("engines", 4), ("actor", 2), ("ref", 2), ("actor", 4)]
-    threads, sent = plan(cores=4, vllm_num_engines=2, **GRPO)
-    run_step(threads)
-    assert sent[0] == ("engines", 2)
+    assert sent == [("actor", 2), ("ref", 2), ("actor", 4)]
 
 
-def test_nothing_handed_over_off_cpu_in_async_mode_or_for_fixed_engine_threads():
+def test_nothing_handed_over_off_cpu_or_in_async_mode():
     for flags in ({"async_train": True}, {"device": "cuda"}):
         threads, sent = plan(**{**GRPO, **flags})
         run_step(threads)
         assert sent == []
-    threads, sent = plan(vllm_cpu_threads=1, **GRPO)  # the engine set it before vLLM started
-    run_step(threads)
-    assert ("engines", 2) not in sent and sent == [("ref", 2), ("actor", 2)]
 
 
 def test_fixed_train_threads_are_sent_as_asked():
     threads, sent = plan(train_cpu_threads=3)  # init() set it on one pool thread; every call applies it now
     run_step(threads)
-    assert sent == [("engines", 2), ("actor", 3), ("ref", 3), ("critic", 3)]
+    assert sent == [("actor", 3), ("ref", 3), ("critic", 3)]
 
 
 def test_async_mode_sends_only_fixed_counts():
