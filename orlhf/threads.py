@@ -24,6 +24,9 @@ Idle processes do not spin: libgomp's threads spin only briefly after a parallel
 (<= 0.8% of a 1-thread phase's samples in libgomp, 0.1-3.6 ms of CPU in the second after a 2-thread region), so
 no OMP_WAIT_POLICY is set (PASSIVE would put the working team to sleep between every op).
 
+Only free cores are handed over: before() reads how many tasks are runnable machine-wide (/proc/loadavg) and
+shares cores minus those; on a machine busy with other jobs every rank keeps one thread.
+
 Off: on GPUs; with --async_train (generation runs beside training all the time) nothing is handed over; a fixed
 --train_cpu_threads N is sent the same way (also in async mode), so that it reaches every pool thread.
 """
@@ -54,6 +57,19 @@ def apply_threads(n: int) -> None:
         torch.set_num_threads(n)
 
 
+def busy_elsewhere(samples: int = 3) -> int:
+    """Tasks runnable on this machine right now besides the caller: the 4th field of /proc/loadavg ("running/total",
+    this reader included), the least of a few reads (it flickers). 0 where there is no /proc."""
+    seen = []
+    for _ in range(samples):
+        try:
+            with open("/proc/loadavg") as f:
+                seen.append(int(f.read().split()[3].split("/")[0]) - 1)
+        except (OSError, ValueError, IndexError):
+            return 0
+    return max(0, min(seen))
+
+
 def share(cores: int, processes: int) -> int:
     """Threads per process when `processes` work at once on `cores` (at least 1)."""
     return max(1, cores // max(1, processes))
@@ -67,8 +83,9 @@ def processes(group) -> int:
 class PhaseThreads:
     """Before each phase, tells the processes that work in it how many threads to use (see the module doc)."""
 
-    def __init__(self, phases: dict[str, list], cores: int, fixed: Optional[dict[int, int]] = None):
-        self.phases, self.cores = phases, cores  # phase -> [groups working in it]
+    def __init__(self, phases: dict[str, list], cores: int, fixed: Optional[dict[int, int]] = None,
+                 busy=busy_elsewhere):
+        self.phases, self.cores, self.busy = phases, cores, busy  # phase -> [groups working in it]
         self.fixed = fixed or {}  # id(group) -> threads the user fixed (--train_cpu_threads)
         self._last: dict[int, int] = {}  # id(group) -> threads last sent (no call when unchanged)
 
@@ -90,8 +107,12 @@ class PhaseThreads:
         log.info("CPU threads per phase (%d cores): %s", plan.cores, plan.describe())
         return plan
 
-    def threads(self, phase: str, group) -> int:
-        return self.fixed.get(id(group)) or share(self.cores, sum(processes(g) for g in self.phases[phase]))
+    def threads(self, phase: str, group, free: Optional[int] = None) -> int:
+        """The group's threads in `phase`; `free`: cores not taken by other work right now (None: all)."""
+        if id(group) in self.fixed:
+            return self.fixed[id(group)]
+        cores = self.cores if free is None else max(1, min(self.cores, free))
+        return share(cores, sum(processes(g) for g in self.phases[phase]))
 
     def describe(self) -> str:
         return "; ".join(f"{phase}: " + ", ".join(f"{processes(g)} x {self.threads(phase, g)}" for g in gs)
@@ -100,9 +121,16 @@ class PhaseThreads:
     def before(self, phase: str) -> None:
         """Send this phase's thread counts to its groups, waited for: a rank actor runs calls on a pool of
         threads, so the count must be stored before the phase's call starts. Usually sent once: a group whose
-        phases all give it the same count is not called again."""
-        for g in self.phases.get(phase, []):
-            n = self.threads(phase, g)
+        phases all give it the same count is not called again. Only the cores free now are shared: between
+        phases this run's processes are idle, so what is runnable is other work (measured on the shared machine:
+        a 2-thread train step at 0.57x of one thread, load ~9), and a team larger than the free cores waits at
+        every barrier for a descheduled thread."""
+        groups = self.phases.get(phase, [])
+        if not groups:
+            return
+        free = self.cores - self.busy()
+        for g in groups:
+            n = self.threads(phase, g, free)
             if self._last.get(id(g)) != n:
                 g.set_cpu_threads(n)
                 self._last[id(g)] = n

@@ -24,7 +24,9 @@ def plan(cores=2, **flags):
                              ref=Group("ref", 1, sent) if cfg.has_reference else None,
                              critic=Group("critic", 1, sent) if cfg.ppo.advantage_estimator == "gae" else None,
                              reward=None)
-    return PhaseThreads.from_config(cfg, models, cores=cores), sent
+    threads = PhaseThreads.from_config(cfg, models, cores=cores)
+    threads.busy = lambda: 0  # a quiet machine (see test_only_free_cores_are_shared)
+    return threads, sent
 
 
 def run_step(threads):
@@ -75,3 +77,21 @@ def test_async_mode_sends_only_fixed_counts():
     threads, sent = plan(async_train=True, train_cpu_threads=2, **GRPO)
     run_step(threads)
     assert sent == [("ref", 2), ("actor", 2)]
+
+
+def test_only_free_cores_are_shared():
+    threads, sent = plan(cores=4, **GRPO)
+    for busy, want in ((0, 4), (1, 3), (3, 1), (9, 1), (0, 4)):  # runnable tasks of other jobs -> actor threads
+        threads.busy = lambda: busy
+        threads.before("train")
+        assert sent[-1] == ("actor", want)
+    threads, sent = plan(train_cpu_threads=2, **GRPO)
+    threads.busy = lambda: 9
+    run_step(threads)
+    assert sent == [("ref", 2), ("actor", 2)]  # fixed by the user: kept whatever the load
+
+
+def test_busy_elsewhere_reads_the_machine():
+    from orlhf.threads import busy_elsewhere
+
+    assert busy_elsewhere() >= 0
