@@ -104,7 +104,8 @@ class PhaseThreads:
         if cfg.ppo.async_train:  # generation runs beside training all the time: only the fixed counts are sent
             phases = {phase: [g for g in gs if id(g) in fixed] for phase, gs in phases.items()}
         plan = cls(phases, cores or machine_cores(), fixed)
-        log.info("CPU threads per phase (%d cores): %s", plan.cores, plan.describe())
+        log.info("CPU threads per phase, at most (%d cores; only the cores free at a phase's start are shared): %s",
+                 plan.cores, plan.describe())
         return plan
 
     def threads(self, phase: str, group, free: Optional[int] = None) -> int:
