@@ -64,6 +64,7 @@ from orlhf import cli  # noqa: E402
 from orlhf import config as C  # noqa: E402
 from orlhf.controller import Controller, Models  # noqa: E402
 from orlhf.endpoints import method_name  # noqa: E402
+from orlhf.threads import PhaseThreads  # noqa: E402
 from orlhf.worker_config import worker_config  # noqa: E402
 
 log = logging.getLogger("hybrid")
@@ -197,6 +198,10 @@ class NoMetrics:
 class HybridController(Controller):
     """orlhf's Controller, with the step's train time split by role (the phases run one after the other here)
     and one log line per step; no `timing/sync` (nothing is synced)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.threads = PhaseThreads({}, 1)  # each rank runs every model in one process, on --threads threads
 
     def learn(self, prompts: list, rollouts: list, reward=None) -> dict[str, Any]:
         for g in self.m.groups():

@@ -10,6 +10,9 @@
          either side (TRL beta 0; orlhf --init_kl_coef 0).
     for repeat: for mode in --modes:      interleaved, so machine-load drift hits every side alike
         orlhf        orlhf train-ppo (sync)          orlhf_async   the same with --async_train
+        orlhf_1thread  sync with one thread per process (--vllm_cpu_threads 1 --train_cpu_threads 1): no per-phase
+                     hand-over of the cores (orlhf/threads.py), as before it
+        orlhf_engines2 sync with --vllm_num_engines 2: generation data-parallel over the cores, one thread each
         trl          benchmarks/trl_grpo_runner.py under TRL's python (HF generate; no vLLM on CPU)
       each a subprocess; proctree.TreeSampler notes when each metrics.jsonl row lands and the CPU seconds of the
       whole process tree (Ray and vLLM processes included) at that moment
@@ -45,7 +48,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from proctree import TreeSampler, run_sampled  # noqa: E402  (benchmarks/proctree.py)
 from trl_grpo_runner import add_work_args  # noqa: E402  (the equal work, declared once)
 
-MODES = ("orlhf", "orlhf_async", "trl")
+MODES = ("orlhf", "orlhf_async", "trl", "orlhf_1thread", "orlhf_engines2")
 TRL_VERSION = "1.16.0"
 
 
@@ -77,7 +80,7 @@ def trl_python(venv: Path, version: str, install: bool) -> Path:
 # ---- the two sides' command lines (the same work) ------------------------------------------------------------
 
 
-def orlhf_cmd(a, asynchronous: bool) -> list[str]:
+def orlhf_cmd(a, asynchronous: bool, extra: tuple = ()) -> list[str]:
     kl = (["--use_kl_loss", "--init_kl_coef", str(a.kl), "--kl_estimator", "k3"] if a.kl > 0
           else ["--init_kl_coef", "0"])
     samples = a.prompts_per_step * a.samples_per_prompt
@@ -88,7 +91,7 @@ def orlhf_cmd(a, asynchronous: bool) -> list[str]:
             "--micro_rollout_batch_size", str(a.micro_batch), "--generate_max_len", str(a.new_tokens),
             "--temperature", "1.0", "--actor_learning_rate", str(a.lr), "--lr_warmup_ratio", "0",
             "--eps_clip", "0.2", "--seed", "42", *kl, *(["--async_train"] if asynchronous else []),
-            *a.orlhf_flags.split()]
+            *extra, *a.orlhf_flags.split()]
 
 
 def trl_cmd(a, python: Path) -> list[str]:
@@ -201,7 +204,9 @@ def main(argv=None) -> None:
     a = parse_args(argv)
     python = trl_python(a.trl_venv, a.trl_version, install=not a.no_install) if "trl" in a.modes else None
     cmds = {"orlhf": orlhf_cmd(a, False), "orlhf_async": orlhf_cmd(a, True),
-            "trl": trl_cmd(a, python) if python else None}
+            "trl": trl_cmd(a, python) if python else None,
+            "orlhf_1thread": orlhf_cmd(a, False, ("--vllm_cpu_threads", "1", "--train_cpu_threads", "1")),
+            "orlhf_engines2": orlhf_cmd(a, False, ("--vllm_num_engines", "2"))}
     runs: dict[str, list[dict]] = {m: [] for m in a.modes}
     for rep in range(a.repeats):
         for mode in a.modes:
@@ -220,13 +225,13 @@ def main(argv=None) -> None:
 
 def print_table(result: dict) -> None:
     cols = ("samples_per_s", "ratio_vs_trl", "startup_s", "busy_share", "cpu_s_per_step", "step_s")
-    print(f"{'mode':<12}" + "".join(f"{c:>16}" for c in cols) + "   phases (s per step)")
+    print(f"{'mode':<14}" + "".join(f"{c:>16}" for c in cols) + "   phases (s per step)")
     for m, r in result.items():
         if "error" in r:
-            print(f"{m:<12}  error: {r['error']}")
+            print(f"{m:<14}  error: {r['error']}")
             continue
         cells = "".join(f"{r.get(c, float('nan')):>16.3f}" for c in cols)
-        print(f"{m:<12}{cells}   " + ", ".join(f"{k} {v:.2f}" for k, v in r["phases"].items()))
+        print(f"{m:<14}{cells}   " + ", ".join(f"{k} {v:.2f}" for k, v in r["phases"].items()))
 
 
 if __name__ == "__main__":

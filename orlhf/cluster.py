@@ -36,6 +36,7 @@ import torch
 from orlhf.endpoints import check_exports, method_name
 from orlhf.logs import LOG_DIR_ENV, redirect_output, tail, worker_log_path
 from orlhf.placement import RankBundle, scheduling_options
+from orlhf.threads import apply_threads
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,7 @@ class RankActor:
         redirect_output(log_name(role, rank))
         self.role, self.rank = role, rank
         self.worker = None
+        self.cpu_threads = 0  # CPU: torch threads for the next calls (orlhf/threads.py); 0: as Ray set them
 
     def address(self) -> tuple[str, int]:
         """(ip, free port) of this rank's node: rank 0's becomes the group's rendezvous address."""
@@ -83,7 +85,12 @@ class RankActor:
         self.worker = worker_cls(cfg)
 
     def call(self, method: str, *args, **kwargs) -> Any:
+        if self.cpu_threads:  # here, on the pool thread that runs the work: OpenMP's count is per thread
+            apply_threads(self.cpu_threads)
         return getattr(self.worker, method)(*args, **kwargs)
+
+    def set_cpu_threads(self, n: int) -> None:
+        self.cpu_threads = n
 
     def pid(self) -> int:
         return os.getpid()
@@ -208,6 +215,11 @@ class ActorGroup:
         chunks = shard(batch, self.world_size)
         refs = [a.call.remote(name, chunk, *args, **kwargs) for a, chunk in zip(self.actors, chunks)]
         return GroupCall(self.role, name, refs, list(range(self.world_size)), self.timeout_s, n_out=n)
+
+    def set_cpu_threads(self, n: int) -> None:
+        """Every rank runs its next calls with n torch threads (CPU, per phase: orlhf/threads.py)."""
+        wait_all([a.set_cpu_threads.remote(n) for a in self.actors], list(range(self.world_size)), self.role,
+                 "set_cpu_threads", self.timeout_s)
 
     def pids(self) -> list[int]:
         return wait_all([a.pid.remote() for a in self.actors], list(range(self.world_size)), self.role, "pid",

@@ -109,7 +109,8 @@ class DeepSpeedConfig:
         "block-diagonal mask under SDPA)."
     )
     train_cpu_threads: int = opt(
-        0, "CPU only: torch threads per model rank (0: one per CPU slot it holds, as Ray sets)."
+        0, "CPU only: torch threads per model rank (0: handed over per phase: the cores shared among the ranks "
+        "that work in it, e.g. all to the actor while it trains alone; sync mode)."
     )
     no_trim_padding: bool = opt(
         False, "Keep training/scoring micro-batches padded to the whole batch's longest sequence (turns off "

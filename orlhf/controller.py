@@ -43,6 +43,7 @@ from orlhf.metrics import MetricsLogger
 from orlhf.rollout.executor import agent_metrics, agent_scores, make_executor
 from orlhf.sleep import SleepSwitch
 from orlhf.sync_guard import SyncGuard
+from orlhf.threads import PhaseThreads
 from orlhf.types import Experience, Rollout, SamplingSpec, SequenceBatch, TrainStats
 from orlhf.workers import CriticWorker, PolicyWorker, ReferenceWorker, RewardWorker
 from orlhf.workers.base import DeepSpeedWorker
@@ -100,6 +101,7 @@ class Controller:
         self.executor = make_executor(cfg.data.agent_func_path, models.engines, tokenizer,
                                       cfg.ppo.prompt_max_len + cfg.ppo.generate_max_len, cfg.runtime.ray_timeout_s)
         self.guard = SyncGuard.from_config(cfg)  # --max_engine_logprob_gap (orlhf/sync_guard.py)
+        self.threads = PhaseThreads.from_config(cfg, models)  # CPU: threads handed over per phase
         self._first_step = 0  # step_index when this invocation started (resume)
         self._saved_step: Optional[int] = None  # step of this invocation's newest checkpoint
         self._sync_lock = threading.Lock()
@@ -412,6 +414,7 @@ class Controller:
 
     @contextmanager
     def timed(self, phase: str):
+        self.threads.before(phase)  # CPU: the processes working in this phase get the cores (threads.py)
         t0 = time.perf_counter()
         yield
         self.timings[phase] = self.timings.get(phase, 0.0) + time.perf_counter() - t0

@@ -1,8 +1,10 @@
 """What `orlhf train-ppo` runs once its flags are a finished TrainConfig (finish.py: validated, the device and
 the demo's paths resolved).
 
-    lock the run and checkpoint folders (runlock: a second run on them exits here) -> prompts -> connect Ray -> pre-flight + placement groups -> start engines (async) and model
-    groups (colocated on GPUs: engines ready -> engines asleep -> model groups; see start_plan) -> init all -> weight-sync group -> Controller.fit() -> export the final actor (atomic, export.py)
+    lock the run and checkpoint folders (runlock: a second run on them exits here) -> file pre-flight -> prompts
+    (in a thread) while Ray connects -> pre-flight + placement groups -> start engines (async) and model groups
+    (colocated on GPUs: engines ready -> engines asleep -> model groups; see start_plan) -> init all -> weight-sync
+    group -> Controller.fit() -> export the final actor (atomic, export.py)
     -> draw the reward curve (best effort) -> tear everything down (also on errors and Ctrl-C)
 """
 
@@ -13,6 +15,7 @@ import math
 import os
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -69,21 +72,27 @@ def run_locked(cfg: TrainConfig, run_id: str, clock) -> int:
     run_logs = setup_driver(cfg.logging.save_path, cfg.runtime.verbose)  # once the run folder is ours
     log.info("%s", run_logs.summary())
     d, p = cfg.data, cfg.ppo
-    tokenizer = load_tokenizer(d.pretrain)
-    loader = PromptLoader(load_prompts(cfg, tokenizer), p.rollout_batch_size, p.num_episodes, p.seed)
-    evaluator = make_evaluator(cfg, tokenizer)  # eval data problems fail here, before anything starts
     preflight(cfg)
-    samples_per_step = p.rollout_batch_size * p.n_samples_per_prompt
-    optimizer_steps = loader.total_steps * p.max_epochs * (samples_per_step // p.train_batch_size)
     layout = plan_layout(cfg)
     checkpoints = CheckpointManager(cfg.logging.checkpoint_dir, cfg.logging.max_ckpt_num, run_id)
-    resume_from, resume_step, run_id = resume_point(cfg, checkpoints, run_id)
 
-    clock.mark("prompts")
+    def read_inputs():
+        """Tokenizer, prompts, eval prompts, resume point: in a thread while Ray starts (the tokenizer's import of
+        transformers is most of it); their errors are raised once Ray is up, and Ray is shut down."""
+        tokenizer = load_tokenizer(d.pretrain)
+        loader = PromptLoader(load_prompts(cfg, tokenizer), p.rollout_batch_size, p.num_episodes, p.seed)
+        evaluator = make_evaluator(cfg, tokenizer)  # eval data problems fail here, before any model starts
+        return (tokenizer, loader, evaluator) + resume_point(cfg, checkpoints, run_id)
+
     with ExitStack() as stack:
-        if connect_ray(cfg, local_num_cpus(layout)):
+        reading = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="orlhf-inputs")).submit(read_inputs)
+        if connect_ray(cfg, local_num_cpus(layout)):  # in this thread: Ray sets its SIGTERM handler only here
             stack.callback(ray.shutdown)
         clock.mark("ray")
+        tokenizer, loader, evaluator, resume_from, resume_step, run_id = reading.result()
+        samples_per_step = p.rollout_batch_size * p.n_samples_per_prompt
+        optimizer_steps = loader.total_steps * p.max_epochs * (samples_per_step // p.train_batch_size)
+        clock.mark("prompts")
         placed = create_placement_groups(layout, cfg.runtime.ray_timeout_s)
         stack.callback(remove_placement_groups, placed)
         clock.mark("placement")

@@ -1,0 +1,118 @@
+"""CPU threads handed over per phase: the model ranks that work in a phase share all the machine's cores.
+
+    Controller.timed(phase) --> PhaseThreads.before(phase)          (--device cpu only)
+        score      the ranks that score: actor (old log-probs), ref, critic, reward   cores // ranks working each
+        train      actor (+ critic) ranks                                              (at least 1)
+        generate   nothing: each engine keeps one thread per CPU slot (Ray's OMP_NUM_THREADS), see below
+    RankActor.set_cpu_threads(n) stores n; every later call applies it on the thread that runs the work.
+
+Why per phase: with one thread per Ray process (Ray sets OMP_NUM_THREADS to the actor's CPU slots, 1 here) a phase
+in which one rank works (GRPO with one optimizer step per batch: the ref scores alone, the actor trains alone)
+leaves the other cores idle; with N threads everywhere, phases in which several ranks work oversubscribe the
+cores and OpenMP teams wait at barriers for descheduled threads.
+
+Why "on the thread that runs the work": torch's OpenMP thread count is per calling thread (libgomp keeps it in
+the thread's own ICV once a thread has run torch code), and a rank actor runs calls on a pool of threads
+(max_concurrency=2), so a set_num_threads in one call (e.g. init()) need not reach the thread that trains.
+
+Why not the engines: generation on CPU is mostly serial Python (vLLM's scheduler, sampler and output
+processing: 27% of a 1-thread generate in math kernels, benchmarks/README.md), so a second thread gives at most
+~1.16x, and on a shared machine a 2-thread vLLM engine generated at 0.26x of one thread (trl_compare, load ~10).
+More engines (--vllm_num_engines) fill the cores in generation instead; --vllm_cpu_threads N still sets N.
+
+Idle processes do not spin: libgomp's threads spin only briefly after a parallel region and then sleep
+(<= 0.8% of a 1-thread phase's samples in libgomp, 0.1-3.6 ms of CPU in the second after a 2-thread region), so
+no OMP_WAIT_POLICY is set (PASSIVE would put the working team to sleep between every op).
+
+The counts follow from the flags and the machine's cores alone, never from its load, so a seeded run gives the
+same numbers on a busy machine (the thread count changes floating-point summation order). On a machine shared
+with other jobs, teams larger than the free cores wait at every barrier for a descheduled thread (measured: a
+2-thread train step at 0.57x of one thread at load ~9): there, pass --train_cpu_threads 1.
+
+Off: on GPUs; with --async_train (generation runs beside training all the time) nothing is handed over; a fixed
+--train_cpu_threads N is sent the same way (also in async mode), so that it reaches every pool thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Optional
+
+log = logging.getLogger(__name__)
+
+
+def machine_cores() -> int:
+    """Cores this process may run on (the driver's; a CPU run's processes share one machine's cores)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def apply_threads(n: int) -> None:
+    """torch's intra-op threads of the calling thread = n (changed only when different: a change may rebuild
+    torch's pthreadpool)."""
+    import torch
+
+    if n > 0 and torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+
+
+def share(cores: int, processes: int) -> int:
+    """Threads per process when `processes` work at once on `cores` (at least 1)."""
+    return max(1, cores // max(1, processes))
+
+
+def processes(group) -> int:
+    """Processes in a model group (ActorGroup: its ranks)."""
+    return group.world_size
+
+
+class PhaseThreads:
+    """Before each phase, tells the processes that work in it how many threads to use (see the module doc)."""
+
+    def __init__(self, phases: dict[str, list], cores: int, fixed: Optional[dict[int, int]] = None):
+        self.phases, self.cores = phases, cores  # phase -> [groups working in it]
+        self.fixed = fixed or {}  # id(group) -> threads the user fixed (--train_cpu_threads)
+        self._last: dict[int, int] = {}  # id(group) -> threads last sent (no call when unchanged)
+
+    @classmethod
+    def from_config(cls, cfg, models, cores: Optional[int] = None) -> "PhaseThreads":
+        """The plan for a run; empty (before() does nothing) where nothing is handed over."""
+        if cfg.runtime.device != "cpu":
+            return cls({}, 1)
+        scoring = ([] if cfg.single_pass else [models.actor]) + [models.ref, models.critic, models.reward]
+        training = [models.actor, models.critic]
+        phases = {"score": [g for g in scoring if g is not None],
+                  "train": [g for g in training if g is not None]}
+        # --train_cpu_threads N: sent like a hand-over (init() set it on one of a rank's pool threads only)
+        n = cfg.deepspeed.train_cpu_threads
+        fixed = {id(g): n for g in phases["score"] + phases["train"]} if n else {}
+        if cfg.ppo.async_train:  # generation runs beside training all the time: only the fixed counts are sent
+            phases = {phase: [g for g in gs if id(g) in fixed] for phase, gs in phases.items()}
+        plan = cls(phases, cores or machine_cores(), fixed)
+        log.info("CPU threads per phase (%d cores): %s", plan.cores, plan.describe())
+        return plan
+
+    def threads(self, phase: str, group) -> int:
+        """The group's threads in `phase`."""
+        if id(group) in self.fixed:
+            return self.fixed[id(group)]
+        return share(self.cores, sum(processes(g) for g in self.phases[phase]))
+
+    def describe(self) -> str:
+        return "; ".join(f"{phase}: " + ", ".join(f"{processes(g)} x {self.threads(phase, g)}" for g in gs)
+                         for phase, gs in self.phases.items() if gs)
+
+    def before(self, phase: str) -> None:
+        """Send this phase's thread counts to its groups, waited for: a rank actor runs calls on a pool of
+        threads, so the count must be stored before the phase's call starts. Usually sent once: a group whose
+        phases all give it the same count is not called again. The counts depend only on the run's flags and the
+        machine's cores, never on its load: the thread count changes floating-point summation order, and a seeded
+        run (and a resumed one) must give the same numbers whatever else runs on the machine."""
+        for g in self.phases.get(phase, []):
+            n = self.threads(phase, g)
+            if self._last.get(id(g)) != n:
+                g.set_cpu_threads(n)
+                self._last[id(g)] = n

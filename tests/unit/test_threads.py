@@ -1,0 +1,87 @@
+"""The per-phase thread plan (orlhf/threads.py): who works in each phase and how many threads each gets.
+
+Recording stand-ins for the groups (pure logic: the plan and what it sends); tests/ray/test_threads.py checks on
+real rank actors that a sent count reaches the threads that do the work."""
+
+from types import SimpleNamespace
+
+from orlhf.config import build_config
+from orlhf.threads import PhaseThreads, share
+
+
+class Group:
+    def __init__(self, name, world_size, sent):
+        self.name, self.world_size, self.sent = name, world_size, sent
+
+    def set_cpu_threads(self, n):
+        self.sent.append((self.name, n))
+
+
+def plan(cores=2, **flags):
+    cfg = build_config({"device": "cpu", **flags}, set(flags) | {"device"})
+    sent = []
+    models = SimpleNamespace(actor=Group("actor", 1, sent), engines=None,
+                             ref=Group("ref", 1, sent) if cfg.has_reference else None,
+                             critic=Group("critic", 1, sent) if cfg.ppo.advantage_estimator == "gae" else None,
+                             reward=None)
+    threads = PhaseThreads.from_config(cfg, models, cores=cores)
+    return threads, sent
+
+
+def run_step(threads):
+    for phase in ("generate", "score", "make_experience", "train", "sync"):
+        threads.before(phase)
+
+
+GRPO = {"advantage_estimator": "group_norm", "n_samples_per_prompt": 4, "use_kl_loss": True, "rollout_batch_size": 16,
+        "train_batch_size": 64}  # one optimizer step per batch: a single pass
+
+
+def test_share():
+    assert [share(2, k) for k in (0, 1, 2, 3)] == [2, 2, 1, 1]
+    assert share(16, 3) == 5
+
+
+def test_grpo_single_pass_gives_each_phase_s_only_process_both_cores():
+    threads, sent = plan(**GRPO)  # no old-log-prob forward: score = the ref alone, train = the actor alone
+    run_step(threads)
+    assert sent == [("ref", 2), ("actor", 2)]  # the engine keeps Ray's one thread (see threads.py)
+    run_step(threads)
+    assert len(sent) == 2  # nothing changes in later steps: no calls
+
+
+def test_phases_with_several_processes_split_the_cores():
+    threads, sent = plan()  # gae: score = actor + ref + critic, train = actor + critic
+    run_step(threads)
+    assert sent == [("actor", 1), ("ref", 1), ("critic", 1)]  # train: actor, critic keep 1
+    threads, sent = plan(cores=4, max_epochs=2, **GRPO)  # two passes: actor scores beside the ref, trains alone
+    run_step(threads)
+    assert sent == [("actor", 2), ("ref", 2), ("actor", 4)]
+
+
+def test_nothing_handed_over_off_cpu_or_in_async_mode():
+    for flags in ({"async_train": True}, {"device": "cuda"}):
+        threads, sent = plan(**{**GRPO, **flags})
+        run_step(threads)
+        assert sent == []
+
+
+def test_fixed_train_threads_are_sent_as_asked():
+    threads, sent = plan(train_cpu_threads=3)  # init() set it on one pool thread; every call applies it now
+    run_step(threads)
+    assert sent == [("actor", 3), ("ref", 3), ("critic", 3)]
+
+
+def test_async_mode_sends_only_fixed_counts():
+    threads, sent = plan(async_train=True, train_cpu_threads=2, **GRPO)
+    run_step(threads)
+    assert sent == [("ref", 2), ("actor", 2)]
+
+
+def test_counts_follow_the_flags_not_the_load():
+    threads, sent = plan(cores=4, **GRPO)
+    threads.before("train")
+    assert sent[-1] == ("actor", 4)
+    threads, sent = plan(train_cpu_threads=2, **GRPO)
+    run_step(threads)
+    assert sent == [("ref", 2), ("actor", 2)]  # fixed by the user
