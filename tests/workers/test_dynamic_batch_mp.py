@@ -9,7 +9,6 @@ every other micro-batch holds at most 8 real tokens. Log-prob forwards by budget
 """
 
 import os
-import socket
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -21,20 +20,10 @@ from orlhf.batching import budget_micro_batches, first_fit_bins, real_lengths
 from orlhf.types import Experience
 from orlhf.worker_config import WorkerConfig, role_config
 
+from mp_tools import spawn_ranks
+
 B, P, A, V = 12, 4, 5, 64
 BUDGETS = (8, 20)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    root = tmp_path_factory.mktemp("dyn")
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                                 num_key_value_heads=2, vocab_size=V, max_position_embeddings=32,
-                                 pad_token_id=0)).save_pretrained(root / "lm")
-    return root
 
 
 @pytest.fixture(scope="module")
@@ -101,20 +90,11 @@ def _lengths(mb) -> list[int]:
     return (prompt + response).tolist()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def runs(model_dir, experience) -> dict:
-    import torch.multiprocessing as mp
-
     out = {}
     for world in (1, 2):
-        mp.start_processes(_rank_main, args=(world, _free_port(), str(model_dir / "lm"), experience,
-                                             str(model_dir)), nprocs=world, join=True, start_method="spawn")
+        spawn_ranks(_rank_main, world, str(model_dir / "lm"), experience, str(model_dir))
         out[world] = [torch.load(model_dir / f"ws{world}-rank{r}.pt", weights_only=False) for r in range(world)]
     return out
 

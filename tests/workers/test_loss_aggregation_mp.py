@@ -9,7 +9,6 @@ coefficient 5x the one its train_step is given, so the match also shows the pass
 """
 
 import os
-import socket
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -20,6 +19,8 @@ import torch
 from orlhf.algo.kl import approx_kl
 from orlhf.algo.losses import aggregate, entropy_from_logits, policy_loss_terms, value_loss_per_token
 from orlhf.worker_config import WorkerConfig, role_config
+
+from mp_tools import spawn_ranks
 from orlhf.types import Experience
 
 B, P, A, V = 12, 4, 5, 64  # global batch, prompt length, response length, vocab
@@ -28,18 +29,6 @@ CASES = {1: [("actor", 1, "token_mean"), ("actor", 3, "token_mean"), ("actor", 1
              ("actor", 3, "seq_mean"), ("critic", 1, "token_mean"), ("critic", 12, "token_mean")],
          2: [("actor", 1, "token_mean"), ("actor", 3, "token_mean"), ("actor", 6, "token_mean"),
              ("actor", 3, "seq_mean"), ("critic", 1, "token_mean"), ("critic", 6, "token_mean")]}
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    root = tmp_path_factory.mktemp("agg")
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                                 num_key_value_heads=2, vocab_size=V, max_position_embeddings=32,
-                                 pad_token_id=0)).save_pretrained(root / "lm")
-    return root
 
 
 @pytest.fixture(scope="module")
@@ -93,17 +82,9 @@ def _rank_main(rank: int, world: int, port: int, path: str, exp: Experience, out
         torch.save(out, Path(out_dir) / f"ws{world}.pt")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _spawn(world: int, root: Path, exp: Experience) -> dict:
-    import torch.multiprocessing as mp
-
-    mp.start_processes(_rank_main, args=(world, _free_port(), str(root / "lm"), exp, str(root)), nprocs=world,
-                       join=True, start_method="spawn")
+    spawn_ranks(_rank_main, world, str(root / "lm"), exp, str(root))
     return torch.load(root / f"ws{world}.pt", weights_only=False)
 
 

@@ -1,0 +1,30 @@
+"""What the multi-process worker tests share: a tiny Llama saved to disk, a free port, ranks spawned as processes."""
+
+import socket
+from pathlib import Path
+
+import torch
+
+
+def save_tiny_llama(root: Path, vocab: int) -> Path:
+    """A 1-layer Llama (hidden 32, seeded) saved as root/lm; returns that folder."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                 num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=32,
+                                 pad_token_id=0)).save_pretrained(root / "lm")
+    return root / "lm"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_ranks(rank_main, world: int, *args) -> None:
+    """rank_main(rank, world, port, *args) in `world` fresh processes (one gloo group), waited for."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(rank_main, args=(world, free_port(), *args), nprocs=world, join=True, start_method="spawn")
