@@ -1,6 +1,6 @@
 """The per-phase thread plan (orlhf/threads.py): who works in each phase and how many threads each gets.
 
-Recording stand-ins for the groups (pure logic: the plan and what it sends); tests/ray/test_threads.py checks on
+Recording stand-ins for the groups (pure logic: the plan and what it sends); tests/ray/test_thread_handover.py checks on
 real rank actors that a sent count reaches the threads that do the work."""
 
 from types import SimpleNamespace
