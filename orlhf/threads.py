@@ -102,8 +102,9 @@ class PhaseThreads:
         return share(self.cores, sum(processes(g) for g in self.phases[phase]))
 
     def describe(self) -> str:
-        return "; ".join(f"{phase}: " + ", ".join(f"{processes(g)} x {self.threads(phase, g)}" for g in gs)
-                         for phase, gs in self.phases.items() if gs)
+        """E.g. "score: ref 2; train: actor 2 (torch threads per rank)"."""
+        return "; ".join(f"{phase}: " + ", ".join(f"{getattr(g, 'role', '?')} {self.threads(phase, g)}" for g in gs)
+                         for phase, gs in self.phases.items() if gs) + " (torch threads per rank)"
 
     def before(self, phase: str) -> None:
         """Send this phase's thread counts to its groups, waited for: a rank actor runs calls on a pool of
