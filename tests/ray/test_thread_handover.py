@@ -16,6 +16,7 @@ import torch
 
 import ray.cloudpickle
 from orlhf.cluster import ActorGroup
+from orlhf.endpoints import endpoint
 from orlhf.placement import RankBundle
 from orlhf.threads import PhaseThreads
 
@@ -29,6 +30,7 @@ class WorkProbe:
     def __init__(self, cfg):
         self.cfg = cfg
 
+    @endpoint
     def work(self, hold_s: float):
         torch.ones(256, 256) @ torch.ones(256, 256)  # an OpenMP region: the pool thread's count is now fixed
         time.sleep(hold_s)  # keep this pool thread busy so the concurrent call lands on the other one
@@ -37,7 +39,7 @@ class WorkProbe:
 
 def observed(group: ActorGroup) -> dict:
     """{(rank, pool thread): threads seen inside work()}, four calls per rank at once (both pool threads)."""
-    calls = [group.call_all_async("work", 0.5) for _ in range(4)]
+    calls = [group.call(WorkProbe.work, 0.5) for _ in range(4)]
     seen = {}
     for call in calls:
         for rank, (thread, n) in enumerate(call.get()):
