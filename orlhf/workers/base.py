@@ -36,10 +36,11 @@ from torch import nn
 
 from orlhf.endpoints import endpoint
 from orlhf.algo.losses import LossNorm, step_norm
-from orlhf.batching import budget_micro_batches, fitting_count, pad_actions, real_lengths, sort_by_length, trim
+from orlhf.batching import pad_actions, trim
 from orlhf.worker_config import WorkerConfig
 from orlhf.workers.hf_names import meta_group, to_checkpoint_names
 from orlhf.workers.loading import hf_zero3_loading
+from orlhf.workers.micro_batches import forward_plan, train_plan
 from orlhf.workers.optim import make_optimizer
 from orlhf.types import Experience, SequenceBatch, TrainStats
 
@@ -256,13 +257,7 @@ class DeepSpeedWorker:
         return type(batch)(**{k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in kw.items()})
 
     def _max_over_ranks(self, n: int) -> int:
-        if self.world_size == 1:
-            return n
-        import torch.distributed as dist
-
-        t = torch.tensor([n], device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return int(t.item())
+        return self._max_over_ranks_list([n])[0]
 
     @torch.no_grad()
     def forward_micro_batches(self, batch: SequenceBatch, fn: Callable[[SequenceBatch], torch.Tensor]) -> torch.Tensor:
@@ -273,11 +268,8 @@ class DeepSpeedWorker:
         longest prompt and response (orlhf/batching.py); `fn` may then return (b, A') and results come back
         (B, A) in the input order, zeros on padding.
         """
-        m = self.cfg.micro_forward_batch_size
-        order = sort_by_length(batch) if self.cfg.trim_padding and len(batch) > m else None
-        sizes = [min(m, len(batch) - i) for i in range(0, len(batch), m)]
-        if self.cfg.forward_max_tokens:  # --use_dynamic_batch: groups of at most the budget in real tokens
-            order, sizes = _budget_order(batch, self.cfg.forward_max_tokens)
+        order, sizes = forward_plan(batch, self.cfg.micro_forward_batch_size, self.cfg.trim_padding,
+                                    self.cfg.forward_max_tokens)
         rows = batch.index(order) if order is not None else batch
         parts = rows.split(sizes) if sizes else []
         n_calls = self._max_over_ranks(len(parts)) if self.zero3 else len(parts)
@@ -304,7 +296,7 @@ class DeepSpeedWorker:
         """Forward/backward/step over micro-batches of cfg.train.micro_train_batch_size; DeepSpeed applies the
         optimizer at each accumulation boundary (every train_batch_size / world samples on this rank).
         With --use_dynamic_batch (cfg.train.max_tokens) each step's samples are grouped by token budget instead
-        (_dynamic_steps) and the worker marks the boundary itself (DeepSpeed runs with gas 1).
+        (workers/micro_batches.py) and the worker marks the boundary itself (DeepSpeed runs with gas 1).
 
         Each micro-batch's loss is normalized by its optimizer step's LossNorm: the real action tokens and
         sequences of all the step's micro-batches on all ranks (one all-reduce per step), so the step's
@@ -350,40 +342,9 @@ class DeepSpeedWorker:
         return TrainStats(lr=lr, grad_norm=grad_norm, micro_steps=steps, extra=means, **known)
 
     def _train_plan(self, batch: Experience, per_rank: int) -> tuple[list[Experience], list[bool]]:
-        """(micro-batches in order, whether each ends its optimizer step): fixed micro_train_batch_size, or
-        token-budget groups per step with --use_dynamic_batch."""
-        if self.cfg.train.max_tokens:
-            steps = self._dynamic_steps(batch, per_rank)
-        else:
-            m = self.cfg.train.micro_train_batch_size
-            fixed, gas = batch.split([m] * (len(batch) // m)), per_rank // m
-            steps = [fixed[i:i + gas] for i in range(0, len(fixed), gas)]
-        micro, last = [], []
-        for step in steps:
-            micro += step
-            last += [False] * (len(step) - 1) + [True]
-        return micro, last
-
-    def _dynamic_steps(self, batch: Experience, per_rank: int) -> list[list[Experience]]:
-        """--use_dynamic_batch: each optimizer step's samples (per_rank of them, in order) in token-budget
-        micro-batches. Every rank runs the same number of micro-batches per step (ZeRO's collectives and the
-        step boundary must line up): the count is agreed as the largest any rank needs, as OpenRLHF does."""
-        budget = self.cfg.train.max_tokens
-        prompt, response = real_lengths(batch)
-        lengths = (prompt + response).tolist()
-        chunks = [lengths[i:i + per_rank] for i in range(0, len(batch), per_rank)]
-        counts = [0] * len(chunks)
-        while True:  # the agreed count may need raising where a rank's spread cannot use it: repeat until stable
-            mine = [fitting_count(c, budget, at_least=k) for c, k in zip(chunks, counts)]
-            agreed = self._max_over_ranks_list(mine)
-            if agreed == counts:
-                break
-            counts = agreed
-        steps = []
-        for s, (chunk, k) in enumerate(zip(chunks, counts)):
-            groups = budget_micro_batches(chunk, budget, k)
-            steps.append([batch.index(torch.tensor([s * per_rank + j for j in g])) for g in groups])
-        return steps
+        """(micro-batches in order, whether each ends its optimizer step): workers/micro_batches.py."""
+        t = self.cfg.train
+        return train_plan(batch, per_rank, t.micro_train_batch_size, t.max_tokens, self._max_over_ranks_list)
 
     def _max_over_ranks_list(self, values: list[int]) -> list[int]:
         if self.world_size == 1:
@@ -500,13 +461,6 @@ class DeepSpeedWorker:
         from orlhf.workers.checkpoint_io import load_worker_checkpoint
 
         load_worker_checkpoint(self, folder)
-
-
-def _budget_order(batch: SequenceBatch, budget: int) -> tuple[torch.Tensor, list[int]]:
-    """(row order, micro-batch sizes) grouping the rows by a real-token budget (batching.budget_micro_batches)."""
-    prompt, response = real_lengths(batch)
-    groups = budget_micro_batches((prompt + response).tolist(), budget)
-    return torch.tensor([i for g in groups for i in g], dtype=torch.long), [len(g) for g in groups]
 
 
 def persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
