@@ -46,7 +46,6 @@ from orlhf.sync_guard import SyncGuard
 from orlhf.threads import PhaseThreads
 from orlhf.types import Experience, Rollout, SamplingSpec, SequenceBatch, TrainStats
 from orlhf.workers import CriticWorker, PolicyWorker, ReferenceWorker, RewardWorker
-from orlhf.workers.base import DeepSpeedWorker
 from orlhf.workers.value_head import reward_normalization
 
 if TYPE_CHECKING:  # annotations only: the loop itself imports no Ray (benchmarks/hybrid_engine_baseline.py runs it
@@ -72,6 +71,10 @@ class Models:
 
     def groups(self) -> list:
         return [g for g in (self.actor, self.ref, self.critic, self.reward) if g is not None]
+
+    def trained(self) -> list[tuple[str, ActorGroup]]:
+        """(role, group) of the models that learn, whose DeepSpeed state a checkpoint holds."""
+        return [("actor", self.actor)] + ([("critic", self.critic)] if self.critic else [])
 
 
 class Controller:
@@ -254,53 +257,21 @@ class Controller:
 
     def save_checkpoint(self, mgr=None) -> None:
         """Every trained group's DeepSpeed state + the controller's, into a temp folder renamed into place."""
-        from orlhf.checkpoint import rng_state, save_controller_state
-        from orlhf.fingerprint import config_fingerprint
+        from orlhf.run_state import save_run
 
-        t0 = time.perf_counter()
-        mgr, step = mgr or self.checkpoints, self.step_index
-        tmp = mgr.begin(step)
-        trained = [("actor", self.m.actor)] + ([("critic", self.m.critic)] if self.m.critic else [])
-        hf_only = self.cfg.logging.disable_ds_ckpt  # the HF actor alone: no DeepSpeed state, no resume from it
-        trained = [] if hf_only else trained
-        for call in [g.call(DeepSpeedWorker.save_checkpoint, str(tmp / role)) for role, g in trained]:
-            call.get()
-        if self.cfg.logging.save_hf_ckpt or hf_only:  # after: both are collectives on the actor ranks, never interleaved
-            self.m.actor.call(PolicyWorker.save_hf, str(tmp / "hf" / "actor")).get()
-        spe = self.loader.steps_per_episode  # loader position of the consumed batches (async reads ahead)
-        loader_state = {**self.loader.state_dict(), "episode": step // spe, "batch_in_episode": step % spe}
-        if self.filter is not None:  # refills read more batches than steps (sync only): the loader's own position
-            loader_state = self.loader.state_dict()
-        save_controller_state(tmp, {
-            "step_index": step, "weight_version": self.weight_version, "loader": loader_state,
-            "kl_ctl": self.kl_ctl.state_dict(),
-            "reward_norm": self.reward_norm.state_dict() if self.reward_norm else None, "rng": rng_state(),
-            "best_eval": self.evaluator.best if self.evaluator else None})
-        path = mgr.commit(tmp, step, {"fingerprint": config_fingerprint(self.cfg),
-                                      "roles": {role: g.world_size for role, g in trained},
-                                      **({"resumable": False} if hf_only else {})})
+        t0, mgr = time.perf_counter(), mgr or self.checkpoints
+        path = save_run(self, mgr)
         if mgr is self.checkpoints:  # the best-eval copy is not the rotation's save of this step
-            self._saved_step = step
+            self._saved_step = self.step_index
         log.info("checkpoint %s (%.1f s)", path, time.perf_counter() - t0)
 
     def resume(self, path) -> None:
         """Load a checkpoint written by save_checkpoint (groups already init()-ed), then re-sync the engines,
         which still hold the initial weights, before the first generation."""
-        from orlhf.checkpoint import load_controller_state, set_rng_state
+        from orlhf.run_state import restore_run
 
-        trained = [("actor", self.m.actor)] + ([("critic", self.m.critic)] if self.m.critic else [])
-        for call in [g.call(DeepSpeedWorker.load_checkpoint, str(path / role)) for role, g in trained]:
-            call.get()
-        state = load_controller_state(path)
-        self.step_index, self.weight_version = state["step_index"], state["weight_version"]
+        restore_run(self, path)
         self._first_step = self._saved_step = self.step_index
-        self.loader.load_state_dict(state["loader"])
-        self.kl_ctl.load_state_dict(state["kl_ctl"])
-        if self.reward_norm is not None:
-            self.reward_norm.load_state_dict(state["reward_norm"])
-        set_rng_state(state["rng"])
-        if self.evaluator is not None:
-            self.evaluator.best = state.get("best_eval")
         self.m.sync.sync(self.weight_version)
         log.info("resumed from %s at step %d (weight version %d)", path, self.step_index, self.weight_version)
 

@@ -2,11 +2,10 @@
 the real groups are exercised by tests/e2e/test_resume.py): DeepSpeed's save_checkpoint and save_hf are both
 collectives on the actor ranks, so they must never be in flight together; --stop_after_steps saves at the stop."""
 
-from types import SimpleNamespace
 
 from orlhf.checkpoint import CheckpointManager
 from orlhf.config import build_config
-from orlhf.controller import Controller
+from orlhf.controller import Controller, Models
 
 
 class Call:
@@ -44,8 +43,8 @@ class Loader:
 def make(tmp_path, **flags):
     cfg = build_config({"save_path": str(tmp_path), "save_hf_ckpt": True, **flags}, {"save_hf_ckpt", *flags})
     log = []
-    models = SimpleNamespace(actor=RecordingGroup("actor", log), critic=RecordingGroup("critic", log), ref=None,
-                             engines=None, reward=None)
+    models = Models(actor=RecordingGroup("actor", log), critic=RecordingGroup("critic", log), ref=None,
+                    engines=None, sync=None)
     ctl = Controller(cfg, models, Loader(), tokenizer=None, metrics=None,
                      checkpoints=CheckpointManager(tmp_path / "ck", 3, run_id="r"))
     return ctl, log
