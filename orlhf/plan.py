@@ -7,8 +7,9 @@
         -> plan_layout + simulate (placement.py) -> model sizes (config.json) -> memory per device
         -> text report; exit 0 when everything fits, 1 when a node-group cannot be placed or memory will not fit
 
-Memory model (GiB = 2**30 bytes). Model states only: activations, gathered ZeRO-3 layers and buffers come on top,
-so keep headroom ("tight" marks > 90%).
+Memory model (GiB = 2**30 bytes). Model states, plus on GPUs DeepSpeed's ZeRO-3 reduce bucket (5e8 gradient
+elements, allocated whole per trained rank: + 2 x 5e8 B in bf16); activations and gathered ZeRO-3 layers come on
+top, so keep headroom ("tight" marks > 90%).
   P = parameters, counted from config.json (dense Llama-style: embeddings, attention with grouped KV heads,
       gated MLP, norms; biases ignored). Critic and reward: no LM head, a value head (hidden x 1).
   w = bytes per weight: 2 with --bf16, else 4; gradients the same. K = Adam states: 12 with --bf16 (fp32 master
@@ -130,7 +131,18 @@ class Memory:
     formula: str
 
 
-def role_memory(cfg: TrainConfig, role: str, params: int, ranks: int) -> Memory:
+# DeepSpeed 0.19.8 ZeRO-3 allocates its gradient reduce bucket whole on the device at start-up: reduce_bucket_size
+# (default 5e8) elements of the gradient dtype, whatever the model's size (stage3.py, "IPG"). Measured on an H100
+# with the 2-layer test Llama: ~950 MiB above the model states in bf16.
+REDUCE_BUCKET_ELEMENTS = 500_000_000
+
+
+def role_memory(cfg: TrainConfig, role: str, params: int, ranks: int, *, device: str) -> Memory:
+    """One rank's memory for `role` (device_gib per GPU on cuda, per rank in RAM on cpu).
+
+    On cuda a trained ZeRO-3 rank also holds DeepSpeed's reduce bucket (REDUCE_BUCKET_ELEMENTS x the gradient's
+    bytes); on cpu torch.empty leaves those pages untouched, so they cost no RAM and are not counted.
+    """
     ds = cfg.deepspeed
     w = 2 if ds.bf16 else 4
     s, n = ds.zero_stage, ranks
@@ -146,8 +158,11 @@ def role_memory(cfg: TrainConfig, role: str, params: int, ranks: int) -> Memory:
     weights, grads, adam = w * params / div[0], w * params / div[1], k * params / div[2]
     parts = [f"{b}P" + (f"/{d}" if d > 1 else "") for b, d in zip((w, w, k), div)]
     text = " + ".join(parts[:2]) + (f" [+ {parts[2]} on host]" if ds.adam_offload else f" + {parts[2]}")
-    device = weights + grads + (0 if ds.adam_offload else adam)
-    return Memory(role, params, n, device / GIB, (adam if ds.adam_offload else 0) / GIB, text)
+    bucket = REDUCE_BUCKET_ELEMENTS * w if device == "cuda" and s == 3 else 0
+    if bucket:
+        text += f" + {w} x 5e8 reduce bucket"
+    on_device = weights + grads + (0 if ds.adam_offload else adam) + bucket
+    return Memory(role, params, n, on_device / GIB, (adam if ds.adam_offload else 0) / GIB, text)
 
 
 def engine_memory(cfg: TrainConfig, dims: ModelDims, device: str, gpu_memory_gb: Optional[float]) -> Memory:
@@ -306,13 +321,14 @@ def memory_section(cfg: TrainConfig, layout: Layout, nodes: list[NodeSpec], plac
                    dims: dict[str, ModelDims]) -> tuple[list[str], list[str]]:
     """The per-rank estimate, the per-device sums (cuda) and the per-node host sums; and what does not fit."""
     mems = {role: role_memory(cfg, role, count_params(dims[role], value_head=ROLES[role].value_head),
-                              len(slots)) for role, slots in layout.roles.items()}
+                              len(slots), device=layout.device) for role, slots in layout.roles.items()}
     known = [n.gpu_memory_gb for n in nodes if n.gpu_memory_gb]
     eng = engine_memory(cfg, dims["actor"], layout.device, min(known) if known else None)
     per = "GPU GiB/rank" if layout.device == "cuda" else "GiB/rank"
     rows = [[m.who, _count(m.params), m.ranks, _gib(m.device_gib), _gib(m.host_gib), m.formula] for m in mems.values()]
     rows.append([f"{ENGINE} (each)", _count(eng.params), f"TP {eng.ranks}", _gib(eng.device_gib), "0", eng.formula])
-    lines = [f"memory estimate (model states; activations and buffers come on top; "
+    held = "model states and DeepSpeed's reduce bucket" if layout.device == "cuda" else "model states"
+    lines = [f"memory estimate ({held}; activations come on top; "
              f"{'bf16' if cfg.deepspeed.bf16 else 'fp32'}, ZeRO-{cfg.deepspeed.zero_stage}, P = params):",
              format_table(["who", "params", "ranks", per, "host GiB/rank", "formula"], rows)]
     problems: list[str] = []

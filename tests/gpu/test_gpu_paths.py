@@ -7,13 +7,24 @@ as tests/vllm/test_engines.py: after a train step and a sync, the engine's log-p
 trainer's (both bfloat16 here, as engines on GPUs always are: mean gap <= 0.02).
 """
 
-import importlib.util
+import importlib.metadata
 
 import pytest
 import torch
 
+
+def _installed(dist: str) -> bool:
+    """By the installed distribution, not importlib.util.find_spec: tests/ is on pytest's sys.path, so where Ray
+    is absent find_spec("ray") finds the tests/ray folder as a namespace package (seen on the GPU machine)."""
+    try:
+        importlib.metadata.version(dist)
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
 pytestmark = [pytest.mark.gpu, pytest.mark.ray, pytest.mark.vllm,
-              pytest.mark.skipif(importlib.util.find_spec("ray") is None or importlib.util.find_spec("vllm") is None,
+              pytest.mark.skipif(not (_installed("ray") and _installed("vllm")),
                                  reason="needs ray and the CUDA build of vLLM (pip install -e .[gpu])")]
 
 # actor, reference and the engine each on a GPU of their own (split placement); hybrid shares one

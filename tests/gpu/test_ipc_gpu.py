@@ -8,6 +8,8 @@ The child would see zeros if receive_ipc handed vLLM views of the sender's memor
 still queued on the stream.
 """
 
+import io
+
 import pytest
 import torch
 
@@ -27,7 +29,11 @@ def _engine_side(handles, names, to_parent, from_parent):
     receive_ipc(handles, names, device_uuid(device), device, torch.bfloat16, held_bf16.extend)
     to_parent.put(("loaded", n))
     from_parent.get(timeout=120)  # the sender has overwritten its tensors by now
-    to_parent.put(("copies", {k: t.cpu() for k, t in held}, {k: t.cpu() for k, t in held_bf16}))
+    # As bytes: CPU tensors through a torch.multiprocessing queue travel as shared-memory handles that the parent
+    # opens from this process after it has exited (ConnectionResetError, seen on the GPU machine).
+    buf = io.BytesIO()
+    torch.save(({k: t.cpu() for k, t in held}, {k: t.cpu() for k, t in held_bf16}), buf)
+    to_parent.put(("copies", buf.getvalue()))
 
 
 def test_ipc_handles_round_trip_between_processes():
@@ -49,7 +55,8 @@ def test_ipc_handles_round_trip_between_processes():
             t.fill_(0.0)
         torch.cuda.synchronize()
         from_parent.put("go")
-        tag, f32, bf16 = to_parent.get(timeout=120)
+        tag, data = to_parent.get(timeout=120)
+        f32, bf16 = torch.load(io.BytesIO(data))
     finally:
         child.join(timeout=60)
         if child.is_alive():

@@ -291,3 +291,17 @@ def test_torch_constraint_is_the_installed_distribution():
 
     assert _versions()["torch_constraint"]() == "torch==" + importlib.metadata.version("torch")
     assert re.fullmatch(r"torch==[\w.+]+", _versions()["torch_constraint"]())
+
+
+@pytest.mark.parametrize("value, fixed", [
+    ("9.0a", "9.0"),  # the H100 image's setting: DeepSpeed 0.19.8 raised "invalid literal for int() ... '0a'"
+    ("8.0;9.0a", "8.0;9.0"),
+    ("9.0a 10.0f+PTX", "9.0;10.0+PTX"),
+    ("9.0a;9.0", "9.0"),
+    ("8.0;9.0+PTX", None),  # DeepSpeed reads it: left alone
+    ("8.0 8.6", None),
+])
+def test_arch_list_written_so_deepspeed_reads_it(value, fixed):
+    from orlhf.workers.optim import deepspeed_arch_list
+
+    assert deepspeed_arch_list(value) == fixed
