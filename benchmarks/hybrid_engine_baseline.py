@@ -316,9 +316,25 @@ def resolve(cfg: C.TrainConfig, opts: HybridOptions) -> C.TrainConfig:
     if opts.hybrid_engine and cfg.runtime.device != "cuda":
         problems.append("--hybrid_engine uses DeepSpeed's inference kernels, which need CUDA (on CPU: 'This op had "
                         "not been implemented on CPU backend'); drop it on --device cpu")
+    elif opts.hybrid_engine and hybrid_engine_blocker():
+        problems.append(hybrid_engine_blocker())
     if problems:
         raise C.ConfigError(problems)
     return cfg
+
+
+def hybrid_engine_blocker() -> str:
+    """Why DeepSpeed's hybrid engine cannot run with the installed transformers, or "" when it can."""
+    import importlib.metadata
+
+    version = importlib.metadata.version("transformers")
+    if int(version.split(".")[0]) < 5:
+        return ""
+    return (f"--hybrid_engine: DeepSpeed's hybrid engine swaps the decoder layers for inference kernels written for "
+            f"transformers 4's layer call; with transformers {version} the first generate fails inside them "
+            "(\"'tuple' object has no attribute 'size'\" in ds_transformer.py, DeepSpeed 0.19.8 on an H100). Drop "
+            "--hybrid_engine: generation then gathers the whole model for HF generate, as DeepSpeed-Chat does "
+            "without its kernels")
 
 
 def free_port() -> int:

@@ -41,6 +41,7 @@ from orlhf.worker_config import WorkerConfig
 from orlhf.workers.hf_names import meta_group, to_checkpoint_names
 from orlhf.workers.loading import hf_zero3_loading
 from orlhf.workers.micro_batches import forward_plan, train_plan
+from orlhf.workers.ds_arch import use_arch_list_deepspeed_reads
 from orlhf.workers.optim import make_optimizer
 from orlhf.types import Experience, SequenceBatch, TrainStats
 
@@ -201,6 +202,8 @@ class DeepSpeedWorker:
         import torch.distributed as dist
 
         init_distributed(self.cfg.device)
+        if self.cfg.device == "cuda":
+            use_arch_list_deepspeed_reads()  # before DeepSpeed JIT-builds an op (FusedAdam, inference kernels)
         import deepspeed
 
         if self.cfg.device == "cpu" and self.cfg.cpu_threads:

@@ -302,6 +302,16 @@ def test_torch_constraint_is_the_installed_distribution():
     ("8.0 8.6", None),
 ])
 def test_arch_list_written_so_deepspeed_reads_it(value, fixed):
-    from orlhf.workers.optim import deepspeed_arch_list
+    from orlhf.workers.ds_arch import deepspeed_arch_list
 
     assert deepspeed_arch_list(value) == fixed
+
+
+def test_arch_list_rewritten_for_the_process(monkeypatch):
+    from orlhf.workers.ds_arch import use_arch_list_deepspeed_reads
+
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
+    use_arch_list_deepspeed_reads()
+    assert os.environ["TORCH_CUDA_ARCH_LIST"] == "9.0"
+    use_arch_list_deepspeed_reads()  # idempotent
+    assert os.environ["TORCH_CUDA_ARCH_LIST"] == "9.0"

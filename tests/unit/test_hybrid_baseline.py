@@ -50,3 +50,15 @@ def test_baseline_refuses_flags_it_cannot_honour(tmp_path):
                            "--save_path", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "--async_train" in proc.stderr and "drop --async_train" in proc.stderr
+
+
+def test_hybrid_engine_refused_with_transformers_5(monkeypatch):
+    """DeepSpeed 0.19.8's inference kernels crash on transformers 5's decoder layers (seen on an H100): refused."""
+    import importlib.metadata
+    import runpy
+
+    g = runpy.run_path(str(ROOT / "benchmarks" / "hybrid_engine_baseline.py"), run_name="not_main")
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "5.19.0")
+    assert "Drop --hybrid_engine" in g["hybrid_engine_blocker"]() and "5.19.0" in g["hybrid_engine_blocker"]()
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "4.57.1")
+    assert g["hybrid_engine_blocker"]() == ""
