@@ -104,6 +104,7 @@ class Controller:
         self.executor = make_executor(cfg.data.agent_func_path, models.engines, tokenizer,
                                       cfg.ppo.prompt_max_len + cfg.ppo.generate_max_len, cfg.runtime.ray_timeout_s)
         self.guard = SyncGuard.from_config(cfg)  # --max_engine_logprob_gap (orlhf/sync_guard.py)
+        self.guard.announce()  # where it does not look, said once now
         self.threads = PhaseThreads.from_config(cfg, models)  # CPU: threads handed over per phase
         self._first_step = 0  # step_index when this invocation started (resume)
         self._saved_step: Optional[int] = None  # step of this invocation's newest checkpoint
