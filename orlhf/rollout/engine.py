@@ -77,7 +77,8 @@ def engine_logprobs_mode(temperature: float) -> str:
     log_softmax(logits / temperature) (workers/policy.py), so the engines report processed_logprobs, the
     distribution they sample from after temperature, as OpenRLHF asks for its IS correction. (Processed also
     means after top-p: below --top_p 1 they are the truncated distribution's, which the actor does not compute,
-    and the sync guard does not compare them; sync_guard.py.) Prompt log-probs are raw in both modes."""
+    and the sync guard does not compare them; sync_guard.py. And after logits processors such as min_tokens,
+    which orlhf's requests do not set; an agent's own sampling_params may.) Prompt log-probs are raw in both."""
     return "raw_logprobs" if temperature == 1.0 else "processed_logprobs"
 
 

@@ -182,7 +182,9 @@ class EngineSide:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        params = SamplingParams(max_tokens=new_tokens, min_tokens=new_tokens, ignore_eos=True, logprobs=0,
+        # ignore_eos, not min_tokens: min_tokens masks EOS out of the distribution, and processed log-probs (at a
+        # temperature != 1) would be of that masked distribution
+        params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, logprobs=0,
                                 temperature=temperature, seed=seed, detokenize=False)
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
