@@ -40,7 +40,7 @@ from orlhf.config import TrainConfig
 from orlhf.dynamic_filtering import DynamicFilter
 from orlhf.experience import ExperienceConfig, make_experience, rollouts_to_batch
 from orlhf.metrics import MetricsLogger
-from orlhf.rollout.executor import agent_metrics, agent_scores, make_executor
+from orlhf.rollout.executor import agent_metrics, agent_reward_result, agent_scores, make_executor
 from orlhf.sleep import SleepSwitch
 from orlhf.sync_guard import SyncGuard
 from orlhf.threads import PhaseThreads
@@ -104,6 +104,7 @@ class Controller:
         self.executor = make_executor(cfg.data.agent_func_path, models.engines, tokenizer,
                                       cfg.ppo.prompt_max_len + cfg.ppo.generate_max_len, cfg.runtime.ray_timeout_s)
         self.guard = SyncGuard.from_config(cfg)  # --max_engine_logprob_gap (orlhf/sync_guard.py)
+        self.guard.announce()  # where it does not look, said once now
         self.threads = PhaseThreads.from_config(cfg, models)  # CPU: threads handed over per phase
         self._first_step = 0  # step_index when this invocation started (resume)
         self._saved_step: Optional[int] = None  # step of this invocation's newest checkpoint
@@ -175,8 +176,6 @@ class Controller:
         staleness = self.weight_version - gen_version  # trainer version these rollouts are trained at
         with self.timed("score"):
             reward, old_lp, ref_lp, values = self.score(batch, rollouts, prompts, reward)
-        gen_version = min(r.weight_version for r in rollouts)
-        staleness = self.weight_version - gen_version  # trainer version these rollouts are trained at
         if old_lp is not None:  # stop before training on another policy's samples
             gap = _masked_abs_mean(engine_log_probs - old_lp, batch.action_mask)
             self.guard.check(gap, self.step_index + 1, staleness)
@@ -371,13 +370,11 @@ class Controller:
 
     # ---- helpers ----------------------------------------------------------------------------------------------
     def _score_rollouts(self, rollouts: list[Rollout], prompts: list):
-        """rewards.RewardResult from the agents' own episode scores (--agent_func_path), else from the reward
-        function / server (not the reward-model group)."""
-        from orlhf.rewards import RewardResult
-
-        given = agent_scores(rollouts)
+        """rewards.RewardResult from the agents' own episode rewards and scores (--agent_func_path), else from the
+        reward function / server (not the reward-model group)."""
+        given = agent_reward_result(rollouts)
         if given is not None:
-            return RewardResult.of(torch.tensor(given, dtype=torch.float32))
+            return given
         return self.reward_source.evaluate(*self._reward_inputs(rollouts, prompts))
 
     def _reward_inputs(self, rollouts: list[Rollout], prompts: list) -> tuple[list[str], list[str], list]:

@@ -7,8 +7,12 @@ pre-packed copy vLLM did not refresh) gives 1e-2 and more, and PPO would then tr
 while the reward curve looks plausible. `--max_engine_logprob_gap` bounds that mean; past it the run stops.
 
 The comparison is meaningful only where both sides score the same policy the same way, so it is skipped when
-- rollouts are stale (async mode: they came from older weights than the actor holds now), or
-- --temperature is not 1: vLLM reports log-probs of the raw logits, the actor of logits / temperature.
+- rollouts are stale (async mode: they came from older weights than the actor holds now; the actor cannot score
+  them under the weights that generated them, so only batches generated with the current weights are checked), or
+- --temperature is not 1 and --top_p is below 1: the engines then report log-probs of the top-p-truncated
+  distribution (vLLM's processed_logprobs, rollout/engine.py engine_logprobs_mode), the actor of the full one.
+  At --temperature 1 the engines report raw log-probs and at --top_p 1 processed ones: both the actor's.
+Either is said once at the start of the run (SyncGuard.announce), not found out later.
 """
 
 from __future__ import annotations
@@ -19,10 +23,15 @@ from typing import Optional
 
 log = logging.getLogger(__name__)
 
-# Defaults by training dtype: a healthy run sits orders of magnitude below, a broken sync above (measured on
-# tiny models: fp32 healthy <= 3e-7, broken 7e-3..5e-2; bf16 healthy ~1e-3, and GPU kernels differ more).
-DEFAULT_MAX_GAP = {"fp32": 1e-3, "bf16": 5e-2}
-
+# Defaults by training dtype: a healthy run sits well below, a broken sync above. Measured with this statistic on
+# tiny random models (tests/vllm/family_rig.py; Llama untied and tied, Qwen2-MoE, GPT-2; 16 x 16 sampled tokens):
+#   fp32: healthy 1.6e-7..2.0e-7; broken (issue 17: tied head, MoE experts, real train-ppo runs) 7.1e-3..4.9e-2
+#   bf16 (trainer and engine): healthy 5.2e-4..8.9e-4 (after 0 to 3 updates), and 1.0e-3..1.1e-3 over the 8 steps
+#        of the built-in demo's `train-ppo --bf16` (1.0e-3..1.4e-3 with --actor_learning_rate 0.01, rising as the
+#        policy sharpens); engine one update or 0.002 seeded noise behind: 1.7e-2..2.0e-1
+# bf16's 3e-3 is 2.2x the largest healthy gap and 2.4x under the smallest broken one above. GPU kernels (vLLM's
+# and the trainer's attention differ more) may need it raised: the error says how.
+DEFAULT_MAX_GAP = {"fp32": 1e-3, "bf16": 3e-3}
 
 class EngineMismatchError(RuntimeError):
     """The engines' log-probs left the trainer's: the run stops before training on those samples."""
@@ -40,12 +49,33 @@ class SyncGuard:
     threshold: Optional[float]  # None: off
     bf16: bool = False
     temperature: float = 1.0
-    _warned: bool = False
+    top_p: float = 1.0
+    async_train: bool = False
 
     @classmethod
     def from_config(cls, cfg) -> SyncGuard:
-        bf16 = cfg.deepspeed.bf16
-        return cls(max_gap(cfg.vllm.max_engine_logprob_gap, bf16), bf16, cfg.ppo.temperature)
+        p = cfg.ppo
+        return cls(max_gap(cfg.vllm.max_engine_logprob_gap, cfg.deepspeed.bf16), cfg.deepspeed.bf16, p.temperature,
+                   p.top_p, p.async_train)
+
+    @property
+    def comparable(self) -> bool:
+        """Whether the engines' log-probs of sampled tokens are the distribution the actor scores (docstring)."""
+        return self.temperature == 1.0 or self.top_p >= 1.0
+
+    def announce(self) -> None:
+        """Say once, at the start of the run, where the guard does not look (module docstring)."""
+        if self.threshold is None:
+            return
+        if not self.comparable:
+            log.warning("--max_engine_logprob_gap is not checked in this run: at --temperature %g with --top_p %g "
+                        "the engines report log-probs of the top-p-truncated distribution, the actor of the full "
+                        "one (engine_logprob_gap is logged, not judged). --top_p 1 or --temperature 1 turns the "
+                        "check on.", self.temperature, self.top_p)
+        elif self.async_train:
+            log.info("--max_engine_logprob_gap with --async_train: checked only on batches generated with the "
+                     "actor's current weights (staleness 0, e.g. the first step); a stale batch differs by the "
+                     "policy's own updates, not by the sync")
 
     def check(self, gap: float, step: int, staleness: int) -> bool:
         """Raise EngineMismatchError if `gap` (mean |engine - actor| log-prob per token) is past the threshold.
@@ -53,18 +83,11 @@ class SyncGuard:
         step: the 1-based step whose rollouts were scored; staleness: trainer version - generation version.
         Returns whether the gap was checked.
         """
-        if self.threshold is None or staleness != 0:
-            return False
-        if self.temperature != 1.0:
-            if not self._warned:
-                self._warned = True
-                log.warning("--max_engine_logprob_gap is not checked at --temperature %g: vLLM reports log-probs "
-                            "before temperature, the actor after it", self.temperature)
+        if self.threshold is None or staleness != 0 or not self.comparable:
             return False
         if gap > self.threshold:
             raise EngineMismatchError(explain(gap, step, self.threshold, self.bf16))
         return True
-
 
 def explain(gap: float, step: int, threshold: float, bf16: bool) -> str:
     dtype = "bf16" if bf16 else "fp32"

@@ -53,6 +53,7 @@ class EngineConfig:
     cpu_threads: int = 0  # CPU only: torch threads (0: leave Ray's OMP_NUM_THREADS = the engine's CPU slots)
     enable_sleep: bool = False  # GPU only (--vllm_enable_sleep): vLLM's sleep mode, for hybrid placement
     cuda_ipc: bool = False  # GPU + --colocate_all_models: weights arrive as CUDA IPC handles (weight_sync.py)
+    logprobs_mode: str = "raw_logprobs"  # vLLM's: what the sampled tokens' log-probs are (engine_logprobs_mode)
 
 
 def engine_config(cfg) -> EngineConfig:
@@ -66,7 +67,19 @@ def engine_config(cfg) -> EngineConfig:
         dtype=engine_dtype(cfg.deepspeed.bf16, device), kv_cache_gb=v.cpu_kv_cache_gb,
         cpu_threads=v.cpu_threads,
         enable_sleep=v.enable_sleep and device == "cuda",
-        cuda_ipc=cfg.placement.colocate_all_models and device == "cuda")
+        cuda_ipc=cfg.placement.colocate_all_models and device == "cuda",
+        logprobs_mode=engine_logprobs_mode(cfg.ppo.temperature))
+
+
+def engine_logprobs_mode(temperature: float) -> str:
+    """The log-probs the engines report for sampled tokens. vLLM's default, raw_logprobs, is log_softmax(logits):
+    at --temperature 1 exactly what the actor computes. At another temperature the actor scores
+    log_softmax(logits / temperature) (workers/policy.py), so the engines report processed_logprobs, the
+    distribution they sample from after temperature, as OpenRLHF asks for its IS correction. (Processed also
+    means after top-p: below --top_p 1 they are the truncated distribution's, which the actor does not compute,
+    and the sync guard does not compare them; sync_guard.py. And after logits processors such as min_tokens,
+    which orlhf's requests do not set; an agent's own sampling_params may.) Prompt log-probs are raw in both."""
+    return "raw_logprobs" if temperature == 1.0 else "processed_logprobs"
 
 
 def engine_dtype(bf16: bool, device: str) -> str:
@@ -129,6 +142,7 @@ class EngineActor:
             model=cfg.model_path, tensor_parallel_size=cfg.tensor_parallel_size, seed=cfg.seed + index,
             enforce_eager=cfg.enforce_eager, enable_prefix_caching=cfg.enable_prefix_caching, dtype=cfg.dtype,
             max_model_len=cfg.max_model_len, worker_extension_cls=EXTENSION, trust_remote_code=False,
+            logprobs_mode=cfg.logprobs_mode,
         )
         if cfg.device == "cpu":
             kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_gb * 2**30)

@@ -277,6 +277,22 @@ def agent_scores(rollouts: list[Rollout]) -> Optional[list[float]]:
     return [r.reward for r in rollouts]
 
 
+def agent_reward_result(rollouts: list[Rollout]):
+    """rewards.RewardResult of the agents' episodes, or None for single-turn rollouts: `rewards` (the turns'
+    rewards summed) train, `scores` (the last `scores` a step returned, else that sum) are what --dynamic_filtering
+    compares, as OpenRLHF splits them (its MultiTurnAgentExecutor returns both; its filter reads scores)."""
+    import torch
+
+    from orlhf.rewards import RewardResult
+
+    rewards = agent_scores(rollouts)
+    if rewards is None:
+        return None
+    scores = [r.reward if r.score is None else r.score for r in rollouts]
+    return RewardResult(rewards=torch.tensor(rewards, dtype=torch.float32),
+                        scores=torch.tensor(scores, dtype=torch.float32))
+
+
 def agent_metrics(rollouts: list[Rollout]) -> dict[str, float]:
     """Means of the agents' extra_logs (turns included) over the batch, as agent/<key>."""
     keys = sorted({k for r in rollouts for k in r.extra_logs})

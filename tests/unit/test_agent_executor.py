@@ -183,3 +183,52 @@ def test_the_demo_agent_loads_and_scores_colors():
     agent = executor.agent_instance_cls()
     out = asyncio.run(agent.step({"action_text": " red blue cat", "label": "colors", "sampling_params": None}))
     assert abs(float(out["rewards"]) - (2 / 3) / 3) < 1e-6 and not out["done"]
+
+
+SCORED_AGENT = '''
+import torch
+from orlhf.rollout.agent import AgentInstanceBase, MultiTurnAgentExecutor
+
+class AgentInstance(AgentInstanceBase):
+    made = 0  # instances are made in sample order: a group's n samples get consecutive numbers
+
+    def __init__(self):
+        self.k, AgentInstance.made = AgentInstance.made, AgentInstance.made + 1
+
+    async def reset(self, states, **kwargs):
+        return {"observation": states["observation"]}
+
+    async def step(self, states, **kwargs):
+        # every episode earns 0.5 over two turns; its score says whether it solved the task
+        score = {"solved": 1.0, "failed": 0.0}.get(states["label"], float(self.k % 2))
+        return {"rewards": torch.tensor(0.25), "scores": score, "environment_feedback": "ok",
+                "done": len(states["observation_text"]) > 4, "sampling_params": states["sampling_params"]}
+
+class AgentExecutor(MultiTurnAgentExecutor):
+    def __init__(self):
+        super().__init__(AgentInstance)
+'''
+
+
+def test_dynamic_filtering_keeps_groups_by_the_agents_scores_and_trains_on_their_rewards(tmp_path):
+    """OpenRLHF's split: the filter reads `scores`, PPO the summed `rewards`. Every group here has reward mean 0.5
+    (inside the (0, 1) range): filtering on rewards would keep the first prompt, "solved", whose samples all
+    score 1 and so teach nothing. On scores only the "mixed" prompt (scores 0 and 1) is kept."""
+    from orlhf.controller import Controller
+    from orlhf.dynamic_filtering import DynamicFilter
+
+    path = tmp_path / "scored_agent.py"
+    path.write_text(SCORED_AGENT)
+    runner = AgentRunner(str(path), engines=None, tokenizer=CharTokenizer(), max_length=20, call=FakeEngine())
+
+    def generate(batch, seed):
+        return runner.generate(batch, SamplingSpec(temperature=1.0, max_new_tokens=2, n=2, seed=seed))
+
+    # the controller's own scoring of agent rollouts (no reward source: the agents score)
+    score = lambda rollouts, batch: Controller._score_rollouts(None, rollouts, batch)  # noqa: E731
+    flt = DynamicFilter(batch_prompts=1, n_samples=2, reward_range=(0.0, 1.0), generate=generate, score=score)
+    filled = flt.fill(iter([prompts(["solved", "failed", "mixed"])]), step_index=0)
+    assert [p.label for p in filled.prompts] == ["mixed"]
+    assert filled.reward.rewards.tolist() == [0.5, 0.5]  # two turns of 0.25, summed: what PPO trains on
+    assert sorted(filled.reward.scores.tolist()) == [0.0, 1.0]
+    assert filled.info["dynamic_filtering_pass_rate"] == 100.0 / 3

@@ -1,7 +1,7 @@
 """A trainer and a vLLM engine in two plain processes (no Ray), joined by orlhf's real gloo weight-sync group.
 
     parent (pytest)                      trainer process                      engine process
-      build tiny model folders            PolicyWorker (ZeRO-3, world 1)       vLLM LLM in-process (fp32, eager)
+      build tiny model folders            PolicyWorker (ZeRO-3, world 1)       vLLM LLM in-process (fp32 or bf16, eager)
       Rig.call("trainer", ...)  ------->  update weights, log-probs             prompt log-probs
       Rig.sync()                ------->  send_weights  --gloo broadcast-->    orlhf_receive_weights
 
@@ -83,12 +83,12 @@ class TrainerSide:
     def __init__(self):
         self.worker = None
 
-    def load(self, path: str, lr: float = 1e-2) -> None:
+    def load(self, path: str, bf16: bool = False, temperature: float = 1.0, lr: float = 1e-2) -> None:
         from orlhf.worker_config import role_config
         from orlhf.workers import PolicyWorker
 
         cfg = role_config("actor", model_path=path, device="cpu", zero_stage=3, micro_forward_batch_size=8,
-                          learning_rate=lr, train_batch_size=4, micro_train_batch_size=4, total_optimizer_steps=4)
+                          bf16=bf16, temperature=temperature, learning_rate=lr, train_batch_size=4, micro_train_batch_size=4, total_optimizer_steps=4)
         self.worker = PolicyWorker(cfg)
         self.worker.init()
 
@@ -145,12 +145,12 @@ class EngineSide:
     def __init__(self):
         self.llm = None
 
-    def load(self, path: str) -> None:
+    def load(self, path: str, bf16: bool = False, temperature: float = 1.0) -> None:
         from vllm import LLM
 
-        from orlhf.rollout.engine import EXTENSION
+        from orlhf.rollout.engine import EXTENSION, engine_dtype, engine_logprobs_mode
 
-        self.llm = LLM(model=path, dtype="float32", enforce_eager=True, max_model_len=128, seed=0,
+        self.llm = LLM(model=path, dtype=engine_dtype(bf16, "cpu"), logprobs_mode=engine_logprobs_mode(temperature), enforce_eager=True, max_model_len=128, seed=0,
                        kv_cache_memory_bytes=64 * 2**20, worker_extension_cls=EXTENSION, enable_prefix_caching=False)
 
     def join(self, host: str, port: int) -> int:
@@ -174,6 +174,22 @@ class EngineSide:
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], params, use_tqdm=False)
         return torch.tensor([[lp[t].logprob for lp, t in zip(o.prompt_logprobs[1:], s[1:])]
                              for s, o in zip(seqs, outs)])
+
+    def sample(self, prompts: list[list[int]], new_tokens: int, seed: int = 0,
+               temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sampled continuations as a run samples them: (sequences (B, P + new_tokens), the engine's log-probs of
+        the sampled tokens (B, new_tokens)). Fixed length (EOS ignored), so rows stack."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        # ignore_eos, not min_tokens: min_tokens masks EOS out of the distribution, and processed log-probs (at a
+        # temperature != 1) would be of that masked distribution
+        params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, logprobs=0,
+                                temperature=temperature, seed=seed, detokenize=False)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
+        lps = [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]
+        return torch.tensor(seqs), torch.tensor(lps)
 
     def unload(self) -> None:
         import gc
@@ -252,10 +268,11 @@ class Rig:
         self.start(side, method, *args)
         return self.wait(side)
 
-    def load(self, path: str) -> None:
-        """Both sides load the same folder (in parallel), then join a fresh sync group."""
-        self.start("trainer", "load", path)
-        self.start("engine", "load", path)
+    def load(self, path: str, bf16: bool = False, temperature: float = 1.0) -> None:
+        """Both sides load the same folder (in parallel) in fp32, or bf16 as --bf16 runs them, set up for
+        --temperature as a run sets them up; then join a fresh sync group."""
+        self.start("trainer", "load", path, bf16, temperature)
+        self.start("engine", "load", path, bf16, temperature)
         self.wait("trainer"), self.wait("engine")
         from orlhf.weight_sync import plan_buckets
 
