@@ -88,8 +88,8 @@ class VLLMConfig:
     max_engine_logprob_gap: Optional[float] = opt(
         None, "Stop the run when the engines' log-probs of the sampled tokens differ from the actor's by more "
         "than this per token on average (engine_logprob_gap: the engines sample another policy, e.g. a broken "
-        "weight sync). Default: 1e-3, or 3e-3 with --bf16 (healthy: ~2e-7 fp32, <= 1.4e-3 bf16; broken syncs "
-        "measured 7e-3 and up); 0 or negative: off. Not checked on async-stale rollouts, nor with --temperature "
+        "weight sync). Default on CPU: 1e-3, or 3e-3 with --bf16 (healthy: ~2e-7 fp32, <= 1.4e-3 bf16; broken syncs "
+        "measured 7e-3 and up); on GPUs 2e-2 (bf16 engines, not measured yet); 0 or negative: off. Not checked on async-stale rollouts, nor with --temperature "
         "other than 1 and --top_p below 1 (said at start).", flag="max_engine_logprob_gap",
     )
 

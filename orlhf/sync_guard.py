@@ -31,16 +31,21 @@ log = logging.getLogger(__name__)
 #        policy sharpens); engine one update or 0.002 seeded noise behind: 1.7e-2..2.0e-1
 # bf16's 3e-3 is 2.2x the largest healthy gap and 2.4x under the smallest broken one above. GPU kernels (vLLM's
 # and the trainer's attention differ more) may need it raised: the error says how.
-DEFAULT_MAX_GAP = {"fp32": 1e-3, "bf16": 3e-3}
+# On GPUs the engines run bfloat16 whatever the trainer's dtype (rollout/engine.py: vLLM's GPU attention wants
+# 16 bits), and vLLM's kernels and the trainer's differ more than on CPU; nothing has been measured there yet, so the
+# default is looser, 2e-2: it still stops the tied-head and one-update-behind breaks above (2.4e-2 and up), not the
+# MoE one (7.1e-3). A GPU run that measures its healthy gap can tighten it with the flag.
+DEFAULT_MAX_GAP = {"fp32": 1e-3, "bf16": 3e-3, "cuda": 2e-2}
 
 class EngineMismatchError(RuntimeError):
     """The engines' log-probs left the trainer's: the run stops before training on those samples."""
 
 
-def max_gap(flag: Optional[float], bf16: bool) -> Optional[float]:
-    """The threshold in force: the flag if set (0 or negative: guard off -> None), else the dtype's default."""
+def max_gap(flag: Optional[float], bf16: bool, device: str = "cpu") -> Optional[float]:
+    """The threshold in force: the flag if set (0 or negative: guard off -> None), else the default for the
+    device (cuda: engines in bf16 on GPU kernels) or, on CPU, for the training dtype."""
     if flag is None:
-        return DEFAULT_MAX_GAP["bf16" if bf16 else "fp32"]
+        return DEFAULT_MAX_GAP["cuda" if device == "cuda" else "bf16" if bf16 else "fp32"]
     return flag if flag > 0 else None
 
 
@@ -55,8 +60,10 @@ class SyncGuard:
     @classmethod
     def from_config(cls, cfg) -> SyncGuard:
         p = cfg.ppo
-        return cls(max_gap(cfg.vllm.max_engine_logprob_gap, cfg.deepspeed.bf16), cfg.deepspeed.bf16, p.temperature,
-                   p.top_p, p.async_train)
+        # runtime.device, not cfg.device: a run's config is finished (resolved) by now; the controller's unit tests
+        # drive unfinished ones, whose "auto" gets the CPU defaults
+        return cls(max_gap(cfg.vllm.max_engine_logprob_gap, cfg.deepspeed.bf16, cfg.runtime.device),
+                   cfg.deepspeed.bf16, p.temperature, p.top_p, p.async_train)
 
     @property
     def comparable(self) -> bool:

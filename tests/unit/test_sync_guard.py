@@ -5,6 +5,7 @@ import logging
 import pytest
 
 from orlhf.config import build_config
+from orlhf.finish import resolve_device
 from orlhf.sync_guard import DEFAULT_MAX_GAP, EngineMismatchError, SyncGuard, max_gap
 
 
@@ -12,6 +13,9 @@ def test_threshold_defaults_by_dtype_and_flag_wins():
     assert max_gap(None, bf16=False) == DEFAULT_MAX_GAP["fp32"] == 1e-3
     assert max_gap(0.2, bf16=False) == 0.2 and max_gap(1e-6, bf16=True) == 1e-6
     assert max_gap(0.0, bf16=False) is None and max_gap(-1.0, bf16=True) is None  # off
+    # GPUs: the engines run bf16 even for an fp32 trainer, so fp32's 1e-3 would stop healthy runs there
+    assert max_gap(None, bf16=False, device="cuda") == max_gap(None, bf16=True, device="cuda") == 2e-2
+    assert max_gap(0.5, bf16=False, device="cuda") == 0.5
 
 
 def test_bf16_default_between_healthy_and_broken_bf16_syncs():
@@ -30,9 +34,10 @@ def test_bf16_default_between_healthy_and_broken_bf16_syncs():
 
 def test_from_flags():
     cfg = build_config({"max_engine_logprob_gap": 0.01, "bf16": True}, explicit={"max_engine_logprob_gap", "bf16"})
-    guard = SyncGuard.from_config(cfg)
+    guard = SyncGuard.from_config(resolve_device(cfg, "cpu"))
     assert guard.threshold == 0.01 and guard.bf16
-    assert SyncGuard.from_config(build_config({}, explicit=set())).threshold == 1e-3
+    assert SyncGuard.from_config(resolve_device(build_config({}, explicit=set()), "cpu")).threshold == 1e-3
+    assert SyncGuard.from_config(resolve_device(build_config({}, explicit=set()), "cuda")).threshold == 2e-2
 
 
 def test_healthy_gap_passes_broken_sync_stops_with_the_facts():
