@@ -107,7 +107,7 @@ def run_locked(cfg: TrainConfig, run_id: str, clock) -> int:
                                 wandb_group=cfg.logging.wandb_group)
         controller = Controller(cfg, models, loader, tokenizer, metrics, reward_source=make_reward(cfg),
                                 checkpoints=checkpoints, evaluator=evaluator,
-                                best_checkpoints=CheckpointManager(Path(cfg.logging.checkpoint_dir) / "best", 1))
+                                best_checkpoints=checkpoints.best())  # after resume_point: the run's id
         if resume_from is not None:
             controller.resume(resume_from)
         clock.mark("controller")

@@ -105,3 +105,20 @@ def test_dynamic_filtering_saves_at_the_stop(tmp_path):
     ctl.fit()
     assert ctl.step_index == 2 and ctl.metrics.steps == [1, 2]
     assert [p.name for p in (tmp_path / "ck").glob("step_*")] == ["step_000002"]
+
+
+def test_the_best_eval_checkpoint_records_the_run_id(tmp_path):
+    """entry.py builds the best-eval manager from the rotation's (CheckpointManager.best): same run id, also the
+    one a resume took over from its checkpoint, into <ckpt_path>/best, one kept."""
+    import json
+
+    ctl, _ = make(tmp_path)
+    ctl.checkpoints.run_id = "resumed0001"  # as entry.resume_point sets it before the controller is built
+    ctl.best_checkpoints = ctl.checkpoints.best()
+    for step in (2, 4):
+        ctl.step_index = step
+        ctl.save_checkpoint(ctl.best_checkpoints)
+    (saved,) = (tmp_path / "ck" / "best").glob("step_*")
+    assert saved.name == "step_000004"
+    assert json.loads((saved / "meta.json").read_text())["run_id"] == "resumed0001"
+    assert ctl._saved_step is None  # the best copy is not the rotation's save of the step
