@@ -141,8 +141,11 @@ def make_server(reward_fn: str, host: str = "127.0.0.1", port: int = 5000, token
             if self.reader.expired and self.reader.received and not self.replied:  # request line or headers
                 self.request_version = getattr(self, "request_version", "HTTP/1.0") or "HTTP/1.0"
                 self.requestline = getattr(self, "requestline", "")
-                self._reply(408, {"error": f"request line and headers not received within {timeout_s:g} s "
-                                           "(--timeout_s covers the whole request)"})
+                try:
+                    self._reply(408, {"error": f"request line and headers not received within {timeout_s:g} s "
+                                               "(--timeout_s covers the whole request)"})
+                except OSError:  # the client is gone already: nobody to tell
+                    pass
 
         def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
             if token is not None:
