@@ -72,6 +72,11 @@ class CheckpointManager:
         self.max_ckpt_num = max_ckpt_num
         self.run_id = run_id  # recorded in every temp folder's owner.json and every meta.json
 
+    def best(self) -> "CheckpointManager":
+        """The manager of <ckpt_path>/best (the best-eval checkpoint, --best_metric_key): one kept, outside this
+        rotation, recording this run's id (built from here so the id cannot be left out)."""
+        return CheckpointManager(self.root / "best", 1, self.run_id)
+
     def begin(self, step: int) -> Path:
         """A fresh temporary folder for the checkpoint of `step`, next to where it will be renamed to."""
         self.root.mkdir(parents=True, exist_ok=True)

@@ -147,6 +147,8 @@ class Controller:
                 if filled is None:
                     break
                 report({**self.learn(filled.prompts, filled.rollouts, filled.reward), **filled.info})
+            if self.should_stop():  # as fit(): --stop_after_steps ended it, so the resume starts here
+                self.save_at_stop()
         return self.history
 
     def fit_async(self) -> list[dict]:

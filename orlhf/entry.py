@@ -4,7 +4,7 @@ the demo's paths resolved).
     lock the run and checkpoint folders (runlock: a second run on them exits here) -> file pre-flight -> prompts
     (in a thread) while Ray connects -> pre-flight + placement groups -> start engines (async) and model groups
     (colocated on GPUs: engines ready -> engines asleep -> model groups; see start_plan) -> init all -> weight-sync
-    group -> Controller.fit() -> export the final actor (atomic, export.py)
+    group -> Controller.fit() -> export the final actor, and critic (atomic, export.py)
     -> draw the reward curve (best effort) -> tear everything down (also on errors and Ctrl-C)
 """
 
@@ -107,7 +107,7 @@ def run_locked(cfg: TrainConfig, run_id: str, clock) -> int:
                                 wandb_group=cfg.logging.wandb_group)
         controller = Controller(cfg, models, loader, tokenizer, metrics, reward_source=make_reward(cfg),
                                 checkpoints=checkpoints, evaluator=evaluator,
-                                best_checkpoints=CheckpointManager(Path(cfg.logging.checkpoint_dir) / "best", 1))
+                                best_checkpoints=checkpoints.best())  # after resume_point: the run's id
         if resume_from is not None:
             controller.resume(resume_from)
         clock.mark("controller")
@@ -153,13 +153,13 @@ def resume_point(cfg: TrainConfig, checkpoints, run_id: str):
 def finish_run(cfg: TrainConfig, models, metrics, history: list[dict], run_id: str) -> None:
     """The run's outputs, models first (atomic export, then the critic), then the best-effort figures: a plotting
     failure costs a figure, never a model."""
-    from orlhf.export import export_actor
+    from orlhf.export import export_actor, export_model
     from orlhf.workers import CriticWorker
 
     save = Path(cfg.logging.save_path)
     out = export_actor(models.actor, save / "actor", run_id)
     if cfg.logging.save_value_network and models.critic is not None:
-        models.critic.call(CriticWorker.save_value_network, str(save / "critic")).get()
+        export_model(models.critic, CriticWorker.save_value_network, save / "critic", run_id)
     png = metrics.plot()
     log.info("done: %d steps; final actor in %s; metrics in %s%s", len(history), out, metrics.path,
              f"; curve in {png}" if png else "")

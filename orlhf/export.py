@@ -1,5 +1,5 @@
-"""The final HF export of the actor, atomic: <save_path>/actor is either the previous model or the new one,
-whole, never a mix or a half-written folder.
+"""The final exports, atomic: <save_path>/actor (and, with --save_value_network, <save_path>/critic) is either the
+previous model or the new one, whole, never a mix or a half-written folder.
 
     tmp = <save_path>/.tmp-actor-<hex> (owner.json: pid, host, run id) -> actor ranks: save_hf(tmp) (collective)
     -> drop owner.json -> fsync every file and folder -> swap tmp and actor (renameat2 RENAME_EXCHANGE: one
@@ -32,13 +32,19 @@ _RENAME_EXCHANGE = 2  # linux/fs.h
 
 def export_actor(actor_group, out: str | os.PathLike, run_id: str = "") -> Path:
     """The actor group's HF folder into `out`, atomically (see the module docstring). Returns `out`."""
+    return export_model(actor_group, PolicyWorker.save_hf, out, run_id)
+
+
+def export_model(group, save, out: str | os.PathLike, run_id: str = "") -> Path:
+    """`group.call(save, folder)` (a collective writing one model folder, e.g. CriticWorker.save_value_network)
+    into `out`, atomically, as the actor's export. Returns `out`."""
     out = Path(out).expanduser().absolute()
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_exports(out)
     tmp = out.parent / f"{_TMP}{out.name}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     write_owner(tmp, run_id)
-    actor_group.call(PolicyWorker.save_hf, str(tmp)).get()
+    group.call(save, str(tmp)).get()
     publish(tmp, out)
     return out
 

@@ -5,10 +5,15 @@ reason it cannot change the numbers (where outputs go, how fast or in how much m
 flag added later is checked on resume until someone argues it free. Resuming with a fingerprinted flag changed
 is refused with the list of differences (checkpoint.check_compatible): it would silently continue another run,
 or rebuild the LR schedule from other --num_episodes / --max_epochs / --lr_warmup_ratio values.
+
+Python files the run executes (a --remote_rm_url reward_func file, an --agent_func_path file) are fingerprinted by
+their contents too (sha256, read at each save and at the resume): the same path with an edited reward function is
+another run, and the refusal names the file.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -35,6 +40,8 @@ FREE_ON_RESUME: dict[str, str] = {
 }
 # Flags naming files or folders: compared as absolute paths, so `./data.jsonl` and its full path match.
 _PATH_FLAGS = ("pretrain", "reward_pretrain", "critic_pretrain", "prompt_data", "remote_rm_url")
+# Flags naming python files the run executes: their contents are fingerprinted as well as their path.
+_CODE_FLAGS = ("remote_rm_url", "agent_func_path")
 
 
 def config_fingerprint(cfg: "TrainConfig") -> dict[str, Any]:
@@ -54,7 +61,21 @@ def config_fingerprint(cfg: "TrainConfig") -> dict[str, Any]:
 
     critic_model = model_path(cfg, "critic") if cfg.has_critic else None
     out["critic model (--critic_pretrain, else --reward_pretrain, else --pretrain)"] = _abs(critic_model)
+    for attr, flag, f, _typ in flag_fields():
+        if flag in _CODE_FLAGS:
+            digest = _code_digest(getattr(getattr(cfg, attr), f.name))
+            if digest is not None:
+                out[f"--{flag} file contents"] = digest
     return out
+
+
+def _code_digest(path: Optional[str]) -> Optional[str]:
+    """"sha256 <first 16 hex digits> of <absolute path>" for a local .py file; None for URLs and unset flags."""
+    if path is None or not path.endswith(".py") or not os.path.isfile(os.path.expanduser(path)):
+        return None
+    with open(os.path.expanduser(path), "rb") as fh:
+        digest = hashlib.sha256(fh.read()).hexdigest()
+    return f"sha256 {digest[:16]} of {_abs(path)}"
 
 
 def _abs(path: Optional[str]) -> Optional[str]:

@@ -17,7 +17,8 @@ NaN reward silently poisons every advantage of the step. A source may answer Ope
 {"rewards", "scores", "extra_logs"}; each part is checked alike.
 
 A python file's reward_func runs in this process, in a daemon thread with a deadline (--reward_timeout_s): a
-stuck function fails the run with a RewardError naming the file instead of hanging it.
+stuck function fails the run with a RewardError naming the file instead of hanging it. The stuck call cannot be
+killed; until it returns, no other call of that reward_func starts (RewardBusy), as it need not be thread-safe.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import threading
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Optional, Protocol, runtime_checkable
 
 import torch
 
@@ -46,6 +47,10 @@ _module_ids = itertools.count()  # loading one file twice gives two modules, nev
 
 class RewardError(RuntimeError):
     """A reward source failed or answered something unusable; the message names the source and the fix."""
+
+
+class RewardBusy(RewardError):
+    """A reward_func call that passed its deadline is still running: no second call starts beside it."""
 
 
 @dataclass(frozen=True)
@@ -175,6 +180,7 @@ class FunctionReward:
     def __init__(self, path: str | os.PathLike, timeout_s: float = 300.0):
         self.path, self.timeout_s = str(Path(path).expanduser()), timeout_s
         self._func = _load_reward_func(self.path)
+        self._abandoned: Optional[threading.Thread] = None  # a call past its deadline (it may still run)
 
     def score(self, queries: list[str], prompts: list[str], labels: list) -> torch.Tensor:
         return self.evaluate(queries, prompts, labels).rewards
@@ -186,7 +192,11 @@ class FunctionReward:
 
     def _call_with_deadline(self, *args) -> Any:
         """reward_func(*args) in a daemon thread; past timeout_s, a RewardError (the thread is abandoned: python
-        cannot kill it, and a daemon thread does not keep the process alive)."""
+        cannot kill it, and a daemon thread does not keep the process alive). While an abandoned call still
+        runs, RewardBusy: a second call beside it would break a reward_func that is not thread-safe."""
+        if self._abandoned is not None and self._abandoned.is_alive():
+            raise RewardBusy(f"{self.path}: the previous reward_func call ran past --reward_timeout_s "
+                             f"{self.timeout_s:g} s and has not returned yet; no other call starts beside it.")
         box: dict[str, Any] = {}
 
         def run() -> None:
@@ -199,6 +209,7 @@ class FunctionReward:
         worker.start()
         worker.join(self.timeout_s)
         if worker.is_alive():
+            self._abandoned = worker
             raise RewardError(f"{self.path}: reward_func did not return within {self.timeout_s:g} s "
                               f"(--reward_timeout_s) for a batch of {len(args[0])} queries. Fix what it waits on "
                               f"in {self.path} (a network call, a lock, an endless loop), or raise "

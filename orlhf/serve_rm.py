@@ -10,8 +10,13 @@ requests without `Authorization: Bearer <token>`.
 Every request ends in an answer or a closed socket within bounds:
 - at most `workers` connections are handled at once (a bounded pool); the next ones wait in the listen backlog
   instead of each pinning a thread;
-- a connection that sends nothing, or less body than its Content-Length, is cut after `timeout_s` (408 when the
-  request line arrived);
+- one request per connection, read against one deadline: request line, headers and body must all arrive within
+  `timeout_s` of the connection being accepted (a client sending a byte at a time cannot stretch it, as it could a
+  per-read socket timeout). Past it: 408 once any byte arrived (a body shorter than its Content-Length included),
+  else the connection is just closed;
+- after a reward_func call passes `reward_timeout_s` (500) it keeps running (a thread cannot be killed); until it
+  returns, requests get 503 "busy: ..." instead of a second call beside it (reward_func need not be
+  thread-safe). Clients retry a 503 (rewards.HttpReward does, with backoff);
 - every malformed request gets 400 with a one-line reason (bad Content-Length, not JSON, missing "query", a field
   that is not a list of strings, lists of different lengths); a reward_func failure gets 500 with its message.
 Rewards go through the same checks as in training (rewards.to_result): one finite number per query.
@@ -20,17 +25,19 @@ Rewards go through the same checks as in training (rewards.to_result): one finit
 from __future__ import annotations
 
 import hmac
+import io
 import ipaddress
 import json
 import logging
 import os
 import socket
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Any, Optional
 
-from orlhf.rewards import TOKEN_ENV, FunctionReward, RewardError
+from orlhf.rewards import TOKEN_ENV, FunctionReward, RewardBusy, RewardError
 
 log = logging.getLogger(__name__)
 MAX_BODY = 64 * 2**20  # a batch of queries, not a file upload
@@ -38,6 +45,32 @@ MAX_BODY = 64 * 2**20  # a batch of queries, not a file upload
 
 class BadRequest(ValueError):
     """A malformed request: answered 400 with this message (one line)."""
+
+
+class DeadlineReader(io.RawIOBase):
+    """A connection's reads against one deadline: each recv waits at most for the time left, so the deadline bounds
+    the whole request however the client spaces its bytes. Past it, TimeoutError (and `expired`)."""
+
+    def __init__(self, sock: socket.socket, seconds: float):
+        self.sock, self.deadline = sock, time.monotonic() + seconds
+        self.received, self.expired = 0, False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf) -> int:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            self.expired = True
+            raise TimeoutError("request deadline passed")
+        self.sock.settimeout(left)
+        try:
+            n = self.sock.recv_into(buf)
+        except TimeoutError:
+            self.expired = True
+            raise
+        self.received += n
+        return n
 
 
 class PooledHTTPServer(HTTPServer):
@@ -95,7 +128,24 @@ def make_server(reward_fn: str, host: str = "127.0.0.1", port: int = 5000, token
     lock = threading.Lock()  # user reward functions need not be thread-safe
 
     class Handler(BaseHTTPRequestHandler):
-        timeout = timeout_s  # socket timeout for every read and write of this connection
+        timeout = timeout_s  # socket timeout of each write; reads go through DeadlineReader
+
+        def setup(self) -> None:
+            super().setup()
+            self.reader = DeadlineReader(self.connection, timeout_s)
+            self.rfile = io.BufferedReader(self.reader)
+            self.replied = False
+
+        def handle_one_request(self) -> None:
+            super().handle_one_request()  # catches a read's TimeoutError itself and closes without an answer
+            if self.reader.expired and self.reader.received and not self.replied:  # request line or headers
+                self.request_version = getattr(self, "request_version", "HTTP/1.0") or "HTTP/1.0"
+                self.requestline = getattr(self, "requestline", "")
+                try:
+                    self._reply(408, {"error": f"request line and headers not received within {timeout_s:g} s "
+                                               "(--timeout_s covers the whole request)"})
+                except OSError:  # the client is gone already: nobody to tell
+                    pass
 
         def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
             if token is not None:
@@ -108,10 +158,13 @@ def make_server(reward_fn: str, host: str = "127.0.0.1", port: int = 5000, token
                 return self._reply(400, {"error": str(e)})
             except socket.timeout:
                 return self._reply(408, {"error": f"body not received within {timeout_s:g} s (is Content-Length "
-                                                  "larger than the body?)"})
+                                                  "larger than the body, or is it sent too slowly?)"})
             try:
                 with lock:
                     result = source.evaluate(queries, prompts, labels)
+            except RewardBusy:
+                return self._reply(503, {"error": "busy: the previous reward_func call has not returned (it ran past "
+                                                  f"--reward_timeout_s {reward_timeout_s:g} s); retry later"})
             except RewardError as e:
                 return self._reply(500, {"error": str(e)})
             answer: dict[str, Any] = {"rewards": result.rewards.tolist(), "scores": result.scores.tolist()}
@@ -120,6 +173,8 @@ def make_server(reward_fn: str, host: str = "127.0.0.1", port: int = 5000, token
             self._reply(200, answer)
 
         def _reply(self, code: int, obj: dict) -> None:
+            self.replied = True
+            self.connection.settimeout(timeout_s)  # the reads left it at what remained of their deadline
             data = json.dumps(obj).encode()
             self.send_response(code)
             self.send_header("Content-Type", "application/json")

@@ -213,3 +213,25 @@ def test_save_state_refuses_what_it_cannot_store_safely(tmp_path):
         save_state(tmp_path, "x", {1: 2})
     with pytest.raises(CheckpointError, match="cannot read controller.json"):
         load_controller_state(tmp_path)
+
+
+def test_an_edited_reward_file_refuses_the_resume_naming_it(tmp_path):
+    """The reward_func file's contents are part of the fingerprint (not only its path): the resume lookup
+    (entry.find_checkpoint) takes the checkpoint while the file is unchanged, and refuses it once edited."""
+    from orlhf.config import build_config
+    from orlhf.entry import find_checkpoint
+
+    reward = tmp_path / "my_reward.py"
+    reward.write_text("def reward_func(queries, prompts, labels):\n    return [1.0] * len(queries)\n")
+    flags = {"save_path": str(tmp_path / "run"), "remote_rm_url": str(reward), "load_checkpoint": True}
+    cfg = build_config(flags, set(flags))
+    mgr = CheckpointManager(cfg.logging.checkpoint_dir, 3, run_id="r")
+    tmp = mgr.begin(4)
+    saved = mgr.commit(tmp, 4, {"fingerprint": json.loads(json.dumps(config_fingerprint(cfg)))})
+    assert find_checkpoint(cfg, mgr) == saved  # unchanged run: resumes
+    reward.write_text("def reward_func(queries, prompts, labels):\n    return [0.0] * len(queries)\n")
+    with pytest.raises(CheckpointError) as err:
+        find_checkpoint(cfg, mgr)
+    (line,) = [x for x in str(err.value).splitlines() if x.startswith("  - ")]  # the only difference
+    assert line.startswith("  - --remote_rm_url file contents: checkpoint 'sha256 ") and f"of {reward}'" in line
+    assert "this run 'sha256 " in line

@@ -39,6 +39,9 @@ class Loader:
     def state_dict(self):
         return {"episode": 0, "batch_in_episode": 0}
 
+    def __iter__(self):
+        return iter([["prompt"]] * self.total_steps)
+
 
 def make(tmp_path, **flags):
     cfg = build_config({"save_path": str(tmp_path), "save_hf_ckpt": True, **flags}, {"save_hf_ckpt", *flags})
@@ -68,3 +71,54 @@ def test_stop_saves_once_at_the_stop_step(tmp_path):
     ctl.save_at_stop()  # already saved at this step: no second save
     assert [m for _, m, _ in log].count("save_hf") == 1
     assert [p.name for p in (tmp_path / "ck").glob("step_*")] == ["step_000003"]
+
+
+class Metrics:
+    def __init__(self):
+        self.steps = []
+
+    def log(self, step, row):
+        self.steps.append(step)
+
+
+class Filter:
+    """Stands in for DynamicFilter (its batches are tested in test_shaping.py): one full batch per fill."""
+
+    def fill(self, batches, step_index):
+        return Filled()
+
+
+class Filled:
+    prompts, rollouts, reward, info = [], [], None, {}
+
+
+def test_dynamic_filtering_saves_at_the_stop(tmp_path):
+    """--dynamic_filtering runs its own loop (Controller.fit_filtered): --stop_after_steps must save there too."""
+    ctl, log = make(tmp_path, stop_after_steps=2, dynamic_filtering=True, n_samples_per_prompt=2)
+    ctl.metrics, ctl.filter = Metrics(), Filter()
+
+    def learn(prompts, rollouts, reward=None):  # the step itself is not under test: only the loop around it
+        ctl.step_index += 1
+        return {"reward_mean": 0.0, "kl": 0.0, "samples_per_s": 1.0}
+
+    ctl.learn = learn
+    ctl.fit()
+    assert ctl.step_index == 2 and ctl.metrics.steps == [1, 2]
+    assert [p.name for p in (tmp_path / "ck").glob("step_*")] == ["step_000002"]
+
+
+def test_the_best_eval_checkpoint_records_the_run_id(tmp_path):
+    """entry.py builds the best-eval manager from the rotation's (CheckpointManager.best): same run id, also the
+    one a resume took over from its checkpoint, into <ckpt_path>/best, one kept."""
+    import json
+
+    ctl, _ = make(tmp_path)
+    ctl.checkpoints.run_id = "resumed0001"  # as entry.resume_point sets it before the controller is built
+    ctl.best_checkpoints = ctl.checkpoints.best()
+    for step in (2, 4):
+        ctl.step_index = step
+        ctl.save_checkpoint(ctl.best_checkpoints)
+    (saved,) = (tmp_path / "ck" / "best").glob("step_*")
+    assert saved.name == "step_000004"
+    assert json.loads((saved / "meta.json").read_text())["run_id"] == "resumed0001"
+    assert ctl._saved_step is None  # the best copy is not the rotation's save of the step

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from orlhf.demo import ensure_demo
-from orlhf.rewards import (FunctionReward, HttpReward, RewardError, RewardSource, make_reward_source,
+from orlhf.rewards import (FunctionReward, HttpReward, RewardBusy, RewardError, RewardSource, make_reward_source,
                            to_rewards)
 
 QUERIES = ["say colors: red blue", "say colors: cat dog"]
@@ -144,6 +144,26 @@ def test_a_stuck_reward_func_fails_at_its_deadline_naming_the_file(tmp_path):
     assert time.monotonic() - t0 < 5
     source = make_reward_source(path, timeout_s=0.3)
     assert pickle.loads(pickle.dumps(source)).timeout_s == 0.3
+
+
+def test_no_call_starts_while_a_timed_out_call_still_runs(tmp_path):
+    """reward_func need not be thread-safe: the abandoned call must return before another one starts."""
+    path = reward_file(tmp_path, """
+        import threading
+        release = threading.Event()
+        def reward_func(queries, prompts, labels):
+            if queries[0] == "stuck":
+                release.wait()
+            return [1.0] * len(queries)
+    """)
+    source = FunctionReward(path, timeout_s=0.3)
+    with pytest.raises(RewardError, match="did not return within 0.3 s"):
+        source.score(["stuck"], [""], [""])
+    with pytest.raises(RewardBusy, match="has not returned yet; no other call starts beside it"):
+        source.score(QUERIES, PROMPTS, LABELS)
+    source._func.__globals__["release"].set()  # the stuck call returns
+    source._abandoned.join(5)
+    assert source.score(QUERIES, PROMPTS, LABELS).tolist() == [1.0, 1.0]
 
 
 def test_to_rewards_lists_at_most_ten_bad_indices():

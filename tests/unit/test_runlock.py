@@ -159,3 +159,44 @@ def test_a_live_exports_temp_folder_is_kept(tmp_path):
     (tmp / "owner.json").write_text(json.dumps({**rec, "pid": 1}))  # pid 1 (init) is always alive
     export_actor(FakeActorGroup(b"x"), tmp_path / "actor", "me")
     assert tmp.exists()
+
+
+class FakeCriticGroup:
+    """Stands in for the critic ActorGroup (only call(CriticWorker.save_value_network, dir)); `fail` writes half a
+    model, then raises, as a full disk would."""
+
+    def __init__(self, payload: bytes, fail: bool = False):
+        self.payload, self.fail, self.dirs = payload, fail, []
+
+    def call(self, method, out: str) -> "FakeCriticGroup":
+        assert method.__qualname__ == "CriticWorker.save_value_network"
+        self.dirs.append(Path(out))
+        Path(out).mkdir(parents=True, exist_ok=True)  # as the worker's save_value_network does
+        (Path(out) / "model.safetensors").write_bytes(self.payload[:1] if self.fail else self.payload)
+        if self.fail:
+            raise OSError(28, "No space left on device")
+        (Path(out) / "config.json").write_text("{}")
+        return self
+
+    def get(self) -> list:
+        return [None]
+
+
+def test_save_value_network_exports_the_critic_atomically(tmp_path):
+    """--save_value_network goes through the actor's atomic export: a failure mid-write keeps the previous critic."""
+    from types import SimpleNamespace
+
+    from orlhf.config import build_config
+    from orlhf.entry import finish_run
+
+    cfg = build_config({"save_path": str(tmp_path), "save_value_network": True}, {"save_value_network"})
+    metrics = SimpleNamespace(plot=lambda: None, path=tmp_path / "metrics.jsonl")
+    critic = FakeCriticGroup(b"c1" * 100)
+    finish_run(cfg, SimpleNamespace(actor=FakeActorGroup(b"a1"), critic=critic), metrics, [], "r1")
+    assert critic.dirs[0].name.startswith(".tmp-critic-")  # written aside, then swapped in
+    assert (tmp_path / "critic" / "model.safetensors").read_bytes() == b"c1" * 100
+    with pytest.raises(OSError, match="No space left"):
+        finish_run(cfg, SimpleNamespace(actor=FakeActorGroup(b"a2"), critic=FakeCriticGroup(b"c2" * 100, fail=True)),
+                   metrics, [], "r2")
+    assert (tmp_path / "critic" / "model.safetensors").read_bytes() == b"c1" * 100  # still the whole previous one
+    assert (tmp_path / "actor" / "model.safetensors").read_bytes() == b"a2"

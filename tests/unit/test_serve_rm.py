@@ -57,20 +57,24 @@ import psutil  # noqa: E402
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _serve(*args):
+def _serve(*args, reward_fn=None):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("ORLHF_RM_TOKEN", None)
-    return subprocess.Popen([sys.executable, "-m", "orlhf.cli", "serve-rm", str(ensure_demo().reward_fn), *args],
+    reward_fn = reward_fn or ensure_demo().reward_fn
+    return subprocess.Popen([sys.executable, "-m", "orlhf.cli", "serve-rm", str(reward_fn), *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _port(proc) -> int:
+    line = proc.stdout.readline()  # "serving ... on http://127.0.0.1:PORT/get_reward"
+    return int(re.search(r"127\.0\.0\.1:(\d+)/", line).group(1))
 
 
 @pytest.fixture(scope="module")
 def rm_process():
     proc = _serve("--port", "0", "--timeout_s", "1", "--workers", "4")
     try:
-        line = proc.stdout.readline()  # "serving ... on http://127.0.0.1:PORT/get_reward"
-        port = int(re.search(r"127\.0\.0\.1:(\d+)/", line).group(1))
-        yield proc, port
+        yield proc, _port(proc)
     finally:
         proc.terminate()
         proc.wait(timeout=10)
@@ -144,3 +148,69 @@ def test_a_public_host_without_a_token_is_refused():
     proc = _serve("--host", "0.0.0.0", "--port", "0")
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 2 and "--host 0.0.0.0" in err and "token" in err and "serving" not in out
+
+
+def _drip(port, at_once: bytes, dripped: bytes, every_s=0.2) -> tuple[bytes, float]:
+    """Send `at_once`, then `dripped` one byte every `every_s` until the server answers or hangs up; returns the
+    answer and the seconds from the first byte to it."""
+    import select
+
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        t0 = time.monotonic()
+        try:
+            s.sendall(at_once)
+            for i in range(len(dripped)):
+                if select.select([s], [], [], every_s)[0]:  # an answer (or the close) is there: stop sending
+                    break
+                s.sendall(dripped[i:i + 1])
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        chunks = []
+        while chunk := s.recv(65536):
+            chunks.append(chunk)
+        return b"".join(chunks), time.monotonic() - t0
+
+
+@pytest.mark.parametrize("split", ["request line", "body"])
+def test_a_client_sending_a_byte_at_a_time_gets_408_at_the_deadline(rm_process, split):
+    """--timeout_s 1 bounds the whole request read: a byte every 0.2 s never trips a per-read timeout (the old
+    behaviour held a worker for the whole drip, ~15 s here, and then answered 200)."""
+    _, port = rm_process
+    request = _post(json.dumps(GOOD).encode())
+    cut = 0 if split == "request line" else request.index(b"\r\n\r\n") + 4
+    answer, seconds = _drip(port, request[:cut], request[cut:])
+    code, error = _status_and_error(answer)
+    assert code == 408 and "within 1 s" in error, error
+    assert seconds < 2.5  # 1 s deadline, a drip interval, slack for a loaded machine
+
+
+SLOW_REWARD = '''
+import time
+
+def reward_func(queries, prompts, labels):
+    if queries[0] == "slow":
+        time.sleep(4)
+    return [1.0] * len(queries)
+'''
+
+
+def test_no_second_reward_func_call_while_a_timed_out_one_still_runs(tmp_path):
+    """reward_func need not be thread-safe: after a call passes --reward_timeout_s (500, the call abandoned but
+    still running) the next request gets 503 until that call returns, then 200 again."""
+    path = tmp_path / "slow_reward.py"
+    path.write_text(SLOW_REWARD)
+    proc = _serve("--port", "0", "--reward_timeout_s", "0.5", "--timeout_s", "5", reward_fn=path)
+    try:
+        port = _port(proc)
+        fast = _post(json.dumps({"query": ["fast"]}).encode())
+        t0 = time.monotonic()
+        code, error = _status_and_error(_raw(port, _post(json.dumps({"query": ["slow"]}).encode())))
+        assert code == 500 and "did not return within 0.5 s" in error, error
+        code, error = _status_and_error(_raw(port, fast))
+        assert code == 503 and error.startswith("busy: the previous reward_func call has not returned"), error
+        time.sleep(max(0.0, t0 + 4.5 - time.monotonic()))  # the slow call has returned by now
+        code, _ = _status_and_error(_raw(port, fast))
+        assert code == 200
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
