@@ -108,3 +108,16 @@ def test_dynamic_filter_gives_up_with_a_clear_error():
     f = DynamicFilter(1, 2, (0.0, 1.0), generate, score, max_rounds=3)
     with pytest.raises(RuntimeError, match="dynamic_filtering_reward_range"):
         f.fill(iter([[0], [1], [2], [3], [4]]), step_index=0)
+
+
+def test_dynamic_filter_batch_filled_on_the_last_round_is_kept():
+    # max_rounds 2: round 0 generates prompt 0 (scores 0: dropped), round 1, the last allowed, prompt 1 (0.5: kept).
+    # The batch is full after that round: a batch, not "kept 1 of 1 prompts after 2 rounds".
+    generate, score, calls = _fake_engine({0: 0.0, 1: 0.5})
+    f = DynamicFilter(1, 2, (0.0, 1.0), generate, score, max_rounds=2)
+    out = f.fill(iter([[0], [1]]), step_index=0)
+    assert out.prompts == [1] and [c[0] for c in calls] == [[0], [1]]
+    assert out.info["dynamic_filtering_pass_rate"] == pytest.approx(50.0)
+    # filled in round 0 with max_rounds 1 (the same edge, one round)
+    f = DynamicFilter(1, 2, (0.0, 1.0), *_fake_engine({7: 0.5})[:2], max_rounds=1)
+    assert f.fill(iter([[7]]), step_index=0).prompts == [7]
