@@ -449,9 +449,9 @@ def test_demo_preset_and_the_e2e_flag_sets_pass_the_given_together_rules():
     assert not set(DEMO_PRESET) & {"vllm_is_correction_type", "vllm_is_truncated_threshold", "eps_clip",
                                    "dynamic_filtering_reward_range", "overlong_penalty_factor"}
     build()
-    # tests/e2e/test_train_ppo.py's DAPO-style run
-    build(advantage_estimator="group_norm", n_samples_per_prompt=4, eps_clip_low_high=(0.2, 0.28),
-          dynamic_filtering=True, overlong_buffer_len=4.0, overlong_penalty_factor=0.1)
+    # tests/e2e/test_train_ppo.py's DAPO-style GSPO run
+    build(advantage_estimator="group_norm", n_samples_per_prompt=4, policy_loss_type="gspo",
+          eps_clip_low_high=(0.2, 0.28), dynamic_filtering=True, overlong_buffer_len=4.0, overlong_penalty_factor=0.1)
 
 
 def test_agent_file_replaces_the_reward_source(model_dir, prompts, reward_py, tmp_path):
