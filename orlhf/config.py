@@ -427,7 +427,7 @@ def build_config(flags: dict[str, Any], explicit: frozenset[str] | set[str] = fr
     cfg = parse_config(flags, explicit)
     from orlhf.validation import validate  # local: validation imports this module
 
-    validate(cfg)
+    validate(cfg, explicit)
     return cfg
 
 

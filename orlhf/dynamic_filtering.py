@@ -63,8 +63,6 @@ class DynamicFilter:
         generated, score_sum = 0, 0.0
         for round_ in range(self.max_rounds):
             need = self.batch_prompts - len(kept_prompts)
-            if need <= 0:
-                break
             if not self._top_up(need, more):
                 return None
             batch, self.spare = self.spare[:need], self.spare[need:]
@@ -81,6 +79,8 @@ class DynamicFilter:
                 kept_prompts.append(batch[g])
                 kept_rollouts += [dataclasses.replace(rollouts[i], prompt_index=new_index) for i in rows]
                 kept.append(result.rows(g * self.n, (g + 1) * self.n))
+            if len(kept_prompts) == self.batch_prompts:
+                break  # full, possibly on the last allowed round
         else:
             raise RuntimeError(f"--dynamic_filtering kept {len(kept_prompts)} of {self.batch_prompts} prompts after "
                                f"{self.max_rounds} rounds ({generated} prompts generated): almost every prompt's "

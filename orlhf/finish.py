@@ -20,15 +20,16 @@ from orlhf.config import TrainConfig, parse_config
 
 def finish_config(flags: dict[str, Any], explicit: frozenset[str] | set[str] = frozenset()) -> TrainConfig:
     """Flat flag values (by flag name; `explicit`: the ones the user gave) -> the finished config."""
-    return finish(parse_config(flags, explicit))
+    return finish(parse_config(flags, explicit), explicit)
 
 
-def finish(cfg: TrainConfig) -> TrainConfig:
-    """A parsed (not yet validated) config -> finished: device resolved, validated once, demo filled in."""
+def finish(cfg: TrainConfig, explicit: frozenset[str] | set[str] = frozenset()) -> TrainConfig:
+    """A parsed (not yet validated) config -> finished: device resolved, validated once, demo filled in.
+    `explicit` (the flags the user gave) lets validation refuse a flag given without the one it needs."""
     from orlhf.validation import validate
 
     cfg = resolve_device(cfg)
-    validate(cfg)
+    validate(cfg, explicit)
     return resolve_demo(cfg)
 
 

@@ -103,11 +103,11 @@ class Experience:
     returns: Optional[torch.Tensor] = None  # (B, A) float: critic targets (gae only)
     values: Optional[torch.Tensor] = None  # (B, A) float: V_old(s), for the clipped value loss (gae only)
     base_action_log_probs: Optional[torch.Tensor] = None  # (B, A): reference log-probs, for --use_kl_loss
-    rollout_log_probs: Optional[torch.Tensor] = None  # (B, A): the engine's log-probs, for IS correction
-    weight_version: int = 0  # actor weight version the engines generated with (async staleness bookkeeping)
-    # (B, A) float: the engines' sampling log-probs, sent only when action_log_probs is None so the actor can
-    # report the engine/trainer mismatch (engine_logprob_gap) from its training forward. Never in the loss.
+    # (B, A) float: the engines' sampling log-probs, sent with --enable_vllm_is_correction (the actor's loss weights
+    # tokens by pi_old / pi_engine, or GSPO's ratio uses them) and when action_log_probs is None (the actor then
+    # reports the engine/trainer mismatch, engine_logprob_gap, from its training forward).
     rollout_log_probs: Optional[torch.Tensor] = None
+    weight_version: int = 0  # actor weight version the engines generated with (async staleness bookkeeping)
 
     @property
     def num_actions(self) -> int:

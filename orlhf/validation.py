@@ -12,6 +12,7 @@ import importlib.util
 import os
 import re
 from pathlib import Path
+from typing import Collection
 
 from orlhf.algo.registry import ESTIMATORS, names as estimator_names
 from orlhf.config import ConfigError, TrainConfig
@@ -21,11 +22,14 @@ from orlhf.roles import active_roles, trained_roles
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-def validate(cfg: TrainConfig) -> None:
+def validate(cfg: TrainConfig, explicit: Collection[str] = frozenset()) -> None:
+    """`explicit`: the flag names the user gave (the CLI knows them); a flag that only matters next to another
+    one is refused when given without it, while its default never is."""
     problems: list[str] = []
     for rule in (_ranges, _estimators, _reward_source, _colocation, _vllm, _batches, _paths, _device,
                  _prompt_mix_and_heads, _losses, _sampling, _eval, _dynamic_batch_and_freezing):
         rule(cfg, problems)
+    _given_alone(cfg, frozenset(explicit), problems)
     if problems:
         raise ConfigError(problems)
 
@@ -313,10 +317,6 @@ def _losses(cfg: TrainConfig, out: list[str]) -> None:
     lo, hi = _pair(ppo.vllm_is_truncated_threshold)
     if not 0 <= lo < hi:
         out.append(f"--vllm_is_truncated_threshold LOW HIGH needs 0 <= LOW < HIGH (got {lo} {hi}); e.g. 0.5 5.0.")
-    if ppo.policy_loss_type == "gspo" and ppo.enable_vllm_is_correction and ppo.vllm_is_correction_type != "tis":
-        out.append(f"--vllm_is_correction_type {ppo.vllm_is_correction_type} weights tokens of the token-level PPO "
-                   "loss; --policy_loss_type gspo corrects with the engine log-probs inside its sequence ratio "
-                   "instead. Drop --vllm_is_correction_type or use --policy_loss_type ppo.")
     if ppo.kl_target is not None and ppo.use_kl_loss and ppo.init_kl_coef == 0:
         out.append("--kl_target adapts the KL coefficient multiplicatively, but --init_kl_coef is 0 so it stays 0 "
                    "under --use_kl_loss: set --init_kl_coef > 0 or drop --kl_target.")
@@ -367,6 +367,35 @@ def _sampling(cfg: TrainConfig, out: list[str]) -> None:
     if ppo.async_train:
         out.append("--dynamic_filtering refills a batch before training on it; --async_train generates ahead of "
                    "training. Drop one of them.")
+
+
+def _given_alone(cfg: TrainConfig, explicit: frozenset[str], out: list[str]) -> None:
+    """Flags the user gave that the rest of the command line makes do nothing (they would be silently ignored)."""
+    ppo = cfg.ppo
+    needs = [("vllm_is_correction_type", "enable_vllm_is_correction", ppo.enable_vllm_is_correction),
+             ("vllm_is_truncated_threshold", "enable_vllm_is_correction", ppo.enable_vllm_is_correction),
+             ("dynamic_filtering_reward_range", "dynamic_filtering", ppo.dynamic_filtering),
+             ("overlong_penalty_factor", "overlong_buffer_len", ppo.overlong_buffer_len is not None)]
+    for flag, needed, present in needs:
+        if flag in explicit and not present:
+            out.append(f"--{flag} does nothing without --{needed}: add --{needed} or drop --{flag}.")
+    if "eps_clip" in explicit and ppo.eps_clip_low_high is not None:
+        out.append("--eps_clip and --eps_clip_low_high both set the PPO clip (--eps_clip_low_high LOW HIGH "
+                   "replaces --eps_clip on both sides): give only one of them.")
+    if ppo.policy_loss_type == "gspo" and ppo.enable_vllm_is_correction:
+        # OpenRLHF v0.10.1's GSPO takes the engine log-probs as the base of its sequence ratio and applies no
+        # token weight, so neither the correction type nor its threshold has any effect there.
+        for flag, given in (("vllm_is_correction_type", ppo.vllm_is_correction_type != "tis"),
+                            ("vllm_is_truncated_threshold", False)):
+            if flag in explicit or given:
+                out.append(f"--{flag} {_shown(getattr(ppo, flag))} acts on the token-level PPO loss; "
+                           "--policy_loss_type gspo with --enable_vllm_is_correction corrects inside its sequence "
+                           f"ratio (log pi - log pi_engine) instead, with no type or threshold. Drop --{flag} or "
+                           "use --policy_loss_type ppo.")
+
+
+def _shown(value) -> str:
+    return " ".join(str(v) for v in value) if isinstance(value, tuple) else str(value)
 
 
 def _eval(cfg: TrainConfig, out: list[str]) -> None:

@@ -119,7 +119,7 @@ def compute_advantages(
     if not bool((order == torch.arange(order.shape[1])).all()):  # multi-turn: feedback tokens between actions
         compact = lambda x: None if x is None else x.gather(1, order)  # noqa: E731
         adv, ret = compute_advantages(estimator, compact(rewards), compact(action_mask), compact(values),
-                                      gamma, lambd)
+                                      gamma, lambd, std_norm)
         return _scatter_rows(adv, order), _scatter_rows(ret, order)
     if spec.needs_critic:
         if values is None:

@@ -42,7 +42,7 @@ from orlhf.workers.hf_names import meta_group, to_checkpoint_names
 from orlhf.workers.loading import hf_zero3_loading
 from orlhf.workers.micro_batches import forward_plan, train_plan
 from orlhf.workers.ds_arch import use_arch_list_deepspeed_reads
-from orlhf.workers.optim import make_optimizer
+from orlhf.workers.optim import decay_groups, make_optimizer
 from orlhf.types import Experience, SequenceBatch, TrainStats
 
 log = logging.getLogger("orlhf.workers")
@@ -233,7 +233,7 @@ class DeepSpeedWorker:
         return ds_config(self.cfg, self.world_size)
 
     def _make_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
-        return make_optimizer([p for p in model.parameters() if p.requires_grad], self.cfg)
+        return make_optimizer(decay_groups(model.named_parameters(), self.cfg.train.weight_decay), self.cfg)
 
     def _make_scheduler(self, optimizer):
         t = self.cfg.train

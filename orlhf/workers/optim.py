@@ -3,6 +3,10 @@
     --adam_offload                      DeepSpeedCPUAdam   (Adam states on the host, stepped by the CPU op)
     --deepspeed_enable_sleep on CUDA    FusedAdam          (ZeRO-3's offload_states moves only its states)
     otherwise                           torch AdamW        (no compiled op needed)
+
+--l2 (weight decay) applies to the weight matrices only: biases and norm weights are in a group without decay
+(decay_groups; OpenRLHF's get_optimizer_grouped_parameters, matched by name the same way). Decaying a norm's
+scale pulls it towards 0, which shrinks the activations rather than regularizing.
 """
 
 from __future__ import annotations
@@ -11,7 +15,26 @@ import torch
 
 from orlhf.worker_config import ActorConfig, CriticConfig
 
+# A parameter whose name contains one of these gets no weight decay (OpenRLHF's list; substrings, so
+# "input_layernorm.weight", "model.norm.weight" and "q_norm.weight" all match).
+NO_DECAY_NAMES = ("bias", "layer_norm.weight", "layernorm.weight", "norm.weight", "ln_f.weight")
+
+
+def decay_groups(named_params, weight_decay: float) -> list[dict]:
+    """Trainable (name, param) pairs -> optimizer param groups: decayed weights, then biases and norm weights with
+    weight_decay 0. Without decay one group of everything (the same optimizer as before --l2 existed); an empty
+    group is left out."""
+    trainable = [(n, p) for n, p in named_params if p.requires_grad]
+    if weight_decay == 0:
+        return [{"params": [p for _, p in trainable], "weight_decay": 0.0}]
+    exempt = [any(nd in n for nd in NO_DECAY_NAMES) for n, _ in trainable]
+    groups = [{"params": [p for (_, p), e in zip(trainable, exempt) if not e], "weight_decay": weight_decay},
+              {"params": [p for (_, p), e in zip(trainable, exempt) if e], "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
 def make_optimizer(params: list, cfg: ActorConfig | CriticConfig) -> torch.optim.Optimizer:
+    """`params`: parameters or param groups (decay_groups); a group's weight_decay wins over --l2."""
     kind = optimizer_kind(cfg)
     t = cfg.train
     betas, decay = tuple(t.adam_betas), t.weight_decay  # --adam_betas, --l2

@@ -123,7 +123,7 @@ def test_openrlhf_mix_and_head_flags_parse(capsys, no_training, tmp_path):
 
 def test_loss_variant_flags_parse(capsys, no_training):
     argv = ["train-ppo", "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "4",
-            "--eps_clip_low_high", "0.2", "0.28", "--policy-loss-type", "gspo", "--enable_vllm_is_correction",
+            "--eps_clip_low_high", "0.2", "0.28", "--policy-loss-type", "ppo", "--enable_vllm_is_correction",
             "--vllm_is_truncated_threshold", "0.4", "4", "--dynamic_filtering", "--dynamic_filtering_reward_range",
             "0", "1", "--overlong_buffer_len", "8", "--stop_properly_penalty_coef", "-0.5", "--adam_betas", "0.9",
             "0.99", "--l2", "0.01", "--max_norm", "0.5", "--lr_scheduler", "cosine", "--loss_agg_mode", "token_mean"]
@@ -131,10 +131,33 @@ def test_loss_variant_flags_parse(capsys, no_training):
     assert code == 0, err
     (cfg,) = no_training
     p = cfg.ppo
-    assert p.eps_clip_low_high == (0.2, 0.28) and p.policy_loss_type == "gspo" and p.enable_vllm_is_correction
+    assert p.eps_clip_low_high == (0.2, 0.28) and p.policy_loss_type == "ppo" and p.enable_vllm_is_correction
     assert p.vllm_is_truncated_threshold == (0.4, 4.0) and p.dynamic_filtering and p.overlong_buffer_len == 8.0
     assert (p.stop_properly_penalty_coef, p.adam_betas, p.l2, p.max_norm) == (-0.5, (0.9, 0.99), 0.01, 0.5)
     assert p.lr_scheduler == "cosine" and p.loss_agg_mode == "token_mean"
+    code, _, err = run(["train-ppo", "--policy-loss-type", "gspo", "--enable_vllm_is_correction"], capsys)
+    assert code == 0, err
+    assert no_training[-1].ppo.policy_loss_type == "gspo" and no_training[-1].ppo.enable_vllm_is_correction
     code, _, err = run(["train-ppo", "--policy_loss_type", "gspo", "--enable_vllm_is_correction",
                         "--vllm_is_correction_type", "seq-mask-tis"], capsys)
     assert code == 2 and "--policy_loss_type gspo" in err and "--vllm_is_correction_type seq-mask-tis" in err
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["--vllm_is_correction_type", "icepop"], ["--vllm_is_correction_type", "--enable_vllm_is_correction"]),
+    (["--vllm-is-truncated-threshold", "0.4", "4"], ["--vllm_is_truncated_threshold", "--enable_vllm_is_correction"]),
+    (["--dynamic_filtering_reward_range", "0", "1"], ["--dynamic_filtering_reward_range", "--dynamic_filtering"]),
+    (["--overlong_penalty_factor", "0.5"], ["--overlong_penalty_factor", "--overlong_buffer_len"]),
+    (["--eps_clip", "0.2", "--eps_clip_low_high", "0.2", "0.28"], ["--eps_clip ", "--eps_clip_low_high"]),
+    (["--policy_loss_type", "gspo", "--enable_vllm_is_correction", "--vllm_is_truncated_threshold", "0.4", "4"],
+     ["--vllm_is_truncated_threshold 0.4 4.0", "--policy_loss_type gspo"]),
+    # tis is the default type: given explicitly next to GSPO it still does nothing (OpenRLHF ignores it there)
+    (["--policy_loss_type", "gspo", "--enable_vllm_is_correction", "--vllm_is_correction_type", "tis"],
+     ["--vllm_is_correction_type tis", "--policy_loss_type gspo"]),
+])
+def test_a_flag_given_without_the_flag_it_needs_exits_2(argv, names, capsys, no_training):
+    """Given, these flags would be silently ignored: exit 2 before anything starts, naming both flags. Their
+    defaults never trigger this (the demo's run above passes with all of them at their defaults)."""
+    code, _, err = run(["train-ppo", *argv], capsys)
+    assert code == 2 and not no_training, err
+    assert any(all(n in line for n in names) for line in err.splitlines()), err

@@ -407,6 +407,53 @@ def test_valid_dapo_and_gspo_combinations():
     build(no_advantage_std_norm=True, advantage_estimator="reinforce_baseline", n_samples_per_prompt=2)
 
 
+@pytest.mark.parametrize("flags,needs", [
+    (dict(vllm_is_correction_type="icepop"), "--enable_vllm_is_correction"),
+    (dict(vllm_is_truncated_threshold=(0.4, 4.0)), "--enable_vllm_is_correction"),
+    (dict(dynamic_filtering_reward_range=(0.0, 1.0)), "--dynamic_filtering"),
+    (dict(overlong_penalty_factor=0.5), "--overlong_buffer_len"),
+])
+def test_a_flag_given_without_the_flag_it_needs_is_refused(flags, needs):
+    (flag,) = flags
+    assert_fails([f"--{flag}", needs, "does nothing"], **flags)
+    # the same values as defaults (the flag not given) pass: only an explicit flag counts
+    build_config(flags, explicit=set())
+
+
+def test_the_needed_flag_makes_them_valid():
+    build(vllm_is_correction_type="icepop", vllm_is_truncated_threshold=(0.4, 4.0), enable_vllm_is_correction=True)
+    build(dynamic_filtering_reward_range=(0.0, 1.0), dynamic_filtering=True, n_samples_per_prompt=2,
+          advantage_estimator="group_norm")
+    build(overlong_penalty_factor=0.5, overlong_buffer_len=4.0)
+
+
+def test_eps_clip_and_eps_clip_low_high_together_are_refused():
+    assert_fails(["--eps_clip and --eps_clip_low_high", "only one"], eps_clip=0.2, eps_clip_low_high=(0.2, 0.28))
+    build(eps_clip_low_high=(0.2, 0.28))  # --eps_clip at its default: fine
+    build(eps_clip=0.3)
+
+
+def test_gspo_with_is_correction_refuses_a_type_or_threshold():
+    """OpenRLHF v0.10.1's GSPO puts the engine log-probs in its sequence ratio and applies neither the correction
+    type nor the threshold, so both would be silently ignored."""
+    gspo = dict(policy_loss_type="gspo", enable_vllm_is_correction=True)
+    assert_fails(["--vllm_is_truncated_threshold 0.4 4.0", "--policy_loss_type gspo"], **gspo,
+                 vllm_is_truncated_threshold=(0.4, 4.0))
+    assert_fails(["--vllm_is_correction_type tis", "--policy_loss_type gspo"], **gspo, vllm_is_correction_type="tis")
+    build(**gspo)
+    build(policy_loss_type="ppo", enable_vllm_is_correction=True, vllm_is_truncated_threshold=(0.4, 4.0))
+
+
+def test_demo_preset_and_the_e2e_flag_sets_pass_the_given_together_rules():
+    """No preset value counts as given, and the flag sets the e2e tests and benchmarks run with stay valid."""
+    assert not set(DEMO_PRESET) & {"vllm_is_correction_type", "vllm_is_truncated_threshold", "eps_clip",
+                                   "dynamic_filtering_reward_range", "overlong_penalty_factor"}
+    build()
+    # tests/e2e/test_train_ppo.py's DAPO-style GSPO run
+    build(advantage_estimator="group_norm", n_samples_per_prompt=4, policy_loss_type="gspo",
+          eps_clip_low_high=(0.2, 0.28), dynamic_filtering=True, overlong_buffer_len=4.0, overlong_penalty_factor=0.1)
+
+
 def test_agent_file_replaces_the_reward_source(model_dir, prompts, reward_py, tmp_path):
     agent = tmp_path / "agent.py"
     agent.write_text("")

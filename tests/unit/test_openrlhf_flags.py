@@ -76,7 +76,7 @@ def test_a_launch_line_with_every_flag_parses(capsys, no_training, dashed, monke
     144 validly (--async_train excludes --colocate_all_models, in OpenRLHF too); test_config.py covers them."""
     import orlhf.validation
 
-    monkeypatch.setattr(orlhf.validation, "validate", lambda cfg: None)
+    monkeypatch.setattr(orlhf.validation, "validate", lambda cfg, explicit=(): None)
     argv = launch_line()
     assert len({t for t in argv if t.startswith("--")}) == 144 - len(
         [f for f, s in UNSUPPORTED.items() if s.nargs == 0 or s.default is None]) - 3  # the VALUES None ones

@@ -108,3 +108,28 @@ def test_dynamic_filter_gives_up_with_a_clear_error():
     f = DynamicFilter(1, 2, (0.0, 1.0), generate, score, max_rounds=3)
     with pytest.raises(RuntimeError, match="dynamic_filtering_reward_range"):
         f.fill(iter([[0], [1], [2], [3], [4]]), step_index=0)
+
+
+def test_dynamic_filter_batch_filled_on_the_last_round_is_kept():
+    # max_rounds 2: round 0 generates prompt 0 (scores 0: dropped), round 1, the last allowed, prompt 1 (0.5: kept).
+    # The batch is full after that round: a batch, not "kept 1 of 1 prompts after 2 rounds".
+    generate, score, calls = _fake_engine({0: 0.0, 1: 0.5})
+    f = DynamicFilter(1, 2, (0.0, 1.0), generate, score, max_rounds=2)
+    out = f.fill(iter([[0], [1]]), step_index=0)
+    assert out.prompts == [1] and [c[0] for c in calls] == [[0], [1]]
+    assert out.info["dynamic_filtering_pass_rate"] == pytest.approx(50.0)
+    # filled in round 0 with max_rounds 1 (the same edge, one round)
+    f = DynamicFilter(1, 2, (0.0, 1.0), *_fake_engine({7: 0.5})[:2], max_rounds=1)
+    assert f.fill(iter([[7]]), step_index=0).prompts == [7]
+
+
+def test_no_advantage_std_norm_holds_for_multi_turn_rows():
+    # Row 0: model token, feedback token (mask 0), model token; row 1: one model token. reinforce, gamma 1:
+    # returns over the model tokens only: row 0 rewards [0, _, 4] -> G = [4, 4]; row 1 reward [12] -> G = [12].
+    # Real tokens [4, 4, 12]: mean 20/3; centred only: [-8/3, -8/3, 16/3]; whitened (std 8*sqrt(2)/3) differs.
+    rewards = torch.tensor([[0.0, 0.0, 4.0], [12.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 0, 1], [1, 0, 0]], dtype=torch.bool)
+    adv, _ = compute_advantages("reinforce", rewards, mask, std_norm=False)
+    assert adv.tolist() == [pytest.approx([-8 / 3, 0.0, -8 / 3]), pytest.approx([16 / 3, 0.0, 0.0])]
+    whitened, _ = compute_advantages("reinforce", rewards, mask)
+    assert whitened[1, 0].item() == pytest.approx(2 ** 0.5)  # (16/3) / (8 * sqrt(2) / 3)

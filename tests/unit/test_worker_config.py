@@ -77,7 +77,7 @@ def test_finish_validates_once_against_the_resolved_device(monkeypatch):
 
     calls = []
     real = validation.validate
-    monkeypatch.setattr(validation, "validate", lambda c: calls.append(c.runtime.device) or real(c))
+    monkeypatch.setattr(validation, "validate", lambda c, explicit=(): calls.append(c.runtime.device) or real(c, explicit))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     done = finish.finish_config({"seed": 3}, {"seed"})  # --device auto, the demo
     assert calls == ["cpu"] and done.device == "cpu" and done.vllm.sync_backend == "gloo"
