@@ -120,7 +120,8 @@ def test_sync_after_train_step_gives_trainer_log_probs(rig, tmp_path):
 
 def test_dead_engine_is_named_and_leaves_no_process(rig):
     cfg, _, _, _, tok = rig
-    group = EngineGroup(engine_config(cfg), [EngineBundles(None, [0], 0.0)], timeout_s=120)
+    # a generous start-up bound: a loaded CI machine took over 120 s to start this engine (its death is what is timed)
+    group = EngineGroup(engine_config(cfg), [EngineBundles(None, [0], 0.0)], timeout_s=600)
     pid = group.call(EngineActor.pid).get()[0]
     long = SamplingSpec(max_new_tokens=cfg.ppo.generate_max_len, n=64, seed=0)
     call = group.call_rank(0, EngineActor.generate, list(enumerate(prompts(tok, 32))), long)
