@@ -1,0 +1,143 @@
+"""A rank's process and DeepSpeed engine set-up: the device, the process group, seeds, the LR schedule and the
+DeepSpeed config dict a worker (workers/base.py) builds its engine from."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import random
+
+import torch
+
+from orlhf.worker_config import WorkerConfig
+from orlhf.workers.ds_arch import use_arch_list_deepspeed_reads
+
+log = logging.getLogger("orlhf.workers")
+
+MIN_LR_RATIO = 0.1  # cosine decays to 10% of the peak LR, as OpenRLHF's "cosine_with_min_lr"
+_warned_cpu_param_offload = False
+
+
+def worker_device(device: str) -> torch.device:
+    """The one place a torch device is chosen: cuda:<LOCAL_RANK> or cpu."""
+    if device == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    if device != "cpu":
+        raise ValueError(f"device must be 'cpu' or 'cuda' (resolved), got {device!r}")
+    return torch.device("cpu")
+
+
+def init_distributed(device: str) -> None:
+    """Join the default process group from the env (no-op if this process already has one)."""
+    os.environ.setdefault("DS_ACCELERATOR", device)
+    import deepspeed
+    import torch.distributed as dist
+
+    if device == "cuda":
+        use_arch_list_deepspeed_reads()  # before DeepSpeed JIT-builds an op (FusedAdam, inference kernels)
+        torch.cuda.set_device(worker_device(device))
+    if not dist.is_initialized():
+        if device == "cpu":
+            skip_shm_comm_build()
+        deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo")
+
+
+def skip_shm_comm_build() -> None:
+    """DeepSpeed's CPU backend loads its shm_comm op on every init_distributed, compiling it (~40 s) when it was
+    not built at install. The op serves only DeepSpeed-inference's tensor-parallel all-reduce, which orlhf never
+    calls (ZeRO's collectives go through torch.distributed/gloo), so the install skips it and so does this."""
+    import importlib
+
+    # importlib, not `import deepspeed.comm.torch as m`: that resolves the attribute `torch` of deepspeed.comm,
+    # which is the real torch package (deepspeed.comm re-exports it).
+    ds_torch_comm = importlib.import_module("deepspeed.comm.torch")
+    ds_torch_comm.build_shm_op = lambda: None
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+    try:
+        import numpy as np
+
+        np.random.seed(seed)
+    except ImportError:
+        pass
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float = MIN_LR_RATIO,
+              kind: str = "cosine_with_min_lr") -> float:
+    """LR multiplier at optimizer step `step` (0-based): linear warm-up, then the decay `kind` (--lr_scheduler):
+
+        cosine_with_min_lr  cosine down to min_ratio (OpenRLHF's default)     cosine  cosine down to 0
+        linear              straight down to 0                               constant, constant_with_warmup  1
+    Warm-up is (step + 1) / warmup, so the first step already moves the weights (HF's schedule starts at 0).
+    Past `total_steps` the LR stays where the decay ended. `constant` has no warm-up (validation checks).
+    """
+    if step < warmup_steps and kind != "constant":
+        return (step + 1) / warmup_steps
+    decay_steps = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / decay_steps)
+    if kind in ("constant", "constant_with_warmup"):
+        return 1.0
+    if kind == "linear":
+        return 1.0 - progress
+    floor = min_ratio if kind == "cosine_with_min_lr" else 0.0
+    if kind not in ("cosine_with_min_lr", "cosine"):
+        raise ValueError(f"unknown lr scheduler {kind!r}")
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def ds_config(cfg: WorkerConfig, world_size: int) -> dict:
+    """The DeepSpeed config dict for this worker's slice."""
+    cuda = cfg.device == "cuda"
+    if cfg.trainable:
+        t = cfg.train
+        per_step = t.micro_train_batch_size * world_size
+        if t.train_batch_size <= 0 or t.train_batch_size % per_step:
+            raise ValueError(
+                f"{cfg.role}: train_batch_size {t.train_batch_size} must be a positive multiple of "
+                f"micro_train_batch_size {t.micro_train_batch_size} x world size {world_size} = {per_step}; "
+                f"change --train_batch_size or --micro_train_batch_size")
+        zero: dict = {"stage": cfg.zero_stage}
+        if t.adam_offload:
+            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": cuda}
+        batch = {"train_batch_size": t.train_batch_size,
+                 "train_micro_batch_size_per_gpu": t.micro_train_batch_size,
+                 "gradient_accumulation_steps": t.train_batch_size // per_step}
+        clip = t.max_norm
+        if t.max_tokens:  # --use_dynamic_batch: the worker marks each step's last micro-batch itself
+            batch = {"train_batch_size": world_size, "train_micro_batch_size_per_gpu": 1,
+                     "gradient_accumulation_steps": 1}
+    else:
+        stage = 3 if cfg.zero_stage == 3 else 0
+        zero = {"stage": stage}
+        if cfg.param_offload and stage == 3:
+            if cuda:
+                zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+            else:
+                _log_cpu_param_offload_once()
+        mb = cfg.micro_forward_batch_size
+        batch = {"train_batch_size": mb * world_size, "train_micro_batch_size_per_gpu": mb,
+                 "gradient_accumulation_steps": 1}
+        clip = 1.0  # no optimizer steps: DeepSpeed never clips here (the value frozen roles always had)
+    return {
+        **batch,
+        "zero_optimization": zero,
+        "bf16": {"enabled": cfg.bf16},
+        "gradient_clipping": clip,
+        # ZeRO-Offload refuses a client (torch) optimizer unless this is off. With adam_offload we pass
+        # DeepSpeedCPUAdam anyway; off, it cannot refuse the torch AdamW of a non-offloaded combination.
+        "zero_force_ds_cpu_optimizer": False,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def _log_cpu_param_offload_once() -> None:
+    global _warned_cpu_param_offload
+    if not _warned_cpu_param_offload:
+        _warned_cpu_param_offload = True
+        log.info("param_offload (--ref_reward_offload) is a no-op on CPU: parameters already live in host memory")
