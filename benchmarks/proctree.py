@@ -40,15 +40,16 @@ def rss_group(pid: int, cmd: list[str], root_pid: int) -> str:
 class TreeSampler(threading.Thread):
     """Peak RSS per group (the peak of each group's sum, sampled every `every` s) and metrics-row arrival times."""
 
-    def __init__(self, pid: int, metrics: Path, every: float = 0.25):
+    def __init__(self, pid: int, metrics: Path, every: float = 0.25, marker: Path | None = None):
         super().__init__(daemon=True)
-        self.pid, self.metrics, self.every = pid, metrics, every
+        self.pid, self.metrics, self.every, self.marker = pid, metrics, every, marker
         self.peak: dict[str, float] = {}  # group -> bytes
         self.procs: dict[str, int] = {}  # group -> most processes seen at once
         self.peak_total = 0.0
         self.other: tuple[float, str] = (0.0, "")  # the largest "other" process seen: (RSS, command line)
         self.row_times: list[float] = []
         self.cpu_at_rows: list[dict[str, float]] = []  # per metrics row: group -> CPU seconds used so far
+        self.cpu_at_marker: dict[str, float] | None = None  # group -> CPU seconds when `marker` appeared
         self._cpu: dict[int, tuple[str, float]] = {}  # pid -> (group, user + system seconds when last seen)
         self.done = threading.Event()
 
@@ -62,6 +63,9 @@ class TreeSampler(threading.Thread):
         next_rss = 0.0
         while not self.done.is_set():
             now = time.monotonic()
+            if self.marker is not None and self.cpu_at_marker is None and self.marker.exists():
+                self.sample(root, psutil)  # e.g. orlhf's startup.json, written as step 1 starts
+                self.cpu_at_marker = self.cpu_by_group()
             if self.metrics.exists():
                 with open(self.metrics) as f:
                     n = sum(1 for line in f if line.strip())
@@ -138,15 +142,18 @@ def kill_tree(pid: int) -> None:
             pass
 
 
-def run_sampled(cmd: list[str], cwd, log_path: Path, env: dict, timeout: float) -> tuple[object, "TreeSampler"]:
+def run_sampled(cmd: list[str], cwd, log_path: Path, env: dict, timeout: float,
+                marker: str | None = None) -> tuple[object, "TreeSampler"]:
     """Run `cmd` with its output in `log_path`, its process tree sampled (memory, CPU, metrics-row arrival times:
-    TreeSampler reads <log_path's folder>/metrics.jsonl). Returns (exit code, or "timed out after N s", sampler).
+    TreeSampler reads <log_path's folder>/metrics.jsonl; CPU seconds per group also when the file `marker`
+    appears in that folder). Returns (exit code, or "timed out after N s", sampler).
     A run past `timeout` has its whole tree killed."""
     import subprocess
 
     with open(log_path, "w") as logf:
         proc = subprocess.Popen(cmd, cwd=cwd, stdout=logf, stderr=subprocess.STDOUT, env=env)
-        sampler = TreeSampler(proc.pid, log_path.parent / "metrics.jsonl")
+        sampler = TreeSampler(proc.pid, log_path.parent / "metrics.jsonl",
+                              marker=log_path.parent / marker if marker else None)
         sampler.start()
         try:
             rc = proc.wait(timeout)

@@ -120,7 +120,7 @@ def run_once(cmd: list[str], save: Path, warmup: int, timeout: float, trl_thread
     if not is_trl:
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     launched = time.monotonic()
-    rc, sampler = run_sampled(cmd, ROOT, save / "run.log", env, timeout)
+    rc, sampler = run_sampled(cmd, ROOT, save / "run.log", env, timeout, marker=None if is_trl else "startup.json")
     if rc != 0:
         tail = (save / "run.log").read_text(errors="replace").strip().splitlines()[-8:]
         return {"error": f"exit {rc}; see {save / 'run.log'}: " + " | ".join(tail)}
@@ -128,6 +128,8 @@ def run_once(cmd: list[str], save: Path, warmup: int, timeout: float, trl_thread
     result = figures(rows, sampler, warmup, launched)
     if (save / "startup.json").exists():  # orlhf's own start-up breakdown (orlhf/startup.py)
         result["startup_phases"] = json.loads((save / "startup.json").read_text())["phases_s"]
+    if sampler.cpu_at_marker:  # CPU seconds each process group spent before step 1 (where start-up's CPU goes)
+        result["startup_cpu_s"] = {g: round(v, 2) for g, v in sorted(sampler.cpu_at_marker.items())}
     return result
 
 
@@ -162,7 +164,7 @@ def median_of(runs: list[dict]) -> dict:
     if not ok:
         return {"error": runs[0]["error"] if runs else "no runs"}
     out = {k: statistics.median(r[k] for r in ok) for k in ok[0] if isinstance(ok[0][k], (int, float))}
-    for key in ("phases", "startup_phases"):
+    for key in ("phases", "startup_phases", "startup_cpu_s"):
         if key in ok[0]:
             out[key] = {k: statistics.median(r[key].get(k, 0.0) for r in ok) for k in ok[0][key]}
     out["repeats"] = len(ok)
@@ -184,6 +186,9 @@ def parse_args(argv=None):
     add_work_args(ap)
     ap.add_argument("--kl", type=float, default=0.01, help="KL coefficient (TRL beta); 0: no reference model")
     ap.add_argument("--orlhf_flags", default="", help="extra train-ppo flags for the orlhf modes")
+    ap.add_argument("--extra", action="append", default=[], metavar="NAME=FLAGS",
+                    help="one more orlhf mode: sync orlhf with these train-ppo flags, e.g. "
+                         "'zero2=--zero_stage 2' (repeatable; runs after --modes in each repeat)")
     ap.add_argument("--trl_threads", type=int, default=0,
                     help="OMP_NUM_THREADS for TRL (default: unset, torch's one thread per core, as a user runs it)")
     ap.add_argument("--trl_version", default=TRL_VERSION)
@@ -196,6 +201,12 @@ def parse_args(argv=None):
     bad = [m for m in a.modes if m not in MODES]
     if bad:
         ap.error(f"--modes: unknown {bad}; choose from {MODES}")
+    a.extra_cmds = {}
+    for spec in a.extra:
+        name, sep, flags = spec.partition("=")
+        if not sep or not name or name in MODES:
+            ap.error(f"--extra {spec!r}: give NAME=FLAGS with a new NAME, e.g. 'zero2=--zero_stage 2'")
+        a.extra_cmds[name] = tuple(flags.split())
     a.trl_venv = a.trl_venv or default_cache_dir() / f"trl-venv-{a.trl_version}"
     return a
 
@@ -206,10 +217,12 @@ def main(argv=None) -> None:
     cmds = {"orlhf": orlhf_cmd(a, False), "orlhf_async": orlhf_cmd(a, True),
             "trl": trl_cmd(a, python) if python else None,
             "orlhf_1thread": orlhf_cmd(a, False, ("--vllm_cpu_threads", "1", "--train_cpu_threads", "1")),
-            "orlhf_engines2": orlhf_cmd(a, False, ("--vllm_num_engines", "2"))}
-    runs: dict[str, list[dict]] = {m: [] for m in a.modes}
+            "orlhf_engines2": orlhf_cmd(a, False, ("--vllm_num_engines", "2")),
+            **{name: orlhf_cmd(a, False, flags) for name, flags in a.extra_cmds.items()}}
+    modes = [*a.modes, *a.extra_cmds]
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
     for rep in range(a.repeats):
-        for mode in a.modes:
+        for mode in modes:
             print(f"repeat {rep + 1}/{a.repeats}: {mode} ...", flush=True)
             runs[mode].append(run_once(cmds[mode], a.out / f"{mode}-r{rep}", a.warmup, a.timeout, a.trl_threads))
     result = {m: median_of(rs) for m, rs in runs.items()}
@@ -232,6 +245,12 @@ def print_table(result: dict) -> None:
             continue
         cells = "".join(f"{r.get(c, float('nan')):>16.3f}" for c in cols)
         print(f"{m:<14}{cells}   " + ", ".join(f"{k} {v:.2f}" for k, v in r["phases"].items()))
+    for m, r in result.items():
+        if "startup_phases" in r:
+            print(f"{m} start-up, s: " + ", ".join(f"{k} {v:.1f}" for k, v in r["startup_phases"].items()))
+        if "startup_cpu_s" in r:
+            print(f"{m} start-up, CPU s by process group: " + ", ".join(
+                f"{k} {v:.1f}" for k, v in r["startup_cpu_s"].items()) + f" (sum {sum(r['startup_cpu_s'].values()):.1f})")
 
 
 if __name__ == "__main__":
