@@ -59,7 +59,7 @@ def model_path(args) -> str:
         from orlhf.demo import ensure_demo
 
         return str(ensure_demo().model)
-    from ppo_throughput import build_model  # benchmarks/ppo_throughput.py: a random Llama, demo tokenizer
+    from model_presets import build_model  # benchmarks/model_presets.py: a random Llama, demo tokenizer
 
     return str(build_model(Path(args.out), args.hidden, args.layers, args.prompt_len[1] + args.response_len[1]))
 

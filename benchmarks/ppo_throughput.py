@@ -31,6 +31,7 @@ Reproduce (2-core CPU box; ~4 min for the defaults, ~11 min with --repeats 3; ge
     .venv/bin/python benchmarks/ppo_throughput.py --repeats 3
     .venv/bin/python benchmarks/ppo_throughput.py --preset gen_heavy --repeats 2
     .venv/bin/python benchmarks/ppo_throughput.py --hidden 512 --layers 4 --modes hybrid,split
+    .venv/bin/python benchmarks/ppo_throughput.py --model_preset medium --modes hybrid,split      # ~20M params
     .venv/bin/python benchmarks/ppo_throughput.py --modes ablation --repeats 2     # every knob on vs off, ~16 min
 One GPU node (8 GPUs; DeepSpeed-Chat on all 8, orlhf split 2 actor + 2 critic + 2 ref + 2 engines):
     python benchmarks/ppo_throughput.py --device cuda --modes hybrid,split,colocate_all \\
@@ -58,6 +59,8 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from orlhf import config as C  # noqa: E402
+from model_presets import PRESETS as MODEL_PRESETS  # noqa: E402  (benchmarks/model_presets.py)
+from model_presets import build_model, preset_model  # noqa: E402
 from proctree import RSS_GROUPS, TreeSampler, run_sampled  # noqa: E402  (benchmarks/proctree.py)
 
 MODES = ("hybrid", "hybrid_ws2", "split", "colocate", "colocate_all", "async")
@@ -99,32 +102,6 @@ def log(msg: str) -> None:
 # ---- settings -> one flag list --------------------------------------------------------------------------------
 
 
-def build_model(out: Path, hidden: int, layers: int, max_len: int) -> Path:
-    """A random Llama of the given size with the demo's tokenizer (cached under <out>/models)."""
-    path = out / "models" / f"llama-h{hidden}-l{layers}"
-    if (path / "config.json").exists():
-        return path
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from orlhf.demo import ensure_demo
-
-    tok = AutoTokenizer.from_pretrained(ensure_demo().model)
-    heads = max(1, hidden // (32 if hidden <= 256 else 64))
-    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=max(512, max_len),
-                      vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                      pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg)
-    gen = model.generation_config
-    gen.bos_token_id, gen.eos_token_id, gen.pad_token_id = tok.bos_token_id, tok.eos_token_id, tok.pad_token_id
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    log(f"built {path}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params")
-    return path
-
-
 def common_values(args) -> dict:
     """Every train-ppo flag both sides get, all explicit (the demo preset spelled out, so a --pretrain model
     gets the same settings as the demo would)."""
@@ -138,9 +115,11 @@ def common_values(args) -> dict:
         if getattr(args, k) is not None:
             values[k] = getattr(args, k)
     model = args.pretrain or str(demo.model)
+    max_len = values["prompt_max_len"] + values["generate_max_len"]
     if args.pretrain is None and args.hidden is not None:
-        max_len = values["prompt_max_len"] + values["generate_max_len"]
         model = str(build_model(Path(args.out), args.hidden, args.layers, max_len))
+    elif args.pretrain is None and args.model_preset != "demo":
+        model = str(preset_model(args.model_preset, max_len=max_len))
     device = args.device
     if device == "auto":  # resolved here so the JSON says what ran; both sides would resolve it the same way
         import torch
@@ -401,6 +380,8 @@ def parse_args(argv=None):
     g.add_argument("--pretrain", default=None, help="HF model folder (actor, ref, critic init)")
     g.add_argument("--hidden", type=int, default=None, help="build a random Llama of this width (demo tokenizer)")
     g.add_argument("--layers", type=int, default=2, help="its layers (with --hidden)")
+    g.add_argument("--model_preset", choices=tuple(MODEL_PRESETS), default="demo",
+                   help="a named size from benchmarks/model_presets.py (built once, cached); e.g. medium: ~20M")
     g.add_argument("--prompt_data", default=None)
     g.add_argument("--remote_rm_url", default=None, help="reward function file / URL (default: the demo's)")
     g.add_argument("--reward_pretrain", default=None, help="a reward model instead of the function")
@@ -424,6 +405,8 @@ def parse_args(argv=None):
                 else "--modes must include hybrid (the reference for speed-ups)")
     if args.warmup < 1 or args.steps < 1:
         p.error("--warmup and --steps must be >= 1 (the first step pays one-off costs)")
+    if args.model_preset != "demo" and (args.pretrain or args.hidden):
+        p.error(f"--model_preset {args.model_preset} names the model, and so do --pretrain/--hidden: give one")
     return args
 
 
