@@ -53,6 +53,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from model_presets import (PRESETS, crossover, describe_crossover, parse_presets, preset_model,  # noqa: E402
+                           preset_params)  # benchmarks/model_presets.py
+
 # SamplingParams on top of the shared ones. "orlhf" must stay in step with EngineActor.generate
 # (orlhf/rollout/engine.py); "orlhf+detok" is what it asked for before it set detokenize=False.
 VLLM_VARIANTS = {"orlhf": {"logprobs": 0, "detokenize": False}, "orlhf+detok": {"logprobs": 0},
@@ -96,8 +99,9 @@ def hf_side(args, prompts: list[list[int]]):
         t0 = time.perf_counter()
         with torch.no_grad():
             out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0,
-                                 top_k=0, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=pad)
-        return {"hf": (time.perf_counter() - t0, (out.shape[1] - width) * out.shape[0])}  # (B, T + new)
+                                 top_k=0, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=pad,
+                                 num_return_sequences=args.n)
+        return {"hf": (time.perf_counter() - t0, (out.shape[1] - width) * out.shape[0])}  # (B x n, T + new)
 
     return generate, {"threads": torch.get_num_threads()}
 
@@ -115,12 +119,13 @@ def vllm_side(args, prompts: list[list[int]]):
 
     def generate(new_tokens: int, seed: int) -> dict:
         out = {}
-        for name, extra in VLLM_VARIANTS.items():
-            params = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=new_tokens, min_tokens=new_tokens,
-                                     ignore_eos=True, seed=seed * 100003 + i, **extra) for i in range(len(prompts))]
+        for name in args.variants:
+            params = [SamplingParams(n=args.n, temperature=1.0, top_p=1.0, max_tokens=new_tokens,
+                                     min_tokens=new_tokens, ignore_eos=True, seed=seed * 100003 + i,
+                                     **VLLM_VARIANTS[name]) for i in range(len(prompts))]
             t0 = time.perf_counter()
             outs = llm.generate(inputs, params, use_tqdm=False)
-            out[name] = (time.perf_counter() - t0, sum(len(o.outputs[0].token_ids) for o in outs))
+            out[name] = (time.perf_counter() - t0, sum(len(c.token_ids) for o in outs for c in o.outputs))
         return out
 
     return generate, {"threads": torch.get_num_threads()}
@@ -149,7 +154,7 @@ class Side:
         self.name = side
         cmd = [sys.executable, os.path.abspath(__file__), "--_side", side, "--model", args.model,
                "--num_prompts", str(args.num_prompts), "--max_new_tokens", str(args.max_new_tokens),
-               "--kv_cache_gb", str(args.kv_cache_gb)]
+               "--n", str(args.n), "--variants", ",".join(args.variants), "--kv_cache_gb", str(args.kv_cache_gb)]
         self.log = open(os.devnull, "w") if not args.verbose else None
         env = {**os.environ, **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {})}
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
@@ -200,25 +205,32 @@ def measure(args) -> dict:
     return summarize(args, rounds, sides[0].info, sides[1].info)
 
 
+def suffix(variant: str) -> str:
+    """The JSON keys' suffix of a vLLM variant: orlhf -> "", orlhf+detok -> "_detok", plain -> "_plain"."""
+    return "" if variant == "orlhf" else "_" + variant.replace("orlhf+", "")
+
+
 def summarize(args, rounds: list[dict], hf: dict, vl: dict) -> dict:
-    want = args.num_prompts * args.max_new_tokens
+    want = args.num_prompts * args.n * args.max_new_tokens
     for r in rounds:
         for name, (_, tokens) in r.items():
             if tokens != want:
                 raise SystemExit(f"{name} produced {tokens} tokens, expected {want}")
     secs = {name: [r[name][0] for r in rounds] for name in rounds[0]}
     out = {"bench": "generation", "model": args.model, "threads_flag": args.threads, "num_prompts": args.num_prompts,
-           "max_new_tokens": args.max_new_tokens, "tokens_per_call": want, "repeats": args.repeats}
+           "samples_per_prompt": args.n, "max_new_tokens": args.max_new_tokens, "tokens_per_call": want,
+           "repeats": args.repeats}
     hf_s, hf_best = statistics.median(secs["hf"]), min(secs["hf"])
     out.update({"hf_s": hf_s, "hf_tok_s": want / hf_s, "hf_best_s": hf_best})
-    for k in VLLM_VARIANTS:
-        sfx = "" if k == "orlhf" else "_" + k.replace("orlhf+", "")
+    for k in args.variants:
+        sfx = suffix(k)
         s, best = statistics.median(secs[k]), min(secs[k])
         out.update({f"vllm{sfx}_s": s, f"vllm{sfx}_tok_s": want / s, f"ratio{sfx}": hf_s / s,
                     f"ratio{sfx}_per_round": statistics.median(h / v for h, v in zip(secs["hf"], secs[k])),
                     f"vllm{sfx}_best_s": best, f"ratio{sfx}_best": hf_best / best})
     out.update({"hf_threads": hf["threads"], "vllm_threads": vl["threads"],
-                "hf_startup_s": hf["startup_s"], "vllm_startup_s": vl["startup_s"], "vllm_variants": VLLM_VARIANTS,
+                "hf_startup_s": hf["startup_s"], "vllm_startup_s": vl["startup_s"],
+                "vllm_variants": {k: VLLM_VARIANTS[k] for k in args.variants},
                 "seconds_all": secs})
     return out
 
@@ -229,8 +241,8 @@ def table(r: dict) -> str:
     rows.append(("HF generate", str(r["hf_threads"]), f"{r['hf_startup_s']:.1f}", f"{r['hf_s']:.3f}",
                  f"{r['hf_tok_s']:.0f}", "1.00x", "1.00x", f"{r['hf_best_s']:.3f}",
                  f"{r['tokens_per_call'] / r['hf_best_s']:.0f}", "1.00x"))
-    for k in VLLM_VARIANTS:
-        sfx = "" if k == "orlhf" else "_" + k.replace("orlhf+", "")
+    for k in r["vllm_variants"]:
+        sfx = suffix(k)
         rows.append((f"vLLM {k}", str(r["vllm_threads"]), f"{r['vllm_startup_s']:.1f}", f"{r[f'vllm{sfx}_s']:.3f}",
                      f"{r[f'vllm{sfx}_tok_s']:.0f}", f"{r[f'ratio{sfx}']:.2f}x", f"{r[f'ratio{sfx}_per_round']:.2f}x",
                      f"{r[f'vllm{sfx}_best_s']:.3f}", f"{r['tokens_per_call'] / r[f'vllm{sfx}_best_s']:.0f}",
@@ -238,33 +250,101 @@ def table(r: dict) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in rows]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    head = (f"{r['num_prompts']} prompts x {r['max_new_tokens']} new tokens = {r['tokens_per_call']} tokens per "
+    head = (f"{r['num_prompts']} prompts x {r['samples_per_prompt']} samples x {r['max_new_tokens']} new tokens = "
+            f"{r['tokens_per_call']} tokens per "
             f"call, sampling T=1, median of {r['repeats']} rounds; model {r['model']}")
     return head + "\n" + "\n".join(lines)
 
 
-def main() -> None:
+# ---- --sweep: the same comparison for each model preset, then where vLLM overtakes HF -------------------------
+
+
+def sweep(args) -> dict:
+    """measure() for each preset in turn (same prompts, same work), a summary row per size, the crossovers."""
+    rows, results = [], {}
+    for name in args.sweep:
+        args.model = str(preset_model(name, max_len=max_prompt_len(args) + args.max_new_tokens + 8))
+        log(f"preset {name}: {args.model}")
+        r = results[name] = measure(args)
+        params = preset_params(name)
+        print(f"\n## {name} ({params / 1e6:.1f}M params)\n" + table(r), flush=True)
+        row = {"preset": name, "params": params, "hf_tok_s": r["hf_tok_s"]}
+        row.update({f"vllm{suffix(k)}_tok_s": r[f"vllm{suffix(k)}_tok_s"] for k in args.variants})
+        row.update({f"ratio{suffix(k)}": r[f"ratio{suffix(k)}"] for k in args.variants})
+        rows.append(row)
+    crossovers = {k: crossover(rows, f"ratio{suffix(k)}") for k in args.variants}
+    return {"bench": "generation_sweep", "threads_flag": args.threads, "num_prompts": args.num_prompts,
+            "samples_per_prompt": args.n, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
+            "sizes": rows, "crossover": crossovers,
+            "crossover_text": {k: describe_crossover(rows, f"ratio{suffix(k)}") for k in args.variants},
+            "load_avg": os.getloadavg(), "per_size": results}
+
+
+def sweep_table(r: dict) -> str:
+    variants = list(r["crossover"])
+    head = ("| preset | params | HF tok/s | " + " | ".join(f"vLLM {k} tok/s | vs HF" for k in variants) + " |")
+    lines = [head, "|" + "---|" * (3 + 2 * len(variants))]
+    for row in r["sizes"]:
+        cells = [row["preset"], f"{row['params'] / 1e6:.1f}M", f"{row['hf_tok_s']:.0f}"]
+        for k in variants:
+            cells += [f"{row[f'vllm{suffix(k)}_tok_s']:.0f}", f"{row[f'ratio{suffix(k)}']:.2f}x"]
+        lines.append("| " + " | ".join(cells) + " |")
+    what = {"orlhf": "with log-probs (as orlhf's engines)", "plain": "without log-probs",
+            "orlhf+detok": "with log-probs and detokenizing"}
+    lines += [f"crossover, vLLM {k} {what.get(k, '')}: {r['crossover_text'][k]}" for k in variants]
+    return (f"\n{r['num_prompts']} prompts x {r['samples_per_prompt']} samples x {r['max_new_tokens']} new tokens, "
+            f"median of {r['repeats']} rounds, threads {r['threads_flag'] or 'unset'}\n" + "\n".join(lines))
+
+
+def max_prompt_len(args) -> int:
+    return max(map(len, load_prompts(str(preset_model("demo")), args.num_prompts)))
+
+
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="demo", help="HF folder (default: the built-in demo model)")
+    p.add_argument("--model", default="demo", help=f"HF folder or a model preset ({', '.join(PRESETS)}); "
+                   "default: the built-in demo model")
+    p.add_argument("--sweep", default=None, metavar="PRESETS",
+                   help="comma list of model presets (or 'all'), compared one after the other; then the crossover")
     p.add_argument("--num_prompts", type=int, default=64)
-    p.add_argument("--max_new_tokens", type=int, default=64)
+    p.add_argument("--n", type=int, default=None, help="samples per prompt (default 1; with --sweep 4, as the demo)")
+    p.add_argument("--max_new_tokens", type=int, default=None, help="default 64; with --sweep 24, as the demo")
+    p.add_argument("--variants", default=None, help=f"vLLM variants, comma list of {tuple(VLLM_VARIANTS)} "
+                   "(default: all; with --sweep orlhf,plain)")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--kv_cache_gb", type=float, default=1.0)
     p.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS for both sides (default: unset)")
     p.add_argument("--out", default=None, help="also write the result JSON here")
     p.add_argument("--verbose", action="store_true", help="show the sides' logs")
     p.add_argument("--_side", choices=("hf", "vllm"), default=None, help=argparse.SUPPRESS)
-    args = p.parse_args()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout` / kill: still run the clean-up below
-    if args.model == "demo":
-        from orlhf.demo import ensure_demo
+    args = p.parse_args(argv)
+    if args.sweep is not None and args.model != "demo":
+        p.error("--sweep names the models: leave out --model")
+    swept = args.sweep is not None
+    args.n = args.n or (4 if swept else 1)
+    args.max_new_tokens = args.max_new_tokens or (24 if swept else 64)
+    args.variants = (args.variants or ("orlhf,plain" if swept else ",".join(VLLM_VARIANTS))).split(",")
+    bad = [v for v in args.variants if v not in VLLM_VARIANTS]
+    if bad:
+        p.error(f"--variants: unknown {bad}; choose from {tuple(VLLM_VARIANTS)}")
+    if swept:
+        try:
+            args.sweep = parse_presets(args.sweep)
+        except SystemExit as e:
+            p.error(f"--sweep: {e}")
+    elif args.model in PRESETS:
+        args.model = str(preset_model(args.model))
+    return args
 
-        args.model = str(ensure_demo().model)
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout` / kill: still run the clean-up below
     if args._side:
         serve(args._side, args)
         return
-    result = measure(args)
-    print(table(result))
+    result = sweep(args) if args.sweep else measure(args)
+    print(sweep_table(result) if args.sweep else table(result))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result))

@@ -66,7 +66,9 @@ def _save_random_llama(path: Path, cfg, tok) -> None:
     building the same model never leaves a half-written folder behind."""
     import torch
     from transformers import LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # save_pretrained's shard bar: terminal noise in a benchmark's table
     tmp = path.parent / f".{path.name}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     torch.manual_seed(0)
