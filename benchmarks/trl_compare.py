@@ -45,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from model_presets import PRESETS, preset_model  # noqa: E402  (benchmarks/model_presets.py)
 from proctree import TreeSampler, run_sampled  # noqa: E402  (benchmarks/proctree.py)
 from trl_grpo_runner import add_work_args  # noqa: E402  (the equal work, declared once)
 
@@ -94,11 +95,38 @@ def orlhf_cmd(a, asynchronous: bool, extra: tuple = ()) -> list[str]:
             *extra, *a.orlhf_flags.split()]
 
 
+def with_model(cmd: list[str], a) -> list[str]:
+    """An orlhf command on --model_preset's folder. For the demo nothing is added: train-ppo without --pretrain
+    runs the demo's model, prompts, reward and preset values. With --pretrain it applies none of them, so the
+    demo's prompts and reward and every preset value the command does not set are spelled out (the same run
+    as on the demo, another model)."""
+    if a.model_preset == "demo":
+        return cmd
+    from orlhf.config import DEMO_PRESET
+    from orlhf.demo import ensure_demo
+
+    demo = ensure_demo()
+    values = {"pretrain": str(model_folder(a)), "prompt_data": str(demo.prompts),
+              "remote_rm_url": str(demo.reward_fn), **DEMO_PRESET}
+    given = {x for x in cmd if x.startswith("--")}
+    added = []
+    for k, v in values.items():
+        if f"--{k}" in given or v is False:
+            continue
+        added += [f"--{k}"] if v is True else [f"--{k}", str(v)]
+    return [*cmd, *added]
+
+
+def model_folder(a) -> Path:
+    """The model both sides train: the demo's, or a preset's (built once; room for the demo's 64 + new tokens)."""
+    return preset_model(a.model_preset, max_len=64 + a.new_tokens)
+
+
 def trl_cmd(a, python: Path) -> list[str]:
     from orlhf.demo import ensure_demo
 
     demo = ensure_demo()
-    return [str(python), str(ROOT / "benchmarks" / "trl_grpo_runner.py"), "--model", str(demo.model),
+    return [str(python), str(ROOT / "benchmarks" / "trl_grpo_runner.py"), "--model", str(model_folder(a)),
             "--prompts", str(demo.prompts), "--reward", str(demo.reward_fn), "--max_samples", str(a.max_samples),
             "--episodes", str(a.episodes), "--prompts_per_step", str(a.prompts_per_step),
             "--samples_per_prompt", str(a.samples_per_prompt), "--micro_batch", str(a.micro_batch),
@@ -184,6 +212,8 @@ def parse_args(argv=None):
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--warmup", type=int, default=2, help="steps not measured (the issue measures steps 3-12)")
     add_work_args(ap)
+    ap.add_argument("--model_preset", choices=tuple(PRESETS), default="demo",
+                    help="the model both sides train (benchmarks/model_presets.py; e.g. medium: ~20M params)")
     ap.add_argument("--kl", type=float, default=0.01, help="KL coefficient (TRL beta); 0: no reference model")
     ap.add_argument("--orlhf_flags", default="", help="extra train-ppo flags for the orlhf modes")
     ap.add_argument("--extra", action="append", default=[], metavar="NAME=FLAGS",
@@ -207,6 +237,10 @@ def parse_args(argv=None):
         if not sep or not name or name in MODES:
             ap.error(f"--extra {spec!r}: give NAME=FLAGS with a new NAME, e.g. 'zero2=--zero_stage 2'")
         a.extra_cmds[name] = tuple(flags.split())
+    if a.model_preset != "demo" and any(f.split("=")[0] in ("--pretrain", "--prompt_data", "--remote_rm_url")
+                                        for f in a.orlhf_flags.split()):
+        ap.error("--model_preset names the model and the demo's data; leave --pretrain, --prompt_data and "
+                 "--remote_rm_url out of --orlhf_flags (or use --model_preset demo)")
     a.trl_venv = a.trl_venv or default_cache_dir() / f"trl-venv-{a.trl_version}"
     return a
 
@@ -215,10 +249,11 @@ def main(argv=None) -> None:
     a = parse_args(argv)
     python = trl_python(a.trl_venv, a.trl_version, install=not a.no_install) if "trl" in a.modes else None
     cmds = {"orlhf": orlhf_cmd(a, False), "orlhf_async": orlhf_cmd(a, True),
-            "trl": trl_cmd(a, python) if python else None,
             "orlhf_1thread": orlhf_cmd(a, False, ("--vllm_cpu_threads", "1", "--train_cpu_threads", "1")),
             "orlhf_engines2": orlhf_cmd(a, False, ("--vllm_num_engines", "2")),
             **{name: orlhf_cmd(a, False, flags) for name, flags in a.extra_cmds.items()}}
+    cmds = {m: with_model(c, a) for m, c in cmds.items()}
+    cmds["trl"] = trl_cmd(a, python) if python else None
     modes = [*a.modes, *a.extra_cmds]
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     for rep in range(a.repeats):
@@ -231,7 +266,8 @@ def main(argv=None) -> None:
         if trl_sps and "samples_per_s" in r:
             r["ratio_vs_trl"] = r["samples_per_s"] / trl_sps
     print_table(result)
-    print(json.dumps({"modes": result, "runs": runs, "kl": a.kl, "trl_version": a.trl_version,
+    print(json.dumps({"modes": result, "runs": runs, "kl": a.kl, "model_preset": a.model_preset,
+                      "model": str(model_folder(a)), "trl_version": a.trl_version,
                       "steps": a.max_samples // a.prompts_per_step * a.episodes, "warmup": a.warmup,
                       "cores": os.cpu_count(), "load_avg": os.getloadavg()}))
 
