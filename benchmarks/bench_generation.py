@@ -5,10 +5,16 @@ HF `generate` (batched, left-padded), same prompts, same number of new tokens, s
             sides take turns (order alternating), one idle while the other generates
       |-- side "hf"    AutoModelForCausalLM.generate(do_sample, top_k=0, min_new_tokens=max_new_tokens=N)
       '-- side "vllm"  LLM(enforce_eager, VLLM_ENABLE_V1_MULTIPROCESSING=0).generate(TokensPrompt...,
-                       min_tokens=max_tokens=N, ignore_eos), three variants per round:
+                       min_tokens=max_tokens=N, ignore_eos), per round each of --variants (default all):
                          orlhf        logprobs=0, detokenize=False (what EngineActor.generate asks for)
                          orlhf+detok  logprobs=0 with vLLM's default detokenizing
                          plain        no logprobs, no detokenizing (what HF generate does)
+
+    --sweep demo,small,...: the same comparison for each model preset in turn (benchmarks/model_presets.py:
+            the demo model, then random Llamas of 3.7-51M parameters with its tokenizer, built once), then tokens/s and
+            ratios per size and the crossover, with log-probs ("orlhf") and without ("plain"): the smallest preset
+            from which vLLM stays ahead of HF generate (model_presets.crossover). Its defaults are orlhf's demo
+            step: 64 prompts x 4 samples (vLLM n=4, HF num_return_sequences=4) x 24 new tokens.
 
 Why separate processes: in-process vLLM initialises torch.distributed and replaces torch.set_num_threads in its
 process (later calls are ignored), so a side's thread count is fixed at start: --threads N starts both with
@@ -25,6 +31,7 @@ the parent; no Ray):
     .venv/bin/python benchmarks/bench_generation.py --out /tmp/bench_generation.json
     .venv/bin/python benchmarks/bench_generation.py --threads 1
     .venv/bin/python benchmarks/bench_generation.py --num_prompts 64 --max_new_tokens 64 --model /path/to/hf_folder
+    .venv/bin/python benchmarks/bench_generation.py --sweep all --threads 1 --repeats 3   # ~15 min quiet; README
 
 Measured 2026-11-21 on this project's 2-core CPU machine (demo model: 2-layer Llama, hidden 128, vocab 965),
 64 prompts x 64 tokens, median of 7 rounds, in a quiet window (under load from other jobs single calls took
