@@ -35,10 +35,11 @@ class Preset:
     heads: int = 0
 
 
-# Ascending in size. small/base fill the gap between the demo and medium so that a crossover can be placed;
+# Ascending in size. mini/small/base fill the gap between the demo and medium so that a crossover can be placed;
 # large (~50M) brackets it from above if medium is not yet past it.
 PRESETS = {p.name: p for p in (
     Preset("demo", 0.58),  # 2 layers, hidden 128, intermediate 256, 4 heads (orlhf/demo.py)
+    Preset("mini", 1.7, hidden=192, layers=3, intermediate=512, heads=3),
     Preset("small", 3.7, hidden=256, layers=4, intermediate=704, heads=4),
     Preset("base", 7.8, hidden=384, layers=4, intermediate=1024, heads=6),
     Preset("medium", 20.3, hidden=512, layers=6, intermediate=1408, heads=8),

@@ -52,7 +52,7 @@ def test_build_model_keeps_the_old_folder_name_for_default_shapes(tmp_path):
 
 
 def test_unknown_preset_names_are_refused_with_the_choices():
-    with pytest.raises(SystemExit, match="'huge'.*demo, small"):
+    with pytest.raises(SystemExit, match="'huge'.*demo, mini, small"):
         mp.parse_presets("demo,huge")
     assert mp.parse_presets("all") == list(mp.PRESETS)
     with pytest.raises(KeyError, match="medium"):
