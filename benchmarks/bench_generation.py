@@ -31,7 +31,7 @@ the parent; no Ray):
     .venv/bin/python benchmarks/bench_generation.py --out /tmp/bench_generation.json
     .venv/bin/python benchmarks/bench_generation.py --threads 1
     .venv/bin/python benchmarks/bench_generation.py --num_prompts 64 --max_new_tokens 64 --model /path/to/hf_folder
-    .venv/bin/python benchmarks/bench_generation.py --sweep all --threads 1 --repeats 3   # ~15 min quiet; README
+    .venv/bin/python benchmarks/bench_generation.py --sweep all --threads 1 --repeats 3   # ~8 min; benchmarks/README
 
 Measured 2026-11-21 on this project's 2-core CPU machine (demo model: 2-layer Llama, hidden 128, vocab 965),
 64 prompts x 64 tokens, median of 7 rounds, in a quiet window (under load from other jobs single calls took
