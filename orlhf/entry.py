@@ -263,6 +263,7 @@ def start_models(cfg: TrainConfig, placed, optimizer_steps: int, stack: ExitStac
         engines.call(EngineActor.sleep).get()
     workers = {"actor": PolicyWorker, "ref": ReferenceWorker, "critic": CriticWorker, "reward": RewardWorker}
     log_skipped_forwards(cfg)
+    log_zero_stages(cfg)
     mark = clock.mark if clock is not None else (lambda phase: None)
 
     def spawn(role: str) -> ActorGroup:
@@ -322,6 +323,21 @@ def log_skipped_forwards(cfg: TrainConfig) -> None:
     if cfg.single_pass:
         log.info("no old-log-prob forward: one optimizer step per batch (--max_epochs 1), so the PPO ratio is 1 and "
                  "the actor's training forward supplies log pi_old")
+
+
+def log_zero_stages(cfg: TrainConfig) -> None:
+    """Say which groups left ZeRO-3 by default (one rank: nothing to partition; worker_config.zero_stage_of)."""
+    from orlhf.roles import active_roles
+    from orlhf.worker_config import zero_stage_for
+
+    if cfg.deepspeed.zero_stage is not None:
+        return
+    off = {role: zero_stage_for(cfg, role) for role in active_roles(cfg)}
+    off = {role: stage for role, stage in off.items() if stage != 3}
+    if off:
+        log.info("ZeRO stage %s: one rank per group has nothing to partition, and ZeRO-3's hooks would cost "
+                 "~1.6x per train step (--zero_stage 3 keeps ZeRO-3)",
+                 ", ".join(f"{role} {stage or 'none'}" for role, stage in off.items()))
 
 
 def start_plan(cfg: TrainConfig) -> tuple[str, ...]:

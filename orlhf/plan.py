@@ -143,9 +143,11 @@ def role_memory(cfg: TrainConfig, role: str, params: int, ranks: int, *, device:
     On cuda a trained ZeRO-3 rank also holds DeepSpeed's reduce bucket (REDUCE_BUCKET_ELEMENTS x the gradient's
     bytes); on cpu torch.empty leaves those pages untouched, so they cost no RAM and are not counted.
     """
+    from orlhf.worker_config import zero_stage_of
+
     ds = cfg.deepspeed
     w = 2 if ds.bf16 else 4
-    s, n = ds.zero_stage, ranks
+    s, n = zero_stage_of(ds, role, ranks, device), ranks
     if not ROLES[role].trains:
         per = w * params / (n if s == 3 else 1)
         text = f"{w}P" + (f"/{n}" if s == 3 and n > 1 else "")
@@ -328,8 +330,12 @@ def memory_section(cfg: TrainConfig, layout: Layout, nodes: list[NodeSpec], plac
     rows = [[m.who, _count(m.params), m.ranks, _gib(m.device_gib), _gib(m.host_gib), m.formula] for m in mems.values()]
     rows.append([f"{ENGINE} (each)", _count(eng.params), f"TP {eng.ranks}", _gib(eng.device_gib), "0", eng.formula])
     held = "model states and DeepSpeed's reduce bucket" if layout.device == "cuda" else "model states"
+    from orlhf.worker_config import zero_stage_of
+
+    stages = ", ".join(f"{role} {zero_stage_of(cfg.deepspeed, role, len(slots), layout.device)}"
+                       for role, slots in layout.roles.items())
     lines = [f"memory estimate ({held}; activations come on top; "
-             f"{'bf16' if cfg.deepspeed.bf16 else 'fp32'}, ZeRO-{cfg.deepspeed.zero_stage}, P = params):",
+             f"{'bf16' if cfg.deepspeed.bf16 else 'fp32'}, ZeRO stage: {stages}; P = params):",
              format_table(["who", "params", "ranks", per, "host GiB/rank", "formula"], rows)]
     problems: list[str] = []
     if layout.device == "cuda":

@@ -124,7 +124,7 @@ def test_fingerprint_mismatch_lists_every_field_with_both_values(tmp_path):
         check_compatible(meta, config_fingerprint(other), path="/ck/step_000010")
     msg = str(err.value)
     assert "/ck/step_000010" in msg and "another --ckpt_path" in msg and "checkpoint's values" in msg
-    expected = ["--zero_stage: checkpoint 3, this run 2",
+    expected = ["--zero_stage: checkpoint None, this run 2",  # None: the default (3, or 2/0 at one rank)
                 "--actor_num_gpus_per_node: checkpoint 1, this run 4",
                 "--advantage_estimator: checkpoint 'gae', this run 'group_norm'",
                 "--n_samples_per_prompt: checkpoint 1, this run 4",

@@ -104,3 +104,30 @@ def test_cli_exits_2_naming_the_flag_when_the_resolved_device_refuses_it(capsys,
     assert exit_.value.code == 0
     finished = no_training[0]  # the run gets the finished config: device and demo resolved
     assert finished.device == "cpu" and not finished.data.uses_demo and finished.data.remote_rm_url
+
+
+def _run_cfg(device: str, **flags):
+    from orlhf.finish import resolve_device
+
+    flags = {"pretrain": "model", "reward_pretrain": "rm", "use_kl_loss": True, **flags}
+    return resolve_device(parse_config(flags, set(flags)), device)
+
+
+def test_zero_stage_default_is_3_except_for_one_rank_groups():
+    one_rank = _run_cfg("cpu")  # every group has one rank: nothing to partition
+    assert {r: worker_config(one_rank, r).zero_stage for r in ("actor", "critic", "ref", "reward")} == \
+        {"actor": 2, "critic": 2, "ref": 0, "reward": 0}
+    wide = _run_cfg("cpu", actor_num_gpus_per_node=2, ref_num_nodes=2)
+    assert worker_config(wide, "actor").zero_stage == 3 and worker_config(wide, "ref").zero_stage == 3
+    assert worker_config(wide, "critic").zero_stage == 2  # still one rank
+    for stage in (0, 1, 2, 3):  # a stage the user gives is used everywhere, whatever the group size
+        given = _run_cfg("cpu", zero_stage=stage, actor_num_gpus_per_node=2)
+        assert {worker_config(given, r).zero_stage for r in ("actor", "critic", "ref", "reward")} == {stage}
+
+
+def test_zero_stage_stays_3_where_a_flag_needs_zero3():
+    sleep = _run_cfg("cuda", colocate_all_models=True, deepspeed_enable_sleep=True)  # offload_states is ZeRO-3's
+    assert worker_config(sleep, "actor").zero_stage == 3 and worker_config(sleep, "ref").zero_stage == 0
+    offload = _run_cfg("cuda", ref_reward_offload=True)  # parameter offload is ZeRO-3 only
+    assert worker_config(offload, "ref").zero_stage == 3 and worker_config(offload, "actor").zero_stage == 2
+    assert worker_config(_run_cfg("cpu", ref_reward_offload=True), "ref").zero_stage == 0  # no param offload on CPU
