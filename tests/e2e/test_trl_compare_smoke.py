@@ -47,6 +47,9 @@ def test_both_sides_run_and_the_last_line_is_one_json_object(compare):
         assert "error" not in r, r
         assert r["samples_per_s"] > 0 and r["startup_s"] > 0 and r["steps_measured"] == 1
         assert 0 < r["busy_share"] <= 1.05 and r["cpu_s_per_step"] > 0
+        if mode == "orlhf":  # CPU seconds per process group before step 1 (sampled when startup.json appears)
+            assert {"driver", "RankActor", "EngineActor"} <= set(r["startup_cpu_s"]), r
+            assert all(v > 0 for v in r["startup_cpu_s"].values())
         assert math.isfinite(r["reward_first"]) and math.isfinite(r["reward_last"])
     assert result["modes"]["trl"]["ratio_vs_trl"] == 1.0
     assert result["modes"]["orlhf"]["ratio_vs_trl"] > 0

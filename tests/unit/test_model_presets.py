@@ -143,3 +143,16 @@ def test_trl_compare_refuses_a_preset_with_its_own_model_flag(capsys):
         trl_compare.parse_args(["--model_preset", "medium", "--orlhf_flags", "--pretrain /m"])
     assert e.value.code == 2 and "--pretrain" in capsys.readouterr().err
     assert os.path.basename(trl_compare.__file__) == "trl_compare.py"
+
+
+def test_trl_compare_extra_modes_add_flags_to_the_sync_orlhf_command(capsys):
+    import trl_compare
+
+    a = trl_compare.parse_args(["--modes", "orlhf", "--extra", "zero3=--zero_stage 3", "--extra", "e2=--vllm_num_engines 2"])
+    assert a.extra_cmds == {"zero3": ("--zero_stage", "3"), "e2": ("--vllm_num_engines", "2")}
+    base, extra = trl_compare.orlhf_cmd(a, False), trl_compare.orlhf_cmd(a, False, a.extra_cmds["zero3"])
+    assert extra == base + ["--zero_stage", "3"] and "--async_train" not in extra
+    for bad in ("nosign", "=--bf16", "orlhf=--bf16"):  # no NAME=, an empty name, a built-in mode's name
+        with pytest.raises(SystemExit) as e:
+            trl_compare.parse_args(["--extra", bad])
+        assert e.value.code == 2 and "--extra" in capsys.readouterr().err
