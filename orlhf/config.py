@@ -99,7 +99,7 @@ class DeepSpeedConfig:
     zero_stage: Optional[int] = opt(
         None, "DeepSpeed ZeRO stage for the trained and frozen models. Default: 3, except for a model group of one "
         "rank, which has nothing to partition: ZeRO-2 if it trains, none if frozen (ZeRO-3's per-module hooks cost "
-        "~1.6x per train step there); 3 stays with --deepspeed_enable_sleep, and for frozen models with "
+        "1.25-1.6x per CPU train step there); 3 stays with --deepspeed_enable_sleep, and for frozen models with "
         "--ref_reward_offload on GPUs. Give a stage to use it everywhere.", choices=(0, 1, 2, 3))
     bf16: bool = opt(False, "Train and score in bfloat16 (fp32 master weights kept by DeepSpeed).")
     gradient_checkpointing: bool = opt(False, "Recompute activations in the backward pass to save memory.")
