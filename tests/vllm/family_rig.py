@@ -78,16 +78,18 @@ def build_models(root: Path, families: list[str], seed: int = 0) -> dict[str, st
 # ---------------------------------------------------------------- the trainer process
 
 class TrainerSide:
-    """A PolicyWorker at world size 1 (its own gloo default group), ZeRO-3 as orlhf's default."""
+    """A PolicyWorker at world size 1 (its own gloo default group): ZeRO-3, as a group of several ranks runs, or
+    another stage (a one-rank group's default is ZeRO-2, worker_config.zero_stage_of)."""
 
     def __init__(self):
         self.worker = None
 
-    def load(self, path: str, bf16: bool = False, temperature: float = 1.0, lr: float = 1e-2) -> None:
+    def load(self, path: str, bf16: bool = False, temperature: float = 1.0, lr: float = 1e-2,
+             zero_stage: int = 3) -> None:
         from orlhf.worker_config import role_config
         from orlhf.workers import PolicyWorker
 
-        cfg = role_config("actor", model_path=path, device="cpu", zero_stage=3, micro_forward_batch_size=8,
+        cfg = role_config("actor", model_path=path, device="cpu", zero_stage=zero_stage, micro_forward_batch_size=8,
                           bf16=bf16, temperature=temperature, learning_rate=lr, train_batch_size=4, micro_train_batch_size=4, total_optimizer_steps=4)
         self.worker = PolicyWorker(cfg)
         self.worker.init()
@@ -120,7 +122,8 @@ class TrainerSide:
         return stats.grad_norm
 
     def perturb(self, seed: int, scale: float = 0.02) -> int:
-        """Add seeded noise to every parameter (ZeRO-3: gathered, modified on rank 0, re-partitioned)."""
+        """Add seeded noise to every parameter (ZeRO-3: gathered, modified on rank 0, re-partitioned; below stage 3
+        GatheredParameters does nothing)."""
         import deepspeed
 
         g = torch.Generator().manual_seed(seed)
@@ -268,10 +271,10 @@ class Rig:
         self.start(side, method, *args)
         return self.wait(side)
 
-    def load(self, path: str, bf16: bool = False, temperature: float = 1.0) -> None:
+    def load(self, path: str, bf16: bool = False, temperature: float = 1.0, zero_stage: int = 3) -> None:
         """Both sides load the same folder (in parallel) in fp32, or bf16 as --bf16 runs them, set up for
-        --temperature as a run sets them up; then join a fresh sync group."""
-        self.start("trainer", "load", path, bf16, temperature)
+        --temperature as a run sets them up, the trainer under `zero_stage`; then join a fresh sync group."""
+        self.start("trainer", "load", path, bf16, temperature, 1e-2, zero_stage)
         self.start("engine", "load", path, bf16, temperature)
         self.wait("trainer"), self.wait("engine")
         from orlhf.weight_sync import plan_buckets

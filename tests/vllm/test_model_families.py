@@ -1,7 +1,8 @@
 """After a real update and a real sync, a real vLLM engine equals the trainer, for every model family.
 
     tiny random model per family (2 layers, hidden 64, the demo's BPE tokenizer)
-      trainer: PolicyWorker (ZeRO-3, world 1): one PPO step + seeded noise on every weight (unrouted experts too)
+      trainer: PolicyWorker (ZeRO-3, world 1; also ZeRO-2, the one-rank default, for tied Llama and Qwen2-MoE):
+               one PPO step + seeded noise on every weight (unrouted experts too)
       --gloo sync (orlhf's WeightSender / worker extension)--> in-process vLLM engine (fp32)
       engine prompt log-probs of fixed tokens == trainer log-probs (< 1e-5)
 
@@ -33,13 +34,13 @@ def _tokens() -> torch.Tensor:
     return torch.randint(4, 900, (4, 24), generator=torch.Generator().manual_seed(0))  # (B, T), no special ids
 
 
-def _update_and_sync(r: Rig, path: str):
+def _update_and_sync(r: Rig, path: str, zero_stage: int = 3):
     """Load, update every weight through the trainer's worker, sync.
 
     Returns (trainer log-probs, engine log-probs after the sync, how far the policy moved, engine log-probs
     before the sync): (B, T-1) each."""
     seqs = _tokens()
-    r.load(path)
+    r.load(path, zero_stage=zero_stage)
     before = r.call("trainer", "log_probs", seqs)
     assert r.call("trainer", "train_step", seqs) > 0  # a real PPO step (gradients flowed)
     r.call("trainer", "perturb", 1)  # and every parameter moves, experts no token was routed to included
@@ -58,6 +59,19 @@ def test_engine_equals_trainer_after_sync(rig, family):
         print(f"\n[{family}] policy moved {moved:.3f}, engine - trainer after sync: {gap:.2e}")
         assert moved > 0.05, "the update did not move the policy: the test would prove nothing"
         assert gap < 1e-5
+    finally:
+        r.unload()
+
+
+@pytest.mark.parametrize("family", ["llama_tied", "qwen2_moe"])
+def test_engine_equals_a_one_rank_zero2_trainer_after_sync(rig, family):
+    """A one-rank actor group trains under ZeRO-2 by default (worker_config.zero_stage_of): its sync, for a tied
+    head and for packed experts, the two families that once diverged, must reach the engine exactly too."""
+    paths, r = rig
+    try:
+        trainer, engine, moved, _ = _update_and_sync(r, paths[family], zero_stage=2)
+        assert moved > 0.05, "the update did not move the policy: the test would prove nothing"
+        assert (engine - trainer).abs().max().item() < 1e-5
     finally:
         r.unload()
 
