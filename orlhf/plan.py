@@ -7,8 +7,8 @@
         -> plan_layout + simulate (placement.py) -> model sizes (config.json) -> memory per device
         -> text report; exit 0 when everything fits, 1 when a node-group cannot be placed or memory will not fit
 
-Memory model (GiB = 2**30 bytes). Model states, plus on GPUs DeepSpeed's ZeRO-3 reduce bucket (5e8 gradient
-elements, allocated whole per trained rank: + 2 x 5e8 B in bf16); activations and gathered ZeRO-3 layers come on
+Memory model (GiB = 2**30 bytes). Model states, plus on GPUs DeepSpeed's reduce bucket under ZeRO-1/2/3 (5e8
+gradient elements, allocated whole per trained rank: + 2 x 5e8 B in bf16, fp32 under ZeRO-1); activations and gathered ZeRO-3 layers come on
 top, so keep headroom ("tight" marks > 90%).
   P = parameters, counted from config.json (dense Llama-style: embeddings, attention with grouped KV heads,
       gated MLP, norms; biases ignored). Critic and reward: no LM head, a value head (hidden x 1).
@@ -135,13 +135,17 @@ class Memory:
 # (default 5e8) elements of the gradient dtype, whatever the model's size (stage3.py, "IPG"). Measured on an H100
 # with the 2-layer test Llama: ~950 MiB above the model states in bf16.
 REDUCE_BUCKET_ELEMENTS = 500_000_000
+# ZeRO-1/2 allocate one such bucket too, at the first backward (stage_1_and_2.py setup_buckets, contiguous gradients,
+# no overlap_comm as orlhf configures it): the gradient dtype under ZeRO-2, an fp32 accumulator under ZeRO-1. Read
+# from the source, not measured on a GPU; one-rank trained groups run ZeRO-2 by default (worker_config).
+BUCKET_BYTES_BY_STAGE = {1: 4, 2: None, 3: None}  # None: the gradient's bytes
 
 
 def role_memory(cfg: TrainConfig, role: str, params: int, ranks: int, *, device: str) -> Memory:
     """One rank's memory for `role` (device_gib per GPU on cuda, per rank in RAM on cpu).
 
-    On cuda a trained ZeRO-3 rank also holds DeepSpeed's reduce bucket (REDUCE_BUCKET_ELEMENTS x the gradient's
-    bytes); on cpu torch.empty leaves those pages untouched, so they cost no RAM and are not counted.
+    On cuda a trained ZeRO-1/2/3 rank also holds DeepSpeed's reduce bucket (REDUCE_BUCKET_ELEMENTS x the gradient's
+    bytes, fp32 under ZeRO-1); on cpu torch.empty leaves those pages untouched, so they cost no RAM and are not counted.
     """
     from orlhf.worker_config import zero_stage_of
 
@@ -160,9 +164,11 @@ def role_memory(cfg: TrainConfig, role: str, params: int, ranks: int, *, device:
     weights, grads, adam = w * params / div[0], w * params / div[1], k * params / div[2]
     parts = [f"{b}P" + (f"/{d}" if d > 1 else "") for b, d in zip((w, w, k), div)]
     text = " + ".join(parts[:2]) + (f" [+ {parts[2]} on host]" if ds.adam_offload else f" + {parts[2]}")
-    bucket = REDUCE_BUCKET_ELEMENTS * w if device == "cuda" and s == 3 else 0
+    per_element = BUCKET_BYTES_BY_STAGE.get(s, 0) if device == "cuda" else 0
+    per_element = w if per_element is None else per_element
+    bucket = REDUCE_BUCKET_ELEMENTS * per_element
     if bucket:
-        text += f" + {w} x 5e8 reduce bucket"
+        text += f" + {per_element} x 5e8 reduce bucket"
     on_device = weights + grads + (0 if ds.adam_offload else adam) + bucket
     return Memory(role, params, n, on_device / GIB, (adam if ds.adam_offload else 0) / GIB, text)
 

@@ -209,6 +209,17 @@ def test_trained_memory_by_zero_stage(flags, device_gib, host_gib):
     assert (m.device_gib, m.host_gib) == (pytest.approx(device_gib), pytest.approx(host_gib))
 
 
+@pytest.mark.parametrize("stage, bucket_bytes", [(0, 0), (1, 4), (2, 2), (3, 2)])  # bf16 gradients; ZeRO-1: fp32
+def test_trained_gpu_ranks_add_the_reduce_bucket_of_their_stage(stage, bucket_bytes):
+    cpu = role_memory(cfg_of(bf16=True, zero_stage=stage), "actor", GIB, 1, device="cpu")
+    gpu = role_memory(cfg_of(bf16=True, zero_stage=stage), "actor", GIB, 1, device="cuda")
+    assert gpu.device_gib - cpu.device_gib == pytest.approx(bucket_bytes * 5e8 / GIB)
+    assert ("reduce bucket" in gpu.formula) == (bucket_bytes > 0)
+    default = role_memory(cfg_of(bf16=True), "actor", GIB, 1, device="cuda")  # one rank: ZeRO-2 by default
+    assert default.device_gib == pytest.approx(role_memory(cfg_of(bf16=True, zero_stage=2), "actor", GIB, 1,
+                                                           device="cuda").device_gib)
+
+
 def test_frozen_and_fp32_memory():
     assert role_memory(cfg_of(zero_stage=2), "ref", GIB, 4, device="cpu").device_gib == 4  # fp32, replicated below stage 3
     assert role_memory(cfg_of(), "actor", GIB, 4, device="cpu").device_gib == 4  # fp32 stage 3: (4 + 4 + 8)/4
