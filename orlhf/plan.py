@@ -37,6 +37,7 @@ from typing import Optional
 
 from orlhf.config import TrainConfig, engine_gpu_memory_utilization
 from orlhf.finish import resolve_device
+from orlhf.worker_config import zero_stage_of
 from orlhf.layout import (ENGINE, GroupKey, Layout, NodeSpec, Slot, described_nodes, fit_report, format_table,
                           local_num_cpus, plan_layout, simulate)
 from orlhf.placement import live_nodes
@@ -138,7 +139,11 @@ REDUCE_BUCKET_ELEMENTS = 500_000_000
 # ZeRO-1/2 allocate one such bucket too, at the first backward (stage_1_and_2.py setup_buckets, contiguous gradients,
 # no overlap_comm as orlhf configures it): the gradient dtype under ZeRO-2, an fp32 accumulator under ZeRO-1. Read
 # from the source, not measured on a GPU; one-rank trained groups run ZeRO-2 by default (worker_config).
-BUCKET_BYTES_BY_STAGE = {1: 4, 2: None, 3: None}  # None: the gradient's bytes
+
+
+def bucket_bytes_per_element(stage: int, grad_bytes: int) -> int:
+    """Bytes per reduce-bucket element of a trained rank on a GPU (0: no bucket, as under ZeRO-0)."""
+    return {0: 0, 1: 4}.get(stage, grad_bytes)
 
 
 def role_memory(cfg: TrainConfig, role: str, params: int, ranks: int, *, device: str) -> Memory:
@@ -147,8 +152,6 @@ def role_memory(cfg: TrainConfig, role: str, params: int, ranks: int, *, device:
     On cuda a trained ZeRO-1/2/3 rank also holds DeepSpeed's reduce bucket (REDUCE_BUCKET_ELEMENTS x the gradient's
     bytes, fp32 under ZeRO-1); on cpu torch.empty leaves those pages untouched, so they cost no RAM and are not counted.
     """
-    from orlhf.worker_config import zero_stage_of
-
     ds = cfg.deepspeed
     w = 2 if ds.bf16 else 4
     s, n = zero_stage_of(ds, role, ranks, device), ranks
@@ -164,8 +167,7 @@ def role_memory(cfg: TrainConfig, role: str, params: int, ranks: int, *, device:
     weights, grads, adam = w * params / div[0], w * params / div[1], k * params / div[2]
     parts = [f"{b}P" + (f"/{d}" if d > 1 else "") for b, d in zip((w, w, k), div)]
     text = " + ".join(parts[:2]) + (f" [+ {parts[2]} on host]" if ds.adam_offload else f" + {parts[2]}")
-    per_element = BUCKET_BYTES_BY_STAGE.get(s, 0) if device == "cuda" else 0
-    per_element = w if per_element is None else per_element
+    per_element = bucket_bytes_per_element(s, w) if device == "cuda" else 0
     bucket = REDUCE_BUCKET_ELEMENTS * per_element
     if bucket:
         text += f" + {per_element} x 5e8 reduce bucket"
@@ -336,8 +338,6 @@ def memory_section(cfg: TrainConfig, layout: Layout, nodes: list[NodeSpec], plac
     rows = [[m.who, _count(m.params), m.ranks, _gib(m.device_gib), _gib(m.host_gib), m.formula] for m in mems.values()]
     rows.append([f"{ENGINE} (each)", _count(eng.params), f"TP {eng.ranks}", _gib(eng.device_gib), "0", eng.formula])
     held = "model states and DeepSpeed's reduce bucket" if layout.device == "cuda" else "model states"
-    from orlhf.worker_config import zero_stage_of
-
     stages = ", ".join(f"{role} {zero_stage_of(cfg.deepspeed, role, len(slots), layout.device)}"
                        for role, slots in layout.roles.items())
     lines = [f"memory estimate ({held}; activations come on top; "
