@@ -8,6 +8,8 @@
     group.call_sharded(PolicyWorker.log_probs, batch)    batch split over ranks -> GroupCall; .get_cat() gathers
     group.call_rank(0, PolicyWorker.sync_address)        one rank
     wait_calls(call_a, call_b)                           several calls (of any groups) waited on together
+    actor.host("ref", ReferenceWorker, cfg)             (CPU, roles.host_of) a group whose workers live in the
+                                                         actor's rank processes: rank k's in actor rank k's
 
 Calls name the method by reference (orlhf/endpoints.py): it must be an @endpoint of the group's worker class,
 checked before anything is sent. Every call starts at once and returns a GroupCall; .get() waits. The engines'
@@ -19,6 +21,11 @@ Invariants:
   the error names role, rank, method and carries the remote traceback.
 - ZeRO-3 forwards are collective, so every rank must run the same number of micro-batches: call_sharded
   pads the batch to a multiple of the world size (repeating the last row) and trims the results.
+- A process that holds several workers (a host and its guests) runs their calls one at a time, in the order the
+  driver numbered them (one counter per rank, numbered for all ranks of a call at once): both workers use the
+  process's one torch.distributed group, so two ranks must never run the host's and the guest's collectives in
+  different orders. A guest's calls run on its own RNG states (swapped in and out), so the host's random
+  numbers are exactly those it would draw alone in its process; its shutdown leaves the processes to the host.
 """
 
 from __future__ import annotations
@@ -26,8 +33,11 @@ from __future__ import annotations
 import logging
 import os
 import re
+import random
 import socket
+import threading
 import time
+from contextlib import contextmanager
 from typing import Any, Callable, Optional, Sequence
 
 import ray
@@ -44,14 +54,16 @@ log = logging.getLogger(__name__)
 class RankError(RuntimeError):
     """A rank actor raised or died. `role`, `rank` and `method` say where; the message holds the traceback."""
 
-    def __init__(self, role: str, rank: int, method: str, detail: str, died: bool = False):
+    def __init__(self, role: str, rank: int, method: str, detail: str, died: bool = False,
+                 host: Optional[str] = None):
         self.role, self.rank, self.method = role, rank, method
         detail = re.sub(r"\x1b\[[0-9;]*m", "", detail)  # Ray colours its task names
-        path = worker_log_path(log_name(role, rank))
+        path = worker_log_path(log_name(host or role, rank))  # a guest writes to its host's log
         if path is not None:
             last = tail(path) if died else ""  # no traceback travelled: show what the process printed last
             detail += (f"\nlast lines of {path}:\n{last}" if last else f"\nits full output: {path}")
-        super().__init__(f"{role} rank {rank} failed in {method}():\n{detail}")
+        where = f" (in {host} rank {rank}'s process)" if host else ""
+        super().__init__(f"{role} rank {rank} failed in {method}(){where}:\n{detail}")
 
 
 def log_name(role: str, rank: int) -> str:
@@ -65,32 +77,80 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def rng_states() -> tuple:
+    """The process's global RNG states a worker draws from (CPU only: guests exist on CPU only)."""
+    import numpy as np
+
+    return random.getstate(), np.random.get_state(), torch.get_rng_state()
+
+
+def set_rng_states(states: tuple) -> None:
+    import numpy as np
+
+    random.setstate(states[0])
+    np.random.set_state(states[1])
+    torch.set_rng_state(states[2])
+
+
 @ray.remote
 class RankActor:
-    """Holds one worker instance; the group calls its methods by name. No logic of its own."""
+    """Holds this rank's workers keyed by role: its own (`role`) and guests (ActorGroup.host); the group calls
+    their methods by name. No logic of its own beyond the turn order and RNG swap of the module docstring."""
 
     def __init__(self, role: str, rank: int, env: dict[str, str]):
         os.environ.update(env)
         redirect_output(log_name(role, rank))
         self.role, self.rank = role, rank
-        self.worker = None
-        self.cpu_threads = 0  # CPU: torch threads for the next calls (orlhf/threads.py); 0: as Ray set them
+        self.workers: dict[str, Any] = {}
+        self.cpu_threads: dict[str, int] = {}  # CPU: torch threads per role (orlhf/threads.py); absent: as Ray set
+        self.guest_rng: dict[str, tuple] = {}  # a guest's RNG states while the host's are live
+        self.turn, self.served = threading.Condition(), 0  # calls numbered by the driver run in that order
 
     def address(self) -> tuple[str, int]:
         """(ip, free port) of this rank's node: rank 0's becomes the group's rendezvous address."""
         return ray.util.get_node_ip_address(), free_port()
 
-    def setup(self, worker_cls: type, cfg: Any, env: dict[str, str]) -> None:
-        os.environ.update(env)
-        self.worker = worker_cls(cfg)
+    def setup(self, worker_cls: type, cfg: Any, env: dict[str, str], role: Optional[str] = None) -> None:
+        role = role or self.role
+        if role == self.role:
+            os.environ.update(env)
+        else:  # a guest has the same ranks: it joins the host's process group, rendezvous env untouched
+            self.guest_rng[role] = rng_states()
+        self.workers[role] = worker_cls(cfg)
 
-    def call(self, method: str, *args, **kwargs) -> Any:
-        if self.cpu_threads:  # here, on the pool thread that runs the work: OpenMP's count is per thread
-            apply_threads(self.cpu_threads)
-        return getattr(self.worker, method)(*args, **kwargs)
+    def call(self, role: str, method: str, ticket: Optional[int], *args, **kwargs) -> Any:
+        with self.in_turn(ticket):
+            n = self.cpu_threads.get(role, 0)
+            if n:  # here, on the pool thread that runs the work: OpenMP's count is per thread
+                apply_threads(n)
+            fn = getattr(self.workers[role], method)
+            if role == self.role:
+                return fn(*args, **kwargs)
+            host_rng = rng_states()
+            set_rng_states(self.guest_rng[role])
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.guest_rng[role] = rng_states()
+                set_rng_states(host_rng)
 
-    def set_cpu_threads(self, n: int) -> None:
-        self.cpu_threads = n
+    @contextmanager
+    def in_turn(self, ticket: Optional[int]):
+        """Wait for the calls numbered before `ticket` to finish (None: a process with one worker, no order)."""
+        if ticket is None:
+            yield
+            return
+        with self.turn:
+            self.turn.wait_for(lambda: self.served == ticket)
+        try:
+            yield
+        finally:
+            with self.turn:
+                self.served += 1
+                self.turn.notify_all()
+
+    def set_cpu_threads(self, n: int, role: Optional[str] = None) -> None:
+        self.cpu_threads[role or self.role] = n
 
     def pid(self) -> int:
         return os.getpid()
@@ -100,13 +160,13 @@ class GroupCall:
     """Remote calls in flight on some members of a group (ranks or engines); .get() waits for all of them."""
 
     def __init__(self, role: str, method: str, refs: list, ranks: list, timeout_s: float,
-                 n_out: Optional[int] = None):
+                 n_out: Optional[int] = None, host: Optional[str] = None):
         self.role, self.method, self.refs, self.ranks, self.n_out = role, method, refs, ranks, n_out
-        self.timeout_s = timeout_s
+        self.timeout_s, self.host = timeout_s, host  # host: the role whose processes run a guest's calls
 
     def get(self, timeout_s: Optional[float] = None) -> list:
         """Results in member order; a failure or a timeout raises naming the role, method and member."""
-        return wait_all(self.refs, self.ranks, self.role, self.method, timeout_s or self.timeout_s)
+        return wait_all(self.refs, self.ranks, self.role, self.method, timeout_s or self.timeout_s, self.host)
 
     def future(self):
         """A concurrent.futures.Future of a one-member call (asyncio code waits on it: rollout/executor.py)."""
@@ -119,9 +179,9 @@ class GroupCall:
         return torch.cat(self.get(timeout_s), dim=0)[: self.n_out]
 
 
-def wait_all(refs: list, ranks: list, role: str, method: str, timeout_s: float) -> list:
+def wait_all(refs: list, ranks: list, role: str, method: str, timeout_s: float, host: Optional[str] = None) -> list:
     """ray.get for refs from several ranks, failing fast on the first error and after timeout_s."""
-    return _wait(refs, [(role, r, method) for r in ranks], f"{role}: {method}()", timeout_s)
+    return _wait(refs, [(role, r, method, host) for r in ranks], f"{role}: {method}()", timeout_s)
 
 
 def wait_calls(*calls: GroupCall, timeout_s: Optional[float] = None) -> list[list]:
@@ -129,7 +189,7 @@ def wait_calls(*calls: GroupCall, timeout_s: Optional[float] = None) -> list[lis
     (a weight sync), one side's failure leaves the other stuck in a collective, so neither is waited alone.
     Returns each call's results."""
     refs = [r for c in calls for r in c.refs]
-    where = [(c.role, k, c.method) for c in calls for k in c.ranks]
+    where = [(c.role, k, c.method, c.host) for c in calls for k in c.ranks]
     what = " + ".join(f"{c.role}: {c.method}()" for c in calls)
     flat = _wait(refs, where, what, timeout_s or max(c.timeout_s for c in calls))
     out, i = [], 0
@@ -139,8 +199,9 @@ def wait_calls(*calls: GroupCall, timeout_s: Optional[float] = None) -> list[lis
     return out
 
 
-def _wait(refs: list, where: list[tuple[str, Any, str]], what: str, timeout_s: float) -> list:
-    """where[i] = (role, rank, method) of refs[i], for the error of the first one that fails or times out."""
+def _wait(refs: list, where: list[tuple[str, Any, str, Optional[str]]], what: str, timeout_s: float) -> list:
+    """where[i] = (role, rank, method, host or None) of refs[i], for the error of the first one that fails or
+    times out."""
     index = {ref: i for i, ref in enumerate(refs)}
     results: list[Any] = [None] * len(refs)
     pending, deadline = list(refs), time.monotonic() + timeout_s
@@ -155,22 +216,25 @@ def _wait(refs: list, where: list[tuple[str, Any, str]], what: str, timeout_s: f
         done, pending = ray.wait(pending, num_returns=1, timeout=min(left, 5.0))
         for ref in done:
             i = index[ref]
-            role, rank, method = where[i]
+            role, rank, method, host = where[i]
             try:
                 results[i] = ray.get(ref)
             except ray.exceptions.RayTaskError as e:
-                raise RankError(role, rank, method, str(e)) from None
+                raise RankError(role, rank, method, str(e), host=host) from None
             except ray.exceptions.RayActorError as e:
-                raise RankError(role, rank, method, f"the rank actor died: {e}", died=True) from None
+                raise RankError(role, rank, method, f"the rank actor died: {e}", died=True, host=host) from None
     return results
 
 
 class ActorGroup:
-    """N rank actors of one role (actor, critic, ref, reward) running `worker_cls(cfg)` each."""
+    """N rank actors of one role (actor, critic, ref, reward) running `worker_cls(cfg)` each; or, made by
+    host(), a guest role's workers inside another group's rank actors (`host` names that group's role)."""
 
     def __init__(self, role: str, worker_cls: type, cfg: Any, slots: Sequence[RankBundle], *, device: str,
-                 gpus_per_node: int = 1, timeout_s: float = 600.0, env: Optional[dict[str, str]] = None):
+                 gpus_per_node: int = 1, timeout_s: float = 600.0, env: Optional[dict[str, str]] = None,
+                 guests: Sequence[str] = ()):
         self.role, self.world_size, self.timeout_s, self.worker_cls = role, len(slots), timeout_s, worker_cls
+        self.guests, self.host_role, self.turns = tuple(guests), None, None
         check_exports(role, worker_cls)  # before any process starts
         base_env = {"DS_ACCELERATOR": device, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
         if LOG_DIR_ENV in os.environ:  # ranks write their output to <save_path>/logs (logs.py)
@@ -193,42 +257,90 @@ class ActorGroup:
             opts = scheduling_options(slot, device)
         else:  # no placement group (tests, ad-hoc use): Ray picks a node
             opts = {"num_cpus": slot.share, "num_gpus": slot.share if device == "cuda" else 0}
-        return RankActor.options(**opts, max_restarts=0, max_concurrency=2).remote(self.role, rank, env)
+        # A guest's calls wait for their turn on a pool thread (module docstring): room for two more per guest.
+        concurrency = 2 + 2 * len(self.guests)
+        return RankActor.options(**opts, max_restarts=0, max_concurrency=concurrency).remote(self.role, rank, env)
+
+    def host(self, role: str, worker_cls: type, cfg: Any) -> "ActorGroup":
+        """`role`'s workers in this group's rank processes, rank k's in rank k's process, as a group of its own
+        (same calls; errors name `role` and the host). Needs `role` among the guests this group was built for.
+        From here on every call to these processes is numbered (module docstring)."""
+        if role not in self.guests:
+            raise ValueError(f"{self.role}: built without room for guest {role!r} (guests={self.guests})")
+        check_exports(role, worker_cls)
+        if self.turns is None:
+            self.turns = Turns(self.world_size)
+        view = object.__new__(ActorGroup)
+        view.role, view.world_size, view.timeout_s, view.worker_cls = role, self.world_size, self.timeout_s, worker_cls
+        view.guests, view.host_role, view.turns, view.actors = (), self.role, self.turns, self.actors
+        ranks = list(range(self.world_size))
+        wait_all([a.setup.remote(worker_cls, cfg, {}, role) for a in self.actors], ranks, role, "setup",
+                 self.timeout_s, self.role)
+        log.info("%s: %d rank(s) inside the %s's rank processes, pids %s", role, self.world_size, self.role,
+                 view.pids())
+        return view
 
     # ---- calls (method references, orlhf/endpoints.py) -------------------------------------------------------
+    def _submit(self, name: str, ranks: list[int], args: list[tuple], kwargs: dict) -> GroupCall:
+        """Start `name` on `ranks` (args[i] for ranks[i]); numbered for all of them at once when hosting."""
+        if self.turns is None:
+            refs = [self.actors[r].call.remote(self.role, name, None, *a, **kwargs) for r, a in zip(ranks, args)]
+        else:
+            with self.turns.lock:
+                refs = [self.actors[r].call.remote(self.role, name, self.turns.take(r), *a, **kwargs)
+                        for r, a in zip(ranks, args)]
+        return GroupCall(self.role, name, refs, ranks, self.timeout_s, host=self.host_role)
+
     def call(self, fn: Callable, *args, **kwargs) -> GroupCall:
         """Call `fn` on every rank with the same arguments; .get() gives the results in rank order."""
         name = method_name(self.role, self.worker_cls, fn)
-        refs = [a.call.remote(name, *args, **kwargs) for a in self.actors]
-        return GroupCall(self.role, name, refs, list(range(self.world_size)), self.timeout_s)
+        return self._submit(name, list(range(self.world_size)), [args] * self.world_size, kwargs)
 
     def call_rank(self, rank: int, fn: Callable, *args, **kwargs) -> GroupCall:
-        name = method_name(self.role, self.worker_cls, fn)
-        return GroupCall(self.role, name, [self.actors[rank].call.remote(name, *args, **kwargs)], [rank],
-                         self.timeout_s)
+        return self._submit(method_name(self.role, self.worker_cls, fn), [rank], [args], kwargs)
 
     def call_sharded(self, fn: Callable, batch: Any, *args, **kwargs) -> GroupCall:
         """Split `batch` (a types.py dataclass with .split, or a list) over the ranks in contiguous chunks;
         .get_cat() gives per-rank tensors concatenated in batch order, .get() the per-rank results."""
         name = method_name(self.role, self.worker_cls, fn)
-        n = len(batch)
         chunks = shard(batch, self.world_size)
-        refs = [a.call.remote(name, chunk, *args, **kwargs) for a, chunk in zip(self.actors, chunks)]
-        return GroupCall(self.role, name, refs, list(range(self.world_size)), self.timeout_s, n_out=n)
+        out = self._submit(name, list(range(self.world_size)), [(c, *args) for c in chunks], kwargs)
+        out.n_out = len(batch)
+        return out
 
     def set_cpu_threads(self, n: int) -> None:
-        """Every rank runs its next calls with n torch threads (CPU, per phase: orlhf/threads.py)."""
-        wait_all([a.set_cpu_threads.remote(n) for a in self.actors], list(range(self.world_size)), self.role,
-                 "set_cpu_threads", self.timeout_s)
+        """Every rank runs this group's next calls with n torch threads (CPU, per phase: orlhf/threads.py)."""
+        wait_all([a.set_cpu_threads.remote(n, self.role) for a in self.actors], list(range(self.world_size)),
+                 self.role, "set_cpu_threads", self.timeout_s, self.host_role)
 
     def pids(self) -> list[int]:
         return wait_all([a.pid.remote() for a in self.actors], list(range(self.world_size)), self.role, "pid",
-                        self.timeout_s)
+                        self.timeout_s, self.host_role)
+
+    @property
+    def processes(self) -> list:
+        """One key per rank process (a guest's are its host's): threads.py counts the distinct ones."""
+        return [id(a) for a in self.actors]
 
     def shutdown(self) -> None:
-        for a in self.actors:
-            ray.kill(a, no_restart=True)
+        """Kill the rank actors; a guest only lets go of them (its host's shutdown kills them)."""
+        if self.host_role is None:
+            for a in self.actors:
+                ray.kill(a, no_restart=True)
         self.actors = []
+
+
+class Turns:
+    """The driver's per-rank call counters for processes that host several workers (RankActor.in_turn)."""
+
+    def __init__(self, world_size: int):
+        self.lock = threading.Lock()  # held while one group call numbers all its ranks
+        self.next = [0] * world_size
+
+    def take(self, rank: int) -> int:
+        n = self.next[rank]
+        self.next[rank] += 1
+        return n
 
 
 def shard(batch: Any, world_size: int) -> list:

@@ -56,6 +56,9 @@ class PlacementConfig:
     colocate_all_models: bool = opt(
         False, "All models and the vLLM engines share the actor's GPUs (hybrid mode)."
     )
+    ref_own_process: bool = opt(
+        False, "CPU only: the reference model in its own rank processes. By default on CPU, when its rank count "
+        "equals the actor's, it runs inside the actor's rank processes (one fewer set of processes to start).")
 
     def world_size(self, role: str) -> int:
         return getattr(self, f"{role}_num_nodes") * getattr(self, f"{role}_num_gpus_per_node")

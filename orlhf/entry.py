@@ -245,7 +245,7 @@ def start_models(cfg: TrainConfig, placed, optimizer_steps: int, stack: ExitStac
     after each of these phases."""
     from orlhf.cluster import ActorGroup
     from orlhf.controller import Models
-    from orlhf.roles import active_roles
+    from orlhf.roles import active_roles, host_of
     from orlhf.rollout.engine import EngineActor, EngineGroup, engine_config
     from orlhf.weight_sync import make_weight_sync
     from orlhf.workers import CriticWorker, PolicyWorker, ReferenceWorker, RewardWorker
@@ -266,12 +266,21 @@ def start_models(cfg: TrainConfig, placed, optimizer_steps: int, stack: ExitStac
     log_zero_stages(cfg)
     mark = clock.mark if clock is not None else (lambda phase: None)
 
+    hosts = {role: host_of(cfg, role) for role in active_roles(cfg)}  # the ref in the actor's processes on CPU
+
     def spawn(role: str) -> ActorGroup:
         return ActorGroup(role, workers[role], worker_config(cfg, role, optimizer_steps),
                           placed.role_bundles(role), device=cfg.device,
-                          gpus_per_node=getattr(pl, f"{role}_num_gpus_per_node"), timeout_s=timeout)
+                          gpus_per_node=getattr(pl, f"{role}_num_gpus_per_node"), timeout_s=timeout,
+                          guests=[guest for guest, host in hosts.items() if host == role])
 
-    groups = _spawn_concurrently(active_roles(cfg), spawn, stack)  # no ref without a KL (TrainConfig.has_reference)
+    # no ref without a KL (TrainConfig.has_reference)
+    groups = _spawn_concurrently([role for role, host in hosts.items() if host is None], spawn, stack)
+    for role, host in hosts.items():
+        if host is not None:  # after its host in `groups`: its init() is numbered after the host's (cluster.py)
+            groups[role] = groups[host].host(role, workers[role], worker_config(cfg, role, optimizer_steps))
+            stack.callback(groups[role].shutdown)
+            log.info("%s runs inside the %s's rank processes (CPU; --ref_own_process gives it its own)", role, host)
     mark("groups spawned")
     for call in [g.call(DeepSpeedWorker.init) for g in groups.values()]:
         call.get()

@@ -20,17 +20,21 @@ per node.
 Shares (the rule): the k occupants of a slot each ask Ray for 1/k of it, rounded down to 1/100 so the sum
 stays <= 1 (actor+ref: 0.5 each; four models + vLLM: 0.2 each). A share is Ray accounting, not a memory split:
 memory on a shared device is governed by the offload/sleep flags, and `orlhf plan` estimates it.
+
+Guests. A role that runs inside another role's rank processes (roles.host_of: on CPU the reference in the
+actor's) joins its host's pool, takes its host's slots and no share of its own: it has no process, so no bundle
+(on CPU a bundle is one logical CPU, Ray accounting only). Layout.guests records it for `orlhf plan`.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from orlhf.config import TrainConfig
-from orlhf.roles import ROLES, active_roles
+from orlhf.roles import ROLES, active_roles, host_of
 
 ENGINE = "vllm"  # occupant name of vLLM engines in a pool
 LOCAL_SPARE_CPUS = 2  # logical CPUs beyond the slots for a local CPU cluster: driver-side actors, head work
@@ -75,6 +79,7 @@ class Layout:
     pools: tuple[Pool, ...]
     roles: dict[str, tuple[Slot, ...]]  # role -> one Slot per rank, rank order (read-only by convention)
     engines: tuple[tuple[Slot, ...], ...]  # engine i -> its TP slots, TP-rank order
+    guests: dict[str, str] = field(default_factory=dict)  # role -> the role whose processes run it (no bundles)
 
     def pool(self, name: str) -> Pool:
         return next(p for p in self.pools if p.name == name)
@@ -99,6 +104,7 @@ def _pool_members(cfg: TrainConfig, roles: list[str]) -> list[list[str]]:
         return [roles + [ENGINE]]
     host = {name: spec.colocate_with for name, spec in ROLES.items()
             if spec.colocate_flag is not None and getattr(p, spec.colocate_flag)}
+    host.update({name: host_of(cfg, name) for name in roles if host_of(cfg, name)})  # guests join their host
     pools: list[list[str]] = []
     for role in roles:
         shared = next((m for m in pools if host.get(role) in m), None)
@@ -123,24 +129,30 @@ def plan_layout(cfg: TrainConfig) -> Layout:
     p, tp = cfg.placement, cfg.vllm.tensor_parallel_size
     pools: list[Pool] = []
     roles: dict[str, tuple[Slot, ...]] = {}
+    guests = {name: host_of(cfg, name) for name in active_roles(cfg) if host_of(cfg, name)}
     for members in _pool_members(cfg, active_roles(cfg)):
         lead = members[0]
         pool = Pool("+".join(members), getattr(p, f"{lead}_num_nodes"), getattr(p, f"{lead}_num_gpus_per_node"),
                     f"--{lead}_num_gpus_per_node", f"--{lead}_num_nodes")
         pools.append(pool)
-        for role in members:
+        processes = [m for m in members if m not in guests]  # a guest asks for no share: it has no process
+        for role in processes:
             if role != ENGINE:
-                roles[role] = _slots(pool, range(pool.num_slots), _share(len(members)))
+                roles[role] = _slots(pool, range(pool.num_slots), _share(len(processes)))
+        for role in members:
+            if role in guests:
+                roles[role] = roles[guests[role]]
     if p.colocate_all_models:
         shared = pools[0]
-        engines = tuple(_slots(shared, range(i * tp, (i + 1) * tp), _share(len(shared.occupants)))
+        sharing = [o for o in shared.occupants if o not in guests]
+        engines = tuple(_slots(shared, range(i * tp, (i + 1) * tp), _share(len(sharing)))
                         for i in range(cfg.vllm.num_engines))
     else:
         engine_pools = [Pool(f"{ENGINE}{i}", 1, tp, "--vllm_tensor_parallel_size", None)
                         for i in range(cfg.vllm.num_engines)]
         pools.extend(engine_pools)
         engines = tuple(_slots(ep, range(tp), 1.0) for ep in engine_pools)
-    return Layout(device, tuple(pools), roles, engines)
+    return Layout(device, tuple(pools), roles, engines, guests)
 
 
 def cpu_slots_needed(layout: Layout) -> int:

@@ -308,8 +308,10 @@ def placement_section(layout: Layout, nodes: list[NodeSpec], placed: dict[GroupK
     for i, slots in enumerate(layout.engines):
         rows += _placement_rows(f"{ENGINE}{i}", f"TP {len(slots)}", slots, nodes, placed)
     head = ["who", "ranks", "pool", "node-group", "node", "bundles", "share"]
+    notes = [f"{guest} runs inside the {host}'s rank processes (rank k in {host} rank k's): no bundles or process "
+             "of its own (--ref_own_process gives it its own)" for guest, host in layout.guests.items()]
     return ["placement (predicted by first-fit; live placement groups are hinted to these nodes):",
-            format_table(head, rows)]
+            format_table(head, rows), *notes]
 
 
 def _placement_rows(who: str, ranks: str, slots: tuple[Slot, ...], nodes: list[NodeSpec],

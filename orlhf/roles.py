@@ -7,6 +7,7 @@
 
 Read by placement (which pools exist, layout.py), validation (batch and colocation rules), entry.py (which groups
 to spawn), worker_config.py and plan.py (which model each role loads), fingerprint.py (what a resume must match).
+host_of says which role runs inside another's processes (on CPU the reference in the actor's ranks).
 The vLLM engines are not a model role: layout.py places them beside the roles (ENGINE).
 No torch, no Ray here: validation reads it before anything starts.
 """
@@ -66,3 +67,17 @@ def trained_roles(cfg: "TrainConfig") -> list[str]:
 def model_path(cfg: "TrainConfig", name: str) -> Optional[str]:
     """The model folder `name` loads (before finish.resolve_demo: None for the demo's models)."""
     return role(name).model(cfg.data)
+
+
+def host_of(cfg: "TrainConfig", name: str) -> Optional[str]:
+    """The role in whose rank processes `name` runs, or None for its own processes.
+
+    On CPU the reference runs inside the actor's rank processes (rank k's reference worker in actor rank k's
+    process) when both have the same rank count: it is a frozen forward, and a process of its own costs a Ray
+    worker plus torch, transformers and DeepSpeed imports (~6 CPU-s and ~0.5 GB per rank on this kind of
+    machine). --ref_own_process keeps it apart; GPUs keep separate processes (each rank owns its device)."""
+    if name != "ref" or cfg.placement.ref_own_process or cfg.device != "cpu" or not role(name).present(cfg):
+        return None
+    p = cfg.placement
+    same = (p.ref_num_nodes, p.ref_num_gpus_per_node) == (p.actor_num_nodes, p.actor_num_gpus_per_node)
+    return "actor" if same else None

@@ -1,10 +1,14 @@
 """CPU threads handed over per phase: the model ranks that work in a phase share all the machine's cores.
 
     Controller.timed(phase) --> PhaseThreads.before(phase)          (--device cpu only)
-        score      the ranks that score: actor (old log-probs), ref, critic, reward   cores // ranks working each
-        train      actor (+ critic) ranks                                              (at least 1)
+        score      the ranks that score: actor (old log-probs), ref, critic, reward   cores // processes working
+        train      actor (+ critic) ranks                                              (at least 1 each)
         generate   nothing: each engine keeps one thread per CPU slot (Ray's OMP_NUM_THREADS), see below
-    RankActor.set_cpu_threads(n) stores n; every later call applies it on the thread that runs the work.
+    RankActor.set_cpu_threads(n, role) stores n for that role's worker; every later call of it applies n on the
+    thread that runs the work.
+
+Processes, not groups: on CPU the reference runs inside the actor's rank processes (roles.host_of), and a process
+runs its workers' calls one at a time (cluster.py), so actor + hosted ref in the score phase count once per rank.
 
 Why per phase: with one thread per Ray process (Ray sets OMP_NUM_THREADS to the actor's CPU slots, 1 here) a phase
 in which one rank works (GRPO with one optimizer step per batch: the ref scores alone, the actor trains alone)
@@ -64,9 +68,13 @@ def share(cores: int, processes: int) -> int:
     return max(1, cores // max(1, processes))
 
 
-def processes(group) -> int:
-    """Processes in a model group (ActorGroup: its ranks)."""
-    return group.world_size
+def processes(groups) -> int:
+    """Distinct processes among the groups' ranks: a guest group's ranks are its host's processes
+    (ActorGroup.processes gives one key per rank process; a group without it has processes of its own)."""
+    keys = set()
+    for g in groups:
+        keys.update(getattr(g, "processes", None) or [(id(g), rank) for rank in range(g.world_size)])
+    return len(keys)
 
 
 class PhaseThreads:
@@ -99,7 +107,7 @@ class PhaseThreads:
         """The group's threads in `phase`."""
         if id(group) in self.fixed:
             return self.fixed[id(group)]
-        return share(self.cores, sum(processes(g) for g in self.phases[phase]))
+        return share(self.cores, processes(self.phases[phase]))
 
     def describe(self) -> str:
         """E.g. "score: ref 2; train: actor 2 (torch threads per rank)"."""

@@ -49,8 +49,10 @@ def tiny_rm(tmp_path):
 
 
 def shares_per_slot(layout):
+    """Share asked per slot by the processes on it (a guest role has no process: it asks for nothing)."""
     total = defaultdict(float)
-    for slots in list(layout.roles.values()) + list(layout.engines):
+    owners = [slots for role, slots in layout.roles.items() if role not in layout.guests]
+    for slots in owners + list(layout.engines):
         for s in slots:
             total[(s.pool, s.group, s.bundle)] += s.share
     return total
@@ -127,9 +129,27 @@ def test_colocate_all_models_puts_engines_on_the_actor_pool(tmp_path):
 
 
 def test_shares_never_exceed_one_slot():
-    cfg = cfg_of(colocate_all_models=True, advantage_estimator="reinforce")  # actor, ref, vllm -> 0.33 each
-    totals = shares_per_slot(layout_of(cfg, "cpu"))
+    cfg = cfg_of(colocate_all_models=True, advantage_estimator="reinforce", ref_own_process=True)
+    totals = shares_per_slot(layout_of(cfg, "cpu"))  # actor, ref, vllm -> 0.33 each
     assert list(totals.values()) == [pytest.approx(0.99)]  # 3 x floor(100/3)/100 = 0.99 <= 1
+    hosted = layout_of(cfg_of(colocate_all_models=True, advantage_estimator="reinforce"), "cpu")
+    assert list(shares_per_slot(hosted).values()) == [1.0]  # the ref in the actor's process: actor, vllm 0.5 each
+
+
+def test_cpu_reference_runs_in_the_actors_processes_without_bundles():
+    grpo = dict(advantage_estimator="group_norm", n_samples_per_prompt=4, use_kl_loss=True)
+    layout = layout_of(cfg_of(**grpo), "cpu")
+    assert layout.guests == {"ref": "actor"}
+    assert [p.name for p in layout.pools] == ["actor+ref", "vllm0"]
+    assert layout.roles["ref"] == layout.roles["actor"] == (Slot("actor+ref", 0, 0, 1.0),)
+    assert cpu_slots_needed(layout) == 2  # actor + engine: the ref reserves no logical CPU
+    own = layout_of(cfg_of(ref_own_process=True, **grpo), "cpu")
+    assert own.guests == {} and [p.name for p in own.pools] == ["actor", "ref", "vllm0"]
+    assert cpu_slots_needed(own) == 3
+    # not hosted: on GPUs (each rank owns its device), or with a rank count unlike the actor's
+    assert layout_of(cfg_of(**grpo), "cuda").guests == {}
+    assert layout_of(cfg_of(actor_num_gpus_per_node=2, micro_train_batch_size=8, **grpo), "cpu").guests == {}
+    assert layout_of(cfg_of(advantage_estimator="reinforce", init_kl_coef=0.0), "cpu").guests == {}  # no ref
 
 
 # ---- pre-flight ----------------------------------------------------------------------------------------------
@@ -292,7 +312,12 @@ def test_plan_flags_what_cannot_be_placed(model70b, capsys):
 def test_plan_on_this_machine_cpu(capsys):
     code, out, _ = plan(["--device", "cpu", "--colocate_all_models", "--vllm_num_engines", "1"], capsys)
     assert code == 0, out
-    assert "this machine" in out and "actor+ref+critic+vllm" in out and "0.25" in out
+    # the ref runs in the actor's processes: 3 processes share each slot (actor, critic, vllm), 0.33 each
+    assert "this machine" in out and "actor+ref+critic+vllm" in out and "0.33" in out and "0.25" not in out
+    assert "ref runs inside the actor's rank processes" in out
+    code, out, _ = plan(["--device", "cpu", "--colocate_all_models", "--vllm_num_engines", "1", "--ref_own_process"],
+                        capsys)
+    assert code == 0 and "0.25" in out and "runs inside" not in out
 
 
 def test_plan_without_a_kl_lists_no_reference(capsys):

@@ -6,22 +6,30 @@ real rank actors that a sent count reaches the threads that do the work."""
 from types import SimpleNamespace
 
 from orlhf.config import build_config
-from orlhf.threads import PhaseThreads, share
+from orlhf.threads import PhaseThreads, processes, share
 
 
 class Group:
-    def __init__(self, name, world_size, sent):
+    """`processes`: one key per rank process, as ActorGroup.processes (a guest shares its host's); None: a group
+    without it (its ranks count as processes of their own)."""
+
+    def __init__(self, name, world_size, sent, processes=None):
         self.name, self.world_size, self.sent = name, world_size, sent
+        if processes is not None:
+            self.processes = processes
 
     def set_cpu_threads(self, n):
         self.sent.append((self.name, n))
 
 
-def plan(cores=2, **flags):
+def plan(cores=2, hosted=False, **flags):
+    """hosted: the ref's ranks in the actor's processes (roles.host_of on CPU)."""
     cfg = build_config({"device": "cpu", **flags}, set(flags) | {"device"})
     sent = []
-    models = SimpleNamespace(actor=Group("actor", 1, sent), engines=None,
-                             ref=Group("ref", 1, sent) if cfg.has_reference else None,
+    actor = Group("actor", 1, sent, processes=["actor-0"])
+    models = SimpleNamespace(actor=actor, engines=None,
+                             ref=Group("ref", 1, sent, ["actor-0" if hosted else "ref-0"]) if cfg.has_reference
+                             else None,
                              critic=Group("critic", 1, sent) if cfg.ppo.advantage_estimator == "gae" else None,
                              reward=None)
     threads = PhaseThreads.from_config(cfg, models, cores=cores)
@@ -85,3 +93,23 @@ def test_counts_follow_the_flags_not_the_load():
     threads, sent = plan(train_cpu_threads=2, **GRPO)
     run_step(threads)
     assert sent == [("ref", 2), ("actor", 2)]  # fixed by the user
+
+
+def test_processes_counts_distinct_rank_processes():
+    actor = Group("actor", 2, [], processes=["a0", "a1"])
+    ref = Group("ref", 2, [], processes=["a0", "a1"])  # hosted: rank k in actor rank k's process
+    critic = Group("critic", 2, [])  # no keys: two processes of its own
+    assert processes([actor, ref]) == 2 and processes([actor, ref, critic]) == 4 and processes([ref]) == 2
+    assert processes([Group("ref", 2, [], processes=["r0", "r1"]), actor]) == 4
+
+
+def test_a_hosted_ref_shares_its_process_count_with_the_actor():
+    threads, sent = plan(cores=4, max_epochs=2, hosted=True, **GRPO)  # score: actor + hosted ref = 1 process
+    run_step(threads)
+    assert sent == [("actor", 4), ("ref", 4)]  # the actor keeps 4 to train: not sent again
+    threads, sent = plan(cores=4, max_epochs=2, **GRPO)  # separate processes: 2 share the 4 cores
+    run_step(threads)
+    assert sent == [("actor", 2), ("ref", 2), ("actor", 4)]
+    threads, sent = plan(cores=4, hosted=True)  # gae: actor + ref in one process, critic in another -> 2 each
+    run_step(threads)
+    assert sent == [("actor", 2), ("ref", 2), ("critic", 2)]
