@@ -276,8 +276,6 @@ class ActorGroup:
         ranks = list(range(self.world_size))
         wait_all([a.setup.remote(worker_cls, cfg, {}, role) for a in self.actors], ranks, role, "setup",
                  self.timeout_s, self.role)
-        log.info("%s: %d rank(s) inside the %s's rank processes, pids %s", role, self.world_size, self.role,
-                 view.pids())
         return view
 
     # ---- calls (method references, orlhf/endpoints.py) -------------------------------------------------------

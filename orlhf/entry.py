@@ -280,7 +280,8 @@ def start_models(cfg: TrainConfig, placed, optimizer_steps: int, stack: ExitStac
         if host is not None:  # after its host in `groups`: its init() is numbered after the host's (cluster.py)
             groups[role] = groups[host].host(role, workers[role], worker_config(cfg, role, optimizer_steps))
             stack.callback(groups[role].shutdown)
-            log.info("%s runs inside the %s's rank processes (CPU; --ref_own_process gives it its own)", role, host)
+            log.info("%s: %d rank(s) inside the %s's rank processes, pids %s (CPU; --ref_own_process gives it "
+                     "processes of its own)", role, groups[role].world_size, host, groups[role].pids())
     mark("groups spawned")
     for call in [g.call(DeepSpeedWorker.init) for g in groups.values()]:
         call.get()

@@ -1,0 +1,142 @@
+"""A guest role inside a host group's rank processes (ActorGroup.host; on CPU the reference in the actor's ranks).
+
+    probes (no DeepSpeed, cheap)   host + guest drawing random numbers: the host's draws are those it makes alone,
+                                   the guest's are its own seed's; pids shared; errors name the guest and the host
+    real workers (2 ranks each)    PolicyWorker with a hosted ReferenceWorker beside a ReferenceWorker in its own
+                                   processes: equal log-probs (bit for bit), while the actor's forwards run at the
+                                   same time (ZeRO collectives of two workers on one process group, in turn order);
+                                   a dead actor rank fails the ref's next call with an error naming both
+"""
+
+import sys
+
+import pytest
+import torch
+
+import ray.cloudpickle
+from orlhf.cluster import ActorGroup, RankError
+from orlhf.endpoints import endpoint
+from orlhf.finish import finish_config
+from orlhf.placement import RankBundle
+from orlhf.types import SequenceBatch
+from orlhf.worker_config import worker_config
+from orlhf.workers import PolicyWorker, ReferenceWorker
+from orlhf.workers.base import DeepSpeedWorker
+
+pytestmark = pytest.mark.ray
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+TWO = [RankBundle(None, 0, 0.5)] * 2  # no placement group: two ranks wherever Ray puts them
+
+
+class Probe:
+    """Seeds the process like DeepSpeedWorker.init does and draws from torch's global generator."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    @endpoint
+    def seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    @endpoint
+    def draw(self) -> float:
+        return torch.rand(1).item()
+
+    @endpoint
+    def fail(self) -> None:
+        raise ValueError("probe failure")
+
+
+class GuestProbe(Probe):
+    pass
+
+
+def test_a_guest_runs_in_the_hosts_processes_on_its_own_random_numbers(ray_local):
+    host = ActorGroup("actor", Probe, None, TWO, device="cpu", gpus_per_node=2, guests=["ref"])
+    guest = host.host("ref", GuestProbe, None)
+    try:
+        assert guest.pids() == host.pids() and len(set(host.pids())) == 2
+        assert len(set(host.processes + guest.processes)) == 2  # what threads.py counts
+        host.call(Probe.seed, 0).get()
+        guest.call(GuestProbe.seed, 1).get()  # would reset the host's generator in a shared RNG
+        got_host, got_guest = [], []
+        for _ in range(3):
+            got_host.append(host.call_rank(0, Probe.draw).get()[0])
+            got_guest.append(guest.call_rank(0, GuestProbe.draw).get()[0])
+        torch.manual_seed(0)
+        assert got_host == [torch.rand(1).item() for _ in range(3)]  # as if the guest were not there
+        torch.manual_seed(1)
+        assert got_guest == [torch.rand(1).item() for _ in range(3)]
+        with pytest.raises(RankError, match=r"ref rank \d failed in fail\(\) \(in actor rank \d's process\)"):
+            guest.call(GuestProbe.fail).get()
+        assert len(host.call(Probe.draw).get()) == 2  # a failed call still passes the turn on
+        with pytest.raises(ValueError, match="guest 'critic'"):
+            host.host("critic", GuestProbe, None)
+        guest.shutdown()  # lets go only: the host's processes live on
+        assert len(host.pids()) == 2
+    finally:
+        host.shutdown()
+
+
+@pytest.fixture(scope="module")
+def hosted_and_own(tmp_path_factory):
+    """An actor with a hosted ref, and a ref in processes of its own; 2 ranks each, all inits at once."""
+    import ray
+
+    from tests.conftest import TEST_CLUSTER_CPUS
+
+    if not ray.is_initialized():
+        ray.init(address="local", num_cpus=TEST_CLUSTER_CPUS, include_dashboard=False)
+    flags = {"device": "cpu", "advantage_estimator": "group_norm", "n_samples_per_prompt": 4, "use_kl_loss": True,
+             "train_batch_size": 8, "rollout_batch_size": 2, "micro_train_batch_size": 2,
+             "micro_rollout_batch_size": 2, "actor_num_gpus_per_node": 2, "ref_num_gpus_per_node": 2}
+    cfg = finish_config(flags, explicit=set(flags))
+    actor = ActorGroup("actor", PolicyWorker, worker_config(cfg, "actor", 4), TWO, device="cpu", gpus_per_node=2,
+                       timeout_s=300, guests=["ref"])
+    ref_cfg = worker_config(cfg, "ref", 4)
+    groups = {"actor": actor, "hosted": actor.host("ref", ReferenceWorker, ref_cfg),
+              "own": ActorGroup("ref", ReferenceWorker, ref_cfg, TWO, device="cpu", gpus_per_node=2, timeout_s=300)}
+    for call in [g.call(DeepSpeedWorker.init) for g in groups.values()]:  # the actor's first, as entry.py does
+        call.get()
+    yield cfg, groups
+    for g in groups.values():
+        g.shutdown()
+
+
+def batch_of(vocab: int, b: int = 6, t: int = 10, a: int = 5) -> SequenceBatch:
+    g = torch.Generator().manual_seed(0)
+    seq = torch.randint(4, vocab, (b, t), generator=g)
+    attn = torch.ones(b, t, dtype=torch.long)
+    for i in range(b):
+        attn[i, : i % 3] = 0  # left padding of the prompt
+        attn[i, t - a + 1 + i % (a - 1):] = 0  # right padding of the response
+    return SequenceBatch(seq, attn, attn[:, -a:].bool())
+
+
+def test_hosted_ref_gives_a_separate_refs_log_probs_in_the_actors_processes(hosted_and_own):
+    cfg, g = hosted_and_own
+    from transformers import AutoConfig
+
+    batch = batch_of(AutoConfig.from_pretrained(cfg.data.pretrain).vocab_size)
+    assert g["hosted"].pids() == g["actor"].pids()
+    assert not set(g["own"].pids()) & set(g["actor"].pids())
+    for _ in range(2):  # the score phase: the actor's and the ref's forwards started together on both ranks
+        old_call = g["actor"].call_sharded(PolicyWorker.log_probs, batch)
+        hosted_call = g["hosted"].call_sharded(ReferenceWorker.log_probs, batch)
+        own = g["own"].call_sharded(ReferenceWorker.log_probs, batch).get_cat()
+        hosted, old = hosted_call.get_cat(), old_call.get_cat()
+        mask = batch.action_mask
+        assert hosted.shape == own.shape == old.shape == mask.shape
+        assert torch.equal(hosted[mask], own[mask])
+        assert torch.isfinite(old[mask]).all()
+
+
+def test_a_dead_actor_rank_takes_its_hosted_ref_down_with_a_clear_error(hosted_and_own):
+    import ray
+
+    cfg, g = hosted_and_own
+    ray.kill(g["actor"].actors[1], no_restart=True)
+    batch = batch_of(16)
+    with pytest.raises(RankError, match=r"ref rank 1 failed in log_probs\(\) \(in actor rank 1's process\):"
+                                        r"\nthe rank actor died"):
+        g["hosted"].call_sharded(ReferenceWorker.log_probs, batch).get(timeout_s=120)
