@@ -276,12 +276,7 @@ def start_models(cfg: TrainConfig, placed, optimizer_steps: int, stack: ExitStac
 
     # no ref without a KL (TrainConfig.has_reference)
     groups = _spawn_concurrently([role for role, host in hosts.items() if host is None], spawn, stack)
-    for role, host in hosts.items():
-        if host is not None:  # after its host in `groups`: its init() is numbered after the host's (cluster.py)
-            groups[role] = groups[host].host(role, workers[role], worker_config(cfg, role, optimizer_steps))
-            stack.callback(groups[role].shutdown)
-            log.info("%s: %d rank(s) inside the %s's rank processes, pids %s (CPU; --ref_own_process gives it "
-                     "processes of its own)", role, groups[role].world_size, host, groups[role].pids())
+    _host_guests(groups, hosts, lambda role: (workers[role], worker_config(cfg, role, optimizer_steps)), stack)
     mark("groups spawned")
     for call in [g.call(DeepSpeedWorker.init) for g in groups.values()]:
         call.get()
@@ -323,6 +318,17 @@ def _spawn_concurrently(roles: list[str], spawn, stack: ExitStack) -> dict:
     if errors:
         raise errors[0]
     return groups
+
+
+def _host_guests(groups: dict, hosts: dict, worker_of, stack: ExitStack) -> None:
+    """Add each guest role (roles.host_of) to `groups` as a view onto its host's rank actors. After its host in
+    `groups`, so its init() is numbered after the host's in every process (cluster.py)."""
+    for role, host in hosts.items():
+        if host is not None:
+            groups[role] = groups[host].host(role, *worker_of(role))
+            stack.callback(groups[role].shutdown)  # lets go only: the host's shutdown kills the processes
+            log.info("%s: %d rank(s) inside the %s's rank processes, pids %s (CPU; --ref_own_process gives it "
+                     "processes of its own)", role, groups[role].world_size, host, groups[role].pids())
 
 
 def log_skipped_forwards(cfg: TrainConfig) -> None:
