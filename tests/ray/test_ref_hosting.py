@@ -43,6 +43,11 @@ class Probe:
         return torch.rand(1).item()
 
     @endpoint
+    def threads(self) -> int:
+        torch.ones(64, 64) @ torch.ones(64, 64)  # an OpenMP region on this pool thread
+        return torch.get_num_threads()
+
+    @endpoint
     def fail(self) -> None:
         raise ValueError("probe failure")
 
@@ -72,6 +77,11 @@ def test_a_guest_runs_in_the_hosts_processes_on_its_own_random_numbers(ray_local
         assert len(host.call(Probe.draw).get()) == 2  # a failed call still passes the turn on
         with pytest.raises(ValueError, match="guest 'critic'"):
             host.host("critic", GuestProbe, None)
+        host.set_cpu_threads(2)  # per role in one process (threads.py): each call runs with its own role's count
+        guest.set_cpu_threads(1)
+        for _ in range(3):
+            calls = [host.call(Probe.threads), guest.call(GuestProbe.threads)]
+            assert [c.get() for c in calls] == [[2, 2], [1, 1]]
         guest.shutdown()  # lets go only: the host's processes live on
         assert len(host.pids()) == 2
     finally:
