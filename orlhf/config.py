@@ -82,7 +82,9 @@ class VLLMConfig:
         False, "Sleep vLLM (free weights and KV cache) while training; needs --colocate_all_models.",
         flag="vllm_enable_sleep",
     )
-    cpu_kv_cache_gb: float = opt(1.0, "CPU only: KV cache per engine in GiB.", flag="vllm_cpu_kv_cache_gb")
+    cpu_kv_cache_gb: Optional[float] = opt(
+        None, "CPU only: KV cache per engine in GiB (default: what 256 sequences of --prompt_max_len + "
+        "--generate_max_len tokens need, at most 1 GiB).", flag="vllm_cpu_kv_cache_gb")
     cpu_threads: int = opt(
         0, "CPU only: torch threads per engine (0: one per CPU slot it holds, as Ray sets).", flag="vllm_cpu_threads"
     )

@@ -82,7 +82,8 @@ def _ranges(cfg: TrainConfig, out: list[str]) -> None:
     need(lo < hi, f"--reward_clip_range LOW HIGH needs LOW < HIGH (got {lo} {hi}).")
     need(v.gpu_memory_utilization is None or 0 < v.gpu_memory_utilization <= 1,
          f"--vllm_gpu_memory_utilization must be in (0, 1] (got {v.gpu_memory_utilization}).")
-    need(v.cpu_kv_cache_gb > 0, f"--vllm_cpu_kv_cache_gb must be > 0 (got {v.cpu_kv_cache_gb}).")
+    need(v.cpu_kv_cache_gb is None or v.cpu_kv_cache_gb > 0,
+         f"--vllm_cpu_kv_cache_gb must be > 0 (got {v.cpu_kv_cache_gb}).")
     need(cfg.deepspeed.train_cpu_threads >= 0, f"--train_cpu_threads must be >= 0 (0: as many as each rank's CPU "
                                                f"slots; got {cfg.deepspeed.train_cpu_threads}).")
     need(v.cpu_threads >= 0, f"--vllm_cpu_threads must be >= 0 (0: as many as the engine's CPU slots; got "

@@ -34,7 +34,7 @@ def rig():
     if not ray.is_initialized():
         ray.init(address="local", num_cpus=TEST_CLUSTER_CPUS, include_dashboard=False)
     flags = {"train_batch_size": 8, "micro_train_batch_size": 2, "rollout_batch_size": 8,
-             "actor_num_gpus_per_node": 2, "vllm_num_engines": 2, "vllm_cpu_kv_cache_gb": 0.25,
+             "actor_num_gpus_per_node": 2, "vllm_num_engines": 2,  # KV cache sized automatically (cpu_kv.py)
              "vllm_cpu_threads": 2, "advantage_estimator": "reinforce", "device": "cpu"}
     cfg = finish_config(flags, explicit=set(flags))
     placed = create_placement_groups(plan_layout(cfg), timeout_s=60)
@@ -74,6 +74,27 @@ def test_generation_order_shapes_and_masks(rig):
     assert (lps[~batch.action_mask] == 0).all()
     again = engines.generate(ps, SamplingSpec(max_new_tokens=8, n=2, seed=3))
     assert [r.response_ids for r in again] == [r.response_ids for r in out]  # per-request seeds
+
+
+def test_automatic_kv_cache_samples_as_the_former_fixed_gib(rig):
+    """The automatic KV cache (~64 MiB here) gives the same tokens and log-probs as the former 1 GiB default:
+    both hold all 256 sequences vLLM may run at once, so the scheduler never preempts with either."""
+    import ray
+
+    from orlhf.rollout.engine import RemoteEngine
+
+    cfg, engines, _, _, tok = rig
+    old = RemoteEngine.options(num_cpus=0, max_restarts=0).remote(
+        dataclasses.replace(engines.cfg, kv_cache_gb=1.0), 0)
+    try:
+        indexed = list(enumerate(prompts(tok, 8)))
+        spec = SamplingSpec(max_new_tokens=16, n=4, seed=11)
+        want = ray.get(old.generate.remote(indexed, spec), timeout=300)
+        got = engines.call_rank(0, EngineActor.generate, indexed, spec).get()[0]
+    finally:
+        ray.kill(old, no_restart=True)
+    assert len(got) == 32 and [r.response_ids for r in got] == [r.response_ids for r in want]
+    assert [r.logprobs for r in got] == [r.logprobs for r in want]
 
 
 def test_engines_run_the_threads_asked_for(rig):
