@@ -30,6 +30,7 @@ Invariants:
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import re
@@ -98,6 +99,11 @@ class RankActor:
     their methods by name. No logic of its own beyond the turn order and RNG swap of the module docstring."""
 
     def __init__(self, role: str, rank: int, env: dict[str, str]):
+        # No automatic garbage collection until the worker's init() has run: setup's arguments import the worker
+        # module (torch, transformers), init() DeepSpeed and the model, and Python's collector would walk the
+        # ~500k objects those imports leave (almost none of them garbage) again and again. They are frozen
+        # after init() (RankActor.call), so later collections skip them too; memory is unchanged.
+        gc.disable()
         os.environ.update(env)
         redirect_output(log_name(role, rank))
         self.role, self.rank = role, rank
@@ -125,7 +131,12 @@ class RankActor:
                 apply_threads(n)
             fn = getattr(self.workers[role], method)
             if role == self.role:
-                return fn(*args, **kwargs)
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    if method == "init" and not gc.isenabled():  # start-up done: see __init__
+                        gc.freeze()
+                        gc.enable()
             host_rng = rng_states()
             set_rng_states(self.guest_rng[role])
             try:
