@@ -16,7 +16,7 @@ import os
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from orlhf.config import TrainConfig
@@ -40,8 +40,35 @@ def connect_ray(cfg: TrainConfig, num_cpus: int) -> bool:
     if address:
         ray.init(address=address, **quiet)
         return False
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **quiet)
+    with local_cluster_without(no_monitor=True, **({} if cfg.runtime.verbose else {"include_log_monitor": False})):
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **quiet)
     return True
+
+
+@contextmanager
+def local_cluster_without(**fields):
+    """ray.init's local cluster with RayParams `fields` set: ray.init builds its RayParams itself and has no switch
+    for these two Ray processes, which a cluster this run starts and ends does not need (ray 2.60's node.py;
+    Ray's own test clusters start nodes without a log monitor too):
+    - no_monitor=True: the autoscaler monitor (~0.6 CPU-s at start-up) resizes clusters launched from an
+      autoscaler config; a one-machine cluster has nothing to resize (placement groups are scheduled by the GCS).
+    - include_log_monitor=False: the log monitor (~0.7 CPU-s) forwards workers' output to a driver started with
+      log_to_driver, and nothing else reads it; without --verbose workers write to <save_path>/logs instead.
+    A cluster orlhf joins (--address, RAY_ADDRESS, `ray job submit`) is never touched."""
+    from ray._private import parameter
+
+    original = parameter.RayParams.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        for name, value in fields.items():
+            setattr(self, name, value)
+
+    parameter.RayParams.__init__ = init
+    try:
+        yield
+    finally:
+        parameter.RayParams.__init__ = original
 
 
 def train_ppo(cfg: TrainConfig) -> int:
@@ -59,37 +86,41 @@ def train_ppo(cfg: TrainConfig) -> int:
 
 def run_locked(cfg: TrainConfig, run_id: str, clock) -> int:
     """train_ppo once this process holds the run folder and the checkpoint folder (`clock`: startup.StartupClock)."""
+    # Only what Ray's start needs is imported before it: torch (checkpoint, controller: ~2.5 CPU-s) loads in the
+    # inputs thread (the tokenizer's transformers imports it) while ray.init waits on Ray's processes.
     import ray
 
-    from orlhf.checkpoint import CheckpointManager
-    from orlhf.controller import Controller
-    from orlhf.data import PromptLoader, load_tokenizer
-    from orlhf.metrics import MetricsLogger
     from orlhf.logs import setup_driver
     from orlhf.layout import local_num_cpus, plan_layout
-    from orlhf.placement import create_placement_groups, remove_placement_groups
 
     run_logs = setup_driver(cfg.logging.save_path, cfg.runtime.verbose)  # once the run folder is ours
     log.info("%s", run_logs.summary())
     d, p = cfg.data, cfg.ppo
     preflight(cfg)
     layout = plan_layout(cfg)
-    checkpoints = CheckpointManager(cfg.logging.checkpoint_dir, cfg.logging.max_ckpt_num, run_id)
 
     def read_inputs():
         """Tokenizer, prompts, eval prompts, resume point: in a thread while Ray starts (the tokenizer's import of
-        transformers is most of it); their errors are raised once Ray is up, and Ray is shut down."""
+        transformers and torch is most of it); their errors are raised once Ray is up, and Ray is shut down."""
+        from orlhf.checkpoint import CheckpointManager
+        from orlhf.data import PromptLoader, load_tokenizer
+
+        checkpoints = CheckpointManager(cfg.logging.checkpoint_dir, cfg.logging.max_ckpt_num, run_id)
         tokenizer = load_tokenizer(d.pretrain)
         loader = PromptLoader(load_prompts(cfg, tokenizer), p.rollout_batch_size, p.num_episodes, p.seed)
         evaluator = make_evaluator(cfg, tokenizer)  # eval data problems fail here, before any model starts
-        return (tokenizer, loader, evaluator) + resume_point(cfg, checkpoints, run_id)
+        return (checkpoints, tokenizer, loader, evaluator) + resume_point(cfg, checkpoints, run_id)
 
     with ExitStack() as stack:
         reading = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="orlhf-inputs")).submit(read_inputs)
         if connect_ray(cfg, local_num_cpus(layout)):  # in this thread: Ray sets its SIGTERM handler only here
             stack.callback(ray.shutdown)
         clock.mark("ray")
-        tokenizer, loader, evaluator, resume_from, resume_step, run_id = reading.result()
+        checkpoints, tokenizer, loader, evaluator, resume_from, resume_step, run_id = reading.result()
+        from orlhf.controller import Controller
+        from orlhf.metrics import MetricsLogger
+        from orlhf.placement import create_placement_groups, remove_placement_groups
+
         samples_per_step = p.rollout_batch_size * p.n_samples_per_prompt
         optimizer_steps = loader.total_steps * p.max_epochs * (samples_per_step // p.train_batch_size)
         clock.mark("prompts")
