@@ -40,7 +40,10 @@ def connect_ray(cfg: TrainConfig, num_cpus: int) -> bool:
     if address:
         ray.init(address=address, **quiet)
         return False
-    with local_cluster_without(no_monitor=True, **({} if cfg.runtime.verbose else {"include_log_monitor": False})):
+    if cfg.runtime.verbose:  # Ray's processes as ray.init starts them: their output is what --verbose shows
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **quiet)
+        return True
+    with local_cluster_without(no_monitor=True, include_log_monitor=False):
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **quiet)
     return True
 
@@ -48,10 +51,11 @@ def connect_ray(cfg: TrainConfig, num_cpus: int) -> bool:
 @contextmanager
 def local_cluster_without(**fields):
     """ray.init's local cluster with RayParams `fields` set: ray.init builds its RayParams itself and has no switch
-    for these two Ray processes, which a cluster this run starts and ends does not need (ray 2.60's node.py;
-    Ray's own test clusters start nodes without a log monitor too):
+    for these two Ray processes, which a cluster this run starts and ends does not need without --verbose (ray
+    2.60's node.py; Ray's own test clusters start nodes without a log monitor too):
     - no_monitor=True: the autoscaler monitor (~0.6 CPU-s at start-up) resizes clusters launched from an
-      autoscaler config; a one-machine cluster has nothing to resize (placement groups are scheduled by the GCS).
+      autoscaler config; a one-machine cluster has nothing to resize (placement groups are scheduled by the GCS,
+      and a placement that cannot fit fails with orlhf's own message); its events reach only a log_to_driver run.
     - include_log_monitor=False: the log monitor (~0.7 CPU-s) forwards workers' output to a driver started with
       log_to_driver, and nothing else reads it; without --verbose workers write to <save_path>/logs instead.
     A cluster orlhf joins (--address, RAY_ADDRESS, `ray job submit`) is never touched."""
