@@ -1,5 +1,6 @@
-"""entry.connect_ray's own local cluster: without --verbose, started without the autoscaler monitor and the log
-monitor, and still runs actors and placement groups; ray.init's RayParams is left as it was afterwards.
+"""raystart.connect_ray's own local cluster (entry.run_locked starts it): without --verbose, started without the
+autoscaler monitor and the log monitor, and still runs actors and placement groups; ray.init's RayParams is left as
+it was afterwards.
 
 Real Ray: each case starts and ends a local cluster (~7 s), so the session's shared one is shut down first.
 """
@@ -12,7 +13,7 @@ from ray._private import parameter  # noqa: E402
 from ray.util.placement_group import placement_group, remove_placement_group  # noqa: E402
 
 from orlhf.config import build_config  # noqa: E402
-from orlhf.entry import connect_ray  # noqa: E402
+from orlhf.raystart import connect_ray  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
