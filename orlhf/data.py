@@ -274,6 +274,33 @@ def _check_messages(messages: list, index: int, key: str) -> None:
                             '{"role": "user", "content": "..."}.')
 
 
+# Model types whose local folder saved with tokenizer_class "TokenizersBackend" AutoTokenizer loads as that class,
+# with nothing else to decide (transformers 5: not a type it overrides the saved class for, nor Mistral's format);
+# tests/unit/test_data.py checks this against transformers' own tables and loads.
+PLAIN_TOKENIZER_TYPES = ("llama",)
+
+
+def _plain_tokenizer(path: str):
+    """AutoTokenizer's own result for a local folder it would load as TokenizersBackend (PLAIN_TOKENIZER_TYPES),
+    loaded without importing AutoTokenizer's module: that import (the model-class tables, torch.distributed's tensor
+    and sympy, torch._dynamo) costs the driver ~2 of its ~7 CPU-seconds before the first step. None: use
+    AutoTokenizer (any other folder, a hub name, unreadable files: its own errors then)."""
+    folder = Path(path)
+    try:
+        tok_cfg = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+        model_cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not (isinstance(tok_cfg, dict) and isinstance(model_cfg, dict) and folder.is_dir()):
+        return None
+    if (tok_cfg.get("tokenizer_class") != "TokenizersBackend" or "auto_map" in tok_cfg or "auto_map" in model_cfg
+            or model_cfg.get("model_type") not in PLAIN_TOKENIZER_TYPES or "model_name" in model_cfg):
+        return None
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    return TokenizersBackend.from_pretrained(path, _from_auto=True, revision=None)  # AutoTokenizer's call
+
+
 def _keep_end(ids: list[int], max_len: int, bos_id: int | None) -> list[int]:
     head = ids[:1] if bos_id is not None and ids and ids[0] == bos_id and max_len > 1 else []
     return head + ids[len(ids) - (max_len - len(head)):]
@@ -281,10 +308,12 @@ def _keep_end(ids: list[int], max_len: int, bos_id: int | None) -> list[int]:
 
 def load_tokenizer(path: str):
     """The actor's tokenizer, left-padded (prompts end where generation starts), with a pad token."""
-    from transformers import AutoTokenizer
-
     try:
-        tok = AutoTokenizer.from_pretrained(path)
+        tok = _plain_tokenizer(path)
+        if tok is None:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(path)
     except Exception as e:  # OSError, ValueError, JSON errors...: all mean "not a usable tokenizer folder"
         raise DataError(f"--pretrain {path}: cannot load its tokenizer ({type(e).__name__}: {e}); point --pretrain "
                         "at a HF model folder with tokenizer files (tokenizer.json or tokenizer_config.json).") from e

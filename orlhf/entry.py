@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -22,26 +21,10 @@ from pathlib import Path
 from orlhf.config import TrainConfig
 from orlhf.worker_config import worker_config
 from orlhf.redact import public_config
+from orlhf.raystart import connect_ray
 from orlhf.roles import model_path
 
 log = logging.getLogger("orlhf")
-
-
-def connect_ray(cfg: TrainConfig, num_cpus: int) -> bool:
-    """Join the given / the job's cluster, else start a local one. Returns True when this process started it."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    address = cfg.runtime.address or os.environ.get("RAY_ADDRESS")
-    # Workers' output goes to <save_path>/logs unless --verbose (logs.py); Ray's own driver-side records then go
-    # to driver.log through the root logger instead of Ray's terminal handler.
-    quiet = dict(log_to_driver=cfg.runtime.verbose, configure_logging=cfg.runtime.verbose)
-    if address:
-        ray.init(address=address, **quiet)
-        return False
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **quiet)
-    return True
 
 
 def train_ppo(cfg: TrainConfig) -> int:
@@ -59,37 +42,41 @@ def train_ppo(cfg: TrainConfig) -> int:
 
 def run_locked(cfg: TrainConfig, run_id: str, clock) -> int:
     """train_ppo once this process holds the run folder and the checkpoint folder (`clock`: startup.StartupClock)."""
+    # Only what Ray's start needs is imported before it: torch (checkpoint, controller: ~2.5 CPU-s) loads in the
+    # inputs thread (the tokenizer's transformers imports it) while ray.init waits on Ray's processes.
     import ray
 
-    from orlhf.checkpoint import CheckpointManager
-    from orlhf.controller import Controller
-    from orlhf.data import PromptLoader, load_tokenizer
-    from orlhf.metrics import MetricsLogger
     from orlhf.logs import setup_driver
     from orlhf.layout import local_num_cpus, plan_layout
-    from orlhf.placement import create_placement_groups, remove_placement_groups
 
     run_logs = setup_driver(cfg.logging.save_path, cfg.runtime.verbose)  # once the run folder is ours
     log.info("%s", run_logs.summary())
     d, p = cfg.data, cfg.ppo
     preflight(cfg)
     layout = plan_layout(cfg)
-    checkpoints = CheckpointManager(cfg.logging.checkpoint_dir, cfg.logging.max_ckpt_num, run_id)
 
     def read_inputs():
         """Tokenizer, prompts, eval prompts, resume point: in a thread while Ray starts (the tokenizer's import of
-        transformers is most of it); their errors are raised once Ray is up, and Ray is shut down."""
+        transformers and torch is most of it); their errors are raised once Ray is up, and Ray is shut down."""
+        from orlhf.checkpoint import CheckpointManager
+        from orlhf.data import PromptLoader, load_tokenizer
+
+        checkpoints = CheckpointManager(cfg.logging.checkpoint_dir, cfg.logging.max_ckpt_num, run_id)
         tokenizer = load_tokenizer(d.pretrain)
         loader = PromptLoader(load_prompts(cfg, tokenizer), p.rollout_batch_size, p.num_episodes, p.seed)
         evaluator = make_evaluator(cfg, tokenizer)  # eval data problems fail here, before any model starts
-        return (tokenizer, loader, evaluator) + resume_point(cfg, checkpoints, run_id)
+        return (checkpoints, tokenizer, loader, evaluator) + resume_point(cfg, checkpoints, run_id)
 
     with ExitStack() as stack:
         reading = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="orlhf-inputs")).submit(read_inputs)
         if connect_ray(cfg, local_num_cpus(layout)):  # in this thread: Ray sets its SIGTERM handler only here
             stack.callback(ray.shutdown)
         clock.mark("ray")
-        tokenizer, loader, evaluator, resume_from, resume_step, run_id = reading.result()
+        checkpoints, tokenizer, loader, evaluator, resume_from, resume_step, run_id = reading.result()
+        from orlhf.controller import Controller
+        from orlhf.metrics import MetricsLogger
+        from orlhf.placement import create_placement_groups, remove_placement_groups
+
         samples_per_step = p.rollout_batch_size * p.n_samples_per_prompt
         optimizer_steps = loader.total_steps * p.max_epochs * (samples_per_step // p.train_batch_size)
         clock.mark("prompts")

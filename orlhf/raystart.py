@@ -1,0 +1,59 @@
+"""The Ray cluster a run uses: the one it is given or runs in (--address, RAY_ADDRESS, `ray job submit`), joined as
+it is, else a local one this process starts (and run_locked shuts down), without the Ray processes such a
+cluster does not need unless --verbose shows their output.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+
+from orlhf.config import TrainConfig
+
+
+def connect_ray(cfg: TrainConfig, num_cpus: int) -> bool:
+    """Join the given / the job's cluster, else start a local one. Returns True when this process started it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = cfg.runtime.address or os.environ.get("RAY_ADDRESS")
+    # Workers' output goes to <save_path>/logs unless --verbose (logs.py); Ray's own driver-side records then go
+    # to driver.log through the root logger instead of Ray's terminal handler.
+    quiet = dict(log_to_driver=cfg.runtime.verbose, configure_logging=cfg.runtime.verbose)
+    if address:
+        ray.init(address=address, **quiet)
+        return False
+    if cfg.runtime.verbose:  # Ray's processes as ray.init starts them: their output is what --verbose shows
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **quiet)
+        return True
+    with local_cluster_without(no_monitor=True, include_log_monitor=False):
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **quiet)
+    return True
+
+
+@contextmanager
+def local_cluster_without(**fields):
+    """ray.init's local cluster with RayParams `fields` set: ray.init builds its RayParams itself and has no switch
+    for these two Ray processes, which a cluster this run starts and ends does not need without --verbose (ray
+    2.60's node.py; Ray's own test clusters start nodes without a log monitor too):
+    - no_monitor=True: the autoscaler monitor (~0.6 CPU-s at start-up) resizes clusters launched from an
+      autoscaler config; a one-machine cluster has nothing to resize (placement groups are scheduled by the GCS,
+      and a placement that cannot fit fails with orlhf's own message); its events reach only a log_to_driver run.
+    - include_log_monitor=False: the log monitor (~0.7 CPU-s) forwards workers' output to a driver started with
+      log_to_driver, and nothing else reads it; without --verbose workers write to <save_path>/logs instead.
+    A cluster orlhf joins (--address, RAY_ADDRESS, `ray job submit`) is never touched."""
+    from ray._private import parameter
+
+    original = parameter.RayParams.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        for name, value in fields.items():
+            setattr(self, name, value)
+
+    parameter.RayParams.__init__ = init
+    try:
+        yield
+    finally:
+        parameter.RayParams.__init__ = original
