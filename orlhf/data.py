@@ -276,7 +276,7 @@ def _check_messages(messages: list, index: int, key: str) -> None:
 
 # Model types whose local folder saved with tokenizer_class "TokenizersBackend" AutoTokenizer loads as that class,
 # with nothing else to decide (transformers 5: not a type it overrides the saved class for, nor Mistral's format);
-# tests/unit/test_data.py checks this against transformers' own tables and loads.
+# tests/unit/test_plain_tokenizer.py checks this against transformers' own tables and loads.
 PLAIN_TOKENIZER_TYPES = ("llama",)
 
 

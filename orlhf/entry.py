@@ -232,7 +232,7 @@ def start_models(cfg: TrainConfig, placed, optimizer_steps: int, stack: ExitStac
     after each of these phases."""
     from orlhf.cluster import ActorGroup
     from orlhf.controller import Models
-    from orlhf.roles import active_roles, host_of
+    from orlhf.roles import active_roles, guest_roles
     from orlhf.rollout.engine import EngineActor, EngineGroup, engine_config
     from orlhf.weight_sync import make_weight_sync
     from orlhf.workers import CriticWorker, PolicyWorker, ReferenceWorker, RewardWorker
@@ -253,17 +253,17 @@ def start_models(cfg: TrainConfig, placed, optimizer_steps: int, stack: ExitStac
     log_zero_stages(cfg)
     mark = clock.mark if clock is not None else (lambda phase: None)
 
-    hosts = {role: host_of(cfg, role) for role in active_roles(cfg)}  # the ref in the actor's processes on CPU
+    guests = guest_roles(cfg)  # the ref in the actor's processes on CPU
 
     def spawn(role: str) -> ActorGroup:
         return ActorGroup(role, workers[role], worker_config(cfg, role, optimizer_steps),
                           placed.role_bundles(role), device=cfg.device,
                           gpus_per_node=getattr(pl, f"{role}_num_gpus_per_node"), timeout_s=timeout,
-                          guests=[guest for guest, host in hosts.items() if host == role])
+                          guests=[guest for guest, host in guests.items() if host == role])
 
     # no ref without a KL (TrainConfig.has_reference)
-    groups = _spawn_concurrently([role for role, host in hosts.items() if host is None], spawn, stack)
-    _host_guests(groups, hosts, lambda role: (workers[role], worker_config(cfg, role, optimizer_steps)), stack)
+    groups = _spawn_concurrently([role for role in active_roles(cfg) if role not in guests], spawn, stack)
+    _host_guests(groups, guests, lambda role: (workers[role], worker_config(cfg, role, optimizer_steps)), stack)
     mark("groups spawned")
     for call in [g.call(DeepSpeedWorker.init) for g in groups.values()]:
         call.get()
@@ -307,15 +307,14 @@ def _spawn_concurrently(roles: list[str], spawn, stack: ExitStack) -> dict:
     return groups
 
 
-def _host_guests(groups: dict, hosts: dict, worker_of, stack: ExitStack) -> None:
+def _host_guests(groups: dict, guests: dict, worker_of, stack: ExitStack) -> None:
     """Add each guest role (roles.host_of) to `groups` as a view onto its host's rank actors. After its host in
     `groups`, so its init() is numbered after the host's in every process (cluster.py)."""
-    for role, host in hosts.items():
-        if host is not None:
-            groups[role] = groups[host].host(role, *worker_of(role))
-            stack.callback(groups[role].shutdown)  # lets go only: the host's shutdown kills the processes
-            log.info("%s: %d rank(s) inside the %s's rank processes, pids %s (CPU; --ref_own_process gives it "
-                     "processes of its own)", role, groups[role].world_size, host, groups[role].pids())
+    for role, host in guests.items():
+        groups[role] = groups[host].host(role, *worker_of(role))
+        stack.callback(groups[role].shutdown)  # lets go only: the host's shutdown kills the processes
+        log.info("%s: %d rank(s) inside the %s's rank processes, pids %s (CPU; --ref_own_process gives it "
+                 "processes of its own)", role, groups[role].world_size, host, groups[role].pids())
 
 
 def log_skipped_forwards(cfg: TrainConfig) -> None:

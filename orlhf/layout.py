@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from orlhf.config import TrainConfig
-from orlhf.roles import ROLES, active_roles, host_of
+from orlhf.roles import ROLES, active_roles, guest_roles
 
 ENGINE = "vllm"  # occupant name of vLLM engines in a pool
 LOCAL_SPARE_CPUS = 2  # logical CPUs beyond the slots for a local CPU cluster: driver-side actors, head work
@@ -104,7 +104,7 @@ def _pool_members(cfg: TrainConfig, roles: list[str]) -> list[list[str]]:
         return [roles + [ENGINE]]
     host = {name: spec.colocate_with for name, spec in ROLES.items()
             if spec.colocate_flag is not None and getattr(p, spec.colocate_flag)}
-    host.update({name: host_of(cfg, name) for name in roles if host_of(cfg, name)})  # guests join their host
+    host.update(guest_roles(cfg))  # guests join their host
     pools: list[list[str]] = []
     for role in roles:
         shared = next((m for m in pools if host.get(role) in m), None)
@@ -129,7 +129,7 @@ def plan_layout(cfg: TrainConfig) -> Layout:
     p, tp = cfg.placement, cfg.vllm.tensor_parallel_size
     pools: list[Pool] = []
     roles: dict[str, tuple[Slot, ...]] = {}
-    guests = {name: host_of(cfg, name) for name in active_roles(cfg) if host_of(cfg, name)}
+    guests = guest_roles(cfg)
     for members in _pool_members(cfg, active_roles(cfg)):
         lead = members[0]
         pool = Pool("+".join(members), getattr(p, f"{lead}_num_nodes"), getattr(p, f"{lead}_num_gpus_per_node"),

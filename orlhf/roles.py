@@ -81,3 +81,8 @@ def host_of(cfg: "TrainConfig", name: str) -> Optional[str]:
     p = cfg.placement
     same = (p.ref_num_nodes, p.ref_num_gpus_per_node) == (p.actor_num_nodes, p.actor_num_gpus_per_node)
     return "actor" if same else None
+
+
+def guest_roles(cfg: "TrainConfig") -> dict[str, str]:
+    """{role: its host role} for the active roles that run inside another's processes (host_of)."""
+    return {name: host for name in active_roles(cfg) if (host := host_of(cfg, name)) is not None}
