@@ -257,7 +257,7 @@ def run(args) -> dict:
     import ray
 
     from orlhf.cluster import ActorGroup
-    from orlhf.config import build_config
+    from orlhf.flags import build_config
     from orlhf.worker_config import worker_config
     from orlhf.demo import ensure_demo
     from orlhf.placement import EngineBundles, RankBundle

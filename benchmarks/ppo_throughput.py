@@ -58,7 +58,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from orlhf import config as C  # noqa: E402
+
+from orlhf import flags as F  # noqa: E402
 from model_presets import PRESETS as MODEL_PRESETS  # noqa: E402  (benchmarks/model_presets.py)
 from model_presets import build_model, preset_model  # noqa: E402
 from proctree import RSS_GROUPS, TreeSampler, run_sampled  # noqa: E402  (benchmarks/proctree.py)
@@ -108,7 +109,7 @@ def common_values(args) -> dict:
     from orlhf.demo import ensure_demo
 
     demo = ensure_demo()
-    values = {k: v for k, v in C.DEMO_PRESET.items() if k != "num_episodes"}
+    values = {k: v for k, v in F.DEMO_PRESET.items() if k != "num_episodes"}
     values.update(PRESETS[args.preset])
     for k in ("prompt_max_len", "generate_max_len", "rollout_batch_size", "n_samples_per_prompt",
               "train_batch_size", "micro_train_batch_size", "micro_rollout_batch_size", "advantage_estimator", "seed"):

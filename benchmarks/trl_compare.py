@@ -102,7 +102,7 @@ def with_model(cmd: list[str], a) -> list[str]:
     as on the demo, another model)."""
     if a.model_preset == "demo":
         return cmd
-    from orlhf.config import DEMO_PRESET
+    from orlhf.flags import DEMO_PRESET
     from orlhf.demo import ensure_demo
 
     demo = ensure_demo()

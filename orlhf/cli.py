@@ -17,6 +17,8 @@ import typer
 
 from orlhf import config as C
 
+from orlhf import flags as F
+
 app = typer.Typer(
     name="orlhf",
     help="Ray-based RLHF: PPO and its critic-free relatives with DeepSpeed trainers and vLLM rollout engines.",
@@ -56,7 +58,7 @@ def with_train_flags(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Give `fn(**flags)` a signature with one keyword parameter per config flag, for Typer to read."""
     params = [inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context)]
     annotations: dict[str, Any] = {"ctx": typer.Context}
-    for attr, name, f, typ in C.flag_fields():
+    for attr, name, f, typ in F.flag_fields():
         panel = dict((a, p) for a, _, p in C.SECTIONS)[attr]
         ann = _annotation_for(f, typ)
         default = _option_for(name, f, typ, panel)
@@ -73,10 +75,10 @@ def _given(ctx: typer.Context, name: str) -> bool:
 
 
 def parse_or_exit(ctx: typer.Context, flags: dict[str, Any],
-                  build: Callable[..., C.TrainConfig] = C.build_config) -> C.TrainConfig:
+                  build: Callable[..., C.TrainConfig] = F.build_config) -> C.TrainConfig:
     """Flags -> TrainConfig via `build` (build_config: validated; finish.finish_config: finished for a run), or
     exit 2 with every problem listed (no traceback)."""
-    values = {name: flags[name] for _, name, _, _ in C.flag_fields()}
+    values = {name: flags[name] for _, name, _, _ in F.flag_fields()}
     explicit = {name for name in values if _given(ctx, name)}
     try:
         cfg = build(values, explicit)
@@ -84,7 +86,7 @@ def parse_or_exit(ctx: typer.Context, flags: dict[str, Any],
         typer.secho(f"error: {len(e.problems)} problem(s) with the flags:", fg="red", err=True)
         typer.echo(str(e), err=True)
         raise typer.Exit(2)
-    preset = C.demo_preset_applied(values, explicit)
+    preset = F.demo_preset_applied(values, explicit)
     if preset:
         shown = " ".join(f"--{k} {v}" for k, v in preset.items())
         typer.echo(f"[orlhf] no --pretrain: using the built-in tiny demo with its preset {shown} "
@@ -228,7 +230,7 @@ def serve_rm(
 def native_arity() -> dict[str, int]:
     """How many values each orlhf flag takes: 0 for switches, 2 for ranges, else 1."""
     out = {}
-    for _, name, _, typ in C.flag_fields():
+    for _, name, _, typ in F.flag_fields():
         out[name] = 0 if typ is bool else 2 if getattr(typ, "__origin__", None) is tuple else 1
     return out
 

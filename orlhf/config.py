@@ -4,7 +4,7 @@ Every flag is declared once, here, as a dataclass field whose metadata carries i
 cli.py builds the Typer command from these fields, so the flag surface, the config tree and `--help` cannot
 drift apart. Flag names are OpenRLHF's flat names (`--actor_num_gpus_per_node`), accepted with dashes too.
 
-    flags --cli.py--> dict --parse_config()--> TrainConfig (frozen) --finish.py: resolve --device auto,
+    flags --cli.py--> dict --flags.parse_config()--> TrainConfig (frozen) --finish.py: resolve --device auto,
         validate() once (ok | ConfigError(all problems)), the demo's paths--> the config a run starts from
 
 Workers receive only their own section (PolicyConfig-style slices), never the whole tree. Nothing here imports
@@ -13,9 +13,7 @@ torch, ray, deepspeed or vllm: `orlhf --help` must stay fast, and validation run
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -391,78 +389,12 @@ class TrainConfig:
         return p.max_epochs == 1 and one_step and not kl_in_reward and not adaptive
 
 
-# Values the built-in demo runs with unless the user sets the flag: a tiny model on 2 CPU cores learns its task
-# in minutes with these, while OpenRLHF's defaults (1024-token generations, lr 1e-6) would not move it.
-# Applied only to flags the user did not give, only without --pretrain, and printed when applied.
-DEMO_PRESET: dict[str, Any] = {
-    "prompt_max_len": 64,
-    "generate_max_len": 24,
-    "rollout_batch_size": 64,
-    "train_batch_size": 64,
-    "micro_train_batch_size": 16,
-    "micro_rollout_batch_size": 32,
-    "actor_learning_rate": 5e-4,
-    "critic_learning_rate": 1e-3,
-    "lr_warmup_ratio": 0.0,
-    "num_episodes": 10,  # 80 steps of 64 prompts: about 1-2 minutes on 2 cores
-    "enforce_eager": True,  # vLLM's compile costs 30-80 s of start-up on CPU; eager is fast for a tiny model
-    "input_key": "prompt",
-    "label_key": "label",
-}
-
-
 class ConfigError(ValueError):
     """Invalid flags. `problems` lists each one with the flags it names and the fix."""
 
     def __init__(self, problems: list[str]):
         self.problems = list(problems)
         super().__init__("\n".join(f"  - {p}" for p in self.problems))
-
-
-def flag_fields() -> list[tuple[str, str, dataclasses.Field, Any]]:
-    """(section attr, flag name, field, resolved type) for every flag, in --help order."""
-    out = []
-    for attr, cls, _panel in SECTIONS:
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            out.append((attr, f.metadata.get("flag") or f.name, f, hints[f.name]))
-    return out
-
-
-def build_config(flags: dict[str, Any], explicit: frozenset[str] | set[str] = frozenset()) -> TrainConfig:
-    """Flat flag values (by flag name) -> validated TrainConfig, --device as given (maybe "auto"). Raises
-    ConfigError listing every problem. A run starts from finish.finish_config instead, which also resolves the
-    device (validating once, against it) and the demo's paths; `orlhf plan` and tests use this one."""
-    cfg = parse_config(flags, explicit)
-    from orlhf.validation import validate  # local: validation imports this module
-
-    validate(cfg, explicit)
-    return cfg
-
-
-def parse_config(flags: dict[str, Any], explicit: frozenset[str] | set[str] = frozenset()) -> TrainConfig:
-    """Flat flag values (by flag name) -> TrainConfig, not validated yet (build_config / finish_config do).
-
-    `explicit` names the flags the user gave; only the others may take the demo preset (no --pretrain).
-    Unknown flag names are a programming error (KeyError), not a user error.
-    """
-    known = {name for _, name, _, _ in flag_fields()}
-    unknown = set(flags) - known
-    if unknown:
-        raise KeyError(f"unknown flags: {sorted(unknown)}")
-    values = dict(flags)
-    if values.get("pretrain") is None:
-        for name, v in DEMO_PRESET.items():
-            if name not in explicit:
-                values[name] = v
-    if values.get("max_len") is not None and "generate_max_len" not in explicit:
-        values["generate_max_len"] = values["max_len"]  # OpenRLHF: max_len - prompt length is the only cap
-    sections: dict[str, dict[str, Any]] = {attr: {} for attr, _, _ in SECTIONS}
-    for attr, name, f, _ in flag_fields():
-        if name in values:
-            v = values[name]
-            sections[attr][f.name] = tuple(v) if isinstance(v, list) else v
-    return TrainConfig(**{attr: cls(**sections[attr]) for attr, cls, _ in SECTIONS})
 
 
 # vLLM's share of an engine GPU when --vllm_gpu_memory_utilization is not given. Colocated, the trainers' CUDA
@@ -479,11 +411,3 @@ def engine_gpu_memory_utilization(cfg: "TrainConfig") -> float:
     if cfg.placement.colocate_all_models:
         return GPU_MEMORY_UTILIZATION_COLOCATED
     return GPU_MEMORY_UTILIZATION_OWN
-
-
-def demo_preset_applied(flags: dict[str, Any], explicit: frozenset[str] | set[str]) -> dict[str, Any]:
-    """The preset values build_config applies for these flags (for printing)."""
-    if flags.get("pretrain") is not None:
-        return {}
-    return {k: v for k, v in DEMO_PRESET.items() if k not in explicit}
-

@@ -47,7 +47,7 @@ _CODE_FLAGS = ("remote_rm_url", "agent_func_path")
 def config_fingerprint(cfg: "TrainConfig") -> dict[str, Any]:
     """{"--flag": value} for every flag not in FREE_ON_RESUME, plus the critic's resolved init model. Values are
     JSON-able (tuples become lists) so a fingerprint read back from meta.json compares equal."""
-    from orlhf.config import flag_fields
+    from orlhf.flags import flag_fields
 
     out: dict[str, Any] = {}
     for attr, flag, f, _typ in flag_fields():

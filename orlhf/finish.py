@@ -15,7 +15,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-from orlhf.config import TrainConfig, parse_config
+from orlhf.config import TrainConfig
+from orlhf.flags import parse_config
 
 
 def finish_config(flags: dict[str, Any], explicit: frozenset[str] | set[str] = frozenset()) -> TrainConfig:

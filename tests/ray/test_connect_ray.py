@@ -12,7 +12,7 @@ ray = pytest.importorskip("ray")
 from ray._private import parameter  # noqa: E402
 from ray.util.placement_group import placement_group, remove_placement_group  # noqa: E402
 
-from orlhf.config import build_config  # noqa: E402
+from orlhf.flags import build_config  # noqa: E402
 from orlhf.raystart import connect_ray  # noqa: E402
 
 pytestmark = pytest.mark.ray

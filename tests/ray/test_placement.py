@@ -20,7 +20,7 @@ from ray.util.placement_group import placement_group, remove_placement_group  # 
 from orlhf import layout as L  # noqa: E402
 from orlhf import placement as P  # noqa: E402
 from orlhf.cli import main  # noqa: E402
-from orlhf.config import build_config  # noqa: E402
+from orlhf.flags import build_config  # noqa: E402
 from orlhf.finish import resolve_device  # noqa: E402
 
 pytestmark = pytest.mark.ray

@@ -150,7 +150,7 @@ TRAJECTORY = {"remote_rm_url": "http://h:1/r", "input_template": "Q: {}", "apply
 
 @pytest.mark.parametrize("flag,value", sorted(TRAJECTORY.items()))
 def test_every_trajectory_flag_is_fingerprinted(flag, value):
-    from orlhf.config import flag_fields
+    from orlhf.flags import flag_fields
 
     base = TrainConfig()
     meta = {"format": 1, "fingerprint": json.loads(json.dumps(config_fingerprint(base)))}
@@ -162,7 +162,7 @@ def test_every_trajectory_flag_is_fingerprinted(flag, value):
 
 
 def test_every_flag_is_fingerprinted_or_argued_free():
-    from orlhf.config import flag_fields
+    from orlhf.flags import flag_fields
     from orlhf.fingerprint import FREE_ON_RESUME
 
     flags = {flag for _, flag, _, _ in flag_fields()}
@@ -218,7 +218,7 @@ def test_save_state_refuses_what_it_cannot_store_safely(tmp_path):
 def test_an_edited_reward_file_refuses_the_resume_naming_it(tmp_path):
     """The reward_func file's contents are part of the fingerprint (not only its path): the resume lookup
     (entry.find_checkpoint) takes the checkpoint while the file is unchanged, and refuses it once edited."""
-    from orlhf.config import build_config
+    from orlhf.flags import build_config
     from orlhf.entry import find_checkpoint
 
     reward = tmp_path / "my_reward.py"

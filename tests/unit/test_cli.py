@@ -52,7 +52,7 @@ def test_help_reads_at_80_columns(capsys, monkeypatch):
     assert code == 0
     assert "…" not in out
     assert max(len(line) for line in out.splitlines()) <= 80
-    from orlhf.config import flag_fields
+    from orlhf.flags import flag_fields
 
     for _, flag, _, _ in flag_fields():
         assert f"--{flag} " in out, flag

@@ -4,7 +4,8 @@ import dataclasses
 
 import pytest
 
-from orlhf.config import DEMO_PRESET, ConfigError, TrainConfig, build_config
+from orlhf.config import ConfigError, TrainConfig
+from orlhf.flags import DEMO_PRESET, build_config
 
 
 def build(**flags) -> TrainConfig:
@@ -90,7 +91,7 @@ def test_estimator_registry_drives_cli_choices_and_validation(monkeypatch):
     estimator with a critic) gets the group rules, the critic and its placement with no other edit."""
     from orlhf.algo import registry
     from orlhf.cli import main
-    from orlhf.config import flag_fields
+    from orlhf.flags import flag_fields
     from orlhf.roles import active_roles, trained_roles
 
     choices = next(f.metadata["choices"] for _, name, f, _ in flag_fields() if name == "advantage_estimator")

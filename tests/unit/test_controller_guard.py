@@ -6,7 +6,7 @@ guard's statistic on real engines is tests/vllm/test_model_families.py)."""
 import torch
 
 from orlhf.cli import run_reporting_errors
-from orlhf.config import build_config
+from orlhf.flags import build_config
 from orlhf.controller import Controller, Models
 from orlhf.rewards import RewardResult
 from orlhf.types import Rollout, TrainStats

@@ -4,7 +4,7 @@ collectives on the actor ranks, so they must never be in flight together; --stop
 
 
 from orlhf.checkpoint import CheckpointManager
-from orlhf.config import build_config
+from orlhf.flags import build_config
 from orlhf.controller import Controller, Models
 
 

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from orlhf.config import ConfigError, build_config
+from orlhf.config import ConfigError
+from orlhf.flags import build_config
 from orlhf.finish import resolve_device
 from orlhf.worker_config import worker_config
 

@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from orlhf.algo.losses import LossNorm
 from orlhf.batching import trim
-from orlhf.config import build_config
+from orlhf.flags import build_config
 from orlhf.experience import ExperienceConfig, make_experience, rollouts_to_batch
 from orlhf.finish import resolve_device
 from orlhf.types import Rollout

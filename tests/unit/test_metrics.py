@@ -99,7 +99,7 @@ def test_the_wandb_key_never_reaches_wandb_files(tmp_path, monkeypatch):
     """--use_wandb KEY: the key is neither in the config W&B stores nor in its copy of the command line."""
     import sys
 
-    from orlhf.config import build_config
+    from orlhf.flags import build_config
     from orlhf.redact import public_config
 
     key = "0123456789abcdef0123456789abcdef01234567"

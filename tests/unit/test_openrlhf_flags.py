@@ -2,7 +2,8 @@
 
 import pytest
 
-from orlhf import config as C
+
+from orlhf import flags as F
 from orlhf.cli import main, native_arity
 from orlhf.openrlhf_flags import (ALIASES, DOTTED, NO_EFFECT, OPENRLHF_V0101_FLAGS, UNSUPPORTED, CompatError,
                                   translate)
@@ -56,7 +57,7 @@ def launch_line() -> list[str]:
 
 def test_the_table_has_the_144_flags_once_and_knows_each():
     assert len(OPENRLHF_V0101_FLAGS) == 144 and len(set(OPENRLHF_V0101_FLAGS)) == 144
-    ours = {name for _, name, _, _ in C.flag_fields()}
+    ours = {name for _, name, _, _ in F.flag_fields()}
     for flag in OPENRLHF_V0101_FLAGS:
         kinds = [flag in ours, flag in ALIASES, flag in NO_EFFECT, flag in UNSUPPORTED]
         assert sum(kinds) == 1, f"--{flag}: exactly one of native/alias/no-effect/unsupported, got {kinds}"

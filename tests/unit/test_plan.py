@@ -6,7 +6,7 @@ from collections import defaultdict
 import pytest
 
 from orlhf.cli import main
-from orlhf.config import build_config
+from orlhf.flags import build_config
 from orlhf.finish import resolve_device
 from orlhf.layout import (PlacementError, Slot, check_fits, cpu_slots_needed, described_nodes, plan_layout,
                           simulate)

@@ -7,7 +7,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 
-from orlhf.config import build_config
+from orlhf.flags import build_config
 from orlhf.data import DataError
 from orlhf.prompt_mix import interleave_order, load_prompt_mix, parse_probs, split_sources
 

@@ -186,7 +186,7 @@ def test_save_value_network_exports_the_critic_atomically(tmp_path):
     """--save_value_network goes through the actor's atomic export: a failure mid-write keeps the previous critic."""
     from types import SimpleNamespace
 
-    from orlhf.config import build_config
+    from orlhf.flags import build_config
     from orlhf.entry import finish_run
 
     cfg = build_config({"save_path": str(tmp_path), "save_value_network": True}, {"save_value_network"})

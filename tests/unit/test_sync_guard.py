@@ -4,7 +4,7 @@ import logging
 
 import pytest
 
-from orlhf.config import build_config
+from orlhf.flags import build_config
 from orlhf.finish import resolve_device
 from orlhf.sync_guard import DEFAULT_MAX_GAP, EngineMismatchError, SyncGuard, max_gap
 

@@ -5,7 +5,7 @@ real rank actors that a sent count reaches the threads that do the work."""
 
 from types import SimpleNamespace
 
-from orlhf.config import build_config
+from orlhf.flags import build_config
 from orlhf.threads import PhaseThreads, processes, share
 
 

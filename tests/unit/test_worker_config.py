@@ -5,7 +5,8 @@ import dataclasses
 
 import pytest
 
-from orlhf.config import ConfigError, parse_config
+from orlhf.config import ConfigError
+from orlhf.flags import parse_config
 from orlhf.roles import ROLES
 from orlhf.worker_config import (ActorConfig, CriticConfig, RefConfig, RewardConfig, TrainSlice, role_config,
                                  worker_config)
