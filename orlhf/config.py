@@ -84,7 +84,8 @@ class VLLMConfig:
         None, "CPU only: KV cache per engine in GiB (default: what 256 sequences of --prompt_max_len + "
         "--generate_max_len tokens need, at most 1 GiB).", flag="vllm_cpu_kv_cache_gb")
     cpu_threads: int = opt(
-        0, "CPU only: torch threads per engine (0: one per CPU slot it holds, as Ray sets).", flag="vllm_cpu_threads"
+        0, "CPU only: torch threads per engine (0: the cores // engines in sync mode, where the engines generate "
+        "alone; one per CPU slot with --async_train).", flag="vllm_cpu_threads"
     )
     sync_bucket_mb: float = opt(256.0, "Weight-sync bucket size in MiB (whole layers per bucket).",
                                 flag="vllm_sync_bucket_mb")

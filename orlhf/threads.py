@@ -3,7 +3,7 @@
     Controller.timed(phase) --> PhaseThreads.before(phase)          (--device cpu only)
         score      the ranks that score: actor (old log-probs), ref, critic, reward   cores // processes working
         train      actor (+ critic) ranks                                              (at least 1 each)
-        generate   nothing: each engine keeps one thread per CPU slot (Ray's OMP_NUM_THREADS), see below
+        generate   the engines, set once at their start (engine_threads): cores // engines in sync mode
     RankActor.set_cpu_threads(n, role) stores n for that role's worker; every later call of it applies n on the
     thread that runs the work.
 
@@ -19,10 +19,14 @@ Why "on the thread that runs the work": torch's OpenMP thread count is per calli
 the thread's own ICV once a thread has run torch code), and a rank actor runs calls on a pool of threads
 (max_concurrency=2), so a set_num_threads in one call (e.g. init()) need not reach the thread that trains.
 
-Why not the engines: generation on CPU is mostly serial Python (vLLM's scheduler, sampler and output
-processing: 27% of a 1-thread generate in math kernels, benchmarks/README.md), so a second thread gives at most
-~1.16x, and on a shared machine a 2-thread vLLM engine generated at 0.26x of one thread (trl_compare, load ~10).
-More engines (--vllm_num_engines) fill the cores in generation instead; --vllm_cpu_threads N still sets N.
+The engines get their count once, before vLLM starts (its CPU worker refuses set_num_threads afterwards), from
+engine_threads(): in sync mode they work alone in the generate phase (the ranks wait for the rollouts), so they
+share the cores, cores // (engines x tensor-parallel size); with --async_train generation runs beside training
+all the time and each engine keeps one thread per CPU slot (Ray's OMP_NUM_THREADS); --vllm_cpu_threads N sets N.
+Generation on CPU is mostly serial Python (vLLM's scheduler, sampler and output processing: about a third of a
+1-thread generate in math kernels, benchmarks/README.md), so a second thread gains less than a second rank
+would: measured on the demo step, quiet machine, 1.06 -> 0.90 s a step (trl_compare `e2t` mode, +12% samples/s
+in sync mode). More engines (--vllm_num_engines) fill the cores with whole processes instead.
 
 Idle processes do not spin: libgomp's threads spin only briefly after a parallel region and then sleep
 (<= 0.8% of a 1-thread phase's samples in libgomp, 0.1-3.6 ms of CPU in the second after a 2-thread region), so
@@ -61,6 +65,18 @@ def apply_threads(n: int) -> None:
 
     if n > 0 and torch.get_num_threads() != n:
         torch.set_num_threads(n)
+
+
+def engine_threads(cfg, cores: Optional[int] = None) -> int:
+    """Torch threads per engine on CPU (0: leave Ray's OMP_NUM_THREADS, one per CPU slot the engine holds): the
+    user's --vllm_cpu_threads; else, in sync mode, the engines' share of the cores (they work alone while they
+    generate); with --async_train 0 (the trainers work beside them). GPUs: 0 (unused)."""
+    v = cfg.vllm
+    if cfg.runtime.device != "cpu" or v.cpu_threads:
+        return v.cpu_threads
+    if cfg.ppo.async_train:
+        return 0
+    return share(cores or machine_cores(), v.num_engines * v.tensor_parallel_size)
 
 
 def share(cores: int, processes: int) -> int:

@@ -28,6 +28,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orlhf.cluster import GroupCall, wait_all
 from orlhf.config import engine_gpu_memory_utilization
+from orlhf.threads import engine_threads
 from orlhf.endpoints import check_exports, endpoint, method_name
 from orlhf.placement import EngineBundles
 from orlhf.rollout.cpu_kv import MAX_NUM_SEQS, check_kv_cache, kv_cache_bytes
@@ -52,7 +53,7 @@ class EngineConfig:
     max_model_len: int = 2048  # prompt_max_len + generate_max_len
     dtype: str = "float32"  # "bfloat16" with --bf16
     kv_cache_gb: Optional[float] = None  # CPU only: KV cache GiB; None: sized to the engine's need (cpu_kv.py)
-    cpu_threads: int = 0  # CPU only: torch threads (0: leave Ray's OMP_NUM_THREADS = the engine's CPU slots)
+    cpu_threads: int = 0  # CPU only: torch threads (threads.engine_threads; 0: Ray's OMP_NUM_THREADS = its CPU slots)
     enable_sleep: bool = False  # GPU only (--vllm_enable_sleep): vLLM's sleep mode, for hybrid placement
     cuda_ipc: bool = False  # GPU + --colocate_all_models: weights arrive as CUDA IPC handles (weight_sync.py)
     logprobs_mode: str = "raw_logprobs"  # vLLM's: what the sampled tokens' log-probs are (engine_logprobs_mode)
@@ -67,7 +68,7 @@ def engine_config(cfg) -> EngineConfig:
         gpu_memory_utilization=engine_gpu_memory_utilization(cfg),
         max_model_len=min(cfg.ppo.prompt_max_len + cfg.ppo.generate_max_len, cfg.ppo.max_len or 1 << 62),
         dtype=engine_dtype(cfg.deepspeed.bf16, device), kv_cache_gb=v.cpu_kv_cache_gb,
-        cpu_threads=v.cpu_threads,
+        cpu_threads=engine_threads(cfg),
         enable_sleep=v.enable_sleep and device == "cuda",
         cuda_ipc=cfg.placement.colocate_all_models and device == "cuda",
         logprobs_mode=engine_logprobs_mode(cfg.ppo.temperature))

@@ -6,7 +6,7 @@ real rank actors that a sent count reaches the threads that do the work."""
 from types import SimpleNamespace
 
 from orlhf.flags import build_config
-from orlhf.threads import PhaseThreads, processes, share
+from orlhf.threads import PhaseThreads, engine_threads, processes, share
 
 
 class Group:
@@ -53,7 +53,7 @@ def test_share():
 def test_grpo_single_pass_gives_each_phase_s_only_process_both_cores():
     threads, sent = plan(**GRPO)  # no old-log-prob forward: score = the ref alone, train = the actor alone
     run_step(threads)
-    assert sent == [("ref", 2), ("actor", 2)]  # the engine keeps Ray's one thread (see threads.py)
+    assert sent == [("ref", 2), ("actor", 2)]  # the engines get theirs once, at start (engine_threads)
     run_step(threads)
     assert len(sent) == 2  # nothing changes in later steps: no calls
 
@@ -113,3 +113,16 @@ def test_a_hosted_ref_shares_its_process_count_with_the_actor():
     threads, sent = plan(cores=4, hosted=True)  # gae: actor + ref in one process, critic in another -> 2 each
     run_step(threads)
     assert sent == [("actor", 2), ("ref", 2), ("critic", 2)]
+
+
+def test_engines_share_the_cores_in_sync_mode_and_keep_their_slots_beside_async_training():
+    def threads(cores=2, **flags):
+        return engine_threads(build_config({"device": "cpu", **flags}, set(flags) | {"device"}), cores=cores)
+
+    assert threads() == 2  # sync: the one engine generates alone, the ranks wait for its rollouts
+    assert threads(vllm_num_engines=2) == 1 and threads(cores=16, vllm_num_engines=3) == 5
+    assert threads(async_train=True) == 0  # beside training all the time: Ray's one thread per CPU slot
+    assert threads(vllm_cpu_threads=3) == 3 and threads(async_train=True, vllm_cpu_threads=2) == 2  # the user's
+    assert threads(cores=1) == 1
+    cuda = build_config({"device": "cuda"}, {"device"})
+    assert engine_threads(cuda, cores=8) == 0  # GPUs: unused
