@@ -47,7 +47,7 @@ import torch
 from orlhf.endpoints import check_exports, method_name
 from orlhf.logs import LOG_DIR_ENV, redirect_output, tail, worker_log_path
 from orlhf.placement import RankBundle, scheduling_options
-from orlhf.threads import apply_threads
+from orlhf.threads import apply_threads, threads_as_ray_set
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +104,7 @@ class RankActor:
         # ~500k objects those imports leave (almost none of them garbage) again and again. They are frozen
         # after init() (RankActor.call), so later collections skip them too; memory is unchanged.
         gc.disable()
+        threads_as_ray_set()
         os.environ.update(env)
         redirect_output(log_name(role, rank))
         self.role, self.rank = role, rank

@@ -47,7 +47,7 @@ def run_locked(cfg: TrainConfig, run_id: str, clock) -> int:
     import ray
 
     from orlhf.logs import setup_driver
-    from orlhf.layout import local_num_cpus, plan_layout
+    from orlhf.layout import cpu_slots_needed, local_num_cpus, plan_layout
 
     run_logs = setup_driver(cfg.logging.save_path, cfg.runtime.verbose)  # once the run folder is ours
     log.info("%s", run_logs.summary())
@@ -69,7 +69,8 @@ def run_locked(cfg: TrainConfig, run_id: str, clock) -> int:
 
     with ExitStack() as stack:
         reading = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="orlhf-inputs")).submit(read_inputs)
-        if connect_ray(cfg, local_num_cpus(layout)):  # in this thread: Ray sets its SIGTERM handler only here
+        # in this thread: Ray sets its SIGTERM handler only here
+        if connect_ray(cfg, local_num_cpus(layout), cpu_slots_needed(layout)):
             stack.callback(ray.shutdown)
         clock.mark("ray")
         checkpoints, tokenizer, loader, evaluator, resume_from, resume_step, run_id = reading.result()

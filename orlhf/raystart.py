@@ -11,8 +11,9 @@ from contextlib import contextmanager
 from orlhf.config import TrainConfig
 
 
-def connect_ray(cfg: TrainConfig, num_cpus: int) -> bool:
-    """Join the given / the job's cluster, else start a local one. Returns True when this process started it."""
+def connect_ray(cfg: TrainConfig, num_cpus: int, processes: int = 0) -> bool:
+    """Join the given / the job's cluster, else start a local one (`num_cpus` logical CPUs; `processes`: the
+    run's model and engine processes, prestarted, see worker_preload). Returns True when this process started it."""
     import ray
 
     if ray.is_initialized():
@@ -24,12 +25,30 @@ def connect_ray(cfg: TrainConfig, num_cpus: int) -> bool:
     if address:
         ray.init(address=address, **quiet)
         return False
+    preload = worker_preload(cfg, num_cpus, processes)
     if cfg.runtime.verbose:  # Ray's processes as ray.init starts them: their output is what --verbose shows
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **quiet)
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **quiet, **preload)
         return True
     with local_cluster_without(no_monitor=True, include_log_monitor=False):
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **quiet)
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **quiet, **preload)
     return True
+
+
+def worker_preload(cfg: TrainConfig, num_cpus: int, processes: int) -> dict:
+    """ray.init arguments that make a local CPU cluster's Python workers import torch and transformers' model base
+    (orlhf/preload.py) before they take work. When the first driver connects, Ray prestarts min(cores, num_cpus)
+    workers; orlhf's actors take them, and their heaviest imports then run while the driver places the groups and
+    reads its inputs, instead of after each actor lands. Each actor first applies the OMP_NUM_THREADS Ray set for
+    it (threads.threads_as_ray_set), which torch, imported earlier, could not read.
+    Only where the prestarted workers are about as many as the run's model and engine processes (`processes`):
+    on a machine with many more cores each idle worker would load ~0.5 GiB and ~5 CPU-s for nothing (Ray's prestart
+    count cannot be set from ray.init), and there the imports overlap on spare cores anyway. Off on GPUs (not
+    measured there) and with ORLHF_NO_PRELOAD=1 (an escape hatch; the A/B in benchmarks/README.md)."""
+    prestarted = min(os.cpu_count() or 1, num_cpus)
+    if (cfg.runtime.device != "cpu" or prestarted > processes + 1
+            or os.environ.get("ORLHF_NO_PRELOAD", "") not in ("", "0")):
+        return {}
+    return {"_system_config": {"preload_python_modules": ["orlhf.preload"]}}
 
 
 @contextmanager

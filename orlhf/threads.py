@@ -79,6 +79,20 @@ def engine_threads(cfg, cores: Optional[int] = None) -> int:
     return share(cores or machine_cores(), v.num_engines * v.tensor_parallel_size)
 
 
+def threads_as_ray_set() -> None:
+    """In a worker that preloaded torch (orlhf/preload.py), apply the OMP_NUM_THREADS Ray set for this actor: torch
+    fixed its thread count at import, before Ray set the variable, and would otherwise use every core. Called
+    first thing in an actor's __init__; the count then holds on every thread of the process (torch keeps it
+    process-wide once set). Nothing in a worker that did not preload: there torch reads the variable itself."""
+    import sys
+
+    if "orlhf.preload" not in sys.modules:
+        return
+    n = os.environ.get("OMP_NUM_THREADS", "")
+    if n.isdigit() and int(n) > 0:
+        apply_threads(int(n))
+
+
 def share(cores: int, processes: int) -> int:
     """Threads per process when `processes` work at once on `cores` (at least 1)."""
     return max(1, cores // max(1, processes))

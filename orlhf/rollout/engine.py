@@ -28,7 +28,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orlhf.cluster import GroupCall, wait_all
 from orlhf.config import engine_gpu_memory_utilization
-from orlhf.threads import engine_threads
+from orlhf.threads import engine_threads, threads_as_ray_set
 from orlhf.endpoints import check_exports, endpoint, method_name
 from orlhf.placement import EngineBundles
 from orlhf.rollout.cpu_kv import MAX_NUM_SEQS, check_kv_cache, kv_cache_bytes
@@ -125,6 +125,7 @@ class EngineActor:
 
     def __init__(self, cfg: EngineConfig, index: int, bundle_indices: Optional[list[int]] = None,
                  share: float = 1.0, log_dir: Optional[str] = None):
+        threads_as_ray_set()
         if log_dir:  # before vLLM starts, so its engine-core processes inherit the file (logs.py)
             from orlhf.logs import LOG_DIR_ENV, redirect_output
 

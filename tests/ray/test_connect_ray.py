@@ -59,3 +59,60 @@ def test_an_initialized_ray_is_joined_not_started(own_cluster):
     ray.init(address="local", num_cpus=1, include_dashboard=False)
     assert connect_ray(build_config({}), num_cpus=2) is False
     assert "monitor" in running_types()  # ray.init's defaults, untouched
+
+
+@ray.remote(num_cpus=1, max_concurrency=2)
+class Threads:
+    """Reports what the worker preloaded and its torch threads, on the actor's thread and on a new one."""
+
+    def __init__(self):
+        import sys
+
+        from orlhf.threads import threads_as_ray_set
+
+        self.preloaded = "orlhf.preload" in sys.modules and "transformers.modeling_utils" in sys.modules
+        threads_as_ray_set()  # as RankActor and EngineActor do first
+
+    def report(self):
+        import os
+        import threading
+
+        import torch
+
+        other = []
+        t = threading.Thread(target=lambda: other.append(torch.get_num_threads()))
+        t.start()
+        t.join()
+        return self.preloaded, os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads(), other[0]
+
+
+@ray.remote(num_cpus=2)
+class Threads2(Threads.__ray_actor_class__):
+    pass
+
+
+def test_a_cpu_runs_own_cluster_preloads_torch_and_actors_keep_the_threads_ray_gives_them(own_cluster, monkeypatch):
+    monkeypatch.delenv("ORLHF_NO_PRELOAD", raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 2)  # Ray prestarts min(cores, num_cpus) workers: 2 for 2 processes
+    cfg = build_config({"device": "cpu"}, explicit={"device"})
+    assert connect_ray(cfg, num_cpus=4, processes=2) is True
+    # torch read the thread count at import, before Ray set OMP_NUM_THREADS for the actor: threads_as_ray_set
+    # applies Ray's value, on every thread (the machine's cores would be used otherwise)
+    one, two = Threads.remote(), Threads2.remote()
+    assert ray.get([one.report.remote(), two.report.remote()], timeout=120) == [(True, "1", 1, 1), (True, "2", 2, 2)]
+
+
+def test_preload_only_on_cpu_where_the_prestarted_workers_are_the_runs_own(monkeypatch):
+    from orlhf.raystart import worker_preload
+
+    monkeypatch.delenv("ORLHF_NO_PRELOAD", raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    cpu = build_config({"device": "cpu"}, explicit={"device"})
+    assert worker_preload(cpu, num_cpus=4, processes=2) == {
+        "_system_config": {"preload_python_modules": ["orlhf.preload"]}}
+    assert worker_preload(build_config({"device": "cuda"}, explicit={"device"}), num_cpus=4, processes=2) == {}
+    monkeypatch.setattr("os.cpu_count", lambda: 16)  # 16 prestarted workers for 2 processes: 14 would load for nothing
+    assert worker_preload(cpu, num_cpus=16, processes=2) == {}
+    assert worker_preload(cpu, num_cpus=16, processes=15)  # a run that takes them
+    monkeypatch.setenv("ORLHF_NO_PRELOAD", "1")
+    assert worker_preload(cpu, num_cpus=16, processes=15) == {}
