@@ -130,7 +130,9 @@ class PhaseThreads:
         if cfg.ppo.async_train:  # generation runs beside training all the time: only the fixed counts are sent
             phases = {phase: [g for g in gs if id(g) in fixed] for phase, gs in phases.items()}
         plan = cls(phases, cores or machine_cores(), fixed)
-        log.info("CPU threads per phase (%d cores): %s", plan.cores, plan.describe())
+        engines = engine_threads(cfg, plan.cores)
+        log.info("CPU threads per phase (%d cores): generate: %d engine(s) %s; %s", plan.cores, cfg.vllm.num_engines,
+                 engines or "as Ray sets", plan.describe())
         return plan
 
     def threads(self, phase: str, group) -> int:
