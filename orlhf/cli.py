@@ -107,29 +107,38 @@ def _train_ppo(ctx: typer.Context, **flags: Any) -> None:
 def run_reporting_errors(fn: Callable[[C.TrainConfig], int], cfg: C.TrainConfig) -> int:
     """Errors a user can act on (bad data, a reward file, placement, a failed rank) print as one message
     without a Python traceback of orlhf's own frames; anything else is a bug and keeps its traceback."""
-    from orlhf.checkpoint_format import CheckpointError
-    from orlhf.cluster import RankError
-    from orlhf.data import DataError
-    from orlhf.layout import PlacementError
-    from orlhf.rewards import RewardError
-    from orlhf.runlock import RunLockError
-    from orlhf.workers.value_head import HeadError
-    from orlhf.rollout.agent import AgentError
-    from orlhf.sync_guard import EngineMismatchError
-
     try:
         return fn(cfg)
     except C.ConfigError as e:
         typer.secho(f"error: {len(e.problems)} problem(s) with the flags:", fg="red", err=True)
         typer.echo(str(e), err=True)
         return 2
-    except (DataError, RewardError, HeadError, AgentError, PlacementError, RankError, CheckpointError,
-            RunLockError, TimeoutError, EngineMismatchError) as e:
+    except Exception as e:  # noqa: BLE001 - only the user errors are caught, the rest is raised again
+        if not is_user_error(e):
+            raise
         typer.secho(f"error: {e}", fg="red", err=True)
         return 1
     except KeyboardInterrupt:
         typer.secho("interrupted: workers, engines and placement groups were shut down", fg="yellow", err=True)
         return 130
+
+
+# (module, class) of the errors run_reporting_errors prints without a traceback. Looked up in sys.modules when an
+# error arrives instead of imported up front: importing them loaded torch (checkpoint_format, workers) and ray on
+# the driver's main thread before Ray's start, which entry.py keeps free of them. An error of a class whose
+# module was never imported cannot exist, so the check is the same as an `except` over the classes.
+USER_ERRORS = (("orlhf.checkpoint_format", "CheckpointError"), ("orlhf.cluster", "RankError"),
+               ("orlhf.data", "DataError"), ("orlhf.layout", "PlacementError"), ("orlhf.rewards", "RewardError"),
+               ("orlhf.runlock", "RunLockError"), ("orlhf.workers.value_head", "HeadError"),
+               ("orlhf.rollout.agent", "AgentError"), ("orlhf.sync_guard", "EngineMismatchError"))
+
+
+def is_user_error(e: BaseException) -> bool:
+    """Whether `e` is one of USER_ERRORS (or a TimeoutError), without importing their modules."""
+    if isinstance(e, TimeoutError):
+        return True
+    classes = [getattr(sys.modules[mod], name) for mod, name in USER_ERRORS if mod in sys.modules]
+    return isinstance(e, tuple(classes))
 
 
 app.command(

@@ -52,12 +52,13 @@ def run_locked(cfg: TrainConfig, run_id: str, clock) -> int:
     run_logs = setup_driver(cfg.logging.save_path, cfg.runtime.verbose)  # once the run folder is ours
     log.info("%s", run_logs.summary())
     d, p = cfg.data, cfg.ppo
-    preflight(cfg)
+    preflight(cfg, run_logs)
     layout = plan_layout(cfg)
 
     def read_inputs():
         """Tokenizer, prompts, eval prompts, resume point: in a thread while Ray starts (the tokenizer's import of
         transformers and torch is most of it); their errors are raised once Ray is up, and Ray is shut down."""
+        run_logs.route_transformers()  # first: it imports transformers, before anything here can log through it
         from orlhf.checkpoint import CheckpointManager
         from orlhf.data import PromptLoader, load_tokenizer
 
@@ -110,13 +111,16 @@ def run_locked(cfg: TrainConfig, run_id: str, clock) -> int:
     return 0
 
 
-def preflight(cfg: TrainConfig) -> None:
-    """Checks that read files before Ray starts, so a wrong head or agent file fails in a second."""
+def preflight(cfg: TrainConfig, run_logs=None) -> None:
+    """Checks that read files before Ray starts, so a wrong head or agent file fails in a second. `run_logs`
+    (logs.RunLogs) routes transformers' logging first when they may import it."""
     if cfg.deepspeed.packing_samples and not cfg.deepspeed.flash_attn:
         log.warning("--packing_samples without --flash_attn: attention runs over each packed row with a "
                     "block-diagonal mask, whose cost grows with the square of the row (on CPU: 0.55-0.7x of "
                     "the default trimmed micro-batches, benchmarks/bench_padding.py); packing pays with "
                     "flash-attn's varlen kernels on GPUs")
+    if run_logs is not None and (cfg.has_reward_model or cfg.has_critic or cfg.data.agent_func_path):
+        run_logs.route_transformers()  # the head check, or an agent file, may import transformers here
     check_value_heads(cfg)
     if cfg.data.agent_func_path:  # an agent file that does not import or defines no AgentExecutor
         from orlhf.rollout.executor import load_agent_executor
@@ -172,7 +176,10 @@ def load_prompts(cfg: TrainConfig, tokenizer) -> list:
 
 def check_value_heads(cfg: TrainConfig) -> None:
     """The reward model's and critic's value heads, checked from their files before Ray starts (a wrong
-    --value_head_prefix fails in a second, not after the start-up); the workers load the same way."""
+    --value_head_prefix fails in a second, not after the start-up); the workers load the same way. Imported only
+    when there is a head to check: orlhf.workers loads torch, which a run without heads loads beside Ray's start."""
+    if not (cfg.has_reward_model or cfg.has_critic):
+        return
     from orlhf.workers.value_head import check_head
 
     d = cfg.data

@@ -13,6 +13,8 @@ not worth doing for flags that fail. Everything downstream reads the device from
 from __future__ import annotations
 
 import dataclasses
+import glob
+import sys
 from typing import Any, Optional
 
 from orlhf.config import TrainConfig
@@ -39,12 +41,29 @@ def resolve_device(cfg: TrainConfig, device: Optional[str] = None) -> TrainConfi
     plan` describing a cluster, tests). The weight-sync backend follows the device unless given. No validation."""
     device = device or cfg.runtime.device
     if device == "auto":
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = "cpu" if no_gpu_device_files() else _torch_device()
     backend = cfg.vllm.sync_backend or ("nccl" if device == "cuda" else "gloo")
     return dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, device=device),
                                vllm=dataclasses.replace(cfg.vllm, sync_backend=backend))
+
+
+# Device files a GPU's driver needs for torch.cuda to see it: NVIDIA (/dev/nvidiactl, /dev/nvidia0, ...), Jetson
+# (/dev/nvhost-*, /dev/nvmap), WSL2 (/dev/dxg), ROCm (/dev/kfd).
+GPU_DEVICE_FILES = ("/dev/nvidia*", "/dev/nvhost*", "/dev/nvmap", "/dev/dxg", "/dev/kfd")
+
+
+def no_gpu_device_files() -> bool:
+    """True on a Linux machine without any GPU device file: torch.cuda.is_available() is False there (its driver
+    cannot open a GPU), so --device auto resolves to cpu without importing torch (1.5-2 CPU-s on the driver's main
+    thread before Ray's start; the inputs thread imports it beside Ray's start instead). Elsewhere: False (ask
+    torch)."""
+    return sys.platform == "linux" and not any(glob.glob(pattern) for pattern in GPU_DEVICE_FILES)
+
+
+def _torch_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def resolve_demo(cfg: TrainConfig) -> TrainConfig:

@@ -79,6 +79,13 @@ class RunLogs:
         return (f"logs: {self.log_dir}/ (driver.log; <role>-<rank>.log per model rank; vllm-<i>.log per engine; "
                 "--verbose shows them here)")
 
+    def route_transformers(self) -> None:
+        """Send transformers' records to driver.log, as setup_driver does for the libraries already imported. The
+        driver calls it where it first imports transformers (entry.py: the inputs thread, the value-head check):
+        importing transformers only to route its logger cost ~1.5 CPU-s on the main thread before Ray's start."""
+        if not self.verbose:
+            _route_transformers_logging()
+
     def close(self) -> None:
         log = logging.getLogger("orlhf")
         for message, n in self.once.repeats.most_common():
@@ -117,7 +124,8 @@ def setup_driver(save_path: str, verbose: bool = False, stream=None) -> RunLogs:
     ours.addHandler(terminal)  # orlhf's records also propagate to driver.log
     os.environ[LOG_DIR_ENV] = str(log_dir.resolve())
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # Hugging Face's own bars (e.g. shard writing)
-    _route_transformers_logging()
+    if "transformers" in sys.modules:  # else RunLogs.route_transformers, where the driver imports it
+        _route_transformers_logging()
     for name in LIBRARY_LOGGERS:
         _route_to_root(logging.getLogger(name))
     return RunLogs(log_dir, once, verbose=False)
@@ -137,7 +145,7 @@ def _route_to_root(logger: logging.Logger) -> None:
 
 def _route_transformers_logging() -> None:
     """transformers logs through its own terminal handler and does not propagate: send its records to the root
-    logger (driver.log) instead. Its logging module is light; transformers itself is imported later anyway."""
+    logger (driver.log) instead. Importing transformers.utils.logging imports transformers itself."""
     try:
         import transformers.utils.logging as hf_logging
     except ImportError:

@@ -12,6 +12,7 @@ import torch
 
 from orlhf.worker_config import WorkerConfig
 from orlhf.workers.ds_arch import use_arch_list_deepspeed_reads
+from orlhf.workers.ds_muon import load_muon_uncompiled
 
 log = logging.getLogger("orlhf.workers")
 
@@ -41,6 +42,7 @@ def init_distributed(device: str) -> None:
         if device == "cpu":
             skip_shm_comm_build()
         deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo")
+    load_muon_uncompiled()  # before deepspeed.initialize imports it: 1.2-1.5 CPU-s less per rank (ds_muon.py)
 
 
 def skip_shm_comm_build() -> None:

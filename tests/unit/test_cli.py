@@ -161,3 +161,40 @@ def test_a_flag_given_without_the_flag_it_needs_exits_2(argv, names, capsys, no_
     code, _, err = run(["train-ppo", *argv], capsys)
     assert code == 2 and not no_training, err
     assert any(all(n in line for n in names) for line in err.splitlines()), err
+
+
+def test_user_errors_name_real_exception_classes():
+    """cli.USER_ERRORS is looked up by name (no import before the run starts): every entry must be a class."""
+    import importlib
+
+    from orlhf.cli import USER_ERRORS, is_user_error
+
+    for mod, name in USER_ERRORS:
+        cls = getattr(importlib.import_module(mod), name)
+        assert issubclass(cls, Exception), (mod, name)
+        assert is_user_error(cls.__new__(cls))
+    assert is_user_error(TimeoutError("slow")) and not is_user_error(ValueError("a bug"))
+
+
+def test_run_reporting_errors_prints_user_errors_and_raises_bugs(capsys):
+    from orlhf.checkpoint_format import CheckpointError
+    from orlhf.cli import run_reporting_errors
+
+    def fail(exc):
+        def fn(_cfg):
+            raise exc
+        return fn
+
+    assert run_reporting_errors(fail(CheckpointError("no checkpoint in /x")), None) == 1
+    assert "error: no checkpoint in /x" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="a bug"):
+        run_reporting_errors(fail(ValueError("a bug")), None)
+    assert run_reporting_errors(lambda _cfg: 0, None) == 0
+
+
+def test_reporting_errors_imports_no_torch_before_the_run():
+    """The driver's main thread starts Ray inside the run; torch loads beside it (entry.py), not before it."""
+    code = ("import sys; from orlhf.cli import run_reporting_errors; "
+            "print(run_reporting_errors(lambda cfg: int('torch' in sys.modules), None))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "0"

@@ -504,3 +504,29 @@ def test_dynamic_batch_budgets_reach_the_workers():
     assert (critic.train.max_tokens, critic.forward_max_tokens) == (100, 300)
     off = of("actor", train_max_tokens_per_gpu=100)
     assert (off.train.max_tokens, off.forward_max_tokens) == (0, 0)  # budgets only with --use_dynamic_batch
+
+
+def test_device_auto_without_gpu_device_files_is_cpu_without_torch(monkeypatch):
+    """--device auto on a Linux machine with no GPU device file: cpu, decided without importing torch (the driver
+    would load it on its main thread before Ray's start); with device files, torch decides as before."""
+    import subprocess
+    import sys
+
+    from orlhf import finish
+    from orlhf.flags import parse_config
+
+    cfg = parse_config({"device": "auto"})
+    if finish.no_gpu_device_files():
+        import torch
+
+        assert not torch.cuda.is_available()  # what the shortcut stands for, on this machine
+        code = ("import sys; from orlhf.finish import resolve_device; from orlhf.flags import parse_config; "
+                "print(resolve_device(parse_config({'device': 'auto'})).device, 'torch' in sys.modules)")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+        assert out.stdout.split() == ["cpu", "False"]
+    monkeypatch.setattr(finish, "no_gpu_device_files", lambda: False)
+    monkeypatch.setattr(finish, "_torch_device", lambda: "cuda")
+    assert finish.resolve_device(cfg).device == "cuda"
+    monkeypatch.undo()
+    monkeypatch.setattr(finish.sys, "platform", "win32")
+    assert finish.no_gpu_device_files() is False  # elsewhere torch is asked

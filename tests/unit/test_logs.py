@@ -42,6 +42,7 @@ def test_library_chatter_goes_to_the_file_orlhf_lines_to_the_terminal(tmp_path, 
     ray_logger.addHandler(own)
     ray_logger.propagate = False
     run = setup_driver(str(tmp_path), stream=term)
+    run.route_transformers()  # as the driver does where it first imports transformers (entry.py)
     assert own not in ray_logger.handlers and ray_logger.propagate
     logging.getLogger("orlhf.entry").info("3 model group(s) ready")
     logging.getLogger("vllm.engine").warning("RotaryEmbedding: Failed to load weights")
@@ -94,3 +95,14 @@ def test_a_worker_process_output_lands_in_its_file(tmp_path):
     text = (tmp_path / "actor-0.log").read_text()
     assert "from python" in text and "from C stderr" in text
     assert tail(tmp_path / "actor-0.log", 1) == "from C stderr"
+
+
+def test_setup_driver_leaves_transformers_unimported(tmp_path):
+    """The driver's main thread starts Ray right after setup_driver; importing transformers there (to route its
+    logger) cost ~1.5 CPU-s before Ray's start. route_transformers does it where the driver imports it."""
+    code = ("import sys; from orlhf.logs import setup_driver; run = setup_driver(sys.argv[1]); "
+            "print('transformers' in sys.modules, 'torch' in sys.modules); run.route_transformers(); "
+            "import transformers.utils.logging as h; print(h.get_logger().propagate, "
+            "h.get_logger().handlers == [])")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False", "True", "True"]
