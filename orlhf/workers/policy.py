@@ -151,7 +151,7 @@ class PolicyWorker(DeepSpeedWorker):
         if lc.entropy_loss_coef > 0:  # entropy joins the graph: (b, A, V) logits / temperature with grad
             logits = action_logits(self.engine, seqs, cfg.temperature, cfg.packing_samples)
             log_probs = gather_log_probs(logits, mb.sequences[:, -mb.num_actions:])  # (b, A)
-        else:  # entropy is only logged: from detached logits, at real tokens only
+        else:  # entropy is only logged: from the detached logits
             log_probs, full, offset = action_log_probs(self.engine, seqs, cfg.temperature, cfg.packing_samples)
             logits = window(full.detach(), offset, mb.num_actions, cfg.temperature)
         old = _old_log_probs(mb, log_probs)
@@ -168,7 +168,7 @@ class PolicyWorker(DeepSpeedWorker):
         if terms.is_cut is not None:
             stats["is_cut_frac"] = masked_mean(terms.is_cut.float(), mask).item()
         # Entropy is logged on every step; it joins the graph only when it is in the loss.
-        entropy = entropy_from_logits(logits) if lc.entropy_loss_coef > 0 else _real_token_entropy(logits, mask)
+        entropy = entropy_from_logits(logits)  # (b, A); logits are detached unless entropy is in the loss
         if lc.entropy_loss_coef > 0:
             loss = loss - lc.entropy_loss_coef * aggregate(entropy, mask, lc.loss_agg_mode, norm)
         stats["entropy"] = masked_mean(entropy.detach(), mask).item()
@@ -254,15 +254,6 @@ def _old_log_probs(mb: Experience, log_probs: torch.Tensor) -> torch.Tensor:
     the weights here are the ones that would have scored it) this forward's own, detached: ratio exactly 1,
     gradient that of log pi, as with a separately recomputed pi_old equal up to float rounding."""
     return mb.action_log_probs if mb.action_log_probs is not None else log_probs.detach()
-
-
-def _real_token_entropy(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """(b, A) entropy at the real action tokens, 0 on padding (about half of a demo micro-batch): the same values
-    there as over the whole tensor (log_softmax works row by row), and padding only ever enters masked means."""
-    m = mask.bool()
-    entropy = logits.new_zeros(m.shape, dtype=torch.float32)
-    entropy[m] = entropy_from_logits(logits[m])
-    return entropy
 
 
 def _engine_gap_sums(mb: Experience, log_probs: torch.Tensor) -> dict[str, float]:
