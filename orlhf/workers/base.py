@@ -39,7 +39,8 @@ from orlhf.worker_config import WorkerConfig
 from orlhf.workers.hf_names import meta_group, to_checkpoint_names
 from orlhf.workers.loading import hf_zero3_loading
 from orlhf.workers.micro_batches import forward_plan, train_plan
-from orlhf.workers.engine_setup import ds_config, init_distributed, lr_factor, seed_everything, worker_device
+from orlhf.workers.engine_setup import (ds_config, init_distributed, keep_freed_memory, lr_factor, seed_everything,
+                                        worker_device)
 from orlhf.workers.optim import decay_groups, make_optimizer
 from orlhf.types import Experience, SequenceBatch, TrainStats
 
@@ -79,6 +80,8 @@ class DeepSpeedWorker:
 
         if self.cfg.device == "cpu" and self.cfg.cpu_threads:
             torch.set_num_threads(self.cfg.cpu_threads)
+        if self.cfg.device == "cpu":
+            keep_freed_memory()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         seed_everything(self.cfg.seed)
         self._ds_config = self.deepspeed_config()
