@@ -39,7 +39,8 @@ from orlhf.worker_config import WorkerConfig
 from orlhf.workers.hf_names import meta_group, to_checkpoint_names
 from orlhf.workers.loading import hf_zero3_loading
 from orlhf.workers.micro_batches import forward_plan, train_plan
-from orlhf.workers.engine_setup import ds_config, init_distributed, lr_factor, seed_everything, worker_device
+from orlhf.workers.engine_setup import (ds_config, init_distributed, keep_freed_memory, lr_factor, seed_everything,
+                                        worker_device)
 from orlhf.workers.optim import decay_groups, make_optimizer
 from orlhf.types import Experience, SequenceBatch, TrainStats
 
@@ -79,6 +80,8 @@ class DeepSpeedWorker:
 
         if self.cfg.device == "cpu" and self.cfg.cpu_threads:
             torch.set_num_threads(self.cfg.cpu_threads)
+        if self.cfg.device == "cpu":
+            keep_freed_memory()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         seed_everything(self.cfg.seed)
         self._ds_config = self.deepspeed_config()
@@ -133,7 +136,6 @@ class DeepSpeedWorker:
     def _max_over_ranks(self, n: int) -> int:
         return self._max_over_ranks_list([n])[0]
 
-    @torch.no_grad()
     def forward_micro_batches(self, batch: SequenceBatch, fn: Callable[[SequenceBatch], torch.Tensor]) -> torch.Tensor:
         """fn over micro-batches of cfg.micro_forward_batch_size, results concatenated as float32 on CPU.
 
@@ -142,6 +144,14 @@ class DeepSpeedWorker:
         longest prompt and response (orlhf/batching.py); `fn` may then return (b, A') and results come back
         (B, A) in the input order, zeros on padding.
         """
+        # inference_mode skips autograd's version counters and view tracking (~5% of a demo ref forward), values
+        # unchanged; not under ZeRO-3, whose hooks assign gathered tensors to the parameters' .data
+        with torch.no_grad() if self.zero3 else torch.inference_mode():
+            result = self._forward_micro_batches(batch, fn)
+        return result.clone() if result.is_inference() else result  # a plain tensor: callers may use it in autograd
+
+    def _forward_micro_batches(self, batch: SequenceBatch,
+                               fn: Callable[[SequenceBatch], torch.Tensor]) -> torch.Tensor:
         order, sizes = forward_plan(batch, self.cfg.micro_forward_batch_size, self.cfg.trim_padding,
                                     self.cfg.forward_max_tokens)
         rows = batch.index(order) if order is not None else batch

@@ -25,6 +25,7 @@ from torch import nn
 
 from orlhf.endpoints import endpoint
 from orlhf.algo.kl import approx_kl
+from orlhf.algo.logprobs import token_log_probs, window
 from orlhf.algo.losses import LossNorm, aggregate, entropy_from_logits, masked_mean, policy_loss_terms
 from orlhf.batching import pack
 from orlhf.worker_config import WorkerConfig
@@ -48,15 +49,22 @@ def action_logits(model: nn.Module, batch: SequenceBatch, temperature: float, pa
 
     packed: run the batch as one row of real tokens (orlhf/batching.py); zeros where there is no action token.
     """
+    logits, offset = model_logits(model, batch, packed)
+    return window(logits, offset, batch.num_actions, temperature)
+
+
+def model_logits(model: nn.Module, batch: SequenceBatch, packed: bool = False) -> tuple[torch.Tensor, int]:
+    """(logits (B, L, V) as the model returns them, offset): the action tokens' logits are [:, offset:offset + A].
+    Left unsliced so that token_log_probs' backward writes the whole gradient at once (orlhf/algo/logprobs.py)."""
     if packed:
-        return _packed_action_logits(model, batch) / temperature
+        return _packed_action_logits(model, batch), 0
     num_actions = batch.num_actions
     kwargs = {}
     if _accepts_logits_to_keep(model):  # the LM head then runs on A+1 positions only, not all T
         kwargs["logits_to_keep"] = num_actions + 1
     out = model(input_ids=batch.sequences, attention_mask=batch.attention_mask,
                 position_ids=position_ids_from(batch.attention_mask), use_cache=False, **kwargs)
-    return out.logits[:, -num_actions - 1:-1].float() / temperature
+    return out.logits, out.logits.shape[1] - num_actions - 1
 
 
 def _packed_action_logits(model: nn.Module, batch: SequenceBatch) -> torch.Tensor:
@@ -71,8 +79,16 @@ def _packed_action_logits(model: nn.Module, batch: SequenceBatch) -> torch.Tenso
 
 def gather_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """log softmax(logits)[token] without materializing the (B, A, V) log-softmax: (B, A)."""
-    picked = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
+    return token_log_probs(logits, tokens)
+
+
+def action_log_probs(model: nn.Module, batch: SequenceBatch, temperature: float,
+                     packed: bool = False) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """((B, A) log pi of the action tokens, the model's logits, offset): the logits for a caller that needs more
+    from them (entropy), the log-probs through token_log_probs' one-pass backward."""
+    logits, offset = model_logits(model, batch, packed)
+    tokens = batch.sequences[:, -batch.num_actions:]
+    return token_log_probs(logits, tokens, offset, temperature), logits, offset
 
 
 def _accepts_logits_to_keep(model: nn.Module) -> bool:
@@ -87,8 +103,7 @@ def _forward_takes_logits_to_keep(cls: type) -> bool:
 
 def _log_probs(worker: DeepSpeedWorker, batch: SequenceBatch) -> torch.Tensor:
     def fn(mb: SequenceBatch) -> torch.Tensor:
-        logits = action_logits(worker.engine, mb, worker.cfg.temperature, worker.cfg.packing_samples)
-        return gather_log_probs(logits, mb.sequences[:, -mb.num_actions:])
+        return action_log_probs(worker.engine, mb, worker.cfg.temperature, worker.cfg.packing_samples)[0]
 
     return worker.forward_micro_batches(batch, fn)
 
@@ -132,8 +147,13 @@ class PolicyWorker(DeepSpeedWorker):
 
     def _loss(self, mb: Experience, norm: LossNorm, kl_coef: float) -> tuple[torch.Tensor, dict]:
         cfg, lc, mask = self.cfg, self.cfg.loss, mb.action_mask
-        logits = action_logits(self.engine, mb.as_sequence_batch(), cfg.temperature, cfg.packing_samples)  # (b, A, V)
-        log_probs = gather_log_probs(logits, mb.sequences[:, -mb.num_actions:])  # (b, A)
+        seqs = mb.as_sequence_batch()
+        if lc.entropy_loss_coef > 0:  # entropy joins the graph: (b, A, V) logits / temperature with grad
+            logits = action_logits(self.engine, seqs, cfg.temperature, cfg.packing_samples)
+            log_probs = gather_log_probs(logits, mb.sequences[:, -mb.num_actions:])  # (b, A)
+        else:  # entropy is only logged: from the detached logits
+            log_probs, full, offset = action_log_probs(self.engine, seqs, cfg.temperature, cfg.packing_samples)
+            logits = window(full.detach(), offset, mb.num_actions, cfg.temperature)
         old = _old_log_probs(mb, log_probs)
         terms = policy_loss_terms(log_probs, old, mb.advantages, mask, lc.eps_clip,
                                   lc.eps_clip_high if lc.eps_clip_high is not None else lc.eps_clip,
@@ -148,7 +168,7 @@ class PolicyWorker(DeepSpeedWorker):
         if terms.is_cut is not None:
             stats["is_cut_frac"] = masked_mean(terms.is_cut.float(), mask).item()
         # Entropy is logged on every step; it joins the graph only when it is in the loss.
-        entropy = entropy_from_logits(logits if lc.entropy_loss_coef > 0 else logits.detach())  # (b, A)
+        entropy = entropy_from_logits(logits)  # (b, A); logits are detached unless entropy is in the loss
         if lc.entropy_loss_coef > 0:
             loss = loss - lc.entropy_loss_coef * aggregate(entropy, mask, lc.loss_agg_mode, norm)
         stats["entropy"] = masked_mean(entropy.detach(), mask).item()
