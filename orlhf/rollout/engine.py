@@ -168,6 +168,10 @@ class EngineActor:
             torch.set_num_threads(cfg.cpu_threads)
         from vllm import LLM
 
+        if cfg.device == "cpu":  # before LLM(): its sampler binds forward_cpu when built (rollout/cpu_sampler.py)
+            from orlhf.rollout.cpu_sampler import install
+
+            install()
         gc.freeze()
         kwargs: dict[str, Any] = dict(
             model=cfg.model_path, tensor_parallel_size=cfg.tensor_parallel_size, seed=cfg.seed + index,
