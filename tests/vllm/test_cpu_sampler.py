@@ -1,6 +1,7 @@
 """orlhf's block-drawn seeds in vLLM-CPU's sampler (rollout/cpu_sampler.py) sample exactly what vLLM's own does.
 
-    sampler level: vLLM's TopKTopPSampler, seeded and unseeded rows, top-p, both log-prob modes, many steps
+    sampler level: vLLM's TopKTopPSampler, seeded and unseeded rows, top-p, both log-prob modes, many steps;
+                   the eager rank count against vLLM's compiled one
     engine level:  orlhf's EngineActor (in a subprocess: an in-process engine initialises torch.distributed),
                    the demo model, seeded n=4 requests: same token ids and log-probs with either sampler
 """
@@ -18,14 +19,15 @@ pytestmark = pytest.mark.vllm
 @pytest.fixture
 def sampler_class():
     import vllm._custom_ops  # noqa: F401  (registers torch.ops._C, the fused Gumbel-max kernel)
+    from vllm.v1.sample import sampler
     from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
 
     from orlhf.rollout import cpu_sampler
 
-    before = TopKTopPSampler.forward_cpu
+    before = TopKTopPSampler.forward_cpu, sampler.batched_count_greater_than
     assert cpu_sampler.install(), "the pinned vLLM should get the block-drawn seeds"
     yield TopKTopPSampler
-    TopKTopPSampler.forward_cpu = before
+    TopKTopPSampler.forward_cpu, sampler.batched_count_greater_than = before
 
 
 def _run(sampler, steps: int, seeded: dict[int, int], top_p):
@@ -55,6 +57,20 @@ def test_block_seeds_sample_what_vllms_sampler_samples(sampler_class, mode):
             want = _run(sampler, steps, seeded, top_p)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
         assert len(set(got[0][:, 0].tolist())) > 1  # it did sample (not a constant)
+
+
+def test_eager_rank_count_equals_vllms_compiled_one(sampler_class):
+    from vllm.v1.sample import sampler
+    from vllm.v1.sample.ops.logprobs import batched_count_greater_than
+
+    from orlhf.rollout.cpu_sampler import count_at_least
+
+    assert sampler.batched_count_greater_than is count_at_least
+    logprobs = torch.log_softmax(torch.randn(64, 97, generator=torch.Generator().manual_seed(2)), -1)
+    logprobs = (logprobs * 4).round() / 4  # ties: equal entries count as at least as likely
+    picked = logprobs.gather(-1, torch.randint(0, 97, (64, 1), generator=torch.Generator().manual_seed(3)))
+    want = batched_count_greater_than(logprobs, picked)
+    assert torch.equal(count_at_least(logprobs, picked), want) and want.min() >= 1 and want.max() > 1
 
 
 ENGINE_SCRIPT = r"""
