@@ -65,7 +65,8 @@ from model_presets import (PRESETS, crossover, describe_crossover, parse_presets
 
 # SamplingParams on top of the shared ones. "orlhf" must stay in step with EngineActor.generate
 # (orlhf/rollout/engine.py); "orlhf+detok" is what it asked for before it set detokenize=False.
-VLLM_VARIANTS = {"orlhf": {"logprobs": 0, "detokenize": False}, "orlhf+detok": {"logprobs": 0},
+VLLM_VARIANTS = {"orlhf": {"logprobs": 0, "detokenize": False, "flat_logprobs": True},
+                 "orlhf+detok": {"logprobs": 0},
                  "plain": {"detokenize": False}}
 SETTLE_S = 0.5  # pause between turns: OpenMP threads of the side that just ran stop spinning
 
@@ -119,6 +120,9 @@ def vllm_side(args, prompts: list[list[int]]):
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from orlhf.rollout.cpu_sampler import install
+
+    install()  # as EngineActor: block-drawn seeds, eager rank count (same tokens as vLLM's own sampler)
     llm = LLM(model=args.model, enforce_eager=True, dtype="float32", seed=0,
               max_model_len=max(map(len, prompts)) + args.max_new_tokens + 8,
               kv_cache_memory_bytes=int(args.kv_cache_gb * 2**30))

@@ -120,6 +120,19 @@ def request_seed(seed: int, prompt_index: int) -> int:
     return int.from_bytes(digest[:4], "little")
 
 
+def sampled_logprobs(logprobs) -> list[float]:
+    """The sampled token's log-prob at each generated position (0.0 where vLLM gave none), from a completion's
+    log-probs: vLLM's FlatLogprobs (flat_logprobs=True) or its list of {token id: Logprob} dicts. vLLM puts the
+    sampled token first at each position; with logprobs=0 it is the only entry."""
+    if logprobs is None:
+        return []
+    flat = getattr(logprobs, "start_indices", None)
+    if flat is None:
+        return [next(iter(lp.values())).logprob if lp else 0.0 for lp in logprobs]
+    values = logprobs.logprobs
+    return [values[s] if e > s else 0.0 for s, e in zip(flat, logprobs.end_indices)]
+
+
 class EngineActor:
     """One vLLM engine. Holds the LLM object; no scheduling logic. Runs as a Ray actor (RemoteEngine)."""
 
@@ -157,6 +170,10 @@ class EngineActor:
             torch.set_num_threads(cfg.cpu_threads)
         from vllm import LLM
 
+        if cfg.device == "cpu":  # before LLM(): its sampler binds forward_cpu when built (rollout/cpu_sampler.py)
+            from orlhf.rollout.cpu_sampler import install
+
+            install()
         gc.freeze()
         kwargs: dict[str, Any] = dict(
             model=cfg.model_path, tensor_parallel_size=cfg.tensor_parallel_size, seed=cfg.seed + index,
@@ -199,16 +216,18 @@ class EngineActor:
         from vllm.inputs import TokensPrompt
 
         # detokenize=False: rollouts carry token ids only (the controller decodes for rewards); vLLM's incremental
-        # detokenizer cost ~20% of generation time on CPU (benchmarks/bench_generation.py).
+        # detokenizer cost ~20% of generation time on CPU (benchmarks/bench_generation.py). flat_logprobs: vLLM
+        # keeps a request's log-probs in flat lists instead of a {token: Logprob} dict per token (256 x 24 dicts
+        # and Logprob objects a demo step); the same floats (sampled_logprobs).
         params = [SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
                                  max_tokens=max_new_tokens(sampling, len(ids)), logprobs=0, detokenize=False,
-                                 seed=request_seed(sampling.seed, i)) for i, ids in prompts]
+                                 flat_logprobs=True, seed=request_seed(sampling.seed, i)) for i, ids in prompts]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for _, ids in prompts], params,
                                  use_tqdm=False)
         rollouts = []
         for (index, ids), out in zip(prompts, outs):
             for c in out.outputs:
-                lps = [next(iter(lp.values())).logprob if lp else 0.0 for lp in (c.logprobs or [])]
+                lps = sampled_logprobs(c.logprobs)
                 rollouts.append(Rollout(prompt_index=index, prompt_ids=list(ids), response_ids=list(c.token_ids),
                                         logprobs=lps, finished=c.finish_reason == "stop", engine=self.index,
                                         weight_version=self.weight_version))

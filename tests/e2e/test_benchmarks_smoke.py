@@ -85,3 +85,12 @@ def test_bench_padding_compares_three_layouts_with_equal_results(tmp_path):
     for name, r in result["results"].items():
         assert r["log_probs_s"] > 0 and r["train_step_s"] > 0
         assert r["max_abs_diff_vs_padded"] < 1e-4, (name, r)
+
+
+def test_bench_engine_step_repeats_the_same_rollouts(tmp_path):
+    proc = subprocess.run([sys.executable, "benchmarks/bench_engine_step.py", "--repeats", "2", "--num_prompts", "8",
+                           "--out", str(tmp_path / "r.json")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["rollouts"] == 32 and result["tokens"] > 32 and result["threads"] == 1
+    assert len(result["digests"]) == 1 and len(result["cpu_s"]) == 2 and min(result["cpu_s"]) > 0

@@ -1,0 +1,96 @@
+"""CPU seconds of one demo step's generation through orlhf's own engine class, without Ray.
+
+    finish_config(demo grpo flags) -> engine_config -> EngineActor (in this process, in-process vLLM, as the Ray
+    actor runs it) -> --repeats x EngineActor.generate(the step's 64 prompts, SamplingSpec(n=4, <=24 tokens,
+    the controller's per-step seed)) -> per call: CPU seconds (process_time) and wall seconds; a digest of the
+    rollouts (token ids, log-prob bits, finish flags) that must not change when the engine gets faster.
+
+Threads: OMP_NUM_THREADS=1 unless set (what Ray gives a 1-CPU engine actor). Prompts: the demo's first
+--num_prompts rows, tokenized by orlhf's own data path. The same seeds every call (batch index 0), so every call
+does the same work and gives the same digest.
+
+    /work/wt/heavy.sh env PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_engine_step.py --repeats 10
+    py-spy record -r 200 -f raw -o /tmp/gen.txt -- .venv/bin/python benchmarks/bench_engine_step.py --repeats 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import statistics
+import struct
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def demo_setup(num_prompts: int):
+    """(EngineConfig, prompt id lists, SamplingSpec) of the demo grpo run's first step."""
+    from orlhf.data import load_tokenizer
+    from orlhf.entry import load_prompts
+    from orlhf.finish import finish_config
+    from orlhf.rollout.engine import engine_config
+    from orlhf.types import SamplingSpec
+
+    flags = {"advantage_estimator": "group_norm", "n_samples_per_prompt": 4, "use_kl_loss": True,
+             "max_samples": 128}
+    cfg = finish_config(flags, frozenset(flags))
+    prompts = load_prompts(cfg, load_tokenizer(cfg.data.pretrain))[:num_prompts]
+    p = cfg.ppo
+    sampling = SamplingSpec(temperature=p.temperature, top_p=p.top_p, max_new_tokens=p.generate_max_len,
+                            max_len=p.max_len, n=p.n_samples_per_prompt, seed=p.seed * 1_000_003)
+    return engine_config(cfg), [q.ids for q in prompts], sampling
+
+
+def digest(rollouts) -> str:
+    h = hashlib.sha256()
+    for r in rollouts:
+        h.update(struct.pack(f"<{len(r.response_ids)}i", *r.response_ids))
+        h.update(struct.pack(f"<{len(r.logprobs)}d", *r.logprobs))
+        h.update(bytes([r.finished, r.prompt_index & 0xFF]))
+    return h.hexdigest()[:16]
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--num_prompts", type=int, default=64)
+    ap.add_argument("--out", default=None, help="also write the result JSON here")
+    args = ap.parse_args(argv)
+
+    from orlhf.rollout.engine import EngineActor
+
+    ecfg, ids, sampling = demo_setup(args.num_prompts)
+    t0 = time.process_time()
+    engine = EngineActor(ecfg, 0)
+    startup_cpu = time.process_time() - t0
+    indexed = list(enumerate(ids))
+    c0 = time.process_time()
+    engine.generate(indexed, sampling)  # warm-up (the first call also compiles vLLM's log-prob rank kernel)
+    warmup_cpu = time.process_time() - c0
+    cpu, wall, digests = [], [], set()
+    for _ in range(args.repeats):
+        c0, w0 = time.process_time(), time.perf_counter()
+        out = engine.generate(indexed, sampling)
+        cpu.append(time.process_time() - c0)
+        wall.append(time.perf_counter() - w0)
+        digests.add(digest(out))
+    result = {"bench": "engine_step", "prompts": len(ids), "n": sampling.n, "rollouts": len(out),
+              "tokens": sum(len(r.response_ids) for r in out), "threads": engine.num_threads(),
+              "startup_cpu_s": startup_cpu, "warmup_cpu_s": warmup_cpu, "cpu_s": cpu, "wall_s": wall,
+              "cpu_median_s": statistics.median(cpu), "cpu_min_s": min(cpu),
+              "wall_median_s": statistics.median(wall), "digests": sorted(digests), "load_avg": os.getloadavg()}
+    print(json.dumps(result))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
