@@ -18,7 +18,9 @@ pytestmark = pytest.mark.vllm
 
 @pytest.fixture
 def sampler_class():
-    import vllm._custom_ops  # noqa: F401  (registers torch.ops._C, the fused Gumbel-max kernel)
+    import importlib
+
+    importlib.import_module("vllm._custom_ops")  # registers torch.ops._C, the fused Gumbel-max kernel
     from vllm.v1.sample import sampler
     from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
 
