@@ -5,7 +5,8 @@
     the controller's per-step seed)) -> per call: CPU seconds (process_time) and wall seconds; a digest of the
     rollouts (token ids, log-prob bits, finish flags) that must not change when the engine gets faster.
 
-Threads: OMP_NUM_THREADS=1 unless set (what Ray gives a 1-CPU engine actor). Prompts: the demo's first
+Threads: --threads (default 1: what an engine gets beside training in async mode, Ray's one per CPU slot; a sync
+run's engine gets the cores, orlhf/threads.py engine_threads; 0: as the demo run's engine_config says). Prompts: the demo's first
 --num_prompts rows, tokenized by orlhf's own data path. The same seeds every call (batch index 0), so every call
 does the same work and gives the same digest.
 
@@ -16,6 +17,7 @@ does the same work and gives the same digest.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -63,11 +65,15 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--num_prompts", type=int, default=64)
     ap.add_argument("--out", default=None, help="also write the result JSON here")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads of the engine (0: the demo sync run's, threads.engine_threads)")
     args = ap.parse_args(argv)
 
     from orlhf.rollout.engine import EngineActor
 
     ecfg, ids, sampling = demo_setup(args.num_prompts)
+    if args.threads:
+        ecfg = dataclasses.replace(ecfg, cpu_threads=args.threads)
     t0 = time.process_time()
     engine = EngineActor(ecfg, 0)
     startup_cpu = time.process_time() - t0

@@ -57,6 +57,7 @@ def test_the_working_ranks_get_the_cores_on_every_pool_thread(ray_local):
         models = SimpleNamespace(actor=group, ref=None, critic=None, reward=None, engines=[])
         cfg = SimpleNamespace(runtime=SimpleNamespace(device="cpu"), ppo=SimpleNamespace(async_train=False),
                               deepspeed=SimpleNamespace(train_cpu_threads=0),
+                              vllm=SimpleNamespace(cpu_threads=0, num_engines=1, tensor_parallel_size=1),
                               single_pass=True)
         threads = PhaseThreads.from_config(cfg, models, cores=4)
         threads.before("train")
