@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from typing import Optional
 
 log = logging.getLogger(__name__)
@@ -84,8 +85,6 @@ def threads_as_ray_set() -> None:
     fixed its thread count at import, before Ray set the variable, and would otherwise use every core. Called
     first thing in an actor's __init__; the count then holds on every thread of the process (torch keeps it
     process-wide once set). Nothing in a worker that did not preload: there torch reads the variable itself."""
-    import sys
-
     if "orlhf.preload" not in sys.modules:
         return
     n = os.environ.get("OMP_NUM_THREADS", "")

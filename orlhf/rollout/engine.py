@@ -28,11 +28,11 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orlhf.cluster import GroupCall, wait_all
 from orlhf.config import engine_gpu_memory_utilization
-from orlhf.threads import engine_threads, threads_as_ray_set
 from orlhf.endpoints import check_exports, endpoint, method_name
 from orlhf.placement import EngineBundles
 from orlhf.rollout.cpu_kv import MAX_NUM_SEQS, check_kv_cache, kv_cache_bytes
 from orlhf.rollout.worker_ext import WeightSyncExtension
+from orlhf.threads import engine_threads, threads_as_ray_set
 from orlhf.types import Rollout, SamplingSpec, max_new_tokens
 
 EXTENSION = f"{WeightSyncExtension.__module__}.{WeightSyncExtension.__qualname__}"
