@@ -1,9 +1,10 @@
 """CPU threads handed over per phase (orlhf/threads.py) on real Ray rank actors: the working call sees the count.
 
-    2 rank actors (Ray: OMP_NUM_THREADS=1, calls on a pool of 2 threads each)
-      work() x 4 at once      -> 1 thread on every pool thread (as Ray started them)
+    2 rank actors (Ray: OMP_NUM_THREADS=1; Ray runs each actor's calls on a pool of threads)
+      work() x 4, one after another   -> 1 torch thread, and all four on one thread per rank (the compute thread)
       PhaseThreads.before("train")  (cores 4, 2 ranks working: 2 each)
-      work() x 4 at once      -> 2 threads on every pool thread, also on threads that ran torch code before
+      work() x 4, one after another   -> 2 threads, on that same thread (which ran torch code with 1 before)
+      work() x 2 at once              -> 2 threads on both: an overlapping call runs on a pool thread, with the count
 """
 
 import sys
@@ -37,22 +38,27 @@ class WorkProbe:
         return threading.get_ident(), torch.get_num_threads()
 
 
-def observed(group: ActorGroup) -> dict:
-    """{(rank, pool thread): threads seen inside work()}, four calls per rank at once (both pool threads)."""
-    calls = [group.call(WorkProbe.work, 0.5) for _ in range(4)]
+def observed(group: ActorGroup, at_once: int) -> dict:
+    """{(rank, thread): torch threads seen inside work()}: four calls one after another (at_once=1), or
+    at_once calls in flight together."""
     seen = {}
-    for call in calls:
-        for rank, (thread, n) in enumerate(call.get()):
+    if at_once == 1:
+        results = [group.call(WorkProbe.work, 0.0).get() for _ in range(4)]
+    else:
+        calls = [group.call(WorkProbe.work, 0.5) for _ in range(at_once)]
+        results = [call.get() for call in calls]
+    for result in results:
+        for rank, (thread, n) in enumerate(result):
             seen[(rank, thread)] = n
     return seen
 
 
-def test_the_working_ranks_get_the_cores_on_every_pool_thread(ray_local):
+def test_the_working_ranks_get_the_cores_on_one_compute_thread(ray_local):
     group = ActorGroup("actor", WorkProbe, cfg=None, slots=[RankBundle(None, 0, 1.0)] * 2, device="cpu",
                        timeout_s=60)
     try:
-        before = observed(group)
-        assert len(before) == 4, f"expected 2 pool threads per rank: {before}"
+        before = observed(group, 1)
+        assert len(before) == 2, f"calls one after another should share one thread per rank: {before}"
         assert set(before.values()) == {1}  # Ray's OMP_NUM_THREADS=1
         models = SimpleNamespace(actor=group, ref=None, critic=None, reward=None, engines=[])
         cfg = SimpleNamespace(runtime=SimpleNamespace(device="cpu"), ppo=SimpleNamespace(async_train=False),
@@ -61,8 +67,11 @@ def test_the_working_ranks_get_the_cores_on_every_pool_thread(ray_local):
                               single_pass=True)
         threads = PhaseThreads.from_config(cfg, models, cores=4)
         threads.before("train")
-        after = observed(group)
-        assert set(after) >= set(before)  # the same pool threads, which had run torch with 1 thread
+        after = observed(group, 1)
+        assert set(after) == set(before)  # the same compute threads, which had run torch with 1 thread
         assert set(after.values()) == {2}
+        overlapping = observed(group, 2)
+        assert len(overlapping) == 4, f"two calls at once should run on two threads per rank: {overlapping}"
+        assert set(overlapping) >= set(before) and set(overlapping.values()) == {2}
     finally:
         group.shutdown()
