@@ -18,7 +18,8 @@
       whole process tree (Ray and vLLM processes included) at that moment
     -> per run: samples/s of the median measured step (steps after --warmup), start-up (launch -> start of step 1
        = arrival of row 1 - its step_s), busy share (CPU seconds / (wall x cores) from the end of the warm-up to
-       the last row), CPU seconds per step, seconds per phase (median step); per mode the median over repeats
+       the last row), CPU seconds per step, seconds per phase (median step), steal share (CPU time the hypervisor
+       gave other guests, over the run's wall x cores: a noisy run shows here); per mode the median over repeats
     -> a table, and one final JSON line: every mode's figures and ratio_vs_trl (samples/s over TRL's)
 
 Reproduce (2-core CPU box; about 1.5 min a run at the default 12 steps, so ~14 min with 3 repeats of 3 modes):
@@ -147,18 +148,31 @@ def run_once(cmd: list[str], save: Path, warmup: int, timeout: float, trl_thread
         env["OMP_NUM_THREADS"] = str(trl_threads)
     if not is_trl:
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    launched = time.monotonic()
+    launched, steal0 = time.monotonic(), steal_seconds()
     rc, sampler = run_sampled(cmd, ROOT, save / "run.log", env, timeout, marker=None if is_trl else "startup.json")
     if rc != 0:
         tail = (save / "run.log").read_text(errors="replace").strip().splitlines()[-8:]
         return {"error": f"exit {rc}; see {save / 'run.log'}: " + " | ".join(tail)}
     rows = [json.loads(line) for line in open(save / "metrics.jsonl") if line.strip()]
     result = figures(rows, sampler, warmup, launched)
+    # CPU time the hypervisor gave to other guests while this run wanted it (/proc/stat "steal"): on a shared VM
+    # it slows whichever side it lands on, so a run with a high share is a noisy one
+    result["steal_share"] = (steal_seconds() - steal0) / ((time.monotonic() - launched) * (os.cpu_count() or 1))
     if (save / "startup.json").exists():  # orlhf's own start-up breakdown (orlhf/startup.py)
         result["startup_phases"] = json.loads((save / "startup.json").read_text())["phases_s"]
     if sampler.cpu_at_marker:  # CPU seconds each process group spent before step 1 (where start-up's CPU goes)
         result["startup_cpu_s"] = {g: round(v, 2) for g, v in sorted(sampler.cpu_at_marker.items())}
     return result
+
+
+def steal_seconds() -> float:
+    """Seconds of CPU stolen from this (virtual) machine so far, all cores (0 where /proc/stat has no steal)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK") if len(fields) > 8 else 0.0
+    except (OSError, ValueError):
+        return 0.0
 
 
 def figures(rows: list[dict], sampler: TreeSampler, warmup: int, launched: float) -> dict:
@@ -273,7 +287,7 @@ def main(argv=None) -> None:
 
 
 def print_table(result: dict) -> None:
-    cols = ("samples_per_s", "ratio_vs_trl", "startup_s", "busy_share", "cpu_s_per_step", "step_s")
+    cols = ("samples_per_s", "ratio_vs_trl", "startup_s", "busy_share", "cpu_s_per_step", "step_s", "steal_share")
     print(f"{'mode':<14}" + "".join(f"{c:>16}" for c in cols) + "   phases (s per step)")
     for m, r in result.items():
         if "error" in r:

@@ -1,6 +1,7 @@
 """The Ray cluster a run uses: the one it is given or runs in (--address, RAY_ADDRESS, `ray job submit`), joined as
 it is, else a local one this process starts (and run_locked shuts down), without the Ray processes such a
-cluster does not need unless --verbose shows their output.
+cluster does not need (the autoscaler monitor, the log monitor, the dashboard head) unless --verbose shows their
+output.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def connect_ray(cfg: TrainConfig, num_cpus: int, processes: int = 0) -> bool:
     if cfg.runtime.verbose:  # Ray's processes as ray.init starts them: their output is what --verbose shows
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **quiet, **preload)
         return True
-    with local_cluster_without(no_monitor=True, include_log_monitor=False):
+    with local_cluster_without(no_monitor=True, include_log_monitor=False), no_dashboard_head():
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **quiet, **preload)
     return True
 
@@ -49,6 +50,23 @@ def worker_preload(cfg: TrainConfig, num_cpus: int, processes: int) -> dict:
             or os.environ.get("ORLHF_NO_PRELOAD", "") not in ("", "0")):
         return {}
     return {"_system_config": {"preload_python_modules": ["orlhf.preload"]}}
+
+
+@contextmanager
+def no_dashboard_head():
+    """ray.init without Ray's dashboard head process. With include_dashboard=False ray.init still starts it (a
+    Python process that loads only Ray's usage-stats module) and waits until it has written its address, before it
+    starts the raylet: ~1.4 s on the start-up's critical path and ~1.5 CPU-s on a 2-core machine (Ray 2.60's
+    services.start_api_server). A cluster that orlhf starts and ends needs none of what it serves (the dashboard,
+    the job-submission and state APIs); a cluster orlhf joins keeps its own."""
+    from ray._private.node import Node
+
+    original = Node.start_api_server
+    Node.start_api_server = lambda self, **kwargs: None  # self._webui_url stays None: no dashboard
+    try:
+        yield
+    finally:
+        Node.start_api_server = original
 
 
 @contextmanager

@@ -1,5 +1,5 @@
 """raystart.connect_ray's own local cluster (entry.run_locked starts it): without --verbose, started without the
-autoscaler monitor and the log monitor, and still runs actors and placement groups; ray.init's RayParams is left as
+autoscaler monitor, the log monitor and the dashboard head, and still runs actors and placement groups; ray.init's RayParams is left as
 it was afterwards.
 
 Real Ray: each case starts and ends a local cluster (~7 s), so the session's shared one is shut down first.
@@ -10,6 +10,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from ray._private import parameter  # noqa: E402
+from ray._private.node import Node  # noqa: E402
 from ray.util.placement_group import placement_group, remove_placement_group  # noqa: E402
 
 from orlhf.flags import build_config  # noqa: E402
@@ -40,13 +41,15 @@ def running_types() -> set[str]:
 
 @pytest.mark.parametrize("verbose", [False, True])
 def test_own_cluster_leaves_out_the_monitors_unless_verbose_and_still_runs(own_cluster, verbose):
-    original = parameter.RayParams.__init__
+    original, start_api_server = parameter.RayParams.__init__, Node.start_api_server
     cfg = build_config({"verbose": verbose}, explicit={"verbose"})
     assert connect_ray(cfg, num_cpus=2) is True  # started here: run_locked shuts it down
     assert parameter.RayParams.__init__ is original  # only ray.init's own RayParams were changed
+    assert Node.start_api_server is start_api_server  # and its own Node
     kinds = running_types()
     assert ("monitor" in kinds) is verbose  # --verbose: Ray's processes as ray.init starts them
     assert ("log_monitor" in kinds) is verbose  # (it forwards workers' output to the terminal)
+    assert ("dashboard" in kinds) is verbose  # the dashboard head, which ray.init waits for
     assert {"gcs_server", "raylet"} <= kinds
     pg = placement_group([{"CPU": 1}], strategy="STRICT_PACK")
     ray.get(pg.ready(), timeout=60)
