@@ -152,9 +152,10 @@ class PhaseThreads:
     def before(self, phase: str) -> None:
         """Send this phase's thread counts to its groups, waited for: a rank actor applies the stored count on
         the thread that runs each call, so it must be stored before the phase's call starts. Usually sent once: a
-        group whose phases all give it the same count is not called again. The counts depend only on the run's flags and the
-        machine's cores, never on its load: the thread count changes floating-point summation order, and a seeded
-        run (and a resumed one) must give the same numbers whatever else runs on the machine."""
+        group whose phases all give it the same count is not called again. The counts depend only on the run's
+        flags and the machine's cores, never on its load: the thread count changes floating-point summation
+        order, and a seeded run (and a resumed one) must give the same numbers whatever else runs on the
+        machine."""
         for g in self.phases.get(phase, []):
             n = self.threads(phase, g)
             if self._last.get(id(g)) != n:
