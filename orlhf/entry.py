@@ -55,10 +55,16 @@ def run_locked(cfg: TrainConfig, run_id: str, clock) -> int:
     preflight(cfg, run_logs)
     layout = plan_layout(cfg)
 
+    def check_inputs_heads():
+        """The value heads' check (check_value_heads), in the inputs thread while Ray starts: it imports the
+        model's transformers module (~4.5 s on the main thread of a 2-core machine, all of it before ray.init when
+        it ran there). Its error is raised as soon as Ray is up, before anything starts on it."""
+        run_logs.route_transformers()  # first: it imports transformers, before anything here can log through it
+        check_value_heads(cfg)
+
     def read_inputs():
         """Tokenizer, prompts, eval prompts, resume point: in a thread while Ray starts (the tokenizer's import of
         transformers and torch is most of it); their errors are raised once Ray is up, and Ray is shut down."""
-        run_logs.route_transformers()  # first: it imports transformers, before anything here can log through it
         from orlhf.checkpoint import CheckpointManager
         from orlhf.data import PromptLoader, load_tokenizer
 
@@ -69,11 +75,14 @@ def run_locked(cfg: TrainConfig, run_id: str, clock) -> int:
         return (checkpoints, tokenizer, loader, evaluator) + resume_point(cfg, checkpoints, run_id)
 
     with ExitStack() as stack:
-        reading = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="orlhf-inputs")).submit(read_inputs)
+        inputs = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="orlhf-inputs"))
+        heads, reading = inputs.submit(check_inputs_heads), inputs.submit(read_inputs)
         # in this thread: Ray sets its SIGTERM handler only here
         if connect_ray(cfg, local_num_cpus(layout), cpu_slots_needed(layout)):
             stack.callback(ray.shutdown)
         clock.mark("ray")
+        heads.result()  # a wrong --value_head_prefix stops the run here, before any model starts
+        clock.mark("value heads")
         from orlhf.placement import create_placement_groups, remove_placement_groups
 
         placed = create_placement_groups(layout, cfg.runtime.ray_timeout_s)
@@ -116,16 +125,16 @@ def run_locked(cfg: TrainConfig, run_id: str, clock) -> int:
 
 
 def preflight(cfg: TrainConfig, run_logs=None) -> None:
-    """Checks that read files before Ray starts, so a wrong head or agent file fails in a second. `run_logs`
-    (logs.RunLogs) routes transformers' logging first when they may import it."""
+    """Checks that read files before Ray starts, so a wrong agent file fails in a second (the value heads are
+    checked beside Ray's start: run_locked). `run_logs` (logs.RunLogs) routes transformers' logging first when
+    they may import it."""
     if cfg.deepspeed.packing_samples and not cfg.deepspeed.flash_attn:
         log.warning("--packing_samples without --flash_attn: attention runs over each packed row with a "
                     "block-diagonal mask, whose cost grows with the square of the row (on CPU: 0.55-0.7x of "
                     "the default trimmed micro-batches, benchmarks/bench_padding.py); packing pays with "
                     "flash-attn's varlen kernels on GPUs")
-    if run_logs is not None and (cfg.has_reward_model or cfg.has_critic or cfg.data.agent_func_path):
-        run_logs.route_transformers()  # the head check, or an agent file, may import transformers here
-    check_value_heads(cfg)
+    if run_logs is not None and cfg.data.agent_func_path:
+        run_logs.route_transformers()  # an agent file may import transformers here
     if cfg.data.agent_func_path:  # an agent file that does not import or defines no AgentExecutor
         from orlhf.rollout.executor import load_agent_executor
 
@@ -179,9 +188,9 @@ def load_prompts(cfg: TrainConfig, tokenizer) -> list:
 
 
 def check_value_heads(cfg: TrainConfig) -> None:
-    """The reward model's and critic's value heads, checked from their files before Ray starts (a wrong
-    --value_head_prefix fails in a second, not after the start-up); the workers load the same way. Imported only
-    when there is a head to check: orlhf.workers loads torch, which a run without heads loads beside Ray's start."""
+    """The reward model's and critic's value heads, checked from their files before any model starts (a wrong
+    --value_head_prefix fails in seconds, not after the start-up); the workers load the same way. Imported only
+    when there is a head to check (orlhf.workers loads torch)."""
     if not (cfg.has_reward_model or cfg.has_critic):
         return
     from orlhf.workers.value_head import check_head

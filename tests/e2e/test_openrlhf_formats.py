@@ -64,7 +64,7 @@ def test_openrlhf_reward_model_with_stored_statistics_and_a_prompt_mix(ray_local
     assert all(-1010 < r["reward_mean"] < -990 for r in rows), [r["reward_mean"] for r in rows]
 
 
-def test_wrong_prefix_stops_before_ray_naming_the_tensors(tmp_path, capsys):
+def test_wrong_prefix_stops_before_any_model_starts_naming_the_tensors(tmp_path, capsys):
     rm = openrlhf_reward_model(tmp_path / "rm", mean=0.0)
     assert run(tmp_path, "--reward_pretrain", str(rm), "--advantage_estimator", "reinforce") == 1
     err = capsys.readouterr().err
