@@ -1,7 +1,12 @@
 """The producer side of --async_train: a thread that keeps the engines generating ahead of the trainers.
 
-    producer thread:  [acquire a slot] -> lock -> engines.generate(batch i) -> unlock -> queue.put(batch i)
+    producer thread:  [acquire a slot] -> lock -> engines.generate(batch i) -> unlock -> ahead(batch i)
+                      -> queue.put(batch i)
     controller:       queue.get() -> release a slot -> score, train -> sync (takes the lock)
+
+`ahead` (optional): called with each batch's prompts and rollouts as soon as it is generated, outside the lock;
+what it returns travels with the batch. The controller starts the frozen models' forwards there (reference,
+reward model: Controller.score_ahead), so they run while the trainers still work on the batch before.
 
 Invariants:
 - At most `queue_size` batches are generated and not yet taken by the trainer (a semaphore of queue_size
@@ -19,7 +24,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 _DONE = object()
 STOP_WAIT_S = 5.0  # how long context exit waits for the producer thread
@@ -27,8 +32,9 @@ log = logging.getLogger(__name__)
 
 
 class RolloutProducer:
-    def __init__(self, generate: Callable[[list, int], list], loader, queue_size: int):
-        self.generate, self.loader = generate, loader
+    def __init__(self, generate: Callable[[list, int], list], loader, queue_size: int,
+                 ahead: Optional[Callable[[list, list], Any]] = None):
+        self.generate, self.loader, self.ahead = generate, loader, ahead
         self.lock = threading.Lock()  # held while generating and while syncing weights
         self._slots = threading.Semaphore(queue_size)
         self._queue: queue.Queue = queue.Queue()
@@ -48,8 +54,8 @@ class RolloutProducer:
             log.info("rollout producer still in a generation after %.0f s; leaving it to end with the engines",
                      STOP_WAIT_S)
 
-    def __iter__(self) -> Iterator[tuple[list, list, float]]:
-        """(prompts, rollouts, generation seconds) per batch, in loader order."""
+    def __iter__(self) -> Iterator[tuple[list, list, float, Any]]:
+        """(prompts, rollouts, generation seconds, ahead's result or None) per batch, in loader order."""
         while True:
             item = self._queue.get()
             if item is _DONE:
@@ -71,7 +77,8 @@ class RolloutProducer:
                     seconds = time.perf_counter() - t0
                 if self._stop.is_set():
                     return
-                self._queue.put((prompts, rollouts, seconds))
+                early = self.ahead(prompts, rollouts) if self.ahead is not None else None
+                self._queue.put((prompts, rollouts, seconds, early))
             self._queue.put(_DONE)
         except BaseException as e:  # surfaced in the controller's thread
             self._queue.put(e)

@@ -7,6 +7,7 @@
     group.call(PolicyWorker.init).get()                  every rank, same args (collectives: all ranks enter)
     group.call_sharded(PolicyWorker.log_probs, batch)    batch split over ranks -> GroupCall; .get_cat() gathers
     group.call_rank(0, PolicyWorker.sync_address)        one rank
+    ref.call_sharded_beside(ReferenceWorker.log_probs, b)  a hosted frozen forward beside its one-rank host's call
     wait_calls(call_a, call_b)                           several calls (of any groups) waited on together
     actor.host("ref", ReferenceWorker, cfg)             (CPU, roles.host_of) a group whose workers live in the
                                                          actor's rank processes: rank k's in actor rank k's
@@ -26,6 +27,9 @@ Invariants:
   process's one torch.distributed group, so two ranks must never run the host's and the guest's collectives in
   different orders. A guest's calls run on its own RNG states (swapped in and out), so the host's random
   numbers are exactly those it would draw alone in its process; its shutdown leaves the processes to the host.
+  One exception, for a frozen model's forward on a one-rank host (call_sharded_beside: async mode's reference
+  scored ahead): it runs at once on a pool thread beside the host's call, unnumbered and without the RNG swap,
+  since a single rank has no peer to interleave collectives with and a frozen forward draws no random numbers.
 """
 
 from __future__ import annotations
@@ -116,6 +120,7 @@ class RankActor:
         # Every worker call runs on this one thread (see call()); Ray's pool threads only wait for their turn.
         self.compute = ThreadPoolExecutor(1, thread_name_prefix=f"{role}-{rank}-compute")
         self.compute_free = threading.Lock()
+        self.beside_lock = threading.Lock()  # call_beside: one at a time
 
     def address(self) -> tuple[str, int]:
         """(ip, free port) of this rank's node: rank 0's becomes the group's rendezvous address."""
@@ -149,6 +154,16 @@ class RankActor:
             # Another call holds the compute thread (calls overlap only when one is stuck or slow, e.g. in a
             # collective a failed peer left): this one runs here, as it would without a compute thread.
             return self._run(role, method, args, kwargs)
+
+    def call_beside(self, role: str, method: str, *args, **kwargs) -> Any:
+        """Run a guest's method at once, on this pool thread, beside whatever the compute thread runs: no turn,
+        no RNG swap (ActorGroup.call_sharded_beside says when that is safe). Such calls of one guest still run
+        one at a time."""
+        with self.beside_lock:
+            n = self.cpu_threads.get(role, 0)
+            if n:
+                apply_threads(n)
+            return getattr(self.workers[role], method)(*args, **kwargs)
 
     def _run(self, role: str, method: str, args: tuple, kwargs: dict) -> Any:
         n = self.cpu_threads.get(role, 0)
@@ -332,6 +347,21 @@ class ActorGroup:
 
     def call_rank(self, rank: int, fn: Callable, *args, **kwargs) -> GroupCall:
         return self._submit(method_name(self.role, self.worker_cls, fn), [rank], [args], kwargs)
+
+    def call_sharded_beside(self, fn: Callable, batch: Any, *args) -> GroupCall:
+        """call_sharded for a frozen model's forward (reference, reward model) that may run beside its host's
+        call in flight instead of after it: a guest of a one-rank host (on CPU, the reference inside the actor's
+        process). Only there, and only for a forward that runs no collective and draws no random numbers: a
+        single rank has no peer whose calls could interleave differently, and a frozen model in eval mode
+        consumes no RNG, so skipping the RNG swap leaves the host's random numbers as they were. It runs on a
+        pool thread of the host's process (RankActor.call_beside), unnumbered. Any other group: call_sharded."""
+        if self.host_role is None or self.world_size != 1:
+            return self.call_sharded(fn, batch, *args)
+        name = method_name(self.role, self.worker_cls, fn)
+        out = GroupCall(self.role, name, [self.actors[0].call_beside.remote(self.role, name, batch, *args)], [0],
+                        self.timeout_s, host=self.host_role)
+        out.n_out = len(batch)
+        return out
 
     def call_sharded(self, fn: Callable, batch: Any, *args, **kwargs) -> GroupCall:
         """Split `batch` (a types.py dataclass with .split, or a list) over the ranks in contiguous chunks;

@@ -159,25 +159,43 @@ class Controller:
         """
         from orlhf.async_rollout import RolloutProducer
 
-        producer = RolloutProducer(self.generate, self.loader, self.cfg.ppo.async_queue_size)
+        producer = RolloutProducer(self.generate, self.loader, self.cfg.ppo.async_queue_size, self.score_ahead)
         self._sync_lock = producer.lock
         with producer, self.progress() as report:
-            for prompts, rollouts, gen_seconds in producer:
+            for prompts, rollouts, gen_seconds, ahead in producer:
                 if self.should_stop():
                     self.save_at_stop()
                     break
                 self.timings = {"generate": gen_seconds}
-                report(self.learn(prompts, rollouts))
+                report(self.learn(prompts, rollouts, ahead=ahead))
         return self.history
 
-    def learn(self, prompts: list, rollouts: list[Rollout], reward=None) -> dict[str, Any]:
-        """Everything after generation for one batch: score, make experience, train, sync. Returns metrics.
-        reward: a rewards.RewardResult already computed while generating (--dynamic_filtering), else scored here."""
+    def score_ahead(self, prompts: list, rollouts: list[Rollout]) -> "ScoredAhead":
+        """Async mode, in the producer thread as soon as a batch is generated: the batch tensors, and the forwards
+        of the frozen models started (reference log-probs, reward-model scores), which depend on nothing the
+        trainers change. They run while the trainers still work on the batch before, and learn() takes their
+        results instead of calling again: the same calls on the same tensors, earlier. The critic's values and
+        the actor's old log-probs wait for learn(): they read weights that train. A reference hosted in a
+        one-rank actor's process runs beside the actor's call in flight (ActorGroup.call_sharded_beside); with
+        more ranks, after the calls numbered before it (cluster.py)."""
         batch, engine_log_probs = rollouts_to_batch(rollouts, self.tok.pad_token_id)
+        ref_call = self.m.ref.call_sharded_beside(ReferenceWorker.log_probs, batch) if self.m.ref else None
+        reward_call = self.m.reward.call_sharded_beside(RewardWorker.scores, batch) if self.m.reward else None
+        return ScoredAhead(batch, engine_log_probs, ref_call, reward_call)
+
+    def learn(self, prompts: list, rollouts: list[Rollout], reward=None,
+              ahead: Optional["ScoredAhead"] = None) -> dict[str, Any]:
+        """Everything after generation for one batch: score, make experience, train, sync. Returns metrics.
+        reward: a rewards.RewardResult already computed while generating (--dynamic_filtering), else scored here.
+        ahead: the batch and the frozen models' calls started when it was generated (async: score_ahead)."""
+        if ahead is not None:
+            batch, engine_log_probs = ahead.batch, ahead.engine_log_probs
+        else:
+            batch, engine_log_probs = rollouts_to_batch(rollouts, self.tok.pad_token_id)
         gen_version = min(r.weight_version for r in rollouts)
         staleness = self.weight_version - gen_version  # trainer version these rollouts are trained at
         with self.timed("score"):
-            reward, old_lp, ref_lp, values = self.score(batch, rollouts, prompts, reward)
+            reward, old_lp, ref_lp, values = self.score(batch, rollouts, prompts, reward, ahead)
         if old_lp is not None:  # stop before training on another policy's samples
             gap = _masked_abs_mean(engine_log_probs - old_lp, batch.action_mask)
             self.guard.check(gap, self.step_index + 1, staleness)
@@ -305,17 +323,25 @@ class Controller:
                                 n=p.n_samples_per_prompt, seed=p.seed * 1_000_003 + batch_index)
         return self.executor.generate(prompts, sampling)
 
-    def score(self, batch: SequenceBatch, rollouts: list[Rollout], prompts: list, reward=None):
+    def score(self, batch: SequenceBatch, rollouts: list[Rollout], prompts: list, reward=None,
+              ahead: Optional["ScoredAhead"] = None):
         """Everything that reads the rollouts, started together and gathered after. The reward part is a
         rewards.RewardResult: .rewards to train on, .scores for filtering, .extra_logs to log (`reward`: known
-        already, from --dynamic_filtering)."""
+        already, from --dynamic_filtering). `ahead`: the reference and reward-model calls already started
+        (score_ahead)."""
         from orlhf.rewards import RewardResult
 
         old_call = None if self.cfg.single_pass else self.m.actor.call_sharded(PolicyWorker.log_probs, batch)
-        ref_call = self.m.ref.call_sharded(ReferenceWorker.log_probs, batch) if self.m.ref else None
+        if ahead is not None:
+            ref_call = ahead.ref_call
+        else:
+            ref_call = self.m.ref.call_sharded(ReferenceWorker.log_probs, batch) if self.m.ref else None
         value_call = self.m.critic.call_sharded(CriticWorker.values, batch) if self.m.critic else None
-        reward_call = (self.m.reward.call_sharded(RewardWorker.scores, batch) if self.m.reward and reward is None
-                       else None)
+        if ahead is not None:
+            reward_call = ahead.reward_call
+        else:
+            reward_call = (self.m.reward.call_sharded(RewardWorker.scores, batch) if self.m.reward and reward is None
+                           else None)
         if reward is not None:
             pass
         elif self.reward_source is not None or agent_scores(rollouts) is not None:  # while the groups compute
@@ -397,6 +423,16 @@ def reward_inputs(tokenizer, rollouts: list[Rollout], prompts: list) -> tuple[li
     texts = [prompts[r.prompt_index].text for r in rollouts]
     responses = tokenizer.batch_decode([r.response_ids for r in rollouts], skip_special_tokens=True)
     return [t + resp for t, resp in zip(texts, responses)], texts, [prompts[r.prompt_index].label for r in rollouts]
+
+
+@dataclass
+class ScoredAhead:
+    """A generated batch as Controller.score_ahead left it: its tensors and the frozen models' calls in flight."""
+
+    batch: SequenceBatch
+    engine_log_probs: torch.Tensor
+    ref_call: Any  # cluster.GroupCall of ReferenceWorker.log_probs, or None
+    reward_call: Any  # cluster.GroupCall of RewardWorker.scores, or None
 
 
 # The actor's metrics on a --freezing_actor_steps step: no training, so none (NaN: metrics.jsonl writes null).

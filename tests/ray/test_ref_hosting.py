@@ -1,7 +1,8 @@
 """A guest role inside a host group's rank processes (ActorGroup.host; on CPU the reference in the actor's ranks).
 
     probes (no DeepSpeed, cheap)   host + guest drawing random numbers: the host's draws are those it makes alone,
-                                   the guest's are its own seed's; pids shared; errors name the guest and the host
+                                   the guest's are its own seed's; pids shared; errors name the guest and the host;
+                                   a one-rank host's guest called "beside" runs during the host's call
     real workers (2 ranks each)    PolicyWorker with a hosted ReferenceWorker beside a ReferenceWorker in its own
                                    processes: equal log-probs (bit for bit), while the actor's forwards run at the
                                    same time (ZeRO collectives of two workers on one process group, in turn order);
@@ -51,6 +52,19 @@ class Probe:
     def fail(self) -> None:
         raise ValueError("probe failure")
 
+    @endpoint
+    def hold(self, seconds: float) -> list[float]:
+        """Draws, sleeps (a long call of the host), draws again."""
+        import time
+
+        first = torch.rand(1).item()
+        time.sleep(seconds)
+        return [first, torch.rand(1).item()]
+
+    @endpoint
+    def count(self, batch: list) -> int:
+        return len(batch)
+
 
 class GuestProbe(Probe):
     pass
@@ -86,6 +100,32 @@ def test_a_guest_runs_in_the_hosts_processes_on_its_own_random_numbers(ray_local
         assert len(host.pids()) == 2
     finally:
         host.shutdown()
+
+
+def test_a_frozen_guests_forward_runs_beside_a_one_rank_hosts_call(ray_local):
+    """call_sharded_beside: at one rank the guest's call runs at once beside the host's call in flight, and the
+    host's random numbers are those it draws alone; with two ranks it waits its turn like any call."""
+    import ray
+
+    one = ActorGroup("actor", Probe, None, [RankBundle(None, 0, 0.5)], device="cpu", guests=["ref"])
+    two = ActorGroup("actor", Probe, None, TWO, device="cpu", gpus_per_node=2, guests=["ref"])
+    try:
+        guest1, guest2 = one.host("ref", GuestProbe, None), two.host("ref", GuestProbe, None)
+        one.call(Probe.seed, 0).get()
+        held = one.call(Probe.hold, 5.0)
+        numbered = guest1.call_sharded(GuestProbe.count, [1, 2, 3])  # waits for the host's call
+        beside = guest1.call_sharded_beside(GuestProbe.count, [1, 2, 3])
+        assert beside.get() == [3]
+        assert not ray.wait(held.refs + numbered.refs, num_returns=2, timeout=0)[0]  # both still waiting
+        assert numbered.get() == [3]
+        torch.manual_seed(0)
+        assert held.get() == [[torch.rand(1).item(), torch.rand(1).item()]]  # as if the guest were not there
+        held2 = two.call(Probe.hold, 3.0)
+        waited = guest2.call_sharded_beside(GuestProbe.count, [1, 2, 3, 4])  # two ranks: numbered, in turn
+        assert waited.get() == [2, 2] and ray.wait(held2.refs, num_returns=2, timeout=0)[0] == held2.refs
+    finally:
+        one.shutdown()
+        two.shutdown()
 
 
 @pytest.fixture(scope="module")
