@@ -12,20 +12,10 @@ from orlhf.controller import Controller, Models
 from orlhf.flags import build_config
 from orlhf.rewards import RewardResult
 from orlhf.types import Rollout, TrainStats
+from tests.unit.test_controller_guard import Done  # a finished call's stand-in
 
 FLAGS = dict(rollout_batch_size=2, train_batch_size=4, micro_train_batch_size=2, n_samples_per_prompt=2,
              advantage_estimator="group_norm", use_kl_loss=True, init_kl_coef=0.01, max_engine_logprob_gap=0)
-
-
-class Done:
-    def __init__(self, value):
-        self.value = value
-
-    def get(self):
-        return self.value
-
-    def get_cat(self):
-        return self.value
 
 
 class Group:
