@@ -23,8 +23,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def leave_group() -> None:
+    """The last step of a spawned rank: wait for the others, then close the gloo group, so no rank exits (and
+    closes its sockets) while a peer is still inside a collective with it."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _run_rank(rank: int, rank_main, *args) -> None:
+    rank_main(rank, *args)
+    leave_group()
+
+
 def spawn_ranks(rank_main, world: int, *args) -> None:
-    """rank_main(rank, world, port, *args) in `world` fresh processes (one gloo group), waited for."""
+    """rank_main(rank, world, port, *args) in `world` fresh processes (one gloo group), waited for; each rank
+    leaves the group together with the others when rank_main returns."""
     import torch.multiprocessing as mp
 
-    mp.start_processes(rank_main, args=(world, free_port(), *args), nprocs=world, join=True, start_method="spawn")
+    mp.start_processes(_run_rank, args=(rank_main, world, free_port(), *args), nprocs=world, join=True,
+                       start_method="spawn")

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from orlhf.types import Experience
+from mp_tools import leave_group
 from test_workers_mp import A, B, _cfg, _free_port, _hf_log_probs, _make_batch, _tiny_llama_config, _tiny_tokenizer
 
 ROLES = ("actor", "critic")
@@ -133,6 +134,7 @@ def _rank_main(rank: int, world: int, port: int, setup: dict, out_dir: str) -> N
     out["resumed"] = _steps(workers, exp, rank, range(2, 4))
     out["resumed_end"] = _finish(workers)
     torch.save(out, Path(out_dir) / f"rank{rank}.pt")
+    leave_group()
 
 
 @pytest.fixture(scope="module")

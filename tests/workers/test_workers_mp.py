@@ -20,6 +20,8 @@ import torch
 from orlhf.worker_config import WorkerConfig, role_config
 from orlhf.types import Experience, SequenceBatch
 
+from mp_tools import leave_group
+
 B, P, A, V = 8, 6, 5, 128  # global batch, prompt length, response length, vocab
 PAD = 0
 
@@ -216,6 +218,7 @@ def _rank_main(rank: int, world: int, port: int, job: str, paths: dict, exp: Exp
     out: dict = {}
     {"ws2": _ws2, "ws1": _ws1}[job](rank, out, paths, exp)
     torch.save(out, Path(out_dir) / f"{job}_rank{rank}.pt")
+    leave_group()
 
 
 def _free_port() -> int:
@@ -408,7 +411,10 @@ def test_padding_removal_trimmed_padded_and_packed_agree(ws1, ws2, hf_lm, experi
         got = ws1[0][f"{name}_log_probs"]
         assert got.shape == (B, A) and (got - expected)[mask].abs().max().item() <= 1e-5, name
         assert ws1[0][f"{name}_stats"].loss == pytest.approx(ws1[0]["stats"].loss, rel=1e-4, abs=1e-6), name
-        assert _max_diff(ws1[0][f"{name}_after"], ws1[0]["after"]) <= 1e-5, name  # the same optimizer step
+        # The same optimizer step. AdamW's first step moves a weight by about lr * g / (|g| + eps) (lr 1e-3):
+        # where |g| is near eps, the rounding of packed vs padded attention sums shifts that by a few % of lr
+        # (1.5e-5 seen on AMD EPYC kernels, under 1e-5 on others); a wrong gradient is off by ~lr.
+        assert _max_diff(ws1[0][f"{name}_after"], ws1[0]["after"]) <= 5e-5, name
     rm_values = ws1[0]["rm_critic_values"]
     assert (ws1[0]["packed_rm_critic_values"] - rm_values).abs().max().item() <= 1e-5
     assert math.isfinite(ws1[0]["packed_critic_stats"].loss) and ws1[0]["packed_critic_stats"].grad_norm > 0
