@@ -56,9 +56,9 @@ def run_locked(cfg: TrainConfig, run_id: str, clock) -> int:
     layout = plan_layout(cfg)
 
     def check_inputs_heads():
-        """The value heads' check (check_value_heads), in the inputs thread while Ray starts: it imports the
-        model's transformers module (~4.5 s on the main thread of a 2-core machine, all of it before ray.init when
-        it ran there). Its error is raised as soon as Ray is up, before anything starts on it."""
+        """The value heads' check (check_value_heads), in the inputs thread while Ray starts: it reads config.json
+        and the weight files' tensor names and shapes (no transformers config or model class: value_head.check_head).
+        Its error is raised as soon as Ray is up, before anything starts on it."""
         run_logs.route_transformers()  # first: it imports transformers, before anything here can log through it
         check_value_heads(cfg)
 

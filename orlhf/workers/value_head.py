@@ -142,13 +142,14 @@ def head_like(shapes: dict, backbone_prefix: str, hidden: int) -> list[str]:
 
 
 def locate_head(folder: str, prefix: str, hidden: int, backbone_prefix: str, required: bool,
-                ) -> Optional[tuple[Path, Optional[Path]]]:
+                shapes: Optional[dict] = None) -> Optional[tuple[Path, Optional[Path]]]:
     """Where "<prefix>.weight" (1, hidden) is: (weight file, bias file or None), after checking its shape.
 
     Missing: HeadError if `required`, or if the folder holds another head-like tensor, or its config says it is a
     reward/critic model; None otherwise (a plain causal LM or base model: the caller starts a fresh head).
+    `shapes`: tensor_shapes(folder), where the caller has read them already.
     """
-    shapes = tensor_shapes(folder)
+    shapes = tensor_shapes(folder) if shapes is None else shapes
     want = f"{prefix}.weight"
     found = head_like(shapes, backbone_prefix, hidden)
     seen = f"head-like tensors there: {', '.join(found[:10])}" if found else "no head-like tensor there"
@@ -188,17 +189,42 @@ def find_head(folder: str, prefix: str, hidden: int, backbone_prefix: str, requi
 
 
 def check_head(folder: str, flag_prefix: str, required: bool) -> None:
-    """Driver-side pre-flight (before Ray starts): the checks the worker's load makes, from the folder's files
-    alone (config.json, tensor names and shapes), so a wrong head fails in a second, not after start-up."""
-    from transformers import AutoConfig, AutoModel
+    """Driver-side pre-flight (while Ray starts): the checks the worker's load makes, from the folder's files
+    alone (config.json, tensor names and shapes), so a wrong head fails in a second, not after start-up.
 
-    config = AutoConfig.from_pretrained(folder)
-    try:
-        backbone_prefix = AutoModel._model_mapping[type(config)].base_model_prefix or "model"
-    except KeyError:
-        return  # a model type AutoModel does not know: the worker's load reports it
-    locate_head(folder, resolve_prefix(folder, flag_prefix), config.hidden_size, backbone_prefix, required)
+    No transformers config or model class here: AutoConfig's import pulls transformers' type validators and,
+    through them, torch's compiler and DTensor modules (1.5 CPU-s, measured on 2 cores), which the driver never
+    needs and which ran while every other process was starting. The hidden size comes from config.json and the
+    backbone's prefix from the tensor names (backbone_prefix_of); where either cannot be read, the worker's load
+    makes the check with the real config."""
+    hidden = config_hidden_size(read_config(folder))
+    if hidden is None:
+        return
+    shapes = tensor_shapes(folder)
+    locate_head(folder, resolve_prefix(folder, flag_prefix), hidden, backbone_prefix_of(shapes), required,
+                shapes=shapes)
     stored_reward_stats(folder)
+
+
+def config_hidden_size(config: dict) -> Optional[int]:
+    """The model width as config.json records it (the names transformers' configs map to hidden_size), or None."""
+    for cfg in (config, config.get("text_config") or {}):
+        for key in ("hidden_size", "n_embd", "d_model", "dim"):
+            value = cfg.get(key) if isinstance(cfg, dict) else None
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
+def backbone_prefix_of(shapes: dict) -> str:
+    """The first name component most tensors share ("model" in "model.layers.0.mlp.up_proj.weight"): the backbone
+    attribute of the checkpoint's model class (its base_model_prefix), read from the names alone."""
+    counts: dict[str, int] = {}
+    for name in shapes:
+        head, dot, _ = name.partition(".")
+        if dot and head != "lm_head":
+            counts[head] = counts.get(head, 0) + 1
+    return max(counts, key=counts.get) if counts else "model"
 
 
 def _prefix_hint(found: list[str]) -> str:

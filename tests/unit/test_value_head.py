@@ -196,3 +196,37 @@ def test_a_corrupt_weights_file_is_named_by_the_pre_flight(tmp_path):
     for required in (True, False):  # reward model and critic alike: one line naming the file, not a traceback
         with pytest.raises(HeadError, match=r"model\.safetensors: cannot read the model's weights"):
             check_head(str(tmp_path / "rm"), "score", required=required)
+
+
+def test_pre_flight_reads_width_and_backbone_from_the_files_without_transformers_configs(tmp_path):
+    import subprocess
+    import sys
+
+    from orlhf.workers.value_head import backbone_prefix_of, config_hidden_size
+
+    assert config_hidden_size({"hidden_size": 64}) == 64
+    assert config_hidden_size({"n_embd": 48}) == 48  # GPT-2's name for it
+    assert config_hidden_size({"text_config": {"hidden_size": 32}}) == 32  # a multimodal wrapper's language model
+    assert config_hidden_size({"hidden_size": True}) is None and config_hidden_size({}) is None
+    shapes = {"transformer.h.0.attn.c_attn.weight": ((4, 4), None), "transformer.wte.weight": ((8, 4), None),
+              "lm_head.weight": ((8, 4), None), "score.weight": ((1, 4), None)}
+    assert backbone_prefix_of(shapes) == "transformer"
+
+    # A GPT-2-shaped reward model ("transformer.*" backbone, n_embd): a head of the wrong width is still caught.
+    save_openrlhf_model(tmp_path / "gpt2ish", prefix="score", head_shape=(1, H + 1))
+    cfg = json.loads((tmp_path / "gpt2ish" / "config.json").read_text())
+    cfg["n_embd"] = cfg.pop("hidden_size")
+    (tmp_path / "gpt2ish" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(HeadError, match=rf"'score.weight' has shape \[1, {H + 1}\]"):
+        check_head(str(tmp_path / "gpt2ish"), "score", required=True)
+
+    # The check runs on the driver while every process starts: it must not pull transformers' config machinery
+    # (its type validators import torch's compiler and DTensor modules, ~1.5 CPU-s).
+    save_openrlhf_model(tmp_path / "rm", prefix="score")
+    code = ("import sys; from orlhf.workers.value_head import check_head; "
+            f"check_head({str(tmp_path / 'rm')!r}, 'score', required=True); "
+            "print(sorted(m for m in ('transformers.utils.type_validators', 'torch._dynamo', "
+            "'transformers.models.auto.configuration_auto') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
