@@ -129,7 +129,7 @@ def run_reporting_errors(fn: Callable[[C.TrainConfig], int], cfg: C.TrainConfig)
 # module was never imported cannot exist, so the check is the same as an `except` over the classes.
 USER_ERRORS = (("orlhf.checkpoint_format", "CheckpointError"), ("orlhf.cluster", "RankError"),
                ("orlhf.data", "DataError"), ("orlhf.layout", "PlacementError"), ("orlhf.rewards", "RewardError"),
-               ("orlhf.runlock", "RunLockError"), ("orlhf.workers.value_head", "HeadError"),
+               ("orlhf.runlock", "RunLockError"), ("orlhf.head_files", "HeadError"),
                ("orlhf.rollout.agent", "AgentError"), ("orlhf.sync_guard", "EngineMismatchError"))
 
 

@@ -46,7 +46,7 @@ from orlhf.sync_guard import SyncGuard
 from orlhf.threads import PhaseThreads
 from orlhf.types import Experience, Rollout, SamplingSpec, SequenceBatch, TrainStats
 from orlhf.workers import CriticWorker, PolicyWorker, ReferenceWorker, RewardWorker
-from orlhf.workers.value_head import reward_normalization
+from orlhf.head_files import reward_normalization
 
 if TYPE_CHECKING:  # annotations only: the loop itself imports no Ray (benchmarks/hybrid_engine_baseline.py runs it
     # on SPMD ranks without Ray, with groups of its own that answer the same calls)
@@ -86,7 +86,7 @@ class Controller:
         p = cfg.ppo
         self.kl_ctl = make_kl_controller(p.init_kl_coef, p.kl_target, p.kl_horizon)
         # --normalize_reward: a reward model's stored mean/std (applied in its worker, as OpenRLHF), else running
-        # statistics here; never both (workers/value_head.py, reward_normalization).
+        # statistics here; never both (head_files.py, reward_normalization).
         norm = reward_normalization(p.normalize_reward, cfg.data.reward_pretrain)
         self.reward_norm = RunningMoments() if norm == "running" else None
         if norm != "off":

@@ -56,16 +56,10 @@ def run_locked(cfg: TrainConfig, run_id: str, clock) -> int:
     preflight(cfg, run_logs)
     layout = plan_layout(cfg)
 
-    def check_inputs_heads():
-        """The value heads' check (check_value_heads), in the inputs thread while Ray starts: it reads config.json
-        and the weight files' tensor names and shapes (no transformers config or model class: value_head.check_head).
-        Its error is raised as soon as Ray is up, before anything starts on it."""
-        run_logs.route_transformers()  # first: it imports transformers, before anything here can log through it
-        check_value_heads(cfg)
-
     def read_inputs():
         """Tokenizer, prompts, eval prompts, resume point: in a thread while Ray starts (the tokenizer's import of
         transformers and torch is most of it); their errors are raised once Ray is up, and Ray is shut down."""
+        run_logs.route_transformers()  # first: it imports transformers, before anything here can log through it
         from orlhf.checkpoint import CheckpointManager
         from orlhf.data import PromptLoader, load_tokenizer
 
@@ -82,13 +76,11 @@ def run_locked(cfg: TrainConfig, run_id: str, clock) -> int:
     with ExitStack() as stack:
         stack.callback(gc.enable)  # also when start-up fails
         inputs = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="orlhf-inputs"))
-        heads, reading = inputs.submit(check_inputs_heads), inputs.submit(read_inputs)
+        reading = inputs.submit(read_inputs)
         # in this thread: Ray sets its SIGTERM handler only here
         if connect_ray(cfg, local_num_cpus(layout), cpu_slots_needed(layout)):
             stack.callback(ray.shutdown)
         clock.mark("ray")
-        heads.result()  # a wrong --value_head_prefix stops the run here, before any model starts
-        clock.mark("value heads")
         from orlhf.placement import create_placement_groups, remove_placement_groups
 
         placed = create_placement_groups(layout, cfg.runtime.ray_timeout_s)
@@ -133,9 +125,9 @@ def run_locked(cfg: TrainConfig, run_id: str, clock) -> int:
 
 
 def preflight(cfg: TrainConfig, run_logs=None) -> None:
-    """Checks that read files before Ray starts, so a wrong agent file fails in a second (the value heads are
-    checked beside Ray's start: run_locked). `run_logs` (logs.RunLogs) routes transformers' logging first when
-    they may import it."""
+    """Checks that read files before Ray starts, so a wrong agent file or value head fails in a second.
+    `run_logs` (logs.RunLogs) routes transformers' logging first when they may import it."""
+    check_value_heads(cfg)  # config.json and tensor headers only: milliseconds (head_files.check_head)
     if cfg.deepspeed.packing_samples and not cfg.deepspeed.flash_attn:
         log.warning("--packing_samples without --flash_attn: attention runs over each packed row with a "
                     "block-diagonal mask, whose cost grows with the square of the row (on CPU: 0.55-0.7x of "
@@ -196,12 +188,11 @@ def load_prompts(cfg: TrainConfig, tokenizer) -> list:
 
 
 def check_value_heads(cfg: TrainConfig) -> None:
-    """The reward model's and critic's value heads, checked from their files before any model starts (a wrong
-    --value_head_prefix fails in seconds, not after the start-up); the workers load the same way. Imported only
-    when there is a head to check (orlhf.workers loads torch)."""
+    """The reward model's and critic's value heads, checked from their files before Ray starts (a wrong
+    --value_head_prefix fails in a second, not after the start-up); the workers load the same way."""
     if not (cfg.has_reward_model or cfg.has_critic):
         return
-    from orlhf.workers.value_head import check_head
+    from orlhf.head_files import check_head
 
     d = cfg.data
     if cfg.has_reward_model:

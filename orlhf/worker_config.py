@@ -74,7 +74,7 @@ class ValueLossSlice:
 @dataclass(frozen=True)
 class HeadSlice:
     """A value head (critic, reward model): its name and whether config.json's mean/std apply
-    (workers/value_head.py)."""
+    (head_files.py)."""
 
     value_head_prefix: str = "score"
     normalize_reward: bool = False

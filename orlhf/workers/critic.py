@@ -8,7 +8,7 @@ Initialisation (load_value_model): the head "<--value_head_prefix>.weight" of th
 OpenRLHF reward model or critic, or HF's XForSequenceClassification with num_labels=1: the critic starts out
 predicting the reward model's score); a fresh head (N(0, initializer_range), seeded, identical on every rank)
 from a plain causal-LM folder; a HeadError when the folder is a reward/critic model whose head is not there
-(workers/value_head.py). With --normalize_reward and mean/std in the folder's config.json, values are
+(head_files.py). With --normalize_reward and mean/std in the folder's config.json, values are
 (v - mean) / std in training too, as OpenRLHF's critic computes them.
 Parameter names are OpenRLHF's critic layout with the old head name: "<base_model_prefix>.*" (e.g.
 "model.layers.0...") + "value_head.weight", whatever --value_head_prefix is (checkpoints of earlier runs stay
@@ -32,7 +32,8 @@ from orlhf.worker_config import CriticConfig, RewardConfig
 from orlhf.types import Experience, SequenceBatch, TrainStats
 from orlhf.workers.base import DeepSpeedWorker, position_ids_from
 from orlhf.workers.loading import from_pretrained
-from orlhf.workers.value_head import find_head, resolve_prefix, stored_reward_stats
+from orlhf.head_files import resolve_prefix, stored_reward_stats
+from orlhf.workers.value_head import find_head
 
 log = logging.getLogger("orlhf.workers")
 
@@ -79,7 +80,7 @@ def packed_values(model: nn.Module, batch) -> tuple[torch.Tensor, Packed]:
 
 
 def load_value_model(cfg: CriticConfig | RewardConfig, required: bool = False) -> ValueModel:
-    """The folder's backbone and its value head "<prefix>.weight" (workers/value_head.py), with OpenRLHF's
+    """The folder's backbone and its value head "<prefix>.weight" (head_files.py), with OpenRLHF's
     (v - mean) / std when --normalize_reward is given and config.json stores mean/std.
 
     required=False (the critic): a folder with no head at all (a plain causal LM) gets a fresh seeded head.

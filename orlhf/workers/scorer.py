@@ -27,7 +27,7 @@ def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
 class RewardWorker(DeepSpeedWorker):
     """A reward model folder under ZeRO inference: OpenRLHF's layout (backbone + "<--value_head_prefix>.weight",
     optional mean/std in config.json applied with --normalize_reward) or HF's XForSequenceClassification
-    (num_labels=1, head "score"). A folder without that head is a HeadError (workers/value_head.py)."""
+    (num_labels=1, head "score"). A folder without that head is a HeadError (head_files.py)."""
 
     def build_model(self) -> nn.Module:
         return load_value_model(self.cfg, required=True)
