@@ -228,3 +228,11 @@ def test_pre_flight_reads_width_and_backbone_from_the_files_without_transformers
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
+
+
+def test_pre_flight_names_a_truncated_weights_file(tmp_path):
+    save_openrlhf_model(tmp_path / "rm", prefix="score")
+    f = tmp_path / "rm" / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-100])  # an interrupted download: the header is whole, the data is not
+    with pytest.raises(HeadError, match=r"model\.safetensors: cannot read the model's weights .*past the file's"):
+        check_head(str(tmp_path / "rm"), "score", required=True)
