@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from orlhf.types import Experience
-from mp_tools import leave_group
-from test_workers_mp import A, B, _cfg, _free_port, _hf_log_probs, _make_batch, _tiny_llama_config, _tiny_tokenizer
+from mp_tools import spawn_ranks
+from test_workers_mp import A, B, _cfg, _hf_log_probs, _make_batch, _tiny_llama_config, _tiny_tokenizer
 
 ROLES = ("actor", "critic")
 
@@ -134,17 +134,13 @@ def _rank_main(rank: int, world: int, port: int, setup: dict, out_dir: str) -> N
     out["resumed"] = _steps(workers, exp, rank, range(2, 4))
     out["resumed_end"] = _finish(workers)
     torch.save(out, Path(out_dir) / f"rank{rank}.pt")
-    leave_group()
 
 
 @pytest.fixture(scope="module")
 def ranks(setup) -> list[dict]:
-    import torch.multiprocessing as mp
-
     out_dir = setup["root"] / "out"
     out_dir.mkdir()
-    mp.start_processes(_rank_main, args=(2, _free_port(), setup, str(out_dir)), nprocs=2, join=True,
-                       start_method="spawn")
+    spawn_ranks(_rank_main, 2, setup, str(out_dir))
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(2)]  # our own test output
 
 

@@ -8,7 +8,6 @@ and std. The rank runs RewardWorker.scores, CriticWorker.values and one critic t
 
 import json
 import os
-import socket
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -18,6 +17,8 @@ import torch
 
 from orlhf.worker_config import role_config
 from orlhf.types import Experience, SequenceBatch
+
+from mp_tools import spawn_ranks
 
 B, P, A, V, H = 6, 5, 4, 128, 64
 MEAN, STD = -0.7, 3.0
@@ -58,9 +59,9 @@ def _batch() -> SequenceBatch:
     return SequenceBatch(seq, attn, attn[:, -A:].bool())
 
 
-def _rank_main(rank: int, port: int, path: str, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-                      DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1")
+def _rank_main(rank: int, world: int, port: int, path: str, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1")
     from orlhf.workers import CriticWorker, RewardWorker
 
     batch = _batch()
@@ -83,13 +84,7 @@ def _rank_main(rank: int, port: int, path: str, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def ran(folder):
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_rank_main, args=(port, str(folder["root"]), str(folder["root"])), nprocs=1, join=True,
-                       start_method="spawn")
+    spawn_ranks(_rank_main, 1, str(folder["root"]), str(folder["root"]))
     return torch.load(folder["root"] / "out.pt", weights_only=False)
 
 

@@ -8,7 +8,6 @@ the tests below compare those results with plain transformers forwards computed 
 import dataclasses
 import math
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import torch
 from orlhf.worker_config import WorkerConfig, role_config
 from orlhf.types import Experience, SequenceBatch
 
-from mp_tools import leave_group
+from mp_tools import spawn_ranks
 
 B, P, A, V = 8, 6, 5, 128  # global batch, prompt length, response length, vocab
 PAD = 0
@@ -218,22 +217,12 @@ def _rank_main(rank: int, world: int, port: int, job: str, paths: dict, exp: Exp
     out: dict = {}
     {"ws2": _ws2, "ws1": _ws1}[job](rank, out, paths, exp)
     torch.save(out, Path(out_dir) / f"{job}_rank{rank}.pt")
-    leave_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _spawn(job: str, world: int, paths: dict, exp: Experience) -> list[dict]:
-    import torch.multiprocessing as mp
-
     out_dir = paths["root"] / job
     out_dir.mkdir()
-    mp.start_processes(_rank_main, args=(world, _free_port(), job, paths, exp, str(out_dir)), nprocs=world,
-                       join=True, start_method="spawn")
+    spawn_ranks(_rank_main, world, job, paths, exp, str(out_dir))
     return [torch.load(out_dir / f"{job}_rank{r}.pt", weights_only=False) for r in range(world)]
 
 
