@@ -52,22 +52,9 @@ def run_locked(cfg: TrainConfig, run_id: str, clock) -> int:
 
     run_logs = setup_driver(cfg.logging.save_path, cfg.runtime.verbose)  # once the run folder is ours
     log.info("%s", run_logs.summary())
-    d, p = cfg.data, cfg.ppo
+    p = cfg.ppo
     preflight(cfg, run_logs)
     layout = plan_layout(cfg)
-
-    def read_inputs():
-        """Tokenizer, prompts, eval prompts, resume point: in a thread while Ray starts (the tokenizer's import of
-        transformers and torch is most of it); their errors are raised once Ray is up, and Ray is shut down."""
-        run_logs.route_transformers()  # first: it imports transformers, before anything here can log through it
-        from orlhf.checkpoint import CheckpointManager
-        from orlhf.data import PromptLoader, load_tokenizer
-
-        checkpoints = CheckpointManager(cfg.logging.checkpoint_dir, cfg.logging.max_ckpt_num, run_id)
-        tokenizer = load_tokenizer(d.pretrain)
-        loader = PromptLoader(load_prompts(cfg, tokenizer), p.rollout_batch_size, p.num_episodes, p.seed)
-        evaluator = make_evaluator(cfg, tokenizer)  # eval data problems fail here, before any model starts
-        return (checkpoints, tokenizer, loader, evaluator) + resume_point(cfg, checkpoints, run_id)
 
     # No automatic collections during start-up: the driver's imports (torch, the tokenizer, Ray's client) build
     # ~375k objects that live as long as the run, and Python's collector would walk them again and again (0.2-0.3
@@ -76,7 +63,7 @@ def run_locked(cfg: TrainConfig, run_id: str, clock) -> int:
     with ExitStack() as stack:
         stack.callback(gc.enable)  # also when start-up fails
         inputs = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="orlhf-inputs"))
-        reading = inputs.submit(read_inputs)
+        reading = inputs.submit(read_inputs, cfg, run_id, run_logs)
         # in this thread: Ray sets its SIGTERM handler only here
         if connect_ray(cfg, local_num_cpus(layout), cpu_slots_needed(layout)):
             stack.callback(ray.shutdown)
@@ -92,7 +79,6 @@ def run_locked(cfg: TrainConfig, run_id: str, clock) -> int:
         clock.mark("placement")
         checkpoints, tokenizer, loader, evaluator, resume_from, resume_step, run_id = reading.result()
         from orlhf.controller import Controller
-        from orlhf.metrics import MetricsLogger
 
         samples_per_step = p.rollout_batch_size * p.n_samples_per_prompt
         optimizer_steps = loader.total_steps * p.max_epochs * (samples_per_step // p.train_batch_size)
@@ -100,11 +86,7 @@ def run_locked(cfg: TrainConfig, run_id: str, clock) -> int:
         models = start_models(cfg, placed, optimizer_steps, stack, clock, engines)
         log.info("%d model group(s) and %d engine(s) ready in %.1f s", len(models.groups()), len(models.engines),
                  time.monotonic() - t0)
-        metrics = MetricsLogger(cfg.logging.save_path, use_wandb=cfg.logging.use_wandb,
-                                wandb_project=cfg.logging.wandb_project, wandb_run_name=cfg.logging.wandb_run_name,
-                                use_tensorboard=cfg.logging.use_tensorboard, config=public_config(cfg),
-                                resume_step=resume_step, run_id=run_id, wandb_org=cfg.logging.wandb_org,
-                                wandb_group=cfg.logging.wandb_group)
+        metrics = make_metrics(cfg, resume_step, run_id)
         controller = Controller(cfg, models, loader, tokenizer, metrics, reward_source=make_reward(cfg),
                                 checkpoints=checkpoints, evaluator=evaluator,
                                 best_checkpoints=checkpoints.best())  # after resume_point: the run's id
@@ -122,6 +104,33 @@ def run_locked(cfg: TrainConfig, run_id: str, clock) -> int:
         finish_run(cfg, models, metrics, history, run_id)
     run_logs.close()
     return 0
+
+
+def read_inputs(cfg: TrainConfig, run_id: str, run_logs) -> tuple:
+    """Tokenizer, prompts, eval prompts, resume point: in a thread while Ray starts (run_locked; the tokenizer's
+    import of transformers and torch is most of it); their errors are raised once Ray is up, and Ray is shut down.
+    Returns (checkpoints, tokenizer, loader, evaluator, resume_from, resume_step, run_id)."""
+    run_logs.route_transformers()  # first: it imports transformers, before anything here can log through it
+    from orlhf.checkpoint import CheckpointManager
+    from orlhf.data import PromptLoader, load_tokenizer
+
+    p = cfg.ppo
+    checkpoints = CheckpointManager(cfg.logging.checkpoint_dir, cfg.logging.max_ckpt_num, run_id)
+    tokenizer = load_tokenizer(cfg.data.pretrain)
+    loader = PromptLoader(load_prompts(cfg, tokenizer), p.rollout_batch_size, p.num_episodes, p.seed)
+    evaluator = make_evaluator(cfg, tokenizer)  # eval data problems fail here, before any model starts
+    return (checkpoints, tokenizer, loader, evaluator) + resume_point(cfg, checkpoints, run_id)
+
+
+def make_metrics(cfg: TrainConfig, resume_step, run_id: str):
+    """The run's metrics.jsonl (and W&B / TensorBoard when asked), continuing after `resume_step` when resuming."""
+    from orlhf.metrics import MetricsLogger
+
+    lg = cfg.logging
+    return MetricsLogger(lg.save_path, use_wandb=lg.use_wandb, wandb_project=lg.wandb_project,
+                         wandb_run_name=lg.wandb_run_name, use_tensorboard=lg.use_tensorboard,
+                         config=public_config(cfg), resume_step=resume_step, run_id=run_id, wandb_org=lg.wandb_org,
+                         wandb_group=lg.wandb_group)
 
 
 def preflight(cfg: TrainConfig, run_logs=None) -> None:
