@@ -29,7 +29,7 @@ import logging
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -39,14 +39,15 @@ from orlhf.algo.rewards import RunningMoments
 from orlhf.config import TrainConfig
 from orlhf.dynamic_filtering import DynamicFilter
 from orlhf.experience import ExperienceConfig, make_experience, rollouts_to_batch
+from orlhf.head_files import reward_normalization
 from orlhf.metrics import MetricsLogger
 from orlhf.rollout.executor import agent_metrics, agent_reward_result, agent_scores, make_executor
 from orlhf.sleep import SleepSwitch
+from orlhf.step_stats import FROZEN_ACTOR_STATS, engine_gap, mean_stats
 from orlhf.sync_guard import SyncGuard
 from orlhf.threads import PhaseThreads
-from orlhf.types import Experience, Rollout, SamplingSpec, SequenceBatch, TrainStats
+from orlhf.types import Experience, Rollout, SamplingSpec, SequenceBatch
 from orlhf.workers import CriticWorker, PolicyWorker, ReferenceWorker, RewardWorker
-from orlhf.head_files import reward_normalization
 
 if TYPE_CHECKING:  # annotations only: the loop itself imports no Ray (benchmarks/hybrid_engine_baseline.py runs it
     # on SPMD ranks without Ray, with groups of its own that answer the same calls)
@@ -197,7 +198,7 @@ class Controller:
         with self.timed("score"):
             reward, old_lp, ref_lp, values = self.score(batch, rollouts, prompts, reward, ahead)
         if old_lp is not None:  # stop before training on another policy's samples
-            gap = _masked_abs_mean(engine_log_probs - old_lp, batch.action_mask)
+            gap = engine_gap(engine_log_probs, old_lp, batch.action_mask)
             self.guard.check(gap, self.step_index + 1, staleness)
         with self.timed("make_experience"):
             truncated = torch.tensor([not r.finished for r in rollouts])
@@ -206,7 +207,7 @@ class Controller:
         with self.timed("train"):
             actor_stats, critic_stats = self.train(exp, info["kl_coef"])
         if old_lp is None and not self.actor_frozen:  # single pass: the actor measured the gap in its training
-            gap = _engine_gap(engine_log_probs, None, batch.action_mask, actor_stats)  # forward; stop after it
+            gap = engine_gap(engine_log_probs, None, batch.action_mask, actor_stats)  # forward; stop after it
             self.guard.check(gap, self.step_index + 1, staleness)
         elif old_lp is None:
             gap = float("nan")  # nothing measured it: the frozen actor made no forward
@@ -381,8 +382,8 @@ class Controller:
             actor_stats += actor_call.get() if actor_call is not None else []
             if critic_call is not None:
                 critic_stats += critic_call.get()
-        actor = _mean_stats(actor_stats) if actor_stats else _FROZEN_ACTOR_STATS
-        return actor, _mean_stats(critic_stats) if critic_stats else None
+        actor = mean_stats(actor_stats) if actor_stats else FROZEN_ACTOR_STATS
+        return actor, mean_stats(critic_stats) if critic_stats else None
 
     @property
     def actor_frozen(self) -> bool:
@@ -433,28 +434,3 @@ class ScoredAhead:
     engine_log_probs: torch.Tensor
     ref_call: Any  # cluster.GroupCall of ReferenceWorker.log_probs, or None
     reward_call: Any  # cluster.GroupCall of RewardWorker.scores, or None
-
-
-# The actor's metrics on a --freezing_actor_steps step: no training, so none (NaN: metrics.jsonl writes null).
-_FROZEN_ACTOR_STATS: dict[str, float] = {
-    k: float("nan") for k in ("loss", "lr", "clip_frac", "clip_frac_low", "clip_frac_high", "approx_kl", "entropy",
-                              "grad_norm", "kl_loss", "kl_coef", "is_cut_frac")}
-
-
-def _mean_stats(stats: list[TrainStats]) -> dict[str, float]:
-    keys = [f.name for f in fields(TrainStats) if f.name != "extra"]
-    out = {k: sum(float(getattr(s, k)) for s in stats) / len(stats) for k in keys}
-    extra = set.intersection(*(set(s.extra) for s in stats)) if stats else set()  # reported by every rank
-    return {**out, **{k: sum(float(s.extra[k]) for s in stats) / len(stats) for k in extra if k not in out}}
-
-
-def _engine_gap(engine_lp: torch.Tensor, old_lp: Optional[torch.Tensor], mask: torch.Tensor, actor: dict) -> float:
-    """Mean |engine log-prob - trainer log-prob| per action token. On a single pass the actor measured it in its
-    training forward (sums and token counts averaged alike over ranks and micro-batches: their ratio is exact)."""
-    if old_lp is not None:
-        return _masked_abs_mean(engine_lp - old_lp, mask)
-    return actor["engine_gap_sum"] / max(1.0, actor["engine_gap_tokens"])
-
-
-def _masked_abs_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
-    return (x.abs() * mask).sum().item() / max(1, int(mask.sum()))

@@ -4,7 +4,7 @@ pass). Each must leave the Experience the actor trains on as it was with the for
 import pytest
 import torch
 
-from orlhf.controller import _engine_gap, _mean_stats
+from orlhf.step_stats import engine_gap, mean_stats
 from orlhf.experience import ExperienceConfig, make_experience
 from orlhf.types import SequenceBatch, TrainStats
 
@@ -60,11 +60,11 @@ def test_a_kl_shaped_reward_cannot_skip_the_old_log_probs():
 def test_engine_gap_from_the_actor_sums_is_the_token_mean():
     mask = _batch().action_mask
     engine, old = _lp(1), _lp(2)
-    direct = _engine_gap(engine, old, mask, {})
+    direct = engine_gap(engine, old, mask, {})
     assert direct == pytest.approx(((engine - old).abs() * mask).sum().item() / mask.sum().item())
     # two ranks x two micro-batches each report (sum, tokens); averaging both alike keeps the ratio exact
     parts = [((engine - old).abs() * mask)[i].sum().item() for i in range(B)]
     stats = [TrainStats(loss=0.0, lr=0.0, extra={"engine_gap_sum": (parts[2 * r] + parts[2 * r + 1]) / 2,
                                                  "engine_gap_tokens": mask[2 * r:2 * r + 2].sum().item() / 2})
              for r in range(2)]
-    assert _engine_gap(engine, None, mask, _mean_stats(stats)) == pytest.approx(direct)
+    assert engine_gap(engine, None, mask, mean_stats(stats)) == pytest.approx(direct)
