@@ -194,6 +194,7 @@ def figures(rows: list[dict], sampler: TreeSampler, warmup: int, launched: float
         "startup_s": t[0] - rows[0]["step_s"] - launched,
         "busy_share": cpu_s / (wall * cores) if wall > 0 else float("nan"),
         "cpu_s_per_step": cpu_s / len(measured),
+        "cpu_s_per_step_by_group": per_group_cpu(sampler.cpu_at_rows, warmup, len(rows)),
         "step_s": statistics.median(r["step_s"] for r in measured),
         "phases": {k[7:]: statistics.median(r.get(k, 0.0) for r in measured) for k in phases},
         "reward_first": rows[0]["reward_mean"], "reward_last": rows[-1]["reward_mean"],
@@ -201,12 +202,18 @@ def figures(rows: list[dict], sampler: TreeSampler, warmup: int, launched: float
     }
 
 
+def per_group_cpu(cpu_at_rows: list[dict], warmup: int, n: int) -> dict:
+    """CPU seconds per measured step of each process group (driver, RankActor, EngineActor, ...)."""
+    last, first = cpu_at_rows[n - 1], cpu_at_rows[warmup - 1] if warmup else {}
+    return {g: round((last[g] - first.get(g, 0.0)) / (n - warmup), 3) for g in sorted(last)}
+
+
 def median_of(runs: list[dict]) -> dict:
     ok = [r for r in runs if "error" not in r]
     if not ok:
         return {"error": runs[0]["error"] if runs else "no runs"}
     out = {k: statistics.median(r[k] for r in ok) for k in ok[0] if isinstance(ok[0][k], (int, float))}
-    for key in ("phases", "startup_phases", "startup_cpu_s"):
+    for key in ("phases", "startup_phases", "startup_cpu_s", "cpu_s_per_step_by_group"):
         if key in ok[0]:
             out[key] = {k: statistics.median(r[key].get(k, 0.0) for r in ok) for k in ok[0][key]}
     out["repeats"] = len(ok)
@@ -301,6 +308,9 @@ def print_table(result: dict) -> None:
         if "startup_cpu_s" in r:
             print(f"{m} start-up, CPU s by process group: " + ", ".join(
                 f"{k} {v:.1f}" for k, v in r["startup_cpu_s"].items()) + f" (sum {sum(r['startup_cpu_s'].values()):.1f})")
+        if r.get("cpu_s_per_step_by_group"):
+            print(f"{m} CPU s per step by process group: " + ", ".join(
+                f"{k} {v:.2f}" for k, v in r["cpu_s_per_step_by_group"].items()))
 
 
 if __name__ == "__main__":

@@ -50,6 +50,10 @@ def test_both_sides_run_and_the_last_line_is_one_json_object(compare):
         if mode == "orlhf":  # CPU seconds per process group before step 1 (sampled when startup.json appears)
             assert {"driver", "RankActor", "EngineActor"} <= set(r["startup_cpu_s"]), r
             assert all(v > 0 for v in r["startup_cpu_s"].values())
+            # CPU seconds per measured step by process group: the groups' sum is the tree's figure
+            by_group = r["cpu_s_per_step_by_group"]
+            assert {"RankActor", "EngineActor"} <= set(by_group) and by_group["EngineActor"] > 0, r
+            assert sum(by_group.values()) == pytest.approx(r["cpu_s_per_step"], abs=0.01 * len(by_group))
         assert math.isfinite(r["reward_first"]) and math.isfinite(r["reward_last"])
     assert result["modes"]["trl"]["ratio_vs_trl"] == 1.0
     assert result["modes"]["orlhf"]["ratio_vs_trl"] > 0
