@@ -6,7 +6,7 @@
 
 `ahead` (optional): called with each batch's prompts and rollouts as soon as it is generated, outside the lock;
 what it returns travels with the batch. The controller starts the frozen models' forwards there (reference,
-reward model: Controller.score_ahead), so they run while the trainers still work on the batch before.
+reward model: Scorer.ahead, orlhf/scoring.py), so they run while the trainers still work on the batch before.
 
 Invariants:
 - At most `queue_size` batches are generated and not yet taken by the trainer (a semaphore of queue_size

@@ -7,7 +7,8 @@
       score            in parallel: actor old log-probs | ref log-probs | critic values | rewards (RM group, or
                        the reward function / HTTP server while the groups work). Skipped, as they cannot change
                        the update: ref without a KL (TrainConfig.has_reference), old log-probs on a single pass
-                       (TrainConfig.single_pass: the actor's training forward supplies them, the ratio is 1)
+                       (TrainConfig.single_pass: the actor's training forward supplies them, the ratio is 1);
+                       scoring.py (async mode starts the frozen models' forwards when a batch is generated)
       (guard)          engine log-probs vs the actor's: past --max_engine_logprob_gap the run stops (sync_guard.py)
       make_experience  driver: KL, group baseline, KL-shaped rewards, advantages and returns (algo/)
       train            actor and critic train_step at the same time (non-blocking calls, gathered after);
@@ -35,19 +36,18 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from orlhf.algo.kl import make_kl_controller
-from orlhf.algo.rewards import RunningMoments
 from orlhf.config import TrainConfig
 from orlhf.dynamic_filtering import DynamicFilter
 from orlhf.experience import ExperienceConfig, make_experience, rollouts_to_batch
-from orlhf.head_files import reward_normalization
 from orlhf.metrics import MetricsLogger
-from orlhf.rollout.executor import agent_metrics, agent_reward_result, agent_scores, make_executor
+from orlhf.rollout.executor import agent_metrics, make_executor
+from orlhf.scoring import ScoredAhead, Scorer
 from orlhf.sleep import SleepSwitch
 from orlhf.step_stats import FROZEN_ACTOR_STATS, engine_gap, mean_stats
 from orlhf.sync_guard import SyncGuard
 from orlhf.threads import PhaseThreads
-from orlhf.types import Experience, Rollout, SamplingSpec, SequenceBatch
-from orlhf.workers import CriticWorker, PolicyWorker, ReferenceWorker, RewardWorker
+from orlhf.types import Experience, Rollout, SamplingSpec
+from orlhf.workers import CriticWorker, PolicyWorker
 
 if TYPE_CHECKING:  # annotations only: the loop itself imports no Ray (benchmarks/hybrid_engine_baseline.py runs it
     # on SPMD ranks without Ray, with groups of its own that answer the same calls)
@@ -82,17 +82,11 @@ class Controller:
     def __init__(self, cfg: TrainConfig, models: Models, loader, tokenizer, metrics: MetricsLogger,
                  reward_source=None, checkpoints=None, evaluator=None, best_checkpoints=None):
         self.cfg, self.m, self.loader, self.tok, self.metrics = cfg, models, loader, tokenizer, metrics
-        self.reward_source = reward_source  # function file / HTTP; None when a reward-model group scores
+        # the score phase (orlhf/scoring.py); reward_source: function file / HTTP, None when a reward model scores
+        self.scorer = Scorer(cfg, models, tokenizer, reward_source)
         self.exp_cfg = ExperienceConfig.from_ppo(cfg.ppo)
         p = cfg.ppo
         self.kl_ctl = make_kl_controller(p.init_kl_coef, p.kl_target, p.kl_horizon)
-        # --normalize_reward: a reward model's stored mean/std (applied in its worker, as OpenRLHF), else running
-        # statistics here; never both (head_files.py, reward_normalization).
-        norm = reward_normalization(p.normalize_reward, cfg.data.reward_pretrain)
-        self.reward_norm = RunningMoments() if norm == "running" else None
-        if norm != "off":
-            log.info("--normalize_reward: %s", "the reward model's stored mean/std" if norm == "stored" else
-                     "running mean/std of this run's rewards (the reward source stores none)")
         self.step_index = 0  # steps done
         self.weight_version = 0  # bumped by every sync; engines tag rollouts with the version they hold
         self.timings: dict[str, float] = {}
@@ -112,7 +106,7 @@ class Controller:
         self._sync_lock = threading.Lock()
         self._last_step_end = time.perf_counter()
         self.filter = DynamicFilter(p.rollout_batch_size, p.n_samples_per_prompt, p.dynamic_filtering_reward_range,
-                                    self.generate, self._score_rollouts) if p.dynamic_filtering else None
+                                    self.generate, self.scorer.rewards) if p.dynamic_filtering else None
 
     # ---- the loop ---------------------------------------------------------------------------------------------
     def fit(self) -> list[dict]:
@@ -160,7 +154,7 @@ class Controller:
         """
         from orlhf.async_rollout import RolloutProducer
 
-        producer = RolloutProducer(self.generate, self.loader, self.cfg.ppo.async_queue_size, self.score_ahead)
+        producer = RolloutProducer(self.generate, self.loader, self.cfg.ppo.async_queue_size, self.scorer.ahead)
         self._sync_lock = producer.lock
         with producer, self.progress() as report:
             for prompts, rollouts, gen_seconds, ahead in producer:
@@ -171,24 +165,11 @@ class Controller:
                 report(self.learn(prompts, rollouts, ahead=ahead))
         return self.history
 
-    def score_ahead(self, prompts: list, rollouts: list[Rollout]) -> "ScoredAhead":
-        """Async mode, in the producer thread as soon as a batch is generated: the batch tensors, and the forwards
-        of the frozen models started (reference log-probs, reward-model scores), which depend on nothing the
-        trainers change. They run while the trainers still work on the batch before, and learn() takes their
-        results instead of calling again: the same calls on the same tensors, earlier. The critic's values and
-        the actor's old log-probs wait for learn(): they read weights that train. A reference hosted in a
-        one-rank actor's process runs beside the actor's call in flight (ActorGroup.call_sharded_beside); with
-        more ranks, after the calls numbered before it (cluster.py)."""
-        batch, engine_log_probs = rollouts_to_batch(rollouts, self.tok.pad_token_id)
-        ref_call = self.m.ref.call_sharded_beside(ReferenceWorker.log_probs, batch) if self.m.ref else None
-        reward_call = self.m.reward.call_sharded_beside(RewardWorker.scores, batch) if self.m.reward else None
-        return ScoredAhead(batch, engine_log_probs, ref_call, reward_call)
-
     def learn(self, prompts: list, rollouts: list[Rollout], reward=None,
-              ahead: Optional["ScoredAhead"] = None) -> dict[str, Any]:
+              ahead: Optional[ScoredAhead] = None) -> dict[str, Any]:
         """Everything after generation for one batch: score, make experience, train, sync. Returns metrics.
         reward: a rewards.RewardResult already computed while generating (--dynamic_filtering), else scored here.
-        ahead: the batch and the frozen models' calls started when it was generated (async: score_ahead)."""
+        ahead: the batch and the frozen models' calls started when it was generated (async: Scorer.ahead)."""
         if ahead is not None:
             batch, engine_log_probs = ahead.batch, ahead.engine_log_probs
         else:
@@ -196,7 +177,7 @@ class Controller:
         gen_version = min(r.weight_version for r in rollouts)
         staleness = self.weight_version - gen_version  # trainer version these rollouts are trained at
         with self.timed("score"):
-            reward, old_lp, ref_lp, values = self.score(batch, rollouts, prompts, reward, ahead)
+            reward, old_lp, ref_lp, values = self.scorer.score(batch, rollouts, prompts, reward, ahead)
         if old_lp is not None:  # stop before training on another policy's samples
             gap = engine_gap(engine_log_probs, old_lp, batch.action_mask)
             self.guard.check(gap, self.step_index + 1, staleness)
@@ -298,22 +279,13 @@ class Controller:
     def evaluate(self) -> dict[str, float]:
         """Held-out prompts on the current weights (orlhf/evaluation.py); the best checkpoint when it improved."""
         self.sleep.before_generate()
-        metrics = self.evaluator.run(self.step_index, self.executor.generate, self.eval_scores)
+        metrics = self.evaluator.run(self.step_index, self.executor.generate, self.scorer.eval_scores)
         self.sleep.after_generate()
         if self.evaluator.improved(metrics) and self.best_checkpoints is not None:
             log.info("best %s so far: %.4f at step %d", self.evaluator.best_key, self.evaluator.best,
                      self.step_index)
             self.save_checkpoint(self.best_checkpoints)
         return metrics
-
-    def eval_scores(self, rollouts: list[Rollout], prompts: list) -> torch.Tensor:
-        """Scores from the run's reward source, touching no training state (no reward normalization update)."""
-        if agent_scores(rollouts) is not None:
-            return torch.tensor(agent_scores(rollouts), dtype=torch.float32)
-        if self.reward_source is not None:
-            return self.reward_source.score(*self._reward_inputs(rollouts, prompts)).float()
-        batch, _ = rollouts_to_batch(rollouts, self.tok.pad_token_id)
-        return self.m.reward.call_sharded(RewardWorker.scores, batch).get_cat().float()
 
     # ---- phases -----------------------------------------------------------------------------------------------
     def generate(self, prompts: list, batch_index: int) -> list[Rollout]:
@@ -324,42 +296,12 @@ class Controller:
                                 n=p.n_samples_per_prompt, seed=p.seed * 1_000_003 + batch_index)
         return self.executor.generate(prompts, sampling)
 
-    def score(self, batch: SequenceBatch, rollouts: list[Rollout], prompts: list, reward=None,
-              ahead: Optional["ScoredAhead"] = None):
-        """Everything that reads the rollouts, started together and gathered after. The reward part is a
-        rewards.RewardResult: .rewards to train on, .scores for filtering, .extra_logs to log (`reward`: known
-        already, from --dynamic_filtering). `ahead`: the reference and reward-model calls already started
-        (score_ahead)."""
-        from orlhf.rewards import RewardResult
-
-        old_call = None if self.cfg.single_pass else self.m.actor.call_sharded(PolicyWorker.log_probs, batch)
-        if ahead is not None:
-            ref_call = ahead.ref_call
-        else:
-            ref_call = self.m.ref.call_sharded(ReferenceWorker.log_probs, batch) if self.m.ref else None
-        value_call = self.m.critic.call_sharded(CriticWorker.values, batch) if self.m.critic else None
-        if ahead is not None:
-            reward_call = ahead.reward_call
-        else:
-            reward_call = (self.m.reward.call_sharded(RewardWorker.scores, batch) if self.m.reward and reward is None
-                           else None)
-        if reward is not None:
-            pass
-        elif self.reward_source is not None or agent_scores(rollouts) is not None:  # while the groups compute
-            reward = self._score_rollouts(rollouts, prompts)
-        else:
-            reward = RewardResult.of(reward_call.get_cat().float())
-        if self.reward_norm is not None:
-            self.reward_norm.update(reward.rewards)
-        values = value_call.get_cat() if value_call else None
-        old_lp = old_call.get_cat() if old_call else None  # None on a single pass (module docstring)
-        return reward, old_lp, ref_call.get_cat() if ref_call else None, values
-
     def make_experience(self, batch, scores, old_lp, ref_lp, values, truncated=None,
                         engine_log_probs=None) -> tuple[Experience, dict]:
         """info["kl_coef"] is the KL coefficient of this step (reward penalty, or the actor's KL loss), taken
         before the adaptive controller moves it for the next step (OpenRLHF's order)."""
-        shaped_scores = self.reward_norm.normalize(scores) if self.reward_norm is not None else scores
+        norm = self.scorer.reward_norm  # --normalize_reward's running statistics, updated in score
+        shaped_scores = norm.normalize(scores) if norm is not None else scores
         kl_coef = self.kl_ctl.value
         exp, info = make_experience(batch, shaped_scores, old_lp, ref_lp, values, kl_coef, self.exp_cfg,
                                     weight_version=self.weight_version, truncated=truncated,
@@ -398,39 +340,9 @@ class Controller:
             self.m.sync.sync(self.weight_version)
 
     # ---- helpers ----------------------------------------------------------------------------------------------
-    def _score_rollouts(self, rollouts: list[Rollout], prompts: list):
-        """rewards.RewardResult from the agents' own episode rewards and scores (--agent_func_path), else from the
-        reward function / server (not the reward-model group)."""
-        given = agent_reward_result(rollouts)
-        if given is not None:
-            return given
-        return self.reward_source.evaluate(*self._reward_inputs(rollouts, prompts))
-
-    def _reward_inputs(self, rollouts: list[Rollout], prompts: list) -> tuple[list[str], list[str], list]:
-        return reward_inputs(self.tok, rollouts, prompts)
-
     @contextmanager
     def timed(self, phase: str):
         self.threads.before(phase)  # CPU: the processes working in this phase get the cores (threads.py)
         t0 = time.perf_counter()
         yield
         self.timings[phase] = self.timings.get(phase, 0.0) + time.perf_counter() - t0
-
-
-def reward_inputs(tokenizer, rollouts: list[Rollout], prompts: list) -> tuple[list[str], list[str], list]:
-    """(queries, prompts, labels) as rewards.py's contract says: query = the prompt text exactly as given to the
-    model + the decoded response. Decoding prompt + response together would drop the chat template's special
-    tokens from the prompt part, so the query would no longer start with the prompt text."""
-    texts = [prompts[r.prompt_index].text for r in rollouts]
-    responses = tokenizer.batch_decode([r.response_ids for r in rollouts], skip_special_tokens=True)
-    return [t + resp for t, resp in zip(texts, responses)], texts, [prompts[r.prompt_index].label for r in rollouts]
-
-
-@dataclass
-class ScoredAhead:
-    """A generated batch as Controller.score_ahead left it: its tensors and the frozen models' calls in flight."""
-
-    batch: SequenceBatch
-    engine_log_probs: torch.Tensor
-    ref_call: Any  # cluster.GroupCall of ReferenceWorker.log_probs, or None
-    reward_call: Any  # cluster.GroupCall of RewardWorker.scores, or None

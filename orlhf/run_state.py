@@ -35,7 +35,7 @@ def save_run(ctl, mgr) -> Path:
     save_controller_state(tmp, {
         "step_index": step, "weight_version": ctl.weight_version, "loader": loader_state,
         "kl_ctl": ctl.kl_ctl.state_dict(),
-        "reward_norm": ctl.reward_norm.state_dict() if ctl.reward_norm else None, "rng": rng_state(),
+        "reward_norm": ctl.scorer.reward_norm.state_dict() if ctl.scorer.reward_norm else None, "rng": rng_state(),
         "best_eval": ctl.evaluator.best if ctl.evaluator else None})
     return mgr.commit(tmp, step, {"fingerprint": config_fingerprint(ctl.cfg),
                                   "roles": {role: g.world_size for role, g in trained},
@@ -50,8 +50,8 @@ def restore_run(ctl, path: Path) -> None:
     ctl.step_index, ctl.weight_version = state["step_index"], state["weight_version"]
     ctl.loader.load_state_dict(state["loader"])
     ctl.kl_ctl.load_state_dict(state["kl_ctl"])
-    if ctl.reward_norm is not None:
-        ctl.reward_norm.load_state_dict(state["reward_norm"])
+    if ctl.scorer.reward_norm is not None:
+        ctl.scorer.reward_norm.load_state_dict(state["reward_norm"])
     set_rng_state(state["rng"])
     if ctl.evaluator is not None:
         ctl.evaluator.best = state.get("best_eval")

@@ -214,8 +214,8 @@ def test_dynamic_filtering_keeps_groups_by_the_agents_scores_and_trains_on_their
     """OpenRLHF's split: the filter reads `scores`, PPO the summed `rewards`. Every group here has reward mean 0.5
     (inside the (0, 1) range): filtering on rewards would keep the first prompt, "solved", whose samples all
     score 1 and so teach nothing. On scores only the "mixed" prompt (scores 0 and 1) is kept."""
-    from orlhf.controller import Controller
     from orlhf.dynamic_filtering import DynamicFilter
+    from orlhf.scoring import Scorer
 
     path = tmp_path / "scored_agent.py"
     path.write_text(SCORED_AGENT)
@@ -225,7 +225,7 @@ def test_dynamic_filtering_keeps_groups_by_the_agents_scores_and_trains_on_their
         return runner.generate(batch, SamplingSpec(temperature=1.0, max_new_tokens=2, n=2, seed=seed))
 
     # the controller's own scoring of agent rollouts (no reward source: the agents score)
-    score = lambda rollouts, batch: Controller._score_rollouts(None, rollouts, batch)  # noqa: E731
+    score = lambda rollouts, batch: Scorer.rewards(None, rollouts, batch)  # noqa: E731
     flt = DynamicFilter(batch_prompts=1, n_samples=2, reward_range=(0.0, 1.0), generate=generate, score=score)
     filled = flt.fill(iter([prompts(["solved", "failed", "mixed"])]), step_index=0)
     assert [p.label for p in filled.prompts] == ["mixed"]

@@ -293,7 +293,7 @@ def test_reward_query_is_the_prompt_text_plus_the_decoded_response():
     skip_special_tokens dropped them, so queries[i] no longer started with prompts[i] (issue 16)."""
     from types import SimpleNamespace
 
-    from orlhf.controller import reward_inputs
+    from orlhf.scoring import reward_inputs
     from orlhf.data import load_tokenizer
 
     tok = load_tokenizer(str(ensure_demo().model))

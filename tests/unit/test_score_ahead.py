@@ -1,5 +1,5 @@
 """Async mode starts the frozen models' forwards (reference, reward model) as soon as a batch is generated
-(Controller.score_ahead), while the trainers still work on the batch before; learn() then takes those results
+(Scorer.ahead in orlhf/scoring.py), while the trainers still work on the batch before; learn() then takes those results
 instead of calling again. Stand-ins for the groups and engines: what is checked is the loop's call order and that
 the step's result is the same either way (the real async run: tests/e2e/test_agent.py, tests/e2e/test_train_ppo.py)."""
 
@@ -110,7 +110,7 @@ def test_a_step_scored_ahead_equals_the_step_scored_in_learn(tmp_path):
     for prompts in Loader():
         rollouts = plain.generate(prompts, plain.step_index)
         row = plain.learn(prompts, rollouts)
-        ahead = early.score_ahead(prompts, rollouts)
+        ahead = early.scorer.ahead(prompts, rollouts)
         assert [c[0] for c in early_log[-1:]] == ["log_probs"]  # the reference started before learn()
         row_ahead = early.learn(prompts, rollouts, ahead=ahead)
         assert same_result(row_ahead) == same_result(row)
