@@ -25,7 +25,7 @@ class SleepSwitch:
         asked = cfg.vllm.enable_sleep or cfg.deepspeed.enable_sleep
         self.vllm = cfg.vllm.enable_sleep and on_gpu
         self.deepspeed = cfg.deepspeed.enable_sleep and on_gpu
-        # entry.start_plan puts the engines to sleep before the trainers start: the first generation must
+        # bringup.start_plan puts the engines to sleep before the trainers start: the first generation must
         # wake their weights too, not only the KV cache.
         self.weights_asleep = self.vllm
         if asked and not on_gpu:

@@ -106,7 +106,7 @@ def test_engine_env_names_are_the_ones_vllm_reads():
 
 
 def test_colocated_start_order_is_engines_then_sleep_then_trainers():
-    from orlhf.entry import start_plan
+    from orlhf.bringup import start_plan
 
     hybrid = build(colocate_all_models=True, vllm_enable_sleep=True, deepspeed_enable_sleep=True)
     assert start_plan(resolve_device(hybrid, "cuda")) == ("start_engines", "wait_engines", "sleep_engines", "start_models")

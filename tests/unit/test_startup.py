@@ -6,7 +6,7 @@ from contextlib import ExitStack
 
 import pytest
 
-from orlhf.entry import _spawn_concurrently
+from orlhf.bringup import _spawn_concurrently
 from orlhf.startup import StartupClock, process_start_time
 
 
