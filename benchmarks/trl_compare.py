@@ -20,7 +20,8 @@
        = arrival of row 1 - its step_s), busy share (CPU seconds / (wall x cores) from the end of the warm-up to
        the last row), CPU seconds per step, seconds per phase (median step), steal share (CPU time the hypervisor
        gave other guests, over the run's wall x cores: a noisy run shows here); per mode the median over repeats
-    -> a table, and one final JSON line: every mode's figures and ratio_vs_trl (samples/s over TRL's)
+    -> a table, and one final JSON line: every mode's figures and ratio_vs_trl (samples/s over TRL's), with the
+       per-repeat ratios (each run over the TRL run of its repeat) and their median, ratio_vs_trl_paired
 
 Reproduce (2-core CPU box; about 1.5 min a run at the default 12 steps, so ~14 min with 3 repeats of 3 modes):
     .venv/bin/python benchmarks/trl_compare.py --repeats 3
@@ -282,15 +283,29 @@ def main(argv=None) -> None:
             print(f"repeat {rep + 1}/{a.repeats}: {mode} ...", flush=True)
             runs[mode].append(run_once(cmds[mode], a.out / f"{mode}-r{rep}", a.warmup, a.timeout, a.trl_threads))
     result = {m: median_of(rs) for m, rs in runs.items()}
-    trl_sps = result.get("trl", {}).get("samples_per_s")
-    for m, r in result.items():
-        if trl_sps and "samples_per_s" in r:
-            r["ratio_vs_trl"] = r["samples_per_s"] / trl_sps
+    add_ratios(result, runs)
     print_table(result)
     print(json.dumps({"modes": result, "runs": runs, "kl": a.kl, "model_preset": a.model_preset,
                       "model": str(model_folder(a)), "trl_version": a.trl_version,
                       "steps": a.max_samples // a.prompts_per_step * a.episodes, "warmup": a.warmup,
                       "cores": os.cpu_count(), "load_avg": os.getloadavg()}))
+
+
+def add_ratios(result: dict, runs: dict[str, list[dict]]) -> None:
+    """ratio_vs_trl: a mode's median samples/s over TRL's median; ratios_per_repeat: each repeat's run over the TRL
+    run of the same repeat (they ran minutes apart, so a drift of the machine's speed cancels out), and their
+    median, ratio_vs_trl_paired."""
+    trl_sps = result.get("trl", {}).get("samples_per_s")
+    if not trl_sps:
+        return
+    for m, r in result.items():
+        if "samples_per_s" not in r:
+            continue
+        r["ratio_vs_trl"] = r["samples_per_s"] / trl_sps
+        pairs = [(a, b) for a, b in zip(runs[m], runs["trl"]) if "samples_per_s" in a and "samples_per_s" in b]
+        if pairs:
+            r["ratios_per_repeat"] = [round(a["samples_per_s"] / b["samples_per_s"], 3) for a, b in pairs]
+            r["ratio_vs_trl_paired"] = statistics.median(r["ratios_per_repeat"])
 
 
 def print_table(result: dict) -> None:
@@ -308,6 +323,9 @@ def print_table(result: dict) -> None:
         if "startup_cpu_s" in r:
             print(f"{m} start-up, CPU s by process group: " + ", ".join(
                 f"{k} {v:.1f}" for k, v in r["startup_cpu_s"].items()) + f" (sum {sum(r['startup_cpu_s'].values()):.1f})")
+        if r.get("ratios_per_repeat") and m != "trl":
+            print(f"{m} vs TRL per repeat: " + ", ".join(f"{x:.2f}x" for x in r["ratios_per_repeat"])
+                  + f" (median {r['ratio_vs_trl_paired']:.2f}x)")
         if r.get("cpu_s_per_step_by_group"):
             print(f"{m} CPU s per step by process group: " + ", ".join(
                 f"{k} {v:.2f}" for k, v in r["cpu_s_per_step_by_group"].items()))

@@ -57,6 +57,8 @@ def test_both_sides_run_and_the_last_line_is_one_json_object(compare):
         assert math.isfinite(r["reward_first"]) and math.isfinite(r["reward_last"])
     assert result["modes"]["trl"]["ratio_vs_trl"] == 1.0
     assert result["modes"]["orlhf"]["ratio_vs_trl"] > 0
+    assert result["modes"]["orlhf"]["ratios_per_repeat"] == [pytest.approx(result["modes"]["orlhf"]["ratio_vs_trl"],
+                                                                           abs=1e-3)]  # one repeat: the same ratio
     assert {"generate_score", "train"} == set(result["modes"]["trl"]["phases"])
     assert {"generate", "score", "train"} <= set(result["modes"]["orlhf"]["phases"])
     # equal work: 64 prompts x 4 samples per step on both sides
