@@ -43,7 +43,7 @@ def start_models(cfg: TrainConfig, placed, optimizer_steps: int, stack: ExitStac
     after each of these phases."""
     from orlhf.cluster import ActorGroup
     from orlhf.controller import Models
-    from orlhf.roles import active_roles, guest_roles
+    from orlhf.roles import active_roles, guest_roles, runs_beside
     from orlhf.rollout.engine import EngineActor
     from orlhf.weight_sync import make_weight_sync
     from orlhf.workers import CriticWorker, PolicyWorker, ReferenceWorker, RewardWorker
@@ -73,7 +73,8 @@ def start_models(cfg: TrainConfig, placed, optimizer_steps: int, stack: ExitStac
 
     # no ref without a KL (TrainConfig.has_reference)
     groups = _spawn_concurrently([role for role in active_roles(cfg) if role not in guests], spawn, stack)
-    _host_guests(groups, guests, lambda role: (workers[role], worker_config(cfg, role, optimizer_steps)), stack)
+    _host_guests(groups, guests, lambda role: (workers[role], worker_config(cfg, role, optimizer_steps)), stack,
+                 beside={role for role in guests if runs_beside(cfg, role)})
     mark("groups spawned")
     for call in [g.call(DeepSpeedWorker.init) for g in groups.values()]:
         call.get()
@@ -106,14 +107,16 @@ def _spawn_concurrently(roles: list[str], spawn, stack: ExitStack) -> dict:
     return groups
 
 
-def _host_guests(groups: dict, guests: dict, worker_of, stack: ExitStack) -> None:
+def _host_guests(groups: dict, guests: dict, worker_of, stack: ExitStack, beside: frozenset = frozenset()) -> None:
     """Add each guest role (roles.host_of) to `groups` as a view onto its host's rank actors. After its host in
-    `groups`, so its init() is numbered after the host's in every process (cluster.py)."""
+    `groups`, so its init() is numbered after the host's in every process (cluster.py). `beside`: the guests whose
+    work calls run beside the host's (roles.runs_beside)."""
     for role, host in guests.items():
-        groups[role] = groups[host].host(role, *worker_of(role))
+        groups[role] = groups[host].host(role, *worker_of(role), beside=role in beside)
         stack.callback(groups[role].shutdown)  # lets go only: the host's shutdown kills the processes
-        log.info("%s: %d rank(s) inside the %s's rank processes, pids %s (CPU; --ref_own_process gives it "
-                 "processes of its own)", role, groups[role].world_size, host, groups[role].pids())
+        log.info("%s: %d rank(s) inside the %s's rank processes%s, pids %s (CPU; --%s_own_process gives it "
+                 "processes of its own)", role, groups[role].world_size, host,
+                 ", its calls beside the " + host + "'s" if role in beside else "", groups[role].pids(), role)
 
 
 def log_skipped_forwards(cfg: TrainConfig) -> None:

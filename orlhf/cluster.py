@@ -27,9 +27,11 @@ Invariants:
   process's one torch.distributed group, so two ranks must never run the host's and the guest's collectives in
   different orders. A guest's calls run on its own RNG states (swapped in and out), so the host's random
   numbers are exactly those it would draw alone in its process; its shutdown leaves the processes to the host.
-  One exception, for a frozen model's forward on a one-rank host (call_sharded_beside: async mode's reference
-  scored ahead): it runs at once on a pool thread beside the host's call, unnumbered and without the RNG swap,
-  since a single rank has no peer to interleave collectives with and a frozen forward draws no random numbers.
+  One exception, for calls that draw no random numbers on a one-rank host (call_sharded_beside: async mode's
+  reference scored ahead; the hosted critic's values and train steps, whose model has no dropout: roles.host_of):
+  they run at once on a pool thread beside the host's call, unnumbered and without the RNG swap, since a single
+  rank has no peer to interleave collectives with, and what draws nothing leaves the host's random numbers as
+  they were.
 """
 
 from __future__ import annotations
@@ -120,7 +122,7 @@ class RankActor:
         # Every worker call runs on this one thread (see call()); Ray's pool threads only wait for their turn.
         self.compute = ThreadPoolExecutor(1, thread_name_prefix=f"{role}-{rank}-compute")
         self.compute_free = threading.Lock()
-        self.beside_lock = threading.Lock()  # call_beside: one at a time
+        self.beside_locks: dict[str, threading.Lock] = {}  # call_beside: one at a time per guest
 
     def address(self) -> tuple[str, int]:
         """(ip, free port) of this rank's node: rank 0's becomes the group's rendezvous address."""
@@ -158,8 +160,8 @@ class RankActor:
     def call_beside(self, role: str, method: str, *args, **kwargs) -> Any:
         """Run a guest's method at once, on this pool thread, beside whatever the compute thread runs: no turn,
         no RNG swap (ActorGroup.call_sharded_beside says when that is safe). Such calls of one guest still run
-        one at a time."""
-        with self.beside_lock:
+        one at a time; two guests' (async mode's reference scored ahead, a hosted critic) run side by side."""
+        with self.beside_locks.setdefault(role, threading.Lock()):
             n = self.cpu_threads.get(role, 0)
             if n:
                 apply_threads(n)
@@ -285,7 +287,7 @@ class ActorGroup:
                  gpus_per_node: int = 1, timeout_s: float = 600.0, env: Optional[dict[str, str]] = None,
                  guests: Sequence[str] = ()):
         self.role, self.world_size, self.timeout_s, self.worker_cls = role, len(slots), timeout_s, worker_cls
-        self.guests, self.host_role, self.turns = tuple(guests), None, None
+        self.guests, self.host_role, self.turns, self.beside = tuple(guests), None, None, False
         check_exports(role, worker_cls)  # before any process starts
         base_env = {"DS_ACCELERATOR": device, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
         if LOG_DIR_ENV in os.environ:  # ranks write their output to <save_path>/logs (logs.py)
@@ -312,10 +314,12 @@ class ActorGroup:
         concurrency = 2 + 2 * len(self.guests)
         return RankActor.options(**opts, max_restarts=0, max_concurrency=concurrency).remote(self.role, rank, env)
 
-    def host(self, role: str, worker_cls: type, cfg: Any) -> "ActorGroup":
+    def host(self, role: str, worker_cls: type, cfg: Any, beside: bool = False) -> "ActorGroup":
         """`role`'s workers in this group's rank processes, rank k's in rank k's process, as a group of its own
         (same calls; errors name `role` and the host). Needs `role` among the guests this group was built for.
-        From here on every call to these processes is numbered (module docstring)."""
+        From here on every call to these processes is numbered (module docstring). `beside` (roles.runs_beside:
+        the critic in a one-rank actor's process): its call_sharded_beside calls run beside the host's, so the
+        processes' thread shares count it as a process of its own (`processes`)."""
         if role not in self.guests:
             raise ValueError(f"{self.role}: built without room for guest {role!r} (guests={self.guests})")
         check_exports(role, worker_cls)
@@ -324,6 +328,7 @@ class ActorGroup:
         view = object.__new__(ActorGroup)
         view.role, view.world_size, view.timeout_s, view.worker_cls = role, self.world_size, self.timeout_s, worker_cls
         view.guests, view.host_role, view.turns, view.actors = (), self.role, self.turns, self.actors
+        view.beside = beside
         ranks = list(range(self.world_size))
         wait_all([a.setup.remote(worker_cls, cfg, {}, role) for a in self.actors], ranks, role, "setup",
                  self.timeout_s, self.role)
@@ -349,12 +354,13 @@ class ActorGroup:
         return self._submit(method_name(self.role, self.worker_cls, fn), [rank], [args], kwargs)
 
     def call_sharded_beside(self, fn: Callable, batch: Any, *args) -> GroupCall:
-        """call_sharded for a frozen model's forward (reference, reward model) that may run beside its host's
-        call in flight instead of after it: a guest of a one-rank host (on CPU, the reference inside the actor's
-        process). Only there, and only for a forward that runs no collective and draws no random numbers: a
-        single rank has no peer whose calls could interleave differently, and a frozen model in eval mode
-        consumes no RNG, so skipping the RNG swap leaves the host's random numbers as they were. It runs on a
-        pool thread of the host's process (RankActor.call_beside), unnumbered. Any other group: call_sharded."""
+        """call_sharded for a call that may run beside its host's call in flight instead of after it: a guest
+        of a one-rank host (on CPU, the reference or the critic inside the actor's process). Only there, and only
+        for a call that draws no random numbers: a frozen model's forward (reference, reward model), or the
+        hosted critic's values and train steps (roles.host_of hosts only a critic without dropout). A single rank
+        has no peer whose calls could interleave differently (its one-rank collectives have nobody to wait for),
+        and skipping the RNG swap of what draws nothing leaves the host's random numbers as they were. It runs on
+        a pool thread of the host's process (RankActor.call_beside), unnumbered. Any other group: call_sharded."""
         if self.host_role is None or self.world_size != 1:
             return self.call_sharded(fn, batch, *args)
         name = method_name(self.role, self.worker_cls, fn)
@@ -383,8 +389,9 @@ class ActorGroup:
 
     @property
     def processes(self) -> list:
-        """One key per rank process (a guest's are its host's): threads.py counts the distinct ones."""
-        return [id(a) for a in self.actors]
+        """One key per rank process (a guest's are its host's, unless its calls run beside the host's: then one
+        of its own, as it works beside them): threads.py counts the distinct ones."""
+        return [(id(a), self.role) if self.beside else id(a) for a in self.actors]
 
     def shutdown(self) -> None:
         """Kill the rank actors; a guest only lets go of them (its host's shutdown kills them)."""

@@ -57,6 +57,10 @@ class PlacementConfig:
     ref_own_process: bool = opt(
         False, "CPU only: the reference model in its own rank processes. By default on CPU, when its rank count "
         "equals the actor's, it runs inside the actor's rank processes (one fewer set of processes to start).")
+    critic_own_process: bool = opt(
+        False, "CPU only: the critic in a process of its own. By default on CPU a one-rank critic beside a one-rank "
+        "actor runs inside the actor's process, its calls on a thread of their own beside the actor's (one fewer "
+        "process to start); a critic model with dropout always gets its own.")
 
     def world_size(self, role: str) -> int:
         return getattr(self, f"{role}_num_nodes") * getattr(self, f"{role}_num_gpus_per_node")

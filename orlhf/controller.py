@@ -11,7 +11,8 @@
                        scoring.py (async mode starts the frozen models' forwards when a batch is generated)
       (guard)          engine log-probs vs the actor's: past --max_engine_logprob_gap the run stops (sync_guard.py)
       make_experience  driver: KL, group baseline, KL-shaped rewards, advantages and returns (algo/)
-      train            actor and critic train_step at the same time (non-blocking calls, gathered after);
+      train            actor and critic train_step at the same time (non-blocking calls, gathered after; a critic
+                       hosted in a one-rank actor's process on CPU trains on a thread beside it: roles.host_of);
                        --freezing_actor_steps N: the critic alone while the step index (0-based) is <= N
       sync_weights     actor -> engines (weight_sync.py); weight_version += 1; before the next generate
                        (skipped after a frozen-actor step: the engines already hold those weights)
@@ -320,7 +321,8 @@ class Controller:
             shuffled = exp.index(torch.randperm(len(exp), generator=g))
             actor_call = None if self.actor_frozen else self.m.actor.call_sharded(PolicyWorker.train_step, shuffled,
                                                                                   kl_coef)
-            critic_call = self.m.critic.call_sharded(CriticWorker.train_step, shuffled) if self.m.critic else None
+            critic_call = (self.m.critic.call_sharded_beside(CriticWorker.train_step, shuffled)  # hosted: beside
+                           if self.m.critic else None)
             actor_stats += actor_call.get() if actor_call is not None else []
             if critic_call is not None:
                 critic_stats += critic_call.get()

@@ -309,7 +309,7 @@ def placement_section(layout: Layout, nodes: list[NodeSpec], placed: dict[GroupK
         rows += _placement_rows(f"{ENGINE}{i}", f"TP {len(slots)}", slots, nodes, placed)
     head = ["who", "ranks", "pool", "node-group", "node", "bundles", "share"]
     notes = [f"{guest} runs inside the {host}'s rank processes (rank k in {host} rank k's): no bundles or process "
-             "of its own (--ref_own_process gives it its own)" for guest, host in layout.guests.items()]
+             f"of its own (--{guest}_own_process gives it its own)" for guest, host in layout.guests.items()]
     return ["placement (predicted by first-fit; live placement groups are hinted to these nodes):",
             format_table(head, rows), *notes]
 

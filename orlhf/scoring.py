@@ -88,7 +88,8 @@ class Scorer:
             ref_call = ahead.ref_call
         else:
             ref_call = m.ref.call_sharded(ReferenceWorker.log_probs, batch) if m.ref else None
-        value_call = m.critic.call_sharded(CriticWorker.values, batch) if m.critic else None
+        # a critic hosted in a one-rank actor's process computes beside the actor's and reference's calls
+        value_call = m.critic.call_sharded_beside(CriticWorker.values, batch) if m.critic else None
         if ahead is not None:
             reward_call = ahead.reward_call
         else:

@@ -84,12 +84,13 @@ def test_no_critic_without_gae():
 
 def test_no_reference_model_without_a_kl():
     # --init_kl_coef 0 without --use_kl_loss: no KL anywhere, so no ref group (OpenRLHF's rule)
-    layout = layout_of(cfg_of(init_kl_coef=0.0), "cpu")
+    own = dict(critic_own_process=True)  # the critic's pool of its own (else in the actor's process on CPU)
+    layout = layout_of(cfg_of(init_kl_coef=0.0, **own), "cpu")
     assert list(layout.roles) == ["actor", "critic"] and [p.name for p in layout.pools] == ["actor", "critic", "vllm0"]
     # --colocate_actor_ref then has nothing to colocate; under --colocate_all_models the ref takes no share
-    assert [p.name for p in layout_of(cfg_of(init_kl_coef=0.0, colocate_actor_ref=True), "cpu").pools] == [
+    assert [p.name for p in layout_of(cfg_of(init_kl_coef=0.0, colocate_actor_ref=True, **own), "cpu").pools] == [
         "actor", "critic", "vllm0"]
-    shared = layout_of(cfg_of(init_kl_coef=0.0, colocate_all_models=True), "cpu")
+    shared = layout_of(cfg_of(init_kl_coef=0.0, colocate_all_models=True, **own), "cpu")
     assert [p.name for p in shared.pools] == ["actor+critic+vllm"] and shared.roles["actor"][0].share == 0.33
     # a KL in the loss reads the reference even at coefficient 0
     assert list(layout_of(cfg_of(init_kl_coef=0.0, use_kl_loss=True), "cpu").roles) == ["actor", "ref", "critic"]
@@ -150,6 +151,29 @@ def test_cpu_reference_runs_in_the_actors_processes_without_bundles():
     assert layout_of(cfg_of(**grpo), "cuda").guests == {}
     assert layout_of(cfg_of(actor_num_gpus_per_node=2, micro_train_batch_size=8, **grpo), "cpu").guests == {}
     assert layout_of(cfg_of(advantage_estimator="reinforce", init_kl_coef=0.0), "cpu").guests == {}  # no ref
+
+
+def test_cpu_one_rank_critic_runs_in_the_actors_process_beside_it(tmp_path):
+    from orlhf.roles import has_dropout, runs_beside
+
+    layout = layout_of(cfg_of(), "cpu")  # the demo's GAE: actor + hosted ref + critic, one rank each
+    assert layout.guests == {"ref": "actor", "critic": "actor"}
+    assert [p.name for p in layout.pools] == ["actor+ref+critic", "vllm0"] and cpu_slots_needed(layout) == 2
+    assert runs_beside(resolve_device(cfg_of(), "cpu"), "critic")
+    assert not runs_beside(resolve_device(cfg_of(), "cpu"), "ref")  # the ref's calls take their turn
+    # apart: asked for, on GPUs, with more ranks on either side, or colocated with a reward model
+    assert layout_of(cfg_of(critic_own_process=True), "cpu").guests == {"ref": "actor"}
+    assert layout_of(cfg_of(), "cuda").guests == {}
+    assert "critic" not in layout_of(cfg_of(critic_num_gpus_per_node=2, micro_train_batch_size=8), "cpu").guests
+    assert "critic" not in layout_of(cfg_of(actor_num_gpus_per_node=2, micro_train_batch_size=8), "cpu").guests
+    # a critic model with dropout: concurrent train steps would interleave draws from one random generator
+    for name, config in (("llama", {"attention_dropout": 0.0}), ("gpt2", {"resid_pdrop": 0.1, "attn_pdrop": 0.1}),
+                         ("bert", {"hidden_dropout_prob": 0.1}), ("none", None)):
+        (tmp_path / name).mkdir()
+        if config is not None:
+            (tmp_path / name / "config.json").write_text(json.dumps({"model_type": name, **config}))
+    assert [has_dropout(str(tmp_path / n)) for n in ("llama", "gpt2", "bert", "none")] == [False, True, True, True]
+    assert has_dropout(None) is False  # the built-in demo before its path is resolved: attention_dropout 0
 
 
 # ---- pre-flight ----------------------------------------------------------------------------------------------
@@ -312,11 +336,15 @@ def test_plan_flags_what_cannot_be_placed(model70b, capsys):
 def test_plan_on_this_machine_cpu(capsys):
     code, out, _ = plan(["--device", "cpu", "--colocate_all_models", "--vllm_num_engines", "1"], capsys)
     assert code == 0, out
-    # the ref runs in the actor's processes: 3 processes share each slot (actor, critic, vllm), 0.33 each
-    assert "this machine" in out and "actor+ref+critic+vllm" in out and "0.33" in out and "0.25" not in out
-    assert "ref runs inside the actor's rank processes" in out
-    code, out, _ = plan(["--device", "cpu", "--colocate_all_models", "--vllm_num_engines", "1", "--ref_own_process"],
-                        capsys)
+    # the ref and the critic run in the actor's process: 2 processes share the slot (actor, vllm), 0.5 each
+    assert "this machine" in out and "actor+ref+critic+vllm" in out and "0.5" in out and "0.33" not in out
+    assert "ref runs inside the actor's rank processes" in out and "--ref_own_process gives it its own" in out
+    assert "critic runs inside the actor's rank processes" in out and "--critic_own_process gives" in out
+    code, out, _ = plan(["--device", "cpu", "--colocate_all_models", "--vllm_num_engines", "1",
+                         "--critic_own_process"], capsys)
+    assert code == 0 and "0.33" in out and "critic runs inside" not in out  # actor (+ ref), critic, vllm
+    code, out, _ = plan(["--device", "cpu", "--colocate_all_models", "--vllm_num_engines", "1", "--ref_own_process",
+                         "--critic_own_process"], capsys)
     assert code == 0 and "0.25" in out and "runs inside" not in out
 
 
