@@ -2,11 +2,14 @@
 
     probes (no DeepSpeed, cheap)   host + guest drawing random numbers: the host's draws are those it makes alone,
                                    the guest's are its own seed's; pids shared; errors name the guest and the host;
-                                   a one-rank host's guest called "beside" runs during the host's call
+                                   a one-rank host's guest called "beside" runs during the host's call; two
+                                   guests' beside calls run side by side
     real workers (2 ranks each)    PolicyWorker with a hosted ReferenceWorker beside a ReferenceWorker in its own
                                    processes: equal log-probs (bit for bit), while the actor's forwards run at the
                                    same time (ZeRO collectives of two workers on one process group, in turn order);
                                    a dead actor rank fails the ref's next call with an error naming both
+    hosted critic (1 rank)         a CriticWorker beside a one-rank PolicyWorker and one in its own process: the
+                                   same values and train stats, bit for bit, while the actor trains beside it
 """
 
 import sys
@@ -63,6 +66,13 @@ class Probe:
 
     @endpoint
     def count(self, batch: list) -> int:
+        return len(batch)
+
+    @endpoint
+    def count_slowly(self, batch: list) -> int:
+        import time
+
+        time.sleep(4.0)
         return len(batch)
 
 
@@ -190,3 +200,67 @@ def test_a_dead_actor_rank_takes_its_hosted_ref_down_with_a_clear_error(hosted_a
     with pytest.raises(RankError, match=r"ref rank 1 failed in log_probs\(\) \(in actor rank 1's process\):"
                                         r"\nthe rank actor died"):
         g["hosted"].call_sharded(ReferenceWorker.log_probs, batch).get(timeout_s=120)
+
+
+def test_two_guests_beside_a_one_rank_host_run_side_by_side(ray_local):
+    """Per-guest turns for calls beside the host: async mode's reference scored ahead and a hosted critic's
+    train step do not wait for each other (nor for the host's call in flight)."""
+    import time
+
+    import ray
+
+    one = ActorGroup("actor", Probe, None, [RankBundle(None, 0, 0.5)], device="cpu", guests=["ref", "critic"])
+    try:
+        ref, critic = one.host("ref", GuestProbe, None), one.host("critic", GuestProbe, None, beside=True)
+        assert len(set(one.processes + ref.processes)) == 1  # the ref counts as the actor's process...
+        assert len(set(one.processes + critic.processes)) == 2  # ...the critic, working beside it, as its own
+        held = one.call(Probe.hold, 5.0)
+        ref_held = ref.call_sharded_beside(GuestProbe.count_slowly, [1, 2, 3])
+        time.sleep(1.0)  # the ref's call is running
+        assert critic.call_sharded_beside(GuestProbe.count, [1, 2]).get(timeout_s=3) == [2]
+        assert not ray.wait(held.refs + ref_held.refs, num_returns=2, timeout=0)[0]  # both still running
+        held.get(), ref_held.get()
+    finally:
+        one.shutdown()
+
+
+def test_a_critic_hosted_beside_a_one_rank_actor_trains_as_one_in_its_own_process(ray_local):
+    """roles.host_of puts a one-rank critic (no dropout) in a one-rank actor's process, its values and train steps
+    beside the actor's calls: the same values and train stats, bit for bit, as a critic in a process of its own,
+    while the actor trains at the same time."""
+    from orlhf.types import Experience
+    from orlhf.workers import CriticWorker
+
+    flags = {"device": "cpu", "train_batch_size": 6, "rollout_batch_size": 6, "micro_train_batch_size": 3,
+             "micro_rollout_batch_size": 3}
+    cfg = finish_config(flags, explicit=set(flags))
+    one = [RankBundle(None, 0, 0.5)]
+    actor = ActorGroup("actor", PolicyWorker, worker_config(cfg, "actor", 4), one, device="cpu", timeout_s=300,
+                       guests=["critic"])
+    critic_cfg = worker_config(cfg, "critic", 4)
+    hosted = actor.host("critic", CriticWorker, critic_cfg, beside=True)
+    own = ActorGroup("critic", CriticWorker, critic_cfg, one, device="cpu", timeout_s=300)
+    try:
+        for call in [g.call(DeepSpeedWorker.init) for g in (actor, hosted, own)]:
+            call.get()
+        from transformers import AutoConfig
+
+        batch = batch_of(AutoConfig.from_pretrained(cfg.data.pretrain).vocab_size)
+        g = torch.Generator().manual_seed(1)
+        b, a = batch.action_mask.shape
+        for _ in range(2):
+            values = hosted.call_sharded_beside(CriticWorker.values, batch).get_cat()
+            assert torch.equal(values, own.call_sharded(CriticWorker.values, batch).get_cat())
+            exp = Experience(batch.sequences, batch.attention_mask, batch.action_mask, action_log_probs=None,
+                             advantages=torch.randn(b, a, generator=g), returns=torch.randn(b, a, generator=g),
+                             values=values)
+            actor_call = actor.call_sharded(PolicyWorker.train_step, exp)
+            hosted_call = hosted.call_sharded_beside(CriticWorker.train_step, exp)
+            own_stats = own.call_sharded(CriticWorker.train_step, exp).get()
+            assert [vars(s) for s in hosted_call.get()] == [vars(s) for s in own_stats]
+            assert actor_call.get()  # the actor trained beside it
+        assert torch.equal(hosted.call_sharded_beside(CriticWorker.values, batch).get_cat(),
+                           own.call_sharded(CriticWorker.values, batch).get_cat())
+    finally:
+        for grp in (hosted, own, actor):
+            grp.shutdown()
