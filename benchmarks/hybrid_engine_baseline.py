@@ -157,6 +157,9 @@ class LocalGroup:
     def call(self, fn: Callable, *args, **kwargs) -> LocalCall:
         return LocalCall(self.ranks, self._run(fn, *args, **kwargs))
 
+    # ActorGroup's call beside a host's call in flight: here every call runs at once, in the controller's order
+    call_sharded_beside = call_sharded
+
 
 class HybridGenerator:
     """The controller's `engines`: the trained actor generates this rank's share of the prompts (HF generate in

@@ -43,10 +43,12 @@ def test_a_demo_run_shows_only_orlhf_lines_and_a_whole_bar(demo_cli_run):
     text = "\n".join(other)
     assert str(save / "logs") in text and "reward: first" in text and "report:" in text
     logs = save / "logs"
-    for name in ("driver.log", "actor-0.log", "critic-0.log", "vllm-0.log"):
+    for name in ("driver.log", "actor-0.log", "vllm-0.log"):
         assert (logs / name).exists(), sorted(p.name for p in logs.iterdir())
-    assert not (logs / "ref-0.log").exists()  # on CPU the reference runs in the actor's processes (roles.host_of)
+    # on CPU the reference and the one-rank critic run in the actor's process (roles.host_of): no logs of their own
+    assert not (logs / "ref-0.log").exists() and not (logs / "critic-0.log").exists()
     assert "ref: 1 rank(s) inside the actor's rank processes" in text
+    assert "critic: 1 rank(s) inside the actor's rank processes, its calls beside the actor's" in text
     assert (logs / "vllm-0.log").stat().st_size > 0  # vLLM's start-up chatter went there
     assert (save / "report.png").stat().st_size > 20_000 and (save / "report.html").exists()
 
