@@ -110,10 +110,18 @@ def has_dropout(folder: Optional[str]) -> bool:
     from orlhf.head_files import read_config
 
     config = read_config(folder)
-    if not config:
-        return True
-    return any(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
-               for k, v in config.items() if "dropout" in k.lower() or k.lower().endswith("pdrop"))
+    return not config or _sets_dropout(config)
+
+
+def _sets_dropout(config: dict) -> bool:
+    """Any dropout probability above 0 in `config` or a config nested in it (a text_config, ...)."""
+    for k, v in config.items():
+        if isinstance(v, dict) and _sets_dropout(v):
+            return True
+        if ("dropout" in k.lower() or k.lower().endswith("pdrop")) and isinstance(v, (int, float)) \
+                and not isinstance(v, bool) and v > 0:
+            return True
+    return False
 
 
 def guest_roles(cfg: "TrainConfig") -> dict[str, str]:

@@ -168,11 +168,13 @@ def test_cpu_one_rank_critic_runs_in_the_actors_process_beside_it(tmp_path):
     assert "critic" not in layout_of(cfg_of(actor_num_gpus_per_node=2, micro_train_batch_size=8), "cpu").guests
     # a critic model with dropout: concurrent train steps would interleave draws from one random generator
     for name, config in (("llama", {"attention_dropout": 0.0}), ("gpt2", {"resid_pdrop": 0.1, "attn_pdrop": 0.1}),
-                         ("bert", {"hidden_dropout_prob": 0.1}), ("none", None)):
+                         ("bert", {"hidden_dropout_prob": 0.1}), ("nested", {"text_config": {"dropout": 0.1}}),
+                         ("none", None)):
         (tmp_path / name).mkdir()
         if config is not None:
             (tmp_path / name / "config.json").write_text(json.dumps({"model_type": name, **config}))
-    assert [has_dropout(str(tmp_path / n)) for n in ("llama", "gpt2", "bert", "none")] == [False, True, True, True]
+    assert [has_dropout(str(tmp_path / n)) for n in ("llama", "gpt2", "bert", "nested", "none")] == [
+        False, True, True, True, True]
     assert has_dropout(None) is False  # the built-in demo before its path is resolved: attention_dropout 0
 
 
