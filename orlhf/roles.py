@@ -95,16 +95,17 @@ def host_of(cfg: "TrainConfig", name: str) -> Optional[str]:
 
 
 def runs_beside(cfg: "TrainConfig", name: str) -> bool:
-    """A guest whose work calls (a trained model's train steps and values) run on a thread beside its host's
-    calls instead of after them, in turn: the critic in a one-rank actor's process (host_of). The processes'
-    thread shares count it as a process of its own (threads.py)."""
-    return name == "critic" and host_of(cfg, name) is not None
+    """A trained guest: its work calls (train steps, values) run on a thread beside its host's calls instead of
+    after them, in turn, or the two train steps would run one after the other (host_of hosts one only where that
+    is safe: the critic, one rank, no dropout). The processes' thread shares count it as a process of its own
+    (threads.py). A frozen guest (the reference) takes its turn."""
+    return role(name).trains and host_of(cfg, name) is not None
 
 
 def has_dropout(folder: Optional[str]) -> bool:
     """Does config.json of the model in `folder` set any dropout probability above 0 (Llama's attention_dropout,
-    GPT-2's resid_pdrop, BERT's hidden_dropout_prob, ...)? None (the built-in demo before its path is resolved:
-    no dropout) and a folder without a readable config.json (a hub id: assumed to have some) as noted."""
+    GPT-2's resid_pdrop, BERT's hidden_dropout_prob, ...)? None, the built-in demo before its path is resolved:
+    no (its attention_dropout is 0). A folder without a readable config.json (e.g. a hub id): counted as yes."""
     if folder is None:
         return False
     from orlhf.head_files import read_config

@@ -116,8 +116,9 @@ class Scorer:
 
     def eval_scores(self, rollouts: list[Rollout], prompts: list) -> torch.Tensor:
         """Scores from the run's reward source, touching no training state (no reward normalization update)."""
-        if agent_scores(rollouts) is not None:
-            return torch.tensor(agent_scores(rollouts), dtype=torch.float32)
+        given = agent_scores(rollouts)
+        if given is not None:
+            return torch.tensor(given, dtype=torch.float32)
         if self.reward_source is not None:
             return self.reward_source.score(*reward_inputs(self.tok, rollouts, prompts)).float()
         batch, _ = rollouts_to_batch(rollouts, self.tok.pad_token_id)
