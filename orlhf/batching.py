@@ -28,7 +28,7 @@ losses are the same numbers); only scoring, which is per sample, is reordered.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import TypeVar
+from typing import Optional, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -74,11 +74,20 @@ def pad_actions(t: torch.Tensor, num_actions: int) -> torch.Tensor:
     return F.pad(t, pad)
 
 
-def sort_by_length(batch) -> torch.Tensor:
+def sort_by_length(batch, groups: Optional[torch.Tensor] = None) -> torch.Tensor:
     """A permutation of the rows by real length (prompt + response), stable: rows of similar length become
-    neighbours, so micro-batches cut from the sorted batch trim well."""
+    neighbours, so micro-batches cut from the sorted batch trim well.
+
+    groups: (B,) group ids numbered in order of first appearance (rows of one prompt, workers/shared_prompt.py):
+    a group's rows stay together, sorted by the group's longest row, so a forward that runs each prompt once
+    finds its samples in one micro-batch."""
     prompt, response = real_lengths(batch)
-    return torch.sort(prompt + response, stable=True).indices
+    length = prompt + response
+    if groups is None:
+        return torch.sort(length, stable=True).indices
+    n = int(groups.max()) + 1
+    longest = torch.zeros(n, dtype=length.dtype).scatter_reduce_(0, groups, length, "amax")
+    return torch.sort(longest[groups] * n + groups, stable=True).indices
 
 
 @dataclass

@@ -129,6 +129,10 @@ class DeepSpeedConfig:
         False, "Keep training/scoring micro-batches padded to the whole batch's longest sequence (turns off "
         "padding removal; for benchmarks)."
     )
+    no_shared_prompt: bool = opt(
+        False, "Run every sample's prompt in its own row (turns off running each distinct prompt once per "
+        "micro-batch for all its samples in the actor's and reference's forwards; for benchmarks and checks)."
+    )
     use_dynamic_batch: bool = opt(
         False, "Micro-batches by a token budget instead of a sample count: training (per optimizer step, "
         "--train_max_tokens_per_gpu) and scoring forwards (--rollout_max_tokens_per_gpu). Budgets count real "

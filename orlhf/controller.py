@@ -49,6 +49,7 @@ from orlhf.sync_guard import SyncGuard
 from orlhf.threads import PhaseThreads
 from orlhf.types import Experience, Rollout, SamplingSpec
 from orlhf.workers import CriticWorker, PolicyWorker
+from orlhf.workers.shared_prompt import prompt_major_order
 
 if TYPE_CHECKING:  # annotations only: the loop itself imports no Ray (benchmarks/hybrid_engine_baseline.py runs it
     # on SPMD ranks without Ray, with groups of its own that answer the same calls)
@@ -314,11 +315,17 @@ class Controller:
 
     def train(self, exp: Experience, kl_coef: float) -> tuple[dict, Optional[dict]]:
         """max_epochs passes over the step's experience, shuffled; actor and critic in parallel.
-        kl_coef goes to the actor's KL loss (--use_kl_loss), so an adaptive coefficient reaches the loss."""
+        kl_coef goes to the actor's KL loss (--use_kl_loss), so an adaptive coefficient reaches the loss.
+
+        When one optimizer step takes the whole experience, the order of its rows cannot change the update: the
+        shuffle then moves whole prompts (each prompt's samples stay together, so a training micro-batch runs
+        each prompt once: workers/shared_prompt.py); otherwise it shuffles rows, as OpenRLHF's replay buffer."""
         actor_stats, critic_stats = [], []
+        one_step = len(exp) <= self.cfg.ppo.train_batch_size
         for epoch in range(self.cfg.ppo.max_epochs):
             g = torch.Generator().manual_seed(self.cfg.ppo.seed + 7919 * self.step_index + epoch)
-            shuffled = exp.index(torch.randperm(len(exp), generator=g))
+            order = prompt_major_order(exp, g) if one_step else torch.randperm(len(exp), generator=g)
+            shuffled = exp.index(order)
             actor_call = None if self.actor_frozen else self.m.actor.call_sharded(PolicyWorker.train_step, shuffled,
                                                                                   kl_coef)
             critic_call = (self.m.critic.call_sharded_beside(CriticWorker.train_step, shuffled)  # hosted: beside

@@ -97,6 +97,7 @@ class WorkerConfig:
     cpu_threads: int = 0  # CPU only: torch threads in this rank's process (0: leave Ray's OMP_NUM_THREADS)
     trim_padding: bool = True  # cut each micro-batch to its real length (not --no_trim_padding)
     packing_samples: bool = False  # one row of real tokens per micro-batch (--packing_samples)
+    shared_prompt: bool = True  # causal LMs: each distinct prompt run once per forward (not --no_shared_prompt)
     # --use_dynamic_batch: forwards grouped by a real-token budget (orlhf/batching.py budget_micro_batches); 0: by
     # count (--micro_rollout_batch_size)
     forward_max_tokens: int = 0
@@ -217,6 +218,7 @@ def worker_config(cfg: TrainConfig, role: str, total_optimizer_steps: int = 1) -
         gradient_checkpointing=ds.gradient_checkpointing, flash_attn=ds.flash_attn, seed=ppo.seed,
         micro_forward_batch_size=ppo.micro_rollout_batch_size, trim_padding=not ds.no_trim_padding,
         packing_samples=ds.packing_samples, cpu_threads=ds.train_cpu_threads, forward_max_tokens=forward_budget,
+        shared_prompt=not ds.no_shared_prompt,
     )
     head = HeadSlice(value_head_prefix=d.value_head_prefix, normalize_reward=ppo.normalize_reward)
     if role == "ref":

@@ -19,14 +19,15 @@ from orlhf.batching import budget_micro_batches, fitting_count, real_lengths, so
 from orlhf.types import Experience, SequenceBatch
 
 
-def forward_plan(batch: SequenceBatch, micro: int, trim_padding: bool,
-                 max_tokens: int = 0) -> tuple[Optional[torch.Tensor], list[int]]:
-    """(row order, None for as given; micro-batch sizes) for a forward pass over `batch`."""
+def forward_plan(batch: SequenceBatch, micro: int, trim_padding: bool, max_tokens: int = 0,
+                 groups: Optional[torch.Tensor] = None) -> tuple[Optional[torch.Tensor], list[int]]:
+    """(row order, None for as given; micro-batch sizes) for a forward pass over `batch`. groups: (B,) rows to
+    keep together when sorting (batching.sort_by_length)."""
     if max_tokens:  # groups of at most the budget in real tokens
         prompt, response = real_lengths(batch)
         groups = budget_micro_batches((prompt + response).tolist(), max_tokens)
         return torch.tensor([i for g in groups for i in g], dtype=torch.long), [len(g) for g in groups]
-    order = sort_by_length(batch) if trim_padding and len(batch) > micro else None
+    order = sort_by_length(batch, groups) if trim_padding and len(batch) > micro else None
     return order, [min(micro, len(batch) - i) for i in range(0, len(batch), micro)]
 
 

@@ -32,6 +32,7 @@ from orlhf.worker_config import WorkerConfig
 from orlhf.types import Experience, SequenceBatch, TrainStats
 from orlhf.workers.base import DeepSpeedWorker, position_ids_from
 from orlhf.workers.loading import from_pretrained
+from orlhf.workers.shared_prompt import prompt_groups, same_as_plain, shared_prompt_logits
 
 log = logging.getLogger("orlhf.workers")
 
@@ -44,26 +45,37 @@ def load_causal_lm(cfg: WorkerConfig) -> nn.Module:
     return model
 
 
-def action_logits(model: nn.Module, batch: SequenceBatch, temperature: float, packed: bool = False) -> torch.Tensor:
+def action_logits(model: nn.Module, batch: SequenceBatch, temperature: float, packed: bool = False,
+                  shared: bool = False) -> torch.Tensor:
     """(B, A, V) float32 logits / temperature that score the A action tokens (positions T-A-1 .. T-2).
 
     packed: run the batch as one row of real tokens (orlhf/batching.py); zeros where there is no action token.
     """
-    logits, offset = model_logits(model, batch, packed)
+    logits, offset = model_logits(model, batch, packed, shared)
     return window(logits, offset, batch.num_actions, temperature)
 
 
-def model_logits(model: nn.Module, batch: SequenceBatch, packed: bool = False) -> tuple[torch.Tensor, int]:
+def model_logits(model: nn.Module, batch: SequenceBatch, packed: bool = False,
+                 shared: bool = False) -> tuple[torch.Tensor, int]:
     """(logits (B, L, V) as the model returns them, offset): the action tokens' logits are [:, offset:offset + A].
-    Left unsliced so that token_log_probs' backward writes the whole gradient at once (orlhf/algo/logprobs.py)."""
+    Left unsliced so that token_log_probs' backward writes the whole gradient at once (orlhf/algo/logprobs.py).
+
+    shared: run each distinct prompt once for all rows that share it (workers/shared_prompt.py), when some do."""
     if packed:
         return _packed_action_logits(model, batch), 0
     num_actions = batch.num_actions
+    keep = _accepts_logits_to_keep(model)
+    position_ids = position_ids_from(batch.attention_mask)
+    groups = prompt_groups(batch) if shared else None
+    if groups is not None:
+        logits = shared_prompt_logits(model, batch, groups, position_ids, keep)
+        if logits is not None:
+            return logits, 0
     kwargs = {}
-    if _accepts_logits_to_keep(model):  # the LM head then runs on A+1 positions only, not all T
+    if keep:  # the LM head then runs on A+1 positions only, not all T
         kwargs["logits_to_keep"] = num_actions + 1
-    out = model(input_ids=batch.sequences, attention_mask=batch.attention_mask,
-                position_ids=position_ids_from(batch.attention_mask), use_cache=False, **kwargs)
+    out = model(input_ids=batch.sequences, attention_mask=batch.attention_mask, position_ids=position_ids,
+                use_cache=False, **kwargs)
     return out.logits, out.logits.shape[1] - num_actions - 1
 
 
@@ -82,11 +94,11 @@ def gather_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor
     return token_log_probs(logits, tokens)
 
 
-def action_log_probs(model: nn.Module, batch: SequenceBatch, temperature: float,
-                     packed: bool = False) -> tuple[torch.Tensor, torch.Tensor, int]:
+def action_log_probs(model: nn.Module, batch: SequenceBatch, temperature: float, packed: bool = False,
+                     shared: bool = False) -> tuple[torch.Tensor, torch.Tensor, int]:
     """((B, A) log pi of the action tokens, the model's logits, offset): the logits for a caller that needs more
     from them (entropy), the log-probs through token_log_probs' one-pass backward."""
-    logits, offset = model_logits(model, batch, packed)
+    logits, offset = model_logits(model, batch, packed, shared)
     tokens = batch.sequences[:, -batch.num_actions:]
     return token_log_probs(logits, tokens, offset, temperature), logits, offset
 
@@ -103,9 +115,36 @@ def _forward_takes_logits_to_keep(cls: type) -> bool:
 
 def _log_probs(worker: DeepSpeedWorker, batch: SequenceBatch) -> torch.Tensor:
     def fn(mb: SequenceBatch) -> torch.Tensor:
-        return action_log_probs(worker.engine, mb, worker.cfg.temperature, worker.cfg.packing_samples)[0]
+        return action_log_probs(worker.engine, mb, worker.cfg.temperature, worker.cfg.packing_samples,
+                                worker.shared_prompt)[0]
 
     return worker.forward_micro_batches(batch, fn)
+
+
+def shares_prompts(worker: DeepSpeedWorker) -> bool:
+    """Whether `worker` runs each distinct prompt once per forward (workers/shared_prompt.py): asked for
+    (not --no_shared_prompt), not packed, not ZeRO-3 over several ranks (the ranks' micro-batches would make
+    different numbers of forward calls, each a round of collective parameter gathers), and the model gives the
+    plain forward's logits that way (checked here on a small batch; collective-free, as ZeRO-3 runs on one rank)."""
+    cfg = worker.cfg
+    if not cfg.shared_prompt or cfg.packing_samples or (worker.zero3 and worker.world_size > 1):
+        return False
+    training = worker.engine.training
+    worker.engine.eval()
+    try:
+        ok = same_as_plain(lambda b: action_logits(worker.engine, b, 1.0),
+                           lambda b: action_logits(worker.engine, b, 1.0, shared=True),
+                           _vocab_size(worker.module), worker.device, not cfg.bf16)
+    finally:
+        worker.engine.train(training)
+    log.info("%s: %s", cfg.role, "each distinct prompt runs once per forward" if ok else
+             "the model's cached forward differs from its plain one; every prompt runs in each sample's row")
+    return ok
+
+
+def _vocab_size(module: nn.Module) -> int:
+    emb = module.get_input_embeddings()
+    return int(getattr(emb, "num_embeddings", None) or module.config.vocab_size)
 
 
 class ReferenceWorker(DeepSpeedWorker):
@@ -113,6 +152,12 @@ class ReferenceWorker(DeepSpeedWorker):
 
     def build_model(self) -> nn.Module:
         return load_causal_lm(self.cfg)
+
+    @endpoint
+    def init(self) -> None:
+        """Collective: all ranks call it together."""
+        super().init()
+        self.shared_prompt = shares_prompts(self)
 
     @endpoint
     def log_probs(self, batch: SequenceBatch) -> torch.Tensor:
@@ -123,8 +168,18 @@ class ReferenceWorker(DeepSpeedWorker):
 class PolicyWorker(DeepSpeedWorker):
     """The actor: log-probs for experience making, PPO train steps, full weights for the engines."""
 
+    shared_prompt_train = False  # set by init: shared_prompt (shares_prompts), and in training also not with
+    # gradient checkpointing, under which transformers runs training forwards without a cache
+
     def build_model(self) -> nn.Module:
         return load_causal_lm(self.cfg)
+
+    @endpoint
+    def init(self) -> None:
+        """Collective: all ranks call it together."""
+        super().init()
+        self.shared_prompt = shares_prompts(self)
+        self.shared_prompt_train = self.shared_prompt and not self.cfg.gradient_checkpointing
 
     @endpoint
     def log_probs(self, batch: SequenceBatch) -> torch.Tensor:
@@ -149,10 +204,11 @@ class PolicyWorker(DeepSpeedWorker):
         cfg, lc, mask = self.cfg, self.cfg.loss, mb.action_mask
         seqs = mb.as_sequence_batch()
         if lc.entropy_loss_coef > 0:  # entropy joins the graph: (b, A, V) logits / temperature with grad
-            logits = action_logits(self.engine, seqs, cfg.temperature, cfg.packing_samples)
+            logits = action_logits(self.engine, seqs, cfg.temperature, cfg.packing_samples, self.shared_prompt_train)
             log_probs = gather_log_probs(logits, mb.sequences[:, -mb.num_actions:])  # (b, A)
         else:  # entropy is only logged: from the detached logits
-            log_probs, full, offset = action_log_probs(self.engine, seqs, cfg.temperature, cfg.packing_samples)
+            log_probs, full, offset = action_log_probs(self.engine, seqs, cfg.temperature, cfg.packing_samples,
+                                                       self.shared_prompt_train)
             logits = window(full.detach(), offset, mb.num_actions, cfg.temperature)
         old = _old_log_probs(mb, log_probs)
         terms = policy_loss_terms(log_probs, old, mb.advantages, mask, lc.eps_clip,

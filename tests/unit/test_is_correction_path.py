@@ -56,7 +56,7 @@ def actor_loss(model, engine_shift):
                              rollout_log_probs=engine_lp)
     assert exp.rollout_log_probs is not None
     mb = trim(exp.index(torch.arange(4)).split([4])[0])  # the trainer's shuffle / split / trim keep them
-    worker = SimpleNamespace(cfg=actor, engine=model)  # _loss reads only these: the real loss code
+    worker = SimpleNamespace(cfg=actor, engine=model, shared_prompt_train=False)  # what _loss reads
     return PolicyWorker._loss(worker, mb, LossNorm(tokens=16.0, seqs=4.0), kl_coef=0.0)
 
 

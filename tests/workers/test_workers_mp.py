@@ -72,6 +72,13 @@ def _make_batch() -> SequenceBatch:
     return SequenceBatch(seq, attn, attn[:, -A:].bool())
 
 
+def _grouped(exp: Experience) -> Experience:
+    """exp with row 2k+1's prompt replaced by row 2k's: pairs of samples of one prompt, as GRPO's."""
+    seq, attn = exp.sequences.clone(), exp.attention_mask.clone()
+    seq[1::2, :P], attn[1::2, :P] = seq[0::2, :P], attn[0::2, :P]
+    return dataclasses.replace(exp, sequences=seq, attention_mask=attn)
+
+
 def _positions(attn):
     return (attn.cumsum(-1) - 1).clamp(min=0)
 
@@ -139,6 +146,7 @@ def _ws2(rank: int, out: dict, paths: dict, exp: Experience) -> None:
     out["after"] = actor.state_dict_full()
     _timed(out, "train_step_2", lambda: actor.train_step(half))
     out["rss_mb_actor"] = _rss_mb()
+    out["shared_prompt"] = actor.shared_prompt  # ZeRO-3 over 2 ranks: off (see policy.shares_prompts)
     out["saved"] = actor.state_dict_full()
     actor.save_hf(str(paths["root"] / "export"))
 
@@ -208,6 +216,20 @@ def _ws1(rank: int, out: dict, paths: dict, exp: Experience) -> None:
     packed_reward = RewardWorker(_cfg("reward", paths["rm"], packing_samples=True))
     packed_reward.init()
     out["packed_scores"] = packed_reward.scores(exp.as_sequence_batch())
+
+    # Each distinct prompt run once (the default) against every row run whole, on rows that share prompts.
+    grouped = _grouped(exp)
+    out["zero3_flags"] = (actor.shared_prompt, actor.shared_prompt_train, ref.shared_prompt)
+    out["ref_grouped"] = ref.log_probs(grouped.as_sequence_batch())
+    for name, kw in (("shared", {}), ("unshared", {"shared_prompt": False}), ("reordered", {"shared_prompt": False})):
+        worker = PolicyWorker(_cfg("actor", paths["lm"], zero_stage=2, **kw))
+        worker.init()
+        out[f"{name}_flags"] = (worker.shared_prompt, worker.shared_prompt_train)
+        out[f"{name}_log_probs"] = worker.log_probs(grouped.as_sequence_batch())
+        # reordered: the controller's prompt-major shuffle (one optimizer step: the order cannot change it)
+        rows = grouped.index(torch.tensor([6, 7, 2, 3, 0, 1, 4, 5])) if name == "reordered" else grouped
+        out[f"{name}_stats"] = worker.train_step(rows)
+        out[f"{name}_after"] = worker.state_dict_full()
 
 
 def _rank_main(rank: int, world: int, port: int, job: str, paths: dict, exp: Experience, out_dir: str) -> None:
@@ -408,6 +430,25 @@ def test_padding_removal_trimmed_padded_and_packed_agree(ws1, ws2, hf_lm, experi
     assert (ws1[0]["packed_rm_critic_values"] - rm_values).abs().max().item() <= 1e-5
     assert math.isfinite(ws1[0]["packed_critic_stats"].loss) and ws1[0]["packed_critic_stats"].grad_norm > 0
     assert (ws1[0]["packed_scores"] - ws2[0]["scores"]).abs().max().item() <= 1e-5
+
+
+def test_shared_prompt_forwards_score_and_step_as_every_row_run_whole(ws1, ws2, hf_lm, experience):
+    grouped = _grouped(experience)
+    expected = _hf_log_probs(hf_lm, grouped.as_sequence_batch())
+    mask = grouped.action_mask
+    out = ws1[0]
+    # on by default at ZeRO-2 and ZeRO-3 on one rank, the hosted reference too; off at ZeRO-3 over two ranks
+    assert out["shared_flags"] == (True, True) and out["zero3_flags"] == (True, True, True)
+    assert out["unshared_flags"] == (False, False) and ws2[0]["shared_prompt"] is False
+    for name in ("shared", "unshared"):
+        assert (out[f"{name}_log_probs"] - expected)[mask].abs().max().item() <= 1e-5, name
+    assert (out["ref_grouped"] - expected)[mask].abs().max().item() <= 1e-5
+    assert out["shared_stats"].loss == pytest.approx(out["unshared_stats"].loss, rel=1e-5, abs=1e-6)
+    assert out["shared_stats"].grad_norm == pytest.approx(out["unshared_stats"].grad_norm, rel=1e-5)
+    # the same optimizer step (AdamW's first step: see the padding test for the 5e-5), and in another row order
+    assert _max_diff(out["shared_after"], out["unshared_after"]) <= 5e-5
+    assert _max_diff(out["reordered_after"], out["unshared_after"]) <= 5e-5
+    assert _max_diff(out["shared_after"], dict(hf_lm.state_dict())) > 1e-4  # and the step moved the weights
 
 
 def test_report_costs(ws2, ws1):

@@ -1,0 +1,136 @@
+"""Running each distinct prompt once (orlhf/workers/shared_prompt.py) gives the plain forward's logits and
+gradients, on fewer positions; scoring keeps a prompt's rows in one micro-batch."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+
+from orlhf.batching import sort_by_length
+from orlhf.types import SequenceBatch
+from orlhf.workers.policy import action_logits, model_logits
+from orlhf.workers.shared_prompt import prompt_groups, prompt_major_order, same_as_plain
+
+V, PAD = 48, 0
+
+
+def _batch(prompts: list[list[int]], responses: list[list[int]]) -> SequenceBatch:
+    """Left-padded prompts + right-padded responses, as rollouts_to_batch lays them out."""
+    p, a = max(map(len, prompts)), max(map(len, responses))
+    seq = torch.full((len(prompts), p + a), PAD)
+    mask = torch.zeros(len(prompts), p + a, dtype=torch.long)
+    for i, (q, r) in enumerate(zip(prompts, responses)):
+        seq[i, p - len(q):p], mask[i, p - len(q):p] = torch.tensor(q), 1
+        seq[i, p:p + len(r)], mask[i, p:p + len(r)] = torch.tensor(r), 1
+    return SequenceBatch(seq, mask, mask[:, p:].bool())
+
+
+def test_prompt_groups_by_tokens_and_padding():
+    a, b = [5, 6, 7], [9, 7]
+    batch = _batch([a, b, a, b, a, [5, 6, 8]], [[10, 11]] * 6)
+    first, spread = prompt_groups(batch)
+    # numbered by first appearance; [5, 6, 8] differs only in its last column, which the response pass runs per row
+    assert first.tolist() == [0, 1] and spread.tolist() == [0, 1, 0, 1, 0, 0]
+    # the same tokens at another padding offset are another prompt
+    shifted = _batch([[9, 7], [4, 9, 7]], [[10], [10]])
+    assert prompt_groups(shifted) is None
+    assert prompt_groups(_batch([[5], [5]], [[1], [2]])) is None  # one prompt column: nothing to run ahead
+    assert prompt_groups(_batch([[5, 6], [7, 6]], [[1], [2]])) is None  # all distinct
+
+
+def test_sort_keeps_a_prompts_rows_together_by_its_longest_row():
+    batch = _batch([[1, 2, 3], [4, 5], [1, 2, 3], [4, 5], [6, 7, 8, 9]], [[1], [1, 2, 3], [1, 2], [1], [1]])
+    _, groups = prompt_groups(batch)
+    # real lengths 4, 5, 5, 3, 5: groups {0, 2} longest 5, {1, 3} longest 5, {4} 5: ties by first appearance
+    assert sort_by_length(batch, groups).tolist() == [0, 2, 1, 3, 4]
+    assert sort_by_length(batch).tolist() == [3, 0, 1, 2, 4]  # without groups: by each row's own length
+
+
+def test_prompt_major_order_shuffles_prompts_not_rows():
+    prompts = [[i, i + 1, i + 2] for i in range(4, 40, 3)]  # 12 prompts x 4 samples, prompt-major
+    batch = _batch([q for q in prompts for _ in range(4)], [[1, 2]] * 48)
+    orders = [prompt_major_order(batch, torch.Generator().manual_seed(s)) for s in range(3)]
+    for order in orders:
+        assert sorted(order.tolist()) == list(range(48))
+        blocks = order.view(12, 4)  # every 4 consecutive rows: one prompt's samples, in their order
+        assert (blocks == blocks[:, :1] + torch.arange(4)).all() and (blocks[:, 0] % 4 == 0).all()
+    assert orders[0].tolist() != orders[1].tolist()  # the prompts' order is random
+    distinct = _batch([[5, 6], [7, 6], [8, 6]], [[1]] * 3)  # nothing shared: a plain row shuffle
+    assert sorted(prompt_major_order(distinct, torch.Generator().manual_seed(0)).tolist()) == [0, 1, 2]
+
+
+@pytest.fixture(scope="module")
+def lm():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=V, max_position_embeddings=64, pad_token_id=PAD,
+                      initializer_range=0.5)  # large weights: logits that differ clearly between positions
+    model = LlamaForCausalLM(cfg).eval()
+    model.config.use_cache = False  # as workers load it (policy.load_causal_lm)
+    return model
+
+
+def _grpo_batch() -> SequenceBatch:
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(4, V, (n,), generator=g).tolist() for n in (5, 3, 7)]
+    rows = [q for q in prompts for _ in range(3)]
+    responses = [torch.randint(4, V, (6 - (i % 4),), generator=g).tolist() for i in range(len(rows))]
+    return _batch(rows, responses)
+
+
+def _positions_seen(model, fn) -> tuple[torch.Tensor, int]:
+    seen = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda m, i, o: seen.append(i[0].numel()))
+    try:
+        out = fn()
+    finally:
+        hook.remove()
+    return out, sum(seen)
+
+
+def test_shared_forward_equals_plain_on_fewer_positions(lm):
+    batch = _grpo_batch()
+    with torch.no_grad():
+        plain, n_plain = _positions_seen(lm, lambda: action_logits(lm, batch, 1.0))
+        shared, n_shared = _positions_seen(lm, lambda: action_logits(lm, batch, 1.0, shared=True))
+    real = batch.action_mask
+    assert plain.shape == shared.shape
+    assert (plain[real] - shared[real]).abs().max() < 1e-5
+    assert float(plain[real].std()) > 0.5  # the check above compares logits that vary
+    # 9 rows of 7 + 6 columns plain; 3 prompts x 6 columns, then 9 rows x 6 action columns shared
+    assert n_plain == 9 * 13 and n_shared == 3 * 6 + 9 * 6
+
+
+def test_shared_forward_gradients_equal_plain(lm):
+    batch = _grpo_batch()
+    weights = torch.randn(batch.action_mask.shape, generator=torch.Generator().manual_seed(1))
+
+    def grads(shared: bool) -> dict:
+        lm.zero_grad()
+        logits, offset = model_logits(lm, batch, shared=shared)
+        lp = torch.log_softmax(logits[:, offset:offset + batch.num_actions], -1)
+        tok = lp.gather(-1, batch.sequences[:, -batch.num_actions:, None]).squeeze(-1)
+        (tok * weights * batch.action_mask).sum().backward()
+        return {n: p.grad.clone() for n, p in lm.named_parameters()}
+
+    plain, shared = grads(False), grads(True)
+    for name in plain:
+        scale = 1.0 + float(plain[name].abs().max())
+        assert (plain[name] - shared[name]).abs().max() <= 1e-5 * scale, name
+
+
+def test_the_start_up_check_accepts_the_real_forward_and_refuses_a_wrong_one(lm):
+    plain = lambda b: action_logits(lm, b, 1.0)  # noqa: E731
+    shared = lambda b: action_logits(lm, b, 1.0, shared=True)  # noqa: E731
+    assert same_as_plain(plain, shared, V, torch.device("cpu"), float32=True)
+
+    def off_by_one(b: SequenceBatch) -> torch.Tensor:  # positions one column late: what a broken cache would give
+        out = shared(b)
+        return torch.cat([out[:, :1], out[:, :-1]], 1)
+
+    assert not same_as_plain(plain, off_by_one, V, torch.device("cpu"), float32=True)
+    assert not same_as_plain(plain, lambda b: None, V, torch.device("cpu"), float32=True)
