@@ -25,7 +25,7 @@ from torch import nn
 
 from orlhf.endpoints import endpoint
 from orlhf.algo.kl import approx_kl
-from orlhf.algo.logprobs import token_log_probs, window
+from orlhf.algo.logprobs import token_log_probs, token_log_probs_entropy, window
 from orlhf.algo.losses import LossNorm, aggregate, entropy_from_logits, masked_mean, policy_loss_terms
 from orlhf.batching import pack
 from orlhf.worker_config import WorkerConfig
@@ -95,12 +95,18 @@ def gather_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor
 
 
 def action_log_probs(model: nn.Module, batch: SequenceBatch, temperature: float, packed: bool = False,
-                     shared: bool = False) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """((B, A) log pi of the action tokens, the model's logits, offset): the logits for a caller that needs more
-    from them (entropy), the log-probs through token_log_probs' one-pass backward."""
+                     shared: bool = False) -> torch.Tensor:
+    """(B, A) log pi of the action tokens, through token_log_probs' one-pass backward."""
     logits, offset = model_logits(model, batch, packed, shared)
-    tokens = batch.sequences[:, -batch.num_actions:]
-    return token_log_probs(logits, tokens, offset, temperature), logits, offset
+    return token_log_probs(logits, batch.sequences[:, -batch.num_actions:], offset, temperature)
+
+
+def action_log_probs_entropy(model: nn.Module, batch: SequenceBatch, temperature: float, packed: bool = False,
+                             shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """((B, A) log pi of the action tokens as action_log_probs, (B, A) entropy of each action position's
+    distribution, detached: for the log, from the softmax the log-probs' backward keeps anyway)."""
+    logits, offset = model_logits(model, batch, packed, shared)
+    return token_log_probs_entropy(logits, batch.sequences[:, -batch.num_actions:], offset, temperature)
 
 
 def _accepts_logits_to_keep(model: nn.Module) -> bool:
@@ -116,7 +122,7 @@ def _forward_takes_logits_to_keep(cls: type) -> bool:
 def _log_probs(worker: DeepSpeedWorker, batch: SequenceBatch) -> torch.Tensor:
     def fn(mb: SequenceBatch) -> torch.Tensor:
         return action_log_probs(worker.engine, mb, worker.cfg.temperature, worker.cfg.packing_samples,
-                                worker.shared_prompt)[0]
+                                worker.shared_prompt)
 
     return worker.forward_micro_batches(batch, fn)
 
@@ -206,10 +212,10 @@ class PolicyWorker(DeepSpeedWorker):
         if lc.entropy_loss_coef > 0:  # entropy joins the graph: (b, A, V) logits / temperature with grad
             logits = action_logits(self.engine, seqs, cfg.temperature, cfg.packing_samples, self.shared_prompt_train)
             log_probs = gather_log_probs(logits, mb.sequences[:, -mb.num_actions:])  # (b, A)
-        else:  # entropy is only logged: from the detached logits
-            log_probs, full, offset = action_log_probs(self.engine, seqs, cfg.temperature, cfg.packing_samples,
-                                                       self.shared_prompt_train)
-            logits = window(full.detach(), offset, mb.num_actions, cfg.temperature)
+            entropy = entropy_from_logits(logits)  # (b, A), in the graph
+        else:  # entropy is only logged: detached, from the log-probs' own softmax
+            log_probs, entropy = action_log_probs_entropy(self.engine, seqs, cfg.temperature, cfg.packing_samples,
+                                                          self.shared_prompt_train)
         old = _old_log_probs(mb, log_probs)
         terms = policy_loss_terms(log_probs, old, mb.advantages, mask, lc.eps_clip,
                                   lc.eps_clip_high if lc.eps_clip_high is not None else lc.eps_clip,
@@ -224,7 +230,6 @@ class PolicyWorker(DeepSpeedWorker):
         if terms.is_cut is not None:
             stats["is_cut_frac"] = masked_mean(terms.is_cut.float(), mask).item()
         # Entropy is logged on every step; it joins the graph only when it is in the loss.
-        entropy = entropy_from_logits(logits)  # (b, A); logits are detached unless entropy is in the loss
         if lc.entropy_loss_coef > 0:
             loss = loss - lc.entropy_loss_coef * aggregate(entropy, mask, lc.loss_agg_mode, norm)
         stats["entropy"] = masked_mean(entropy.detach(), mask).item()

@@ -78,9 +78,10 @@ def first_step_logged(tmp_path: Path, proc, log) -> None:
 
 
 @pytest.mark.parametrize("pid_line, error", [
-    # the reference runs in the actor's process (CPU): its call may be the one that meets the death first
+    # the reference and the demo's critic run in the actor's process (CPU): their calls may be the ones that meet
+    # the death first
     (r"actor: 1 rank\(s\), pids \[(\d+)\]",
-     r"error: (actor rank 0 failed in \w+\(\)|ref rank 0 failed in \w+\(\) \(in actor rank 0's process\))"),
+     r"error: (actor rank 0 failed in \w+\(\)|(ref|critic) rank 0 failed in \w+\(\) \(in actor rank 0's process\))"),
     (r"vllm engines: 1, pids \[(\d+)\]", r"error: (vllm engine|weight sync).* 0 failed"),
 ], ids=["actor_rank", "vllm_engine"])
 def test_killed_process_stops_the_run_naming_it(tmp_path, pid_line, error):

@@ -52,3 +52,27 @@ def test_is_a_log_softmax():
     tokens = torch.randint(0, 10, (2, 3))
     want = torch.log_softmax(logits, -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     torch.testing.assert_close(token_log_probs(logits, tokens), want)
+
+
+@pytest.mark.parametrize("offset,temperature", [(0, 1.0), (2, 0.7)])
+def test_entropy_comes_with_the_same_log_probs_and_gradients(offset, temperature):
+    from orlhf.algo.logprobs import token_log_probs_entropy
+    from orlhf.algo.losses import entropy_from_logits
+
+    g = torch.Generator().manual_seed(5)
+    base = torch.randn(6, 9, 40, generator=g) * 3
+    tokens = torch.randint(0, 40, (6, 5), generator=g)
+    upstream = torch.randn(6, 5, generator=g)
+    plain_in, with_in = base.clone().requires_grad_(True), base.clone().requires_grad_(True)
+    plain = token_log_probs(plain_in, tokens, offset, temperature)
+    got, entropy = token_log_probs_entropy(with_in, tokens, offset, temperature)
+    plain.backward(upstream)
+    got.backward(upstream)
+    assert torch.equal(got, plain) and torch.equal(with_in.grad, plain_in.grad)  # bit for bit
+    assert not entropy.requires_grad
+    # the entropy of the same window as the loss's entropy term computes it (float rounding apart)
+    want = entropy_from_logits(base[:, offset:offset + 5] / temperature)
+    torch.testing.assert_close(entropy, want, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        lp, ent = token_log_probs_entropy(base, tokens, offset, temperature)
+    assert torch.equal(lp, plain.detach()) and torch.allclose(ent, entropy, rtol=1e-6, atol=1e-7)

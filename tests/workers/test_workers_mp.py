@@ -221,8 +221,9 @@ def _ws1(rank: int, out: dict, paths: dict, exp: Experience) -> None:
     grouped = _grouped(exp)
     out["zero3_flags"] = (actor.shared_prompt, actor.shared_prompt_train, ref.shared_prompt)
     out["ref_grouped"] = ref.log_probs(grouped.as_sequence_batch())
-    for name, kw in (("shared", {}), ("unshared", {"shared_prompt": False}), ("reordered", {"shared_prompt": False})):
-        worker = PolicyWorker(_cfg("actor", paths["lm"], zero_stage=2, **kw))
+    unshared = {"zero_stage": 2, "shared_prompt": False}
+    for name, kw in (("shared", {"zero_stage": 2}), ("shared3", {}), ("unshared", unshared), ("reordered", unshared)):
+        worker = PolicyWorker(_cfg("actor", paths["lm"], **kw))
         worker.init()
         out[f"{name}_flags"] = (worker.shared_prompt, worker.shared_prompt_train)
         out[f"{name}_log_probs"] = worker.log_probs(grouped.as_sequence_batch())
@@ -440,13 +441,14 @@ def test_shared_prompt_forwards_score_and_step_as_every_row_run_whole(ws1, ws2, 
     # on by default at ZeRO-2 and ZeRO-3 on one rank, the hosted reference too; off at ZeRO-3 over two ranks
     assert out["shared_flags"] == (True, True) and out["zero3_flags"] == (True, True, True)
     assert out["unshared_flags"] == (False, False) and ws2[0]["shared_prompt"] is False
-    for name in ("shared", "unshared"):
+    for name in ("shared", "shared3", "unshared"):
         assert (out[f"{name}_log_probs"] - expected)[mask].abs().max().item() <= 1e-5, name
     assert (out["ref_grouped"] - expected)[mask].abs().max().item() <= 1e-5
     assert out["shared_stats"].loss == pytest.approx(out["unshared_stats"].loss, rel=1e-5, abs=1e-6)
     assert out["shared_stats"].grad_norm == pytest.approx(out["unshared_stats"].grad_norm, rel=1e-5)
     # the same optimizer step (AdamW's first step: see the padding test for the 5e-5), and in another row order
     assert _max_diff(out["shared_after"], out["unshared_after"]) <= 5e-5
+    assert _max_diff(out["shared3_after"], out["unshared_after"]) <= 5e-5  # ZeRO-3 (one rank): two forwards, one step
     assert _max_diff(out["reordered_after"], out["unshared_after"]) <= 5e-5
     assert _max_diff(out["shared_after"], dict(hf_lm.state_dict())) > 1e-4  # and the step moved the weights
 
