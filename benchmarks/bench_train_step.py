@@ -8,7 +8,8 @@ CPU seconds, one rank, no Ray (what the RankActor runs beside the engine in --as
     -> --warmup untimed steps, then --repeats timed ref log_probs and train_step calls -> CPU seconds (time.process_time) and wall seconds per call, min and median, and the first timed step's stats
 
 --threads sets torch's threads (1: as each side of --async_train). --out writes the JSON; --stats-only prints the
-train stats of the seeded steps (compare two checkouts: identical stats = identical update).
+train stats of the seeded steps (compare two checkouts: identical stats = identical update). --no_shared_prompt:
+every row runs its whole prompt (the batch's 4 samples per prompt otherwise share one prefix pass).
 Under py-spy: /tmp/pyspy/bin/py-spy record -r 200 --native -o prof.txt -f raw -- python benchmarks/bench_train_step.py
 
 Reproduce (~1 min): PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_train_step.py --repeats 10
@@ -30,14 +31,15 @@ FLAGS = {"device": "cpu", "advantage_estimator": "group_norm", "n_samples_per_pr
          "eps_clip": 0.2, "seed": 42, "use_kl_loss": True, "init_kl_coef": 0.01, "kl_estimator": "k3"}
 
 
-def build_workers(steps: int):
+def build_workers(steps: int, extra: dict | None = None):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29651"), RANK="0",
                       WORLD_SIZE="1", LOCAL_RANK="0", DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1")
     from orlhf.finish import finish_config
     from orlhf.worker_config import worker_config
     from orlhf.workers import PolicyWorker, ReferenceWorker
 
-    cfg = finish_config(dict(FLAGS), frozenset(FLAGS))
+    flags = {**FLAGS, **(extra or {})}
+    cfg = finish_config(flags, frozenset(flags))
     actor, ref = PolicyWorker(worker_config(cfg, "actor", steps)), ReferenceWorker(worker_config(cfg, "ref", steps))
     actor.init()
     ref.init()  # the hosted reference: same process, the process group already up
@@ -97,9 +99,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--stats-only", action="store_true", help="print the seeded steps' train stats and stop")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--no_shared_prompt", action="store_true",
+                    help="run every row's prompt (train-ppo's flag; default: each distinct prompt once)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    cfg, actor, ref = build_workers(steps=a.warmup + a.repeats + 1)
+    cfg, actor, ref = build_workers(a.warmup + a.repeats + 1, {"no_shared_prompt": True} if a.no_shared_prompt else {})
     batch, g = demo_batch(cfg)
     ref_lp = ref.log_probs(batch)
     exp = experience(batch, ref_lp, g)
@@ -114,11 +118,11 @@ def main() -> None:
     load0 = os.getloadavg()
     ref_t, _ = timed(lambda: ref.log_probs(batch), a.repeats)
     train_t, stats = timed(lambda: actor.train_step(exp), a.repeats)
-    res = {"threads": a.threads, "shape": list(batch.sequences.shape), "ref_log_probs": ref_t, "train_step": train_t,
+    res = {"threads": a.threads, "shared_prompt": actor.shared_prompt_train, "shape": list(batch.sequences.shape), "ref_log_probs": ref_t, "train_step": train_t,
            "load_avg_before": load0, "load_avg_after": os.getloadavg(), "last_stats": vars(stats)}
     print(f"ref log_probs: cpu {ref_t['cpu_median']:.3f} s median ({ref_t['cpu_min']:.3f} min); "
           f"train_step: cpu {train_t['cpu_median']:.3f} s median ({train_t['cpu_min']:.3f} min); "
-          f"load {load0[0]:.1f}", flush=True)
+          f"load {load0[0]:.1f}; each distinct prompt once: {actor.shared_prompt_train}", flush=True)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1, default=str)
