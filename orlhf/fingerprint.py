@@ -34,8 +34,9 @@ FREE_ON_RESUME: dict[str, str] = {
                      "vllm_cpu_kv_cache_gb", "vllm_cpu_threads", "train_cpu_threads", "vllm_sync_bucket_mb",
                      "vllm_sync_backend", "enforce_eager", "enable_prefix_caching", "packing_samples",
                      "no_trim_padding", "no_shared_prompt", "flash_attn", "colocate_actor_ref",
-                     "colocate_critic_reward", "colocate_all_models", "ref_own_process", "critic_own_process", "ref_num_nodes", "ref_num_gpus_per_node",
-                     "reward_num_nodes", "reward_num_gpus_per_node", "device"),
+                     "colocate_critic_reward", "colocate_all_models", "ref_own_process", "critic_own_process",
+                     "ref_num_nodes", "ref_num_gpus_per_node", "reward_num_nodes", "reward_num_gpus_per_node",
+                     "device"),
                     "memory, speed and placement of the same computation"),
 }
 # Flags naming files or folders: compared as absolute paths, so `./data.jsonl` and its full path match.
