@@ -33,6 +33,7 @@ from orlhf.types import Experience, SequenceBatch, TrainStats
 from orlhf.workers.base import DeepSpeedWorker, position_ids_from
 from orlhf.workers.loading import from_pretrained
 from orlhf.head_files import resolve_prefix, stored_reward_stats
+from orlhf.workers.shared_prompt import prompt_groups, shared_prompt_forward, worker_shares_prompts
 from orlhf.workers.value_head import find_head
 
 log = logging.getLogger("orlhf.workers")
@@ -56,18 +57,19 @@ class ValueModel(nn.Module):
         return getattr(self, self.prefix)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
-                position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """position_ids default to counting attention_mask's real tokens; a packed row (orlhf/batching.py)
-        passes its own and attention_mask=None."""
+                position_ids: Optional[torch.Tensor] = None, past_key_values=None, use_cache: bool = False):
+        """(B, T) values; with use_cache, (values, the backbone's cache) (workers/shared_prompt.py).
+        position_ids default to counting attention_mask's real tokens; a packed row (orlhf/batching.py) passes its
+        own and attention_mask=None."""
         if position_ids is None:
             position_ids = position_ids_from(attention_mask)
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
-                               position_ids=position_ids, use_cache=False).last_hidden_state
-        values = self.value_head(hidden).squeeze(-1).float()  # (B, T)
+        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            past_key_values=past_key_values, use_cache=use_cache)
+        values = self.value_head(out.last_hidden_state).squeeze(-1).float()  # (B, T)
         if self.normalize is not None:
             mean, std = self.normalize
             values = (values - mean) / std
-        return values
+        return (values, getattr(out, "past_key_values", None)) if use_cache else values
 
     def gradient_checkpointing_enable(self, **kwargs) -> None:
         self.backbone.gradient_checkpointing_enable(**kwargs)
@@ -77,6 +79,19 @@ def packed_values(model: nn.Module, batch) -> tuple[torch.Tensor, Packed]:
     """A ValueModel over the batch packed into one row (orlhf/batching.py): (N,) values and the Packed layout."""
     p = pack(batch)
     return model(input_ids=p.input_ids, attention_mask=None, position_ids=p.position_ids)[0], p
+
+
+def shared_values(model: nn.Module, batch, through_last: bool = False) -> Optional[torch.Tensor]:
+    """A ValueModel's values of columns P-1 .. T-2 (through T-1 with through_last) with each distinct prompt run
+    once (workers/shared_prompt.py), or None where that does not apply: then the caller runs the whole rows."""
+    groups = prompt_groups(batch)
+    if groups is None:
+        return None
+
+    def run(ids, mask, pos, cache):
+        return model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+
+    return shared_prompt_forward(run, batch, groups, position_ids_from(batch.attention_mask), through_last)
 
 
 def load_value_model(cfg: CriticConfig | RewardConfig, required: bool = False) -> ValueModel:
@@ -116,8 +131,18 @@ def load_value_model(cfg: CriticConfig | RewardConfig, required: bool = False) -
 class CriticWorker(DeepSpeedWorker):
     """V(s) per action position, and value-loss train steps."""
 
+    shared_prompt_train = False  # as PolicyWorker's: set by init, not with gradient checkpointing
+
     def build_model(self) -> nn.Module:
         return load_value_model(self.cfg, required=False)
+
+    @endpoint
+    def init(self) -> None:
+        """Collective: all ranks call it together."""
+        super().init()
+        self.shared_prompt = worker_shares_prompts(self, lambda b: self._action_values(b, False),
+                                                   lambda b: self._action_values(b, True))
+        self.shared_prompt_train = self.shared_prompt and not self.cfg.gradient_checkpointing
 
     @endpoint
     def values(self, batch: SequenceBatch) -> torch.Tensor:
@@ -125,17 +150,18 @@ class CriticWorker(DeepSpeedWorker):
         self.engine.eval()
 
         def fn(mb: SequenceBatch) -> torch.Tensor:
-            return self._action_values(mb)
+            return self._action_values(mb, self.shared_prompt)
 
         return self.forward_micro_batches(batch, fn)
 
-    def _action_values(self, mb: SequenceBatch | Experience) -> torch.Tensor:
+    def _action_values(self, mb: SequenceBatch | Experience, shared: bool) -> torch.Tensor:
         if self.cfg.packing_samples:
             v, p = packed_values(self.engine, mb)
             return p.unflatten(v[p.score_index])
-        a = mb.num_actions
-        v = self.engine(input_ids=mb.sequences, attention_mask=mb.attention_mask)  # (b, T)
-        return v[:, -a - 1:-1] * mb.action_mask
+        v = shared_values(self.engine, mb) if shared else None  # (b, A): the columns before each action
+        if v is None:
+            v = self.engine(input_ids=mb.sequences, attention_mask=mb.attention_mask)[:, -mb.num_actions - 1:-1]
+        return v * mb.action_mask
 
     @endpoint
     def train_step(self, batch: Experience) -> TrainStats:
@@ -164,7 +190,7 @@ class CriticWorker(DeepSpeedWorker):
 
     def _loss(self, mb: Experience, norm: LossNorm) -> tuple[torch.Tensor, dict]:
         """Clipped value loss, aggregated over the optimizer step like the actor's (algo/losses.py)."""
-        values = self._action_values(mb)
+        values = self._action_values(mb, self.shared_prompt_train)
         per_token, bound = value_loss_per_token(values, mb.values, mb.returns, self.cfg.loss.value_clip)
         loss = aggregate(per_token, mb.action_mask, self.cfg.loss.loss_agg_mode, norm)
         return loss, {"loss": masked_mean(per_token.detach(), mb.action_mask).item(),

@@ -32,7 +32,7 @@ from orlhf.worker_config import WorkerConfig
 from orlhf.types import Experience, SequenceBatch, TrainStats
 from orlhf.workers.base import DeepSpeedWorker, position_ids_from
 from orlhf.workers.loading import from_pretrained
-from orlhf.workers.shared_prompt import prompt_groups, same_as_plain, shared_prompt_logits
+from orlhf.workers.shared_prompt import prompt_groups, shared_prompt_forward, worker_shares_prompts
 
 log = logging.getLogger("orlhf.workers")
 
@@ -68,7 +68,13 @@ def model_logits(model: nn.Module, batch: SequenceBatch, packed: bool = False,
     position_ids = position_ids_from(batch.attention_mask)
     groups = prompt_groups(batch) if shared else None
     if groups is not None:
-        logits = shared_prompt_logits(model, batch, groups, position_ids, keep)
+
+        def run(ids, mask, pos, cache):  # the prefix pass needs no logits: the LM head on one column
+            out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
+                        **({"logits_to_keep": 1} if keep and cache is None else {}))
+            return out.logits, getattr(out, "past_key_values", None)
+
+        logits = shared_prompt_forward(run, batch, groups, position_ids)
         if logits is not None:
             return logits, 0
     kwargs = {}
@@ -128,29 +134,9 @@ def _log_probs(worker: DeepSpeedWorker, batch: SequenceBatch) -> torch.Tensor:
 
 
 def shares_prompts(worker: DeepSpeedWorker) -> bool:
-    """Whether `worker` runs each distinct prompt once per forward (workers/shared_prompt.py): asked for
-    (not --no_shared_prompt), not packed, not ZeRO-3 over several ranks (the ranks' micro-batches would make
-    different numbers of forward calls, each a round of collective parameter gathers), and the model gives the
-    plain forward's logits that way (checked here on a small batch; collective-free, as ZeRO-3 runs on one rank)."""
-    cfg = worker.cfg
-    if not cfg.shared_prompt or cfg.packing_samples or (worker.zero3 and worker.world_size > 1):
-        return False
-    training = worker.engine.training
-    worker.engine.eval()
-    try:
-        ok = same_as_plain(lambda b: action_logits(worker.engine, b, 1.0),
-                           lambda b: action_logits(worker.engine, b, 1.0, shared=True),
-                           _vocab_size(worker.module), worker.device, not cfg.bf16)
-    finally:
-        worker.engine.train(training)
-    log.info("%s: %s", cfg.role, "each distinct prompt runs once per forward" if ok else
-             "the model's cached forward differs from its plain one; every prompt runs in each sample's row")
-    return ok
-
-
-def _vocab_size(module: nn.Module) -> int:
-    emb = module.get_input_embeddings()
-    return int(getattr(emb, "num_embeddings", None) or module.config.vocab_size)
+    """Whether this causal-LM worker runs each distinct prompt once per forward (workers/shared_prompt.py)."""
+    return worker_shares_prompts(worker, lambda b: action_logits(worker.engine, b, 1.0),
+                                 lambda b: action_logits(worker.engine, b, 1.0, shared=True))
 
 
 class ReferenceWorker(DeepSpeedWorker):

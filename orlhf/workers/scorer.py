@@ -15,7 +15,8 @@ from torch import nn
 from orlhf.endpoints import endpoint
 from orlhf.types import SequenceBatch
 from orlhf.workers.base import DeepSpeedWorker
-from orlhf.workers.critic import load_value_model, packed_values
+from orlhf.workers.critic import load_value_model, packed_values, shared_values
+from orlhf.workers.shared_prompt import worker_shares_prompts
 
 
 def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -33,14 +34,27 @@ class RewardWorker(DeepSpeedWorker):
         return load_value_model(self.cfg, required=True)
 
     @endpoint
+    def init(self) -> None:
+        """Collective: all ranks call it together."""
+        super().init()
+        # compared per row (B, 1): same_as_plain reads the scores where the check batch has real actions
+        self.shared_prompt = worker_shares_prompts(
+            self, lambda b: self._scores(b, False)[:, None].expand(b.action_mask.shape),
+            lambda b: self._scores(b, True)[:, None].expand(b.action_mask.shape))
+
+    @endpoint
     def scores(self, batch: SequenceBatch) -> torch.Tensor:
         """(B,) float32 on CPU: the reward model's score of each whole sequence."""
+        return self.forward_micro_batches(batch, lambda mb: self._scores(mb, self.shared_prompt))
 
-        def fn(mb: SequenceBatch) -> torch.Tensor:
-            if self.cfg.packing_samples:
-                v, p = packed_values(self.engine, mb)
-                return v[p.last_index]
-            v = self.engine(input_ids=mb.sequences, attention_mask=mb.attention_mask)  # (b, T)
-            return v.gather(1, last_token_index(mb.attention_mask).unsqueeze(1)).squeeze(1)
-
-        return self.forward_micro_batches(batch, fn)
+    def _scores(self, mb: SequenceBatch, shared: bool) -> torch.Tensor:
+        if self.cfg.packing_samples:
+            v, p = packed_values(self.engine, mb)
+            return v[p.last_index]
+        last = last_token_index(mb.attention_mask)  # (b,)
+        v = shared_values(self.engine, mb, through_last=True) if shared else None  # (b, A + 1): columns P-1 ..
+        if v is None:
+            v, start = self.engine(input_ids=mb.sequences, attention_mask=mb.attention_mask), 0  # (b, T)
+        else:
+            start = mb.sequences.shape[1] - mb.num_actions - 1  # a row's last real token is at P-1 or later
+        return v.gather(1, (last - start).unsqueeze(1)).squeeze(1)

@@ -1,4 +1,4 @@
-"""Causal-LM forwards that run each distinct prompt of a micro-batch once, however many samples share it.
+"""Forwards that run each distinct prompt of a micro-batch once, however many samples share it.
 
 GRPO-style runs draw n samples per prompt (--n_samples_per_prompt), so a micro-batch holds each prompt up to n
 times. Under causal attention a prompt column's activations depend only on the columns before it, so the plain
@@ -9,26 +9,30 @@ forward computes the same prompt activations n times. Here:
     1. prefix pass     the U distinct prompts' columns 0 .. P-2, use_cache: each layer's keys and values (U, ...)
     2. spread          the cache's rows picked per row (B, ...): autograd adds the B rows' gradients back onto U
     3. response pass   columns P-1 .. T-2 of all B rows on top of that cache -> logits (B, A, V): exactly the
-                       positions the plain forward scores, so every caller reads them as before (offset 0)
+                       positions the plain forward scores, so every caller reads them as before (offset 0); the
+                       critic's values (B, A) likewise, and the reward model's through column T-1 (its score
+                       sits on each row's last real token)
 
 The linear layers see U*(P-1) + B*A positions instead of B*T: on the demo's GRPO step (prompts of ~15 columns,
 24-token responses, 4 samples each) ~30% fewer. The results are the plain forward's up to float summation order
 (one prompt's products summed once instead of n times; gradients of its copies added by the index backward).
 
 When it does not apply (nothing shared, prompts of one column) the caller runs the plain forward. Whether a model
-computes the same thing both ways is checked once per worker on a small batch (`same_as_plain`), so a model whose
-cache does not follow transformers' DynamicCache contract falls back to the plain forward instead of training on
-wrong numbers.
+computes the same thing both ways is checked once per worker at init (`worker_shares_prompts`, on a small batch),
+so a model whose cache does not follow transformers' DynamicCache contract falls back to the plain forward
+instead of training on wrong numbers.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Callable, Optional
 
 import torch
-from torch import nn
 
 from orlhf.types import SequenceBatch
+
+log = logging.getLogger("orlhf.workers")
 
 
 def prompt_groups(batch: SequenceBatch) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
@@ -53,26 +57,26 @@ def prompt_groups(batch: SequenceBatch) -> Optional[tuple[torch.Tensor, torch.Te
     return first[order], rank[inverse]
 
 
-def shared_prompt_logits(model: nn.Module, batch: SequenceBatch, groups: tuple[torch.Tensor, torch.Tensor],
-                         position_ids: torch.Tensor, keep_logits: bool) -> Optional[torch.Tensor]:
-    """(B, A, V) logits of columns P-1 .. T-2 (what scores the A action tokens), computed with the prompt
-    prefix of each distinct prompt run once; None when the model returned no cache (e.g. gradient checkpointing
-    in training, where transformers turns use_cache off): the caller then runs the plain forward.
+# run(input_ids, attention_mask, position_ids, cache or None for the prefix pass) -> (outputs (b, L, ...), cache)
+Run = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[object]], tuple[torch.Tensor, Optional[object]]]
 
-    position_ids (B, T): the plain forward's positions. keep_logits: the model takes `logits_to_keep`."""
+
+def shared_prompt_forward(run: Run, batch: SequenceBatch, groups: tuple[torch.Tensor, torch.Tensor],
+                          position_ids: torch.Tensor, through_last: bool = False) -> Optional[torch.Tensor]:
+    """(B, A, ...) outputs of columns P-1 .. T-2 (what scores the A action tokens; A+1 columns, through T-1, with
+    through_last), computed with each distinct prompt's first P-1 columns run once; None when the model returned
+    no cache (e.g. gradient checkpointing in training, where transformers turns use_cache off): the caller then
+    runs the plain forward. position_ids (B, T): the plain forward's positions."""
     first, spread = groups
     p = batch.sequences.shape[1] - batch.num_actions
     mask = batch.attention_mask
-    prefix = model(input_ids=batch.sequences[first, :p - 1], attention_mask=mask[first, :p - 1],
-                   position_ids=position_ids[first, :p - 1], use_cache=True,
-                   **({"logits_to_keep": 1} if keep_logits else {}))
-    cache = getattr(prefix, "past_key_values", None)
+    _, cache = run(batch.sequences[first, :p - 1], mask[first, :p - 1], position_ids[first, :p - 1], None)
     if cache is None or not hasattr(cache, "batch_select_indices"):
         return None
     cache.batch_select_indices(spread)  # (U, ...) -> (B, ...) per layer
-    out = model(input_ids=batch.sequences[:, p - 1:-1], attention_mask=mask[:, :-1],
-                position_ids=position_ids[:, p - 1:-1], past_key_values=cache, use_cache=True)
-    return out.logits
+    end = batch.sequences.shape[1] if through_last else -1
+    out, _ = run(batch.sequences[:, p - 1:end], mask[:, :end], position_ids[:, p - 1:end], cache)
+    return out
 
 
 def same_as_plain(plain: Callable[[SequenceBatch], torch.Tensor], shared: Callable[[SequenceBatch], torch.Tensor],
@@ -113,3 +117,28 @@ def prompt_major_order(batch, generator: torch.Generator) -> torch.Tensor:
     place = torch.empty(u, dtype=torch.long)
     place[torch.randperm(u, generator=generator)] = torch.arange(u)
     return torch.sort(place[spread], stable=True).indices
+
+
+def worker_shares_prompts(worker, plain: Callable[[SequenceBatch], torch.Tensor],
+                          shared: Callable[[SequenceBatch], torch.Tensor]) -> bool:
+    """Whether a model worker (workers/base.py) runs each distinct prompt once: asked for (not
+    --no_shared_prompt), not packed, not ZeRO-3 over several ranks (the ranks' micro-batches would make different
+    numbers of forward calls, each a round of collective parameter gathers), and `shared` gives what `plain`
+    gives on a small batch (eval mode; collective-free, as ZeRO-3 then runs on one rank). Logged either way."""
+    cfg = worker.cfg
+    if not cfg.shared_prompt or cfg.packing_samples or (worker.zero3 and worker.world_size > 1):
+        return False
+    training = worker.engine.training
+    worker.engine.eval()
+    try:
+        ok = same_as_plain(plain, shared, vocab_size(worker.module.config), worker.device, not cfg.bf16)
+    finally:
+        worker.engine.train(training)
+    log.info("%s: %s", cfg.role, "each distinct prompt runs once per forward" if ok else
+             "the model's cached forward differs from its plain one; every prompt runs in each sample's row")
+    return ok
+
+
+def vocab_size(config) -> int:
+    size = getattr(config, "vocab_size", None)
+    return int(size if size is not None else config.get_text_config().vocab_size)

@@ -134,3 +134,23 @@ def test_the_start_up_check_accepts_the_real_forward_and_refuses_a_wrong_one(lm)
 
     assert not same_as_plain(plain, off_by_one, V, torch.device("cpu"), float32=True)
     assert not same_as_plain(plain, lambda b: None, V, torch.device("cpu"), float32=True)
+
+
+def test_value_model_outputs_through_the_last_column_equal_whole_rows(lm):
+    from transformers import LlamaModel
+
+    from orlhf.workers.critic import ValueModel, shared_values
+
+    torch.manual_seed(1)
+    head = torch.nn.Linear(lm.config.hidden_size, 1, bias=False)
+    model = ValueModel(LlamaModel(lm.config).eval(), head).eval()
+    batch = _grpo_batch()
+    a = batch.num_actions
+    with torch.no_grad():
+        whole, n_whole = _positions_seen(model.backbone, lambda: model(batch.sequences, batch.attention_mask))
+        critic = shared_values(model, batch)  # columns P-1 .. T-2: the critic's
+        reward, n_shared = _positions_seen(model.backbone, lambda: shared_values(model, batch, through_last=True))
+    assert critic.shape == (9, a) and reward.shape == (9, a + 1)
+    assert (critic - whole[:, -a - 1:-1]).abs().max() < 1e-5
+    assert (reward - whole[:, -a - 1:]).abs().max() < 1e-5
+    assert n_whole == 9 * 13 and n_shared == 3 * 6 + 9 * 7

@@ -231,6 +231,17 @@ def _ws1(rank: int, out: dict, paths: dict, exp: Experience) -> None:
         rows = grouped.index(torch.tensor([6, 7, 2, 3, 0, 1, 4, 5])) if name == "reordered" else grouped
         out[f"{name}_stats"] = worker.train_step(rows)
         out[f"{name}_after"] = worker.state_dict_full()
+    for name, kw in (("shared", {}), ("unshared", {"shared_prompt": False})):
+        critic = CriticWorker(_cfg("critic", paths["rm"], zero_stage=2, **kw))
+        critic.init()
+        out[f"critic_{name}_flags"] = (critic.shared_prompt, critic.shared_prompt_train)
+        out[f"critic_{name}_values"] = critic.values(grouped.as_sequence_batch())
+        out[f"critic_{name}_stats"] = critic.train_step(grouped)
+        out[f"critic_{name}_after"] = critic.state_dict_full()
+        reward = RewardWorker(_cfg("reward", paths["rm"], **kw))  # ZeRO-3, one rank
+        reward.init()
+        out[f"rm_{name}_flag"] = reward.shared_prompt
+        out[f"rm_{name}_scores"] = reward.scores(grouped.as_sequence_batch())
 
 
 def _rank_main(rank: int, world: int, port: int, job: str, paths: dict, exp: Experience, out_dir: str) -> None:
@@ -451,6 +462,19 @@ def test_shared_prompt_forwards_score_and_step_as_every_row_run_whole(ws1, ws2, 
     assert _max_diff(out["shared3_after"], out["unshared_after"]) <= 5e-5  # ZeRO-3 (one rank): two forwards, one step
     assert _max_diff(out["reordered_after"], out["unshared_after"]) <= 5e-5
     assert _max_diff(out["shared_after"], dict(hf_lm.state_dict())) > 1e-4  # and the step moved the weights
+
+
+def test_shared_prompt_critic_and_reward_model_as_every_row_run_whole(ws1, experience):
+    out = ws1[0]
+    assert out["critic_shared_flags"] == (True, True) and out["critic_unshared_flags"] == (False, False)
+    assert out["rm_shared_flag"] is True and out["rm_unshared_flag"] is False
+    assert (out["critic_shared_values"] - out["critic_unshared_values"]).abs().max().item() <= 1e-5
+    assert out["critic_shared_values"].abs().max().item() > 1e-3  # values, not zeros
+    assert (out["rm_shared_scores"] - out["rm_unshared_scores"]).abs().max().item() <= 1e-5
+    # the scores are those of whole sequences (test_reward_scores_are_the_last_real_token checks the unshared ones)
+    assert out["rm_shared_scores"].shape == (B,) and out["rm_shared_scores"].std().item() > 1e-4
+    assert out["critic_shared_stats"].loss == pytest.approx(out["critic_unshared_stats"].loss, rel=1e-5, abs=1e-7)
+    assert _max_diff(out["critic_shared_after"], out["critic_unshared_after"]) <= 5e-5
 
 
 def test_report_costs(ws2, ws1):
