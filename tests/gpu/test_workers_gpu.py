@@ -4,6 +4,7 @@
 - the optimizer chosen for CUDA: FusedAdam under --deepspeed_enable_sleep, torch AdamW otherwise
 - offload_states / reload_states: device memory drops, and weights and Adam states come back bit-equal
 - --packing_samples equals the padded batch on GPU kernels (SDPA; flash-attn 2 when importable)
+- each distinct prompt run once (the default) equals whole rows on the same kernels
 - `orlhf plan`'s per-GPU estimate against torch.cuda.max_memory_allocated at three sizes (ratio reported)
 
 GPU tests are marked `gpu` (skipped without CUDA); the plan helper's arithmetic also runs on CPU.
@@ -154,6 +155,31 @@ def test_packing_matches_padded(lm_path, attn):
     padded, packed = hf_log_probs(model, batch), hf_log_probs(model, batch, packed=True)
     gap = float(((padded - packed).abs() * batch.action_mask).max())
     gpu_report("packing_parity", {"attn": attn, "max_gap": gap})
+    assert gap <= (3e-2 if dtype == torch.bfloat16 else 1e-4)
+
+
+@gpu
+@pytest.mark.parametrize("attn", ATTN)
+def test_shared_prompt_forward_matches_whole_rows(lm_path, attn):
+    """Each distinct prompt run once (workers/shared_prompt.py) on GPU kernels: SDPA, and flash-attn 2 whose
+    varlen path meets a query shorter than its keys (the response columns over the prompt's cache)."""
+    from orlhf.workers.policy import action_logits, gather_log_probs
+    from orlhf.workers.shared_prompt import prompt_groups
+
+    dtype = torch.bfloat16 if attn == "flash_attention_2" else torch.float32
+    model = hf_model(lm_path, dtype, attn)
+    batch = padded_batch()
+    half = B // 2  # rows i and i + B/2 share row i's prompt: pairs of samples of one prompt, as GRPO's
+    seq, mask = batch.sequences.clone(), batch.attention_mask.clone()
+    seq[half:, :-A], mask[half:, :-A] = seq[:half, :-A], mask[:half, :-A]
+    batch = dataclasses.replace(batch, sequences=seq, attention_mask=mask)
+    assert prompt_groups(batch) is not None
+    b = to_cuda(batch)
+    with torch.no_grad():
+        whole = gather_log_probs(action_logits(model, b, 1.0), b.sequences[:, -A:]).float().cpu()
+        shared = gather_log_probs(action_logits(model, b, 1.0, shared=True), b.sequences[:, -A:]).float().cpu()
+    gap = float(((whole - shared).abs() * batch.action_mask).max())
+    gpu_report("shared_prompt_parity", {"attn": attn, "max_gap": gap})
     assert gap <= (3e-2 if dtype == torch.bfloat16 else 1e-4)
 
 
