@@ -141,7 +141,7 @@ class CriticWorker(DeepSpeedWorker):
         """Collective: all ranks call it together."""
         super().init()
         self.shared_prompt = worker_shares_prompts(self, lambda b: self._action_values(b, False),
-                                                   lambda b: self._action_values(b, True))
+                                                   lambda b: shared_values(self.engine, b))
         self.shared_prompt_train = self.shared_prompt and not self.cfg.gradient_checkpointing
 
     @endpoint

@@ -66,23 +66,34 @@ def model_logits(model: nn.Module, batch: SequenceBatch, packed: bool = False,
     num_actions = batch.num_actions
     keep = _accepts_logits_to_keep(model)
     position_ids = position_ids_from(batch.attention_mask)
-    groups = prompt_groups(batch) if shared else None
-    if groups is not None:
-
-        def run(ids, mask, pos, cache):  # the prefix pass needs no logits: the LM head on one column
-            out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
-                        **({"logits_to_keep": 1} if keep and cache is None else {}))
-            return out.logits, getattr(out, "past_key_values", None)
-
-        logits = shared_prompt_forward(run, batch, groups, position_ids)
-        if logits is not None:
-            return logits, 0
+    logits = shared_action_logits(model, batch, position_ids, keep) if shared else None
+    if logits is not None:
+        return logits, 0
     kwargs = {}
     if keep:  # the LM head then runs on A+1 positions only, not all T
         kwargs["logits_to_keep"] = num_actions + 1
     out = model(input_ids=batch.sequences, attention_mask=batch.attention_mask, position_ids=position_ids,
                 use_cache=False, **kwargs)
     return out.logits, out.logits.shape[1] - num_actions - 1
+
+
+def shared_action_logits(model: nn.Module, batch: SequenceBatch, position_ids: Optional[torch.Tensor] = None,
+                         keep: Optional[bool] = None) -> Optional[torch.Tensor]:
+    """(B, A, V) logits scoring the A action tokens with each distinct prompt run once (workers/shared_prompt.py),
+    or None where that does not apply (no prompt shared, or the model keeps no cache)."""
+    groups = prompt_groups(batch)
+    if groups is None:
+        return None
+    keep = _accepts_logits_to_keep(model) if keep is None else keep
+
+    def run(ids, mask, pos, cache):  # the prefix pass needs no logits: the LM head on one column
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
+                    **({"logits_to_keep": 1} if keep and cache is None else {}))
+        return out.logits, getattr(out, "past_key_values", None)
+
+    if position_ids is None:
+        position_ids = position_ids_from(batch.attention_mask)
+    return shared_prompt_forward(run, batch, groups, position_ids)
 
 
 def _packed_action_logits(model: nn.Module, batch: SequenceBatch) -> torch.Tensor:
@@ -136,7 +147,7 @@ def _log_probs(worker: DeepSpeedWorker, batch: SequenceBatch) -> torch.Tensor:
 def shares_prompts(worker: DeepSpeedWorker) -> bool:
     """Whether this causal-LM worker runs each distinct prompt once per forward (workers/shared_prompt.py)."""
     return worker_shares_prompts(worker, lambda b: action_logits(worker.engine, b, 1.0),
-                                 lambda b: action_logits(worker.engine, b, 1.0, shared=True))
+                                 lambda b: shared_action_logits(worker.engine, b))
 
 
 class ReferenceWorker(DeepSpeedWorker):

@@ -37,10 +37,13 @@ class RewardWorker(DeepSpeedWorker):
     def init(self) -> None:
         """Collective: all ranks call it together."""
         super().init()
-        # compared per row (B, 1): same_as_plain reads the scores where the check batch has real actions
-        self.shared_prompt = worker_shares_prompts(
-            self, lambda b: self._scores(b, False)[:, None].expand(b.action_mask.shape),
-            lambda b: self._scores(b, True)[:, None].expand(b.action_mask.shape))
+
+        def per_action(scores: torch.Tensor | None, batch: SequenceBatch) -> torch.Tensor | None:
+            """(B,) -> (B, A): same_as_plain compares outputs where the check batch has real actions."""
+            return None if scores is None else scores[:, None].expand(batch.action_mask.shape)
+
+        self.shared_prompt = worker_shares_prompts(self, lambda b: per_action(self._scores(b, False), b),
+                                                   lambda b: per_action(self._shared_scores(b), b))
 
     @endpoint
     def scores(self, batch: SequenceBatch) -> torch.Tensor:
@@ -51,10 +54,17 @@ class RewardWorker(DeepSpeedWorker):
         if self.cfg.packing_samples:
             v, p = packed_values(self.engine, mb)
             return v[p.last_index]
-        last = last_token_index(mb.attention_mask)  # (b,)
-        v = shared_values(self.engine, mb, through_last=True) if shared else None  # (b, A + 1): columns P-1 ..
+        scores = self._shared_scores(mb) if shared else None
+        if scores is not None:
+            return scores
+        v = self.engine(input_ids=mb.sequences, attention_mask=mb.attention_mask)  # (b, T)
+        return v.gather(1, last_token_index(mb.attention_mask).unsqueeze(1)).squeeze(1)
+
+    def _shared_scores(self, mb: SequenceBatch) -> torch.Tensor | None:
+        """(b,) scores with each distinct prompt run once (workers/shared_prompt.py), or None where that does not
+        apply. The values come for columns P-1 .. T-1, and a row's last real token is at P-1 or later."""
+        v = shared_values(self.engine, mb, through_last=True)  # (b, A + 1)
         if v is None:
-            v, start = self.engine(input_ids=mb.sequences, attention_mask=mb.attention_mask), 0  # (b, T)
-        else:
-            start = mb.sequences.shape[1] - mb.num_actions - 1  # a row's last real token is at P-1 or later
-        return v.gather(1, (last - start).unsqueeze(1)).squeeze(1)
+            return None
+        start = mb.sequences.shape[1] - mb.num_actions - 1
+        return v.gather(1, (last_token_index(mb.attention_mask) - start).unsqueeze(1)).squeeze(1)

@@ -81,11 +81,13 @@ def shared_prompt_forward(run: Run, batch: SequenceBatch, groups: tuple[torch.Te
 
 def same_as_plain(plain: Callable[[SequenceBatch], torch.Tensor], shared: Callable[[SequenceBatch], torch.Tensor],
                   vocab_size: int, device: torch.device, float32: bool) -> bool:
-    """Do both forwards give the same action logits on a small batch (2 prompts of different lengths, left-padded,
-    2 samples each, one response shorter)? Run in eval mode without gradients.
+    """Do both give the same (B, A, ...) outputs (logits, values, scores) at the real action positions of a small
+    batch (2 prompts of different lengths, left-padded, 2 samples each, one response shorter)? `shared` returns
+    None where it did not run shared (e.g. the model kept no cache): a no. Run without gradients; the caller puts
+    the model in eval mode.
 
-    Tolerance: float rounding of the two summation orders, relative to the logits' own size; a wrong position or
-    mask moves logits by the order of their spread between positions, far above it."""
+    Tolerance: float rounding of the two summation orders, relative to the outputs' own size; a wrong position or
+    mask moves them by the order of their spread between positions, far above it."""
     g = torch.Generator().manual_seed(0)
     lo = min(4, vocab_size - 1)  # ids above the usual special tokens
     ids = torch.randint(lo, vocab_size, (4, 9), generator=g)

@@ -154,3 +154,22 @@ def test_value_model_outputs_through_the_last_column_equal_whole_rows(lm):
     assert (critic - whole[:, -a - 1:-1]).abs().max() < 1e-5
     assert (reward - whole[:, -a - 1:]).abs().max() < 1e-5
     assert n_whole == 9 * 13 and n_shared == 3 * 6 + 9 * 7
+
+
+def test_no_cache_means_no_shared_forward_and_the_check_says_no(lm):
+    """transformers trains without a cache under gradient checkpointing: the shared forward then reports that it
+    did not run (None), so the start-up check refuses it instead of passing on the plain forward's numbers."""
+    from orlhf.workers.policy import shared_action_logits
+
+    batch = _grpo_batch()
+    assert shared_action_logits(lm, batch) is not None
+    lm.gradient_checkpointing_enable()
+    lm.train()
+    try:
+        with torch.no_grad():
+            assert shared_action_logits(lm, batch) is None
+        assert not same_as_plain(lambda b: action_logits(lm, b, 1.0), lambda b: shared_action_logits(lm, b), V,
+                                 torch.device("cpu"), float32=True)
+    finally:
+        lm.gradient_checkpointing_disable()
+        lm.eval()
