@@ -5,6 +5,9 @@ Both score the same thing, log pi(a_t | s_<t) for the last A tokens of each sequ
     sequences (B, T) --model(position_ids from attention_mask)--> logits of positions T-A-1 .. T-2 (B, A, V)
         / temperature --log-softmax, gather sequences[:, -A:]--> log_probs (B, A)
 
+where rows share a prompt (n samples per prompt) the model runs each distinct prompt once and only the response
+columns per row, the same logits (workers/shared_prompt.py; checked per worker at init, --no_shared_prompt: off).
+
 The actor's train_step is OpenRLHF's PPO actor step, per micro-batch (algo/losses.py for the terms):
     loss = agg(policy_loss_terms(log pi, log pi_old, A, ...))   clipped surrogate (ppo | gspo, IS correction)
          - entropy_loss_coef * agg(entropy)                     (if > 0; entropy is logged either way)
