@@ -39,7 +39,6 @@ from orlhf.worker_config import WorkerConfig
 from orlhf.workers.hf_names import meta_group, to_checkpoint_names
 from orlhf.workers.loading import hf_zero3_loading
 from orlhf.workers.micro_batches import forward_plan, train_plan
-from orlhf.workers.shared_prompt import prompt_groups
 from orlhf.workers.engine_setup import (ds_config, init_distributed, keep_freed_memory, lr_factor, seed_everything,
                                         worker_device)
 from orlhf.workers.optim import decay_groups, make_optimizer
@@ -157,9 +156,8 @@ class DeepSpeedWorker:
 
     def _forward_micro_batches(self, batch: SequenceBatch,
                                fn: Callable[[SequenceBatch], torch.Tensor]) -> torch.Tensor:
-        groups = prompt_groups(batch) if self.shared_prompt else None  # keep a prompt's rows in one micro-batch
         order, sizes = forward_plan(batch, self.cfg.micro_forward_batch_size, self.cfg.trim_padding,
-                                    self.cfg.forward_max_tokens, None if groups is None else groups[1])
+                                    self.cfg.forward_max_tokens, keep_prompts=self.shared_prompt)
         rows = batch.index(order) if order is not None else batch
         parts = rows.split(sizes) if sizes else []
         n_calls = self._max_over_ranks(len(parts)) if self.zero3 else len(parts)

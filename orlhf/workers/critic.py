@@ -33,7 +33,7 @@ from orlhf.types import Experience, SequenceBatch, TrainStats
 from orlhf.workers.base import DeepSpeedWorker, position_ids_from
 from orlhf.workers.loading import from_pretrained
 from orlhf.head_files import resolve_prefix, stored_reward_stats
-from orlhf.workers.shared_prompt import prompt_groups, shared_prompt_forward, worker_shares_prompts
+from orlhf.workers.shared_prompt import shared_prompt_forward, worker_shares_prompts
 from orlhf.workers.value_head import find_head
 
 log = logging.getLogger("orlhf.workers")
@@ -84,14 +84,10 @@ def packed_values(model: nn.Module, batch) -> tuple[torch.Tensor, Packed]:
 def shared_values(model: nn.Module, batch, through_last: bool = False) -> Optional[torch.Tensor]:
     """A ValueModel's values of columns P-1 .. T-2 (through T-1 with through_last) with each distinct prompt run
     once (workers/shared_prompt.py), or None where that does not apply: then the caller runs the whole rows."""
-    groups = prompt_groups(batch)
-    if groups is None:
-        return None
-
     def run(ids, mask, pos, cache):
         return model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
 
-    return shared_prompt_forward(run, batch, groups, position_ids_from(batch.attention_mask), through_last)
+    return shared_prompt_forward(run, batch, position_ids_from(batch.attention_mask), through_last)
 
 
 def load_value_model(cfg: CriticConfig | RewardConfig, required: bool = False) -> ValueModel:

@@ -17,18 +17,22 @@ import torch
 
 from orlhf.batching import budget_micro_batches, fitting_count, real_lengths, sort_by_length
 from orlhf.types import Experience, SequenceBatch
+from orlhf.workers.shared_prompt import prompt_groups
 
 
 def forward_plan(batch: SequenceBatch, micro: int, trim_padding: bool, max_tokens: int = 0,
-                 groups: Optional[torch.Tensor] = None) -> tuple[Optional[torch.Tensor], list[int]]:
-    """(row order, None for as given; micro-batch sizes) for a forward pass over `batch`. groups: (B,) rows to
-    keep together when sorting (batching.sort_by_length)."""
+                 keep_prompts: bool = False) -> tuple[Optional[torch.Tensor], list[int]]:
+    """(row order, None for as given; micro-batch sizes) for a forward pass over `batch`. keep_prompts: the
+    sort keeps the rows of one prompt together (batching.sort_by_length; the worker runs each prompt once)."""
     if max_tokens:  # groups of at most the budget in real tokens
         prompt, response = real_lengths(batch)
         groups = budget_micro_batches((prompt + response).tolist(), max_tokens)
         return torch.tensor([i for g in groups for i in g], dtype=torch.long), [len(g) for g in groups]
-    order = sort_by_length(batch, groups) if trim_padding and len(batch) > micro else None
-    return order, [min(micro, len(batch) - i) for i in range(0, len(batch), micro)]
+    sizes = [min(micro, len(batch) - i) for i in range(0, len(batch), micro)]
+    if not (trim_padding and len(batch) > micro):
+        return None, sizes
+    groups = prompt_groups(batch) if keep_prompts else None  # only where a sort happens
+    return sort_by_length(batch, None if groups is None else groups[1]), sizes
 
 
 def train_plan(batch: Experience, per_rank: int, micro: int, max_tokens: int,

@@ -35,7 +35,7 @@ from orlhf.worker_config import WorkerConfig
 from orlhf.types import Experience, SequenceBatch, TrainStats
 from orlhf.workers.base import DeepSpeedWorker, position_ids_from
 from orlhf.workers.loading import from_pretrained
-from orlhf.workers.shared_prompt import prompt_groups, shared_prompt_forward, worker_shares_prompts
+from orlhf.workers.shared_prompt import shared_prompt_forward, worker_shares_prompts
 
 log = logging.getLogger("orlhf.workers")
 
@@ -84,9 +84,6 @@ def shared_action_logits(model: nn.Module, batch: SequenceBatch, position_ids: O
                          keep: Optional[bool] = None) -> Optional[torch.Tensor]:
     """(B, A, V) logits scoring the A action tokens with each distinct prompt run once (workers/shared_prompt.py),
     or None where that does not apply (no prompt shared, or the model keeps no cache)."""
-    groups = prompt_groups(batch)
-    if groups is None:
-        return None
     keep = _accepts_logits_to_keep(model) if keep is None else keep
 
     def run(ids, mask, pos, cache):  # the prefix pass needs no logits: the LM head on one column
@@ -96,7 +93,7 @@ def shared_action_logits(model: nn.Module, batch: SequenceBatch, position_ids: O
 
     if position_ids is None:
         position_ids = position_ids_from(batch.attention_mask)
-    return shared_prompt_forward(run, batch, groups, position_ids)
+    return shared_prompt_forward(run, batch, position_ids)
 
 
 def _packed_action_logits(model: nn.Module, batch: SequenceBatch) -> torch.Tensor:

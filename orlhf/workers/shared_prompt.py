@@ -61,12 +61,16 @@ def prompt_groups(batch: SequenceBatch) -> Optional[tuple[torch.Tensor, torch.Te
 Run = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[object]], tuple[torch.Tensor, Optional[object]]]
 
 
-def shared_prompt_forward(run: Run, batch: SequenceBatch, groups: tuple[torch.Tensor, torch.Tensor],
-                          position_ids: torch.Tensor, through_last: bool = False) -> Optional[torch.Tensor]:
+def shared_prompt_forward(run: Run, batch: SequenceBatch, position_ids: torch.Tensor,
+                          through_last: bool = False) -> Optional[torch.Tensor]:
     """(B, A, ...) outputs of columns P-1 .. T-2 (what scores the A action tokens; A+1 columns, through T-1, with
-    through_last), computed with each distinct prompt's first P-1 columns run once; None when the model returned
-    no cache (e.g. gradient checkpointing in training, where transformers turns use_cache off): the caller then
-    runs the plain forward. position_ids (B, T): the plain forward's positions."""
+    through_last), computed with each distinct prompt's first P-1 columns run once; None where that does not
+    apply: no prompt shared (prompt_groups), or the model returned no cache (e.g. gradient checkpointing in
+    training, where transformers turns use_cache off). The caller then runs the plain forward.
+    position_ids (B, T): the plain forward's positions."""
+    groups = prompt_groups(batch)
+    if groups is None:
+        return None
     first, spread = groups
     p = batch.sequences.shape[1] - batch.num_actions
     mask = batch.attention_mask
