@@ -6,7 +6,7 @@
     rollouts (token ids, log-prob bits, finish flags) that must not change when the engine gets faster.
 
 Threads: --threads (default 1: what an engine gets beside training in async mode, Ray's one per CPU slot; a sync
-run's engine gets the cores, orlhf/threads.py engine_threads; 0: as the demo run's engine_config says). Prompts: the demo's first
+run's engine gets the cores, orlhf/cpu/threads.py engine_threads; 0: as the demo run's engine_config says). Prompts: the demo's first
 --num_prompts rows, tokenized by orlhf's own data path. The same seeds every call (batch index 0), so every call
 does the same work and gives the same digest.
 
@@ -35,9 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def demo_setup(num_prompts: int):
     """(EngineConfig, prompt id lists, SamplingSpec) of the demo grpo run's first step."""
-    from orlhf.data import load_tokenizer
-    from orlhf.entry import load_prompts
-    from orlhf.finish import finish_config
+    from orlhf.inputs.prompts import load_tokenizer
+    from orlhf.launch.run import load_prompts
+    from orlhf.config.resolve import finish_config
     from orlhf.rollout.engine import engine_config
     from orlhf.types import SamplingSpec
 

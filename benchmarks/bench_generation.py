@@ -79,7 +79,7 @@ def load_prompts(model: str, n: int) -> list[list[int]]:
     """The first n demo prompts, tokenized by the model's tokenizer (no special tokens, as orlhf's data does)."""
     from transformers import AutoTokenizer
 
-    from orlhf.demo import ensure_demo
+    from orlhf.demo.builder import ensure_demo
 
     rows = [json.loads(line) for line in open(ensure_demo().prompts)]
     if n > len(rows):
@@ -120,7 +120,7 @@ def vllm_side(args, prompts: list[list[int]]):
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from orlhf.rollout.cpu_sampler import install
+    from orlhf.cpu.engine_sampler import install
 
     install()  # as EngineActor: block-drawn seeds, eager rank count (same tokens as vLLM's own sampler)
     llm = LLM(model=args.model, enforce_eager=True, dtype="float32", seed=0,

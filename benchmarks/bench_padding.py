@@ -56,7 +56,7 @@ def make_batch(n: int, prompt_len: tuple[int, int], response_len: tuple[int, int
 
 def model_path(args) -> str:
     if args.hidden is None:
-        from orlhf.demo import ensure_demo
+        from orlhf.demo.builder import ensure_demo
 
         return str(ensure_demo().model)
     from model_presets import build_model  # benchmarks/model_presets.py: a random Llama, demo tokenizer
@@ -80,7 +80,7 @@ def main(argv=None) -> None:
 
     import torch
 
-    from orlhf.worker_config import role_config
+    from orlhf.config.worker_config import role_config
     from orlhf.workers import PolicyWorker
 
     with socket.socket() as s:

@@ -52,7 +52,7 @@ def workloads():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from orlhf.demo import ensure_demo
+    from orlhf.demo.builder import ensure_demo
 
     model = AutoModelForCausalLM.from_pretrained(ensure_demo().model, dtype=torch.float32)
     g = torch.Generator().manual_seed(0)
@@ -115,7 +115,7 @@ def child(phase: str) -> None:
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
 
-        from orlhf.demo import ensure_demo
+        from orlhf.demo.builder import ensure_demo
 
         llm = LLM(model=str(ensure_demo().model), enforce_eager=True, dtype="float32", seed=0,
                   kv_cache_memory_bytes=2**30)

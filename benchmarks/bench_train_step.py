@@ -34,8 +34,8 @@ FLAGS = {"device": "cpu", "advantage_estimator": "group_norm", "n_samples_per_pr
 def build_workers(steps: int, extra: dict | None = None):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29651"), RANK="0",
                       WORLD_SIZE="1", LOCAL_RANK="0", DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1")
-    from orlhf.finish import finish_config
-    from orlhf.worker_config import worker_config
+    from orlhf.config.resolve import finish_config
+    from orlhf.config.worker_config import worker_config
     from orlhf.workers import PolicyWorker, ReferenceWorker
 
     flags = {**FLAGS, **(extra or {})}
@@ -51,7 +51,7 @@ def demo_batch(cfg, seed: int = 1):
     from transformers import AutoTokenizer
 
     from orlhf.types import SequenceBatch
-    from orlhf.worker_config import model_path
+    from orlhf.config.worker_config import model_path
 
     tok = AutoTokenizer.from_pretrained(model_path(cfg, "actor"))
     with open(cfg.data.prompt_data) as f:

@@ -54,7 +54,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-from orlhf.endpoints import endpoint  # noqa: E402
+from orlhf.distributed.endpoints import endpoint  # noqa: E402
 from orlhf.workers import PolicyWorker  # noqa: E402
 
 
@@ -73,7 +73,7 @@ def build_model(out: Path, hidden: int, layers: int, vocab: int, intermediate: i
     """
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from orlhf.demo import ensure_demo
+    from orlhf.demo.builder import ensure_demo
 
     tok = AutoTokenizer.from_pretrained(ensure_demo().model)
     if vocab < len(tok):
@@ -234,9 +234,9 @@ def memcpy_seconds(nbytes: int, repeats: int, threads: int | None = None) -> flo
 
 def instrumented_sync(sync, version: int) -> dict:
     """WeightSync.sync()'s calls in its order, with the timed entry points in place of the plain ones."""
-    from orlhf.cluster import wait_calls
+    from orlhf.distributed.groups import wait_calls
     from orlhf.rollout.engine import EngineActor
-    from orlhf.weight_sync import finish
+    from orlhf.trainer.weight_sync import finish
 
     t0 = time.perf_counter()
     receive = sync.engines.call(EngineActor.collective_rpc, engine_timed_receive, (sync.metas, sync.buckets))
@@ -256,13 +256,13 @@ def instrumented_sync(sync, version: int) -> dict:
 def run(args) -> dict:
     import ray
 
-    from orlhf.cluster import ActorGroup
-    from orlhf.flags import build_config
-    from orlhf.worker_config import worker_config
-    from orlhf.demo import ensure_demo
-    from orlhf.placement import EngineBundles, RankBundle
+    from orlhf.distributed.groups import ActorGroup
+    from orlhf.config.flags import build_config
+    from orlhf.config.worker_config import worker_config
+    from orlhf.demo.builder import ensure_demo
+    from orlhf.distributed.placement import EngineBundles, RankBundle
     from orlhf.rollout.engine import EngineActor, EngineGroup, engine_config
-    from orlhf.weight_sync import WeightSync, _nbytes
+    from orlhf.trainer.weight_sync import WeightSync, _nbytes
 
     tmp = Path(tempfile.mkdtemp(prefix="orlhf-bench-ws-"))
     try:

@@ -33,9 +33,9 @@ def child(stage: int, threads: int, steps: int, port: int) -> dict:
     import torch
 
     torch.set_num_threads(threads)
-    from orlhf.demo import ensure_demo
+    from orlhf.demo.builder import ensure_demo
     from orlhf.types import Experience
-    from orlhf.worker_config import role_config
+    from orlhf.config.worker_config import role_config
     from orlhf.workers import PolicyWorker
 
     B, P, A, V = 256, 24, 24, 900

@@ -15,9 +15,9 @@ the actor, critic, reference and reward engines, and each step runs strictly one
       train            PPO on this rank's share of the controller's shuffled experience: actor, then critic
       (no weight sync: the actor that trains is the one that generates; only the version tag moves)
 
-What is orlhf's and what is not: the loop and its phases (orlhf.controller.Controller: sampling seeds, scoring and
+What is orlhf's and what is not: the loop and its phases (orlhf.trainer.controller.Controller: sampling seeds, scoring and
 its skips, experience, shuffles, metrics), the model workers (DeepSpeed configs, losses, micro-batching), the PPO
-math (orlhf.algo via orlhf.experience), prompts (orlhf.entry.load_prompts), rewards, the flags and their
+math (orlhf.algo via orlhf.trainer.experience), prompts (orlhf.launch.run.load_prompts), rewards, the flags and their
 validation (orlhf train-ppo's, with the demo preset) are shared, so the same flags give the same models, data,
 batch sizes, generation lengths, sampling and learning rates. What differs is the system: one process per device
 holding every model, HF generate instead of vLLM, sequential phases instead of parallel groups. The code of its
@@ -61,11 +61,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import typer  # noqa: E402
 
 from orlhf import cli  # noqa: E402
-from orlhf import config as C  # noqa: E402
-from orlhf.controller import Controller, Models  # noqa: E402
-from orlhf.endpoints import method_name  # noqa: E402
-from orlhf.threads import PhaseThreads  # noqa: E402
-from orlhf.worker_config import worker_config  # noqa: E402
+from orlhf.config import train_config as C  # noqa: E402
+from orlhf.trainer.controller import Controller, Models  # noqa: E402
+from orlhf.distributed.endpoints import method_name  # noqa: E402
+from orlhf.cpu.threads import PhaseThreads  # noqa: E402
+from orlhf.config.worker_config import worker_config  # noqa: E402
 
 log = logging.getLogger("hybrid")
 
@@ -224,9 +224,9 @@ class HybridController(Controller):
 
 def build(cfg: C.TrainConfig, opts: HybridOptions, rank: int, world: int) -> HybridController:
     """Every model of this rank (orlhf's workers; the roles orlhf would start), wrapped for the controller."""
-    from orlhf.data import PromptLoader, load_tokenizer
-    from orlhf.entry import load_prompts, make_reward
-    from orlhf.metrics import MetricsLogger
+    from orlhf.inputs.prompts import PromptLoader, load_tokenizer
+    from orlhf.launch.run import load_prompts, make_reward
+    from orlhf.storage.metrics import MetricsLogger
     from orlhf.workers import CriticWorker, ReferenceWorker, RewardWorker
 
     from hybrid_worker import HybridPolicyWorker
@@ -279,7 +279,7 @@ def run_rank(rank: int, world: int, cfg: C.TrainConfig, opts: HybridOptions, por
     finally:
         controller.metrics.close()
     if rank == 0:
-        from orlhf.entry import summarize
+        from orlhf.launch.run import summarize
 
         summarize(history)
         print(json.dumps(summary(history, cfg, opts)), flush=True)
@@ -298,8 +298,8 @@ def summary(history: list[dict], cfg: C.TrainConfig, opts: HybridOptions) -> dic
 
 def resolve(cfg: C.TrainConfig, opts: HybridOptions) -> C.TrainConfig:
     """Every role on all `world_size` ranks, then finished as orlhf does (device, validation, the demo's paths)."""
-    from orlhf.finish import finish
-    from orlhf.roles import ROLES
+    from orlhf.config.resolve import finish
+    from orlhf.config.roles import ROLES
 
     w = opts.world_size
     if w < 1:
@@ -358,7 +358,7 @@ def launch(cfg: C.TrainConfig, opts: HybridOptions) -> int:
     return 0
 
 
-# ---- command line: orlhf train-ppo's flags (generated from config.py) plus the options above ---------------------
+# ---- command line: orlhf train-ppo's flags (generated from config/train_config.py) plus the options above ---------------------
 
 PANEL = "Hybrid engine (this baseline)"
 OPTIONS = {
@@ -382,8 +382,8 @@ def _baseline(ctx: typer.Context, **flags: Any) -> None:
 
 def run_reporting_errors(cfg: C.TrainConfig, opts: HybridOptions) -> int:
     """As orlhf's cli.run_reporting_errors, without its Ray-side errors (so no Ray import: GPU boxes lack it)."""
-    from orlhf.data import DataError
-    from orlhf.rewards import RewardError
+    from orlhf.inputs.prompts import DataError
+    from orlhf.inputs.rewards import RewardError
 
     try:
         return launch(cfg, opts)

@@ -37,7 +37,7 @@ from typing import Optional
 import torch
 
 from orlhf.types import Rollout, SamplingSpec, max_new_tokens
-from orlhf.worker_config import WorkerConfig
+from orlhf.config.worker_config import WorkerConfig
 from orlhf.workers.policy import PolicyWorker
 
 GATHER_MODES = ("whole", "per_layer")

@@ -1,6 +1,6 @@
 """Named model sizes for the benchmarks, and where vLLM overtakes HF `generate` among them.
 
-    preset name -> folder: `demo` is the built-in demo model itself (orlhf.demo.ensure_demo().model); every other
+    preset name -> folder: `demo` is the built-in demo model itself (orlhf.demo.builder.ensure_demo().model); every other
     preset is a random-init Llama (seed 0) with the demo's tokenizer, built once into
     <orlhf cache>/bench/models/llama-h<hidden>-l<layers>-... ($ORLHF_CACHE moves it) and reused after that
     build_model(out, hidden, layers, max_len, ...) -> a random Llama of any size under <out>/models (what
@@ -38,7 +38,7 @@ class Preset:
 # Ascending in size. mini/small/base fill the gap between the demo and medium so that a crossover can be placed;
 # large (~50M) brackets it from above if medium is not yet past it.
 PRESETS = {p.name: p for p in (
-    Preset("demo", 0.58),  # 2 layers, hidden 128, intermediate 256, 4 heads (orlhf/demo.py)
+    Preset("demo", 0.58),  # 2 layers, hidden 128, intermediate 256, 4 heads (orlhf/demo/builder.py)
     Preset("mini", 1.7, hidden=192, layers=3, intermediate=512, heads=3),
     Preset("small", 3.7, hidden=256, layers=4, intermediate=704, heads=4),
     Preset("base", 7.8, hidden=384, layers=4, intermediate=1024, heads=6),
@@ -48,7 +48,7 @@ PRESETS = {p.name: p for p in (
 
 
 def bench_cache() -> Path:
-    from orlhf.demo import default_cache_dir
+    from orlhf.demo.builder import default_cache_dir
 
     return default_cache_dir() / "bench"
 
@@ -93,7 +93,7 @@ def build_model(out: Path, hidden: int, layers: int, max_len: int, intermediate:
     and heads default to 2 x hidden and one head per 32 (hidden <= 256) or 64 dimensions."""
     from transformers import AutoTokenizer
 
-    from orlhf.demo import ensure_demo
+    from orlhf.demo.builder import ensure_demo
 
     default_heads = max(1, hidden // (32 if hidden <= 256 else 64))
     inter, nheads, max_pos = intermediate or 2 * hidden, heads or default_heads, max(512, max_len)
@@ -114,7 +114,7 @@ def preset_model(name: str, cache: Optional[Path] = None, max_len: int = 512) ->
         raise KeyError(f"unknown model preset {name!r}; choose from {', '.join(PRESETS)}")
     p = PRESETS[name]
     if not p.hidden:
-        from orlhf.demo import ensure_demo
+        from orlhf.demo.builder import ensure_demo
 
         return ensure_demo().model
     return build_model(Path(cache) if cache else bench_cache(), p.hidden, p.layers, max_len,
@@ -146,7 +146,7 @@ def preset_params(name: str) -> int:
     import torch
     from transformers import AutoTokenizer, LlamaForCausalLM
 
-    from orlhf.demo import ensure_demo
+    from orlhf.demo.builder import ensure_demo
 
     p = PRESETS[name]
     if not p.hidden:

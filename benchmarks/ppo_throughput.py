@@ -59,7 +59,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-from orlhf import flags as F  # noqa: E402
+from orlhf.config import flags as F  # noqa: E402
 from model_presets import PRESETS as MODEL_PRESETS  # noqa: E402  (benchmarks/model_presets.py)
 from model_presets import build_model, preset_model  # noqa: E402
 from proctree import RSS_GROUPS, TreeSampler, run_sampled  # noqa: E402  (benchmarks/proctree.py)
@@ -106,7 +106,7 @@ def log(msg: str) -> None:
 def common_values(args) -> dict:
     """Every train-ppo flag both sides get, all explicit (the demo preset spelled out, so a --pretrain model
     gets the same settings as the demo would)."""
-    from orlhf.demo import ensure_demo
+    from orlhf.demo.builder import ensure_demo
 
     demo = ensure_demo()
     values = {k: v for k, v in F.DEMO_PRESET.items() if k != "num_episodes"}

@@ -11,7 +11,7 @@
     for repeat: for mode in --modes:      interleaved, so machine-load drift hits every side alike
         orlhf        orlhf train-ppo (sync)          orlhf_async   the same with --async_train
         orlhf_1thread  sync with one thread per process (--vllm_cpu_threads 1 --train_cpu_threads 1): no per-phase
-                     hand-over of the cores (orlhf/threads.py), as before it
+                     hand-over of the cores (orlhf/cpu/threads.py), as before it
         orlhf_engines2 sync with --vllm_num_engines 2: generation data-parallel over the cores, one thread each
         trl          benchmarks/trl_grpo_runner.py under TRL's python (HF generate; no vLLM on CPU)
       each a subprocess; proctree.TreeSampler notes when each metrics.jsonl row lands and the CPU seconds of the
@@ -104,8 +104,8 @@ def with_model(cmd: list[str], a) -> list[str]:
     as on the demo, another model)."""
     if a.model_preset == "demo":
         return cmd
-    from orlhf.flags import DEMO_PRESET
-    from orlhf.demo import ensure_demo
+    from orlhf.config.flags import DEMO_PRESET
+    from orlhf.demo.builder import ensure_demo
 
     demo = ensure_demo()
     values = {"pretrain": str(model_folder(a)), "prompt_data": str(demo.prompts),
@@ -125,7 +125,7 @@ def model_folder(a) -> Path:
 
 
 def trl_cmd(a, python: Path) -> list[str]:
-    from orlhf.demo import ensure_demo
+    from orlhf.demo.builder import ensure_demo
 
     demo = ensure_demo()
     return [str(python), str(ROOT / "benchmarks" / "trl_grpo_runner.py"), "--model", str(model_folder(a)),
@@ -159,7 +159,7 @@ def run_once(cmd: list[str], save: Path, warmup: int, timeout: float, trl_thread
     # CPU time the hypervisor gave to other guests while this run wanted it (/proc/stat "steal"): on a shared VM
     # it slows whichever side it lands on, so a run with a high share is a noisy one
     result["steal_share"] = (steal_seconds() - steal0) / ((time.monotonic() - launched) * (os.cpu_count() or 1))
-    if (save / "startup.json").exists():  # orlhf's own start-up breakdown (orlhf/startup.py)
+    if (save / "startup.json").exists():  # orlhf's own start-up breakdown (orlhf/launch/startup_clock.py)
         result["startup_phases"] = json.loads((save / "startup.json").read_text())["phases_s"]
     if sampler.cpu_at_marker:  # CPU seconds each process group spent before step 1 (where start-up's CPU goes)
         result["startup_cpu_s"] = {g: round(v, 2) for g, v in sorted(sampler.cpu_at_marker.items())}
@@ -227,7 +227,7 @@ def median_of(runs: list[dict]) -> dict:
 
 
 def parse_args(argv=None):
-    from orlhf.demo import default_cache_dir
+    from orlhf.demo.builder import default_cache_dir
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma list of {MODES}")

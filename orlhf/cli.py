@@ -1,6 +1,6 @@
 """The `orlhf` command line. No logic: parse flags into a config and call one entry function.
 
-The train-ppo flags are generated from config.py's dataclass fields (one declaration per flag), each accepted
+The train-ppo flags are generated from config/train_config.py's dataclass fields (one declaration per flag), each accepted
 as `--flag_name` (OpenRLHF's spelling) and `--flag-name`, grouped into --help panels by config section.
 Heavy packages (torch, ray, deepspeed, vllm) are imported inside the commands, so `orlhf --help` stays fast.
 """
@@ -15,9 +15,9 @@ from typing import Any, Callable, Literal, Optional
 
 import typer
 
-from orlhf import config as C
+from orlhf.config import train_config as C
 
-from orlhf import flags as F
+from orlhf.config import flags as F
 
 app = typer.Typer(
     name="orlhf",
@@ -96,10 +96,10 @@ def parse_or_exit(ctx: typer.Context, flags: dict[str, Any],
 
 @with_train_flags
 def _train_ppo(ctx: typer.Context, **flags: Any) -> None:
-    from orlhf.finish import finish_config
+    from orlhf.config.resolve import finish_config
 
     cfg = parse_or_exit(ctx, flags, finish_config)  # the device and the demo resolved, validated once
-    from orlhf.entry import train_ppo
+    from orlhf.launch.run import train_ppo
 
     sys.exit(run_reporting_errors(train_ppo, cfg))
 
@@ -125,12 +125,12 @@ def run_reporting_errors(fn: Callable[[C.TrainConfig], int], cfg: C.TrainConfig)
 
 # (module, class) of the errors run_reporting_errors prints without a traceback. Looked up in sys.modules when an
 # error arrives instead of imported up front: importing them loaded torch (checkpoint_format, workers) and ray on
-# the driver's main thread before Ray's start, which entry.py keeps free of them. An error of a class whose
+# the driver's main thread before Ray's start, which launch/run.py keeps free of them. An error of a class whose
 # module was never imported cannot exist, so the check is the same as an `except` over the classes.
-USER_ERRORS = (("orlhf.checkpoint_format", "CheckpointError"), ("orlhf.cluster", "RankError"),
-               ("orlhf.data", "DataError"), ("orlhf.layout", "PlacementError"), ("orlhf.rewards", "RewardError"),
-               ("orlhf.runlock", "RunLockError"), ("orlhf.head_files", "HeadError"),
-               ("orlhf.rollout.agent", "AgentError"), ("orlhf.sync_guard", "EngineMismatchError"))
+USER_ERRORS = (("orlhf.storage.checkpoint_format", "CheckpointError"), ("orlhf.distributed.groups", "RankError"),
+               ("orlhf.inputs.prompts", "DataError"), ("orlhf.distributed.layout", "PlacementError"), ("orlhf.inputs.rewards", "RewardError"),
+               ("orlhf.storage.runlock", "RunLockError"), ("orlhf.inputs.head_files", "HeadError"),
+               ("orlhf.rollout.agent", "AgentError"), ("orlhf.trainer.sync_guard", "EngineMismatchError"))
 
 
 def is_user_error(e: BaseException) -> bool:
@@ -158,7 +158,7 @@ def make_demo(
     seed: int = typer.Option(0, help="Seed for the random weights and the prompts."),
 ) -> None:
     """Write the built-in tiny demo (model + tokenizer, prompts.jsonl, reward_func.py) into OUT_DIR."""
-    from orlhf.demo import make_demo as build
+    from orlhf.demo.builder import make_demo as build
 
     paths = build(out_dir, seed=seed)
     typer.echo(f"model:   {paths.model}\nprompts: {paths.prompts}\nreward:  {paths.reward_fn}\n"
@@ -173,7 +173,7 @@ def make_demo(
 def report(save_path: Path = typer.Argument(..., help="A run's --save_path (holding metrics.jsonl).")) -> None:
     """Draw SAVE_PATH/report.png and report.html: reward, KL, losses, entropy, samples/s, phase timing,
     staleness and the engine/trainer log-prob gap over steps. A run writes them at its end too."""
-    from orlhf.report import write_report
+    from orlhf.storage.report import write_report
 
     try:
         png, page = write_report(save_path)
@@ -212,8 +212,8 @@ def serve_rm(
                                            help="Longest reward_func call before answering 500."),
 ) -> None:
     """Serve a reward function over HTTP for --remote_rm_url http://HOST:PORT/get_reward."""
-    from orlhf.rewards import RewardError
-    from orlhf.serve_rm import make_server
+    from orlhf.inputs.rewards import RewardError
+    from orlhf.inputs.reward_server import make_server
 
     if timeout_s <= 0 or workers < 1 or reward_timeout_s <= 0:
         typer.secho("error: --timeout_s and --reward_timeout_s must be > 0, --workers >= 1", fg="red", err=True)
@@ -245,9 +245,9 @@ def native_arity() -> dict[str, int]:
 
 
 def openrlhf_spellings(args: list[str]) -> list[str]:
-    """OpenRLHF's flags that orlhf spells differently, or lacks (openrlhf_flags.py), for the train-ppo and plan
+    """OpenRLHF's flags that orlhf spells differently, or lacks (config/openrlhf.py), for the train-ppo and plan
     commands; a refused or conflicting flag exits 2 naming it."""
-    from orlhf.openrlhf_flags import CompatError, translate
+    from orlhf.config.openrlhf import CompatError, translate
 
     if not args or args[0] not in ("train-ppo", "plan"):
         return args
@@ -306,7 +306,7 @@ def _plan(ctx: typer.Context, **flags: Any) -> None:
                     fg="red", err=True)
         raise typer.Exit(2)
     cfg = parse_or_exit(ctx, flags)
-    from orlhf.plan import ClusterArgs, run_plan
+    from orlhf.launch.plan import ClusterArgs, run_plan
 
     sys.exit(run_plan(cfg, ClusterArgs(**{name: flags[name] for name in PLAN_OPTIONS})))
 

@@ -91,7 +91,7 @@ class SequenceBatch:
 
 @dataclass
 class Experience:
-    """One PPO training batch: sequences plus everything the losses need. Built by experience.py."""
+    """One PPO training batch: sequences plus everything the losses need. Built by trainer/experience.py."""
 
     sequences: torch.Tensor  # (B, T) long
     attention_mask: torch.Tensor  # (B, T)

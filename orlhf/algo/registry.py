@@ -1,9 +1,9 @@
 """The advantage estimators, one record each: the single place that says what an estimator needs.
 
-Everything else reads this table: the --advantage_estimator choices (config.py), whether a critic exists
-(TrainConfig.has_critic), the group rules of validation.py, the group baseline (algo/rewards.py), whitening
-(algo/advantages.py), the roles placed (roles.py). Adding an estimator is one row here plus its math.
-No torch here: config.py imports it, and `orlhf --help` must stay fast.
+Everything else reads this table: the --advantage_estimator choices (config/train_config.py), whether a critic exists
+(TrainConfig.has_critic), the group rules of config/validation.py, the group baseline (algo/rewards.py), whitening
+(algo/advantages.py), the roles placed (config/roles.py). Adding an estimator is one row here plus its math.
+No torch here: config/train_config.py imports it, and `orlhf --help` must stay fast.
 """
 
 from __future__ import annotations

@@ -102,7 +102,7 @@ class RunningMoments:
 
     Where this departs from OpenRLHF: OpenRLHF's --normalize_reward divides the reward model's output by a mean/std
     stored in the reward model's config at reward-model training time; orlhf does the same when they are stored
-    (the reward worker applies them, head_files.py) and uses these running statistics only for reward
+    (the reward worker applies them, inputs/head_files.py) and uses these running statistics only for reward
     sources without stored ones (rule functions, remote URLs, reward models without mean/std), as TRL and
     DeepSpeed-Chat do, where OpenRLHF would leave the rewards as they are. Before two values have been seen, std
     is 1 (nothing to scale by yet).

@@ -6,9 +6,9 @@
       .call(WeightSyncExtension.orlhf_ipc_begin)  an extension method: runs on every vLLM worker of each engine
       .call_rank(i, EngineActor.generate_tokens, requests)   one engine
 
-Calls name the method by reference (orlhf/endpoints.py): an @endpoint of EngineActor, or of the vLLM worker
+Calls name the method by reference (orlhf/distributed/endpoints.py): an @endpoint of EngineActor, or of the vLLM worker
 extension (rollout/worker_ext.py), which goes through the engine's collective_rpc and returns one result per
-TP worker. weight_sync.py drives the extension's side of a weight update through this API.
+TP worker. trainer/weight_sync.py drives the extension's side of a weight update through this API.
 
 On CPU each engine runs vLLM in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0): 3 s start-up instead of ~20 s and
 the fastest generation on this stack, at the cost of owning its process (a Ray actor is exactly that). On
@@ -26,13 +26,13 @@ from typing import Any, Callable, Optional, Sequence
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from orlhf.cluster import GroupCall, wait_all
-from orlhf.config import engine_gpu_memory_utilization
-from orlhf.endpoints import check_exports, endpoint, method_name
-from orlhf.placement import EngineBundles
-from orlhf.rollout.cpu_kv import MAX_NUM_SEQS, check_kv_cache, kv_cache_bytes
+from orlhf.distributed.groups import GroupCall, wait_all
+from orlhf.config.train_config import engine_gpu_memory_utilization
+from orlhf.distributed.endpoints import check_exports, endpoint, method_name
+from orlhf.distributed.placement import EngineBundles
+from orlhf.cpu.engine_kv import MAX_NUM_SEQS, check_kv_cache, kv_cache_bytes
 from orlhf.rollout.worker_ext import WeightSyncExtension
-from orlhf.threads import engine_threads, threads_as_ray_set
+from orlhf.cpu.threads import engine_threads, threads_as_ray_set
 from orlhf.types import Rollout, SamplingSpec, max_new_tokens
 
 EXTENSION = f"{WeightSyncExtension.__module__}.{WeightSyncExtension.__qualname__}"
@@ -52,10 +52,10 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     max_model_len: int = 2048  # prompt_max_len + generate_max_len
     dtype: str = "float32"  # "bfloat16" with --bf16
-    kv_cache_gb: Optional[float] = None  # CPU only: KV cache GiB; None: sized to the engine's need (cpu_kv.py)
+    kv_cache_gb: Optional[float] = None  # CPU only: KV cache GiB; None: sized to the engine's need (cpu/engine_kv.py)
     cpu_threads: int = 0  # CPU only: torch threads (threads.engine_threads; 0: Ray's OMP_NUM_THREADS = its CPU slots)
     enable_sleep: bool = False  # GPU only (--vllm_enable_sleep): vLLM's sleep mode, for hybrid placement
-    cuda_ipc: bool = False  # GPU + --colocate_all_models: weights arrive as CUDA IPC handles (weight_sync.py)
+    cuda_ipc: bool = False  # GPU + --colocate_all_models: weights arrive as CUDA IPC handles (trainer/weight_sync.py)
     logprobs_mode: str = "raw_logprobs"  # vLLM's: what the sampled tokens' log-probs are (engine_logprobs_mode)
 
 
@@ -80,7 +80,7 @@ def engine_logprobs_mode(temperature: float) -> str:
     log_softmax(logits / temperature) (workers/policy.py), so the engines report processed_logprobs, the
     distribution they sample from after temperature, as OpenRLHF asks for its IS correction. (Processed also
     means after top-p: below --top_p 1 they are the truncated distribution's, which the actor does not compute,
-    and the sync guard does not compare them; sync_guard.py. And after logits processors such as min_tokens,
+    and the sync guard does not compare them; trainer/sync_guard.py. And after logits processors such as min_tokens,
     which orlhf's requests do not set; an agent's own sampling_params may.) Prompt log-probs are raw in both."""
     return "raw_logprobs" if temperature == 1.0 else "processed_logprobs"
 
@@ -139,8 +139,8 @@ class EngineActor:
     def __init__(self, cfg: EngineConfig, index: int, bundle_indices: Optional[list[int]] = None,
                  share: float = 1.0, log_dir: Optional[str] = None):
         threads_as_ray_set()
-        if log_dir:  # before vLLM starts, so its engine-core processes inherit the file (logs.py)
-            from orlhf.logs import LOG_DIR_ENV, redirect_output
+        if log_dir:  # before vLLM starts, so its engine-core processes inherit the file (storage/logs.py)
+            from orlhf.storage.logs import LOG_DIR_ENV, redirect_output
 
             os.environ[LOG_DIR_ENV] = log_dir
             redirect_output(f"vllm-{index}")
@@ -171,7 +171,7 @@ class EngineActor:
         from vllm import LLM
 
         if cfg.device == "cpu":  # before LLM(): its sampler binds forward_cpu when built (rollout/cpu_sampler.py)
-            from orlhf.rollout.cpu_sampler import install
+            from orlhf.cpu.engine_sampler import install
 
             install()
         gc.freeze()
@@ -325,7 +325,7 @@ class EngineGroup:
             opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 placement_group=slot.placement_group, placement_group_bundle_index=slot.bundle_indices[0],
                 placement_group_capture_child_tasks=True)
-        from orlhf.logs import LOG_DIR_ENV
+        from orlhf.storage.logs import LOG_DIR_ENV
 
         return RemoteEngine.options(**opts).remote(self.cfg, index, list(slot.bundle_indices), slot.share,
                                                   os.environ.get(LOG_DIR_ENV))
@@ -343,7 +343,7 @@ class EngineGroup:
         parts = wait_all(refs, [i for i, _ in busy], ROLE, "generate", self.timeout_s)
         return [r for part in parts for r in part]
 
-    # ---- calls (method references, orlhf/endpoints.py): the same API as cluster.ActorGroup ----
+    # ---- calls (method references, orlhf/distributed/endpoints.py): the same API as cluster.ActorGroup ----
     def call(self, fn: Callable, *args, **kwargs) -> GroupCall:
         """Call `fn` on every engine; .get() gives the results in engine order (an extension method: a list
         per engine, one result per TP worker)."""

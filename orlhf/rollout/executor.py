@@ -283,7 +283,7 @@ def agent_reward_result(rollouts: list[Rollout]):
     compares, as OpenRLHF splits them (its MultiTurnAgentExecutor returns both; its filter reads scores)."""
     import torch
 
-    from orlhf.rewards import RewardResult
+    from orlhf.inputs.rewards import RewardResult
 
     rewards = agent_scores(rollouts)
     if rewards is None:

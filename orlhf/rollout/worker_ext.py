@@ -1,6 +1,6 @@
 """A vLLM worker extension: receives the trainer's weights and loads them in place.
 
-The engines' side of a weight sync (the driver's side is orlhf/weight_sync.py, the trainer ranks' side
+The engines' side of a weight sync (the driver's side is orlhf/trainer/weight_sync.py, the trainer ranks' side
 orlhf/workers/weight_send.py). Its @endpoint methods are called through EngineGroup.call (rollout/engine.py),
 which runs them on every vLLM worker of each engine (collective_rpc).
 
@@ -31,7 +31,7 @@ from datetime import timedelta
 
 import torch
 
-from orlhf.endpoints import endpoint
+from orlhf.distributed.endpoints import endpoint
 
 _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16)}
 

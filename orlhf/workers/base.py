@@ -9,7 +9,7 @@ WORLD_SIZE and LOCAL_RANK, then `init()` on every rank at once. A Ray rank actor
              follows --lr_scheduler, DeepSpeed clips gradients at --max_norm
 
     save_checkpoint(folder) / load_checkpoint(folder): trained roles' DeepSpeed state + RNG, collective; the
-             folder layout around them, commit and resume order are in orlhf/checkpoint.py
+             folder layout around them, commit and resume order are in orlhf/storage/checkpoint.py
 
 Invariants
 - ZeRO-3 forwards and GatheredParameters are collective: every rank must make the same calls in the same
@@ -32,10 +32,10 @@ from typing import Callable, Iterator, Optional
 import torch
 from torch import nn
 
-from orlhf.endpoints import endpoint
+from orlhf.distributed.endpoints import endpoint
 from orlhf.algo.losses import LossNorm, step_norm
-from orlhf.batching import pad_actions, trim
-from orlhf.worker_config import WorkerConfig
+from orlhf.workers.batching import pad_actions, trim
+from orlhf.config.worker_config import WorkerConfig
 from orlhf.workers.hf_names import meta_group, to_checkpoint_names
 from orlhf.workers.loading import hf_zero3_loading
 from orlhf.workers.micro_batches import forward_plan, train_plan
@@ -145,7 +145,7 @@ class DeepSpeedWorker:
 
         Under ZeRO-3 ranks with fewer micro-batches run dummy forwards (collective parameter gathers).
         With cfg.trim_padding the rows are sorted by length first and each micro-batch is trimmed to its own
-        longest prompt and response (orlhf/batching.py); `fn` may then return (b, A') and results come back
+        longest prompt and response (orlhf/workers/batching.py); `fn` may then return (b, A') and results come back
         (B, A) in the input order, zeros on padding.
         """
         # inference_mode skips autograd's version counters and view tracking (~5% of a demo ref forward), values

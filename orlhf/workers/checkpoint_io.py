@@ -1,4 +1,4 @@
-"""DeepSpeed checkpoint I/O of one worker (trained roles); orlhf/checkpoint.py owns the folder around it.
+"""DeepSpeed checkpoint I/O of one worker (trained roles); orlhf/storage/checkpoint.py owns the folder around it.
 
 Loading reads every file through torch.load(weights_only=True) only: see _engine_for_checkpoints.
 """
@@ -23,7 +23,7 @@ def save_worker_checkpoint(worker, folder: str) -> None:
     """
     import torch.distributed as dist
 
-    from orlhf.checkpoint import rng_state, save_state
+    from orlhf.storage.checkpoint import rng_state, save_state
 
     engine = _engine_for_checkpoints(worker)
     tag = f"global_step{engine.global_steps}"
@@ -39,8 +39,8 @@ def load_worker_checkpoint(worker, folder: str) -> None:
 
     Reads with torch.load(weights_only=True) only (see _engine_for_checkpoints).
     """
-    from orlhf.checkpoint import load_state, set_rng_state
-    from orlhf.checkpoint_format import CheckpointError
+    from orlhf.storage.checkpoint import load_state, set_rng_state
+    from orlhf.storage.checkpoint_format import CheckpointError
 
     ranks = len([f for f in os.listdir(folder) if re.fullmatch(r"rng_rank\d+\.json", f)]) \
         if os.path.isdir(folder) else 0
@@ -85,10 +85,10 @@ def _engine_for_checkpoints(worker):
 
 @functools.lru_cache(maxsize=None)
 def _safe_checkpoint_engine_cls() -> type:
-    """DeepSpeed's TorchCheckpointEngine with load() = orlhf.checkpoint.safe_torch_load (weights_only=True)."""
+    """DeepSpeed's TorchCheckpointEngine with load() = orlhf.storage.checkpoint.safe_torch_load (weights_only=True)."""
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
-    from orlhf.checkpoint import safe_torch_load
+    from orlhf.storage.checkpoint import safe_torch_load
 
     class SafeLoadCheckpointEngine(TorchCheckpointEngine):
         def load(self, path: str, map_location=None):

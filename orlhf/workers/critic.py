@@ -8,7 +8,7 @@ Initialisation (load_value_model): the head "<--value_head_prefix>.weight" of th
 OpenRLHF reward model or critic, or HF's XForSequenceClassification with num_labels=1: the critic starts out
 predicting the reward model's score); a fresh head (N(0, initializer_range), seeded, identical on every rank)
 from a plain causal-LM folder; a HeadError when the folder is a reward/critic model whose head is not there
-(head_files.py). With --normalize_reward and mean/std in the folder's config.json, values are
+(inputs/head_files.py). With --normalize_reward and mean/std in the folder's config.json, values are
 (v - mean) / std in training too, as OpenRLHF's critic computes them.
 Parameter names are OpenRLHF's critic layout with the old head name: "<base_model_prefix>.*" (e.g.
 "model.layers.0...") + "value_head.weight", whatever --value_head_prefix is (checkpoints of earlier runs stay
@@ -25,14 +25,14 @@ from typing import Optional
 import torch
 from torch import nn
 
-from orlhf.endpoints import endpoint
+from orlhf.distributed.endpoints import endpoint
 from orlhf.algo.losses import LossNorm, aggregate, masked_mean, value_loss_per_token
-from orlhf.batching import Packed, pack
-from orlhf.worker_config import CriticConfig, RewardConfig
+from orlhf.workers.batching import Packed, pack
+from orlhf.config.worker_config import CriticConfig, RewardConfig
 from orlhf.types import Experience, SequenceBatch, TrainStats
 from orlhf.workers.base import DeepSpeedWorker, position_ids_from
 from orlhf.workers.loading import from_pretrained
-from orlhf.head_files import resolve_prefix, stored_reward_stats
+from orlhf.inputs.head_files import resolve_prefix, stored_reward_stats
 from orlhf.workers.shared_prompt import shared_prompt_forward, worker_shares_prompts
 from orlhf.workers.value_head import find_head
 
@@ -59,7 +59,7 @@ class ValueModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
                 position_ids: Optional[torch.Tensor] = None, past_key_values=None, use_cache: bool = False):
         """(B, T) values; with use_cache, (values, the backbone's cache) (workers/shared_prompt.py).
-        position_ids default to counting attention_mask's real tokens; a packed row (orlhf/batching.py) passes its
+        position_ids default to counting attention_mask's real tokens; a packed row (orlhf/workers/batching.py) passes its
         own and attention_mask=None."""
         if position_ids is None:
             position_ids = position_ids_from(attention_mask)
@@ -76,7 +76,7 @@ class ValueModel(nn.Module):
 
 
 def packed_values(model: nn.Module, batch) -> tuple[torch.Tensor, Packed]:
-    """A ValueModel over the batch packed into one row (orlhf/batching.py): (N,) values and the Packed layout."""
+    """A ValueModel over the batch packed into one row (orlhf/workers/batching.py): (N,) values and the Packed layout."""
     p = pack(batch)
     return model(input_ids=p.input_ids, attention_mask=None, position_ids=p.position_ids)[0], p
 
@@ -91,7 +91,7 @@ def shared_values(model: nn.Module, batch, through_last: bool = False) -> Option
 
 
 def load_value_model(cfg: CriticConfig | RewardConfig, required: bool = False) -> ValueModel:
-    """The folder's backbone and its value head "<prefix>.weight" (head_files.py), with OpenRLHF's
+    """The folder's backbone and its value head "<prefix>.weight" (inputs/head_files.py), with OpenRLHF's
     (v - mean) / std when --normalize_reward is given and config.json stores mean/std.
 
     required=False (the critic): a folder with no head at all (a plain causal LM) gets a fresh seeded head.

@@ -10,9 +10,9 @@ import random
 
 import torch
 
-from orlhf.worker_config import WorkerConfig
+from orlhf.config.worker_config import WorkerConfig
 from orlhf.workers.ds_arch import use_arch_list_deepspeed_reads
-from orlhf.workers.ds_muon import load_muon_uncompiled
+from orlhf.cpu.ds_import import load_muon_uncompiled
 
 log = logging.getLogger("orlhf.workers")
 
@@ -42,7 +42,7 @@ def init_distributed(device: str) -> None:
         if device == "cpu":
             skip_shm_comm_build()
         deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo")
-    load_muon_uncompiled()  # before deepspeed.initialize imports it: 1.2-1.5 CPU-s less per rank (ds_muon.py)
+    load_muon_uncompiled()  # before deepspeed.initialize imports it: 1.2-1.5 CPU-s less per rank (cpu/ds_import.py)
 
 
 def skip_shm_comm_build() -> None:

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 
 import torch
 
-from orlhf.worker_config import WorkerConfig
+from orlhf.config.worker_config import WorkerConfig
 
 log = logging.getLogger("orlhf.workers")
 

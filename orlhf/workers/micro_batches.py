@@ -15,7 +15,7 @@ from typing import Callable, Optional
 
 import torch
 
-from orlhf.batching import budget_micro_batches, fitting_count, real_lengths, sort_by_length
+from orlhf.workers.batching import budget_micro_batches, fitting_count, real_lengths, sort_by_length
 from orlhf.types import Experience, SequenceBatch
 from orlhf.workers.shared_prompt import prompt_groups
 

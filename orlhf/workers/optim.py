@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from orlhf.worker_config import ActorConfig, CriticConfig
+from orlhf.config.worker_config import ActorConfig, CriticConfig
 
 # A parameter whose name contains one of these gets no weight decay (OpenRLHF's list; substrings, so
 # "input_layernorm.weight", "model.norm.weight" and "q_norm.weight" all match).

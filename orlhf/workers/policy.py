@@ -26,12 +26,12 @@ from typing import Optional
 import torch
 from torch import nn
 
-from orlhf.endpoints import endpoint
+from orlhf.distributed.endpoints import endpoint
 from orlhf.algo.kl import approx_kl
 from orlhf.algo.logprobs import token_log_probs, token_log_probs_entropy, window
 from orlhf.algo.losses import LossNorm, aggregate, entropy_from_logits, masked_mean, policy_loss_terms
-from orlhf.batching import pack
-from orlhf.worker_config import WorkerConfig
+from orlhf.workers.batching import pack
+from orlhf.config.worker_config import WorkerConfig
 from orlhf.types import Experience, SequenceBatch, TrainStats
 from orlhf.workers.base import DeepSpeedWorker, position_ids_from
 from orlhf.workers.loading import from_pretrained
@@ -52,7 +52,7 @@ def action_logits(model: nn.Module, batch: SequenceBatch, temperature: float, pa
                   shared: bool = False) -> torch.Tensor:
     """(B, A, V) float32 logits / temperature that score the A action tokens (positions T-A-1 .. T-2).
 
-    packed: run the batch as one row of real tokens (orlhf/batching.py); zeros where there is no action token.
+    packed: run the batch as one row of real tokens (orlhf/workers/batching.py); zeros where there is no action token.
     """
     logits, offset = model_logits(model, batch, packed, shared)
     return window(logits, offset, batch.num_actions, temperature)
@@ -239,7 +239,7 @@ class PolicyWorker(DeepSpeedWorker):
         stats["loss"] = masked_mean(terms.loss.detach(), mask).item()
         return loss, stats
 
-    # ---- weight sync: orlhf/weight_sync.py drives these, workers/weight_send.py does the sending; only rank 0
+    # ---- weight sync: orlhf/trainer/weight_sync.py drives these, workers/weight_send.py does the sending; only rank 0
     # talks to the engines (broadcast) ----
 
     @endpoint
@@ -252,7 +252,7 @@ class PolicyWorker(DeepSpeedWorker):
         """An address on this rank's node for the trainer -> engines group (rank 0 hosts its store)."""
         import ray
 
-        from orlhf.cluster import free_port
+        from orlhf.distributed.groups import free_port
 
         return ray.util.get_node_ip_address(), free_port()
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from orlhf.endpoints import endpoint
+from orlhf.distributed.endpoints import endpoint
 from orlhf.types import SequenceBatch
 from orlhf.workers.base import DeepSpeedWorker
 from orlhf.workers.critic import load_value_model, packed_values, shared_values
@@ -28,7 +28,7 @@ def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
 class RewardWorker(DeepSpeedWorker):
     """A reward model folder under ZeRO inference: OpenRLHF's layout (backbone + "<--value_head_prefix>.weight",
     optional mean/std in config.json applied with --normalize_reward) or HF's XForSequenceClassification
-    (num_labels=1, head "score"). A folder without that head is a HeadError (head_files.py)."""
+    (num_labels=1, head "score"). A folder without that head is a HeadError (inputs/head_files.py)."""
 
     def build_model(self) -> nn.Module:
         return load_value_model(self.cfg, required=True)

@@ -1,4 +1,4 @@
-"""The value head a reward model's or critic's worker loads: located by orlhf.head_files (where the folder format
+"""The value head a reward model's or critic's worker loads: located by orlhf.inputs.head_files (where the folder format
 and the checks are described), read as a float32 nn.Linear(hidden, 1)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from orlhf.head_files import locate_head
+from orlhf.inputs.head_files import locate_head
 
 
 def _read_tensor(path: Path, name: str) -> torch.Tensor:

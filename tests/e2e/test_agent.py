@@ -1,6 +1,6 @@
 """Multi-turn agents and evaluation end to end: real Ray, DeepSpeed and vLLM on the built-in demo.
 
-- The built-in multi-turn environment (orlhf/demo_agent.py, 3 turns) learns: reward of the last 10 steps >= 1.5x
+- The built-in multi-turn environment (orlhf/demo/agent.py, 3 turns) learns: reward of the last 10 steps >= 1.5x
   the first 10, with --async_train (--async_queue_size 2: each step trains on rollouts at most 2 versions old,
   and generation really overlaps training) and --n_samples_per_prompt 4, while evaluating every 8 steps and
   keeping the best checkpoint outside the rotation. (This run is also the suite's async check: a run costs a
@@ -19,7 +19,7 @@ import orlhf
 from orlhf.cli import main
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray, pytest.mark.vllm]
-DEMO_AGENT = str(Path(orlhf.__file__).with_name("demo_agent.py"))
+DEMO_AGENT = str(Path(orlhf.__file__).parent / "demo" / "agent.py")
 
 
 def run(tmp_path: Path, name: str, *flags: str) -> int:

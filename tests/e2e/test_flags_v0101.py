@@ -34,7 +34,7 @@ def weights(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def test_frozen_actor_hf_only_checkpoints_dynamic_batch(ray_local, tmp_path, capsys):
-    from orlhf.demo import ensure_demo
+    from orlhf.demo.builder import ensure_demo
 
     save = tmp_path / "run"
     flags = ("--save_path", str(save), "--max_samples", "192", "--num_episodes", "1", "--freezing_actor_steps", "1",

@@ -21,7 +21,7 @@ def openrlhf_reward_model(folder: Path, mean: float) -> Path:
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoTokenizer, LlamaModel
 
-    from orlhf.demo import ensure_demo
+    from orlhf.demo.builder import ensure_demo
 
     demo = ensure_demo()
     config = AutoConfig.from_pretrained(demo.model)
@@ -38,7 +38,7 @@ def openrlhf_reward_model(folder: Path, mean: float) -> Path:
 
 
 def run(tmp_path: Path, *flags: str) -> int:
-    from orlhf.demo import ensure_demo
+    from orlhf.demo.builder import ensure_demo
 
     demo = ensure_demo()
     rows = [json.loads(line) for line in open(demo.prompts)]

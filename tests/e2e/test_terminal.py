@@ -54,7 +54,7 @@ def test_a_demo_run_shows_only_orlhf_lines_and_a_whole_bar(demo_cli_run):
 
 
 def test_a_rank_error_reaches_the_terminal_whole(tmp_path):
-    from orlhf.demo import ensure_demo
+    from orlhf.demo.builder import ensure_demo
 
     demo = ensure_demo()
     broken = tmp_path / "broken"

@@ -19,7 +19,7 @@ def _trl_venv() -> Path:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from trl_compare import TRL_VERSION
 
-    from orlhf.demo import default_cache_dir
+    from orlhf.demo.builder import default_cache_dir
 
     return Path(os.environ.get("ORLHF_TRL_VENV") or default_cache_dir() / f"trl-venv-{TRL_VERSION}")
 

@@ -34,13 +34,13 @@ GPUS_NEEDED = {"nccl": 3, "cuda_ipc_hybrid": 1}
 def _rig(tmp_path, **flags):
     import ray
 
-    from orlhf.worker_config import worker_config
-    from orlhf.finish import finish_config
-    from orlhf.layout import plan_layout
-    from orlhf.placement import create_placement_groups
-    from orlhf.cluster import ActorGroup
+    from orlhf.config.worker_config import worker_config
+    from orlhf.config.resolve import finish_config
+    from orlhf.distributed.layout import plan_layout
+    from orlhf.distributed.placement import create_placement_groups
+    from orlhf.distributed.groups import ActorGroup
     from orlhf.rollout.engine import EngineGroup, engine_config
-    from orlhf.weight_sync import make_weight_sync
+    from orlhf.trainer.weight_sync import make_weight_sync
     from orlhf.workers import PolicyWorker
 
     if not ray.is_initialized():
@@ -57,7 +57,7 @@ def _rig(tmp_path, **flags):
 
 
 def _parity(engines, actor, tok):
-    from orlhf.experience import rollouts_to_batch
+    from orlhf.trainer.experience import rollouts_to_batch
     from orlhf.rollout.engine import SamplingSpec
     from orlhf.types import Experience
 

@@ -23,7 +23,7 @@ LR = 1e-2  # large enough that one Adam step moves log-probs well past bf16 nois
 
 
 def actor_cfg(path: str, **kw):
-    from orlhf.worker_config import role_config
+    from orlhf.config.worker_config import role_config
 
     base = dict(model_path=path, device="cuda", zero_stage=3, bf16=True, micro_forward_batch_size=B,
                 learning_rate=LR, train_batch_size=B, micro_train_batch_size=B, total_optimizer_steps=4)
@@ -188,8 +188,8 @@ def test_shared_prompt_forward_matches_whole_rows(lm_path, attn):
 
 def plan_estimate_bytes(model_dir: str, bf16: bool = True, zero_stage: int = 3, ranks: int = 1) -> float:
     """What `orlhf plan` says one actor rank holds on its GPU (model states only) for this model folder."""
-    from orlhf.config import DeepSpeedConfig, TrainConfig
-    from orlhf.plan import GIB, count_params, read_dims, role_memory
+    from orlhf.config.train_config import DeepSpeedConfig, TrainConfig
+    from orlhf.launch.plan import GIB, count_params, read_dims, role_memory
 
     cfg = dataclasses.replace(TrainConfig(), deepspeed=DeepSpeedConfig(bf16=bf16, zero_stage=zero_stage))
     return role_memory(cfg, "actor", count_params(read_dims(model_dir)), ranks, device="cuda").device_gib * GIB

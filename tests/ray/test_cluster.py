@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import ray.cloudpickle
-from orlhf.cluster import ActorGroup, RankError, shard, wait_calls
-from orlhf.endpoints import endpoint
-from orlhf.placement import RankBundle
+from orlhf.distributed.groups import ActorGroup, RankError, shard, wait_calls
+from orlhf.distributed.endpoints import endpoint
+from orlhf.distributed.placement import RankBundle
 from orlhf.types import SequenceBatch
 
 pytestmark = pytest.mark.ray

@@ -13,8 +13,8 @@ from ray._private import parameter  # noqa: E402
 from ray._private.node import Node  # noqa: E402
 from ray.util.placement_group import placement_group, remove_placement_group  # noqa: E402
 
-from orlhf.flags import build_config  # noqa: E402
-from orlhf.raystart import connect_ray  # noqa: E402
+from orlhf.config.flags import build_config  # noqa: E402
+from orlhf.distributed.ray_start import connect_ray  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -71,9 +71,9 @@ class Threads:
     def __init__(self):
         import sys
 
-        from orlhf.threads import threads_as_ray_set
+        from orlhf.cpu.threads import threads_as_ray_set
 
-        self.preloaded = "orlhf.preload" in sys.modules and "transformers.modeling_utils" in sys.modules
+        self.preloaded = "orlhf.cpu.preload" in sys.modules and "transformers.modeling_utils" in sys.modules
         threads_as_ray_set()  # as RankActor and EngineActor do first
 
     def report(self):
@@ -106,13 +106,13 @@ def test_a_cpu_runs_own_cluster_preloads_torch_and_actors_keep_the_threads_ray_g
 
 
 def test_preload_only_on_cpu_where_the_prestarted_workers_are_the_runs_own(monkeypatch):
-    from orlhf.raystart import worker_preload
+    from orlhf.distributed.ray_start import worker_preload
 
     monkeypatch.delenv("ORLHF_NO_PRELOAD", raising=False)
     monkeypatch.setattr("os.cpu_count", lambda: 2)
     cpu = build_config({"device": "cpu"}, explicit={"device"})
     assert worker_preload(cpu, num_cpus=4, processes=2) == {
-        "_system_config": {"preload_python_modules": ["orlhf.preload"]}}
+        "_system_config": {"preload_python_modules": ["orlhf.cpu.preload"]}}
     assert worker_preload(build_config({"device": "cuda"}, explicit={"device"}), num_cpus=4, processes=2) == {}
     monkeypatch.setattr("os.cpu_count", lambda: 16)  # 16 prestarted workers for 2 processes: 14 would load for nothing
     assert worker_preload(cpu, num_cpus=16, processes=2) == {}

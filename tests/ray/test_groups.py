@@ -9,11 +9,11 @@ import time
 import pytest
 import torch
 
-from orlhf.cluster import ActorGroup, RankError
-from orlhf.worker_config import RewardConfig, worker_config
-from orlhf.finish import finish_config
-from orlhf.layout import plan_layout
-from orlhf.placement import RankBundle, create_placement_groups, remove_placement_groups
+from orlhf.distributed.groups import ActorGroup, RankError
+from orlhf.config.worker_config import RewardConfig, worker_config
+from orlhf.config.resolve import finish_config
+from orlhf.distributed.layout import plan_layout
+from orlhf.distributed.placement import RankBundle, create_placement_groups, remove_placement_groups
 from orlhf.types import Experience, SequenceBatch
 from orlhf.workers import CriticWorker, PolicyWorker, RewardWorker
 from orlhf.workers.base import DeepSpeedWorker

@@ -17,11 +17,11 @@ ray = pytest.importorskip("ray")
 from ray.util import placement_group_table  # noqa: E402
 from ray.util.placement_group import placement_group, remove_placement_group  # noqa: E402
 
-from orlhf import layout as L  # noqa: E402
-from orlhf import placement as P  # noqa: E402
+from orlhf.distributed import layout as L  # noqa: E402
+from orlhf.distributed import placement as P  # noqa: E402
 from orlhf.cli import main  # noqa: E402
-from orlhf.flags import build_config  # noqa: E402
-from orlhf.finish import resolve_device  # noqa: E402
+from orlhf.config.flags import build_config  # noqa: E402
+from orlhf.config.resolve import resolve_device  # noqa: E402
 
 pytestmark = pytest.mark.ray
 NODE = {"num_cpus": 4, "num_gpus": 4, "include_dashboard": False}

@@ -18,12 +18,12 @@ import pytest
 import torch
 
 import ray.cloudpickle
-from orlhf.cluster import ActorGroup, RankError
-from orlhf.endpoints import endpoint
-from orlhf.finish import finish_config
-from orlhf.placement import RankBundle
+from orlhf.distributed.groups import ActorGroup, RankError
+from orlhf.distributed.endpoints import endpoint
+from orlhf.config.resolve import finish_config
+from orlhf.distributed.placement import RankBundle
 from orlhf.types import SequenceBatch
-from orlhf.worker_config import worker_config
+from orlhf.config.worker_config import worker_config
 from orlhf.workers import PolicyWorker, ReferenceWorker
 from orlhf.workers.base import DeepSpeedWorker
 
@@ -85,7 +85,7 @@ def test_a_guest_runs_in_the_hosts_processes_on_its_own_random_numbers(ray_local
     guest = host.host("ref", GuestProbe, None)
     try:
         assert guest.pids() == host.pids() and len(set(host.pids())) == 2
-        assert len(set(host.processes + guest.processes)) == 2  # what threads.py counts
+        assert len(set(host.processes + guest.processes)) == 2  # what cpu/threads.py counts
         host.call(Probe.seed, 0).get()
         guest.call(GuestProbe.seed, 1).get()  # would reset the host's generator in a shared RNG
         got_host, got_guest = [], []
@@ -101,7 +101,7 @@ def test_a_guest_runs_in_the_hosts_processes_on_its_own_random_numbers(ray_local
         assert len(host.call(Probe.draw).get()) == 2  # a failed call still passes the turn on
         with pytest.raises(ValueError, match="guest 'critic'"):
             host.host("critic", GuestProbe, None)
-        host.set_cpu_threads(2)  # per role in one process (threads.py): each call runs with its own role's count
+        host.set_cpu_threads(2)  # per role in one process (cpu/threads.py): each call runs with its own role's count
         guest.set_cpu_threads(1)
         for _ in range(3):
             calls = [host.call(Probe.threads), guest.call(GuestProbe.threads)]
@@ -156,7 +156,7 @@ def hosted_and_own(tmp_path_factory):
     ref_cfg = worker_config(cfg, "ref", 4)
     groups = {"actor": actor, "hosted": actor.host("ref", ReferenceWorker, ref_cfg),
               "own": ActorGroup("ref", ReferenceWorker, ref_cfg, TWO, device="cpu", gpus_per_node=2, timeout_s=300)}
-    for call in [g.call(DeepSpeedWorker.init) for g in groups.values()]:  # the actor's first, as entry.py does
+    for call in [g.call(DeepSpeedWorker.init) for g in groups.values()]:  # the actor's first, as launch/run.py does
         call.get()
     yield cfg, groups
     for g in groups.values():

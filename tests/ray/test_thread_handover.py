@@ -1,4 +1,4 @@
-"""CPU threads handed over per phase (orlhf/threads.py) on real Ray rank actors: the working call sees the count.
+"""CPU threads handed over per phase (orlhf/cpu/threads.py) on real Ray rank actors: the working call sees the count.
 
     2 rank actors (Ray: OMP_NUM_THREADS=1; Ray runs each actor's calls on a pool of threads)
       work() x 4, one after another   -> 1 torch thread, and all four on one thread per rank (the compute thread)
@@ -16,10 +16,10 @@ import pytest
 import torch
 
 import ray.cloudpickle
-from orlhf.cluster import ActorGroup
-from orlhf.endpoints import endpoint
-from orlhf.placement import RankBundle
-from orlhf.threads import PhaseThreads
+from orlhf.distributed.groups import ActorGroup
+from orlhf.distributed.endpoints import endpoint
+from orlhf.distributed.placement import RankBundle
+from orlhf.cpu.threads import PhaseThreads
 
 pytestmark = pytest.mark.ray
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])

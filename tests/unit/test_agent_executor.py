@@ -179,7 +179,7 @@ def test_the_demo_agent_loads_and_scores_colors():
 
     import orlhf
 
-    executor = load_agent_executor(str(Path(orlhf.__file__).with_name("demo_agent.py")))
+    executor = load_agent_executor(str(Path(orlhf.__file__).parent / "demo" / "agent.py"))
     agent = executor.agent_instance_cls()
     out = asyncio.run(agent.step({"action_text": " red blue cat", "label": "colors", "sampling_params": None}))
     assert abs(float(out["rewards"]) - (2 / 3) / 3) < 1e-6 and not out["done"]
@@ -214,8 +214,8 @@ def test_dynamic_filtering_keeps_groups_by_the_agents_scores_and_trains_on_their
     """OpenRLHF's split: the filter reads `scores`, PPO the summed `rewards`. Every group here has reward mean 0.5
     (inside the (0, 1) range): filtering on rewards would keep the first prompt, "solved", whose samples all
     score 1 and so teach nothing. On scores only the "mixed" prompt (scores 0 and 1) is kept."""
-    from orlhf.dynamic_filtering import DynamicFilter
-    from orlhf.scoring import Scorer
+    from orlhf.trainer.dynamic_filtering import DynamicFilter
+    from orlhf.trainer.scoring import Scorer
 
     path = tmp_path / "scored_agent.py"
     path.write_text(SCORED_AGENT)

@@ -13,7 +13,7 @@ from orlhf.algo.advantages import actions_first, compute_advantages
 from orlhf.algo.registry import ESTIMATORS
 from orlhf.algo.losses import policy_loss
 from orlhf.algo.rewards import group_baseline, shape_rewards
-from orlhf.experience import ExperienceConfig, make_experience, rollouts_to_batch
+from orlhf.trainer.experience import ExperienceConfig, make_experience, rollouts_to_batch
 from orlhf.rollout.executor import episode_to_rollout
 from orlhf.types import Rollout
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from orlhf.async_rollout import RolloutProducer
+from orlhf.trainer.async_producer import RolloutProducer
 
 
 @dataclass
@@ -80,10 +80,10 @@ def test_stopping_early_does_not_hang():
 def test_an_error_or_ctrl_c_mid_generation_stops_within_seconds(error, monkeypatch):
     """The trainer fails (or the user presses Ctrl-C) while the producer is inside a generation that would take
     10 minutes: leaving the producer returns within STOP_WAIT_S, not after the generation (was: up to 600 s)."""
-    import orlhf.async_rollout
+    import orlhf.trainer.async_producer
 
-    assert orlhf.async_rollout.STOP_WAIT_S <= 10  # seconds, as promised
-    monkeypatch.setattr(orlhf.async_rollout, "STOP_WAIT_S", 1.0)  # keep the test short
+    assert orlhf.trainer.async_producer.STOP_WAIT_S <= 10  # seconds, as promised
+    monkeypatch.setattr(orlhf.trainer.async_producer, "STOP_WAIT_S", 1.0)  # keep the test short
     STOP_WAIT_S = 1.0
 
     release = threading.Event()

@@ -1,9 +1,9 @@
-"""Padding removal (orlhf/batching.py): trimmed and packed batches give the same model outputs as padded ones."""
+"""Padding removal (orlhf/workers/batching.py): trimmed and packed batches give the same model outputs as padded ones."""
 
 import pytest
 import torch
 
-from orlhf.batching import pack, pad_actions, real_lengths, sort_by_length, trim
+from orlhf.workers.batching import pack, pad_actions, real_lengths, sort_by_length, trim
 from orlhf.types import Experience, SequenceBatch
 from orlhf.workers.policy import action_logits, gather_log_probs
 

@@ -1,4 +1,4 @@
-"""orlhf/checkpoint.py without DeepSpeed: atomic commit, what latest() accepts, rotation, the config check, and
+"""orlhf/storage/checkpoint.py without DeepSpeed: atomic commit, what latest() accepts, rotation, the config check, and
 the driver's state (with RNG) round trip through JSON + safetensors."""
 
 import dataclasses
@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from orlhf.checkpoint import (CheckpointManager, load_controller_state, read_meta, rng_state,
+from orlhf.storage.checkpoint import (CheckpointManager, load_controller_state, read_meta, rng_state,
                               save_controller_state, save_state, set_rng_state)
-from orlhf.checkpoint_format import CheckpointError, check_compatible
-from orlhf.fingerprint import config_fingerprint
-from orlhf.config import TrainConfig
+from orlhf.storage.checkpoint_format import CheckpointError, check_compatible
+from orlhf.config.fingerprint import config_fingerprint
+from orlhf.config.train_config import TrainConfig
 
 
 def _meta(cfg: TrainConfig | None = None) -> dict:
@@ -53,7 +53,7 @@ def test_latest_skips_unfinished_and_incomplete_folders(tmp_path, caplog):
     (tmp_path / "step_000040" / "meta.json").write_text("{not json")
     (tmp_path / "step_000050").mkdir()
     (tmp_path / "step_000050" / "meta.json").write_text(json.dumps({"step": 7}))  # describes another step
-    with caplog.at_level(logging.INFO, logger="orlhf.checkpoint"):
+    with caplog.at_level(logging.INFO, logger="orlhf.storage.checkpoint"):
         assert mgr.latest() == done
     log = caplog.text
     assert crashed.name in log and "unfinished" in log
@@ -150,7 +150,7 @@ TRAJECTORY = {"remote_rm_url": "http://h:1/r", "input_template": "Q: {}", "apply
 
 @pytest.mark.parametrize("flag,value", sorted(TRAJECTORY.items()))
 def test_every_trajectory_flag_is_fingerprinted(flag, value):
-    from orlhf.flags import flag_fields
+    from orlhf.config.flags import flag_fields
 
     base = TrainConfig()
     meta = {"format": 1, "fingerprint": json.loads(json.dumps(config_fingerprint(base)))}
@@ -162,8 +162,8 @@ def test_every_trajectory_flag_is_fingerprinted(flag, value):
 
 
 def test_every_flag_is_fingerprinted_or_argued_free():
-    from orlhf.flags import flag_fields
-    from orlhf.fingerprint import FREE_ON_RESUME
+    from orlhf.config.flags import flag_fields
+    from orlhf.config.fingerprint import FREE_ON_RESUME
 
     flags = {flag for _, flag, _, _ in flag_fields()}
     assert set(FREE_ON_RESUME) <= flags, set(FREE_ON_RESUME) - flags  # no stale names
@@ -218,8 +218,8 @@ def test_save_state_refuses_what_it_cannot_store_safely(tmp_path):
 def test_an_edited_reward_file_refuses_the_resume_naming_it(tmp_path):
     """The reward_func file's contents are part of the fingerprint (not only its path): the resume lookup
     (entry.find_checkpoint) takes the checkpoint while the file is unchanged, and refuses it once edited."""
-    from orlhf.flags import build_config
-    from orlhf.entry import find_checkpoint
+    from orlhf.config.flags import build_config
+    from orlhf.launch.run import find_checkpoint
 
     reward = tmp_path / "my_reward.py"
     reward.write_text("def reward_func(queries, prompts, labels):\n    return [1.0] * len(queries)\n")

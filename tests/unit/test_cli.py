@@ -52,7 +52,7 @@ def test_help_reads_at_80_columns(capsys, monkeypatch):
     assert code == 0
     assert "…" not in out
     assert max(len(line) for line in out.splitlines()) <= 80
-    from orlhf.flags import flag_fields
+    from orlhf.config.flags import flag_fields
 
     for _, flag, _, _ in flag_fields():
         assert f"--{flag} " in out, flag
@@ -177,7 +177,7 @@ def test_user_errors_name_real_exception_classes():
 
 
 def test_run_reporting_errors_prints_user_errors_and_raises_bugs(capsys):
-    from orlhf.checkpoint_format import CheckpointError
+    from orlhf.storage.checkpoint_format import CheckpointError
     from orlhf.cli import run_reporting_errors
 
     def fail(exc):
@@ -193,7 +193,7 @@ def test_run_reporting_errors_prints_user_errors_and_raises_bugs(capsys):
 
 
 def test_reporting_errors_imports_no_torch_before_the_run():
-    """The driver's main thread starts Ray inside the run; torch loads beside it (entry.py), not before it."""
+    """The driver's main thread starts Ray inside the run; torch loads beside it (launch/run.py), not before it."""
     code = ("import sys; from orlhf.cli import run_reporting_errors; "
             "print(run_reporting_errors(lambda cfg: int('torch' in sys.modules), None))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

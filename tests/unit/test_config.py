@@ -4,8 +4,8 @@ import dataclasses
 
 import pytest
 
-from orlhf.config import ConfigError, TrainConfig
-from orlhf.flags import DEMO_PRESET, build_config
+from orlhf.config.train_config import ConfigError, TrainConfig
+from orlhf.config.flags import DEMO_PRESET, build_config
 
 
 def build(**flags) -> TrainConfig:
@@ -91,8 +91,8 @@ def test_estimator_registry_drives_cli_choices_and_validation(monkeypatch):
     estimator with a critic) gets the group rules, the critic and its placement with no other edit."""
     from orlhf.algo import registry
     from orlhf.cli import main
-    from orlhf.flags import flag_fields
-    from orlhf.roles import active_roles, trained_roles
+    from orlhf.config.flags import flag_fields
+    from orlhf.config.roles import active_roles, trained_roles
 
     choices = next(f.metadata["choices"] for _, name, f, _ in flag_fields() if name == "advantage_estimator")
     assert choices == tuple(registry.ESTIMATORS)
@@ -241,7 +241,7 @@ def test_cpu_device_rules():
 
 
 def test_padding_and_thread_flags_reach_the_workers_and_engines():
-    from orlhf.worker_config import worker_config
+    from orlhf.config.worker_config import worker_config
     from orlhf.rollout.engine import engine_config
 
     from dataclasses import replace
@@ -324,7 +324,7 @@ def test_prompt_mix_and_value_head_flags(model_dir, prompts, reward_py, tmp_path
 
 
 def test_value_head_flags_reach_the_reward_and_critic_workers(model_dir, prompts):
-    from orlhf.worker_config import worker_config
+    from orlhf.config.worker_config import worker_config
 
     cfg = build(pretrain=model_dir, reward_pretrain=model_dir, prompt_data=prompts, value_head_prefix="value_head",
                 normalize_reward=True, device="cpu")
@@ -338,9 +338,9 @@ def test_value_head_flags_reach_the_reward_and_critic_workers(model_dir, prompts
 def _actor(cfg):
     from dataclasses import replace
 
-    from orlhf.worker_config import worker_config
+    from orlhf.config.worker_config import worker_config
 
-    from orlhf.finish import resolve_device
+    from orlhf.config.resolve import resolve_device
 
     return worker_config(resolve_device(replace(cfg, data=replace(cfg.data, pretrain="model")), "cpu"), "actor")
 
@@ -362,7 +362,7 @@ def test_loss_flags_reach_the_actor_slice():
 
 
 def test_config_choices_match_the_algo_registries():
-    from orlhf import config
+    from orlhf.config import train_config as config
     from orlhf.algo import losses
 
     assert config.LOSS_AGG_MODES == losses.LOSS_AGG_MODES
@@ -490,7 +490,7 @@ def test_dynamic_batch_and_freezing_rules():
 
 
 def test_dynamic_batch_budgets_reach_the_workers():
-    from orlhf.worker_config import worker_config
+    from orlhf.config.worker_config import worker_config
 
     def of(role, **flags):
         cfg = build(device="cpu", **flags)
@@ -512,15 +512,15 @@ def test_device_auto_without_gpu_device_files_is_cpu_without_torch(monkeypatch):
     import subprocess
     import sys
 
-    from orlhf import finish
-    from orlhf.flags import parse_config
+    from orlhf.config import resolve as finish
+    from orlhf.config.flags import parse_config
 
     cfg = parse_config({"device": "auto"})
     if finish.no_gpu_device_files():
         import torch
 
         assert not torch.cuda.is_available()  # what the shortcut stands for, on this machine
-        code = ("import sys; from orlhf.finish import resolve_device; from orlhf.flags import parse_config; "
+        code = ("import sys; from orlhf.config.resolve import resolve_device; from orlhf.config.flags import parse_config; "
                 "print(resolve_device(parse_config({'device': 'auto'})).device, 'torch' in sys.modules)")
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
         assert out.stdout.split() == ["cpu", "False"]

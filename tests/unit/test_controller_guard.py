@@ -6,9 +6,9 @@ guard's statistic on real engines is tests/vllm/test_model_families.py)."""
 import torch
 
 from orlhf.cli import run_reporting_errors
-from orlhf.flags import build_config
-from orlhf.controller import Controller, Models
-from orlhf.rewards import RewardResult
+from orlhf.config.flags import build_config
+from orlhf.trainer.controller import Controller, Models
+from orlhf.inputs.rewards import RewardResult
 from orlhf.types import Rollout, TrainStats
 
 ENGINE_LP, ACTOR_LP = -1.0, -1.5  # per token: a gap of 0.5, the size of a sync that missed the head
@@ -108,7 +108,7 @@ def test_the_run_stops_before_training_on_another_policys_samples(tmp_path, caps
 def test_single_pass_stops_before_the_update_reaches_the_engines(tmp_path):
     import pytest
 
-    from orlhf.sync_guard import EngineMismatchError
+    from orlhf.trainer.sync_guard import EngineMismatchError
 
     cfg, ctl, log = make(tmp_path, rollout_batch_size=2, train_batch_size=2, micro_train_batch_size=1, init_kl_coef=0.0,
                          advantage_estimator="reinforce")

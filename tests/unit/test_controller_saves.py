@@ -3,9 +3,9 @@ the real groups are exercised by tests/e2e/test_resume.py): DeepSpeed's save_che
 collectives on the actor ranks, so they must never be in flight together; --stop_after_steps saves at the stop."""
 
 
-from orlhf.checkpoint import CheckpointManager
-from orlhf.flags import build_config
-from orlhf.controller import Controller, Models
+from orlhf.storage.checkpoint import CheckpointManager
+from orlhf.config.flags import build_config
+from orlhf.trainer.controller import Controller, Models
 
 
 class Call:
@@ -23,7 +23,7 @@ class RecordingGroup:
         self.name, self.log, self.world_size, self.in_flight = name, log, world_size, []
 
     def call(self, method, path):
-        method = method.__name__  # a method reference (orlhf/endpoints.py)
+        method = method.__name__  # a method reference (orlhf/distributed/endpoints.py)
         self.log.append((self.name, method, tuple(self.in_flight)))
         self.in_flight.append(method)
         from pathlib import Path
@@ -108,7 +108,7 @@ def test_dynamic_filtering_saves_at_the_stop(tmp_path):
 
 
 def test_the_best_eval_checkpoint_records_the_run_id(tmp_path):
-    """entry.py builds the best-eval manager from the rotation's (CheckpointManager.best): same run id, also the
+    """launch/run.py builds the best-eval manager from the rotation's (CheckpointManager.best): same run id, also the
     one a resume took over from its checkpoint, into <ckpt_path>/best, one kept."""
     import json
 

@@ -1,10 +1,10 @@
-"""The CPU engines' KV cache size (orlhf/rollout/cpu_kv.py): automatic, user-given, refused."""
+"""The CPU engines' KV cache size (orlhf/cpu/engine_kv.py): automatic, user-given, refused."""
 
 import json
 
 import pytest
 
-from orlhf.rollout.cpu_kv import BLOCK_TOKENS, MAX_NUM_SEQS, kv_bytes_per_token, kv_cache_bytes
+from orlhf.cpu.engine_kv import BLOCK_TOKENS, MAX_NUM_SEQS, kv_bytes_per_token, kv_cache_bytes
 
 GIB = 2**30
 

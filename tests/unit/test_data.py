@@ -7,8 +7,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 
-from orlhf.data import DataError, Prompt, PromptLoader, build_prompts, load_prompt_rows, load_tokenizer
-from orlhf.demo import ensure_demo
+from orlhf.inputs.prompts import DataError, Prompt, PromptLoader, build_prompts, load_prompt_rows, load_tokenizer
+from orlhf.demo.builder import ensure_demo
 
 ROWS = [{"q": f"say colors: red {i}", "a": f"label{i}"} for i in range(5)]
 
@@ -182,7 +182,7 @@ def test_too_long_prompts_skip_or_keep_their_end(tok):
 
 
 def test_truncation_keeps_a_leading_bos(tok):
-    from orlhf.data import _keep_end
+    from orlhf.inputs.prompts import _keep_end
 
     assert _keep_end([0, 5, 6, 7, 8], 3, bos_id=0) == [0, 7, 8]
     assert _keep_end([9, 5, 6, 7, 8], 3, bos_id=0) == [6, 7, 8]

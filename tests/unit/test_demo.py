@@ -14,8 +14,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may come from the hub; s
 import pytest
 import torch
 
-from orlhf.demo import DEMO_VERSION, DemoPaths, default_cache_dir, ensure_demo, make_demo
-from orlhf.demo_reward import reward_func
+from orlhf.demo.builder import DEMO_VERSION, DemoPaths, default_cache_dir, ensure_demo, make_demo
+from orlhf.demo.reward import reward_func
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +41,8 @@ def test_make_demo_writes_the_layout(demo):
     for f in ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"]:
         assert (demo.model / f).is_file(), f
     assert demo.prompts.is_file() and demo.reward_fn.is_file()
-    assert demo.reward_fn.read_text() == (Path(__file__).parents[2] / "orlhf" / "demo_reward.py").read_text()
-    assert demo.agent_fn.read_text() == (Path(__file__).parents[2] / "orlhf" / "demo_agent.py").read_text()
+    assert demo.reward_fn.read_text() == (Path(__file__).parents[2] / "orlhf" / "demo/reward.py").read_text()
+    assert demo.agent_fn.read_text() == (Path(__file__).parents[2] / "orlhf" / "demo/agent.py").read_text()
 
 
 def test_model_forward_gives_vocab_logits(model, tokenizer):

@@ -14,7 +14,7 @@ import json, os, sys
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
                   DS_ACCELERATOR="cpu")
 import torch
-from orlhf.workers import ds_muon
+from orlhf.cpu import ds_import as ds_muon
 from orlhf.workers.engine_setup import init_distributed
 if sys.argv[1] == "plain":
     ds_muon.CHECKED_VERSIONS = ()  # as on an unchecked DeepSpeed: the module loads as DeepSpeed imports it
@@ -58,7 +58,7 @@ def test_uncompiled_muon_leaves_a_zero2_step_unchanged_and_skips_inductor():
     pytest.importorskip("deepspeed")
     from importlib.metadata import version
 
-    from orlhf.workers.ds_muon import CHECKED_VERSIONS
+    from orlhf.cpu.ds_import import CHECKED_VERSIONS
 
     if version("deepspeed") not in CHECKED_VERSIONS:
         pytest.skip("ds_muon applies to the checked DeepSpeed versions only")
@@ -70,7 +70,7 @@ def test_uncompiled_muon_leaves_a_zero2_step_unchanged_and_skips_inductor():
 
 
 def test_other_deepspeed_versions_and_loaded_modules_are_left_alone(monkeypatch):
-    from orlhf.workers import ds_muon
+    from orlhf.cpu import ds_import as ds_muon
 
     monkeypatch.setattr(ds_muon, "CHECKED_VERSIONS", ())
     assert ds_muon.load_muon_uncompiled() is False

@@ -1,9 +1,9 @@
-"""Typed remote calls (orlhf/endpoints.py): a group accepts only an exported method of its own worker class,
+"""Typed remote calls (orlhf/distributed/endpoints.py): a group accepts only an exported method of its own worker class,
 and says so before anything is sent. The real groups' calls run in tests/ray and tests/vllm."""
 
 import pytest
 
-from orlhf.endpoints import check_exports, endpoint, exports, method_name
+from orlhf.distributed.endpoints import check_exports, endpoint, exports, method_name
 from orlhf.rollout.engine import ROLE, EngineActor
 from orlhf.rollout.worker_ext import WeightSyncExtension
 from orlhf.workers import CriticWorker, PolicyWorker, ReferenceWorker
@@ -71,7 +71,7 @@ def test_a_group_of_a_class_that_exports_nothing_or_a_name_twice_is_refused_at_b
 
 def test_the_groups_refuse_a_bad_reference_before_sending_anything():
     """The real group classes, without Ray: the check runs before any actor handle is touched."""
-    from orlhf.cluster import ActorGroup
+    from orlhf.distributed.groups import ActorGroup
     from orlhf.rollout.engine import EngineGroup
 
     group = object.__new__(ActorGroup)

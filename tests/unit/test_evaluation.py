@@ -2,7 +2,7 @@
 
 import torch
 
-from orlhf.evaluation import Evaluator, eval_metrics, metric_name
+from orlhf.trainer.evaluation import Evaluator, eval_metrics, metric_name
 
 
 def test_metrics_of_binary_scores():

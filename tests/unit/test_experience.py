@@ -4,8 +4,8 @@ pass). Each must leave the Experience the actor trains on as it was with the for
 import pytest
 import torch
 
-from orlhf.step_stats import engine_gap, mean_stats
-from orlhf.experience import ExperienceConfig, make_experience
+from orlhf.trainer.step_stats import engine_gap, mean_stats
+from orlhf.trainer.experience import ExperienceConfig, make_experience
 from orlhf.types import SequenceBatch, TrainStats
 
 B, P, A = 4, 3, 5

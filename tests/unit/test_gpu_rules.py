@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from orlhf.config import ConfigError
-from orlhf.flags import build_config
-from orlhf.finish import resolve_device
-from orlhf.worker_config import worker_config
+from orlhf.config.train_config import ConfigError
+from orlhf.config.flags import build_config
+from orlhf.config.resolve import resolve_device
+from orlhf.config.worker_config import worker_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -62,7 +62,7 @@ def test_flash_attn_needs_an_importable_flash_attn(monkeypatch):
 
 
 def test_gpu_memory_utilization_defaults_by_placement_and_keeps_explicit_values():
-    from orlhf.config import engine_gpu_memory_utilization
+    from orlhf.config.train_config import engine_gpu_memory_utilization
 
     assert engine_gpu_memory_utilization(build()) == 0.9
     colocated = dict(colocate_all_models=True)
@@ -106,7 +106,7 @@ def test_engine_env_names_are_the_ones_vllm_reads():
 
 
 def test_colocated_start_order_is_engines_then_sleep_then_trainers():
-    from orlhf.bringup import start_plan
+    from orlhf.launch.bringup import start_plan
 
     hybrid = build(colocate_all_models=True, vllm_enable_sleep=True, deepspeed_enable_sleep=True)
     assert start_plan(resolve_device(hybrid, "cuda")) == ("start_engines", "wait_engines", "sleep_engines", "start_models")
@@ -121,7 +121,7 @@ class _Recorder:
         self.log = log
 
     def call(self, method, *args):
-        self.log.append((method.__name__, *args))  # a method reference (orlhf/endpoints.py)
+        self.log.append((method.__name__, *args))  # a method reference (orlhf/distributed/endpoints.py)
         return self
 
     def get(self):
@@ -131,7 +131,7 @@ class _Recorder:
 def test_sleep_switch_first_generation_wakes_the_weights_put_to_sleep_at_start():
     from types import SimpleNamespace
 
-    from orlhf.sleep import SleepSwitch
+    from orlhf.trainer.hybrid_memory import SleepSwitch
 
     log: list = []
     cfg = build(device="cuda", colocate_all_models=True, vllm_enable_sleep=True)

@@ -18,11 +18,11 @@ def test_baseline_and_controller_import_without_ray_or_vllm():
     code = ("import sys; sys.modules['ray'] = None; sys.modules['vllm'] = None; "
             "sys.argv = ['x']; import runpy; "
             "g = runpy.run_path('benchmarks/hybrid_engine_baseline.py', run_name='not_main'); "
-            "import orlhf.controller, hybrid_worker; print(g['Controller'].__module__)")
+            "import orlhf.trainer.controller, hybrid_worker; print(g['Controller'].__module__)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'benchmarks'}"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip().endswith("orlhf.controller")
+    assert proc.stdout.strip().endswith("orlhf.trainer.controller")
 
 
 def test_rollouts_are_cut_at_each_prompts_limit_then_after_eos():

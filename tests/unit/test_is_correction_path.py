@@ -11,12 +11,12 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from orlhf.algo.losses import LossNorm
-from orlhf.batching import trim
-from orlhf.flags import build_config
-from orlhf.experience import ExperienceConfig, make_experience, rollouts_to_batch
-from orlhf.finish import resolve_device
+from orlhf.workers.batching import trim
+from orlhf.config.flags import build_config
+from orlhf.trainer.experience import ExperienceConfig, make_experience, rollouts_to_batch
+from orlhf.config.resolve import resolve_device
 from orlhf.types import Rollout
-from orlhf.worker_config import worker_config
+from orlhf.config.worker_config import worker_config
 from orlhf.workers.policy import PolicyWorker, action_logits, gather_log_probs
 
 FLAGS = {"advantage_estimator": "group_norm", "n_samples_per_prompt": 2, "enable_vllm_is_correction": True,

@@ -1,4 +1,4 @@
-"""Terminal vs log files (orlhf/logs.py): what a person sees, and that nothing is lost."""
+"""Terminal vs log files (orlhf/storage/logs.py): what a person sees, and that nothing is lost."""
 
 import io
 import logging
@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 
-from orlhf.logs import LOG_DIR_ENV, setup_driver, tail
+from orlhf.storage.logs import LOG_DIR_ENV, setup_driver, tail
 
 
 @pytest.fixture
@@ -42,9 +42,9 @@ def test_library_chatter_goes_to_the_file_orlhf_lines_to_the_terminal(tmp_path, 
     ray_logger.addHandler(own)
     ray_logger.propagate = False
     run = setup_driver(str(tmp_path), stream=term)
-    run.route_transformers()  # as the driver does where it first imports transformers (entry.py)
+    run.route_transformers()  # as the driver does where it first imports transformers (launch/run.py)
     assert own not in ray_logger.handlers and ray_logger.propagate
-    logging.getLogger("orlhf.entry").info("3 model group(s) ready")
+    logging.getLogger("orlhf.launch.run").info("3 model group(s) ready")
     logging.getLogger("vllm.engine").warning("RotaryEmbedding: Failed to load weights")
     logging.getLogger("ray").info("Started a local Ray instance.")
     logging.getLogger("ray._private.authentication").warning("Token authentication is enabled")
@@ -60,7 +60,7 @@ def test_library_chatter_goes_to_the_file_orlhf_lines_to_the_terminal(tmp_path, 
         warnings.simplefilter("always")
         warnings.warn("torch.cuda.amp is deprecated", FutureWarning)
     for _ in range(5):
-        logging.getLogger("orlhf.controller").warning("reward is constant")
+        logging.getLogger("orlhf.trainer.controller").warning("reward is constant")
     run.close()
     shown = term.getvalue().splitlines()
     assert shown[0] == "[orlhf] 3 model group(s) ready"
@@ -87,7 +87,7 @@ def test_verbose_keeps_everything_on_the_terminal(tmp_path, restore_logging):
 
 def test_a_worker_process_output_lands_in_its_file(tmp_path):
     """C-level and Python output alike (fd 1 and 2 are redirected), as in a rank actor."""
-    code = ("import os, sys; from orlhf.logs import redirect_output; redirect_output('actor-0'); "
+    code = ("import os, sys; from orlhf.storage.logs import redirect_output; redirect_output('actor-0'); "
             "print('from python'); sys.stdout.flush(); os.write(2, b'from C stderr\\n')")
     env = {**os.environ, LOG_DIR_ENV: str(tmp_path)}
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
@@ -100,7 +100,7 @@ def test_a_worker_process_output_lands_in_its_file(tmp_path):
 def test_setup_driver_leaves_transformers_unimported(tmp_path):
     """The driver's main thread starts Ray right after setup_driver; importing transformers there (to route its
     logger) cost ~1.5 CPU-s before Ray's start. route_transformers does it where the driver imports it."""
-    code = ("import sys; from orlhf.logs import setup_driver; run = setup_driver(sys.argv[1]); "
+    code = ("import sys; from orlhf.storage.logs import setup_driver; run = setup_driver(sys.argv[1]); "
             "print('transformers' in sys.modules, 'torch' in sys.modules); run.route_transformers(); "
             "import transformers.utils.logging as h; print(h.get_logger().propagate, "
             "h.get_logger().handlers == [])")

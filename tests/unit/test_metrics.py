@@ -2,7 +2,7 @@
 
 import json
 
-from orlhf.metrics import MetricsLogger, read_metrics
+from orlhf.storage.metrics import MetricsLogger, read_metrics
 
 
 def test_jsonl_png_wandb_offline_and_tensorboard(tmp_path, monkeypatch):
@@ -52,7 +52,7 @@ def test_a_torn_metrics_file_still_plots_and_a_plot_failure_is_not_raised(tmp_pa
     m = MetricsLogger(str(tmp_path), resume=True)
     png = m.close()
     assert png is not None and png.stat().st_size > 1000
-    import orlhf.metrics as metrics_mod
+    import orlhf.storage.metrics as metrics_mod
 
     def broken(*_a, **_k):
         raise OSError("No space left on device")
@@ -99,8 +99,8 @@ def test_the_wandb_key_never_reaches_wandb_files(tmp_path, monkeypatch):
     """--use_wandb KEY: the key is neither in the config W&B stores nor in its copy of the command line."""
     import sys
 
-    from orlhf.flags import build_config
-    from orlhf.redact import public_config
+    from orlhf.config.flags import build_config
+    from orlhf.config.redact import public_config
 
     key = "0123456789abcdef0123456789abcdef01234567"
     monkeypatch.setenv("WANDB_MODE", "offline")

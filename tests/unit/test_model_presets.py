@@ -31,7 +31,7 @@ def test_medium_is_about_20M_and_the_presets_grow():
 def test_a_preset_is_built_once_with_the_demo_tokenizer(tmp_path, monkeypatch):
     from transformers import AutoTokenizer
 
-    from orlhf.demo import ensure_demo
+    from orlhf.demo.builder import ensure_demo
 
     monkeypatch.setattr(mp, "bench_cache", lambda: tmp_path)
     path = mp.preset_model("small")

@@ -3,9 +3,9 @@
 import pytest
 
 
-from orlhf import flags as F
+from orlhf.config import flags as F
 from orlhf.cli import main, native_arity
-from orlhf.openrlhf_flags import (ALIASES, DOTTED, NO_EFFECT, OPENRLHF_V0101_FLAGS, UNSUPPORTED, CompatError,
+from orlhf.config.openrlhf import (ALIASES, DOTTED, NO_EFFECT, OPENRLHF_V0101_FLAGS, UNSUPPORTED, CompatError,
                                   translate)
 
 # Flags other branches add (issues 14, 15, 17); skipped here until those branches merge, then this set is emptied.
@@ -75,9 +75,9 @@ def run(argv, capsys):
 def test_a_launch_line_with_every_flag_parses(capsys, no_training, dashed, monkeypatch):
     """Every flag is accepted and reaches the config. Cross-flag rules are off here: no single line can hold all
     144 validly (--async_train excludes --colocate_all_models, in OpenRLHF too); test_config.py covers them."""
-    import orlhf.validation
+    import orlhf.config.validation
 
-    monkeypatch.setattr(orlhf.validation, "validate", lambda cfg, explicit=(): None)
+    monkeypatch.setattr(orlhf.config.validation, "validate", lambda cfg, explicit=(): None)
     argv = launch_line()
     assert len({t for t in argv if t.startswith("--")}) == 144 - len(
         [f for f, s in UNSUPPORTED.items() if s.nargs == 0 or s.default is None]) - 3  # the VALUES None ones

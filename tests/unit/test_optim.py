@@ -3,7 +3,7 @@
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from orlhf.worker_config import role_config
+from orlhf.config.worker_config import role_config
 from orlhf.workers.base import DeepSpeedWorker
 from orlhf.workers.optim import decay_groups
 

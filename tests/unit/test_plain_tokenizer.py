@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from orlhf.data import PLAIN_TOKENIZER_TYPES, _plain_tokenizer, load_tokenizer
-from orlhf.demo import ensure_demo
+from orlhf.inputs.prompts import PLAIN_TOKENIZER_TYPES, _plain_tokenizer, load_tokenizer
+from orlhf.demo.builder import ensure_demo
 
 
 def demo_copy(tmp_path, **config_changes):
@@ -61,7 +61,7 @@ def test_anything_else_goes_through_autotokenizer(tmp_path, change):
 
 
 def test_the_driver_does_not_import_autotokenizers_module():
-    code = ("import sys; from orlhf.data import load_tokenizer; load_tokenizer(sys.argv[1]); "
+    code = ("import sys; from orlhf.inputs.prompts import load_tokenizer; load_tokenizer(sys.argv[1]); "
             "print('transformers.models.auto.tokenization_auto' in sys.modules, 'sympy' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code, str(ensure_demo().model)], capture_output=True, text=True,
                          check=True).stdout.split()

@@ -6,11 +6,11 @@ from collections import defaultdict
 import pytest
 
 from orlhf.cli import main
-from orlhf.flags import build_config
-from orlhf.finish import resolve_device
-from orlhf.layout import (PlacementError, Slot, check_fits, cpu_slots_needed, described_nodes, plan_layout,
+from orlhf.config.flags import build_config
+from orlhf.config.resolve import resolve_device
+from orlhf.distributed.layout import (PlacementError, Slot, check_fits, cpu_slots_needed, described_nodes, plan_layout,
                           simulate)
-from orlhf.plan import GIB, ModelDims, count_params, device_peak, read_dims, role_memory
+from orlhf.launch.plan import GIB, ModelDims, count_params, device_peak, read_dims, role_memory
 
 # Llama-3-70B's shape (hand count below).
 CONFIG_70B = {"architectures": ["LlamaForCausalLM"], "hidden_size": 8192, "num_hidden_layers": 80,
@@ -154,7 +154,7 @@ def test_cpu_reference_runs_in_the_actors_processes_without_bundles():
 
 
 def test_cpu_one_rank_critic_runs_in_the_actors_process_beside_it(tmp_path):
-    from orlhf.roles import has_dropout, runs_beside
+    from orlhf.config.roles import has_dropout, runs_beside
 
     layout = layout_of(cfg_of(), "cpu")  # the demo's GAE: actor + hosted ref + critic, one rank each
     assert layout.guests == {"ref": "actor", "critic": "actor"}

@@ -7,9 +7,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 
-from orlhf.flags import build_config
-from orlhf.data import DataError
-from orlhf.prompt_mix import interleave_order, load_prompt_mix, parse_probs, split_sources
+from orlhf.config.flags import build_config
+from orlhf.inputs.prompts import DataError
+from orlhf.inputs.prompt_mix import interleave_order, load_prompt_mix, parse_probs, split_sources
 
 
 def write_jsonl(path, name, n):
@@ -51,7 +51,7 @@ def test_interleave_order_equals_datasets_interleave(tmp_path):
 
 
 def test_without_probs_sources_are_concatenated_and_one_source_is_unchanged(tmp_path):
-    from orlhf.data import load_prompt_rows
+    from orlhf.inputs.prompts import load_prompt_rows
 
     a, b = write_jsonl(tmp_path / "a.jsonl", "a", 3), write_jsonl(tmp_path / "b.jsonl", "b", 2)
     assert [r["q"] for r in mix(f"{a}, {b}")] == ["a 0", "a 1", "a 2", "b 0", "b 1"]
@@ -100,10 +100,10 @@ def test_probs_errors_name_the_flag():
 def test_start_up_line_says_prompts_once_and_the_mix_reaches_the_prompts(tmp_path, caplog):
     import logging
 
-    from orlhf.data import load_tokenizer
-    from orlhf.demo import ensure_demo
-    from orlhf.entry import load_prompts
-    from orlhf.finish import resolve_demo
+    from orlhf.inputs.prompts import load_tokenizer
+    from orlhf.demo.builder import ensure_demo
+    from orlhf.launch.run import load_prompts
+    from orlhf.config.resolve import resolve_demo
 
     a, b = write_jsonl(tmp_path / "a.jsonl", "a", 40), write_jsonl(tmp_path / "b.jsonl", "b", 40)
     flags = {"prompt_data": f"{a},{b}", "prompt_data_probs": "0.25,0.75", "input_key": "q", "label_key": None,

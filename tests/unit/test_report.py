@@ -5,7 +5,7 @@ import json
 import pytest
 
 from orlhf.cli import main
-from orlhf.report import PANELS, write_report
+from orlhf.storage.report import PANELS, write_report
 
 
 def write_metrics(folder, steps=12, **drop):

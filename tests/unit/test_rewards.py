@@ -11,8 +11,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from orlhf.demo import ensure_demo
-from orlhf.rewards import (FunctionReward, HttpReward, RewardBusy, RewardError, RewardSource, make_reward_source,
+from orlhf.demo.builder import ensure_demo
+from orlhf.inputs.rewards import (FunctionReward, HttpReward, RewardBusy, RewardError, RewardSource, make_reward_source,
                            to_rewards)
 
 QUERIES = ["say colors: red blue", "say colors: cat dog"]
@@ -293,8 +293,8 @@ def test_reward_query_is_the_prompt_text_plus_the_decoded_response():
     skip_special_tokens dropped them, so queries[i] no longer started with prompts[i] (issue 16)."""
     from types import SimpleNamespace
 
-    from orlhf.scoring import reward_inputs
-    from orlhf.data import load_tokenizer
+    from orlhf.trainer.scoring import reward_inputs
+    from orlhf.inputs.prompts import load_tokenizer
 
     tok = load_tokenizer(str(ensure_demo().model))
     text = f"{tok.bos_token}user: say colors:\nassistant:"

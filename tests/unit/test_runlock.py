@@ -1,6 +1,6 @@
-"""One run per folder (orlhf/runlock.py) with real processes: a second `orlhf train-ppo` on a held folder exits at
+"""One run per folder (orlhf/storage/runlock.py) with real processes: a second `orlhf train-ppo` on a held folder exits at
 once naming the holder's pid; a kill -9 frees the lock; temp folders are removed only once their writer is gone;
-the final export (orlhf/export.py) survives a kill mid-write."""
+the final export (orlhf/launch/export.py) survives a kill mid-write."""
 
 import json
 import os
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from orlhf.checkpoint import CheckpointManager
-from orlhf.export import export_actor
-from orlhf.runlock import FolderLock, RunLockError, hold_folders, owner_gone, write_owner
+from orlhf.storage.checkpoint import CheckpointManager
+from orlhf.launch.export import export_actor
+from orlhf.storage.runlock import FolderLock, RunLockError, hold_folders, owner_gone, write_owner
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -34,7 +34,7 @@ def wait_ready(proc: subprocess.Popen) -> None:
 def hold(save: Path, ckpt: Path) -> subprocess.Popen:
     proc = spawn(f"""
         import time
-        from orlhf.runlock import hold_folders
+        from orlhf.storage.runlock import hold_folders
         with hold_folders({str(save)!r}, {str(ckpt)!r}, "firstrun0001"):
             print("ready", flush=True)
             time.sleep(600)
@@ -131,7 +131,7 @@ def test_export_swaps_in_the_new_model_and_a_kill_mid_export_keeps_the_old_one(t
     victim = spawn(f"""
         import time
         from pathlib import Path
-        from orlhf.export import export_actor
+        from orlhf.launch.export import export_actor
 
         class Slow:
             def call(self, method, out):
@@ -186,8 +186,8 @@ def test_save_value_network_exports_the_critic_atomically(tmp_path):
     """--save_value_network goes through the actor's atomic export: a failure mid-write keeps the previous critic."""
     from types import SimpleNamespace
 
-    from orlhf.flags import build_config
-    from orlhf.entry import finish_run
+    from orlhf.config.flags import build_config
+    from orlhf.launch.run import finish_run
 
     cfg = build_config({"save_path": str(tmp_path), "save_value_network": True}, {"save_value_network"})
     metrics = SimpleNamespace(plot=lambda: None, path=tmp_path / "metrics.jsonl")

@@ -1,5 +1,5 @@
 """Async mode starts the frozen models' forwards (reference, reward model) as soon as a batch is generated
-(Scorer.ahead in orlhf/scoring.py), while the trainers still work on the batch before; learn() then takes those results
+(Scorer.ahead in orlhf/trainer/scoring.py), while the trainers still work on the batch before; learn() then takes those results
 instead of calling again. Stand-ins for the groups and engines: what is checked is the loop's call order and that
 the step's result is the same either way (the real async run: tests/e2e/test_agent.py, tests/e2e/test_train_ppo.py)."""
 
@@ -8,9 +8,9 @@ import time
 
 import torch
 
-from orlhf.controller import Controller, Models
-from orlhf.flags import build_config
-from orlhf.rewards import RewardResult
+from orlhf.trainer.controller import Controller, Models
+from orlhf.config.flags import build_config
+from orlhf.inputs.rewards import RewardResult
 from orlhf.types import Rollout, TrainStats
 from tests.unit.test_controller_guard import Done  # a finished call's stand-in
 

@@ -5,9 +5,9 @@ import threading
 import pytest
 import requests
 
-from orlhf.demo import ensure_demo
-from orlhf.rewards import HttpReward, RewardError
-from orlhf.serve_rm import make_server
+from orlhf.demo.builder import ensure_demo
+from orlhf.inputs.rewards import HttpReward, RewardError
+from orlhf.inputs.reward_server import make_server
 
 
 @pytest.fixture

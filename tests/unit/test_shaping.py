@@ -5,8 +5,8 @@ import torch
 
 from orlhf.algo.advantages import compute_advantages, whiten
 from orlhf.algo.rewards import keep_groups, overlong_penalty, stop_properly_penalty
-from orlhf.dynamic_filtering import DynamicFilter
-from orlhf.rewards import RewardResult
+from orlhf.trainer.dynamic_filtering import DynamicFilter
+from orlhf.inputs.rewards import RewardResult
 from orlhf.types import Rollout
 from orlhf.workers.engine_setup import lr_factor
 

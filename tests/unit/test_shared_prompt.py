@@ -8,7 +8,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
-from orlhf.batching import sort_by_length
+from orlhf.workers.batching import sort_by_length
 from orlhf.types import SequenceBatch
 from orlhf.workers.policy import action_logits, model_logits
 from orlhf.workers.shared_prompt import prompt_groups, prompt_major_order, same_as_plain

@@ -6,14 +6,14 @@ from contextlib import ExitStack
 
 import pytest
 
-from orlhf.bringup import _spawn_concurrently
-from orlhf.startup import StartupClock, process_start_time
+from orlhf.launch.bringup import _spawn_concurrently
+from orlhf.launch.startup_clock import StartupClock, process_start_time
 
 
 def test_phases_are_the_gaps_between_marks_and_add_up(tmp_path, monkeypatch):
     clock = StartupClock(start=100.0)
     for name, t in (("imports", 102.0), ("ray", 109.5), ("groups", 115.0), ("ray", 115.5)):
-        monkeypatch.setattr("orlhf.startup.time.time", lambda t=t: t)
+        monkeypatch.setattr("orlhf.launch.startup_clock.time.time", lambda t=t: t)
         clock.mark(name)
     # imports 100 -> 102, ray 102 -> 109.5 and again 115 -> 115.5, groups 109.5 -> 115
     assert clock.phases() == {"imports": 2.0, "ray": 8.0, "groups": 5.5}

@@ -1,12 +1,12 @@
-"""The sync guard's decision (orlhf/sync_guard.py): threshold by dtype, off switch, when it does not judge."""
+"""The sync guard's decision (orlhf/trainer/sync_guard.py): threshold by dtype, off switch, when it does not judge."""
 
 import logging
 
 import pytest
 
-from orlhf.flags import build_config
-from orlhf.finish import resolve_device
-from orlhf.sync_guard import DEFAULT_MAX_GAP, EngineMismatchError, SyncGuard, max_gap
+from orlhf.config.flags import build_config
+from orlhf.config.resolve import resolve_device
+from orlhf.trainer.sync_guard import DEFAULT_MAX_GAP, EngineMismatchError, SyncGuard, max_gap
 
 
 def test_threshold_defaults_by_dtype_and_flag_wins():
@@ -19,7 +19,7 @@ def test_threshold_defaults_by_dtype_and_flag_wins():
 
 
 def test_bf16_default_between_healthy_and_broken_bf16_syncs():
-    # Measured (sync_guard.py): a healthy bf16 sync gives <= 1.4e-3 per token (the demo's train-ppo --bf16); the broken syncs of issue 17 gave
+    # Measured (trainer/sync_guard.py): a healthy bf16 sync gives <= 1.4e-3 per token (the demo's train-ppo --bf16); the broken syncs of issue 17 gave
     # 7.1e-3 (Qwen2-MoE), 2.4e-2 (tied Llama), 3.1e-2 (Gemma 3), 4.9e-2 (GPT-2). The old default, 5e-2, let all
     # of them train on.
     bf16 = max_gap(None, bf16=True)
@@ -66,7 +66,7 @@ def test_no_judgement_where_the_gap_is_not_a_sync_fault(caplog):
 
 def _announced(caplog, **kw) -> list[str]:
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="orlhf.sync_guard"):
+    with caplog.at_level(logging.INFO, logger="orlhf.trainer.sync_guard"):
         SyncGuard(threshold=1e-3, **kw).announce()
     return [r.getMessage() for r in caplog.records]
 
@@ -82,7 +82,7 @@ def test_where_the_guard_does_not_look_is_said_at_the_start(caplog):
 def test_the_controller_announces_at_construction(caplog, tmp_path):
     from tests.unit.test_controller_guard import make
 
-    with caplog.at_level(logging.INFO, logger="orlhf.sync_guard"):
+    with caplog.at_level(logging.INFO, logger="orlhf.trainer.sync_guard"):
         make(tmp_path, temperature=0.7, top_p=0.9)
     assert sum("not checked in this run" in r.getMessage() for r in caplog.records) == 1
 

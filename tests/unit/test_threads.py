@@ -1,12 +1,12 @@
-"""The per-phase thread plan (orlhf/threads.py): who works in each phase and how many threads each gets.
+"""The per-phase thread plan (orlhf/cpu/threads.py): who works in each phase and how many threads each gets.
 
 Recording stand-ins for the groups (pure logic: the plan and what it sends); tests/ray/test_thread_handover.py checks on
 real rank actors that a sent count reaches the threads that do the work."""
 
 from types import SimpleNamespace
 
-from orlhf.flags import build_config
-from orlhf.threads import PhaseThreads, engine_threads, processes, share
+from orlhf.config.flags import build_config
+from orlhf.cpu.threads import PhaseThreads, engine_threads, processes, share
 
 
 class Group:

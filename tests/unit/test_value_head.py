@@ -11,9 +11,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
-from orlhf.worker_config import role_config
+from orlhf.config.worker_config import role_config
 from orlhf.workers.critic import ValueModel, load_value_model
-from orlhf.head_files import HeadError, check_head, reward_normalization, stored_reward_stats, tensor_shapes
+from orlhf.inputs.head_files import HeadError, check_head, reward_normalization, stored_reward_stats, tensor_shapes
 
 H, V = 64, 128
 MEAN, STD = 0.3, 2.5
@@ -201,7 +201,7 @@ def test_pre_flight_reads_width_and_backbone_from_the_files_without_transformers
     import subprocess
     import sys
 
-    from orlhf.head_files import backbone_prefix_of, config_hidden_size
+    from orlhf.inputs.head_files import backbone_prefix_of, config_hidden_size
 
     assert config_hidden_size({"hidden_size": 64}) == 64
     assert config_hidden_size({"n_embd": 48}) == 48  # GPT-2's name for it
@@ -222,7 +222,7 @@ def test_pre_flight_reads_width_and_backbone_from_the_files_without_transformers
     # The check runs on the driver before Ray starts: no torch, no transformers config machinery (its type
     # validators import torch's compiler and DTensor modules, ~1.5 CPU-s).
     save_openrlhf_model(tmp_path / "rm", prefix="score")
-    code = ("import sys; from orlhf.head_files import check_head; "
+    code = ("import sys; from orlhf.inputs.head_files import check_head; "
             f"check_head({str(tmp_path / 'rm')!r}, 'score', required=True); "
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

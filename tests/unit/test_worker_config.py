@@ -1,14 +1,14 @@
 """Each role's config holds only what that role uses, and the config is finished (device, validation, demo) in
-one place: finish.py."""
+one place: config/resolve.py."""
 
 import dataclasses
 
 import pytest
 
-from orlhf.config import ConfigError
-from orlhf.flags import parse_config
-from orlhf.roles import ROLES
-from orlhf.worker_config import (ActorConfig, CriticConfig, RefConfig, RewardConfig, TrainSlice, role_config,
+from orlhf.config.train_config import ConfigError
+from orlhf.config.flags import parse_config
+from orlhf.config.roles import ROLES
+from orlhf.config.worker_config import (ActorConfig, CriticConfig, RefConfig, RewardConfig, TrainSlice, role_config,
                                  worker_config)
 
 
@@ -25,7 +25,7 @@ def field_names(obj) -> set[str]:
 
 @pytest.fixture
 def cfg():
-    from orlhf.finish import resolve_device
+    from orlhf.config.resolve import resolve_device
 
     flags = {"pretrain": "model", "reward_pretrain": "rm", "use_kl_loss": True}
     return resolve_device(parse_config(flags, set(flags)), "cpu")  # every role (gae: a critic; a KL: a reference)
@@ -42,7 +42,7 @@ def test_each_role_gets_only_its_slices(cfg):
     assert "eps_clip" not in field_names(critic) and not hasattr(critic, "eps_clip")
     assert "value_clip" not in field_names(actor) and "value_head_prefix" not in field_names(actor)
     assert "temperature" not in field_names(critic) | field_names(reward)  # value heads do not sample
-    # A training slice exactly for the roles that train (roles.py), with the right learning rate.
+    # A training slice exactly for the roles that train (config/roles.py), with the right learning rate.
     for role, c in configs.items():
         assert hasattr(c, "train") == ROLES[role].trains == c.trainable, role
     assert (actor.train.learning_rate, critic.train.learning_rate) == (cfg.ppo.actor_learning_rate,
@@ -63,7 +63,7 @@ def test_role_config_refuses_a_field_the_role_does_not_have():
 
 
 def test_the_device_is_read_from_the_finished_config_only():
-    from orlhf.layout import plan_layout
+    from orlhf.distributed.layout import plan_layout
 
     cfg = parse_config({"pretrain": "model"}, {"pretrain"})  # --device auto: not resolved
     for use in (plan_layout, lambda c: worker_config(c, "actor")):
@@ -74,7 +74,9 @@ def test_the_device_is_read_from_the_finished_config_only():
 def test_finish_validates_once_against_the_resolved_device(monkeypatch):
     import torch
 
-    from orlhf import finish, validation
+    from orlhf.config import resolve as finish
+
+    from orlhf.config import validation
 
     calls = []
     real = validation.validate
@@ -108,7 +110,7 @@ def test_cli_exits_2_naming_the_flag_when_the_resolved_device_refuses_it(capsys,
 
 
 def _run_cfg(device: str, **flags):
-    from orlhf.finish import resolve_device
+    from orlhf.config.resolve import resolve_device
 
     flags = {"pretrain": "model", "reward_pretrain": "rm", "use_kl_loss": True, **flags}
     return resolve_device(parse_config(flags, set(flags)), device)

@@ -56,7 +56,7 @@ def build_models(root: Path, families: list[str], seed: int = 0) -> dict[str, st
     import transformers
     from transformers import AutoModelForCausalLM
 
-    from orlhf.demo import _build_tokenizer
+    from orlhf.demo.builder import _build_tokenizer
 
     tok = _build_tokenizer(random.Random(seed))
     ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
@@ -86,7 +86,7 @@ class TrainerSide:
 
     def load(self, path: str, bf16: bool = False, temperature: float = 1.0, lr: float = 1e-2,
              zero_stage: int = 3) -> None:
-        from orlhf.worker_config import role_config
+        from orlhf.config.worker_config import role_config
         from orlhf.workers import PolicyWorker
 
         cfg = role_config("actor", model_path=path, device="cpu", zero_stage=zero_stage, micro_forward_batch_size=8,
@@ -277,7 +277,7 @@ class Rig:
         self.start("trainer", "load", path, bf16, temperature, 1e-2, zero_stage)
         self.start("engine", "load", path, bf16, temperature)
         self.wait("trainer"), self.wait("engine")
-        from orlhf.weight_sync import plan_buckets
+        from orlhf.trainer.weight_sync import plan_buckets
 
         self.metas, self.buckets = plan_buckets(self.call("trainer", "metas"), 256 * 2**20)
         port = free_port()

@@ -24,7 +24,7 @@ def sampler_class():
     from vllm.v1.sample import sampler
     from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
 
-    from orlhf.rollout import cpu_sampler
+    from orlhf.cpu import engine_sampler as cpu_sampler
 
     before = TopKTopPSampler.forward_cpu, sampler.batched_count_greater_than
     assert cpu_sampler.install(), "the pinned vLLM should get the block-drawn seeds"
@@ -47,7 +47,7 @@ def _run(sampler, steps: int, seeded: dict[int, int], top_p):
 
 @pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
 def test_block_seeds_sample_what_vllms_sampler_samples(sampler_class, mode):
-    from orlhf.rollout.cpu_sampler import DRAW_BLOCK, vllm_sampler
+    from orlhf.cpu.engine_sampler import DRAW_BLOCK, vllm_sampler
 
     sampler = sampler_class(logprobs_mode=mode)
     assert sampler.forward.__func__ is sampler_class.forward_cpu  # built after install(): ours is bound
@@ -65,7 +65,7 @@ def test_eager_rank_count_equals_vllms_compiled_one(sampler_class):
     from vllm.v1.sample import sampler
     from vllm.v1.sample.ops.logprobs import batched_count_greater_than
 
-    from orlhf.rollout.cpu_sampler import count_at_least
+    from orlhf.cpu.engine_sampler import count_at_least
 
     assert sampler.batched_count_greater_than is count_at_least
     logprobs = torch.log_softmax(torch.randn(64, 97, generator=torch.Generator().manual_seed(2)), -1)
@@ -78,8 +78,8 @@ def test_eager_rank_count_equals_vllms_compiled_one(sampler_class):
 ENGINE_SCRIPT = r"""
 import json, os, sys
 os.environ["OMP_NUM_THREADS"] = "1"
-from orlhf.finish import finish_config
-from orlhf.rollout import cpu_sampler
+from orlhf.config.resolve import finish_config
+from orlhf.cpu import engine_sampler as cpu_sampler
 from orlhf.rollout.engine import EngineActor, engine_config
 from orlhf.types import SamplingSpec
 from transformers import AutoTokenizer

@@ -10,15 +10,15 @@ import time
 import pytest
 import torch
 
-from orlhf.cluster import ActorGroup, RankError
-from orlhf.worker_config import worker_config
-from orlhf.finish import finish_config
-from orlhf.experience import rollouts_to_batch
-from orlhf.layout import plan_layout
-from orlhf.placement import EngineBundles, create_placement_groups, remove_placement_groups
+from orlhf.distributed.groups import ActorGroup, RankError
+from orlhf.config.worker_config import worker_config
+from orlhf.config.resolve import finish_config
+from orlhf.trainer.experience import rollouts_to_batch
+from orlhf.distributed.layout import plan_layout
+from orlhf.distributed.placement import EngineBundles, create_placement_groups, remove_placement_groups
 from orlhf.rollout.engine import EngineActor, EngineGroup, SamplingSpec, engine_config
 from orlhf.types import Experience
-from orlhf.weight_sync import WeightSync
+from orlhf.trainer.weight_sync import WeightSync
 from orlhf.workers import PolicyWorker
 
 pytestmark = [pytest.mark.ray, pytest.mark.vllm]
@@ -34,7 +34,7 @@ def rig():
     if not ray.is_initialized():
         ray.init(address="local", num_cpus=TEST_CLUSTER_CPUS, include_dashboard=False)
     flags = {"train_batch_size": 8, "micro_train_batch_size": 2, "rollout_batch_size": 8,
-             "actor_num_gpus_per_node": 2, "vllm_num_engines": 2,  # KV cache sized automatically (cpu_kv.py)
+             "actor_num_gpus_per_node": 2, "vllm_num_engines": 2,  # KV cache sized automatically (cpu/engine_kv.py)
              "vllm_cpu_threads": 2, "advantage_estimator": "reinforce", "device": "cpu"}
     cfg = finish_config(flags, explicit=set(flags))
     placed = create_placement_groups(plan_layout(cfg), timeout_s=60)

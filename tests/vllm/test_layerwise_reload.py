@@ -56,7 +56,7 @@ json.dump({"before": before, "after": logprobs(), "calls": calls}, open(out, "w"
 def test_one_reload_across_per_layer_calls_gives_the_new_model(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from orlhf.demo import ensure_demo
+    from orlhf.demo.builder import ensure_demo
 
     model_dir = str(ensure_demo().model)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

@@ -16,7 +16,7 @@ family_rig.py); each family costs one DeepSpeed init and one vLLM start.
 import pytest
 import torch
 
-from orlhf.sync_guard import EngineMismatchError, SyncGuard, max_gap
+from orlhf.trainer.sync_guard import EngineMismatchError, SyncGuard, max_gap
 from tests.vllm.family_rig import FAMILIES, Rig, build_models
 
 pytestmark = [pytest.mark.vllm]
@@ -98,7 +98,7 @@ def _sampled_gap(r: Rig, seed: int, temperature: float = 1.0) -> float:
 
 def test_bf16_guard_default_passes_a_synced_engine_and_stops_a_stale_one(rig):
     """bf16 trainer and engine as --bf16 runs them: a synced engine sits under the bf16 default (measured
-    5e-4..1.1e-3, sync_guard.py), an engine one update behind far above it."""
+    5e-4..1.1e-3, trainer/sync_guard.py), an engine one update behind far above it."""
     paths, r = rig
     guard = SyncGuard(threshold=max_gap(None, bf16=True), bf16=True)
     try:

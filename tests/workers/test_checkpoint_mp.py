@@ -90,8 +90,8 @@ def _rank_main(rank: int, world: int, port: int, setup: dict, out_dir: str) -> N
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     import torch.distributed as dist
 
-    from orlhf.checkpoint import CheckpointManager
-    from orlhf.checkpoint_format import CheckpointError
+    from orlhf.storage.checkpoint import CheckpointManager
+    from orlhf.storage.checkpoint_format import CheckpointError
 
     exp, out = setup["exp"], {}
     mgr = CheckpointManager(setup["root"] / "ck", max_ckpt_num=2)
@@ -193,7 +193,7 @@ def test_checkpoint_layout_and_errors(ranks, setup):
 def test_safe_load_refuses_pickled_code(tmp_path):
     import pickle
 
-    from orlhf.checkpoint import safe_torch_load
+    from orlhf.storage.checkpoint import safe_torch_load
 
     class Boom:
         def __reduce__(self):

@@ -16,9 +16,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
-from orlhf.batching import budget_micro_batches, first_fit_bins, real_lengths
+from orlhf.workers.batching import budget_micro_batches, first_fit_bins, real_lengths
 from orlhf.types import Experience
-from orlhf.worker_config import WorkerConfig, role_config
+from orlhf.config.worker_config import WorkerConfig, role_config
 
 from mp_tools import spawn_ranks
 

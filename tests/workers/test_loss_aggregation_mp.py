@@ -18,7 +18,7 @@ import torch
 
 from orlhf.algo.kl import approx_kl
 from orlhf.algo.losses import aggregate, entropy_from_logits, policy_loss_terms, value_loss_per_token
-from orlhf.worker_config import WorkerConfig, role_config
+from orlhf.config.worker_config import WorkerConfig, role_config
 
 from mp_tools import spawn_ranks
 from orlhf.types import Experience

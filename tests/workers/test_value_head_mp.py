@@ -15,7 +15,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
-from orlhf.worker_config import role_config
+from orlhf.config.worker_config import role_config
 from orlhf.types import Experience, SequenceBatch
 
 from mp_tools import spawn_ranks

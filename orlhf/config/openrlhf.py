@@ -1,0 +1,328 @@
+"""OpenRLHF's `train_ppo_ray` flags on orlhf's command line: the one table of how each reaches orlhf.
+
+    argv --translate()--> argv in orlhf's own flag names (config/train_config.py), or CompatError listing every problem
+
+OPENRLHF_V0101_FLAGS lists all 144 flags of OpenRLHF v0.10.1's train_ppo_ray (openrlhf/cli/train_ppo_ray.py at
+tag v0.10.1, in its order). Each one is, in orlhf, one of:
+  - a config field of the same name (config/train_config.py): parsed as is;
+  - an ALIAS: another spelling of an orlhf flag, its value translated (`--param_dtype bf16` is `--bf16`);
+  - NO_EFFECT: a flag that changes nothing in OpenRLHF v0.10.1 either (accepted, documented why);
+  - UNSUPPORTED: a feature orlhf does not have yet. Accepted only with OpenRLHF's default value, which asks for
+    nothing (`--lora_rank 0`, `--ring_attn_size 1`); any other value is refused by name with exit 2.
+OpenRLHF's newer dotted names (`--actor.model_name_or_path`, `--algo.advantage.estimator`) are rewritten to these
+flat names through DOTTED first, so each option has one meaning whatever its spelling. A flag given twice under
+different spellings (`--max_new_tokens 64 --generate_max_len 32`) with different values is an error, never a
+silent pick. Nothing here imports torch/ray: it runs before Typer parses the line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+OPENRLHF_V0101_FLAGS: tuple[str, ...] = tuple("""
+ref_num_nodes ref_num_gpus_per_node reward_num_nodes reward_num_gpus_per_node colocate_actor_ref actor_num_nodes
+actor_num_gpus_per_node critic_num_nodes critic_num_gpus_per_node colocate_critic_reward colocate_all_models
+vllm_num_engines vllm_tensor_parallel_size vllm_sync_backend vllm_sync_with_ray enable_prefix_caching enforce_eager
+vllm_enable_sleep vllm_gpu_memory_utilization enable_vllm_is_correction vllm_is_truncated_threshold
+vllm_is_correction_type async_train async_queue_size partial_rollout eval_steps save_steps logging_steps ckpt_path
+save_hf_ckpt disable_ds_ckpt max_ckpt_num max_ckpt_mem load_checkpoint best_metric_key use_ds_universal_ckpt
+local_rank zero_stage gradient_checkpointing deepcompile param_dtype enable_ema ema_beta zpg adam_offload
+actor_init_on_gpu attn_implementation use_liger_kernel grad_accum_dtype overlap_comm
+gradient_checkpointing_use_reentrant disable_fast_tokenizer dataloader_num_workers deepspeed_enable_sleep
+ds_tensor_parallel_size packing_samples use_dynamic_batch rollout_max_tokens_per_gpu train_max_tokens_per_gpu
+load_in_4bit lora_rank lora_alpha target_modules lora_dropout save_path num_episodes rollout_batch_size
+vllm_generate_batch_size micro_rollout_batch_size max_epochs max_len max_new_tokens max_samples max_norm l2
+ptx_coef eps_clip eps_clip_low_high dual_clip value_clip lambd gamma micro_train_batch_size train_batch_size
+normalize_reward top_p temperature seed full_determinism freezing_actor_steps n_samples_per_prompt
+save_value_network actor_learning_rate critic_learning_rate lr_warmup_ratio lr_scheduler kl_target kl_horizon
+init_kl_coef policy_loss_type kl_estimator aux_loss_coef entropy_loss_coef adam_betas reward_clip_range
+advantage_estimator use_kl_loss no_advantage_std_norm overlong_buffer_len overlong_penalty_factor
+stop_properly_penalty_coef ring_attn_size ring_head_stride pretrain reward_pretrain remote_rm_url critic_pretrain
+value_head_prefix ref_reward_offload agent_func_path prompt_data prompt_data_probs prompt_split eval_dataset
+eval_split eval_temperature eval_n_samples_per_prompt input_key label_key input_template apply_chat_template
+use_wandb wandb_org wandb_group wandb_project wandb_run_name dynamic_filtering dynamic_filtering_reward_range
+image_key max_images_per_prompt freeze_visual_encoder use_tensorboard perf use_ms
+""".split())
+
+STAR = -1  # nargs="*": every value up to the next flag
+
+
+@dataclass(frozen=True)
+class Alias:
+    """`--name VALUE...` means `--target` with `convert(values)`: a list of tokens (the target flag and its value,
+    [] for "the target off"), or a str: why this value is refused."""
+
+    target: str
+    nargs: int
+    convert: Callable[[list[str]], "list[str] | str"]
+    target_value: Callable[[list[str]], Optional[str]] = lambda v: v[0] if v else "true"  # for conflict checks
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    """A feature orlhf lacks: accepted only as `default` (OpenRLHF's value, which turns it off)."""
+
+    nargs: int  # 0: a store_true flag (any use asks for the feature)
+    default: Optional[tuple[str, ...]]
+    what: str  # the feature, for the message
+
+
+@dataclass(frozen=True)
+class NoEffect:
+    nargs: int
+    why: str
+
+
+def _param_dtype(v: list[str]) -> list[str] | str:
+    if v[0] == "bf16":
+        return ["--bf16"]
+    return f"--param_dtype {v[0]}: orlhf trains in fp32 (default) or bf16 (--param_dtype bf16 / --bf16)"
+
+
+def _attn(v: list[str]) -> list[str] | str:
+    if v[0] == "flash_attention_2":
+        return ["--flash_attn"]
+    if v[0] == "sdpa":
+        return []  # orlhf's default attention (eager where a model has no SDPA)
+    return f"--attn_implementation {v[0]}: orlhf runs flash_attention_2 (--flash_attn) or sdpa (the default)"
+
+
+ALIASES: dict[str, Alias] = {
+    "param_dtype": Alias("bf16", 1, _param_dtype, lambda v: "true" if v[0] == "bf16" else None),
+    "attn_implementation": Alias("flash_attn", 1, _attn,
+                                 lambda v: {"flash_attention_2": "true", "sdpa": "false"}.get(v[0])),
+    "max_new_tokens": Alias("generate_max_len", 1, lambda v: ["--generate_max_len", v[0]]),
+}
+
+NO_EFFECT: dict[str, NoEffect] = {
+    "ptx_coef": NoEffect(1, "OpenRLHF v0.10.1 has no pretraining-data loss either, so the coefficient is unused"),
+    "perf": NoEffect(0, "orlhf always records timing/<phase> per step and prints the split at the end"),
+}
+
+
+def _u(nargs: int, default: Optional[tuple[str, ...]], what: str) -> Unsupported:
+    return Unsupported(nargs, default, what)
+
+
+UNSUPPORTED: dict[str, Unsupported] = {
+    "vllm_sync_with_ray": _u(0, None, "weight sync through Ray's collective library"),
+    "partial_rollout": _u(0, None, "partial rollouts"),
+    "max_ckpt_mem": _u(1, ("inf",), "a disk budget for checkpoints (--max_ckpt_num bounds them)"),
+    "use_ds_universal_ckpt": _u(0, None, "DeepSpeed universal checkpoints"),
+    "local_rank": _u(1, ("-1",), "the deepspeed launcher (orlhf places ranks with Ray)"),
+    "deepcompile": _u(0, None, "DeepSpeed deepcompile"),
+    "enable_ema": _u(0, None, "an EMA copy of the actor"),
+    "ema_beta": _u(1, ("0.992",), "an EMA copy of the actor"),
+    "zpg": _u(1, ("1",), "ZeRO++ hierarchical partitioning"),
+    "actor_init_on_gpu": _u(0, None, "initialising the actor on the GPU"),
+    "use_liger_kernel": _u(0, None, "Liger kernels"),
+    "grad_accum_dtype": _u(1, None, "a gradient-accumulation dtype"),
+    "overlap_comm": _u(0, None, "DeepSpeed overlap_comm"),
+    "gradient_checkpointing_use_reentrant": _u(0, None, "reentrant gradient checkpointing"),
+    "disable_fast_tokenizer": _u(0, None, "slow (Python) tokenizers"),
+    "dataloader_num_workers": _u(1, ("0",), "data-loader worker processes (prompts are read in memory)"),
+    "ds_tensor_parallel_size": _u(1, ("1",), "DeepSpeed tensor parallelism"),
+    "load_in_4bit": _u(0, None, "4-bit (QLoRA) loading"),
+    "lora_rank": _u(1, ("0",), "LoRA"),
+    "lora_alpha": _u(1, ("16",), "LoRA"),
+    "target_modules": _u(STAR, ("all-linear",), "LoRA"),
+    "lora_dropout": _u(1, ("0",), "LoRA"),
+    "vllm_generate_batch_size": _u(1, None, "a vLLM batch other than --rollout_batch_size"),
+    "full_determinism": _u(0, None, "fully deterministic kernels"),
+    "aux_loss_coef": _u(1, ("0",), "the MoE balancing loss"),
+    "ring_attn_size": _u(1, ("1",), "ring attention"),
+    "ring_head_stride": _u(1, ("1",), "ring attention"),
+    "image_key": _u(1, ("images",), "vision-language models"),
+    "max_images_per_prompt": _u(1, ("0",), "vision-language models"),
+    "freeze_visual_encoder": _u(0, None, "vision-language models"),
+    "use_ms": _u(0, None, "ModelScope downloads"),
+}
+
+# OpenRLHF's newer dotted names (its main branch) -> the v0.10.1 flat name. Names orlhf has under another flat
+# name go through ALIASES / UNSUPPORTED above like their flat spelling.
+DOTTED: dict[str, str] = {
+    "ref.num_nodes": "ref_num_nodes", "ref.num_gpus_per_node": "ref_num_gpus_per_node",
+    "reward.num_nodes": "reward_num_nodes", "reward.num_gpus_per_node": "reward_num_gpus_per_node",
+    "train.colocate_actor_ref": "colocate_actor_ref", "actor.num_nodes": "actor_num_nodes",
+    "actor.num_gpus_per_node": "actor_num_gpus_per_node", "critic.num_nodes": "critic_num_nodes",
+    "critic.num_gpus_per_node": "critic_num_gpus_per_node", "train.colocate_critic_reward": "colocate_critic_reward",
+    "train.colocate_all": "colocate_all_models", "vllm.num_engines": "vllm_num_engines",
+    "vllm.tensor_parallel_size": "vllm_tensor_parallel_size", "vllm.sync_backend": "vllm_sync_backend",
+    "vllm.sync_with_ray": "vllm_sync_with_ray", "vllm.enable_prefix_caching": "enable_prefix_caching",
+    "vllm.enforce_eager": "enforce_eager", "vllm.enable_sleep": "vllm_enable_sleep",
+    "vllm.gpu_memory_utilization": "vllm_gpu_memory_utilization",
+    "algo.advantage.is_correction_enable": "enable_vllm_is_correction",
+    "algo.advantage.is_correction_threshold": "vllm_is_truncated_threshold",
+    "algo.advantage.is_correction_type": "vllm_is_correction_type",
+    "train.async_enable": "async_train", "train.async_queue_size": "async_queue_size",
+    "train.partial_rollout_enable": "partial_rollout", "eval.steps": "eval_steps", "ckpt.save_steps": "save_steps",
+    "logger.logging_steps": "logging_steps", "ckpt.path": "ckpt_path", "ckpt.save_hf": "save_hf_ckpt",
+    "ckpt.disable_ds": "disable_ds_ckpt", "ckpt.max_num": "max_ckpt_num", "ckpt.max_mem": "max_ckpt_mem",
+    "ckpt.load_enable": "load_checkpoint", "ckpt.best_metric_key": "best_metric_key",
+    "ds.use_universal_ckpt": "use_ds_universal_ckpt", "ds.zero_stage": "zero_stage",
+    "actor.gradient_checkpointing_enable": "gradient_checkpointing", "ds.deepcompile": "deepcompile",
+    "ds.param_dtype": "param_dtype", "train.enable_ema": "enable_ema", "train.ema_beta": "ema_beta",
+    "ds.zpg": "zpg", "ds.adam_offload": "adam_offload", "ds.attn_implementation": "attn_implementation",
+    "ds.use_liger_kernel": "use_liger_kernel", "ds.grad_accum_dtype": "grad_accum_dtype",
+    "ds.overlap_comm": "overlap_comm", "actor.gradient_checkpointing_reentrant": "gradient_checkpointing_use_reentrant",
+    "data.disable_fast_tokenizer": "disable_fast_tokenizer", "data.dataloader_num_workers": "dataloader_num_workers",
+    "ds.enable_sleep": "deepspeed_enable_sleep", "ds.tensor_parallel_size": "ds_tensor_parallel_size",
+    "ds.packing_samples": "packing_samples", "train.dynamic_batch_enable": "use_dynamic_batch",
+    "rollout.max_tokens_per_gpu": "rollout_max_tokens_per_gpu", "train.max_tokens_per_gpu": "train_max_tokens_per_gpu",
+    "ds.load_in_4bit": "load_in_4bit", "ds.lora.rank": "lora_rank", "ds.lora.alpha": "lora_alpha",
+    "ds.lora.target_modules": "target_modules", "ds.lora.dropout": "lora_dropout", "ckpt.output_dir": "save_path",
+    "train.num_episodes": "num_episodes", "rollout.batch_size": "rollout_batch_size",
+    "rollout.vllm_generate_batch_size": "vllm_generate_batch_size", "rollout.micro_batch_size": "micro_rollout_batch_size",
+    "train.max_epochs": "max_epochs", "data.max_len": "max_len", "rollout.max_new_tokens": "max_new_tokens",
+    "data.max_samples": "max_samples", "actor.eps_clip": "eps_clip", "actor.eps_clip_low_high": "eps_clip_low_high",
+    "actor.dual_clip": "dual_clip", "critic.value_clip": "value_clip", "algo.advantage.lambd": "lambd",
+    "algo.advantage.gamma": "gamma", "train.micro_batch_size": "micro_train_batch_size",
+    "train.batch_size": "train_batch_size", "reward.normalize_enable": "normalize_reward", "rollout.top_p": "top_p",
+    "rollout.temperature": "temperature", "train.seed": "seed", "train.full_determinism_enable": "full_determinism",
+    "critic.freezing_steps": "freezing_actor_steps", "rollout.n_samples_per_prompt": "n_samples_per_prompt",
+    "critic.save_value_network": "save_value_network", "algo.kl.target": "kl_target", "algo.kl.horizon": "kl_horizon",
+    "algo.kl.init_coef": "init_kl_coef", "actor.policy_loss_type": "policy_loss_type",
+    "algo.kl.estimator": "kl_estimator", "actor.aux_loss_coef": "aux_loss_coef",
+    "actor.entropy_coef": "entropy_loss_coef", "reward.clip_range": "reward_clip_range",
+    "algo.advantage.estimator": "advantage_estimator", "algo.kl.use_loss": "use_kl_loss",
+    "algo.advantage.no_std_norm": "no_advantage_std_norm", "reward.overlong_buffer_len": "overlong_buffer_len",
+    "reward.overlong_penalty_factor": "overlong_penalty_factor",
+    "reward.stop_properly_penalty_coef": "stop_properly_penalty_coef", "ds.ring_attn_size": "ring_attn_size",
+    "ds.ring_attn_head_stride": "ring_head_stride", "actor.model_name_or_path": "pretrain",
+    "reward.model_name_or_path": "reward_pretrain", "reward.remote_url": "remote_rm_url",
+    "critic.model_name_or_path": "critic_pretrain", "ds.value_head_prefix": "value_head_prefix",
+    "ref.offload": "ref_reward_offload", "reward.offload": "ref_reward_offload",
+    "train.agent_func_path": "agent_func_path", "data.prompt_dataset": "prompt_data",
+    "data.prompt_probs": "prompt_data_probs", "data.prompt_split": "prompt_split", "eval.dataset": "eval_dataset",
+    "eval.split": "eval_split", "eval.temperature": "eval_temperature",
+    "eval.n_samples_per_prompt": "eval_n_samples_per_prompt", "data.input_key": "input_key",
+    "data.label_key": "label_key", "data.input_template": "input_template",
+    "data.apply_chat_template": "apply_chat_template", "logger.wandb.key": "use_wandb",
+    "logger.wandb.org": "wandb_org", "logger.wandb.group": "wandb_group", "logger.wandb.project": "wandb_project",
+    "logger.wandb.run_name": "wandb_run_name", "algo.dynamic_filtering_enable": "dynamic_filtering",
+    "algo.dynamic_filtering_range": "dynamic_filtering_reward_range", "data.image_key": "image_key",
+    "data.max_images_per_prompt": "max_images_per_prompt", "actor.freeze_visual_encoder": "freeze_visual_encoder",
+    "logger.tensorboard_dir": "use_tensorboard",
+    # per-model optimizer settings: orlhf's flags are shared or per model as in v0.10.1
+    "actor.adam.lr": "actor_learning_rate", "critic.adam.lr": "critic_learning_rate",
+    "actor.adam.betas": "adam_betas", "critic.adam.betas": "adam_betas",
+    "actor.adam.weight_decay": "l2", "critic.adam.weight_decay": "l2",
+    "actor.lr_warmup_ratio": "lr_warmup_ratio", "critic.lr_warmup_ratio": "lr_warmup_ratio",
+    "actor.lr_scheduler": "lr_scheduler", "critic.lr_scheduler": "lr_scheduler",
+    "actor.max_norm": "max_norm", "critic.max_norm": "max_norm",
+}
+
+
+class CompatError(ValueError):
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("\n".join(f"  - {p}" for p in problems))
+
+
+def _flat(name: str) -> tuple[str, bool]:
+    """(flat name, whether it was a dotted name) for a flag name without its leading dashes."""
+    key = name.replace("-", "_")
+    if "." in key:
+        if key not in DOTTED:
+            return key, True
+        return DOTTED[key], True
+    return key, False
+
+
+def _take(argv: list[str], i: int, inline: Optional[str], nargs: int) -> tuple[list[str], int]:
+    """The values of the flag at argv[i] and the index after them."""
+    if inline is not None:
+        return [inline], i + 1
+    j = i + 1
+    if nargs == STAR:
+        while j < len(argv) and not argv[j].startswith("--"):
+            j += 1
+    else:
+        j = min(len(argv), i + 1 + nargs)
+    return argv[i + 1:j], j
+
+
+def translate(argv: list[str], native_arity: dict[str, int]) -> list[str]:
+    """Rewrite OpenRLHF spellings into orlhf flags (see the module docstring). `native_arity`: orlhf's own flags
+    and how many values each takes (0 for switches). Tokens that are not flags pass through untouched, and so do
+    flags this table does not know (Typer reports those)."""
+    out: list[str] = []
+    problems: list[str] = []
+    seen: dict[str, list[tuple[str, Optional[str]]]] = {}  # orlhf flag -> [(spelling used, value)]
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        if not tok.startswith("--") or tok == "--":
+            out.append(tok)
+            i += 1
+            continue
+        name, _, inline = tok[2:].partition("=")
+        inline = inline if "=" in tok else None
+        flat, dotted = _flat(name)
+        if dotted and "." in flat:
+            problems.append(f"--{name} is one of OpenRLHF's newer names; orlhf has no equivalent of it yet")
+            i += 1
+            continue
+        if flat in ALIASES:
+            spec = ALIASES[flat]
+            values, i = _take(argv, i, inline, spec.nargs)
+            got = spec.convert(values)
+            if isinstance(got, str):
+                problems.append(got)
+            else:
+                out.extend(got)
+                seen.setdefault(spec.target, []).append((f"--{name}", spec.target_value(values)))
+            continue
+        if flat in NO_EFFECT:
+            _, i = _take(argv, i, inline, NO_EFFECT[flat].nargs)
+            continue
+        if flat in UNSUPPORTED:
+            spec = UNSUPPORTED[flat]
+            values, i = _take(argv, i, inline, spec.nargs)
+            if spec.nargs == 0 or spec.default is None or not _same(values, spec.default):
+                shown = f"--{name}" + "".join(f" {v}" for v in values)
+                problems.append(f"{shown}: --{flat} is OpenRLHF's; orlhf does not support it yet ({spec.what})")
+            continue
+        arity = native_arity.get(flat)
+        if arity is None:  # unknown here: Typer names it
+            out.append(tok)
+            i += 1
+            continue
+        values, j = _take(argv, i, inline, arity) if arity else ([], i + 1)
+        if arity == 1 and inline is None and values and values[0].startswith("--"):
+            values, j = [], i + 1  # an optional-value flag (--use_wandb) given bare
+        seen.setdefault(flat, []).append((f"--{name}", " ".join(values) if values else "true"))
+        out.append((f"--{flat}" + (f"={inline}" if inline is not None else "")) if dotted else tok)
+        if inline is None:
+            out.extend(argv[i + 1:j])
+        i = j
+    problems += _conflicts(seen)
+    if problems:
+        raise CompatError(problems)
+    return out
+
+
+def _same(values: list[str], expected: tuple[str, ...]) -> bool:
+    if len(values) != len(expected):
+        return False
+    for v, e in zip(values, expected):
+        try:
+            if float(v) != float(e):
+                return False
+        except ValueError:
+            if v != e:
+                return False
+    return True
+
+
+def _conflicts(seen: dict[str, list[tuple[str, Optional[str]]]]) -> list[str]:
+    """One option set under two spellings with different values."""
+    problems = []
+    for flag, uses in seen.items():
+        spellings = {s.lstrip("-").replace("-", "_") for s, _ in uses}
+        values = {v for _, v in uses}
+        if len(spellings) > 1 and len(values) > 1:
+            shown = ", ".join(f"{s} {v}" if v not in ("true", None) else s for s, v in uses)
+            problems.append(f"{shown}: these set --{flag} to different values; give it once")
+    return problems

@@ -1,0 +1,255 @@
+"""The slice of the config each model worker gets (actor, critic, reference, reward), one class per role.
+
+Every role gets the common part, WorkerConfig: which model, on which device, how DeepSpeed runs it and how its
+forwards are batched. On top of that, each role gets only the slices it reads (the shape of torchtitan's nested
+per-component configs):
+
+    ActorConfig   + temperature, train (TrainSlice), loss (PolicyLossSlice)
+    RefConfig     + temperature, param_offload
+    CriticConfig  + head (HeadSlice), train (TrainSlice), loss (ValueLossSlice)
+    RewardConfig  + head (HeadSlice), param_offload
+
+So the reference has no optimizer or learning rate and the critic no eps_clip: a worker cannot read a flag that
+does not apply to it. A training slice exists exactly for the roles config/roles.py marks `trains`. Workers never see
+the TrainConfig tree: launch/run.py builds one config per role with worker_config() and hands it to every rank of that
+role's group. role_config() builds one from flat field names (tests, benchmarks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar, Optional
+
+from orlhf.config.train_config import PPOConfig, TrainConfig
+from orlhf.config.roles import model_path, role as role_spec
+
+
+@dataclass(frozen=True)
+class TrainSlice:
+    """How a trained model (actor, critic) learns. train_batch_size is global; each rank sees
+    train_batch_size / world per optimizer step."""
+
+    learning_rate: float
+    lr_warmup_ratio: float = 0.0
+    total_optimizer_steps: int = 1  # for the LR schedule
+    train_batch_size: int = 0
+    micro_train_batch_size: int = 1
+    max_norm: float = 1.0
+    adam_betas: tuple = (0.9, 0.95)
+    weight_decay: float = 0.0
+    lr_scheduler: str = "cosine_with_min_lr"
+    adam_offload: bool = False  # Adam states on host
+    offload_states: bool = False  # --deepspeed_enable_sleep: ZeRO-3 states leave the GPU in generation
+    # --use_dynamic_batch: each optimizer step's samples in micro-batches of at most this many real tokens; 0: by
+    # count (micro_train_batch_size)
+    max_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class PolicyLossSlice:
+    """The actor's PPO loss: clipping, IS correction, entropy bonus and the KL loss."""
+
+    loss_agg_mode: str = "token_mean"
+    eps_clip: float = 0.2  # the low side: ratio >= 1 - eps_clip
+    eps_clip_high: Optional[float] = None  # the high side; None: eps_clip
+    policy_loss_type: str = "ppo"
+    is_correction: Optional[str] = None  # None, or tis | icepop | seq-mask-tis
+    is_threshold: tuple = (0.5, 5.0)
+    dual_clip: Optional[float] = None
+    entropy_loss_coef: float = 0.0
+    use_kl_loss: bool = False
+    kl_coef: float = 0.0
+    kl_estimator: str = "k1"
+
+
+@dataclass(frozen=True)
+class ValueLossSlice:
+    """The critic's clipped value loss."""
+
+    loss_agg_mode: str = "token_mean"
+    value_clip: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class HeadSlice:
+    """A value head (critic, reward model): its name and whether config.json's mean/std apply
+    (inputs/head_files.py)."""
+
+    value_head_prefix: str = "score"
+    normalize_reward: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerConfig:
+    """What every role's worker reads: the model, the device, DeepSpeed, forward batching. Build a role's config
+    (the subclasses below), never this base alone."""
+
+    role: ClassVar[str]
+    model_path: str
+    device: str  # "cpu" or "cuda" (resolved, never "auto")
+    zero_stage: int = 3
+    bf16: bool = False
+    gradient_checkpointing: bool = False
+    flash_attn: bool = False
+    seed: int = 42
+    micro_forward_batch_size: int = 16  # --micro_rollout_batch_size
+    cpu_threads: int = 0  # CPU only: torch threads in this rank's process (0: leave Ray's OMP_NUM_THREADS)
+    trim_padding: bool = True  # cut each micro-batch to its real length (not --no_trim_padding)
+    packing_samples: bool = False  # one row of real tokens per micro-batch (--packing_samples)
+    shared_prompt: bool = True  # causal LMs: each distinct prompt run once per forward (not --no_shared_prompt)
+    # --use_dynamic_batch: forwards grouped by a real-token budget (orlhf/workers/batching.py budget_micro_batches); 0: by
+    # count (--micro_rollout_batch_size)
+    forward_max_tokens: int = 0
+
+    @property
+    def trainable(self) -> bool:
+        return role_spec(self.role).trains
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActorConfig(WorkerConfig):
+    role: ClassVar[str] = "actor"
+    temperature: float = 1.0  # logits are divided by it, as the engines sample with it
+    train: TrainSlice
+    loss: PolicyLossSlice = PolicyLossSlice()
+
+
+@dataclass(frozen=True, kw_only=True)
+class RefConfig(WorkerConfig):
+    role: ClassVar[str] = "ref"
+    temperature: float = 1.0
+    param_offload: bool = False  # --ref_reward_offload: params on host between uses
+
+
+@dataclass(frozen=True, kw_only=True)
+class CriticConfig(WorkerConfig):
+    role: ClassVar[str] = "critic"
+    head: HeadSlice = HeadSlice()
+    train: TrainSlice
+    loss: ValueLossSlice = ValueLossSlice()
+
+
+@dataclass(frozen=True, kw_only=True)
+class RewardConfig(WorkerConfig):
+    role: ClassVar[str] = "reward"
+    head: HeadSlice = HeadSlice()
+    param_offload: bool = False
+
+
+ROLE_CONFIGS: dict[str, type[WorkerConfig]] = {c.role: c for c in (ActorConfig, RefConfig, CriticConfig, RewardConfig)}
+
+
+def role_config(role: str, **fields) -> WorkerConfig:
+    """A role's config from flat field names, each routed to the slice that holds it (tests, benchmarks).
+    A field the role does not have (eps_clip for the critic, learning_rate for the reference) is a TypeError."""
+    role_spec(role)  # ValueError for an unknown role
+    cls = ROLE_CONFIGS[role]
+    top = {f.name: f for f in dataclasses.fields(cls)}
+    slices: dict[str, dict] = {}
+    flat: dict = {}
+    for name, value in fields.items():
+        home = next((s for s in ("train", "loss", "head") if s in top and name in _slice_fields(cls, s)), None)
+        if home is not None:
+            slices.setdefault(home, {})[name] = value
+        elif name in top and name not in ("train", "loss", "head"):
+            flat[name] = value
+        else:
+            raise TypeError(f"the {role} config has no field {name!r}")
+    if "train" in top:
+        slices.setdefault("train", {}).setdefault("learning_rate", 0.0)
+    return cls(**flat, **{s: _slice_type(cls, s)(**kw) for s, kw in slices.items()})
+
+
+def _slice_type(cls: type, name: str) -> type:
+    return {"train": TrainSlice, "head": HeadSlice,
+            "loss": PolicyLossSlice if cls is ActorConfig else ValueLossSlice}[name]
+
+
+def _slice_fields(cls: type, name: str) -> set[str]:
+    return {f.name for f in dataclasses.fields(_slice_type(cls, name))}
+
+
+def resolved_loss_agg_mode(ppo: PPOConfig) -> str:
+    """--loss_agg_mode as given, else OpenRLHF's choice: sequence mean for GSPO, token mean otherwise."""
+    if ppo.loss_agg_mode is not None:
+        return ppo.loss_agg_mode
+    return "seq_mean" if ppo.policy_loss_type == "gspo" else "token_mean"
+
+
+def role_ranks(cfg: TrainConfig, role: str) -> int:
+    """Ranks in `role`'s model group (its nodes x GPUs per node; on CPU one "GPU" is one rank)."""
+    pl = cfg.placement
+    return getattr(pl, f"{role}_num_nodes") * getattr(pl, f"{role}_num_gpus_per_node")
+
+
+def zero_stage_for(cfg: TrainConfig, role: str) -> int:
+    """The ZeRO stage `role` runs in this run (zero_stage_of with the role's group size and the run's device)."""
+    return zero_stage_of(cfg.deepspeed, role, role_ranks(cfg, role), cfg.device)
+
+
+def zero_stage_of(ds, role: str, ranks: int, device: str) -> int:
+    """--zero_stage when given; else 3, except for a group of one rank. There ZeRO-3 partitions nothing (the one
+    shard is the whole model) but still runs its per-module gather/release hooks: a train step of the demo
+    actor took 0.77-0.84 s under ZeRO-3 against 0.50-0.67 s under ZeRO-2 on CPU (2 threads). So one rank trains
+    under ZeRO-2 (its gradient and optimizer-state partitions are whole too) and scores with no ZeRO. Kept at 3:
+    --deepspeed_enable_sleep (DeepSpeed's offload_states path is ZeRO-3's) and a frozen model with
+    --ref_reward_offload on GPUs (parameter offload is ZeRO-3 only). `ds`: the config's DeepSpeedConfig."""
+    if ds.zero_stage is not None:
+        return ds.zero_stage
+    if ranks > 1:
+        return 3
+    if role_spec(role).trains:
+        return 3 if ds.enable_sleep else 2
+    return 3 if ds.ref_reward_offload and device == "cuda" else 0
+
+
+def worker_config(cfg: TrainConfig, role: str, total_optimizer_steps: int = 1) -> WorkerConfig:
+    """The slice of a finished `cfg` (config/resolve.py: the device resolved, the demo's paths filled in) that a `role`
+    worker needs."""
+    role_spec(role)  # ValueError for an unknown role
+    d, ds, ppo = cfg.data, cfg.deepspeed, cfg.ppo
+    train_budget, forward_budget = dynamic_batch_budgets(ds)
+    path = model_path(cfg, role)
+    if path is None:
+        raise ValueError(f"no model path for role {role!r}; finish the config first (finish.finish_config)")
+    common = dict(
+        model_path=path, device=cfg.device, zero_stage=zero_stage_for(cfg, role), bf16=ds.bf16,
+        gradient_checkpointing=ds.gradient_checkpointing, flash_attn=ds.flash_attn, seed=ppo.seed,
+        micro_forward_batch_size=ppo.micro_rollout_batch_size, trim_padding=not ds.no_trim_padding,
+        packing_samples=ds.packing_samples, cpu_threads=ds.train_cpu_threads, forward_max_tokens=forward_budget,
+        shared_prompt=not ds.no_shared_prompt,
+    )
+    head = HeadSlice(value_head_prefix=d.value_head_prefix, normalize_reward=ppo.normalize_reward)
+    if role == "ref":
+        return RefConfig(**common, temperature=ppo.temperature, param_offload=ds.ref_reward_offload)
+    if role == "reward":
+        return RewardConfig(**common, head=head, param_offload=ds.ref_reward_offload)
+    train = dict(
+        adam_offload=ds.adam_offload, offload_states=ds.enable_sleep, lr_warmup_ratio=ppo.lr_warmup_ratio,
+        total_optimizer_steps=total_optimizer_steps, train_batch_size=ppo.train_batch_size,
+        micro_train_batch_size=ppo.micro_train_batch_size, max_norm=ppo.max_norm, adam_betas=tuple(ppo.adam_betas),
+        weight_decay=ppo.l2, lr_scheduler=ppo.lr_scheduler, max_tokens=train_budget,
+    )
+    agg = resolved_loss_agg_mode(ppo)
+    if role == "actor":
+        low, high = ppo.eps_clip_low_high if ppo.eps_clip_low_high is not None else (ppo.eps_clip, ppo.eps_clip)
+        loss = PolicyLossSlice(
+            loss_agg_mode=agg, eps_clip=low, eps_clip_high=high, dual_clip=ppo.dual_clip,
+            entropy_loss_coef=ppo.entropy_loss_coef, use_kl_loss=ppo.use_kl_loss, kl_coef=ppo.init_kl_coef,
+            kl_estimator=ppo.kl_estimator, policy_loss_type=ppo.policy_loss_type,
+            is_correction=ppo.vllm_is_correction_type if ppo.enable_vllm_is_correction else None,
+            is_threshold=tuple(ppo.vllm_is_truncated_threshold))
+        return ActorConfig(**common, temperature=ppo.temperature,
+                           train=TrainSlice(learning_rate=ppo.actor_learning_rate, **train), loss=loss)
+    return CriticConfig(**common, head=head, train=TrainSlice(learning_rate=ppo.critic_learning_rate, **train),
+                        loss=ValueLossSlice(loss_agg_mode=agg, value_clip=ppo.value_clip))
+
+
+def dynamic_batch_budgets(ds) -> tuple[int, int]:
+    """(training, forward) token budgets from the DeepSpeed flags: (0, 0) without --use_dynamic_batch; the forward
+    budget defaults to the training one (OpenRLHF's --rollout_max_tokens_per_gpu default)."""
+    if not ds.use_dynamic_batch:
+        return 0, 0
+    forward = ds.rollout_max_tokens_per_gpu if ds.rollout_max_tokens_per_gpu is not None else ds.train_max_tokens_per_gpu
+    return ds.train_max_tokens_per_gpu, forward

@@ -1,0 +1,164 @@
+"""CPU threads handed over per phase: the model ranks that work in a phase share all the machine's cores.
+
+    Controller.timed(phase) --> PhaseThreads.before(phase)          (--device cpu only)
+        score      the ranks that score: actor (old log-probs), ref, critic, reward   cores // processes working
+        train      actor (+ critic) ranks                                              (at least 1 each)
+        generate   the engines, set once at their start (engine_threads): cores // engines in sync mode
+    RankActor.set_cpu_threads(n, role) stores n for that role's worker; every later call of it applies n on the
+    thread that runs the work.
+
+Processes, not groups: on CPU the reference runs inside the actor's rank processes (roles.host_of), and a process
+runs its workers' calls one at a time (distributed/groups.py), so actor + hosted ref in the score phase count once per rank.
+A hosted critic's calls run beside the actor's (roles.runs_beside), so it counts as a process of its own.
+
+Why per phase: with one thread per Ray process (Ray sets OMP_NUM_THREADS to the actor's CPU slots, 1 here) a phase
+in which one rank works (GRPO with one optimizer step per batch: the ref scores alone, the actor trains alone)
+leaves the other cores idle; with N threads everywhere, phases in which several ranks work oversubscribe the
+cores and OpenMP teams wait at barriers for descheduled threads.
+
+Why "on the thread that runs the work": torch's OpenMP thread count is per calling thread (libgomp keeps it in
+the thread's own ICV once a thread has run torch code). A rank actor runs every worker call on one compute thread
+of its own (RankActor.call), and the count is applied there. One thread matters as much as the count: each thread
+that runs a multi-threaded op gets its own OpenMP team, and once libgomp manages more threads than there are cores
+its idle team threads spin only briefly before sleeping on a futex, to be woken again around every op. With calls
+spread over Ray's pool threads the demo's 2-thread train step took 0.75 s (1.05 CPU-s, ~2,250 voluntary context
+switches); on one thread 0.43 s (0.83 CPU-s, ~200).
+
+The engines get their count once, before vLLM starts (its CPU worker refuses set_num_threads afterwards), from
+engine_threads(): in sync mode they work alone in the generate phase (the ranks wait for the rollouts), so they
+share the cores, cores // (engines x tensor-parallel size); with --async_train generation runs beside training
+all the time and each engine keeps one thread per CPU slot (Ray's OMP_NUM_THREADS); --vllm_cpu_threads N sets N.
+Generation on CPU is mostly serial Python (vLLM's scheduler, sampler and output processing: about a third of a
+1-thread generate in math kernels, benchmarks/README.md), so a second thread gains less than a second rank
+would: measured on the demo step, quiet machine, 1.06 -> 0.90 s a step (trl_compare `e2t` mode, +12% samples/s
+in sync mode). More engines (--vllm_num_engines) fill the cores with whole processes instead.
+
+Idle processes do not spin: libgomp's threads spin only briefly after a parallel region and then sleep
+(<= 0.8% of a 1-thread phase's samples in libgomp, 0.1-3.6 ms of CPU in the second after a 2-thread region), so
+no OMP_WAIT_POLICY is set (PASSIVE would put the working team to sleep between every op).
+
+The counts follow from the flags and the machine's cores alone, never from its load, so a seeded run gives the
+same numbers on a busy machine (the thread count changes floating-point summation order). On a machine shared
+with other jobs, teams larger than the free cores wait at every barrier for a descheduled thread (measured: a
+2-thread train step at 0.57x of one thread at load ~9): there, pass --train_cpu_threads 1.
+
+Off: on GPUs; with --async_train (generation runs beside training all the time) nothing is handed over; a fixed
+--train_cpu_threads N is sent the same way (also in async mode), so that it reaches every pool thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Optional
+
+log = logging.getLogger(__name__)
+
+
+def machine_cores() -> int:
+    """Cores this process may run on (the driver's; a CPU run's processes share one machine's cores)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def apply_threads(n: int) -> None:
+    """torch's intra-op threads of the calling thread = n (changed only when different: a change may rebuild
+    torch's pthreadpool)."""
+    import torch
+
+    if n > 0 and torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+
+
+def engine_threads(cfg, cores: Optional[int] = None) -> int:
+    """Torch threads per engine on CPU (0: leave Ray's OMP_NUM_THREADS, one per CPU slot the engine holds): the
+    user's --vllm_cpu_threads; else, in sync mode, the engines' share of the cores (they work alone while they
+    generate); with --async_train 0 (the trainers work beside them). GPUs: 0 (unused)."""
+    v = cfg.vllm
+    if cfg.runtime.device != "cpu" or v.cpu_threads:
+        return v.cpu_threads
+    if cfg.ppo.async_train:
+        return 0
+    return share(cores or machine_cores(), v.num_engines * v.tensor_parallel_size)
+
+
+def threads_as_ray_set() -> None:
+    """In a worker that preloaded torch (orlhf/cpu/preload.py), apply the OMP_NUM_THREADS Ray set for this actor: torch
+    fixed its thread count at import, before Ray set the variable, and would otherwise use every core. Called
+    first thing in an actor's __init__; the count then holds on every thread of the process (torch keeps it
+    process-wide once set). Nothing in a worker that did not preload: there torch reads the variable itself."""
+    if "orlhf.cpu.preload" not in sys.modules:
+        return
+    n = os.environ.get("OMP_NUM_THREADS", "")
+    if n.isdigit() and int(n) > 0:
+        apply_threads(int(n))
+
+
+def share(cores: int, processes: int) -> int:
+    """Threads per process when `processes` work at once on `cores` (at least 1)."""
+    return max(1, cores // max(1, processes))
+
+
+def processes(groups) -> int:
+    """Distinct processes among the groups' ranks: a guest group's ranks are its host's processes
+    (ActorGroup.processes gives one key per rank process; a group without it has processes of its own)."""
+    keys = set()
+    for g in groups:
+        keys.update(getattr(g, "processes", None) or [(id(g), rank) for rank in range(g.world_size)])
+    return len(keys)
+
+
+class PhaseThreads:
+    """Before each phase, tells the processes that work in it how many threads to use (see the module doc)."""
+
+    def __init__(self, phases: dict[str, list], cores: int, fixed: Optional[dict[int, int]] = None):
+        self.phases, self.cores = phases, cores  # phase -> [groups working in it]
+        self.fixed = fixed or {}  # id(group) -> threads the user fixed (--train_cpu_threads)
+        self._last: dict[int, int] = {}  # id(group) -> threads last sent (no call when unchanged)
+
+    @classmethod
+    def from_config(cls, cfg, models, cores: Optional[int] = None) -> "PhaseThreads":
+        """The plan for a run; empty (before() does nothing) where nothing is handed over."""
+        if cfg.runtime.device != "cpu":
+            return cls({}, 1)
+        scoring = ([] if cfg.single_pass else [models.actor]) + [models.ref, models.critic, models.reward]
+        training = [models.actor, models.critic]
+        phases = {"score": [g for g in scoring if g is not None],
+                  "train": [g for g in training if g is not None]}
+        # --train_cpu_threads N: sent like a hand-over (init() set it on one of a rank's pool threads only)
+        n = cfg.deepspeed.train_cpu_threads
+        fixed = {id(g): n for g in phases["score"] + phases["train"]} if n else {}
+        if cfg.ppo.async_train:  # generation runs beside training all the time: only the fixed counts are sent
+            phases = {phase: [g for g in gs if id(g) in fixed] for phase, gs in phases.items()}
+        plan = cls(phases, cores or machine_cores(), fixed)
+        engines = engine_threads(cfg, plan.cores)
+        log.info("CPU threads per phase (%d cores): generate: %d engine(s) %s; %s", plan.cores, cfg.vllm.num_engines,
+                 engines or "as Ray sets", plan.describe())
+        return plan
+
+    def threads(self, phase: str, group) -> int:
+        """The group's threads in `phase`."""
+        if id(group) in self.fixed:
+            return self.fixed[id(group)]
+        return share(self.cores, processes(self.phases[phase]))
+
+    def describe(self) -> str:
+        """E.g. "score: ref 2; train: actor 2 (torch threads per rank)"."""
+        return "; ".join(f"{phase}: " + ", ".join(f"{getattr(g, 'role', '?')} {self.threads(phase, g)}" for g in gs)
+                         for phase, gs in self.phases.items() if gs) + " (torch threads per rank)"
+
+    def before(self, phase: str) -> None:
+        """Send this phase's thread counts to its groups, waited for: a rank actor applies the stored count on
+        the thread that runs each call, so it must be stored before the phase's call starts. Usually sent once: a
+        group whose phases all give it the same count is not called again. The counts depend only on the run's
+        flags and the machine's cores, never on its load: the thread count changes floating-point summation
+        order, and a seeded run (and a resumed one) must give the same numbers whatever else runs on the
+        machine."""
+        for g in self.phases.get(phase, []):
+            n = self.threads(phase, g)
+            if self._last.get(id(g)) != n:
+                g.set_cpu_threads(n)
+                self._last[id(g)] = n

@@ -1,0 +1,1 @@
+"""One run top to bottom (run.py: lock, inputs, Ray start, bring-up, fit, export) and `orlhf plan`."""

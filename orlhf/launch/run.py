@@ -1,0 +1,286 @@
+"""What `orlhf train-ppo` runs once its flags are a finished TrainConfig (config/resolve.py: validated, the device and
+the demo's paths resolved).
+
+    lock the run and checkpoint folders (runlock: a second run on them exits here) -> file pre-flight -> prompts
+    (in a thread) while Ray connects -> pre-flight + placement groups -> start engines (async) and model groups
+    (colocated on GPUs: engines ready -> engines asleep -> model groups; launch/bringup.py) -> init all -> weight-sync
+    group -> Controller.fit() -> export the final actor, and critic (atomic, launch/export.py)
+    -> draw the reward curve (best effort) -> tear everything down (also on errors and Ctrl-C)
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import math
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from pathlib import Path
+
+from orlhf.launch.bringup import launch_engines, start_models
+from orlhf.config.train_config import TrainConfig
+from orlhf.config.redact import public_config
+from orlhf.distributed.ray_start import connect_ray
+from orlhf.config.roles import model_path
+
+log = logging.getLogger("orlhf")
+
+
+def train_ppo(cfg: TrainConfig) -> int:
+    """Run PPO with a finished `cfg` (finish.finish_config). Returns the process exit code."""
+    from orlhf.storage.runlock import hold_folders
+    from orlhf.launch.startup_clock import StartupClock
+
+    clock = StartupClock()  # from process start: imports and flag parsing count too
+    logging.basicConfig(level=logging.INFO, format="[orlhf] %(message)s")
+    clock.mark("imports")
+    run_id = uuid.uuid4().hex[:12]  # a resumed run takes its checkpoint's (run_locked)
+    with hold_folders(cfg.logging.save_path, cfg.logging.checkpoint_dir, run_id):
+        return run_locked(cfg, run_id, clock)
+
+
+def run_locked(cfg: TrainConfig, run_id: str, clock) -> int:
+    """train_ppo once this process holds the run folder and the checkpoint folder (`clock`: startup.StartupClock)."""
+    # Only what Ray's start needs is imported before it: torch (checkpoint, controller: ~2.5 CPU-s) loads in the
+    # inputs thread (the tokenizer's transformers imports it) while ray.init waits on Ray's processes.
+    import ray
+
+    from orlhf.storage.logs import setup_driver
+    from orlhf.distributed.layout import cpu_slots_needed, local_num_cpus, plan_layout
+
+    run_logs = setup_driver(cfg.logging.save_path, cfg.runtime.verbose)  # once the run folder is ours
+    log.info("%s", run_logs.summary())
+    p = cfg.ppo
+    preflight(cfg, run_logs)
+    layout = plan_layout(cfg)
+
+    # No automatic collections during start-up: the driver's imports (torch, the tokenizer, Ray's client) build
+    # ~375k objects that live as long as the run, and Python's collector would walk them again and again (0.2-0.3
+    # CPU-s, while every process of the run is starting on the same cores). Frozen once the controller exists.
+    gc.disable()
+    with ExitStack() as stack:
+        stack.callback(gc.enable)  # also when start-up fails
+        inputs = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="orlhf-inputs"))
+        reading = inputs.submit(read_inputs, cfg, run_id, run_logs)
+        # in this thread: Ray sets its SIGTERM handler only here
+        if connect_ray(cfg, local_num_cpus(layout), cpu_slots_needed(layout)):
+            stack.callback(ray.shutdown)
+        clock.mark("ray")
+        from orlhf.distributed.placement import create_placement_groups, remove_placement_groups
+
+        placed = create_placement_groups(layout, cfg.runtime.ray_timeout_s)
+        stack.callback(remove_placement_groups, placed)
+        t0 = time.monotonic()
+        # The engines' start is the longest (vLLM's import, then LLM()); it needs only the flags and its bundles,
+        # so it begins before this thread waits for the inputs (measured waits: 0.1-1.7 s).
+        engines = launch_engines(cfg, placed, stack)
+        clock.mark("placement")
+        checkpoints, tokenizer, loader, evaluator, resume_from, resume_step, run_id = reading.result()
+        from orlhf.trainer.controller import Controller
+
+        samples_per_step = p.rollout_batch_size * p.n_samples_per_prompt
+        optimizer_steps = loader.total_steps * p.max_epochs * (samples_per_step // p.train_batch_size)
+        clock.mark("prompts")
+        models = start_models(cfg, placed, optimizer_steps, stack, clock, engines)
+        log.info("%d model group(s) and %d engine(s) ready in %.1f s", len(models.groups()), len(models.engines),
+                 time.monotonic() - t0)
+        metrics = make_metrics(cfg, resume_step, run_id)
+        controller = Controller(cfg, models, loader, tokenizer, metrics, reward_source=make_reward(cfg),
+                                checkpoints=checkpoints, evaluator=evaluator,
+                                best_checkpoints=checkpoints.best())  # after resume_point: the run's id
+        if resume_from is not None:
+            controller.resume(resume_from)
+        clock.mark("controller")
+        gc.freeze()
+        gc.enable()
+        log.info("%s", clock.report())
+        clock.save(Path(cfg.logging.save_path) / "startup.json")
+        try:
+            history = controller.fit()
+        finally:
+            metrics.close(plot=False)
+        finish_run(cfg, models, metrics, history, run_id)
+    run_logs.close()
+    return 0
+
+
+def read_inputs(cfg: TrainConfig, run_id: str, run_logs) -> tuple:
+    """Tokenizer, prompts, eval prompts, resume point: in a thread while Ray starts (run_locked; the tokenizer's
+    import of transformers and torch is most of it); their errors are raised once Ray is up, and Ray is shut down.
+    Returns (checkpoints, tokenizer, loader, evaluator, resume_from, resume_step, run_id)."""
+    run_logs.route_transformers()  # first: it imports transformers, before anything here can log through it
+    from orlhf.storage.checkpoint import CheckpointManager
+    from orlhf.inputs.prompts import PromptLoader, load_tokenizer
+
+    p = cfg.ppo
+    checkpoints = CheckpointManager(cfg.logging.checkpoint_dir, cfg.logging.max_ckpt_num, run_id)
+    tokenizer = load_tokenizer(cfg.data.pretrain)
+    loader = PromptLoader(load_prompts(cfg, tokenizer), p.rollout_batch_size, p.num_episodes, p.seed)
+    evaluator = make_evaluator(cfg, tokenizer)  # eval data problems fail here, before any model starts
+    return (checkpoints, tokenizer, loader, evaluator) + resume_point(cfg, checkpoints, run_id)
+
+
+def make_metrics(cfg: TrainConfig, resume_step, run_id: str):
+    """The run's metrics.jsonl (and W&B / TensorBoard when asked), continuing after `resume_step` when resuming."""
+    from orlhf.storage.metrics import MetricsLogger
+
+    lg = cfg.logging
+    return MetricsLogger(lg.save_path, use_wandb=lg.use_wandb, wandb_project=lg.wandb_project,
+                         wandb_run_name=lg.wandb_run_name, use_tensorboard=lg.use_tensorboard,
+                         config=public_config(cfg), resume_step=resume_step, run_id=run_id, wandb_org=lg.wandb_org,
+                         wandb_group=lg.wandb_group)
+
+
+def preflight(cfg: TrainConfig, run_logs=None) -> None:
+    """Checks that read files before Ray starts, so a wrong agent file or value head fails in a second.
+    `run_logs` (logs.RunLogs) routes transformers' logging first when they may import it."""
+    check_value_heads(cfg)  # config.json and tensor headers only: milliseconds (head_files.check_head)
+    if cfg.deepspeed.packing_samples and not cfg.deepspeed.flash_attn:
+        log.warning("--packing_samples without --flash_attn: attention runs over each packed row with a "
+                    "block-diagonal mask, whose cost grows with the square of the row (on CPU: 0.55-0.7x of "
+                    "the default trimmed micro-batches, benchmarks/bench_padding.py); packing pays with "
+                    "flash-attn's varlen kernels on GPUs")
+    if run_logs is not None and cfg.data.agent_func_path:
+        run_logs.route_transformers()  # an agent file may import transformers here
+    if cfg.data.agent_func_path:  # an agent file that does not import or defines no AgentExecutor
+        from orlhf.rollout.executor import load_agent_executor
+
+        load_agent_executor(cfg.data.agent_func_path)
+
+
+def resume_point(cfg: TrainConfig, checkpoints, run_id: str):
+    """(checkpoint folder or None, its step or None, the run id). Resuming, the same run goes on: its checkpoints'
+    run id (also on W&B), and metrics logged after its step are cut (those steps are trained again). A checkpoint
+    written under other flags fails here, before anything starts."""
+    resume_from = find_checkpoint(cfg, checkpoints)
+    if resume_from is None:
+        return None, None, run_id
+    from orlhf.storage.checkpoint import read_meta
+
+    meta = read_meta(resume_from)
+    run_id = checkpoints.run_id = meta.get("run_id") or run_id
+    return resume_from, int(meta["step"]), run_id
+
+
+def finish_run(cfg: TrainConfig, models, metrics, history: list[dict], run_id: str) -> None:
+    """The run's outputs, models first (atomic export, then the critic), then the best-effort figures: a plotting
+    failure costs a figure, never a model."""
+    from orlhf.launch.export import export_actor, export_model
+    from orlhf.workers import CriticWorker
+
+    save = Path(cfg.logging.save_path)
+    out = export_actor(models.actor, save / "actor", run_id)
+    if cfg.logging.save_value_network and models.critic is not None:
+        export_model(models.critic, CriticWorker.save_value_network, save / "critic", run_id)
+    png = metrics.plot()
+    log.info("done: %d steps; final actor in %s; metrics in %s%s", len(history), out, metrics.path,
+             f"; curve in {png}" if png else "")
+    summarize(history)
+    write_report(cfg.logging.save_path)
+
+
+def load_prompts(cfg: TrainConfig, tokenizer) -> list:
+    """--prompt_data (one source or a mix) -> formatted, tokenized Prompts; logs the start-up line
+    "prompts: N of M used (...)"."""
+    from orlhf.inputs.prompts import build_prompts
+    from orlhf.inputs.prompt_mix import load_prompt_mix
+
+    d, p = cfg.data, cfg.ppo
+    rows = load_prompt_mix(d.prompt_data, d.prompt_data_probs, d.prompt_split, d.input_key, d.label_key,
+                           d.max_samples, p.seed)
+    prompts, stats = build_prompts(rows, tokenizer, d.input_key, d.label_key, d.apply_chat_template,
+                                   d.input_template, p.prompt_max_len, d.prompt_overflow)
+    log.info("%s", stats.summary())  # the summary starts with "prompts: " itself
+    return prompts
+
+
+def check_value_heads(cfg: TrainConfig) -> None:
+    """The reward model's and critic's value heads, checked from their files before Ray starts (a wrong
+    --value_head_prefix fails in a second, not after the start-up); the workers load the same way."""
+    if not (cfg.has_reward_model or cfg.has_critic):
+        return
+    from orlhf.inputs.head_files import check_head
+
+    d = cfg.data
+    if cfg.has_reward_model:
+        check_head(d.reward_pretrain, d.value_head_prefix, required=True)
+    if cfg.has_critic:
+        check_head(model_path(cfg, "critic"), d.value_head_prefix, required=False)
+
+
+def write_report(save_path: str) -> None:
+    """`orlhf report` at the end of the run. Best effort: the model is already saved, so a plotting failure only
+    costs the figure."""
+    try:
+        from orlhf.storage.report import write_report as write
+
+        png, html = write(save_path)
+        log.info("report: %s and %s", png, html)
+    except Exception as e:  # noqa: BLE001 - never lose a finished run to a plot
+        log.warning("could not write the report (%s: %s); `orlhf report %s` retries it", type(e).__name__, e,
+                    save_path)
+
+
+def find_checkpoint(cfg: TrainConfig, checkpoints):
+    """--load_checkpoint: the newest complete checkpoint (checked against these flags), or None to start fresh.
+    Without it, a --ckpt_path that already holds checkpoints is refused when this run would save there."""
+    from orlhf.storage.checkpoint import read_meta
+    from orlhf.storage.checkpoint_format import CheckpointError, check_compatible
+    from orlhf.config.fingerprint import config_fingerprint
+
+    checkpoints.cleanup_stale_tmp()
+    saves = cfg.logging.save_steps > 0 or cfg.runtime.stop_after_steps is not None  # (it saves at the stop)
+    if not cfg.logging.load_checkpoint:
+        if saves:
+            checkpoints.check_new_run()
+        return None
+    path = checkpoints.latest()
+    if path is None:
+        if not cfg.logging.allow_no_checkpoint:
+            raise CheckpointError(
+                f"--load_checkpoint: no complete checkpoint in {checkpoints.root} (--ckpt_path), so there is "
+                "nothing to resume. Check --ckpt_path (it defaults to <save_path>/checkpoints_ppo), or add "
+                "--allow_no_checkpoint to start fresh when there is none.")
+        log.info("--load_checkpoint: no complete checkpoint in %s, starting fresh (--allow_no_checkpoint)",
+                 checkpoints.root)
+        if saves:
+            checkpoints.check_new_run()
+        return None
+    check_compatible(read_meta(path), config_fingerprint(cfg), path)
+    return path
+
+
+def make_evaluator(cfg: TrainConfig, tokenizer):
+    """--eval_dataset: the held-out prompts and when to run them (orlhf/trainer/evaluation.py); None without it."""
+    e = cfg.eval
+    if e.eval_dataset is None:
+        return None
+    from orlhf.trainer.evaluation import Evaluator, load_eval_prompts
+
+    return Evaluator(load_eval_prompts(cfg, tokenizer), e.eval_n_samples_per_prompt, e.eval_temperature,
+                     cfg.ppo.top_p, cfg.ppo.generate_max_len, cfg.ppo.seed, e.eval_steps, e.best_metric_key)
+
+
+def make_reward(cfg: TrainConfig):
+    if cfg.data.remote_rm_url is None:
+        return None  # the reward-model group scores
+    from orlhf.inputs.rewards import make_reward_source
+
+    return make_reward_source(cfg.data.remote_rm_url, timeout_s=cfg.data.reward_timeout_s)
+
+
+def summarize(history: list[dict]) -> None:
+    """The numbers a user wants at the end: reward first vs last steps, speed, where the time went."""
+    if not history:
+        return
+    k = max(1, min(10, len(history) // 2))
+    first = sum(r["reward_mean"] for r in history[:k]) / k
+    last = sum(r["reward_mean"] for r in history[-k:]) / k
+    sps = sum(r["samples"] for r in history) / sum(r["step_s"] for r in history)
+    phases = {key[7:]: sum(r[key] for r in history) for key in history[0] if key.startswith("timing/")}
+    total = sum(phases.values()) or 1.0
+    share = ", ".join(f"{name} {100 * v / total:.0f}%" for name, v in phases.items())
+    log.info("reward: first %d steps %.3f -> last %d steps %.3f (x%.2f); %.1f samples/s; time: %s",
+             k, first, k, last, last / first if first else math.inf, sps, share)

@@ -1,0 +1,331 @@
+"""Checkpoints on disk: atomic commit, rotation, resume lookup, driver/RNG state files, safe loading (the IO side).
+
+The pure side (names, meta.json's format, the compatibility check, the state encoding) is storage/checkpoint_format.py.
+
+    <ckpt_path>/
+      step_000010/                 a complete checkpoint: it only ever appears by one os.rename, meta.json inside
+        meta.json                  written last: format, step, time, orlhf version, run id, ranks per role, fingerprint
+        controller.json            driver state as plain JSON (step, loader, KL, reward norm, python/numpy RNG)
+        controller.safetensors     its tensors (torch RNG states), referenced from controller.json
+        actor/                     the actor group's DeepSpeed checkpoint (DeepSpeedWorker.save_checkpoint):
+          latest, global_stepN/    every rank's ZeRO shards of parameters and optimizer, LR scheduler, counters
+          rng_rank<r>.json|.safetensors   each rank's RNG states
+          zero_to_fp32.py          DeepSpeed's offline consolidation script (python zero_to_fp32.py actor out)
+        critic/                    the same for the critic (every trained role of config/roles.py has its folder)
+        hf/actor/                  with --save_hf_ckpt: HF folder (safetensors) that transformers and vLLM load
+                                   (--disable_ds_ckpt: only this and controller state; meta "resumable": false)
+      .tmp-step_000020-1a2b3c4d/   a save in progress, or one that crashed: never read; owner.json inside names its
+                                   writer (pid, host, run id): cleanup_stale_tmp removes it once that writer is gone
+      .trash-step_000001-...       a rotated checkpoint being deleted
+
+    start:  (runlock: this run holds <ckpt_path>/.orlhf.lock) mgr = CheckpointManager(--ckpt_path, --max_ckpt_num,
+            run_id); mgr.cleanup_stale_tmp()
+            saving without --load_checkpoint: mgr.check_new_run() (another run's checkpoints are there: refuse)
+    save:   tmp = mgr.begin(step) -> every trained group: save_checkpoint(tmp/<role>) (collective per group)
+            -> driver: save_controller_state(tmp, state) -> mgr.commit(tmp, step, meta)
+    resume: path = mgr.latest() (None: start fresh) -> checkpoint_format.check_compatible(read_meta(path),
+            fingerprint.config_fingerprint(cfg))
+            -> every trained group, right after init: load_checkpoint(path/<role>) -> load_controller_state(path)
+
+Invariants
+- A `step_*` folder with a readable meta.json is complete: everything else is written and fsynced first, then
+  meta.json, then one rename. A crash at any point leaves either the previous checkpoints or a `.tmp-*`/`.trash-*`
+  folder that latest() never returns. Deletion renames to `.trash-*` first, so a half-deleted checkpoint is
+  never mistaken for a complete one.
+- The manager deletes only folders named `step_<digits>` or `.tmp-step_*` / `.trash-step_*` in ckpt_path.
+- --ckpt_path must be storage every node sees (one shared filesystem): ranks write, the driver renames.
+- Loading never unpickles code: JSON, safetensors, and torch.load(weights_only=True) (DeepSpeed's own
+  files: its two plain state classes are allow-listed for that load only, see safe_torch_load).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from orlhf.storage.checkpoint_format import (FORMAT_VERSION, META, STEP_DIR, TMP_PREFIX, TRASH_PREFIX, CheckpointError,
+                                     decode_state, encode_state, meta_problem, step_dir_name)
+from orlhf.storage.runlock import OWNER_NAME, owner_gone, write_owner
+
+log = logging.getLogger(__name__)
+
+
+# ---- the folder: begin, commit, rotate, latest ----------------------------------------------------------------
+
+class CheckpointManager:
+    """Owns <ckpt_path>: temporary folders, atomic commits, keeping the newest `max_ckpt_num`, finding the latest.
+
+    Driver-side only (one process). max_ckpt_num < 1 keeps every checkpoint.
+    """
+
+    def __init__(self, ckpt_path: str | os.PathLike, max_ckpt_num: int, run_id: str = ""):
+        self.root = Path(ckpt_path).expanduser().absolute()
+        self.max_ckpt_num = max_ckpt_num
+        self.run_id = run_id  # recorded in every temp folder's owner.json and every meta.json
+
+    def best(self) -> "CheckpointManager":
+        """The manager of <ckpt_path>/best (the best-eval checkpoint, --best_metric_key): one kept, outside this
+        rotation, recording this run's id (built from here so the id cannot be left out)."""
+        return CheckpointManager(self.root / "best", 1, self.run_id)
+
+    def begin(self, step: int) -> Path:
+        """A fresh temporary folder for the checkpoint of `step`, next to where it will be renamed to."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / f"{TMP_PREFIX}{step_dir_name(step)}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()  # not mkdtemp: its 0700 mode would stick to the final folder; this respects the umask
+        write_owner(tmp, self.run_id)
+        return tmp
+
+    def commit(self, tmp: str | os.PathLike, step: int, meta: dict[str, Any]) -> Path:
+        """Make `tmp` the complete checkpoint of `step` and rotate; returns its final path.
+
+        `meta` is JSON-able and should hold "fingerprint" (config_fingerprint) and "roles" ({role: ranks}); it is
+        stored with format, step, time and orlhf version added. For each role the folder must hold every rank's
+        RNG file (a cheap proof that all ranks' writes reached the storage the driver sees). Everything is
+        fsynced, meta.json written last, then one rename; a checkpoint of the same step already there is replaced.
+        """
+        from orlhf import __version__
+
+        tmp = Path(tmp).absolute()
+        if tmp.parent != self.root or not tmp.name.startswith(TMP_PREFIX):
+            raise ValueError(f"{tmp} is not a folder from {type(self).__name__}.begin() in {self.root}")
+        for role, ranks in (meta.get("roles") or {}).items():
+            _check_ranks_wrote(tmp / role, role, ranks)
+        full = {**meta, "format": FORMAT_VERSION, "step": int(step), "time": time.time(),
+                "orlhf_version": __version__, "run_id": self.run_id}
+        _fsync_tree(tmp)
+        _write_json_durable(tmp / META, full)
+        final = self.root / step_dir_name(step)
+        old = self._trash(final) if final.exists() else None
+        os.rename(tmp, final)
+        _fsync_dir(self.root)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        log.info("checkpoint saved: %s", final)
+        self.rotate()
+        return final
+
+    def rotate(self) -> list[Path]:
+        """Delete complete checkpoints beyond the newest max_ckpt_num; returns the deleted paths."""
+        if self.max_ckpt_num < 1:
+            return []
+        doomed = self.complete()[self.max_ckpt_num:]
+        for path in doomed:
+            shutil.rmtree(self._trash(path), ignore_errors=True)
+            log.info("checkpoint rotated out (--max_ckpt_num %d): %s", self.max_ckpt_num, path)
+        return doomed
+
+    def complete(self) -> list[Path]:
+        """Complete checkpoints, newest first. Logs (does not delete) everything it skips and why."""
+        if not self.root.is_dir():
+            return []
+        found = []
+        for entry in self.root.iterdir():
+            if entry.name.startswith((TMP_PREFIX, TRASH_PREFIX)):
+                log.info("ignoring %s: an unfinished save or deletion (cleanup_stale_tmp removes it)", entry)
+                continue
+            match = STEP_DIR.match(entry.name)
+            if not match or not entry.is_dir():
+                continue
+            problem = _meta_problem(entry, int(match.group(1)))
+            if problem:
+                log.warning("ignoring %s: %s", entry, problem)
+                continue
+            found.append((int(match.group(1)), entry))
+        return [path for _, path in sorted(found, reverse=True)]
+
+    def latest(self) -> Optional[Path]:
+        """The newest complete checkpoint, or None."""
+        done = self.complete()
+        return done[0] if done else None
+
+    def check_new_run(self) -> None:
+        """For a run that saves without --load_checkpoint: refuse a --ckpt_path that holds another run's
+        checkpoints (rotation by step would delete this run's new, lower-numbered ones, and a later resume would
+        pick the old run's)."""
+        done = self.complete()
+        if done:
+            raise CheckpointError(
+                f"--ckpt_path {self.root} already holds {len(done)} checkpoint(s), the newest {done[0].name}. Pass "
+                "--load_checkpoint to resume from it, or choose another --ckpt_path (or delete those folders).")
+
+    def cleanup_stale_tmp(self) -> list[Path]:
+        """Remove `.tmp-step_*` / `.trash-step_*` leftovers of crashed saves whose writer is gone (runlock.owner_gone;
+        a trash folder is a complete checkpoint being deleted: nobody writes it). Call before the first save only
+        (no save of this run may be in flight). Returns what was removed."""
+        if not self.root.is_dir():
+            return []
+        stale = []
+        for e in self.root.iterdir():
+            if not e.is_dir():
+                continue
+            if e.name.startswith(TRASH_PREFIX + "step_") or (e.name.startswith(TMP_PREFIX + "step_")
+                                                              and owner_gone(e)):
+                stale.append(e)
+            elif e.name.startswith(TMP_PREFIX + "step_"):
+                log.warning("keeping %s: its writer (%s) is still running", e, e / OWNER_NAME)
+        for path in stale:
+            shutil.rmtree(path, ignore_errors=True)
+            log.info("removed leftover of an unfinished checkpoint save: %s", path)
+        return stale
+
+    def _trash(self, path: Path) -> Path:
+        trash = self.root / f"{TRASH_PREFIX}{path.name}-{uuid.uuid4().hex[:8]}"
+        os.rename(path, trash)  # atomic: from here on nothing reads it as a checkpoint
+        return trash
+
+
+def read_meta(path: str | os.PathLike) -> dict[str, Any]:
+    """meta.json of a checkpoint folder; CheckpointError if missing or unreadable."""
+    try:
+        return json.loads((Path(path) / META).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: no readable {META} ({e}); it is not a complete orlhf checkpoint") from e
+
+
+def _meta_problem(path: Path, step: int) -> Optional[str]:
+    try:
+        meta = json.loads((path / META).read_text())
+    except FileNotFoundError:
+        return f"no {META} (not a complete orlhf checkpoint)"
+    except (OSError, ValueError) as e:
+        return f"unreadable {META} ({e})"
+    return meta_problem(meta, step)
+
+
+def _check_ranks_wrote(folder: Path, role: str, ranks: int) -> None:
+    missing = [r for r in range(ranks) if not (folder / f"rng_rank{r}.json").exists()]
+    if missing:
+        raise CheckpointError(
+            f"{folder}: ranks {missing} of the {role} group ({ranks} ranks) left no files here. Every rank must "
+            "see --ckpt_path: on several nodes put it on a shared filesystem.")
+
+
+# ---- driver state and RNG -------------------------------------------------------------------------------------
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states: python `random`, numpy's global generator, torch CPU, and CUDA if in use."""
+    import numpy as np
+
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": random.getstate(),
+             "numpy": {"kind": kind, "keys": keys.tolist(), "pos": int(pos), "has_gauss": int(has_gauss),
+                       "cached_gaussian": float(cached)},
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # never initialise CUDA just to read it
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    import numpy as np
+
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    n = state["numpy"]
+    np.random.set_state((n["kind"], np.asarray(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        if len(state["cuda"]) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(state["cuda"])
+        else:
+            log.warning("checkpoint has CUDA RNG states of %d devices, this process sees %d: not restored",
+                        len(state["cuda"]), torch.cuda.device_count())
+
+
+def save_state(folder: str | os.PathLike, name: str, state: dict[str, Any]) -> None:
+    """Write `state` as <name>.json, its tensors (any depth) in <name>.safetensors. Tuples come back as tuples.
+    Dict keys must be strings; leaves: None, bool, int, float, str, torch.Tensor."""
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    doc = encode_state(state, tensors)
+    folder = Path(folder)
+    if tensors:
+        save_file(tensors, str(folder / f"{name}.safetensors"))
+    (folder / f"{name}.json").write_text(json.dumps(doc, indent=1))
+
+
+def load_state(folder: str | os.PathLike, name: str) -> dict[str, Any]:
+    """Read what save_state wrote (JSON + safetensors: no pickle)."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    try:
+        doc = json.loads((folder / f"{name}.json").read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{folder}: cannot read {name}.json ({e})") from e
+    blob = folder / f"{name}.safetensors"
+    tensors = load_file(str(blob)) if blob.exists() else {}
+    return decode_state(doc, tensors)
+
+
+def save_controller_state(folder: str | os.PathLike, state: dict[str, Any]) -> None:
+    """The driver's state (include "rng": rng_state()) into a checkpoint folder: controller.json (+ tensors)."""
+    save_state(folder, "controller", state)
+
+
+def load_controller_state(folder: str | os.PathLike) -> dict[str, Any]:
+    return load_state(folder, "controller")
+
+
+# ---- DeepSpeed's files, loaded without unpickling code --------------------------------------------------------
+
+def deepspeed_safe_globals() -> list:
+    """The non-torch classes in DeepSpeed 0.19.8's checkpoint files for orlhf's configs (ZeRO 0/1/2/3, bf16, Adam
+    offload), as torch.serialization.get_unsafe_globals_in_checkpoint lists them: an enum and two plain
+    data holders (no code runs when they are rebuilt). Allowed for loads of those files only."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [ZeroStageEnum, LossScaler, fragment_address]
+
+
+def safe_torch_load(path: str | os.PathLike, map_location=None) -> Any:
+    """torch.load(weights_only=True) with DeepSpeed's state classes allowed for this call only."""
+    with torch.serialization.safe_globals(deepspeed_safe_globals()):
+        return torch.load(path, map_location=map_location, weights_only=True)
+
+
+# ---- durability ------------------------------------------------------------------------------------------------
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            fd = os.open(os.path.join(dirpath, f), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a directory's entries (new files, a rename) durable. Some network filesystems refuse fsync on a
+    directory (EINVAL); there the rename is as durable as that filesystem makes it."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_json_durable(path: Path, obj: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(path.parent)

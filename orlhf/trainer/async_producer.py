@@ -1,0 +1,84 @@
+"""The producer side of --async_train: a thread that keeps the engines generating ahead of the trainers.
+
+    producer thread:  [acquire a slot] -> lock -> engines.generate(batch i) -> unlock -> ahead(batch i)
+                      -> queue.put(batch i)
+    controller:       queue.get() -> release a slot -> score, train -> sync (takes the lock)
+
+`ahead` (optional): called with each batch's prompts and rollouts as soon as it is generated, outside the lock;
+what it returns travels with the batch. The controller starts the frozen models' forwards there (reference,
+reward model: Scorer.ahead, orlhf/trainer/scoring.py), so they run while the trainers still work on the batch before.
+
+Invariants:
+- At most `queue_size` batches are generated and not yet taken by the trainer (a semaphore of queue_size
+  slots, released when the controller takes a batch); so rollouts are at most queue_size versions stale.
+- A weight sync holds `lock`, which the producer holds while generating: weights never change mid-generation.
+- An exception in the producer is re-raised in the controller's thread at the next get; stopping the
+  producer (context exit: the end, an error or Ctrl-C) returns within STOP_WAIT_S. A generation in flight
+  cannot be interrupted from here: the thread (a daemon) is left to end when the engines are shut down, which
+  the caller does right after, and its result is dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Any, Callable, Iterator, Optional
+
+_DONE = object()
+STOP_WAIT_S = 5.0  # how long context exit waits for the producer thread
+log = logging.getLogger(__name__)
+
+
+class RolloutProducer:
+    def __init__(self, generate: Callable[[list, int], list], loader, queue_size: int,
+                 ahead: Optional[Callable[[list, list], Any]] = None):
+        self.generate, self.loader, self.ahead = generate, loader, ahead
+        self.lock = threading.Lock()  # held while generating and while syncing weights
+        self._slots = threading.Semaphore(queue_size)
+        self._queue: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="orlhf-rollout-producer", daemon=True)
+        self._first_index = getattr(loader, "steps_done", 0)
+
+    def __enter__(self) -> "RolloutProducer":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._slots.release()  # unblock a producer waiting for a slot
+        self._thread.join(timeout=STOP_WAIT_S)
+        if self._thread.is_alive():
+            log.info("rollout producer still in a generation after %.0f s; leaving it to end with the engines",
+                     STOP_WAIT_S)
+
+    def __iter__(self) -> Iterator[tuple[list, list, float, Any]]:
+        """(prompts, rollouts, generation seconds, ahead's result or None) per batch, in loader order."""
+        while True:
+            item = self._queue.get()
+            if item is _DONE:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            self._slots.release()  # the trainer has it: the producer may start one more
+            yield item
+
+    def _run(self) -> None:
+        try:
+            for i, prompts in enumerate(self.loader, start=self._first_index):
+                self._slots.acquire()
+                if self._stop.is_set():
+                    return
+                with self.lock:
+                    t0 = time.perf_counter()
+                    rollouts = self.generate(prompts, i)
+                    seconds = time.perf_counter() - t0
+                if self._stop.is_set():
+                    return
+                early = self.ahead(prompts, rollouts) if self.ahead is not None else None
+                self._queue.put((prompts, rollouts, seconds, early))
+            self._queue.put(_DONE)
+        except BaseException as e:  # surfaced in the controller's thread
+            self._queue.put(e)

@@ -1,0 +1,357 @@
+"""The PPO loop. One driver process (this one) calls the model groups and engines; no logic lives in them.
+
+    for each step (a batch of --rollout_batch_size prompts):
+      generate         engines: prompt ids -> n_samples_per_prompt rollouts each (ids, engine log-probs); with
+                       --agent_func_path one multi-turn agent episode per sample (rollout/executor.py);
+                       with --dynamic_filtering scored at once and refilled until full (trainer/dynamic_filtering.py)
+      score            in parallel: actor old log-probs | ref log-probs | critic values | rewards (RM group, or
+                       the reward function / HTTP server while the groups work). Skipped, as they cannot change
+                       the update: ref without a KL (TrainConfig.has_reference), old log-probs on a single pass
+                       (TrainConfig.single_pass: the actor's training forward supplies them, the ratio is 1);
+                       trainer/scoring.py (async mode starts the frozen models' forwards when a batch is generated)
+      (guard)          engine log-probs vs the actor's: past --max_engine_logprob_gap the run stops (trainer/sync_guard.py)
+      make_experience  driver: KL, group baseline, KL-shaped rewards, advantages and returns (algo/)
+      train            actor and critic train_step at the same time (non-blocking calls, gathered after; a critic
+                       hosted in a one-rank actor's process on CPU trains on a thread beside it: roles.host_of);
+                       --freezing_actor_steps N: the critic alone while the step index (0-based) is <= N
+      sync_weights     actor -> engines (trainer/weight_sync.py); weight_version += 1; before the next generate
+                       (skipped after a frozen-actor step: the engines already hold those weights)
+      evaluate         every --eval_steps steps and after the last: held-out prompts on the new weights
+                       (trainer/evaluation.py; no training state touched), the best checkpoint kept apart
+
+Invariants: weights are synced after the optimizer steps of a step and before the next generation, so every
+rollout of step k+1 comes from weight_version k+1. Async mode (fit_async) relaxes this: generation runs ahead
+by at most --async_queue_size batches, and a sync never overlaps a generation (the producer's lock).
+Each phase is timed (`timing/<phase>` seconds in metrics.jsonl).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from orlhf.algo.kl import make_kl_controller
+from orlhf.config.train_config import TrainConfig
+from orlhf.trainer.dynamic_filtering import DynamicFilter
+from orlhf.trainer.experience import ExperienceConfig, make_experience, rollouts_to_batch
+from orlhf.storage.metrics import MetricsLogger
+from orlhf.rollout.executor import agent_metrics, make_executor
+from orlhf.trainer.scoring import ScoredAhead, Scorer
+from orlhf.trainer.hybrid_memory import SleepSwitch
+from orlhf.trainer.step_stats import FROZEN_ACTOR_STATS, engine_gap, mean_stats
+from orlhf.trainer.sync_guard import SyncGuard
+from orlhf.cpu.threads import PhaseThreads
+from orlhf.types import Experience, Rollout, SamplingSpec
+from orlhf.workers import CriticWorker, PolicyWorker
+from orlhf.workers.shared_prompt import prompt_major_order
+
+if TYPE_CHECKING:  # annotations only: the loop itself imports no Ray (benchmarks/hybrid_engine_baseline.py runs it
+    # on SPMD ranks without Ray, with groups of its own that answer the same calls)
+    from orlhf.distributed.groups import ActorGroup
+    from orlhf.rollout.engine import EngineGroup
+    from orlhf.trainer.weight_sync import WeightSync
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Models:
+    """Everything the controller drives. critic exists with gae only; reward with --reward_pretrain only; ref only
+    when a KL uses it (TrainConfig.has_reference)."""
+
+    actor: ActorGroup
+    ref: Optional[ActorGroup]
+    engines: EngineGroup
+    sync: WeightSync
+    critic: Optional[ActorGroup] = None
+    reward: Optional[ActorGroup] = None
+
+    def groups(self) -> list:
+        return [g for g in (self.actor, self.ref, self.critic, self.reward) if g is not None]
+
+    def trained(self) -> list[tuple[str, ActorGroup]]:
+        """(role, group) of the models that learn, whose DeepSpeed state a checkpoint holds."""
+        return [("actor", self.actor)] + ([("critic", self.critic)] if self.critic else [])
+
+
+class Controller:
+    def __init__(self, cfg: TrainConfig, models: Models, loader, tokenizer, metrics: MetricsLogger,
+                 reward_source=None, checkpoints=None, evaluator=None, best_checkpoints=None):
+        self.cfg, self.m, self.loader, self.tok, self.metrics = cfg, models, loader, tokenizer, metrics
+        # the score phase (orlhf/trainer/scoring.py); reward_source: function file / HTTP, None when a reward model scores
+        self.scorer = Scorer(cfg, models, tokenizer, reward_source)
+        self.exp_cfg = ExperienceConfig.from_ppo(cfg.ppo)
+        p = cfg.ppo
+        self.kl_ctl = make_kl_controller(p.init_kl_coef, p.kl_target, p.kl_horizon)
+        self.step_index = 0  # steps done
+        self.weight_version = 0  # bumped by every sync; engines tag rollouts with the version they hold
+        self.timings: dict[str, float] = {}
+        self.history: list[dict] = []
+        self.checkpoints = checkpoints  # a checkpoint.CheckpointManager, or None
+        self.evaluator = evaluator  # an evaluation.Evaluator (--eval_dataset), or None
+        self.best_checkpoints = best_checkpoints  # CheckpointManager of <ckpt_path>/best (--best_metric_key)
+        self.sleep = SleepSwitch(cfg, models)  # hybrid mode's memory hand-over (no-op unless asked, on GPU)
+        # Rollouts: one generation per sample, or an agent episode per sample with --agent_func_path.
+        self.executor = make_executor(cfg.data.agent_func_path, models.engines, tokenizer,
+                                      cfg.ppo.prompt_max_len + cfg.ppo.generate_max_len, cfg.runtime.ray_timeout_s)
+        self.guard = SyncGuard.from_config(cfg)  # --max_engine_logprob_gap (orlhf/trainer/sync_guard.py)
+        self.guard.announce()  # where it does not look, said once now
+        self.threads = PhaseThreads.from_config(cfg, models)  # CPU: threads handed over per phase
+        self._first_step = 0  # step_index when this invocation started (resume)
+        self._saved_step: Optional[int] = None  # step of this invocation's newest checkpoint
+        self._sync_lock = threading.Lock()
+        self._last_step_end = time.perf_counter()
+        self.filter = DynamicFilter(p.rollout_batch_size, p.n_samples_per_prompt, p.dynamic_filtering_reward_range,
+                                    self.generate, self.scorer.rewards) if p.dynamic_filtering else None
+
+    # ---- the loop ---------------------------------------------------------------------------------------------
+    def fit(self) -> list[dict]:
+        """Train over the loader: step by step, or with generation overlapping training (--async_train)."""
+        if self.cfg.ppo.async_train:
+            return self.fit_async()
+        if self.filter is not None:
+            return self.fit_filtered()
+        with self.progress() as report:
+            for prompts in self.loader:
+                if self.should_stop():
+                    self.save_at_stop()
+                    break
+                self.timings = {}
+                with self.timed("generate"):
+                    self.sleep.before_generate()
+                    rollouts = self.generate(prompts, self.step_index)
+                    self.sleep.after_generate()
+                report(self.learn(prompts, rollouts))
+        return self.history
+
+    def fit_filtered(self) -> list[dict]:
+        """--dynamic_filtering: each step's prompts, rollouts and scores come from the filter, which reads the
+        loader as far as it needs (trainer/dynamic_filtering.py); the run ends when the prompts run out."""
+        batches = iter(self.loader)
+        with self.progress() as report:
+            while not self.should_stop():
+                self.timings = {}
+                with self.timed("generate"):
+                    self.sleep.before_generate()
+                    filled = self.filter.fill(batches, self.step_index)
+                    self.sleep.after_generate()
+                if filled is None:
+                    break
+                report({**self.learn(filled.prompts, filled.rollouts, filled.reward), **filled.info})
+            if self.should_stop():  # as fit(): --stop_after_steps ended it, so the resume starts here
+                self.save_at_stop()
+        return self.history
+
+    def fit_async(self) -> list[dict]:
+        """Engines generate batch k+1 (and up to --async_queue_size ahead) while the trainers learn on batch k.
+
+        Weight syncs take the producer's lock, so they never race a generation; each rollout keeps the weight
+        version it was generated with, and staleness (trainer version - generation version) <= queue size.
+        """
+        from orlhf.trainer.async_producer import RolloutProducer
+
+        producer = RolloutProducer(self.generate, self.loader, self.cfg.ppo.async_queue_size, self.scorer.ahead)
+        self._sync_lock = producer.lock
+        with producer, self.progress() as report:
+            for prompts, rollouts, gen_seconds, ahead in producer:
+                if self.should_stop():
+                    self.save_at_stop()
+                    break
+                self.timings = {"generate": gen_seconds}
+                report(self.learn(prompts, rollouts, ahead=ahead))
+        return self.history
+
+    def learn(self, prompts: list, rollouts: list[Rollout], reward=None,
+              ahead: Optional[ScoredAhead] = None) -> dict[str, Any]:
+        """Everything after generation for one batch: score, make experience, train, sync. Returns metrics.
+        reward: a rewards.RewardResult already computed while generating (--dynamic_filtering), else scored here.
+        ahead: the batch and the frozen models' calls started when it was generated (async: Scorer.ahead)."""
+        if ahead is not None:
+            batch, engine_log_probs = ahead.batch, ahead.engine_log_probs
+        else:
+            batch, engine_log_probs = rollouts_to_batch(rollouts, self.tok.pad_token_id)
+        gen_version = min(r.weight_version for r in rollouts)
+        staleness = self.weight_version - gen_version  # trainer version these rollouts are trained at
+        with self.timed("score"):
+            reward, old_lp, ref_lp, values = self.scorer.score(batch, rollouts, prompts, reward, ahead)
+        if old_lp is not None:  # stop before training on another policy's samples
+            gap = engine_gap(engine_log_probs, old_lp, batch.action_mask)
+            self.guard.check(gap, self.step_index + 1, staleness)
+        with self.timed("make_experience"):
+            truncated = torch.tensor([not r.finished for r in rollouts])
+            exp, info = self.make_experience(batch, reward.rewards, old_lp, ref_lp, values, truncated,
+                                             engine_log_probs)
+        with self.timed("train"):
+            actor_stats, critic_stats = self.train(exp, info["kl_coef"])
+        if old_lp is None and not self.actor_frozen:  # single pass: the actor measured the gap in its training
+            gap = engine_gap(engine_log_probs, None, batch.action_mask, actor_stats)  # forward; stop after it
+            self.guard.check(gap, self.step_index + 1, staleness)
+        elif old_lp is None:
+            gap = float("nan")  # nothing measured it: the frozen actor made no forward
+        with self.timed("sync"):
+            if not self.actor_frozen:  # a frozen actor's weights are the engines' already
+                self.sync_weights()
+        self.step_index += 1
+        now = time.perf_counter()
+        seconds, self._last_step_end = now - self._last_step_end, now  # wall time per step, overlap included
+        row = {**info, "policy_loss": actor_stats["loss"], "actor_lr": actor_stats["lr"],
+               "clip_frac": actor_stats["clip_frac"], "approx_kl": actor_stats["approx_kl"],
+               **{k: actor_stats[k] for k in ("clip_frac_low", "clip_frac_high", "entropy")},
+               "actor_grad_norm": actor_stats["grad_norm"], "weight_version": self.weight_version,
+               "generation_weight_version": gen_version, "staleness": staleness,
+               "engine_logprob_gap": gap,
+               "samples": len(rollouts), "samples_per_s": len(rollouts) / seconds, "step_s": seconds,
+               **reward.log_row(), **{f"timing/{k}": v for k, v in self.timings.items()},
+               **agent_metrics(rollouts)}
+        if self.cfg.ppo.use_kl_loss:
+            row.update(kl_loss=actor_stats["kl_loss"], kl_coef=actor_stats["kl_coef"])  # the coefficient used
+        if self.cfg.ppo.enable_vllm_is_correction:
+            row["is_cut_frac"] = actor_stats["is_cut_frac"]
+        if critic_stats is not None:
+            row.update(value_loss=critic_stats["loss"], critic_lr=critic_stats["lr"],
+                       value_clip_frac=critic_stats["clip_frac"], critic_grad_norm=critic_stats["grad_norm"])
+        return row
+
+    @contextmanager
+    def progress(self):
+        """A progress bar (step, ETA, reward, samples/s) and per-step logging; yields report(row)."""
+        from tqdm import tqdm
+
+        total = self.loader.total_steps
+        bar = tqdm(total=total, initial=self.step_index, desc="ppo", unit="step", dynamic_ncols=True)
+        self._last_step_end = time.perf_counter()
+
+        def report(row: dict) -> None:
+            if self.evaluator is not None and self.evaluator.due(self.step_index, self.step_index == total
+                                                                 or self.should_stop()):
+                row.update(self.evaluate())
+            self.history.append(row)
+            if self.step_index % self.cfg.logging.logging_steps == 0 or self.step_index == total:
+                self.metrics.log(self.step_index, row)
+            if self.checkpoints is not None and self.cfg.logging.save_steps > 0 \
+                    and self.step_index % self.cfg.logging.save_steps == 0:
+                self.save_checkpoint()
+            bar.update(1)
+            bar.set_postfix(reward=f"{row['reward_mean']:.3f}", kl=f"{row['kl']:.4f}",
+                            sps=f"{row['samples_per_s']:.1f}")
+
+        try:
+            yield report
+        finally:
+            bar.close()
+
+    # ---- checkpoints (orlhf/storage/checkpoint.py holds the format; this is the call order) ---------------------------
+    def should_stop(self) -> bool:
+        """--stop_after_steps: end this invocation early, on a step boundary, keeping the full run's schedule."""
+        n = self.cfg.runtime.stop_after_steps
+        return n is not None and self.step_index - self._first_step >= n
+
+    def save_at_stop(self) -> None:
+        """--stop_after_steps ended this invocation: save where it stopped (unless that step is saved already),
+        so the later --load_checkpoint continues from here, not from the last --save_steps multiple."""
+        if self.checkpoints is not None and self._saved_step != self.step_index:
+            self.save_checkpoint()
+
+    def save_checkpoint(self, mgr=None) -> None:
+        """Every trained group's DeepSpeed state + the controller's, into a temp folder renamed into place."""
+        from orlhf.trainer.run_state import save_run
+
+        t0, mgr = time.perf_counter(), mgr or self.checkpoints
+        path = save_run(self, mgr)
+        if mgr is self.checkpoints:  # the best-eval copy is not the rotation's save of this step
+            self._saved_step = self.step_index
+        log.info("checkpoint %s (%.1f s)", path, time.perf_counter() - t0)
+
+    def resume(self, path) -> None:
+        """Load a checkpoint written by save_checkpoint (groups already init()-ed), then re-sync the engines,
+        which still hold the initial weights, before the first generation."""
+        from orlhf.trainer.run_state import restore_run
+
+        restore_run(self, path)
+        self._first_step = self._saved_step = self.step_index
+        self.m.sync.sync(self.weight_version)
+        log.info("resumed from %s at step %d (weight version %d)", path, self.step_index, self.weight_version)
+
+    def evaluate(self) -> dict[str, float]:
+        """Held-out prompts on the current weights (orlhf/trainer/evaluation.py); the best checkpoint when it improved."""
+        self.sleep.before_generate()
+        metrics = self.evaluator.run(self.step_index, self.executor.generate, self.scorer.eval_scores)
+        self.sleep.after_generate()
+        if self.evaluator.improved(metrics) and self.best_checkpoints is not None:
+            log.info("best %s so far: %.4f at step %d", self.evaluator.best_key, self.evaluator.best,
+                     self.step_index)
+            self.save_checkpoint(self.best_checkpoints)
+        return metrics
+
+    # ---- phases -----------------------------------------------------------------------------------------------
+    def generate(self, prompts: list, batch_index: int) -> list[Rollout]:
+        """Rollouts for one prompt batch; sampling seeds depend on (seed, batch index) only (reproducible)."""
+        p = self.cfg.ppo
+        sampling = SamplingSpec(temperature=p.temperature, top_p=p.top_p, max_new_tokens=p.generate_max_len,
+                                max_len=p.max_len,
+                                n=p.n_samples_per_prompt, seed=p.seed * 1_000_003 + batch_index)
+        return self.executor.generate(prompts, sampling)
+
+    def make_experience(self, batch, scores, old_lp, ref_lp, values, truncated=None,
+                        engine_log_probs=None) -> tuple[Experience, dict]:
+        """info["kl_coef"] is the KL coefficient of this step (reward penalty, or the actor's KL loss), taken
+        before the adaptive controller moves it for the next step (OpenRLHF's order)."""
+        norm = self.scorer.reward_norm  # --normalize_reward's running statistics, updated in score
+        shaped_scores = norm.normalize(scores) if norm is not None else scores
+        kl_coef = self.kl_ctl.value
+        exp, info = make_experience(batch, shaped_scores, old_lp, ref_lp, values, kl_coef, self.exp_cfg,
+                                    weight_version=self.weight_version, truncated=truncated,
+                                    rollout_log_probs=engine_log_probs)
+        info["reward_mean"] = scores.mean().item()  # the raw task reward, whatever the normalization
+        info["kl_coef"] = kl_coef
+        self.kl_ctl.update(info["kl"], len(scores))
+        return exp, info
+
+    def train(self, exp: Experience, kl_coef: float) -> tuple[dict, Optional[dict]]:
+        """max_epochs passes over the step's experience, shuffled; actor and critic in parallel.
+        kl_coef goes to the actor's KL loss (--use_kl_loss), so an adaptive coefficient reaches the loss.
+
+        When one optimizer step takes the whole experience, the order of its rows cannot change the update: the
+        shuffle then moves whole prompts (each prompt's samples stay together, so a training micro-batch runs
+        each prompt once: workers/shared_prompt.py); otherwise it shuffles rows, as OpenRLHF's replay buffer."""
+        actor_stats, critic_stats = [], []
+        one_step = len(exp) <= self.cfg.ppo.train_batch_size
+        for epoch in range(self.cfg.ppo.max_epochs):
+            g = torch.Generator().manual_seed(self.cfg.ppo.seed + 7919 * self.step_index + epoch)
+            order = prompt_major_order(exp, g) if one_step else torch.randperm(len(exp), generator=g)
+            shuffled = exp.index(order)
+            actor_call = None if self.actor_frozen else self.m.actor.call_sharded(PolicyWorker.train_step, shuffled,
+                                                                                  kl_coef)
+            critic_call = (self.m.critic.call_sharded_beside(CriticWorker.train_step, shuffled)  # hosted: beside
+                           if self.m.critic else None)
+            actor_stats += actor_call.get() if actor_call is not None else []
+            if critic_call is not None:
+                critic_stats += critic_call.get()
+        actor = mean_stats(actor_stats) if actor_stats else FROZEN_ACTOR_STATS
+        return actor, mean_stats(critic_stats) if critic_stats else None
+
+    @property
+    def actor_frozen(self) -> bool:
+        """--freezing_actor_steps N: the actor sits out while the step index (0-based) is <= N, OpenRLHF's
+        `global_steps > freezing_actor_steps` test with its step counter starting at 0 (N + 1 steps, critic only)."""
+        return self.step_index <= self.cfg.ppo.freezing_actor_steps
+
+    def sync_weights(self) -> None:
+        with self._sync_lock:  # async mode: waits for the generation in flight; sync mode: uncontended
+            self.sleep.before_sync()
+            self.weight_version += 1
+            self.m.sync.sync(self.weight_version)
+
+    # ---- helpers ----------------------------------------------------------------------------------------------
+    @contextmanager
+    def timed(self, phase: str):
+        self.threads.before(phase)  # CPU: the processes working in this phase get the cores (cpu/threads.py)
+        t0 = time.perf_counter()
+        yield
+        self.timings[phase] = self.timings.get(phase, 0.0) + time.perf_counter() - t0

