@@ -1,4 +1,5 @@
 """orlhf: a Ray-based RLHF trainer. Versions live in orlhf/versions.py (one place)."""
+
 import pathlib
 
 from setuptools import find_packages, setup

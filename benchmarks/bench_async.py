@@ -33,14 +33,30 @@ MODES = {"sync": [], "async": ["--async_train"], "hybrid": ["--colocate_all_mode
 
 def run_mode(name: str, extra: list[str], args, root: Path) -> list[dict]:
     save = root / name
-    cmd = [str(Path(sys.executable).parent / "orlhf"), "train-ppo", "--device", "cpu", "--save_path", str(save),
-           "--num_episodes", "100", "--stop_after_steps", str(args.warmup + args.steps),
-           "--generate_max_len", str(args.generate_max_len), "--rollout_batch_size", str(args.rollout_batch_size),
-           "--train_batch_size", str(args.rollout_batch_size), *extra, *args.extra]
+    cmd = [
+        str(Path(sys.executable).parent / "orlhf"),
+        "train-ppo",
+        "--device",
+        "cpu",
+        "--save_path",
+        str(save),
+        "--num_episodes",
+        "100",
+        "--stop_after_steps",
+        str(args.warmup + args.steps),
+        "--generate_max_len",
+        str(args.generate_max_len),
+        "--rollout_batch_size",
+        str(args.rollout_batch_size),
+        "--train_batch_size",
+        str(args.rollout_batch_size),
+        *extra,
+        *args.extra,
+    ]
     print(f"[bench_async] {name}: {' '.join(cmd[1:])}", file=sys.stderr)
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=open(save.with_suffix(".log"), "w"))
     rows = [json.loads(line) for line in open(save / "metrics.jsonl")]
-    return rows[args.warmup:]
+    return rows[args.warmup :]
 
 
 def mean(rows: list[dict], key: str) -> float:
@@ -59,22 +75,32 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="orlhf-bench-async-") as tmp:
         runs = {m: run_mode(m, MODES[m], args, Path(tmp)) for m in args.modes.split(",")}
-    result: dict = {"bench": "async", "steps": args.steps, "generate_max_len": args.generate_max_len,
-                    "rollout_batch_size": args.rollout_batch_size}
+    result: dict = {
+        "bench": "async",
+        "steps": args.steps,
+        "generate_max_len": args.generate_max_len,
+        "rollout_batch_size": args.rollout_batch_size,
+    }
     print(f"{'mode':8s} {'step s':>8s} {'samples/s':>10s} {'generate':>9s} {'train side':>11s}")
     for mode, rows in runs.items():
         step, gen = mean(rows, "step_s"), mean(rows, "timing/generate")
         train = sum(mean(rows, k) for k in TRAIN_SIDE)
-        result[mode] = {"step_s": step, "samples_per_s": mean(rows, "samples_per_s"), "generate_s": gen,
-                        "train_side_s": train}
+        result[mode] = {
+            "step_s": step,
+            "samples_per_s": mean(rows, "samples_per_s"),
+            "generate_s": gen,
+            "train_side_s": train,
+        }
         print(f"{mode:8s} {step:8.3f} {mean(rows, 'samples_per_s'):10.1f} {gen:9.3f} {train:11.3f}")
     if "sync" in runs and "async" in runs:
         limit = max(result["sync"]["generate_s"], result["sync"]["train_side_s"])
         result["overlap_limit_s"] = limit
         result["async_over_limit"] = result["async"]["step_s"] / limit
         result["async_speedup_vs_sync"] = result["sync"]["step_s"] / result["async"]["step_s"]
-        print(f"limit max(gen, train) = {limit:.3f} s; async / limit = {result['async_over_limit']:.2f} "
-              f"(target <= 1.15); async speed-up vs sync = x{result['async_speedup_vs_sync']:.2f}")
+        print(
+            f"limit max(gen, train) = {limit:.3f} s; async / limit = {result['async_over_limit']:.2f} "
+            f"(target <= 1.15); async speed-up vs sync = x{result['async_speedup_vs_sync']:.2f}"
+        )
     if args.out:
         Path(args.out).write_text(json.dumps(result) + "\n")
     print(json.dumps(result))

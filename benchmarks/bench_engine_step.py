@@ -6,7 +6,8 @@
     rollouts (token ids, log-prob bits, finish flags) that must not change when the engine gets faster.
 
 Threads: --threads (default 1: what an engine gets beside training in async mode, Ray's one per CPU slot; a sync
-run's engine gets the cores, orlhf/cpu/threads.py engine_threads; 0: as the demo run's engine_config says). Prompts: the demo's first
+run's engine gets the cores, orlhf/cpu/threads.py engine_threads; 0: as the demo run's engine_config says). Prompts:
+the demo's first
 --num_prompts rows, tokenized by orlhf's own data path. The same seeds every call (batch index 0), so every call
 does the same work and gives the same digest.
 
@@ -35,19 +36,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def demo_setup(num_prompts: int):
     """(EngineConfig, prompt id lists, SamplingSpec) of the demo grpo run's first step."""
+    from orlhf.config.resolve import finish_config
     from orlhf.inputs.prompts import load_tokenizer
     from orlhf.launch.run import load_prompts
-    from orlhf.config.resolve import finish_config
     from orlhf.rollout.engine import engine_config
     from orlhf.types import SamplingSpec
 
-    flags = {"advantage_estimator": "group_norm", "n_samples_per_prompt": 4, "use_kl_loss": True,
-             "max_samples": 128}
+    flags = {"advantage_estimator": "group_norm", "n_samples_per_prompt": 4, "use_kl_loss": True, "max_samples": 128}
     cfg = finish_config(flags, frozenset(flags))
     prompts = load_prompts(cfg, load_tokenizer(cfg.data.pretrain))[:num_prompts]
     p = cfg.ppo
-    sampling = SamplingSpec(temperature=p.temperature, top_p=p.top_p, max_new_tokens=p.generate_max_len,
-                            max_len=p.max_len, n=p.n_samples_per_prompt, seed=p.seed * 1_000_003)
+    sampling = SamplingSpec(
+        temperature=p.temperature,
+        top_p=p.top_p,
+        max_new_tokens=p.generate_max_len,
+        max_len=p.max_len,
+        n=p.n_samples_per_prompt,
+        seed=p.seed * 1_000_003,
+    )
     return engine_config(cfg), [q.ids for q in prompts], sampling
 
 
@@ -65,8 +71,12 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--num_prompts", type=int, default=64)
     ap.add_argument("--out", default=None, help="also write the result JSON here")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch threads of the engine (0: the demo sync run's, threads.engine_threads)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads of the engine (0: the demo sync run's, threads.engine_threads)",
+    )
     args = ap.parse_args(argv)
 
     from orlhf.rollout.engine import EngineActor
@@ -88,11 +98,23 @@ def main(argv=None) -> None:
         cpu.append(time.process_time() - c0)
         wall.append(time.perf_counter() - w0)
         digests.add(digest(out))
-    result = {"bench": "engine_step", "prompts": len(ids), "n": sampling.n, "rollouts": len(out),
-              "tokens": sum(len(r.response_ids) for r in out), "threads": engine.num_threads(),
-              "startup_cpu_s": startup_cpu, "warmup_cpu_s": warmup_cpu, "cpu_s": cpu, "wall_s": wall,
-              "cpu_median_s": statistics.median(cpu), "cpu_min_s": min(cpu),
-              "wall_median_s": statistics.median(wall), "digests": sorted(digests), "load_avg": os.getloadavg()}
+    result = {
+        "bench": "engine_step",
+        "prompts": len(ids),
+        "n": sampling.n,
+        "rollouts": len(out),
+        "tokens": sum(len(r.response_ids) for r in out),
+        "threads": engine.num_threads(),
+        "startup_cpu_s": startup_cpu,
+        "warmup_cpu_s": warmup_cpu,
+        "cpu_s": cpu,
+        "wall_s": wall,
+        "cpu_median_s": statistics.median(cpu),
+        "cpu_min_s": min(cpu),
+        "wall_median_s": statistics.median(wall),
+        "digests": sorted(digests),
+        "load_avg": os.getloadavg(),
+    }
     print(json.dumps(result))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

@@ -60,14 +60,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from model_presets import (PRESETS, crossover, describe_crossover, parse_presets, preset_model,  # noqa: E402
-                           preset_params)  # benchmarks/model_presets.py
+from model_presets import (
+    PRESETS,
+    crossover,
+    describe_crossover,
+    parse_presets,
+    preset_model,  # noqa: E402
+    preset_params,
+)  # benchmarks/model_presets.py
 
 # SamplingParams on top of the shared ones. "orlhf" must stay in step with EngineActor.generate
 # (orlhf/rollout/engine.py); "orlhf+detok" is what it asked for before it set detokenize=False.
-VLLM_VARIANTS = {"orlhf": {"logprobs": 0, "detokenize": False, "flat_logprobs": True},
-                 "orlhf+detok": {"logprobs": 0},
-                 "plain": {"detokenize": False}}
+VLLM_VARIANTS = {
+    "orlhf": {"logprobs": 0, "detokenize": False, "flat_logprobs": True},
+    "orlhf+detok": {"logprobs": 0},
+    "plain": {"detokenize": False},
+}
 SETTLE_S = 0.5  # pause between turns: OpenMP threads of the side that just ran stop spinning
 
 
@@ -106,9 +114,18 @@ def hf_side(args, prompts: list[list[int]]):
         torch.manual_seed(seed)
         t0 = time.perf_counter()
         with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0,
-                                 top_k=0, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=pad,
-                                 num_return_sequences=args.n)
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=True,
+                temperature=1.0,
+                top_p=1.0,
+                top_k=0,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                pad_token_id=pad,
+                num_return_sequences=args.n,
+            )
         return {"hf": (time.perf_counter() - t0, (out.shape[1] - width) * out.shape[0])}  # (B x n, T + new)
 
     return generate, {"threads": torch.get_num_threads()}
@@ -123,17 +140,32 @@ def vllm_side(args, prompts: list[list[int]]):
     from orlhf.cpu.engine_sampler import install
 
     install()  # as EngineActor: block-drawn seeds, eager rank count (same tokens as vLLM's own sampler)
-    llm = LLM(model=args.model, enforce_eager=True, dtype="float32", seed=0,
-              max_model_len=max(map(len, prompts)) + args.max_new_tokens + 8,
-              kv_cache_memory_bytes=int(args.kv_cache_gb * 2**30))
+    llm = LLM(
+        model=args.model,
+        enforce_eager=True,
+        dtype="float32",
+        seed=0,
+        max_model_len=max(map(len, prompts)) + args.max_new_tokens + 8,
+        kv_cache_memory_bytes=int(args.kv_cache_gb * 2**30),
+    )
     inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
 
     def generate(new_tokens: int, seed: int) -> dict:
         out = {}
         for name in args.variants:
-            params = [SamplingParams(n=args.n, temperature=1.0, top_p=1.0, max_tokens=new_tokens,
-                                     min_tokens=new_tokens, ignore_eos=True, seed=seed * 100003 + i,
-                                     **VLLM_VARIANTS[name]) for i in range(len(prompts))]
+            params = [
+                SamplingParams(
+                    n=args.n,
+                    temperature=1.0,
+                    top_p=1.0,
+                    max_tokens=new_tokens,
+                    min_tokens=new_tokens,
+                    ignore_eos=True,
+                    seed=seed * 100003 + i,
+                    **VLLM_VARIANTS[name],
+                )
+                for i in range(len(prompts))
+            ]
             t0 = time.perf_counter()
             outs = llm.generate(inputs, params, use_tqdm=False)
             out[name] = (time.perf_counter() - t0, sum(len(c.token_ids) for o in outs for c in o.outputs))
@@ -163,13 +195,29 @@ def serve(side: str, args) -> None:
 class Side:
     def __init__(self, side: str, args, prompts: list[list[int]]):
         self.name = side
-        cmd = [sys.executable, os.path.abspath(__file__), "--_side", side, "--model", args.model,
-               "--num_prompts", str(args.num_prompts), "--max_new_tokens", str(args.max_new_tokens),
-               "--n", str(args.n), "--variants", ",".join(args.variants), "--kv_cache_gb", str(args.kv_cache_gb)]
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--_side",
+            side,
+            "--model",
+            args.model,
+            "--num_prompts",
+            str(args.num_prompts),
+            "--max_new_tokens",
+            str(args.max_new_tokens),
+            "--n",
+            str(args.n),
+            "--variants",
+            ",".join(args.variants),
+            "--kv_cache_gb",
+            str(args.kv_cache_gb),
+        ]
         self.log = open(os.devnull, "w") if not args.verbose else None
         env = {**os.environ, **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {})}
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
-                                     env=env)
+        self.proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env
+        )
         self.proc.stdin.write(json.dumps(prompts) + "\n")
         self.proc.stdin.flush()
         self.info = self._read("READY")
@@ -177,7 +225,7 @@ class Side:
     def _read(self, tag: str) -> dict:
         for line in self.proc.stdout:
             if line.startswith(tag + " "):
-                return json.loads(line[len(tag) + 1:])
+                return json.loads(line[len(tag) + 1 :])
         raise SystemExit(f"the {self.name} side exited (code {self.proc.wait()}); rerun with --verbose")
 
     def run(self, seed: int) -> dict:
@@ -205,7 +253,7 @@ def measure(args) -> dict:
         rounds = []
         for r in range(args.repeats):
             result = {}
-            for side in (sides if r % 2 == 0 else sides[::-1]):
+            for side in sides if r % 2 == 0 else sides[::-1]:
                 time.sleep(SETTLE_S)
                 result.update(side.run(seed=1 + r))
             rounds.append(result)
@@ -228,42 +276,97 @@ def summarize(args, rounds: list[dict], hf: dict, vl: dict) -> dict:
             if tokens != want:
                 raise SystemExit(f"{name} produced {tokens} tokens, expected {want}")
     secs = {name: [r[name][0] for r in rounds] for name in rounds[0]}
-    out = {"bench": "generation", "model": args.model, "threads_flag": args.threads, "num_prompts": args.num_prompts,
-           "samples_per_prompt": args.n, "max_new_tokens": args.max_new_tokens, "tokens_per_call": want,
-           "repeats": args.repeats}
+    out = {
+        "bench": "generation",
+        "model": args.model,
+        "threads_flag": args.threads,
+        "num_prompts": args.num_prompts,
+        "samples_per_prompt": args.n,
+        "max_new_tokens": args.max_new_tokens,
+        "tokens_per_call": want,
+        "repeats": args.repeats,
+    }
     hf_s, hf_best = statistics.median(secs["hf"]), min(secs["hf"])
     out.update({"hf_s": hf_s, "hf_tok_s": want / hf_s, "hf_best_s": hf_best})
     for k in args.variants:
         sfx = suffix(k)
         s, best = statistics.median(secs[k]), min(secs[k])
-        out.update({f"vllm{sfx}_s": s, f"vllm{sfx}_tok_s": want / s, f"ratio{sfx}": hf_s / s,
-                    f"ratio{sfx}_per_round": statistics.median(h / v for h, v in zip(secs["hf"], secs[k])),
-                    f"vllm{sfx}_best_s": best, f"ratio{sfx}_best": hf_best / best})
-    out.update({"hf_threads": hf["threads"], "vllm_threads": vl["threads"],
-                "hf_startup_s": hf["startup_s"], "vllm_startup_s": vl["startup_s"],
-                "vllm_variants": {k: VLLM_VARIANTS[k] for k in args.variants},
-                "seconds_all": secs})
+        out.update(
+            {
+                f"vllm{sfx}_s": s,
+                f"vllm{sfx}_tok_s": want / s,
+                f"ratio{sfx}": hf_s / s,
+                f"ratio{sfx}_per_round": statistics.median(h / v for h, v in zip(secs["hf"], secs[k])),
+                f"vllm{sfx}_best_s": best,
+                f"ratio{sfx}_best": hf_best / best,
+            }
+        )
+    out.update(
+        {
+            "hf_threads": hf["threads"],
+            "vllm_threads": vl["threads"],
+            "hf_startup_s": hf["startup_s"],
+            "vllm_startup_s": vl["startup_s"],
+            "vllm_variants": {k: VLLM_VARIANTS[k] for k in args.variants},
+            "seconds_all": secs,
+        }
+    )
     return out
 
 
 def table(r: dict) -> str:
-    rows = [("side", "threads", "start-up s", "generate s (median)", "tokens/s", "vs HF", "vs HF per round",
-             "best s", "tokens/s best", "vs HF best")]
-    rows.append(("HF generate", str(r["hf_threads"]), f"{r['hf_startup_s']:.1f}", f"{r['hf_s']:.3f}",
-                 f"{r['hf_tok_s']:.0f}", "1.00x", "1.00x", f"{r['hf_best_s']:.3f}",
-                 f"{r['tokens_per_call'] / r['hf_best_s']:.0f}", "1.00x"))
+    rows = [
+        (
+            "side",
+            "threads",
+            "start-up s",
+            "generate s (median)",
+            "tokens/s",
+            "vs HF",
+            "vs HF per round",
+            "best s",
+            "tokens/s best",
+            "vs HF best",
+        )
+    ]
+    rows.append(
+        (
+            "HF generate",
+            str(r["hf_threads"]),
+            f"{r['hf_startup_s']:.1f}",
+            f"{r['hf_s']:.3f}",
+            f"{r['hf_tok_s']:.0f}",
+            "1.00x",
+            "1.00x",
+            f"{r['hf_best_s']:.3f}",
+            f"{r['tokens_per_call'] / r['hf_best_s']:.0f}",
+            "1.00x",
+        )
+    )
     for k in r["vllm_variants"]:
         sfx = suffix(k)
-        rows.append((f"vLLM {k}", str(r["vllm_threads"]), f"{r['vllm_startup_s']:.1f}", f"{r[f'vllm{sfx}_s']:.3f}",
-                     f"{r[f'vllm{sfx}_tok_s']:.0f}", f"{r[f'ratio{sfx}']:.2f}x", f"{r[f'ratio{sfx}_per_round']:.2f}x",
-                     f"{r[f'vllm{sfx}_best_s']:.3f}", f"{r['tokens_per_call'] / r[f'vllm{sfx}_best_s']:.0f}",
-                     f"{r[f'ratio{sfx}_best']:.2f}x"))
+        rows.append(
+            (
+                f"vLLM {k}",
+                str(r["vllm_threads"]),
+                f"{r['vllm_startup_s']:.1f}",
+                f"{r[f'vllm{sfx}_s']:.3f}",
+                f"{r[f'vllm{sfx}_tok_s']:.0f}",
+                f"{r[f'ratio{sfx}']:.2f}x",
+                f"{r[f'ratio{sfx}_per_round']:.2f}x",
+                f"{r[f'vllm{sfx}_best_s']:.3f}",
+                f"{r['tokens_per_call'] / r[f'vllm{sfx}_best_s']:.0f}",
+                f"{r[f'ratio{sfx}_best']:.2f}x",
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in rows]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    head = (f"{r['num_prompts']} prompts x {r['samples_per_prompt']} samples x {r['max_new_tokens']} new tokens = "
-            f"{r['tokens_per_call']} tokens per "
-            f"call, sampling T=1, median of {r['repeats']} rounds; model {r['model']}")
+    head = (
+        f"{r['num_prompts']} prompts x {r['samples_per_prompt']} samples x {r['max_new_tokens']} new tokens = "
+        f"{r['tokens_per_call']} tokens per "
+        f"call, sampling T=1, median of {r['repeats']} rounds; model {r['model']}"
+    )
     return head + "\n" + "\n".join(lines)
 
 
@@ -284,27 +387,40 @@ def sweep(args) -> dict:
         row.update({f"ratio{suffix(k)}": r[f"ratio{suffix(k)}"] for k in args.variants})
         rows.append(row)
     crossovers = {k: crossover(rows, f"ratio{suffix(k)}") for k in args.variants}
-    return {"bench": "generation_sweep", "threads_flag": args.threads, "num_prompts": args.num_prompts,
-            "samples_per_prompt": args.n, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
-            "sizes": rows, "crossover": crossovers,
-            "crossover_text": {k: describe_crossover(rows, f"ratio{suffix(k)}") for k in args.variants},
-            "load_avg": os.getloadavg(), "per_size": results}
+    return {
+        "bench": "generation_sweep",
+        "threads_flag": args.threads,
+        "num_prompts": args.num_prompts,
+        "samples_per_prompt": args.n,
+        "max_new_tokens": args.max_new_tokens,
+        "repeats": args.repeats,
+        "sizes": rows,
+        "crossover": crossovers,
+        "crossover_text": {k: describe_crossover(rows, f"ratio{suffix(k)}") for k in args.variants},
+        "load_avg": os.getloadavg(),
+        "per_size": results,
+    }
 
 
 def sweep_table(r: dict) -> str:
     variants = list(r["crossover"])
-    head = ("| preset | params | HF tok/s | " + " | ".join(f"vLLM {k} tok/s | vs HF" for k in variants) + " |")
+    head = "| preset | params | HF tok/s | " + " | ".join(f"vLLM {k} tok/s | vs HF" for k in variants) + " |"
     lines = [head, "|" + "---|" * (3 + 2 * len(variants))]
     for row in r["sizes"]:
         cells = [row["preset"], f"{row['params'] / 1e6:.1f}M", f"{row['hf_tok_s']:.0f}"]
         for k in variants:
             cells += [f"{row[f'vllm{suffix(k)}_tok_s']:.0f}", f"{row[f'ratio{suffix(k)}']:.2f}x"]
         lines.append("| " + " | ".join(cells) + " |")
-    what = {"orlhf": "with log-probs (as orlhf's engines)", "plain": "without log-probs",
-            "orlhf+detok": "with log-probs and detokenizing"}
+    what = {
+        "orlhf": "with log-probs (as orlhf's engines)",
+        "plain": "without log-probs",
+        "orlhf+detok": "with log-probs and detokenizing",
+    }
     lines += [f"crossover, vLLM {k} {what.get(k, '')}: {r['crossover_text'][k]}" for k in variants]
-    return (f"\n{r['num_prompts']} prompts x {r['samples_per_prompt']} samples x {r['max_new_tokens']} new tokens, "
-            f"median of {r['repeats']} rounds, threads {r['threads_flag'] or 'unset'}\n" + "\n".join(lines))
+    return (
+        f"\n{r['num_prompts']} prompts x {r['samples_per_prompt']} samples x {r['max_new_tokens']} new tokens, "
+        f"median of {r['repeats']} rounds, threads {r['threads_flag'] or 'unset'}\n" + "\n".join(lines)
+    )
 
 
 def max_prompt_len(args) -> int:
@@ -313,15 +429,25 @@ def max_prompt_len(args) -> int:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="demo", help=f"HF folder or a model preset ({', '.join(PRESETS)}); "
-                   "default: the built-in demo model")
-    p.add_argument("--sweep", default=None, metavar="PRESETS",
-                   help="comma list of model presets (or 'all'), compared one after the other; then the crossover")
+    p.add_argument(
+        "--model",
+        default="demo",
+        help=f"HF folder or a model preset ({', '.join(PRESETS)}); default: the built-in demo model",
+    )
+    p.add_argument(
+        "--sweep",
+        default=None,
+        metavar="PRESETS",
+        help="comma list of model presets (or 'all'), compared one after the other; then the crossover",
+    )
     p.add_argument("--num_prompts", type=int, default=64)
     p.add_argument("--n", type=int, default=None, help="samples per prompt (default 1; with --sweep 4, as the demo)")
     p.add_argument("--max_new_tokens", type=int, default=None, help="default 64; with --sweep 24, as the demo")
-    p.add_argument("--variants", default=None, help=f"vLLM variants, comma list of {tuple(VLLM_VARIANTS)} "
-                   "(default: all; with --sweep orlhf,plain)")
+    p.add_argument(
+        "--variants",
+        default=None,
+        help=f"vLLM variants, comma list of {tuple(VLLM_VARIANTS)} (default: all; with --sweep orlhf,plain)",
+    )
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--kv_cache_gb", type=float, default=1.0)
     p.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS for both sides (default: unset)")

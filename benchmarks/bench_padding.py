@@ -46,12 +46,18 @@ def make_batch(n: int, prompt_len: tuple[int, int], response_len: tuple[int, int
     seq = torch.randint(4, vocab, (n, P + A), generator=g)
     attn = torch.zeros(n, P + A, dtype=torch.long)
     for i in range(n):
-        attn[i, P - p_lens[i]:P + r_lens[i]] = 1
+        attn[i, P - p_lens[i] : P + r_lens[i]] = 1
     seq[attn == 0] = 0
     mask = attn[:, P:].bool()
-    return Experience(seq, attn, mask, action_log_probs=-torch.rand(n, A, generator=g) * mask,
-                      advantages=torch.randn(n, A, generator=g), returns=torch.randn(n, A, generator=g),
-                      values=torch.randn(n, A, generator=g))
+    return Experience(
+        seq,
+        attn,
+        mask,
+        action_log_probs=-torch.rand(n, A, generator=g) * mask,
+        advantages=torch.randn(n, A, generator=g),
+        returns=torch.randn(n, A, generator=g),
+        values=torch.randn(n, A, generator=g),
+    )
 
 
 def model_path(args) -> str:
@@ -65,8 +71,9 @@ def model_path(args) -> str:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--batch", type=int, default=64, help="samples (one rank's share of a step)")
     p.add_argument("--micro", type=int, default=16, help="micro-batch size, scoring and training")
     p.add_argument("--prompt_len", type=int, nargs=2, default=(8, 64), metavar=("LO", "HI"))
@@ -86,20 +93,35 @@ def main(argv=None) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-                      DS_ACCELERATOR="cpu")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", DS_ACCELERATOR="cpu"
+    )
     torch.set_num_threads(args.threads)
     path = model_path(args)
     from transformers import AutoConfig
 
-    exp = make_batch(args.batch, tuple(args.prompt_len), tuple(args.response_len),
-                     AutoConfig.from_pretrained(path).vocab_size, seed=0)
+    exp = make_batch(
+        args.batch,
+        tuple(args.prompt_len),
+        tuple(args.response_len),
+        AutoConfig.from_pretrained(path).vocab_size,
+        seed=0,
+    )
     real = exp.attention_mask.float().mean().item()
     results, reference = {}, None
     for name, kw in LAYOUTS.items():
-        cfg = role_config("actor", model_path=path, device="cpu", zero_stage=3, learning_rate=1e-5,
-                          train_batch_size=args.batch, micro_train_batch_size=args.micro,
-                          micro_forward_batch_size=args.micro, total_optimizer_steps=100, **kw)
+        cfg = role_config(
+            "actor",
+            model_path=path,
+            device="cpu",
+            zero_stage=3,
+            learning_rate=1e-5,
+            train_batch_size=args.batch,
+            micro_train_batch_size=args.micro,
+            micro_forward_batch_size=args.micro,
+            total_optimizer_steps=100,
+            **kw,
+        )
         worker = PolicyWorker(cfg)
         worker.init()
         batch = exp.as_sequence_batch()
@@ -118,20 +140,39 @@ def main(argv=None) -> None:
         results[name] = {"log_probs_s": score, "train_step_s": train, "max_abs_diff_vs_padded": diff}
         del worker
     base = results["padded"]
-    print(f"batch {args.batch} x (prompt {args.prompt_len[0]}-{args.prompt_len[1]}, response "
-          f"{args.response_len[0]}-{args.response_len[1]}) tokens, padded to {tuple(exp.sequences.shape)}: "
-          f"{real:.0%} real tokens; micro-batch {args.micro}; model {Path(path).name}; {args.threads} thread(s)")
+    print(
+        f"batch {args.batch} x (prompt {args.prompt_len[0]}-{args.prompt_len[1]}, response "
+        f"{args.response_len[0]}-{args.response_len[1]}) tokens, padded to {tuple(exp.sequences.shape)}: "
+        f"{real:.0%} real tokens; micro-batch {args.micro}; model {Path(path).name}; {args.threads} thread(s)"
+    )
     print("| layout | log_probs s | vs padded | train_step s | vs padded | max abs diff of log-probs vs padded |")
     print("|---|---|---|---|---|---|")
     for name, r in results.items():
-        print(f"| {name} | {r['log_probs_s']:.3f} | {base['log_probs_s'] / r['log_probs_s']:.2f}x | "
-              f"{r['train_step_s']:.3f} | {base['train_step_s'] / r['train_step_s']:.2f}x | "
-              f"{r['max_abs_diff_vs_padded']:.1e} |")
-    print(json.dumps({"benchmark": "bench_padding", "shape": list(exp.sequences.shape), "real_token_share": real,
-                      "micro": args.micro, "model": path, "threads": args.threads, "results": results,
-                      "speedup_vs_padded": {n: {"log_probs": base["log_probs_s"] / r["log_probs_s"],
-                                                "train_step": base["train_step_s"] / r["train_step_s"]}
-                                            for n, r in results.items()}}))
+        print(
+            f"| {name} | {r['log_probs_s']:.3f} | {base['log_probs_s'] / r['log_probs_s']:.2f}x | "
+            f"{r['train_step_s']:.3f} | {base['train_step_s'] / r['train_step_s']:.2f}x | "
+            f"{r['max_abs_diff_vs_padded']:.1e} |"
+        )
+    print(
+        json.dumps(
+            {
+                "benchmark": "bench_padding",
+                "shape": list(exp.sequences.shape),
+                "real_token_share": real,
+                "micro": args.micro,
+                "model": path,
+                "threads": args.threads,
+                "results": results,
+                "speedup_vs_padded": {
+                    n: {
+                        "log_probs": base["log_probs_s"] / r["log_probs_s"],
+                        "train_step": base["train_step_s"] / r["train_step_s"],
+                    }
+                    for n, r in results.items()
+                },
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

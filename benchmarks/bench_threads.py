@@ -37,10 +37,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-KERNEL = re.compile(r"mkl_|gemm|VectorizedLoop|_mm512|_mm256|Sleef|softmax|flash_attention|cpu_attention|serial_vec|"
-                    r"vectorized|serial_for_each|DimCounter|\bexp\b|libm\.so|reduce|cpu_kernel|copy_kernel|fill|"
-                    r"rsqrt|pow|mul|add_|index_select|embedding|gather|scatter|topk|sort|argmax|multinomial|cumsum",
-                    re.I)
+KERNEL = re.compile(
+    r"mkl_|gemm|VectorizedLoop|_mm512|_mm256|Sleef|softmax|flash_attention|cpu_attention|serial_vec|"
+    r"vectorized|serial_for_each|DimCounter|\bexp\b|libm\.so|reduce|cpu_kernel|copy_kernel|fill|"
+    r"rsqrt|pow|mul|add_|index_select|embedding|gather|scatter|topk|sort|argmax|multinomial|cumsum",
+    re.I,
+)
 
 
 def cpu_s() -> float:
@@ -93,8 +95,12 @@ def measure_threads(rounds: int) -> dict:
     out = {}
     for name in work:
         one, two = (statistics.median(w for w, _ in seen[(name, t)]) for t in (1, 2))
-        out[name] = {"s_1_thread": one, "s_2_threads": two, "speedup_2_threads": one / two,
-                     "cpu_per_wall_2_threads": statistics.median(u for _, u in seen[(name, 2)])}
+        out[name] = {
+            "s_1_thread": one,
+            "s_2_threads": two,
+            "speedup_2_threads": one / two,
+            "cpu_per_wall_2_threads": statistics.median(u for _, u in seen[(name, 2)]),
+        }
     torch.set_num_threads(2)
     work["score_256"]()
     c0 = cpu_s()
@@ -117,15 +123,16 @@ def child(phase: str) -> None:
 
         from orlhf.demo.builder import ensure_demo
 
-        llm = LLM(model=str(ensure_demo().model), enforce_eager=True, dtype="float32", seed=0,
-                  kv_cache_memory_bytes=2**30)
+        llm = LLM(
+            model=str(ensure_demo().model), enforce_eager=True, dtype="float32", seed=0, kv_cache_memory_bytes=2**30
+        )
         g = torch.Generator().manual_seed(0)
-        prompts = [TokensPrompt(prompt_token_ids=torch.randint(3, 900, (16,), generator=g).tolist())
-                   for _ in range(64)]
+        prompts = [TokensPrompt(prompt_token_ids=torch.randint(3, 900, (16,), generator=g).tolist()) for _ in range(64)]
         sampling = SamplingParams(n=4, temperature=1.0, max_tokens=24, min_tokens=24, logprobs=0, detokenize=False)
 
         def fn():
             llm.generate(prompts, sampling, use_tqdm=False)
+
     fn()
     print("START", flush=True)
     while True:
@@ -140,8 +147,25 @@ def profile(pyspy: str, phase: str, seconds: int, out: Path) -> dict:
             if line.startswith("START"):
                 break
         raw = out / f"pyspy_{phase}.txt"
-        subprocess.run([pyspy, "record", "--native", "-r", "100", "-f", "raw", "-d", str(seconds), "-p",
-                        str(proc.pid), "-o", str(raw)], check=True, capture_output=True)
+        subprocess.run(
+            [
+                pyspy,
+                "record",
+                "--native",
+                "-r",
+                "100",
+                "-f",
+                "raw",
+                "-d",
+                str(seconds),
+                "-p",
+                str(proc.pid),
+                "-o",
+                str(raw),
+            ],
+            check=True,
+            capture_output=True,
+        )
     finally:
         proc.kill()
         proc.wait()

@@ -5,7 +5,8 @@ CPU seconds, one rank, no Ray (what the RankActor runs beside the engine in --as
     runs (worker_config of finish_config: ZeRO-2 actor, ZeRO-0 ref, fp32, micro-batch 64, k3 KL loss 0.01,
     GRPO single pass) -> a demo-shaped batch (256 rows: 64 demo prompts x 4, left-padded; responses of 24
     random tokens, one in ten shorter, right-padded: demo runs' mean response length is 23.5-23.9)
-    -> --warmup untimed steps, then --repeats timed ref log_probs and train_step calls -> CPU seconds (time.process_time) and wall seconds per call, min and median, and the first timed step's stats
+    -> --warmup untimed steps, then --repeats timed ref log_probs and train_step calls -> CPU seconds
+    (time.process_time) and wall seconds per call, min and median, and the first timed step's stats
 
 --threads sets torch's threads (1: as each side of --async_train). --out writes the JSON; --stats-only prints the
 train stats of the seeded steps (compare two checkouts: identical stats = identical update). --no_shared_prompt:
@@ -25,15 +26,36 @@ import time
 
 import torch
 
-FLAGS = {"device": "cpu", "advantage_estimator": "group_norm", "n_samples_per_prompt": 4, "rollout_batch_size": 64,
-         "train_batch_size": 256, "micro_train_batch_size": 64, "micro_rollout_batch_size": 64,
-         "generate_max_len": 24, "temperature": 1.0, "actor_learning_rate": 5e-4, "lr_warmup_ratio": 0.0,
-         "eps_clip": 0.2, "seed": 42, "use_kl_loss": True, "init_kl_coef": 0.01, "kl_estimator": "k3"}
+FLAGS = {
+    "device": "cpu",
+    "advantage_estimator": "group_norm",
+    "n_samples_per_prompt": 4,
+    "rollout_batch_size": 64,
+    "train_batch_size": 256,
+    "micro_train_batch_size": 64,
+    "micro_rollout_batch_size": 64,
+    "generate_max_len": 24,
+    "temperature": 1.0,
+    "actor_learning_rate": 5e-4,
+    "lr_warmup_ratio": 0.0,
+    "eps_clip": 0.2,
+    "seed": 42,
+    "use_kl_loss": True,
+    "init_kl_coef": 0.01,
+    "kl_estimator": "k3",
+}
 
 
 def build_workers(steps: int, extra: dict | None = None):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29651"), RANK="0",
-                      WORLD_SIZE="1", LOCAL_RANK="0", DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=os.environ.get("MASTER_PORT", "29651"),
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        DS_ACCELERATOR="cpu",
+        HF_HUB_OFFLINE="1",
+    )
     from orlhf.config.resolve import finish_config
     from orlhf.config.worker_config import worker_config
     from orlhf.workers import PolicyWorker, ReferenceWorker
@@ -50,8 +72,8 @@ def demo_batch(cfg, seed: int = 1):
     """(SequenceBatch, per-row advantages) shaped like a demo step: 64 demo prompts x 4 samples."""
     from transformers import AutoTokenizer
 
-    from orlhf.types import SequenceBatch
     from orlhf.config.worker_config import model_path
+    from orlhf.types import SequenceBatch
 
     tok = AutoTokenizer.from_pretrained(model_path(cfg, "actor"))
     with open(cfg.data.prompt_data) as f:
@@ -64,9 +86,9 @@ def demo_batch(cfg, seed: int = 1):
     for i, row in enumerate(ids):
         # demo runs' mean response length is 23.5-23.9 of 24: most responses run to the cap
         n = A if float(torch.rand(1, generator=g)) < 0.9 else int(torch.randint(1, A, (1,), generator=g))
-        seq[i, P - len(row):P] = torch.tensor(row)
-        seq[i, P:P + n] = torch.randint(4, len(tok), (n,), generator=g)
-        attn[i, P - len(row):P + n] = 1
+        seq[i, P - len(row) : P] = torch.tensor(row)
+        seq[i, P : P + n] = torch.randint(4, len(tok), (n,), generator=g)
+        attn[i, P - len(row) : P + n] = 1
     return SequenceBatch(seq, attn, attn[:, P:].bool()), g
 
 
@@ -76,9 +98,15 @@ def experience(batch, ref_lp, g):
     B, A = batch.action_mask.shape
     adv = torch.randn(B // 4, 4, generator=g)
     adv = ((adv - adv.mean(1, keepdim=True)) / (adv.std(1, keepdim=True) + 1e-6)).reshape(B, 1).expand(B, A)
-    return Experience(batch.sequences, batch.attention_mask, batch.action_mask, action_log_probs=None,
-                      advantages=adv * batch.action_mask, base_action_log_probs=ref_lp,
-                      rollout_log_probs=ref_lp + 0.01 * torch.randn(B, A, generator=g))
+    return Experience(
+        batch.sequences,
+        batch.attention_mask,
+        batch.action_mask,
+        action_log_probs=None,
+        advantages=adv * batch.action_mask,
+        base_action_log_probs=ref_lp,
+        rollout_log_probs=ref_lp + 0.01 * torch.randn(B, A, generator=g),
+    )
 
 
 def timed(fn, repeats: int):
@@ -88,8 +116,13 @@ def timed(fn, repeats: int):
         out = fn()
         cpu.append(time.process_time() - c)
         wall.append(time.perf_counter() - w)
-    return {"cpu_min": min(cpu), "cpu_median": statistics.median(cpu), "wall_min": min(wall),
-            "wall_median": statistics.median(wall), "cpu_s": [round(x, 4) for x in cpu]}, out
+    return {
+        "cpu_min": min(cpu),
+        "cpu_median": statistics.median(cpu),
+        "wall_min": min(wall),
+        "wall_median": statistics.median(wall),
+        "cpu_s": [round(x, 4) for x in cpu],
+    }, out
 
 
 def main() -> None:
@@ -99,8 +132,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--stats-only", action="store_true", help="print the seeded steps' train stats and stop")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--no_shared_prompt", action="store_true",
-                    help="run every row's prompt (train-ppo's flag; default: each distinct prompt once)")
+    ap.add_argument(
+        "--no_shared_prompt",
+        action="store_true",
+        help="run every row's prompt (train-ppo's flag; default: each distinct prompt once)",
+    )
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     cfg, actor, ref = build_workers(a.warmup + a.repeats + 1, {"no_shared_prompt": True} if a.no_shared_prompt else {})
@@ -118,11 +154,22 @@ def main() -> None:
     load0 = os.getloadavg()
     ref_t, _ = timed(lambda: ref.log_probs(batch), a.repeats)
     train_t, stats = timed(lambda: actor.train_step(exp), a.repeats)
-    res = {"threads": a.threads, "shared_prompt": actor.shared_prompt_train, "shape": list(batch.sequences.shape), "ref_log_probs": ref_t, "train_step": train_t,
-           "load_avg_before": load0, "load_avg_after": os.getloadavg(), "last_stats": vars(stats)}
-    print(f"ref log_probs: cpu {ref_t['cpu_median']:.3f} s median ({ref_t['cpu_min']:.3f} min); "
-          f"train_step: cpu {train_t['cpu_median']:.3f} s median ({train_t['cpu_min']:.3f} min); "
-          f"load {load0[0]:.1f}; each distinct prompt once: {actor.shared_prompt_train}", flush=True)
+    res = {
+        "threads": a.threads,
+        "shared_prompt": actor.shared_prompt_train,
+        "shape": list(batch.sequences.shape),
+        "ref_log_probs": ref_t,
+        "train_step": train_t,
+        "load_avg_before": load0,
+        "load_avg_after": os.getloadavg(),
+        "last_stats": vars(stats),
+    }
+    print(
+        f"ref log_probs: cpu {ref_t['cpu_median']:.3f} s median ({ref_t['cpu_min']:.3f} min); "
+        f"train_step: cpu {train_t['cpu_median']:.3f} s median ({train_t['cpu_min']:.3f} min); "
+        f"load {load0[0]:.1f}; each distinct prompt once: {actor.shared_prompt_train}",
+        flush=True,
+    )
     if a.out:
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1, default=str)

@@ -38,8 +38,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -78,10 +78,20 @@ def build_model(out: Path, hidden: int, layers: int, vocab: int, intermediate: i
     tok = AutoTokenizer.from_pretrained(ensure_demo().model)
     if vocab < len(tok):
         raise SystemExit(f"--vocab {vocab} is smaller than the demo tokenizer ({len(tok)} tokens); use >= {len(tok)}")
-    config = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=heads, vocab_size=vocab,
-                         max_position_embeddings=512, tie_word_embeddings=False, dtype="float32",
-                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    config = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        vocab_size=vocab,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        dtype="float32",
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     model.save_pretrained(out, safe_serialization=True)
@@ -248,18 +258,25 @@ def instrumented_sync(sync, version: int) -> dict:
     total = time.perf_counter() - t0
     a0 = actor_times[0]
     reload = max(e["reload_s"] for e in engine_times)
-    return {"total_s": total, "transfer_s": t_transfer, "reset_s": total - t_transfer,
-            "gather_s": a0["gather_s"], "bcast_s": a0["bcast_s"], "recv_s": max(e["recv_s"] for e in engine_times),
-            "reload_s": reload, "exposed_s": max(0.0, t_transfer - a0["gather_s"] - reload)}
+    return {
+        "total_s": total,
+        "transfer_s": t_transfer,
+        "reset_s": total - t_transfer,
+        "gather_s": a0["gather_s"],
+        "bcast_s": a0["bcast_s"],
+        "recv_s": max(e["recv_s"] for e in engine_times),
+        "reload_s": reload,
+        "exposed_s": max(0.0, t_transfer - a0["gather_s"] - reload),
+    }
 
 
 def run(args) -> dict:
     import ray
 
-    from orlhf.distributed.groups import ActorGroup
     from orlhf.config.flags import build_config
     from orlhf.config.worker_config import worker_config
     from orlhf.demo.builder import ensure_demo
+    from orlhf.distributed.groups import ActorGroup
     from orlhf.distributed.placement import EngineBundles, RankBundle
     from orlhf.rollout.engine import EngineActor, EngineGroup, engine_config
     from orlhf.trainer.weight_sync import WeightSync, _nbytes
@@ -270,29 +287,52 @@ def run(args) -> dict:
         params = build_model(tmp, args.hidden, args.layers, args.vocab, args.intermediate, args.heads)
         log(f"model: {params / 1e6:.1f}M params in {time.perf_counter() - t0:.1f} s -> {tmp}")
         demo = ensure_demo()
-        flags = {"pretrain": str(tmp), "prompt_data": str(demo.prompts), "remote_rm_url": str(demo.reward_fn),
-                 "actor_num_gpus_per_node": args.actor_ranks, "vllm_num_engines": args.engines,
-                 "vllm_cpu_kv_cache_gb": 0.25, "vllm_sync_bucket_mb": args.bucket_mb, "enforce_eager": True,
-                 "advantage_estimator": "reinforce", "device": "cpu", "prompt_max_len": 128,
-                 "generate_max_len": 128, "train_batch_size": 8 * args.actor_ranks, "micro_train_batch_size": 8,
-                 "rollout_batch_size": 8 * args.actor_ranks}
+        flags = {
+            "pretrain": str(tmp),
+            "prompt_data": str(demo.prompts),
+            "remote_rm_url": str(demo.reward_fn),
+            "actor_num_gpus_per_node": args.actor_ranks,
+            "vllm_num_engines": args.engines,
+            "vllm_cpu_kv_cache_gb": 0.25,
+            "vllm_sync_bucket_mb": args.bucket_mb,
+            "enforce_eager": True,
+            "advantage_estimator": "reinforce",
+            "device": "cpu",
+            "prompt_max_len": 128,
+            "generate_max_len": 128,
+            "train_batch_size": 8 * args.actor_ranks,
+            "micro_train_batch_size": 8,
+            "rollout_batch_size": 8 * args.actor_ranks,
+        }
         cfg = build_config(flags, explicit=set(flags))
 
-        info = ray.init(address="local", num_cpus=16, include_dashboard=False, log_to_driver=args.verbose,
-                        runtime_env={"env_vars": {"DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1"}})
+        info = ray.init(
+            address="local",
+            num_cpus=16,
+            include_dashboard=False,
+            log_to_driver=args.verbose,
+            runtime_env={"env_vars": {"DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1"}},
+        )
         session = Path(info.address_info["session_dir"]).name
         # ray.init installs its own SIGTERM handler, which exits without running the clean-up below: take it back.
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         t0 = time.perf_counter()
-        engines = EngineGroup(engine_config(cfg), [EngineBundles(None, [0], 1.0)] * args.engines,
-                              timeout_s=600)
-        actor = ActorGroup("actor", BenchPolicyWorker, worker_config(cfg, "actor"),
-                           [RankBundle(None, 0, 1.0)] * args.actor_ranks, device="cpu",
-                           gpus_per_node=args.actor_ranks, timeout_s=600)
+        engines = EngineGroup(engine_config(cfg), [EngineBundles(None, [0], 1.0)] * args.engines, timeout_s=600)
+        actor = ActorGroup(
+            "actor",
+            BenchPolicyWorker,
+            worker_config(cfg, "actor"),
+            [RankBundle(None, 0, 1.0)] * args.actor_ranks,
+            device="cpu",
+            gpus_per_node=args.actor_ranks,
+            timeout_s=600,
+        )
         actor.call(BenchPolicyWorker.init).get()
         sync = WeightSync(actor, engines, backend="gloo", bucket_mb=args.bucket_mb, timeout_s=600)
-        log(f"{args.actor_ranks} actor rank(s) + {args.engines} engine(s) + sync group in "
-            f"{time.perf_counter() - t0:.1f} s; {len(sync.metas)} tensors in {len(sync.buckets)} bucket(s)")
+        log(
+            f"{args.actor_ranks} actor rank(s) + {args.engines} engine(s) + sync group in "
+            f"{time.perf_counter() - t0:.1f} s; {len(sync.metas)} tensors in {len(sync.buckets)} bucket(s)"
+        )
         nbytes = sum(_nbytes(m) for m in sync.metas)
 
         sync.sync(version=0)  # warm-up: first-touch allocations, first reload
@@ -327,16 +367,35 @@ def run(args) -> dict:
     sync_s, memcpy_s = statistics.median(sync_times), statistics.median(memcpy)
     gb = nbytes / 1e9
     return {
-        "bench": "weight_sync", "params": params, "bytes": nbytes, "dtype": "float32",
-        "hidden": args.hidden, "layers": args.layers, "vocab": args.vocab, "actor_ranks": args.actor_ranks,
-        "engines": args.engines, "bucket_mb": args.bucket_mb, "tensors": len(sync.metas), "buckets": len(sync.buckets),
-        "repeats": args.repeats, "sync_s": sync_s, "sync_s_all": sync_times, "memcpy_s": memcpy_s,
-        "memcpy_1thread_s": memcpy_1t, "sync_GBps": gb / sync_s, "memcpy_GBps": gb / memcpy_s,
-        "memcpy_1thread_GBps": gb / memcpy_1t, "ratio": memcpy_s / sync_s,
-        "breakdown": {**med, "gather_only_s": statistics.median(gather_only),
-                      "bcast_only_s": statistics.median(bcast_only)},
+        "bench": "weight_sync",
+        "params": params,
+        "bytes": nbytes,
+        "dtype": "float32",
+        "hidden": args.hidden,
+        "layers": args.layers,
+        "vocab": args.vocab,
+        "actor_ranks": args.actor_ranks,
+        "engines": args.engines,
+        "bucket_mb": args.bucket_mb,
+        "tensors": len(sync.metas),
+        "buckets": len(sync.buckets),
+        "repeats": args.repeats,
+        "sync_s": sync_s,
+        "sync_s_all": sync_times,
+        "memcpy_s": memcpy_s,
+        "memcpy_1thread_s": memcpy_1t,
+        "sync_GBps": gb / sync_s,
+        "memcpy_GBps": gb / memcpy_s,
+        "memcpy_1thread_GBps": gb / memcpy_1t,
+        "ratio": memcpy_s / sync_s,
+        "breakdown": {
+            **med,
+            "gather_only_s": statistics.median(gather_only),
+            "bcast_only_s": statistics.median(bcast_only),
+        },
         "threads": {"driver_memcpy": torch.get_num_threads(), "actor": actor_threads, "engine": eng_threads},
-        "ray_session": session, "worker_pids": worker_pids,
+        "ray_session": session,
+        "worker_pids": worker_pids,
     }
 
 
@@ -364,8 +423,11 @@ def leftover_processes(session: str, pids: list[int], wait_s: float = 60.0) -> l
 def table(r: dict) -> str:
     b = r["breakdown"]
     rows = [
-        ("model", f"{r['params'] / 1e6:.1f}M params, {r['bytes'] / 1e6:.0f} MB fp32, {r['tensors']} tensors, "
-                  f"{r['buckets']} bucket(s) of <= {r['bucket_mb']:g} MiB"),
+        (
+            "model",
+            f"{r['params'] / 1e6:.1f}M params, {r['bytes'] / 1e6:.0f} MB fp32, {r['tensors']} tensors, "
+            f"{r['buckets']} bucket(s) of <= {r['bucket_mb']:g} MiB",
+        ),
         ("layout", f"{r['actor_ranks']} actor rank(s) ZeRO-3 -> {r['engines']} vLLM engine(s), gloo"),
         ("sync (WeightSync.sync)", f"{r['sync_s']:.3f} s  {r['sync_GBps']:.2f} GB/s"),
         (f"memcpy (copy_, {r['threads']['driver_memcpy']} thr)", f"{r['memcpy_s']:.3f} s  {r['memcpy_GBps']:.2f} GB/s"),

@@ -28,14 +28,21 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def child(stage: int, threads: int, steps: int, port: int) -> dict:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-                      DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        DS_ACCELERATOR="cpu",
+        HF_HUB_OFFLINE="1",
+    )
     import torch
 
     torch.set_num_threads(threads)
+    from orlhf.config.worker_config import role_config
     from orlhf.demo.builder import ensure_demo
     from orlhf.types import Experience
-    from orlhf.config.worker_config import role_config
     from orlhf.workers import PolicyWorker
 
     B, P, A, V = 256, 24, 24, 900
@@ -44,13 +51,30 @@ def child(stage: int, threads: int, steps: int, port: int) -> dict:
     attn = torch.ones(B, P + A, dtype=torch.long)
     for i in range(B):  # prompts of 12-24 real tokens (left pads), responses of 1-24 (right pads)
         attn[i, : i % 12] = 0
-        attn[i, P + 1 + (i * 3) % A:] = 0
-    exp = Experience(seq, attn, attn[:, -A:].bool(), action_log_probs=None,
-                     advantages=torch.randn(B, A, generator=g), base_action_log_probs=-torch.rand(B, A, generator=g),
-                     rollout_log_probs=-torch.rand(B, A, generator=g))
-    cfg = role_config("actor", model_path=str(ensure_demo().model), device="cpu", zero_stage=stage,
-                      micro_forward_batch_size=64, learning_rate=5e-4, train_batch_size=B, micro_train_batch_size=64,
-                      total_optimizer_steps=100, use_kl_loss=True, kl_coef=0.01, kl_estimator="k3")
+        attn[i, P + 1 + (i * 3) % A :] = 0
+    exp = Experience(
+        seq,
+        attn,
+        attn[:, -A:].bool(),
+        action_log_probs=None,
+        advantages=torch.randn(B, A, generator=g),
+        base_action_log_probs=-torch.rand(B, A, generator=g),
+        rollout_log_probs=-torch.rand(B, A, generator=g),
+    )
+    cfg = role_config(
+        "actor",
+        model_path=str(ensure_demo().model),
+        device="cpu",
+        zero_stage=stage,
+        micro_forward_batch_size=64,
+        learning_rate=5e-4,
+        train_batch_size=B,
+        micro_train_batch_size=64,
+        total_optimizer_steps=100,
+        use_kl_loss=True,
+        kl_coef=0.01,
+        kl_estimator="k3",
+    )
     worker = PolicyWorker(cfg)
     worker.init()
     for _ in range(2):
@@ -60,8 +84,13 @@ def child(stage: int, threads: int, steps: int, port: int) -> dict:
         t = time.perf_counter()
         worker.train_step(exp)
         times.append(time.perf_counter() - t)
-    return {"stage": stage, "threads": threads, "min_s": min(times), "median_s": statistics.median(times),
-            "steps_s": [round(x, 3) for x in times]}
+    return {
+        "stage": stage,
+        "threads": threads,
+        "min_s": min(times),
+        "median_s": statistics.median(times),
+        "steps_s": [round(x, 3) for x in times],
+    }
 
 
 def main() -> None:
@@ -78,13 +107,32 @@ def main() -> None:
     results = []
     for i, stage in enumerate(int(s) for s in a.stages.split(",")):
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-        out = subprocess.run([sys.executable, "-W", "ignore", __file__, "--_child", str(stage), "--threads",
-                              str(a.threads), "--steps", str(a.steps), "--_port", str(a._port + i)],
-                             env=env, capture_output=True, text=True, check=True).stdout
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-W",
+                "ignore",
+                __file__,
+                "--_child",
+                str(stage),
+                "--threads",
+                str(a.threads),
+                "--steps",
+                str(a.steps),
+                "--_port",
+                str(a._port + i),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         results.append(json.loads(out.strip().splitlines()[-1]))
         r = results[-1]
-        print(f"ZeRO-{stage}: train step min {r['min_s']:.3f} s, median {r['median_s']:.3f} s ({a.threads} threads)",
-              flush=True)
+        print(
+            f"ZeRO-{stage}: train step min {r['min_s']:.3f} s, median {r['median_s']:.3f} s ({a.threads} threads)",
+            flush=True,
+        )
     print(json.dumps({"results": results, "load_avg": os.getloadavg()}))
 
 

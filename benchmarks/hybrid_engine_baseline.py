@@ -15,7 +15,8 @@ the actor, critic, reference and reward engines, and each step runs strictly one
       train            PPO on this rank's share of the controller's shuffled experience: actor, then critic
       (no weight sync: the actor that trains is the one that generates; only the version tag moves)
 
-What is orlhf's and what is not: the loop and its phases (orlhf.trainer.controller.Controller: sampling seeds, scoring and
+What is orlhf's and what is not: the loop and its phases (orlhf.trainer.controller.Controller: sampling seeds, scoring
+and
 its skips, experience, shuffles, metrics), the model workers (DeepSpeed configs, losses, micro-batching), the PPO
 math (orlhf.algo via orlhf.trainer.experience), prompts (orlhf.launch.run.load_prompts), rewards, the flags and their
 validation (orlhf train-ppo's, with the demo preset) are shared, so the same flags give the same models, data,
@@ -62,10 +63,10 @@ import typer  # noqa: E402
 
 from orlhf import cli  # noqa: E402
 from orlhf.config import train_config as C  # noqa: E402
-from orlhf.trainer.controller import Controller, Models  # noqa: E402
-from orlhf.distributed.endpoints import method_name  # noqa: E402
-from orlhf.cpu.threads import PhaseThreads  # noqa: E402
 from orlhf.config.worker_config import worker_config  # noqa: E402
+from orlhf.cpu.threads import PhaseThreads  # noqa: E402
+from orlhf.distributed.endpoints import method_name  # noqa: E402
+from orlhf.trainer.controller import Controller, Models  # noqa: E402
 
 log = logging.getLogger("hybrid")
 
@@ -93,7 +94,7 @@ class Ranks:
             raise ValueError(f"a batch of {len(batch)} does not split evenly over {self.world} ranks")
         k = len(batch) // self.world
         if isinstance(batch, list):
-            return batch[self.rank * k:(self.rank + 1) * k]
+            return batch[self.rank * k : (self.rank + 1) * k]
         return batch.split([k] * self.world)[self.rank]
 
     def gather_objects(self, obj) -> list:
@@ -213,9 +214,16 @@ class HybridController(Controller):
         row.pop("timing/sync", None)
         row["train_actor_s"] = self.m.actor.seconds.get("train_step", 0.0)
         row["train_critic_s"] = self.m.critic.seconds.get("train_step", 0.0) if self.m.critic else 0.0
-        log.info("step %d/%d reward %.4f kl %.5f policy_loss %.4f %.1f samples/s (%s)", self.step_index,
-                 self.loader.total_steps, row["reward_mean"], row["kl"], row["policy_loss"], row["samples_per_s"],
-                 " ".join(f"{k[7:]} {v:.2f}s" for k, v in row.items() if k.startswith("timing/")))
+        log.info(
+            "step %d/%d reward %.4f kl %.5f policy_loss %.4f %.1f samples/s (%s)",
+            self.step_index,
+            self.loader.total_steps,
+            row["reward_mean"],
+            row["kl"],
+            row["policy_loss"],
+            row["samples_per_s"],
+            " ".join(f"{k[7:]} {v:.2f}s" for k, v in row.items() if k.startswith("timing/")),
+        )
         return row
 
 
@@ -224,12 +232,12 @@ class HybridController(Controller):
 
 def build(cfg: C.TrainConfig, opts: HybridOptions, rank: int, world: int) -> HybridController:
     """Every model of this rank (orlhf's workers; the roles orlhf would start), wrapped for the controller."""
+    from hybrid_worker import HybridPolicyWorker
+
     from orlhf.inputs.prompts import PromptLoader, load_tokenizer
     from orlhf.launch.run import load_prompts, make_reward
     from orlhf.storage.metrics import MetricsLogger
     from orlhf.workers import CriticWorker, ReferenceWorker, RewardWorker
-
-    from hybrid_worker import HybridPolicyWorker
 
     d, p = cfg.data, cfg.ppo
     tok = load_tokenizer(d.pretrain)
@@ -240,16 +248,29 @@ def build(cfg: C.TrainConfig, opts: HybridOptions, rank: int, world: int) -> Hyb
     def wc(role: str):  # the role's slice of the config, as orlhf's groups get it
         return worker_config(cfg, role, opt_steps)
 
-    actor = HybridPolicyWorker(wc("actor"), gather=opts.gather, hybrid_engine=opts.hybrid_engine,
-                               max_out_tokens=p.prompt_max_len + p.generate_max_len)
+    actor = HybridPolicyWorker(
+        wc("actor"),
+        gather=opts.gather,
+        hybrid_engine=opts.hybrid_engine,
+        max_out_tokens=p.prompt_max_len + p.generate_max_len,
+    )
     ranks = Ranks(rank, world, actor.device)
-    workers = {"actor": actor, "ref": ReferenceWorker(wc("ref")) if cfg.has_reference else None,
-               "critic": CriticWorker(wc("critic")) if cfg.has_critic else None,
-               "reward": RewardWorker(wc("reward")) if cfg.has_reward_model else None}
+    workers = {
+        "actor": actor,
+        "ref": ReferenceWorker(wc("ref")) if cfg.has_reference else None,
+        "critic": CriticWorker(wc("critic")) if cfg.has_critic else None,
+        "reward": RewardWorker(wc("reward")) if cfg.has_reward_model else None,
+    }
     groups = {role: LocalGroup(role, w, ranks) if w is not None else None for role, w in workers.items()}
     engines = HybridGenerator(actor, ranks, tok.pad_token_id, tok.eos_token_id)
-    models = Models(actor=groups["actor"], ref=groups["ref"], engines=engines, sync=HybridSync(engines),
-                    critic=groups["critic"], reward=groups["reward"])
+    models = Models(
+        actor=groups["actor"],
+        ref=groups["ref"],
+        engines=engines,
+        sync=HybridSync(engines),
+        critic=groups["critic"],
+        reward=groups["reward"],
+    )
     metrics = MetricsLogger(cfg.logging.save_path) if rank == 0 else NoMetrics()
     return HybridController(cfg, models, loader, tok, metrics, reward_source=make_reward(cfg))
 
@@ -258,8 +279,14 @@ def run_rank(rank: int, world: int, cfg: C.TrainConfig, opts: HybridOptions, por
     """One rank: env for torch.distributed, all models, the loop; rank 0 logs metrics.jsonl and the summary."""
     import torch
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), DS_ACCELERATOR=cfg.runtime.device)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        DS_ACCELERATOR=cfg.runtime.device,
+    )
     if rank:
         os.environ["TQDM_DISABLE"] = "1"  # one progress bar (rank 0's)
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="[hybrid] %(message)s")
@@ -272,8 +299,13 @@ def run_rank(rank: int, world: int, cfg: C.TrainConfig, opts: HybridOptions, por
     for g in controller.m.groups():  # the same order on every rank: ZeRO-3 loading is collective
         g.worker.init()
     if rank == 0:
-        log.info("%d models on each of %d rank(s) ready in %.1f s (%d torch threads per rank)",
-                 len(controller.m.groups()), world, time.monotonic() - t0, torch.get_num_threads())
+        log.info(
+            "%d models on each of %d rank(s) ready in %.1f s (%d torch threads per rank)",
+            len(controller.m.groups()),
+            world,
+            time.monotonic() - t0,
+            torch.get_num_threads(),
+        )
     try:
         history = controller.fit()
     finally:
@@ -289,11 +321,16 @@ def summary(history: list[dict], cfg: C.TrainConfig, opts: HybridOptions) -> dic
     """The final JSON line: throughput and time per phase over all steps, reward per step."""
     seconds = sum(r["step_s"] for r in history) or 1.0
     phases = sorted({k for r in history for k in r if k.startswith("timing/")})
-    return {"benchmark": "hybrid_engine_baseline", "device": cfg.runtime.device, "world_size": opts.world_size,
-            "gather": "hybrid_engine" if opts.hybrid_engine else opts.gather, "steps": len(history),
-            "samples_per_s": sum(r["samples"] for r in history) / seconds,
-            "seconds_per_step": {k[7:]: sum(r.get(k, 0.0) for r in history) / max(1, len(history)) for k in phases},
-            "reward_per_step": [round(r["reward_mean"], 4) for r in history]}
+    return {
+        "benchmark": "hybrid_engine_baseline",
+        "device": cfg.runtime.device,
+        "world_size": opts.world_size,
+        "gather": "hybrid_engine" if opts.hybrid_engine else opts.gather,
+        "steps": len(history),
+        "samples_per_s": sum(r["samples"] for r in history) / seconds,
+        "seconds_per_step": {k[7:]: sum(r.get(k, 0.0) for r in history) / max(1, len(history)) for k in phases},
+        "reward_per_step": [round(r["reward_mean"], 4) for r in history],
+    }
 
 
 def resolve(cfg: C.TrainConfig, opts: HybridOptions) -> C.TrainConfig:
@@ -308,17 +345,25 @@ def resolve(cfg: C.TrainConfig, opts: HybridOptions) -> C.TrainConfig:
     cfg = finish(dataclasses.replace(cfg, placement=placement))
     p, problems = cfg.ppo, []
     if p.rollout_batch_size % w:
-        problems.append(f"--rollout_batch_size {p.rollout_batch_size} must be a multiple of --world_size {w} "
-                        "(each rank generates an equal share of the prompts)")
+        problems.append(
+            f"--rollout_batch_size {p.rollout_batch_size} must be a multiple of --world_size {w} "
+            "(each rank generates an equal share of the prompts)"
+        )
     if p.async_train:
-        problems.append("--async_train overlaps generation with training on other devices; here the actor that "
-                        "trains is the one that generates: drop --async_train")
+        problems.append(
+            "--async_train overlaps generation with training on other devices; here the actor that "
+            "trains is the one that generates: drop --async_train"
+        )
     if cfg.data.agent_func_path:
-        problems.append("--agent_func_path needs orlhf's vLLM engines (token-in, token-out turns); this baseline "
-                        "generates with HF generate: drop --agent_func_path")
+        problems.append(
+            "--agent_func_path needs orlhf's vLLM engines (token-in, token-out turns); this baseline "
+            "generates with HF generate: drop --agent_func_path"
+        )
     if opts.hybrid_engine and cfg.runtime.device != "cuda":
-        problems.append("--hybrid_engine uses DeepSpeed's inference kernels, which need CUDA (on CPU: 'This op had "
-                        "not been implemented on CPU backend'); drop it on --device cpu")
+        problems.append(
+            "--hybrid_engine uses DeepSpeed's inference kernels, which need CUDA (on CPU: 'This op had "
+            "not been implemented on CPU backend'); drop it on --device cpu"
+        )
     elif opts.hybrid_engine and hybrid_engine_blocker():
         problems.append(hybrid_engine_blocker())
     if problems:
@@ -333,11 +378,13 @@ def hybrid_engine_blocker() -> str:
     version = importlib.metadata.version("transformers")
     if int(version.split(".")[0]) < 5:
         return ""
-    return (f"--hybrid_engine: DeepSpeed's hybrid engine swaps the decoder layers for inference kernels written for "
-            f"transformers 4's layer call; with transformers {version} the first generate fails inside them "
-            "(\"'tuple' object has no attribute 'size'\" in ds_transformer.py, DeepSpeed 0.19.8 on an H100). Drop "
-            "--hybrid_engine: generation then gathers the whole model for HF generate, as DeepSpeed-Chat does "
-            "without its kernels")
+    return (
+        f"--hybrid_engine: DeepSpeed's hybrid engine swaps the decoder layers for inference kernels written for "
+        f"transformers 4's layer call; with transformers {version} the first generate fails inside them "
+        "(\"'tuple' object has no attribute 'size'\" in ds_transformer.py, DeepSpeed 0.19.8 on an H100). Drop "
+        "--hybrid_engine: generation then gathers the whole model for HF generate, as DeepSpeed-Chat does "
+        "without its kernels"
+    )
 
 
 def free_port() -> int:
@@ -358,19 +405,36 @@ def launch(cfg: C.TrainConfig, opts: HybridOptions) -> int:
     return 0
 
 
-# ---- command line: orlhf train-ppo's flags (generated from config/train_config.py) plus the options above ---------------------
+# ---- command line: orlhf train-ppo's flags (generated from config/train_config.py) plus the options above -----------
 
 PANEL = "Hybrid engine (this baseline)"
 OPTIONS = {
-    "world_size": (int, typer.Option(1, "--world_size", rich_help_panel=PANEL,
-                                     help="Ranks (GPUs on CUDA), each holding every model.")),
-    "gather": (Literal["whole", "per_layer"], typer.Option("whole", "--gather", rich_help_panel=PANEL,
-                                 help="How generate sees the ZeRO-3 weights: whole (GatheredParameters over the "
-                                      "model, as the hybrid engine) or per_layer (ZeRO-3 fetches per forward).")),
-    "hybrid_engine": (bool, typer.Option(False, "--hybrid_engine", rich_help_panel=PANEL,
-                                         help="Generate with DeepSpeed's hybrid engine (CUDA only).")),
-    "threads": (Optional[int], typer.Option(None, "--threads", rich_help_panel=PANEL,
-                                            help="CPU: torch threads per rank (default: cores / world size).")),
+    "world_size": (
+        int,
+        typer.Option(1, "--world_size", rich_help_panel=PANEL, help="Ranks (GPUs on CUDA), each holding every model."),
+    ),
+    "gather": (
+        Literal["whole", "per_layer"],
+        typer.Option(
+            "whole",
+            "--gather",
+            rich_help_panel=PANEL,
+            help="How generate sees the ZeRO-3 weights: whole (GatheredParameters over the "
+            "model, as the hybrid engine) or per_layer (ZeRO-3 fetches per forward).",
+        ),
+    ),
+    "hybrid_engine": (
+        bool,
+        typer.Option(
+            False, "--hybrid_engine", rich_help_panel=PANEL, help="Generate with DeepSpeed's hybrid engine (CUDA only)."
+        ),
+    ),
+    "threads": (
+        Optional[int],
+        typer.Option(
+            None, "--threads", rich_help_panel=PANEL, help="CPU: torch threads per rank (default: cores / world size)."
+        ),
+    ),
 }
 
 
@@ -397,20 +461,27 @@ def run_reporting_errors(cfg: C.TrainConfig, opts: HybridOptions) -> int:
 
 
 cli.with_train_flags(_baseline)
-_baseline.__signature__ = _baseline.__signature__.replace(parameters=[  # type: ignore[attr-defined]
-    *_baseline.__signature__.parameters.values(),  # type: ignore[attr-defined]
-    *(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=typ)
-      for name, (typ, option) in OPTIONS.items()),
-])
+_baseline.__signature__ = _baseline.__signature__.replace(
+    parameters=[  # type: ignore[attr-defined]
+        *_baseline.__signature__.parameters.values(),  # type: ignore[attr-defined]
+        *(
+            inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=typ)
+            for name, (typ, option) in OPTIONS.items()
+        ),
+    ]
+)
 _baseline.__annotations__.update({n: t for n, (t, _) in OPTIONS.items()})
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
-                      context_settings={"help_option_names": ["-h", "--help"]})
+    app = typer.Typer(
+        add_completion=False, pretty_exceptions_enable=False, context_settings={"help_option_names": ["-h", "--help"]}
+    )
     app.command(help=__doc__.split("\n")[0], context_settings={"token_normalize_func": cli._normalize_flag})(_baseline)
-    app(args=cli.fill_optional_values(list(sys.argv[1:] if argv is None else argv)),
-        prog_name="hybrid_engine_baseline.py")
+    app(
+        args=cli.fill_optional_values(list(sys.argv[1:] if argv is None else argv)),
+        prog_name="hybrid_engine_baseline.py",
+    )
 
 
 if __name__ == "__main__":

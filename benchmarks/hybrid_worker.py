@@ -36,17 +36,19 @@ from typing import Optional
 
 import torch
 
-from orlhf.types import Rollout, SamplingSpec, max_new_tokens
 from orlhf.config.worker_config import WorkerConfig
+from orlhf.types import Rollout, SamplingSpec, max_new_tokens
 from orlhf.workers.policy import PolicyWorker
 
 GATHER_MODES = ("whole", "per_layer")
 
+
 class HybridPolicyWorker(PolicyWorker):
     """PolicyWorker + generate(). Everything else (log_probs, train_step) is the orlhf actor's, unchanged."""
 
-    def __init__(self, cfg: WorkerConfig, gather: str = "whole", hybrid_engine: bool = False,
-                 max_out_tokens: int = 512):
+    def __init__(
+        self, cfg: WorkerConfig, gather: str = "whole", hybrid_engine: bool = False, max_out_tokens: int = 512
+    ):
         if gather not in GATHER_MODES:
             raise ValueError(f"gather must be one of {GATHER_MODES}, got {gather!r}")
         super().__init__(cfg)
@@ -60,13 +62,22 @@ class HybridPolicyWorker(PolicyWorker):
         config = super().deepspeed_config()
         if not self.hybrid_engine:
             return config
-        return {**config, "hybrid_engine": {
-            "enabled": True, "max_out_tokens": self.max_out_tokens, "inference_tp_size": 1,
-            "release_inference_cache": False, "pin_parameters": True, "tp_gather_partition_size": 8}}
+        return {
+            **config,
+            "hybrid_engine": {
+                "enabled": True,
+                "max_out_tokens": self.max_out_tokens,
+                "inference_tp_size": 1,
+                "release_inference_cache": False,
+                "pin_parameters": True,
+                "tp_gather_partition_size": 8,
+            },
+        }
 
     @torch.no_grad()
-    def generate(self, prompts: list[tuple[int, list[int]]], spec: SamplingSpec, pad_id: int,
-                 eos_id: int) -> list[Rollout]:
+    def generate(
+        self, prompts: list[tuple[int, list[int]]], spec: SamplingSpec, pad_id: int, eos_id: int
+    ) -> list[Rollout]:
         """prompts: (prompt_index, token ids). Returns spec.n rollouts per prompt, in the given order."""
         from transformers import GenerationConfig
 
@@ -76,18 +87,29 @@ class HybridPolicyWorker(PolicyWorker):
         input_ids = torch.full((len(prompts), P), pad_id, dtype=torch.long)
         attention_mask = torch.zeros(len(prompts), P, dtype=torch.long)
         for i, (_, ids) in enumerate(prompts):  # left-padded: every prompt ends where generation starts
-            input_ids[i, P - len(ids):] = torch.tensor(ids, dtype=torch.long)
-            attention_mask[i, P - len(ids):] = 1
+            input_ids[i, P - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+            attention_mask[i, P - len(ids) :] = 1
         # Temperature and top-p are ours (HF adds no warpers at 1.0), so the recorder sees the final distribution.
-        gen = GenerationConfig(do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
-                               max_new_tokens=max(max_new_tokens(spec, len(ids)) for _, ids in prompts),
-                               num_return_sequences=spec.n,
-                               eos_token_id=eos_id, pad_token_id=pad_id, use_cache=True)
+        gen = GenerationConfig(
+            do_sample=True,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            max_new_tokens=max(max_new_tokens(spec, len(ids)) for _, ids in prompts),
+            num_return_sequences=spec.n,
+            eos_token_id=eos_id,
+            pad_token_id=pad_id,
+            use_cache=True,
+        )
         recorder = SampledLogProbs()
         torch.manual_seed(spec.seed * 1009 + self.rank)
         self.engine.eval()
-        kwargs = dict(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
-                      generation_config=gen, logits_processor=sampling_processors(spec, recorder))
+        kwargs = dict(
+            input_ids=input_ids.to(self.device),
+            attention_mask=attention_mask.to(self.device),
+            generation_config=gen,
+            logits_processor=sampling_processors(spec, recorder),
+        )
         if self.hybrid_engine:
             out = self.engine.generate(**kwargs)
         elif self.gather == "per_layer":
@@ -172,17 +194,26 @@ class SampledLogProbs:
         return torch.stack(steps, 1) if steps else torch.zeros(sequences.shape[0], 0)
 
 
-def to_rollouts(prompts: list[tuple[int, list[int]]], sequences: torch.Tensor, logprobs: torch.Tensor, P: int,
-                spec: SamplingSpec, eos_id: int) -> list[Rollout]:
+def to_rollouts(
+    prompts: list[tuple[int, list[int]]],
+    sequences: torch.Tensor,
+    logprobs: torch.Tensor,
+    P: int,
+    spec: SamplingSpec,
+    eos_id: int,
+) -> list[Rollout]:
     """(b*n, P+L) sequences and (b*n, L) log-probs -> Rollouts cut at the prompt's token limit, then after the
     first EOS (padding dropped)."""
     rollouts = []
     for row in range(sequences.shape[0]):
         index, ids = prompts[row // spec.n]
-        response = sequences[row, P:P + max_new_tokens(spec, len(ids))].tolist()
+        response = sequences[row, P : P + max_new_tokens(spec, len(ids))].tolist()
         finished = eos_id in response
         keep = response.index(eos_id) + 1 if finished else len(response)
         lps = [lp if math.isfinite(lp) else 0.0 for lp in logprobs[row, :keep].tolist()]
-        rollouts.append(Rollout(prompt_index=index, prompt_ids=list(ids), response_ids=response[:keep],
-                                logprobs=lps, finished=finished))
+        rollouts.append(
+            Rollout(
+                prompt_index=index, prompt_ids=list(ids), response_ids=response[:keep], logprobs=lps, finished=finished
+            )
+        )
     return rollouts

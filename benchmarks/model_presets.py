@@ -1,6 +1,7 @@
 """Named model sizes for the benchmarks, and where vLLM overtakes HF `generate` among them.
 
-    preset name -> folder: `demo` is the built-in demo model itself (orlhf.demo.builder.ensure_demo().model); every other
+    preset name -> folder: `demo` is the built-in demo model itself (orlhf.demo.builder.ensure_demo().model); every
+    other
     preset is a random-init Llama (seed 0) with the demo's tokenizer, built once into
     <orlhf cache>/bench/models/llama-h<hidden>-l<layers>-... ($ORLHF_CACHE moves it) and reused after that
     build_model(out, hidden, layers, max_len, ...) -> a random Llama of any size under <out>/models (what
@@ -37,14 +38,17 @@ class Preset:
 
 # Ascending in size. mini/small/base fill the gap between the demo and medium so that a crossover can be placed;
 # large (~50M) brackets it from above if medium is not yet past it.
-PRESETS = {p.name: p for p in (
-    Preset("demo", 0.58),  # 2 layers, hidden 128, intermediate 256, 4 heads (orlhf/demo/builder.py)
-    Preset("mini", 1.7, hidden=192, layers=3, intermediate=512, heads=3),
-    Preset("small", 3.7, hidden=256, layers=4, intermediate=704, heads=4),
-    Preset("base", 7.8, hidden=384, layers=4, intermediate=1024, heads=6),
-    Preset("medium", 20.3, hidden=512, layers=6, intermediate=1408, heads=8),
-    Preset("large", 51.0, hidden=768, layers=7, intermediate=2048, heads=12),
-)}
+PRESETS = {
+    p.name: p
+    for p in (
+        Preset("demo", 0.58),  # 2 layers, hidden 128, intermediate 256, 4 heads (orlhf/demo/builder.py)
+        Preset("mini", 1.7, hidden=192, layers=3, intermediate=512, heads=3),
+        Preset("small", 3.7, hidden=256, layers=4, intermediate=704, heads=4),
+        Preset("base", 7.8, hidden=384, layers=4, intermediate=1024, heads=6),
+        Preset("medium", 20.3, hidden=512, layers=6, intermediate=1408, heads=8),
+        Preset("large", 51.0, hidden=768, layers=7, intermediate=2048, heads=12),
+    )
+}
 
 
 def bench_cache() -> Path:
@@ -56,10 +60,19 @@ def bench_cache() -> Path:
 def _llama_config(tok, hidden: int, layers: int, intermediate: int, heads: int, max_pos: int):
     from transformers import LlamaConfig
 
-    return LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-                       num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=max_pos,
-                       vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                       pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
+    return LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=max_pos,
+        vocab_size=len(tok),
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=False,
+    )
 
 
 def _save_random_llama(path: Path, cfg, tok) -> None:
@@ -87,8 +100,9 @@ def _save_random_llama(path: Path, cfg, tok) -> None:
     log.info("built %s: %.1fM params", path, sum(p.numel() for p in model.parameters()) / 1e6)
 
 
-def build_model(out: Path, hidden: int, layers: int, max_len: int, intermediate: Optional[int] = None,
-                heads: Optional[int] = None) -> Path:
+def build_model(
+    out: Path, hidden: int, layers: int, max_len: int, intermediate: Optional[int] = None, heads: Optional[int] = None
+) -> Path:
     """A random Llama of the given size with the demo's tokenizer, cached under <out>/models. Intermediate size
     and heads default to 2 x hidden and one head per 32 (hidden <= 256) or 64 dimensions."""
     from transformers import AutoTokenizer
@@ -98,8 +112,11 @@ def build_model(out: Path, hidden: int, layers: int, max_len: int, intermediate:
     default_heads = max(1, hidden // (32 if hidden <= 256 else 64))
     inter, nheads, max_pos = intermediate or 2 * hidden, heads or default_heads, max(512, max_len)
     name = f"llama-h{hidden}-l{layers}"  # the name earlier runs cached the default shapes under
-    name += "".join(f"-{k}{v}" for k, v, dflt in (("i", inter, 2 * hidden), ("a", nheads, default_heads),
-                                                  ("p", max_pos, 512)) if v != dflt)
+    name += "".join(
+        f"-{k}{v}"
+        for k, v, dflt in (("i", inter, 2 * hidden), ("a", nheads, default_heads), ("p", max_pos, 512))
+        if v != dflt
+    )
     path = Path(out) / "models" / name
     if not (path / "config.json").exists():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -117,8 +134,9 @@ def preset_model(name: str, cache: Optional[Path] = None, max_len: int = 512) ->
         from orlhf.demo.builder import ensure_demo
 
         return ensure_demo().model
-    return build_model(Path(cache) if cache else bench_cache(), p.hidden, p.layers, max_len,
-                       intermediate=p.intermediate, heads=p.heads)
+    return build_model(
+        Path(cache) if cache else bench_cache(), p.hidden, p.layers, max_len, intermediate=p.intermediate, heads=p.heads
+    )
 
 
 def parse_presets(spec: str) -> list[str]:
@@ -179,12 +197,25 @@ def describe_crossover(rows: list[dict], ratio_key: str) -> str:
         return f"at or below {name} ({ordered[0]['params'] / 1e6:.1f}M params: vLLM ahead at every size tried)"
     below = ordered[[r["preset"] for r in ordered].index(name) - 1]
     at = next(r for r in ordered if r["preset"] == name)
-    return (f"between {below['preset']} ({below['params'] / 1e6:.1f}M, {below[ratio_key]:.2f}x) and {name} "
-            f"({at['params'] / 1e6:.1f}M, {at[ratio_key]:.2f}x)")
+    return (
+        f"between {below['preset']} ({below['params'] / 1e6:.1f}M, {below[ratio_key]:.2f}x) and {name} "
+        f"({at['params'] / 1e6:.1f}M, {at[ratio_key]:.2f}x)"
+    )
 
 
 if __name__ == "__main__":  # list the presets with their real sizes (builds nothing)
     logging.basicConfig(level=logging.INFO)
     for n, pr in PRESETS.items():
-        print(json.dumps({"preset": n, "stated_m": pr.stated_m, "params": preset_params(n), "hidden": pr.hidden,
-                          "layers": pr.layers, "intermediate": pr.intermediate, "heads": pr.heads}))
+        print(
+            json.dumps(
+                {
+                    "preset": n,
+                    "stated_m": pr.stated_m,
+                    "params": preset_params(n),
+                    "hidden": pr.hidden,
+                    "layers": pr.layers,
+                    "intermediate": pr.intermediate,
+                    "heads": pr.heads,
+                }
+            )
+        )

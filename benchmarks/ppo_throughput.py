@@ -59,10 +59,11 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-from orlhf.config import flags as F  # noqa: E402
 from model_presets import PRESETS as MODEL_PRESETS  # noqa: E402  (benchmarks/model_presets.py)
 from model_presets import build_model, preset_model  # noqa: E402
 from proctree import RSS_GROUPS, TreeSampler, run_sampled  # noqa: E402  (benchmarks/proctree.py)
+
+from orlhf.config import flags as F  # noqa: E402
 
 MODES = ("hybrid", "hybrid_ws2", "split", "colocate", "colocate_all", "async")
 # hybrid_ws2: the baseline as 2 SPMD ranks of 1 thread each. On a 2-core box that is DeepSpeed-Chat using both
@@ -74,23 +75,48 @@ PHASES = ("generate", "score", "make_experience", "train", "sync")
 KNOBS = {
     "padded": lambda v: (["--no_trim_padding"], "padding removal OFF (micro-batches padded to the step's longest)"),
     "pack": lambda v: (["--packing_samples"], "samples packed into one row per micro-batch (no padding at all)"),
-    "mb_small": lambda v: (["--micro_train_batch_size", "4", "--micro_rollout_batch_size", "4"],
-                           "micro-batches of 4 (train and scoring)"),
-    "mb_full": lambda v: (["--micro_train_batch_size", str(v["train_batch_size"]), "--micro_rollout_batch_size",
-                           str(v["rollout_batch_size"] * v.get("n_samples_per_prompt", 1))],
-                          "micro-batches as large as the batch (one forward/backward per step and model)"),
+    "mb_small": lambda v: (
+        ["--micro_train_batch_size", "4", "--micro_rollout_batch_size", "4"],
+        "micro-batches of 4 (train and scoring)",
+    ),
+    "mb_full": lambda v: (
+        [
+            "--micro_train_batch_size",
+            str(v["train_batch_size"]),
+            "--micro_rollout_batch_size",
+            str(v["rollout_batch_size"] * v.get("n_samples_per_prompt", 1)),
+        ],
+        "micro-batches as large as the batch (one forward/backward per step and model)",
+    ),
     "engines2": lambda v: (["--vllm_num_engines", "2"], "two vLLM engines instead of one (more devices to generation)"),
-    "engine_threads": lambda v: (["--vllm_cpu_threads", str(os.cpu_count() or 1)],
-                                 "CPU: each vLLM engine runs as many torch threads as the machine has cores"),
-    "rank_threads": lambda v: (["--train_cpu_threads", str(os.cpu_count() or 1)],
-                               "CPU: each model rank runs as many torch threads as the machine has cores"),
+    "engine_threads": lambda v: (
+        ["--vllm_cpu_threads", str(os.cpu_count() or 1)],
+        "CPU: each vLLM engine runs as many torch threads as the machine has cores",
+    ),
+    "rank_threads": lambda v: (
+        ["--train_cpu_threads", str(os.cpu_count() or 1)],
+        "CPU: each model rank runs as many torch threads as the machine has cores",
+    ),
     "zero0": lambda v: (["--zero_stage", "0"], "ZeRO stage 0 instead of 3 (no parameter partitioning hooks)"),
     "adam_offload": lambda v: (["--adam_offload"], "Adam states on the host: DeepSpeedCPUAdam (pinned on GPUs)"),
 }
 # --modes ablation: every knob against its base, one run each.
-ABLATION = ("hybrid", "hybrid+padded", "hybrid+mb_full", "split", "split+padded", "split+pack", "split+mb_small",
-            "split+mb_full", "split+engines2", "split+engine_threads", "split+rank_threads", "split+adam_offload",
-            "async", "async+mb_full")
+ABLATION = (
+    "hybrid",
+    "hybrid+padded",
+    "hybrid+mb_full",
+    "split",
+    "split+padded",
+    "split+pack",
+    "split+mb_small",
+    "split+mb_full",
+    "split+engines2",
+    "split+engine_threads",
+    "split+rank_threads",
+    "split+adam_offload",
+    "async",
+    "async+mb_full",
+)
 # Regimes. default: the demo's preset (24 new tokens). gen_heavy: long responses to short prompts, as in real
 # RLHF, where generation dominates a step.
 PRESETS = {"default": {}, "gen_heavy": {"generate_max_len": 256, "prompt_max_len": 64}}
@@ -111,8 +137,17 @@ def common_values(args) -> dict:
     demo = ensure_demo()
     values = {k: v for k, v in F.DEMO_PRESET.items() if k != "num_episodes"}
     values.update(PRESETS[args.preset])
-    for k in ("prompt_max_len", "generate_max_len", "rollout_batch_size", "n_samples_per_prompt",
-              "train_batch_size", "micro_train_batch_size", "micro_rollout_batch_size", "advantage_estimator", "seed"):
+    for k in (
+        "prompt_max_len",
+        "generate_max_len",
+        "rollout_batch_size",
+        "n_samples_per_prompt",
+        "train_batch_size",
+        "micro_train_batch_size",
+        "micro_rollout_batch_size",
+        "advantage_estimator",
+        "seed",
+    ):
         if getattr(args, k) is not None:
             values[k] = getattr(args, k)
     model = args.pretrain or str(demo.model)
@@ -126,8 +161,13 @@ def common_values(args) -> dict:
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    values.update(pretrain=model, prompt_data=args.prompt_data or str(demo.prompts), device=device,
-                  num_episodes=1, max_samples=values["rollout_batch_size"] * (args.warmup + args.steps))
+    values.update(
+        pretrain=model,
+        prompt_data=args.prompt_data or str(demo.prompts),
+        device=device,
+        num_episodes=1,
+        max_samples=values["rollout_batch_size"] * (args.warmup + args.steps),
+    )
     if args.reward_pretrain:
         values["reward_pretrain"] = args.reward_pretrain
     else:
@@ -153,7 +193,7 @@ def to_argv(values: dict) -> list[str]:
 
 
 def split_mode(mode: str) -> tuple[str, list[str]]:
-    """"split+pack+mb_full" -> ("split", ["pack", "mb_full"])."""
+    """ "split+pack+mb_full" -> ("split", ["pack", "mb_full"])."""
     base, *knobs = mode.split("+")
     return base, knobs
 
@@ -172,14 +212,22 @@ def mode_argv(mode: str, values: dict, args) -> list[str]:
 def _base_argv(mode: str, values: dict, args) -> list[str]:
     common = shlex.split(args.common_flags)
     if mode in ("hybrid", "hybrid_ws2"):
-        return [sys.executable, str(ROOT / "benchmarks" / "hybrid_engine_baseline.py"), *to_argv(values), *common,
-                *shlex.split(args.hybrid_flags), *(HYBRID_WS2 if mode == "hybrid_ws2" else [])]
-    extra = {"split": [], "colocate": ["--colocate_actor_ref"] + (["--colocate_critic_reward"]
-                                                                 if values.get("reward_pretrain") else []),
-             "colocate_all": ["--colocate_all_models"], "async": ["--async_train"]}[mode]
+        return [
+            sys.executable,
+            str(ROOT / "benchmarks" / "hybrid_engine_baseline.py"),
+            *to_argv(values),
+            *common,
+            *shlex.split(args.hybrid_flags),
+            *(HYBRID_WS2 if mode == "hybrid_ws2" else []),
+        ]
+    extra = {
+        "split": [],
+        "colocate": ["--colocate_actor_ref"] + (["--colocate_critic_reward"] if values.get("reward_pretrain") else []),
+        "colocate_all": ["--colocate_all_models"],
+        "async": ["--async_train"],
+    }[mode]
     own = args.colocate_all_flags if mode == "colocate_all" and args.colocate_all_flags else args.orlhf_flags
-    return [sys.executable, "-m", "orlhf.cli", "train-ppo", *to_argv(values), *common, *shlex.split(own),
-            *extra]
+    return [sys.executable, "-m", "orlhf.cli", "train-ppo", *to_argv(values), *common, *shlex.split(own), *extra]
 
 
 # ---- one run: a subprocess, its process tree's memory, its metrics rows ----------------------------------------
@@ -215,19 +263,29 @@ def summarize_rows(rows: list[dict], sampler: TreeSampler, warmup: int, wall: fl
     tokens = sum(r["samples"] * r["response_length"] for r in measured)  # sampled lengths differ a little by side
     phases = sorted({k[7:] for r in measured for k in r if k.startswith("timing/")})
     times = sampler.row_times
-    wall_sps = (samples / (times[-1] - times[warmup - 1]) if warmup >= 1 and len(times) == len(rows)
-                and times[-1] > times[warmup - 1] else None)
+    wall_sps = (
+        samples / (times[-1] - times[warmup - 1])
+        if warmup >= 1 and len(times) == len(rows) and times[-1] > times[warmup - 1]
+        else None
+    )
     cpu = sampler.cpu_at_rows
-    cpu_per_step = ({g: (cpu[-1].get(g, 0.0) - cpu[warmup - 1].get(g, 0.0)) / len(measured) for g in cpu[-1]}
-                    if warmup >= 1 and len(cpu) == len(rows) else {})
+    cpu_per_step = (
+        {g: (cpu[-1].get(g, 0.0) - cpu[warmup - 1].get(g, 0.0)) / len(measured) for g in cpu[-1]}
+        if warmup >= 1 and len(cpu) == len(rows)
+        else {}
+    )
     return {
-        "samples_per_s": samples / seconds, "wall_samples_per_s": wall_sps, "step_s": seconds / len(measured),
+        "samples_per_s": samples / seconds,
+        "wall_samples_per_s": wall_sps,
+        "step_s": seconds / len(measured),
         "response_tokens_per_s": tokens / seconds,
         "phases": {p: statistics.fmean(r.get(f"timing/{p}", 0.0) for r in measured) for p in phases},
-        "steps_measured": len(measured), "samples_per_step": measured[0]["samples"],
+        "steps_measured": len(measured),
+        "samples_per_step": measured[0]["samples"],
         "response_length": statistics.fmean(r["response_length"] for r in measured),
         "rewards": [round(r["reward_mean"], 4) for r in rows],  # every step, warm-up included
-        "startup_s": (times[0] - t0 - rows[0]["step_s"]) if times else None, "wall_s": wall,
+        "startup_s": (times[0] - t0 - rows[0]["step_s"]) if times else None,
+        "wall_s": wall,
         "peak_rss_gb": {g: round(sampler.peak[g] / 2**30, 3) for g in RSS_GROUPS if g in sampler.peak},
         "processes": {g: sampler.procs[g] for g in RSS_GROUPS if g in sampler.procs},
         "peak_rss_total_gb": round(sampler.peak_total / 2**30, 3),
@@ -263,6 +321,7 @@ def combine(runs: list[dict]) -> dict:
 
 # ---- report ----------------------------------------------------------------------------------------------------
 
+
 def markdown(rows: list[list[str]]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in rows]
@@ -272,45 +331,93 @@ def markdown(rows: list[list[str]]) -> str:
 
 def tables(results: dict, speedup: dict) -> str:
     """Speed and phases (seconds per step, averaged over measured steps), then peak RSS per process group."""
-    speed = [["mode", "samples/s", "vs hybrid", "wall samples/s", "resp tokens/s", "step s", *PHASES, "start-up s",
-              "reward first -> last step"]]
+    speed = [
+        [
+            "mode",
+            "samples/s",
+            "vs hybrid",
+            "wall samples/s",
+            "resp tokens/s",
+            "step s",
+            *PHASES,
+            "start-up s",
+            "reward first -> last step",
+        ]
+    ]
     for mode, r in results.items():
         wall = r["wall_samples_per_s"]
-        speed.append([mode, f"{r['samples_per_s']:.1f}", f"{speedup[mode]:.2f}x", f"{wall:.1f}" if wall else "-",
-                      f"{r['response_tokens_per_s']:.0f}", f"{r['step_s']:.2f}",
-                      *(f"{r['phases'][p]:.2f}" if p in r["phases"] else "-" for p in PHASES),
-                      f"{r['startup_s']:.0f}" if r["startup_s"] is not None else "-",
-                      f"{r['rewards'][0]:.3f} -> {r['rewards'][-1]:.3f}"])
+        speed.append(
+            [
+                mode,
+                f"{r['samples_per_s']:.1f}",
+                f"{speedup[mode]:.2f}x",
+                f"{wall:.1f}" if wall else "-",
+                f"{r['response_tokens_per_s']:.0f}",
+                f"{r['step_s']:.2f}",
+                *(f"{r['phases'][p]:.2f}" if p in r["phases"] else "-" for p in PHASES),
+                f"{r['startup_s']:.0f}" if r["startup_s"] is not None else "-",
+                f"{r['rewards'][0]:.3f} -> {r['rewards'][-1]:.3f}",
+            ]
+        )
     memory = [["mode", "total GiB", *(f"{g} GiB (procs)" for g in RSS_GROUPS)]]
     for mode, r in results.items():
-        memory.append([mode, f"{r['peak_rss_total_gb']:.2f}", *(
-            f"{r['peak_rss_gb'][g]:.2f} ({r['processes'][g]})" if g in r["peak_rss_gb"] else "-" for g in RSS_GROUPS)])
+        memory.append(
+            [
+                mode,
+                f"{r['peak_rss_total_gb']:.2f}",
+                *(
+                    f"{r['peak_rss_gb'][g]:.2f} ({r['processes'][g]})" if g in r["peak_rss_gb"] else "-"
+                    for g in RSS_GROUPS
+                ),
+            ]
+        )
     cores = os.cpu_count() or 1
-    cpu = [["mode", "CPU s per step", f"busy (of {cores} cores)",
-            *(f"{g} CPU s" for g in RSS_GROUPS)]]
+    cpu = [["mode", "CPU s per step", f"busy (of {cores} cores)", *(f"{g} CPU s" for g in RSS_GROUPS)]]
     for mode, r in results.items():
         total = r.get("cpu_s_per_step_total")
         if total is None:
             continue
-        cpu.append([mode, f"{total:.2f}", f"{total / (cores * r['step_s']):.0%}",
-                    *(f"{r['cpu_s_per_step'][g]:.2f}" if g in r["cpu_s_per_step"] else "-" for g in RSS_GROUPS)])
-    return markdown(speed) + "\n\npeak RSS, summed per group (the peak of each group's sum over the run):\n" + \
-        markdown(memory) + "\n\nCPU seconds per measured step, per process group (user + system):\n" + markdown(cpu)
+        cpu.append(
+            [
+                mode,
+                f"{total:.2f}",
+                f"{total / (cores * r['step_s']):.0%}",
+                *(f"{r['cpu_s_per_step'][g]:.2f}" if g in r["cpu_s_per_step"] else "-" for g in RSS_GROUPS),
+            ]
+        )
+    return (
+        markdown(speed)
+        + "\n\npeak RSS, summed per group (the peak of each group's sum over the run):\n"
+        + markdown(memory)
+        + "\n\nCPU seconds per measured step, per process group (user + system):\n"
+        + markdown(cpu)
+    )
 
 
 def knob_table(results: dict, values: dict) -> Optional[str]:
     """Each "<mode>+<knobs>" against its <mode>: the speed-ups measured on vs off."""
-    rows = [["mode", "against", "what changes", "samples/s", "base samples/s", "ratio", "score s", "train s",
-             "generate s"]]
+    rows = [
+        ["mode", "against", "what changes", "samples/s", "base samples/s", "ratio", "score s", "train s", "generate s"]
+    ]
     for mode, r in results.items():
         base, knobs = split_mode(mode)
         if not knobs or base not in results:
             continue
         b = results[base]
-        rows.append([mode, base, "; ".join(KNOBS[k](values)[1] for k in knobs), f"{r['samples_per_s']:.1f}",
-                     f"{b['samples_per_s']:.1f}", f"{r['samples_per_s'] / b['samples_per_s']:.2f}x",
-                     *(f"{b['phases'].get(p, 0):.2f} -> {r['phases'].get(p, 0):.2f}" for p in ("score", "train",
-                                                                                             "generate"))])
+        rows.append(
+            [
+                mode,
+                base,
+                "; ".join(KNOBS[k](values)[1] for k in knobs),
+                f"{r['samples_per_s']:.1f}",
+                f"{b['samples_per_s']:.1f}",
+                f"{r['samples_per_s'] / b['samples_per_s']:.2f}x",
+                *(
+                    f"{b['phases'].get(p, 0):.2f} -> {r['phases'].get(p, 0):.2f}"
+                    for p in ("score", "train", "generate")
+                ),
+            ]
+        )
     return markdown(rows) if len(rows) > 1 else None
 
 
@@ -332,8 +439,14 @@ def plot(results: dict, speedup: dict, out: Path, title: str) -> Optional[Path]:
     err = [[max(0.0, s - min(r)) for s, r in zip(sps, runs)], [max(0.0, max(r) - s) for s, r in zip(sps, runs)]]
     bars = ax.bar(x, sps, yerr=err, capsize=4, color="#4c72b0")
     for b, m in zip(bars, modes):
-        ax.annotate(f"{speedup[m]:.2f}x", (b.get_x() + b.get_width() / 2, 0), ha="center", va="bottom",
-                    color="white", fontweight="bold")
+        ax.annotate(
+            f"{speedup[m]:.2f}x",
+            (b.get_x() + b.get_width() / 2, 0),
+            ha="center",
+            va="bottom",
+            color="white",
+            fontweight="bold",
+        )
     ax.set_title("samples/s (median; whiskers: min..max of repeats)")
     ax = axes[1]
     bottom = [0.0] * len(modes)
@@ -344,8 +457,9 @@ def plot(results: dict, speedup: dict, out: Path, title: str) -> Optional[Path]:
         for i in x:
             ax.bar(i, h[i], bottom=bottom[i], color=colors[p], hatch=hatch[i], label=p if i == 0 else None)
         bottom = [a + b for a, b in zip(bottom, h)]
-    ax.scatter(list(x), [results[m]["step_s"] for m in modes], marker="_", s=900, color="black", zorder=3,
-               label="step (wall)")
+    ax.scatter(
+        list(x), [results[m]["step_s"] for m in modes], marker="_", s=900, color="black", zorder=3, label="step (wall)"
+    )
     ax.set_title("seconds per step by phase (async: generate overlaps, hatched)")
     ax.legend(fontsize=7, ncol=2)
     ax = axes[2]
@@ -365,11 +479,15 @@ def plot(results: dict, speedup: dict, out: Path, title: str) -> Optional[Path]:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--modes", default="hybrid,hybrid_ws2,split,colocate_all,async",
-                   help=f"comma-separated, from {MODES}, each optionally with +knob from {tuple(KNOBS)} "
-                        f"(e.g. split+mb_full); 'ablation' = {','.join(ABLATION)}")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--modes",
+        default="hybrid,hybrid_ws2,split,colocate_all,async",
+        help=f"comma-separated, from {MODES}, each optionally with +knob from {tuple(KNOBS)} "
+        f"(e.g. split+mb_full); 'ablation' = {','.join(ABLATION)}",
+    )
     p.add_argument("--warmup", type=int, default=2, help="steps run and dropped before measuring")
     p.add_argument("--steps", type=int, default=5, help="measured steps per run")
     p.add_argument("--repeats", type=int, default=1, help="runs per mode, interleaved; medians reported")
@@ -381,15 +499,27 @@ def parse_args(argv=None):
     g.add_argument("--pretrain", default=None, help="HF model folder (actor, ref, critic init)")
     g.add_argument("--hidden", type=int, default=None, help="build a random Llama of this width (demo tokenizer)")
     g.add_argument("--layers", type=int, default=2, help="its layers (with --hidden)")
-    g.add_argument("--model_preset", choices=tuple(MODEL_PRESETS), default="demo",
-                   help="a named size from benchmarks/model_presets.py (built once, cached); e.g. medium: ~20M")
+    g.add_argument(
+        "--model_preset",
+        choices=tuple(MODEL_PRESETS),
+        default="demo",
+        help="a named size from benchmarks/model_presets.py (built once, cached); e.g. medium: ~20M",
+    )
     g.add_argument("--prompt_data", default=None)
     g.add_argument("--remote_rm_url", default=None, help="reward function file / URL (default: the demo's)")
     g.add_argument("--reward_pretrain", default=None, help="a reward model instead of the function")
     g = p.add_argument_group("PPO settings (default: the demo preset, then --preset)")
-    for k, t in (("prompt_max_len", int), ("generate_max_len", int), ("rollout_batch_size", int),
-                 ("n_samples_per_prompt", int), ("train_batch_size", int), ("micro_train_batch_size", int),
-                 ("micro_rollout_batch_size", int), ("advantage_estimator", str), ("seed", int)):
+    for k, t in (
+        ("prompt_max_len", int),
+        ("generate_max_len", int),
+        ("rollout_batch_size", int),
+        ("n_samples_per_prompt", int),
+        ("train_batch_size", int),
+        ("micro_train_batch_size", int),
+        ("micro_rollout_batch_size", int),
+        ("advantage_estimator", str),
+        ("seed", int),
+    ):
         g.add_argument(f"--{k}", type=t, default=None)
     g = p.add_argument_group("extra flags, as one quoted string each (later flags win)")
     g.add_argument("--common_flags", default="", help="train-ppo flags for every mode, e.g. '--bf16'")
@@ -402,8 +532,11 @@ def parse_args(argv=None):
         args.modes = list(ABLATION)
     bad = [m for m in args.modes if split_mode(m)[0] not in MODES or any(k not in KNOBS for k in split_mode(m)[1])]
     if bad or "hybrid" not in args.modes:
-        p.error(f"--modes: unknown {bad}: modes are {MODES}, optionally +{'/+'.join(KNOBS)}" if bad
-                else "--modes must include hybrid (the reference for speed-ups)")
+        p.error(
+            f"--modes: unknown {bad}: modes are {MODES}, optionally +{'/+'.join(KNOBS)}"
+            if bad
+            else "--modes must include hybrid (the reference for speed-ups)"
+        )
     if args.warmup < 1 or args.steps < 1:
         p.error("--warmup and --steps must be >= 1 (the first step pays one-off costs)")
     if args.model_preset != "demo" and (args.pretrain or args.hidden):
@@ -433,17 +566,21 @@ def main(argv=None) -> None:
                 log(f"{mode}: {'skipped' if 'skipped' in r else 'FAILED'}: {r.get('skipped') or r['error']}")
                 continue
             runs[mode].append(r)
-            log(f"{mode}: {r['samples_per_s']:.1f} samples/s, {r['step_s']:.2f} s/step, start-up "
-                f"{r['startup_s'] or 0:.0f} s, rewards {r['rewards']}")
+            log(
+                f"{mode}: {r['samples_per_s']:.1f} samples/s, {r['step_s']:.2f} s/step, start-up "
+                f"{r['startup_s'] or 0:.0f} s, rewards {r['rewards']}"
+            )
     results = {m: combine(rs) for m, rs in runs.items() if rs}
     if "hybrid" not in results:
         raise SystemExit(f"the hybrid baseline did not run: {failed.get('hybrid') or skipped.get('hybrid')}")
     base = results["hybrid"]["samples_per_s"]
     speedup = {m: r["samples_per_s"] / base for m, r in results.items()}
     best = max(r["samples_per_s"] for m, r in results.items() if m.startswith("hybrid"))
-    title = (f"{values['rollout_batch_size'] * values.get('n_samples_per_prompt', 1)} samples/step, prompt<="
-             f"{values['prompt_max_len']}, gen<={values['generate_max_len']}, model {model_name(values['pretrain'])}, "
-             f"{args.steps} steps after {args.warmup} warm-up, median of {args.repeats}")
+    title = (
+        f"{values['rollout_batch_size'] * values.get('n_samples_per_prompt', 1)} samples/step, prompt<="
+        f"{values['prompt_max_len']}, gen<={values['generate_max_len']}, model {model_name(values['pretrain'])}, "
+        f"{args.steps} steps after {args.warmup} warm-up, median of {args.repeats}"
+    )
     print(title)
     print(tables(results, speedup))
     knobs = knob_table(results, values)
@@ -451,22 +588,40 @@ def main(argv=None) -> None:
         print("\nspeed-ups, each on vs off (same invocation, same flags otherwise):")
         print(knobs)
     if any(split_mode(m)[0] == "async" for m in results):
-        print("async: generate runs beside score/train (its seconds are not on the step's critical path); step s "
-              "is the wall time between step ends")
+        print(
+            "async: generate runs beside score/train (its seconds are not on the step's critical path); step s "
+            "is the wall time between step ends"
+        )
     for mode, why in {**skipped, **failed}.items():
         print(f"{mode}: {'skipped' if mode in skipped else 'FAILED'}: {why}")
     png = plot(results, speedup, out, title)
-    print(json.dumps({
-        "benchmark": "ppo_throughput", "preset": args.preset, "device": values["device"], "flags": values,
-        "warmup": args.warmup, "steps": args.steps, "repeats": args.repeats, "modes": results,
-        "speedup_vs_hybrid": {m: round(s, 3) for m, s in speedup.items()},
-        "knob_speedups": {m: round(r["samples_per_s"] / results[split_mode(m)[0]]["samples_per_s"], 3)
-                          for m, r in results.items() if split_mode(m)[1] and split_mode(m)[0] in results},
-        "speedup_vs_best_hybrid": {m: round(r["samples_per_s"] / best, 3) for m, r in results.items()},
-        "skipped": skipped, "failed": failed,
-        "load_avg_start": [round(x, 2) for x in load_start], "load_avg_end": [round(x, 2) for x in os.getloadavg()],
-        "cpu_count": os.cpu_count(), "png": str(png) if png else None,
-    }))
+    print(
+        json.dumps(
+            {
+                "benchmark": "ppo_throughput",
+                "preset": args.preset,
+                "device": values["device"],
+                "flags": values,
+                "warmup": args.warmup,
+                "steps": args.steps,
+                "repeats": args.repeats,
+                "modes": results,
+                "speedup_vs_hybrid": {m: round(s, 3) for m, s in speedup.items()},
+                "knob_speedups": {
+                    m: round(r["samples_per_s"] / results[split_mode(m)[0]]["samples_per_s"], 3)
+                    for m, r in results.items()
+                    if split_mode(m)[1] and split_mode(m)[0] in results
+                },
+                "speedup_vs_best_hybrid": {m: round(r["samples_per_s"] / best, 3) for m, r in results.items()},
+                "skipped": skipped,
+                "failed": failed,
+                "load_avg_start": [round(x, 2) for x in load_start],
+                "load_avg_end": [round(x, 2) for x in os.getloadavg()],
+                "cpu_count": os.cpu_count(),
+                "png": str(png) if png else None,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -142,8 +142,9 @@ def kill_tree(pid: int) -> None:
             pass
 
 
-def run_sampled(cmd: list[str], cwd, log_path: Path, env: dict, timeout: float,
-                marker: str | None = None) -> tuple[object, "TreeSampler"]:
+def run_sampled(
+    cmd: list[str], cwd, log_path: Path, env: dict, timeout: float, marker: str | None = None
+) -> tuple[object, "TreeSampler"]:
     """Run `cmd` with its output in `log_path`, its process tree sampled (memory, CPU, metrics-row arrival times:
     TreeSampler reads <log_path's folder>/metrics.jsonl; CPU seconds per group also when the file `marker`
     appears in that folder). Returns (exit code, or "timed out after N s", sampler).
@@ -152,8 +153,9 @@ def run_sampled(cmd: list[str], cwd, log_path: Path, env: dict, timeout: float,
 
     with open(log_path, "w") as logf:
         proc = subprocess.Popen(cmd, cwd=cwd, stdout=logf, stderr=subprocess.STDOUT, env=env)
-        sampler = TreeSampler(proc.pid, log_path.parent / "metrics.jsonl",
-                              marker=log_path.parent / marker if marker else None)
+        sampler = TreeSampler(
+            proc.pid, log_path.parent / "metrics.jsonl", marker=log_path.parent / marker if marker else None
+        )
         sampler.start()
         try:
             rc = proc.wait(timeout)

@@ -65,8 +65,10 @@ def trl_python(venv: Path, version: str, install: bool) -> Path:
     if py.exists() and subprocess.run([str(py), "-c", check], capture_output=True).returncode == 0:
         return py
     if not install:
-        raise SystemExit(f"no TRL {version} virtualenv at {venv} and --no_install was given: run this script once "
-                         "without --no_install (it needs the package registry)")
+        raise SystemExit(
+            f"no TRL {version} virtualenv at {venv} and --no_install was given: run this script once "
+            "without --no_install (it needs the package registry)"
+        )
     torch_version = importlib.metadata.version("torch")  # distribution version: "2.13.0+cpu" on the CPU wheel
     print(f"installing TRL {version} into {venv} (torch=={torch_version}); once, a few minutes", flush=True)
     shutil.rmtree(venv, ignore_errors=True)
@@ -84,17 +86,48 @@ def trl_python(venv: Path, version: str, install: bool) -> Path:
 
 
 def orlhf_cmd(a, asynchronous: bool, extra: tuple = ()) -> list[str]:
-    kl = (["--use_kl_loss", "--init_kl_coef", str(a.kl), "--kl_estimator", "k3"] if a.kl > 0
-          else ["--init_kl_coef", "0"])
+    kl = ["--use_kl_loss", "--init_kl_coef", str(a.kl), "--kl_estimator", "k3"] if a.kl > 0 else ["--init_kl_coef", "0"]
     samples = a.prompts_per_step * a.samples_per_prompt
-    return [sys.executable, "-m", "orlhf.cli", "train-ppo", "--device", "cpu", "--max_samples", str(a.max_samples),
-            "--num_episodes", str(a.episodes), "--advantage_estimator", "group_norm",
-            "--n_samples_per_prompt", str(a.samples_per_prompt), "--rollout_batch_size", str(a.prompts_per_step),
-            "--train_batch_size", str(samples), "--micro_train_batch_size", str(a.micro_batch),
-            "--micro_rollout_batch_size", str(a.micro_batch), "--generate_max_len", str(a.new_tokens),
-            "--temperature", "1.0", "--actor_learning_rate", str(a.lr), "--lr_warmup_ratio", "0",
-            "--eps_clip", "0.2", "--seed", "42", *kl, *(["--async_train"] if asynchronous else []),
-            *extra, *a.orlhf_flags.split()]
+    return [
+        sys.executable,
+        "-m",
+        "orlhf.cli",
+        "train-ppo",
+        "--device",
+        "cpu",
+        "--max_samples",
+        str(a.max_samples),
+        "--num_episodes",
+        str(a.episodes),
+        "--advantage_estimator",
+        "group_norm",
+        "--n_samples_per_prompt",
+        str(a.samples_per_prompt),
+        "--rollout_batch_size",
+        str(a.prompts_per_step),
+        "--train_batch_size",
+        str(samples),
+        "--micro_train_batch_size",
+        str(a.micro_batch),
+        "--micro_rollout_batch_size",
+        str(a.micro_batch),
+        "--generate_max_len",
+        str(a.new_tokens),
+        "--temperature",
+        "1.0",
+        "--actor_learning_rate",
+        str(a.lr),
+        "--lr_warmup_ratio",
+        "0",
+        "--eps_clip",
+        "0.2",
+        "--seed",
+        "42",
+        *kl,
+        *(["--async_train"] if asynchronous else []),
+        *extra,
+        *a.orlhf_flags.split(),
+    ]
 
 
 def with_model(cmd: list[str], a) -> list[str]:
@@ -108,8 +141,12 @@ def with_model(cmd: list[str], a) -> list[str]:
     from orlhf.demo.builder import ensure_demo
 
     demo = ensure_demo()
-    values = {"pretrain": str(model_folder(a)), "prompt_data": str(demo.prompts),
-              "remote_rm_url": str(demo.reward_fn), **DEMO_PRESET}
+    values = {
+        "pretrain": str(model_folder(a)),
+        "prompt_data": str(demo.prompts),
+        "remote_rm_url": str(demo.reward_fn),
+        **DEMO_PRESET,
+    }
     given = {x for x in cmd if x.startswith("--")}
     added = []
     for k, v in values.items():
@@ -128,11 +165,32 @@ def trl_cmd(a, python: Path) -> list[str]:
     from orlhf.demo.builder import ensure_demo
 
     demo = ensure_demo()
-    return [str(python), str(ROOT / "benchmarks" / "trl_grpo_runner.py"), "--model", str(model_folder(a)),
-            "--prompts", str(demo.prompts), "--reward", str(demo.reward_fn), "--max_samples", str(a.max_samples),
-            "--episodes", str(a.episodes), "--prompts_per_step", str(a.prompts_per_step),
-            "--samples_per_prompt", str(a.samples_per_prompt), "--micro_batch", str(a.micro_batch),
-            "--new_tokens", str(a.new_tokens), "--lr", str(a.lr), "--beta", str(a.kl)]
+    return [
+        str(python),
+        str(ROOT / "benchmarks" / "trl_grpo_runner.py"),
+        "--model",
+        str(model_folder(a)),
+        "--prompts",
+        str(demo.prompts),
+        "--reward",
+        str(demo.reward_fn),
+        "--max_samples",
+        str(a.max_samples),
+        "--episodes",
+        str(a.episodes),
+        "--prompts_per_step",
+        str(a.prompts_per_step),
+        "--samples_per_prompt",
+        str(a.samples_per_prompt),
+        "--micro_batch",
+        str(a.micro_batch),
+        "--new_tokens",
+        str(a.new_tokens),
+        "--lr",
+        str(a.lr),
+        "--beta",
+        str(a.kl),
+    ]
 
 
 # ---- one run --------------------------------------------------------------------------------------------------
@@ -198,7 +256,8 @@ def figures(rows: list[dict], sampler: TreeSampler, warmup: int, launched: float
         "cpu_s_per_step_by_group": per_group_cpu(sampler.cpu_at_rows, warmup, len(rows)),
         "step_s": statistics.median(r["step_s"] for r in measured),
         "phases": {k[7:]: statistics.median(r.get(k, 0.0) for r in measured) for k in phases},
-        "reward_first": rows[0]["reward_mean"], "reward_last": rows[-1]["reward_mean"],
+        "reward_first": rows[0]["reward_mean"],
+        "reward_last": rows[-1]["reward_mean"],
         "steps_measured": len(measured),
     }
 
@@ -234,15 +293,28 @@ def parse_args(argv=None):
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--warmup", type=int, default=2, help="steps not measured (the issue measures steps 3-12)")
     add_work_args(ap)
-    ap.add_argument("--model_preset", choices=tuple(PRESETS), default="demo",
-                    help="the model both sides train (benchmarks/model_presets.py; e.g. medium: ~20M params)")
+    ap.add_argument(
+        "--model_preset",
+        choices=tuple(PRESETS),
+        default="demo",
+        help="the model both sides train (benchmarks/model_presets.py; e.g. medium: ~20M params)",
+    )
     ap.add_argument("--kl", type=float, default=0.01, help="KL coefficient (TRL beta); 0: no reference model")
     ap.add_argument("--orlhf_flags", default="", help="extra train-ppo flags for the orlhf modes")
-    ap.add_argument("--extra", action="append", default=[], metavar="NAME=FLAGS",
-                    help="one more orlhf mode: sync orlhf with these train-ppo flags, e.g. "
-                         "'zero2=--zero_stage 2' (repeatable; runs after --modes in each repeat)")
-    ap.add_argument("--trl_threads", type=int, default=0,
-                    help="OMP_NUM_THREADS for TRL (default: unset, torch's one thread per core, as a user runs it)")
+    ap.add_argument(
+        "--extra",
+        action="append",
+        default=[],
+        metavar="NAME=FLAGS",
+        help="one more orlhf mode: sync orlhf with these train-ppo flags, e.g. "
+        "'zero2=--zero_stage 2' (repeatable; runs after --modes in each repeat)",
+    )
+    ap.add_argument(
+        "--trl_threads",
+        type=int,
+        default=0,
+        help="OMP_NUM_THREADS for TRL (default: unset, torch's one thread per core, as a user runs it)",
+    )
     ap.add_argument("--trl_version", default=TRL_VERSION)
     ap.add_argument("--trl_venv", type=Path, default=None, help="default: <orlhf cache>/trl-venv-<version>")
     ap.add_argument("--no_install", action="store_true", help="fail instead of installing TRL's virtualenv")
@@ -259,10 +331,13 @@ def parse_args(argv=None):
         if not sep or not name or name in MODES:
             ap.error(f"--extra {spec!r}: give NAME=FLAGS with a new NAME, e.g. 'zero2=--zero_stage 2'")
         a.extra_cmds[name] = tuple(flags.split())
-    if a.model_preset != "demo" and any(f.split("=")[0] in ("--pretrain", "--prompt_data", "--remote_rm_url")
-                                        for f in a.orlhf_flags.split()):
-        ap.error("--model_preset names the model and the demo's data; leave --pretrain, --prompt_data and "
-                 "--remote_rm_url out of --orlhf_flags (or use --model_preset demo)")
+    if a.model_preset != "demo" and any(
+        f.split("=")[0] in ("--pretrain", "--prompt_data", "--remote_rm_url") for f in a.orlhf_flags.split()
+    ):
+        ap.error(
+            "--model_preset names the model and the demo's data; leave --pretrain, --prompt_data and "
+            "--remote_rm_url out of --orlhf_flags (or use --model_preset demo)"
+        )
     a.trl_venv = a.trl_venv or default_cache_dir() / f"trl-venv-{a.trl_version}"
     return a
 
@@ -270,10 +345,13 @@ def parse_args(argv=None):
 def main(argv=None) -> None:
     a = parse_args(argv)
     python = trl_python(a.trl_venv, a.trl_version, install=not a.no_install) if "trl" in a.modes else None
-    cmds = {"orlhf": orlhf_cmd(a, False), "orlhf_async": orlhf_cmd(a, True),
-            "orlhf_1thread": orlhf_cmd(a, False, ("--vllm_cpu_threads", "1", "--train_cpu_threads", "1")),
-            "orlhf_engines2": orlhf_cmd(a, False, ("--vllm_num_engines", "2")),
-            **{name: orlhf_cmd(a, False, flags) for name, flags in a.extra_cmds.items()}}
+    cmds = {
+        "orlhf": orlhf_cmd(a, False),
+        "orlhf_async": orlhf_cmd(a, True),
+        "orlhf_1thread": orlhf_cmd(a, False, ("--vllm_cpu_threads", "1", "--train_cpu_threads", "1")),
+        "orlhf_engines2": orlhf_cmd(a, False, ("--vllm_num_engines", "2")),
+        **{name: orlhf_cmd(a, False, flags) for name, flags in a.extra_cmds.items()},
+    }
     cmds = {m: with_model(c, a) for m, c in cmds.items()}
     cmds["trl"] = trl_cmd(a, python) if python else None
     modes = [*a.modes, *a.extra_cmds]
@@ -285,10 +363,22 @@ def main(argv=None) -> None:
     result = {m: median_of(rs) for m, rs in runs.items()}
     add_ratios(result, runs)
     print_table(result)
-    print(json.dumps({"modes": result, "runs": runs, "kl": a.kl, "model_preset": a.model_preset,
-                      "model": str(model_folder(a)), "trl_version": a.trl_version,
-                      "steps": a.max_samples // a.prompts_per_step * a.episodes, "warmup": a.warmup,
-                      "cores": os.cpu_count(), "load_avg": os.getloadavg()}))
+    print(
+        json.dumps(
+            {
+                "modes": result,
+                "runs": runs,
+                "kl": a.kl,
+                "model_preset": a.model_preset,
+                "model": str(model_folder(a)),
+                "trl_version": a.trl_version,
+                "steps": a.max_samples // a.prompts_per_step * a.episodes,
+                "warmup": a.warmup,
+                "cores": os.cpu_count(),
+                "load_avg": os.getloadavg(),
+            }
+        )
+    )
 
 
 def add_ratios(result: dict, runs: dict[str, list[dict]]) -> None:
@@ -321,14 +411,22 @@ def print_table(result: dict) -> None:
         if "startup_phases" in r:
             print(f"{m} start-up, s: " + ", ".join(f"{k} {v:.1f}" for k, v in r["startup_phases"].items()))
         if "startup_cpu_s" in r:
-            print(f"{m} start-up, CPU s by process group: " + ", ".join(
-                f"{k} {v:.1f}" for k, v in r["startup_cpu_s"].items()) + f" (sum {sum(r['startup_cpu_s'].values()):.1f})")
+            print(
+                f"{m} start-up, CPU s by process group: "
+                + ", ".join(f"{k} {v:.1f}" for k, v in r["startup_cpu_s"].items())
+                + f" (sum {sum(r['startup_cpu_s'].values()):.1f})"
+            )
         if r.get("ratios_per_repeat") and m != "trl":
-            print(f"{m} vs TRL per repeat: " + ", ".join(f"{x:.2f}x" for x in r["ratios_per_repeat"])
-                  + f" (median {r['ratio_vs_trl_paired']:.2f}x)")
+            print(
+                f"{m} vs TRL per repeat: "
+                + ", ".join(f"{x:.2f}x" for x in r["ratios_per_repeat"])
+                + f" (median {r['ratio_vs_trl_paired']:.2f}x)"
+            )
         if r.get("cpu_s_per_step_by_group"):
-            print(f"{m} CPU s per step by process group: " + ", ".join(
-                f"{k} {v:.2f}" for k, v in r["cpu_s_per_step_by_group"].items()))
+            print(
+                f"{m} CPU s per step by process group: "
+                + ", ".join(f"{k} {v:.2f}" for k, v in r["cpu_s_per_step_by_group"].items())
+            )
 
 
 if __name__ == "__main__":

@@ -64,19 +64,42 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = GRPOConfig(
-        output_dir=str(out / "trl"), per_device_train_batch_size=args.micro_batch,
+        output_dir=str(out / "trl"),
+        per_device_train_batch_size=args.micro_batch,
         gradient_accumulation_steps=samples // args.micro_batch,  # one optimizer step per generation batch
-        num_generations=args.samples_per_prompt, max_completion_length=args.new_tokens, temperature=1.0,
-        learning_rate=args.lr, lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": 0.1},
-        warmup_steps=0, beta=args.beta, epsilon=0.2, num_iterations=1, scale_rewards="group", loss_type="dapo",
-        num_train_epochs=args.episodes, bf16=False, fp16=False, use_cpu=True, logging_steps=1, report_to="none",
-        save_strategy="no", seed=args.seed, dataloader_num_workers=0, disable_tqdm=True,
+        num_generations=args.samples_per_prompt,
+        max_completion_length=args.new_tokens,
+        temperature=1.0,
+        learning_rate=args.lr,
+        lr_scheduler_type="cosine_with_min_lr",
+        lr_scheduler_kwargs={"min_lr_rate": 0.1},
+        warmup_steps=0,
+        beta=args.beta,
+        epsilon=0.2,
+        num_iterations=1,
+        scale_rewards="group",
+        loss_type="dapo",
+        num_train_epochs=args.episodes,
+        bf16=False,
+        fp16=False,
+        use_cpu=True,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        seed=args.seed,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
     )
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype="float32")
     timed = {"generate_score": 0.0, "rewards": []}
-    trainer = GRPOTrainer(model=model, reward_funcs=load_reward(args.reward, timed["rewards"]), args=cfg,
-                          train_dataset=data, processing_class=tokenizer)
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=load_reward(args.reward, timed["rewards"]),
+        args=cfg,
+        train_dataset=data,
+        processing_class=tokenizer,
+    )
     inner = trainer._generate_and_score_completions
 
     def generate_and_score(*a, **kw):
@@ -101,10 +124,16 @@ def StepLog(path: Path, samples: int, timed: dict, base):  # noqa: N802  (a clas
         def on_step_end(self, args, state, control, **kw):
             step_s = time.perf_counter() - self.t0
             rewards = timed["rewards"]
-            row = {"step": state.global_step, "samples": samples, "step_s": step_s,
-                   "samples_per_s": samples / step_s, "reward_mean": sum(rewards) / len(rewards) if rewards else float("nan"),
-                   "timing/generate_score": timed["generate_score"],
-                   "timing/train": step_s - timed["generate_score"], "t_begin": self.wall0}
+            row = {
+                "step": state.global_step,
+                "samples": samples,
+                "step_s": step_s,
+                "samples_per_s": samples / step_s,
+                "reward_mean": sum(rewards) / len(rewards) if rewards else float("nan"),
+                "timing/generate_score": timed["generate_score"],
+                "timing/train": step_s - timed["generate_score"],
+                "t_begin": self.wall0,
+            }
             with open(path, "a") as f:
                 f.write(json.dumps(row) + "\n")
 

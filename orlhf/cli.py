@@ -1,6 +1,7 @@
 """The `orlhf` command line. No logic: parse flags into a config and call one entry function.
 
-The train-ppo flags are generated from config/train_config.py's dataclass fields (one declaration per flag), each accepted
+The train-ppo flags are generated from config/train_config.py's dataclass fields (one declaration per flag), each
+accepted
 as `--flag_name` (OpenRLHF's spelling) and `--flag-name`, grouped into --help panels by config section.
 Heavy packages (torch, ray, deepspeed, vllm) are imported inside the commands, so `orlhf --help` stays fast.
 """
@@ -15,9 +16,8 @@ from typing import Any, Callable, Literal, Optional
 
 import typer
 
-from orlhf.config import train_config as C
-
 from orlhf.config import flags as F
+from orlhf.config import train_config as C
 
 app = typer.Typer(
     name="orlhf",
@@ -74,8 +74,9 @@ def _given(ctx: typer.Context, name: str) -> bool:
     return source is not None and source.name != "DEFAULT"
 
 
-def parse_or_exit(ctx: typer.Context, flags: dict[str, Any],
-                  build: Callable[..., C.TrainConfig] = F.build_config) -> C.TrainConfig:
+def parse_or_exit(
+    ctx: typer.Context, flags: dict[str, Any], build: Callable[..., C.TrainConfig] = F.build_config
+) -> C.TrainConfig:
     """Flags -> TrainConfig via `build` (build_config: validated; finish.finish_config: finished for a run), or
     exit 2 with every problem listed (no traceback)."""
     values = {name: flags[name] for _, name, _, _ in F.flag_fields()}
@@ -85,12 +86,14 @@ def parse_or_exit(ctx: typer.Context, flags: dict[str, Any],
     except C.ConfigError as e:
         typer.secho(f"error: {len(e.problems)} problem(s) with the flags:", fg="red", err=True)
         typer.echo(str(e), err=True)
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
     preset = F.demo_preset_applied(values, explicit)
     if preset:
         shown = " ".join(f"--{k} {v}" for k, v in preset.items())
-        typer.echo(f"[orlhf] no --pretrain: using the built-in tiny demo with its preset {shown} "
-                   "(any flag you pass wins)", err=True)
+        typer.echo(
+            f"[orlhf] no --pretrain: using the built-in tiny demo with its preset {shown} (any flag you pass wins)",
+            err=True,
+        )
     return cfg
 
 
@@ -127,10 +130,17 @@ def run_reporting_errors(fn: Callable[[C.TrainConfig], int], cfg: C.TrainConfig)
 # error arrives instead of imported up front: importing them loaded torch (checkpoint_format, workers) and ray on
 # the driver's main thread before Ray's start, which launch/run.py keeps free of them. An error of a class whose
 # module was never imported cannot exist, so the check is the same as an `except` over the classes.
-USER_ERRORS = (("orlhf.storage.checkpoint_format", "CheckpointError"), ("orlhf.distributed.groups", "RankError"),
-               ("orlhf.inputs.prompts", "DataError"), ("orlhf.distributed.layout", "PlacementError"), ("orlhf.inputs.rewards", "RewardError"),
-               ("orlhf.storage.runlock", "RunLockError"), ("orlhf.inputs.head_files", "HeadError"),
-               ("orlhf.rollout.agent", "AgentError"), ("orlhf.trainer.sync_guard", "EngineMismatchError"))
+USER_ERRORS = (
+    ("orlhf.storage.checkpoint_format", "CheckpointError"),
+    ("orlhf.distributed.groups", "RankError"),
+    ("orlhf.inputs.prompts", "DataError"),
+    ("orlhf.distributed.layout", "PlacementError"),
+    ("orlhf.inputs.rewards", "RewardError"),
+    ("orlhf.storage.runlock", "RunLockError"),
+    ("orlhf.inputs.head_files", "HeadError"),
+    ("orlhf.rollout.agent", "AgentError"),
+    ("orlhf.trainer.sync_guard", "EngineMismatchError"),
+)
 
 
 def is_user_error(e: BaseException) -> bool:
@@ -161,12 +171,18 @@ def make_demo(
     from orlhf.demo.builder import make_demo as build
 
     paths = build(out_dir, seed=seed)
-    typer.echo(f"model:   {paths.model}\nprompts: {paths.prompts}\nreward:  {paths.reward_fn}\n"
-               f"agent:   {paths.agent_fn} (multi-turn)")
-    typer.echo(f"train on it: orlhf train-ppo --pretrain {paths.model} --prompt_data {paths.prompts} "
-               f"--input_key prompt --label_key label --remote_rm_url {paths.reward_fn}")
-    typer.echo(f"or multi-turn: orlhf train-ppo --pretrain {paths.model} --prompt_data {paths.prompts} "
-               f"--input_key prompt --label_key label --agent_func_path {paths.agent_fn} --generate_max_len 8")
+    typer.echo(
+        f"model:   {paths.model}\nprompts: {paths.prompts}\nreward:  {paths.reward_fn}\n"
+        f"agent:   {paths.agent_fn} (multi-turn)"
+    )
+    typer.echo(
+        f"train on it: orlhf train-ppo --pretrain {paths.model} --prompt_data {paths.prompts} "
+        f"--input_key prompt --label_key label --remote_rm_url {paths.reward_fn}"
+    )
+    typer.echo(
+        f"or multi-turn: orlhf train-ppo --pretrain {paths.model} --prompt_data {paths.prompts} "
+        f"--input_key prompt --label_key label --agent_func_path {paths.agent_fn} --generate_max_len 8"
+    )
 
 
 @app.command("report")
@@ -179,7 +195,7 @@ def report(save_path: Path = typer.Argument(..., help="A run's --save_path (hold
         png, page = write_report(save_path)
     except (FileNotFoundError, ValueError) as e:
         typer.secho(f"error: {e}", fg="red", err=True)
-        raise typer.Exit(1)
+        raise typer.Exit(1) from None
     typer.echo(f"{png}\n{page}")
 
 
@@ -205,31 +221,36 @@ def serve_rm(
     host: str = typer.Option("127.0.0.1", help="Address to bind; 0.0.0.0 exposes it to the network."),
     port: int = typer.Option(5000, help="Port (0: any free one)."),
     token: Optional[str] = typer.Option(None, help="Require 'Authorization: Bearer TOKEN' (default: $ORLHF_RM_TOKEN)."),
-    timeout_s: float = typer.Option(30.0, "--timeout_s",
-                                    help="Longest time to receive a whole request (seconds); 408 past it."),
+    timeout_s: float = typer.Option(
+        30.0, "--timeout_s", help="Longest time to receive a whole request (seconds); 408 past it."
+    ),
     workers: int = typer.Option(8, "--workers", help="Requests handled at once; more wait in the backlog."),
-    reward_timeout_s: float = typer.Option(300.0, "--reward_timeout_s",
-                                           help="Longest reward_func call before answering 500."),
+    reward_timeout_s: float = typer.Option(
+        300.0, "--reward_timeout_s", help="Longest reward_func call before answering 500."
+    ),
 ) -> None:
     """Serve a reward function over HTTP for --remote_rm_url http://HOST:PORT/get_reward."""
-    from orlhf.inputs.rewards import RewardError
     from orlhf.inputs.reward_server import make_server
+    from orlhf.inputs.rewards import RewardError
 
     if timeout_s <= 0 or workers < 1 or reward_timeout_s <= 0:
         typer.secho("error: --timeout_s and --reward_timeout_s must be > 0, --workers >= 1", fg="red", err=True)
         raise typer.Exit(2)
     try:
-        server = make_server(str(reward_fn), host, port, token, timeout_s=timeout_s, workers=workers,
-                             reward_timeout_s=reward_timeout_s)
+        server = make_server(
+            str(reward_fn), host, port, token, timeout_s=timeout_s, workers=workers, reward_timeout_s=reward_timeout_s
+        )
     except ValueError as e:  # a flag problem: a public --host without a token
         typer.secho(f"error: {e}", fg="red", err=True)
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
     except (RewardError, OSError) as e:
         typer.secho(f"error: {e}", fg="red", err=True)
-        raise typer.Exit(1)
+        raise typer.Exit(1) from None
     h, p = server.server_address[:2]
-    typer.echo(f"serving {reward_fn} on http://{h}:{p}/get_reward" + (" (bearer token required)"
-                                                                     if token or os.environ.get("ORLHF_RM_TOKEN") else ""))
+    typer.echo(
+        f"serving {reward_fn} on http://{h}:{p}/get_reward"
+        + (" (bearer token required)" if token or os.environ.get("ORLHF_RM_TOKEN") else "")
+    )
     try:
         server.serve_forever()
     except KeyboardInterrupt:
@@ -289,21 +310,35 @@ def main(argv: Optional[list[str]] = None) -> None:
 # train-ppo signature; parse_or_exit reads only the config flags, so they pass through untouched.
 PLAN_PANEL = "Cluster to plan for (default: --address if given, else this machine)"
 PLAN_OPTIONS = {
-    "nodes": (Optional[int], typer.Option(None, "--nodes", help="Described cluster: number of nodes.",
-                                          rich_help_panel=PLAN_PANEL)),
-    "gpus_per_node": (Optional[int], typer.Option(None, "--gpus_per_node", help="Described cluster: GPUs per node "
-                                                  "(CPU slots with --device cpu).", rich_help_panel=PLAN_PANEL)),
-    "gpu_memory_gb": (Optional[float], typer.Option(None, "--gpu_memory_gb", help="GiB per GPU (Ray does not report "
-                                                    "it).", rich_help_panel=PLAN_PANEL)),
-    "host_memory_gb": (Optional[float], typer.Option(None, "--host_memory_gb", help="GiB of host memory per node.",
-                                                     rich_help_panel=PLAN_PANEL)),
+    "nodes": (
+        Optional[int],
+        typer.Option(None, "--nodes", help="Described cluster: number of nodes.", rich_help_panel=PLAN_PANEL),
+    ),
+    "gpus_per_node": (
+        Optional[int],
+        typer.Option(
+            None,
+            "--gpus_per_node",
+            help="Described cluster: GPUs per node (CPU slots with --device cpu).",
+            rich_help_panel=PLAN_PANEL,
+        ),
+    ),
+    "gpu_memory_gb": (
+        Optional[float],
+        typer.Option(None, "--gpu_memory_gb", help="GiB per GPU (Ray does not report it).", rich_help_panel=PLAN_PANEL),
+    ),
+    "host_memory_gb": (
+        Optional[float],
+        typer.Option(None, "--host_memory_gb", help="GiB of host memory per node.", rich_help_panel=PLAN_PANEL),
+    ),
 }
 
 
 def _plan(ctx: typer.Context, **flags: Any) -> None:
     if (flags["nodes"] is None) != (flags["gpus_per_node"] is None):
-        typer.secho("error: --nodes and --gpus_per_node describe a cluster together: give both or neither.",
-                    fg="red", err=True)
+        typer.secho(
+            "error: --nodes and --gpus_per_node describe a cluster together: give both or neither.", fg="red", err=True
+        )
         raise typer.Exit(2)
     cfg = parse_or_exit(ctx, flags)
     from orlhf.launch.plan import ClusterArgs, run_plan
@@ -312,11 +347,15 @@ def _plan(ctx: typer.Context, **flags: Any) -> None:
 
 
 with_train_flags(_plan)
-_plan.__signature__ = _plan.__signature__.replace(parameters=[  # type: ignore[attr-defined]
-    *_plan.__signature__.parameters.values(),  # type: ignore[attr-defined]
-    *(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=typ)
-      for name, (typ, option) in PLAN_OPTIONS.items()),
-])
+_plan.__signature__ = _plan.__signature__.replace(
+    parameters=[  # type: ignore[attr-defined]
+        *_plan.__signature__.parameters.values(),  # type: ignore[attr-defined]
+        *(
+            inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=typ)
+            for name, (typ, option) in PLAN_OPTIONS.items()
+        ),
+    ]
+)
 _plan.__annotations__.update({n: t for n, (t, _) in PLAN_OPTIONS.items()})
 app.command(
     "plan",

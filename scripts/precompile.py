@@ -32,7 +32,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 LIST = HERE / "precompile_dirs.txt"
 
-HOOK = '''import os, sys, threading, time
+HOOK = """import os, sys, threading, time
 def _dump():
     while True:
         time.sleep(3)
@@ -43,7 +43,7 @@ def _dump():
         except Exception:
             pass
 threading.Thread(target=_dump, daemon=True).start()
-'''
+"""
 
 
 def _one(path: str) -> bool:
@@ -73,8 +73,10 @@ def compile_all() -> None:
     files = files_to_compile()
     with ProcessPoolExecutor(os.cpu_count() or 1) as ex:
         ok = sum(ex.map(_one, files, chunksize=64))
-    print(f"[install] byte-compiled {ok} of {len(files)} modules an orlhf run imports in {time.time() - t0:.0f} s",
-          file=sys.stderr)
+    print(
+        f"[install] byte-compiled {ok} of {len(files)} modules an orlhf run imports in {time.time() - t0:.0f} s",
+        file=sys.stderr,
+    )
 
 
 def record(dumps: Path) -> None:
@@ -83,8 +85,11 @@ def record(dumps: Path) -> None:
         for line in dump.read_text().splitlines():
             if "site-packages/" in line and line.endswith(".py"):
                 dirs.add(os.path.dirname(line.split("site-packages/", 1)[1]) or ".")
-    LIST.write_text("# site-packages folders whose modules an orlhf demo run imported (scripts/precompile.py)\n"
-                    + "\n".join(sorted(dirs)) + "\n")
+    LIST.write_text(
+        "# site-packages folders whose modules an orlhf demo run imported (scripts/precompile.py)\n"
+        + "\n".join(sorted(dirs))
+        + "\n"
+    )
     print(f"{len(dirs)} folders -> {LIST}")
 
 

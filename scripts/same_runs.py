@@ -41,8 +41,11 @@ def record(out: Path, names: list[str]) -> None:
 
 
 def rows(path: Path) -> list[dict]:
-    return [{k: v for k, v in json.loads(line).items() if not is_clock(k)}
-            for line in path.read_text().splitlines() if line.strip()]
+    return [
+        {k: v for k, v in json.loads(line).items() if not is_clock(k)}
+        for line in path.read_text().splitlines()
+        if line.strip()
+    ]
 
 
 def compare(a: Path, b: Path) -> bool:
@@ -54,8 +57,15 @@ def compare(a: Path, b: Path) -> bool:
             same = False
             continue
         ra, rb = rows(a / name / "metrics.jsonl"), rows(b / name / "metrics.jsonl")
-        diff = next(((i, k, x.get(k), y.get(k)) for i, (x, y) in enumerate(zip(ra, rb))
-                     for k in sorted(set(x) | set(y)) if x.get(k) != y.get(k)), None)
+        diff = next(
+            (
+                (i, k, x.get(k), y.get(k))
+                for i, (x, y) in enumerate(zip(ra, rb))
+                for k in sorted(set(x) | set(y))
+                if x.get(k) != y.get(k)
+            ),
+            None,
+        )
         if len(ra) != len(rb):
             print(f"{name}: {len(ra)} rows against {len(rb)}")
             same = False

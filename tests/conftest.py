@@ -24,8 +24,14 @@ def ray_local():
     import ray
 
     if not ray.is_initialized():
-        ray.init(address="local", num_cpus=TEST_CLUSTER_CPUS, include_dashboard=False, log_to_driver=True,
-                 configure_logging=False, runtime_env={"env_vars": {"DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1"}})
+        ray.init(
+            address="local",
+            num_cpus=TEST_CLUSTER_CPUS,
+            include_dashboard=False,
+            log_to_driver=True,
+            configure_logging=False,
+            runtime_env={"env_vars": {"DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1"}},
+        )
     yield ray
 
 

@@ -100,7 +100,8 @@ def compute_advantages(
                             not whitened)
         reinforce, rloo, reinforce_baseline, group_norm, dr_grpo
                             returns = discounted_returns(rewards, gamma); advantages = returns, whitened for
-                            reinforce and reinforce_baseline only (algo/registry.ESTIMATORS[...].whiten, as OpenRLHF). The returns
+                            reinforce and reinforce_baseline only (algo/registry.ESTIMATORS[...].whiten, as OpenRLHF).
+                            The returns
                             feed no critic; they are given back for logging.
     Whitening uses the statistics of this batch: call it once on the whole rollout batch, not per micro-batch, as
     OpenRLHF normalizes across all experiences of a step.
@@ -118,8 +119,9 @@ def compute_advantages(
     order = actions_first(action_mask)
     if not bool((order == torch.arange(order.shape[1])).all()):  # multi-turn: feedback tokens between actions
         compact = lambda x: None if x is None else x.gather(1, order)  # noqa: E731
-        adv, ret = compute_advantages(estimator, compact(rewards), compact(action_mask), compact(values),
-                                      gamma, lambd, std_norm)
+        adv, ret = compute_advantages(
+            estimator, compact(rewards), compact(action_mask), compact(values), gamma, lambd, std_norm
+        )
         return _scatter_rows(adv, order), _scatter_rows(ret, order)
     if spec.needs_critic:
         if values is None:
@@ -127,8 +129,10 @@ def compute_advantages(
         advantages, returns = gae(rewards, values, action_mask, gamma, lambd)
     else:
         if spec.needs_groups and gamma != 1.0:
-            raise ValueError(f"advantage estimator {estimator!r} needs --gamma 1.0 (got {gamma}): its baseline "
-                             "compares whole-response scores; use reinforce for a discounted return")
+            raise ValueError(
+                f"advantage estimator {estimator!r} needs --gamma 1.0 (got {gamma}): its baseline "
+                "compares whole-response scores; use reinforce for a discounted return"
+            )
         returns = discounted_returns(rewards, action_mask, gamma)
         advantages = returns
     if spec.whiten:

@@ -22,7 +22,7 @@ import torch
 
 def window(logits: torch.Tensor, offset: int, num_actions: int, temperature: float) -> torch.Tensor:
     """logits[:, offset:offset + A] / temperature; dividing by 1.0 is exact in IEEE floats, so it is skipped."""
-    x = logits[:, offset:offset + num_actions].float()
+    x = logits[:, offset : offset + num_actions].float()
     return x if temperature == 1.0 else x / temperature
 
 
@@ -33,8 +33,9 @@ def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, offset: int = 0,
     return _forward(window(logits, offset, tokens.shape[1], temperature), tokens)[0]
 
 
-def token_log_probs_entropy(logits: torch.Tensor, tokens: torch.Tensor, offset: int = 0,
-                            temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def token_log_probs_entropy(
+    logits: torch.Tensor, tokens: torch.Tensor, offset: int = 0, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(token_log_probs(...), (B, A) entropy of softmax(logits[:, offset:offset + A] / temperature), detached)."""
     if torch.is_grad_enabled() and logits.requires_grad:
         return _TokenLogProbs.apply(logits, tokens, offset, temperature, True)
@@ -84,7 +85,7 @@ class _TokenLogProbs(torch.autograd.Function):
         # SliceBackward: zeros outside the window; only those positions are filled, not the whole tensor
         end = ctx.offset + gx.shape[1]
         full = gx.new_empty(ctx.shape)
-        full[:, :ctx.offset].zero_()
+        full[:, : ctx.offset].zero_()
         full[:, end:].zero_()
-        full[:, ctx.offset:end] = gx
+        full[:, ctx.offset : end] = gx
         return full, None, None, None, None

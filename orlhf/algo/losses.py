@@ -64,8 +64,9 @@ def step_norm(masks: list[torch.Tensor], scale: float = 1.0) -> LossNorm:
     return LossNorm(tokens, seqs, scale)
 
 
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str = "token_mean",
-              norm: Optional[LossNorm] = None) -> torch.Tensor:
+def aggregate(
+    per_token: torch.Tensor, mask: torch.Tensor, mode: str = "token_mean", norm: Optional[LossNorm] = None
+) -> torch.Tensor:
     """(B, A) per-token values -> scalar: token_mean or seq_mean (module docstring); empty rows never count."""
     m = mask.to(per_token.dtype)
     if mode == "token_mean":
@@ -154,16 +155,18 @@ def _is_correct(loss, old_log_probs, rollout_log_probs, mask, is_type, threshold
     raise ValueError(f"unknown IS correction {is_type!r}; expected one of {IS_CORRECTION_TYPES}")
 
 
-def policy_loss(log_probs, old_log_probs, advantages, action_mask, eps_clip: float,
-                dual_clip: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def policy_loss(
+    log_probs, old_log_probs, advantages, action_mask, eps_clip: float, dual_clip: Optional[float] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric PPO, local token mean: (loss, clip fraction incl. the dual clip), both scalars."""
     t = policy_loss_terms(log_probs, old_log_probs, advantages, action_mask, eps_clip, eps_clip, dual_clip)
     cut = (t.clipped_low | t.clipped_high | t.dual_clipped).float()
     return masked_mean(t.loss, action_mask), masked_mean(cut, action_mask).detach()
 
 
-def value_loss_per_token(values: torch.Tensor, old_values: Optional[torch.Tensor], returns: torch.Tensor,
-                         value_clip: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def value_loss_per_token(
+    values: torch.Tensor, old_values: Optional[torch.Tensor], returns: torch.Tensor, value_clip: Optional[float] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, A) per-token clipped value loss (0.5 * max of squared errors) and (B, A) bool: clip bound."""
     unclipped = (values - returns).square()
     if value_clip is None:

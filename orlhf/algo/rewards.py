@@ -60,13 +60,13 @@ def shape_rewards(
 def group_baseline(scores: torch.Tensor, n_samples: int, estimator: str) -> torch.Tensor:
     """Scores (B,) minus each prompt group's baseline (rows grouped as consecutive blocks of n_samples).
 
-        rloo                r_i - mean of the other n-1 samples of its prompt   (leave-one-out)
-        reinforce_baseline  r_i - group mean
-        group_norm (GRPO)   (r_i - group mean) / (group std + 1e-9), std unbiased (torch.std, divides by n-1),
-                            as OpenRLHF
-        dr_grpo             r_i - group mean (Dr. GRPO drops GRPO's / std; same scores as reinforce_baseline,
-                            but its advantages are not whitened afterwards: see algo/registry.ESTIMATORS)
-        gae, reinforce      unchanged
+    rloo                r_i - mean of the other n-1 samples of its prompt   (leave-one-out)
+    reinforce_baseline  r_i - group mean
+    group_norm (GRPO)   (r_i - group mean) / (group std + 1e-9), std unbiased (torch.std, divides by n-1),
+                        as OpenRLHF
+    dr_grpo             r_i - group mean (Dr. GRPO drops GRPO's / std; same scores as reinforce_baseline,
+                        but its advantages are not whitened afterwards: see algo/registry.ESTIMATORS)
+    gae, reinforce      unchanged
     """
     if n_samples < 1 or scores.shape[0] % n_samples != 0:
         raise ValueError(

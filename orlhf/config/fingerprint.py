@@ -1,6 +1,7 @@
 """What a checkpoint is only valid under: every flag that changes a run's trajectory, by flag name.
 
-Deny by default: every flag of config/train_config.py is in the fingerprint unless it is listed in FREE_ON_RESUME with the
+Deny by default: every flag of config/train_config.py is in the fingerprint unless it is listed in FREE_ON_RESUME with
+the
 reason it cannot change the numbers (where outputs go, how fast or in how much memory the same math runs). So a
 flag added later is checked on resume until someone argues it free. Resuming with a fingerprinted flag changed
 is refused with the list of differences (checkpoint.check_compatible): it would silently continue another run,
@@ -22,22 +23,72 @@ if TYPE_CHECKING:
 
 # Flags free to change between a checkpoint and its resume, each with why.
 FREE_ON_RESUME: dict[str, str] = {
-    **dict.fromkeys(("save_path", "ckpt_path", "save_steps", "logging_steps", "max_ckpt_num", "load_checkpoint",
-                     "allow_no_checkpoint", "save_hf_ckpt", "use_wandb", "wandb_project", "wandb_run_name",
-                     "use_tensorboard"), "where outputs go"),
-    **dict.fromkeys(("stop_after_steps", "ray_timeout_s", "address", "reward_timeout_s", "max_engine_logprob_gap"),
-                    "when to stop or fail"),
-    **dict.fromkeys(("eval_dataset", "eval_split", "eval_steps", "eval_temperature", "eval_n_samples_per_prompt",
-                     "best_metric_key"), "evaluation reads the weights, never changes them"),
-    **dict.fromkeys(("micro_rollout_batch_size", "micro_train_batch_size", "gradient_checkpointing", "adam_offload",
-                     "ref_reward_offload", "deepspeed_enable_sleep", "vllm_enable_sleep", "vllm_gpu_memory_utilization",
-                     "vllm_cpu_kv_cache_gb", "vllm_cpu_threads", "train_cpu_threads", "vllm_sync_bucket_mb",
-                     "vllm_sync_backend", "enforce_eager", "enable_prefix_caching", "packing_samples",
-                     "no_trim_padding", "no_shared_prompt", "flash_attn", "colocate_actor_ref",
-                     "colocate_critic_reward", "colocate_all_models", "ref_own_process", "critic_own_process",
-                     "ref_num_nodes", "ref_num_gpus_per_node", "reward_num_nodes", "reward_num_gpus_per_node",
-                     "device"),
-                    "memory, speed and placement of the same computation"),
+    **dict.fromkeys(
+        (
+            "save_path",
+            "ckpt_path",
+            "save_steps",
+            "logging_steps",
+            "max_ckpt_num",
+            "load_checkpoint",
+            "allow_no_checkpoint",
+            "save_hf_ckpt",
+            "use_wandb",
+            "wandb_project",
+            "wandb_run_name",
+            "use_tensorboard",
+        ),
+        "where outputs go",
+    ),
+    **dict.fromkeys(
+        ("stop_after_steps", "ray_timeout_s", "address", "reward_timeout_s", "max_engine_logprob_gap"),
+        "when to stop or fail",
+    ),
+    **dict.fromkeys(
+        (
+            "eval_dataset",
+            "eval_split",
+            "eval_steps",
+            "eval_temperature",
+            "eval_n_samples_per_prompt",
+            "best_metric_key",
+        ),
+        "evaluation reads the weights, never changes them",
+    ),
+    **dict.fromkeys(
+        (
+            "micro_rollout_batch_size",
+            "micro_train_batch_size",
+            "gradient_checkpointing",
+            "adam_offload",
+            "ref_reward_offload",
+            "deepspeed_enable_sleep",
+            "vllm_enable_sleep",
+            "vllm_gpu_memory_utilization",
+            "vllm_cpu_kv_cache_gb",
+            "vllm_cpu_threads",
+            "train_cpu_threads",
+            "vllm_sync_bucket_mb",
+            "vllm_sync_backend",
+            "enforce_eager",
+            "enable_prefix_caching",
+            "packing_samples",
+            "no_trim_padding",
+            "no_shared_prompt",
+            "flash_attn",
+            "colocate_actor_ref",
+            "colocate_critic_reward",
+            "colocate_all_models",
+            "ref_own_process",
+            "critic_own_process",
+            "ref_num_nodes",
+            "ref_num_gpus_per_node",
+            "reward_num_nodes",
+            "reward_num_gpus_per_node",
+            "device",
+        ),
+        "memory, speed and placement of the same computation",
+    ),
 }
 # Flags naming files or folders: compared as absolute paths, so `./data.jsonl` and its full path match.
 _PATH_FLAGS = ("pretrain", "reward_pretrain", "critic_pretrain", "prompt_data", "remote_rm_url")
@@ -71,7 +122,7 @@ def config_fingerprint(cfg: "TrainConfig") -> dict[str, Any]:
 
 
 def _code_digest(path: Optional[str]) -> Optional[str]:
-    """"sha256 <first 16 hex digits> of <absolute path>" for a local .py file; None for URLs and unset flags."""
+    """ "sha256 <first 16 hex digits> of <absolute path>" for a local .py file; None for URLs and unset flags."""
     if path is None or not path.endswith(".py") or not os.path.isfile(os.path.expanduser(path)):
         return None
     with open(os.path.expanduser(path), "rb") as fh:

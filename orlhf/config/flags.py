@@ -1,4 +1,5 @@
-"""Flat flag values -> TrainConfig: the flag table read from config/train_config.py's dataclasses, the built-in demo's preset,
+"""Flat flag values -> TrainConfig: the flag table read from config/train_config.py's dataclasses, the built-in demo's
+preset,
 parsing (parse_config) and parsing + validation (build_config).
 
     {"actor_learning_rate": 5e-4, ...} (by flag name; `explicit`: the flags the user gave)
@@ -35,7 +36,6 @@ DEMO_PRESET: dict[str, Any] = {
     "input_key": "prompt",
     "label_key": "label",
 }
-
 
 
 def flag_fields() -> list[tuple[str, str, dataclasses.Field, Any]]:
@@ -87,4 +87,3 @@ def demo_preset_applied(flags: dict[str, Any], explicit: frozenset[str] | set[st
     if flags.get("pretrain") is not None:
         return {}
     return {k: v for k, v in DEMO_PRESET.items() if k not in explicit}
-

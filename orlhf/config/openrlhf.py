@@ -20,7 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-OPENRLHF_V0101_FLAGS: tuple[str, ...] = tuple("""
+OPENRLHF_V0101_FLAGS: tuple[str, ...] = tuple(
+    """
 ref_num_nodes ref_num_gpus_per_node reward_num_nodes reward_num_gpus_per_node colocate_actor_ref actor_num_nodes
 actor_num_gpus_per_node critic_num_nodes critic_num_gpus_per_node colocate_critic_reward colocate_all_models
 vllm_num_engines vllm_tensor_parallel_size vllm_sync_backend vllm_sync_with_ray enable_prefix_caching enforce_eager
@@ -43,7 +44,8 @@ value_head_prefix ref_reward_offload agent_func_path prompt_data prompt_data_pro
 eval_split eval_temperature eval_n_samples_per_prompt input_key label_key input_template apply_chat_template
 use_wandb wandb_org wandb_group wandb_project wandb_run_name dynamic_filtering dynamic_filtering_reward_range
 image_key max_images_per_prompt freeze_visual_encoder use_tensorboard perf use_ms
-""".split())
+""".split()
+)
 
 STAR = -1  # nargs="*": every value up to the next flag
 
@@ -90,8 +92,9 @@ def _attn(v: list[str]) -> list[str] | str:
 
 ALIASES: dict[str, Alias] = {
     "param_dtype": Alias("bf16", 1, _param_dtype, lambda v: "true" if v[0] == "bf16" else None),
-    "attn_implementation": Alias("flash_attn", 1, _attn,
-                                 lambda v: {"flash_attention_2": "true", "sdpa": "false"}.get(v[0])),
+    "attn_implementation": Alias(
+        "flash_attn", 1, _attn, lambda v: {"flash_attention_2": "true", "sdpa": "false"}.get(v[0])
+    ),
     "max_new_tokens": Alias("generate_max_len", 1, lambda v: ["--generate_max_len", v[0]]),
 }
 
@@ -142,75 +145,152 @@ UNSUPPORTED: dict[str, Unsupported] = {
 # OpenRLHF's newer dotted names (its main branch) -> the v0.10.1 flat name. Names orlhf has under another flat
 # name go through ALIASES / UNSUPPORTED above like their flat spelling.
 DOTTED: dict[str, str] = {
-    "ref.num_nodes": "ref_num_nodes", "ref.num_gpus_per_node": "ref_num_gpus_per_node",
-    "reward.num_nodes": "reward_num_nodes", "reward.num_gpus_per_node": "reward_num_gpus_per_node",
-    "train.colocate_actor_ref": "colocate_actor_ref", "actor.num_nodes": "actor_num_nodes",
-    "actor.num_gpus_per_node": "actor_num_gpus_per_node", "critic.num_nodes": "critic_num_nodes",
-    "critic.num_gpus_per_node": "critic_num_gpus_per_node", "train.colocate_critic_reward": "colocate_critic_reward",
-    "train.colocate_all": "colocate_all_models", "vllm.num_engines": "vllm_num_engines",
-    "vllm.tensor_parallel_size": "vllm_tensor_parallel_size", "vllm.sync_backend": "vllm_sync_backend",
-    "vllm.sync_with_ray": "vllm_sync_with_ray", "vllm.enable_prefix_caching": "enable_prefix_caching",
-    "vllm.enforce_eager": "enforce_eager", "vllm.enable_sleep": "vllm_enable_sleep",
+    "ref.num_nodes": "ref_num_nodes",
+    "ref.num_gpus_per_node": "ref_num_gpus_per_node",
+    "reward.num_nodes": "reward_num_nodes",
+    "reward.num_gpus_per_node": "reward_num_gpus_per_node",
+    "train.colocate_actor_ref": "colocate_actor_ref",
+    "actor.num_nodes": "actor_num_nodes",
+    "actor.num_gpus_per_node": "actor_num_gpus_per_node",
+    "critic.num_nodes": "critic_num_nodes",
+    "critic.num_gpus_per_node": "critic_num_gpus_per_node",
+    "train.colocate_critic_reward": "colocate_critic_reward",
+    "train.colocate_all": "colocate_all_models",
+    "vllm.num_engines": "vllm_num_engines",
+    "vllm.tensor_parallel_size": "vllm_tensor_parallel_size",
+    "vllm.sync_backend": "vllm_sync_backend",
+    "vllm.sync_with_ray": "vllm_sync_with_ray",
+    "vllm.enable_prefix_caching": "enable_prefix_caching",
+    "vllm.enforce_eager": "enforce_eager",
+    "vllm.enable_sleep": "vllm_enable_sleep",
     "vllm.gpu_memory_utilization": "vllm_gpu_memory_utilization",
     "algo.advantage.is_correction_enable": "enable_vllm_is_correction",
     "algo.advantage.is_correction_threshold": "vllm_is_truncated_threshold",
     "algo.advantage.is_correction_type": "vllm_is_correction_type",
-    "train.async_enable": "async_train", "train.async_queue_size": "async_queue_size",
-    "train.partial_rollout_enable": "partial_rollout", "eval.steps": "eval_steps", "ckpt.save_steps": "save_steps",
-    "logger.logging_steps": "logging_steps", "ckpt.path": "ckpt_path", "ckpt.save_hf": "save_hf_ckpt",
-    "ckpt.disable_ds": "disable_ds_ckpt", "ckpt.max_num": "max_ckpt_num", "ckpt.max_mem": "max_ckpt_mem",
-    "ckpt.load_enable": "load_checkpoint", "ckpt.best_metric_key": "best_metric_key",
-    "ds.use_universal_ckpt": "use_ds_universal_ckpt", "ds.zero_stage": "zero_stage",
-    "actor.gradient_checkpointing_enable": "gradient_checkpointing", "ds.deepcompile": "deepcompile",
-    "ds.param_dtype": "param_dtype", "train.enable_ema": "enable_ema", "train.ema_beta": "ema_beta",
-    "ds.zpg": "zpg", "ds.adam_offload": "adam_offload", "ds.attn_implementation": "attn_implementation",
-    "ds.use_liger_kernel": "use_liger_kernel", "ds.grad_accum_dtype": "grad_accum_dtype",
-    "ds.overlap_comm": "overlap_comm", "actor.gradient_checkpointing_reentrant": "gradient_checkpointing_use_reentrant",
-    "data.disable_fast_tokenizer": "disable_fast_tokenizer", "data.dataloader_num_workers": "dataloader_num_workers",
-    "ds.enable_sleep": "deepspeed_enable_sleep", "ds.tensor_parallel_size": "ds_tensor_parallel_size",
-    "ds.packing_samples": "packing_samples", "train.dynamic_batch_enable": "use_dynamic_batch",
-    "rollout.max_tokens_per_gpu": "rollout_max_tokens_per_gpu", "train.max_tokens_per_gpu": "train_max_tokens_per_gpu",
-    "ds.load_in_4bit": "load_in_4bit", "ds.lora.rank": "lora_rank", "ds.lora.alpha": "lora_alpha",
-    "ds.lora.target_modules": "target_modules", "ds.lora.dropout": "lora_dropout", "ckpt.output_dir": "save_path",
-    "train.num_episodes": "num_episodes", "rollout.batch_size": "rollout_batch_size",
-    "rollout.vllm_generate_batch_size": "vllm_generate_batch_size", "rollout.micro_batch_size": "micro_rollout_batch_size",
-    "train.max_epochs": "max_epochs", "data.max_len": "max_len", "rollout.max_new_tokens": "max_new_tokens",
-    "data.max_samples": "max_samples", "actor.eps_clip": "eps_clip", "actor.eps_clip_low_high": "eps_clip_low_high",
-    "actor.dual_clip": "dual_clip", "critic.value_clip": "value_clip", "algo.advantage.lambd": "lambd",
-    "algo.advantage.gamma": "gamma", "train.micro_batch_size": "micro_train_batch_size",
-    "train.batch_size": "train_batch_size", "reward.normalize_enable": "normalize_reward", "rollout.top_p": "top_p",
-    "rollout.temperature": "temperature", "train.seed": "seed", "train.full_determinism_enable": "full_determinism",
-    "critic.freezing_steps": "freezing_actor_steps", "rollout.n_samples_per_prompt": "n_samples_per_prompt",
-    "critic.save_value_network": "save_value_network", "algo.kl.target": "kl_target", "algo.kl.horizon": "kl_horizon",
-    "algo.kl.init_coef": "init_kl_coef", "actor.policy_loss_type": "policy_loss_type",
-    "algo.kl.estimator": "kl_estimator", "actor.aux_loss_coef": "aux_loss_coef",
-    "actor.entropy_coef": "entropy_loss_coef", "reward.clip_range": "reward_clip_range",
-    "algo.advantage.estimator": "advantage_estimator", "algo.kl.use_loss": "use_kl_loss",
-    "algo.advantage.no_std_norm": "no_advantage_std_norm", "reward.overlong_buffer_len": "overlong_buffer_len",
+    "train.async_enable": "async_train",
+    "train.async_queue_size": "async_queue_size",
+    "train.partial_rollout_enable": "partial_rollout",
+    "eval.steps": "eval_steps",
+    "ckpt.save_steps": "save_steps",
+    "logger.logging_steps": "logging_steps",
+    "ckpt.path": "ckpt_path",
+    "ckpt.save_hf": "save_hf_ckpt",
+    "ckpt.disable_ds": "disable_ds_ckpt",
+    "ckpt.max_num": "max_ckpt_num",
+    "ckpt.max_mem": "max_ckpt_mem",
+    "ckpt.load_enable": "load_checkpoint",
+    "ckpt.best_metric_key": "best_metric_key",
+    "ds.use_universal_ckpt": "use_ds_universal_ckpt",
+    "ds.zero_stage": "zero_stage",
+    "actor.gradient_checkpointing_enable": "gradient_checkpointing",
+    "ds.deepcompile": "deepcompile",
+    "ds.param_dtype": "param_dtype",
+    "train.enable_ema": "enable_ema",
+    "train.ema_beta": "ema_beta",
+    "ds.zpg": "zpg",
+    "ds.adam_offload": "adam_offload",
+    "ds.attn_implementation": "attn_implementation",
+    "ds.use_liger_kernel": "use_liger_kernel",
+    "ds.grad_accum_dtype": "grad_accum_dtype",
+    "ds.overlap_comm": "overlap_comm",
+    "actor.gradient_checkpointing_reentrant": "gradient_checkpointing_use_reentrant",
+    "data.disable_fast_tokenizer": "disable_fast_tokenizer",
+    "data.dataloader_num_workers": "dataloader_num_workers",
+    "ds.enable_sleep": "deepspeed_enable_sleep",
+    "ds.tensor_parallel_size": "ds_tensor_parallel_size",
+    "ds.packing_samples": "packing_samples",
+    "train.dynamic_batch_enable": "use_dynamic_batch",
+    "rollout.max_tokens_per_gpu": "rollout_max_tokens_per_gpu",
+    "train.max_tokens_per_gpu": "train_max_tokens_per_gpu",
+    "ds.load_in_4bit": "load_in_4bit",
+    "ds.lora.rank": "lora_rank",
+    "ds.lora.alpha": "lora_alpha",
+    "ds.lora.target_modules": "target_modules",
+    "ds.lora.dropout": "lora_dropout",
+    "ckpt.output_dir": "save_path",
+    "train.num_episodes": "num_episodes",
+    "rollout.batch_size": "rollout_batch_size",
+    "rollout.vllm_generate_batch_size": "vllm_generate_batch_size",
+    "rollout.micro_batch_size": "micro_rollout_batch_size",
+    "train.max_epochs": "max_epochs",
+    "data.max_len": "max_len",
+    "rollout.max_new_tokens": "max_new_tokens",
+    "data.max_samples": "max_samples",
+    "actor.eps_clip": "eps_clip",
+    "actor.eps_clip_low_high": "eps_clip_low_high",
+    "actor.dual_clip": "dual_clip",
+    "critic.value_clip": "value_clip",
+    "algo.advantage.lambd": "lambd",
+    "algo.advantage.gamma": "gamma",
+    "train.micro_batch_size": "micro_train_batch_size",
+    "train.batch_size": "train_batch_size",
+    "reward.normalize_enable": "normalize_reward",
+    "rollout.top_p": "top_p",
+    "rollout.temperature": "temperature",
+    "train.seed": "seed",
+    "train.full_determinism_enable": "full_determinism",
+    "critic.freezing_steps": "freezing_actor_steps",
+    "rollout.n_samples_per_prompt": "n_samples_per_prompt",
+    "critic.save_value_network": "save_value_network",
+    "algo.kl.target": "kl_target",
+    "algo.kl.horizon": "kl_horizon",
+    "algo.kl.init_coef": "init_kl_coef",
+    "actor.policy_loss_type": "policy_loss_type",
+    "algo.kl.estimator": "kl_estimator",
+    "actor.aux_loss_coef": "aux_loss_coef",
+    "actor.entropy_coef": "entropy_loss_coef",
+    "reward.clip_range": "reward_clip_range",
+    "algo.advantage.estimator": "advantage_estimator",
+    "algo.kl.use_loss": "use_kl_loss",
+    "algo.advantage.no_std_norm": "no_advantage_std_norm",
+    "reward.overlong_buffer_len": "overlong_buffer_len",
     "reward.overlong_penalty_factor": "overlong_penalty_factor",
-    "reward.stop_properly_penalty_coef": "stop_properly_penalty_coef", "ds.ring_attn_size": "ring_attn_size",
-    "ds.ring_attn_head_stride": "ring_head_stride", "actor.model_name_or_path": "pretrain",
-    "reward.model_name_or_path": "reward_pretrain", "reward.remote_url": "remote_rm_url",
-    "critic.model_name_or_path": "critic_pretrain", "ds.value_head_prefix": "value_head_prefix",
-    "ref.offload": "ref_reward_offload", "reward.offload": "ref_reward_offload",
-    "train.agent_func_path": "agent_func_path", "data.prompt_dataset": "prompt_data",
-    "data.prompt_probs": "prompt_data_probs", "data.prompt_split": "prompt_split", "eval.dataset": "eval_dataset",
-    "eval.split": "eval_split", "eval.temperature": "eval_temperature",
-    "eval.n_samples_per_prompt": "eval_n_samples_per_prompt", "data.input_key": "input_key",
-    "data.label_key": "label_key", "data.input_template": "input_template",
-    "data.apply_chat_template": "apply_chat_template", "logger.wandb.key": "use_wandb",
-    "logger.wandb.org": "wandb_org", "logger.wandb.group": "wandb_group", "logger.wandb.project": "wandb_project",
-    "logger.wandb.run_name": "wandb_run_name", "algo.dynamic_filtering_enable": "dynamic_filtering",
-    "algo.dynamic_filtering_range": "dynamic_filtering_reward_range", "data.image_key": "image_key",
-    "data.max_images_per_prompt": "max_images_per_prompt", "actor.freeze_visual_encoder": "freeze_visual_encoder",
+    "reward.stop_properly_penalty_coef": "stop_properly_penalty_coef",
+    "ds.ring_attn_size": "ring_attn_size",
+    "ds.ring_attn_head_stride": "ring_head_stride",
+    "actor.model_name_or_path": "pretrain",
+    "reward.model_name_or_path": "reward_pretrain",
+    "reward.remote_url": "remote_rm_url",
+    "critic.model_name_or_path": "critic_pretrain",
+    "ds.value_head_prefix": "value_head_prefix",
+    "ref.offload": "ref_reward_offload",
+    "reward.offload": "ref_reward_offload",
+    "train.agent_func_path": "agent_func_path",
+    "data.prompt_dataset": "prompt_data",
+    "data.prompt_probs": "prompt_data_probs",
+    "data.prompt_split": "prompt_split",
+    "eval.dataset": "eval_dataset",
+    "eval.split": "eval_split",
+    "eval.temperature": "eval_temperature",
+    "eval.n_samples_per_prompt": "eval_n_samples_per_prompt",
+    "data.input_key": "input_key",
+    "data.label_key": "label_key",
+    "data.input_template": "input_template",
+    "data.apply_chat_template": "apply_chat_template",
+    "logger.wandb.key": "use_wandb",
+    "logger.wandb.org": "wandb_org",
+    "logger.wandb.group": "wandb_group",
+    "logger.wandb.project": "wandb_project",
+    "logger.wandb.run_name": "wandb_run_name",
+    "algo.dynamic_filtering_enable": "dynamic_filtering",
+    "algo.dynamic_filtering_range": "dynamic_filtering_reward_range",
+    "data.image_key": "image_key",
+    "data.max_images_per_prompt": "max_images_per_prompt",
+    "actor.freeze_visual_encoder": "freeze_visual_encoder",
     "logger.tensorboard_dir": "use_tensorboard",
     # per-model optimizer settings: orlhf's flags are shared or per model as in v0.10.1
-    "actor.adam.lr": "actor_learning_rate", "critic.adam.lr": "critic_learning_rate",
-    "actor.adam.betas": "adam_betas", "critic.adam.betas": "adam_betas",
-    "actor.adam.weight_decay": "l2", "critic.adam.weight_decay": "l2",
-    "actor.lr_warmup_ratio": "lr_warmup_ratio", "critic.lr_warmup_ratio": "lr_warmup_ratio",
-    "actor.lr_scheduler": "lr_scheduler", "critic.lr_scheduler": "lr_scheduler",
-    "actor.max_norm": "max_norm", "critic.max_norm": "max_norm",
+    "actor.adam.lr": "actor_learning_rate",
+    "critic.adam.lr": "critic_learning_rate",
+    "actor.adam.betas": "adam_betas",
+    "critic.adam.betas": "adam_betas",
+    "actor.adam.weight_decay": "l2",
+    "critic.adam.weight_decay": "l2",
+    "actor.lr_warmup_ratio": "lr_warmup_ratio",
+    "critic.lr_warmup_ratio": "lr_warmup_ratio",
+    "actor.lr_scheduler": "lr_scheduler",
+    "critic.lr_scheduler": "lr_scheduler",
+    "actor.max_norm": "max_norm",
+    "critic.max_norm": "max_norm",
 }
 
 
@@ -240,7 +320,7 @@ def _take(argv: list[str], i: int, inline: Optional[str], nargs: int) -> tuple[l
             j += 1
     else:
         j = min(len(argv), i + 1 + nargs)
-    return argv[i + 1:j], j
+    return argv[i + 1 : j], j
 
 
 def translate(argv: list[str], native_arity: dict[str, int]) -> list[str]:
@@ -295,7 +375,7 @@ def translate(argv: list[str], native_arity: dict[str, int]) -> list[str]:
         seen.setdefault(flat, []).append((f"--{name}", " ".join(values) if values else "true"))
         out.append((f"--{flat}" + (f"={inline}" if inline is not None else "")) if dotted else tok)
         if inline is None:
-            out.extend(argv[i + 1:j])
+            out.extend(argv[i + 1 : j])
         i = j
     problems += _conflicts(seen)
     if problems:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from orlhf.config.train_config import TrainConfig
 from orlhf.config.flags import flag_fields
+from orlhf.config.train_config import TrainConfig
 
 # Flags whose value can be a secret (OpenRLHF's `--use_wandb KEY`). Their values never leave this process: the
 # config sent to W&B and any other dump goes through public_config(); argv through redact_argv().

@@ -17,8 +17,8 @@ import glob
 import sys
 from typing import Any, Optional
 
-from orlhf.config.train_config import TrainConfig
 from orlhf.config.flags import parse_config
+from orlhf.config.train_config import TrainConfig
 
 
 def finish_config(flags: dict[str, Any], explicit: frozenset[str] | set[str] = frozenset()) -> TrainConfig:
@@ -43,8 +43,11 @@ def resolve_device(cfg: TrainConfig, device: Optional[str] = None) -> TrainConfi
     if device == "auto":
         device = "cpu" if no_gpu_device_files() else _torch_device()
     backend = cfg.vllm.sync_backend or ("nccl" if device == "cuda" else "gloo")
-    return dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, device=device),
-                               vllm=dataclasses.replace(cfg.vllm, sync_backend=backend))
+    return dataclasses.replace(
+        cfg,
+        runtime=dataclasses.replace(cfg.runtime, device=device),
+        vllm=dataclasses.replace(cfg.vllm, sync_backend=backend),
+    )
 
 
 # Device files a GPU's driver needs for torch.cuda to see it: NVIDIA (/dev/nvidiactl, /dev/nvidia0, ...), Jetson
@@ -78,6 +81,10 @@ def resolve_demo(cfg: TrainConfig) -> TrainConfig:
     demo = ensure_demo()
     d = cfg.data
     no_reward = d.remote_rm_url is None and d.reward_pretrain is None and d.agent_func_path is None
-    data = dataclasses.replace(d, pretrain=str(demo.model), prompt_data=d.prompt_data or str(demo.prompts),
-                               remote_rm_url=str(demo.reward_fn) if no_reward else d.remote_rm_url)
+    data = dataclasses.replace(
+        d,
+        pretrain=str(demo.model),
+        prompt_data=d.prompt_data or str(demo.prompts),
+        remote_rm_url=str(demo.reward_fn) if no_reward else d.remote_rm_url,
+    )
     return dataclasses.replace(cfg, data=data)

@@ -5,8 +5,10 @@
     critic   the value model: when the advantage estimator needs one (algo/registry.py); trained, a value head
     reward   the reward model: with --reward_pretrain; frozen, a value head
 
-Read by placement (which pools exist, distributed/layout.py), validation (batch and colocation rules), launch/run.py (which groups
-to spawn), config/worker_config.py and launch/plan.py (which model each role loads), config/fingerprint.py (what a resume must match).
+Read by placement (which pools exist, distributed/layout.py), validation (batch and colocation rules), launch/run.py
+(which groups
+to spawn), config/worker_config.py and launch/plan.py (which model each role loads), config/fingerprint.py (what a
+resume must match).
 host_of says which role runs inside another's processes (on CPU the reference in the actor's ranks, and a one-rank
 critic in a one-rank actor's process); runs_beside, which of those run their calls beside the host's.
 The vLLM engines are not a model role: distributed/layout.py places them beside the roles (ENGINE).
@@ -35,15 +37,33 @@ class RoleSpec:
 
 # Placement order: the actor's pool first (the engines join it under --colocate_all_models).
 ROLES: dict[str, RoleSpec] = {
-    "actor": RoleSpec("actor", trains=True, value_head=False, present=lambda cfg: True,
-                      model=lambda d: d.pretrain),
-    "ref": RoleSpec("ref", trains=False, value_head=False, present=lambda cfg: cfg.has_reference,
-                    model=lambda d: d.pretrain, colocate_with="actor", colocate_flag="colocate_actor_ref"),
+    "actor": RoleSpec("actor", trains=True, value_head=False, present=lambda cfg: True, model=lambda d: d.pretrain),
+    "ref": RoleSpec(
+        "ref",
+        trains=False,
+        value_head=False,
+        present=lambda cfg: cfg.has_reference,
+        model=lambda d: d.pretrain,
+        colocate_with="actor",
+        colocate_flag="colocate_actor_ref",
+    ),
     # The critic starts from --critic_pretrain, else the reward model (its head already scores), else the policy.
-    "critic": RoleSpec("critic", trains=True, value_head=True, present=lambda cfg: cfg.has_critic,
-                       model=lambda d: d.critic_pretrain or d.reward_pretrain or d.pretrain),
-    "reward": RoleSpec("reward", trains=False, value_head=True, present=lambda cfg: cfg.has_reward_model,
-                       model=lambda d: d.reward_pretrain, colocate_with="critic", colocate_flag="colocate_critic_reward"),
+    "critic": RoleSpec(
+        "critic",
+        trains=True,
+        value_head=True,
+        present=lambda cfg: cfg.has_critic,
+        model=lambda d: d.critic_pretrain or d.reward_pretrain or d.pretrain,
+    ),
+    "reward": RoleSpec(
+        "reward",
+        trains=False,
+        value_head=True,
+        present=lambda cfg: cfg.has_reward_model,
+        model=lambda d: d.reward_pretrain,
+        colocate_with="critic",
+        colocate_flag="colocate_critic_reward",
+    ),
 }
 
 
@@ -119,8 +139,12 @@ def _sets_dropout(config: dict) -> bool:
     for k, v in config.items():
         if isinstance(v, dict) and _sets_dropout(v):
             return True
-        if ("dropout" in k.lower() or k.lower().endswith("pdrop")) and isinstance(v, (int, float)) \
-                and not isinstance(v, bool) and v > 0:
+        if (
+            ("dropout" in k.lower() or k.lower().endswith("pdrop"))
+            and isinstance(v, (int, float))
+            and not isinstance(v, bool)
+            and v > 0
+        ):
             return True
     return False
 

@@ -51,16 +51,18 @@ class PlacementConfig:
     reward_num_gpus_per_node: int = opt(1, "GPUs per node for the reward model.")
     colocate_actor_ref: bool = opt(False, "Actor and reference share GPUs (needs equal node/GPU counts).")
     colocate_critic_reward: bool = opt(False, "Critic and reward model share GPUs (needs equal node/GPU counts).")
-    colocate_all_models: bool = opt(
-        False, "All models and the vLLM engines share the actor's GPUs (hybrid mode)."
-    )
+    colocate_all_models: bool = opt(False, "All models and the vLLM engines share the actor's GPUs (hybrid mode).")
     ref_own_process: bool = opt(
-        False, "CPU only: the reference model in its own rank processes. By default on CPU, when its rank count "
-        "equals the actor's, it runs inside the actor's rank processes (one fewer set of processes to start).")
+        False,
+        "CPU only: the reference model in its own rank processes. By default on CPU, when its rank count "
+        "equals the actor's, it runs inside the actor's rank processes (one fewer set of processes to start).",
+    )
     critic_own_process: bool = opt(
-        False, "CPU only: the critic in a process of its own. By default on CPU a one-rank critic beside a one-rank "
+        False,
+        "CPU only: the critic in a process of its own. By default on CPU a one-rank critic beside a one-rank "
         "actor runs inside the actor's process, its calls on a thread of their own beside the actor's (one fewer "
-        "process to start); a critic model with dropout always gets its own.")
+        "process to start); a critic model with dropout always gets its own.",
+    )
 
     def world_size(self, role: str) -> int:
         return getattr(self, f"{role}_num_nodes") * getattr(self, f"{role}_num_gpus_per_node")
@@ -71,44 +73,60 @@ class VLLMConfig:
     num_engines: int = opt(1, "Number of vLLM rollout engines.", flag="vllm_num_engines")
     tensor_parallel_size: int = opt(1, "GPUs per vLLM engine (tensor parallel).", flag="vllm_tensor_parallel_size")
     sync_backend: Optional[str] = opt(
-        None, "Weight-sync backend trainer -> engines (default: nccl on GPUs, gloo on CPU).",
-        flag="vllm_sync_backend", choices=SYNC_BACKENDS,
+        None,
+        "Weight-sync backend trainer -> engines (default: nccl on GPUs, gloo on CPU).",
+        flag="vllm_sync_backend",
+        choices=SYNC_BACKENDS,
     )
     gpu_memory_utilization: Optional[float] = opt(
-        None, "Share of each engine GPU's memory vLLM may take (default: 0.9 on the engines' own GPUs, 0.5 under "
-        "--colocate_all_models, where the trainers share them).", flag="vllm_gpu_memory_utilization"
+        None,
+        "Share of each engine GPU's memory vLLM may take (default: 0.9 on the engines' own GPUs, 0.5 under "
+        "--colocate_all_models, where the trainers share them).",
+        flag="vllm_gpu_memory_utilization",
     )
     enable_prefix_caching: bool = opt(False, "vLLM prefix caching (reset after every weight sync).")
     enforce_eager: bool = opt(False, "Run vLLM without CUDA graphs / torch.compile (faster start-up).")
     enable_sleep: bool = opt(
-        False, "Sleep vLLM (free weights and KV cache) while training; needs --colocate_all_models.",
+        False,
+        "Sleep vLLM (free weights and KV cache) while training; needs --colocate_all_models.",
         flag="vllm_enable_sleep",
     )
     cpu_kv_cache_gb: Optional[float] = opt(
-        None, "CPU only: KV cache per engine in GiB (default: what 256 sequences of --prompt_max_len + "
-        "--generate_max_len tokens need, at most 1 GiB).", flag="vllm_cpu_kv_cache_gb")
-    cpu_threads: int = opt(
-        0, "CPU only: torch threads per engine (0: the cores // engines in sync mode, where the engines generate "
-        "alone; one per CPU slot with --async_train).", flag="vllm_cpu_threads"
+        None,
+        "CPU only: KV cache per engine in GiB (default: what 256 sequences of --prompt_max_len + "
+        "--generate_max_len tokens need, at most 1 GiB).",
+        flag="vllm_cpu_kv_cache_gb",
     )
-    sync_bucket_mb: float = opt(256.0, "Weight-sync bucket size in MiB (whole layers per bucket).",
-                                flag="vllm_sync_bucket_mb")
+    cpu_threads: int = opt(
+        0,
+        "CPU only: torch threads per engine (0: the cores // engines in sync mode, where the engines generate "
+        "alone; one per CPU slot with --async_train).",
+        flag="vllm_cpu_threads",
+    )
+    sync_bucket_mb: float = opt(
+        256.0, "Weight-sync bucket size in MiB (whole layers per bucket).", flag="vllm_sync_bucket_mb"
+    )
     max_engine_logprob_gap: Optional[float] = opt(
-        None, "Stop the run when the engines' log-probs of the sampled tokens differ from the actor's by more "
+        None,
+        "Stop the run when the engines' log-probs of the sampled tokens differ from the actor's by more "
         "than this per token on average (engine_logprob_gap: the engines sample another policy, e.g. a broken "
-        "weight sync). Default on CPU: 1e-3, or 3e-3 with --bf16 (healthy: ~2e-7 fp32, <= 1.4e-3 bf16; broken syncs "
-        "measured 7e-3 and up); on GPUs 2e-2 (bf16 engines, not measured yet); 0 or negative: off. Not checked on async-stale rollouts, nor with --temperature "
-        "other than 1 and --top_p below 1 (said at start).", flag="max_engine_logprob_gap",
+        "weight sync). Default on CPU: 1e-3, or 3e-3 with --bf16; on GPUs 2e-2 (bf16 engines); "
+        "0 or negative: off. Not checked on async-stale rollouts, nor with --temperature other than 1 "
+        "and --top_p below 1 (said at start).",
+        flag="max_engine_logprob_gap",
     )
 
 
 @dataclass(frozen=True)
 class DeepSpeedConfig:
     zero_stage: Optional[int] = opt(
-        None, "DeepSpeed ZeRO stage for the trained and frozen models. Default: 3, except for a model group of one "
+        None,
+        "DeepSpeed ZeRO stage for the trained and frozen models. Default: 3, except for a model group of one "
         "rank, which has nothing to partition: ZeRO-2 if it trains, none if frozen (ZeRO-3's per-module hooks cost "
         "1.25-1.6x per CPU train step there); 3 stays with --deepspeed_enable_sleep, and for frozen models with "
-        "--ref_reward_offload on GPUs. Give a stage to use it everywhere.", choices=(0, 1, 2, 3))
+        "--ref_reward_offload on GPUs. Give a stage to use it everywhere.",
+        choices=(0, 1, 2, 3),
+    )
     bf16: bool = opt(False, "Train and score in bfloat16 (fp32 master weights kept by DeepSpeed).")
     gradient_checkpointing: bool = opt(False, "Recompute activations in the backward pass to save memory.")
     adam_offload: bool = opt(False, "Keep Adam states on the host (ZeRO-Offload).")
@@ -118,33 +136,40 @@ class DeepSpeedConfig:
         False, "Offload DeepSpeed states during generation (hybrid mode).", flag="deepspeed_enable_sleep"
     )
     packing_samples: bool = opt(
-        False, "Pack each micro-batch's samples into one row without padding (flash-attn varlen on GPUs; a "
-        "block-diagonal mask under SDPA)."
+        False,
+        "Pack each micro-batch's samples into one row without padding (flash-attn varlen on GPUs; a "
+        "block-diagonal mask under SDPA).",
     )
     train_cpu_threads: int = opt(
-        0, "CPU only: torch threads per model rank (0: handed over per phase: the cores shared among the ranks "
-        "that work in it, e.g. all to the actor while it trains alone; sync mode)."
+        0,
+        "CPU only: torch threads per model rank (0: handed over per phase: the cores shared among the ranks "
+        "that work in it, e.g. all to the actor while it trains alone; sync mode).",
     )
     no_trim_padding: bool = opt(
-        False, "Keep training/scoring micro-batches padded to the whole batch's longest sequence (turns off "
-        "padding removal; for benchmarks)."
+        False,
+        "Keep training/scoring micro-batches padded to the whole batch's longest sequence (turns off "
+        "padding removal; for benchmarks).",
     )
     no_shared_prompt: bool = opt(
-        False, "Run every sample's prompt in its own row (turns off running each distinct prompt once per "
-        "micro-batch for all its samples in the actor's and reference's forwards; for benchmarks and checks)."
+        False,
+        "Run every sample's prompt in its own row (turns off running each distinct prompt once per "
+        "micro-batch for all its samples in the actor's and reference's forwards; for benchmarks and checks).",
     )
     use_dynamic_batch: bool = opt(
-        False, "Micro-batches by a token budget instead of a sample count: training (per optimizer step, "
+        False,
+        "Micro-batches by a token budget instead of a sample count: training (per optimizer step, "
         "--train_max_tokens_per_gpu) and scoring forwards (--rollout_max_tokens_per_gpu). Budgets count real "
-        "tokens (prompt + response); --packing_samples makes that what a forward holds."
+        "tokens (prompt + response); --packing_samples makes that what a forward holds.",
     )
     train_max_tokens_per_gpu: int = opt(
-        16192, "With --use_dynamic_batch: most real tokens in one training micro-batch per rank (a longer "
-        "sample gets a micro-batch of its own)."
+        16192,
+        "With --use_dynamic_batch: most real tokens in one training micro-batch per rank (a longer "
+        "sample gets a micro-batch of its own).",
     )
     rollout_max_tokens_per_gpu: Optional[int] = opt(
-        None, "With --use_dynamic_batch: most real tokens in one scoring forward per rank (default: "
-        "--train_max_tokens_per_gpu)."
+        None,
+        "With --use_dynamic_batch: most real tokens in one scoring forward per rank (default: "
+        "--train_max_tokens_per_gpu).",
     )
 
 
@@ -159,22 +184,26 @@ class DataConfig:
         None, "Reward source instead of a reward model: http(s)://host:port/path, or a .py file with reward_func."
     )
     agent_func_path: Optional[str] = opt(
-        None, "Multi-turn agent: a .py file defining AgentInstance and AgentExecutor (OpenRLHF's contract, "
-        "orlhf.rollout.agent); the agent's rewards replace a reward source."
+        None,
+        "Multi-turn agent: a .py file defining AgentInstance and AgentExecutor (OpenRLHF's contract, "
+        "orlhf.rollout.agent); the agent's rewards replace a reward source.",
     )
     prompt_data: Optional[str] = opt(
-        None, "Prompts: .jsonl, .json, .parquet or a saved HF dataset folder; several comma-separated (a,b) are "
-        "concatenated, or mixed with --prompt_data_probs."
+        None,
+        "Prompts: .jsonl, .json, .parquet or a saved HF dataset folder; several comma-separated (a,b) are "
+        "concatenated, or mixed with --prompt_data_probs.",
     )
     prompt_data_probs: Optional[str] = opt(
-        None, "Sampling mix of the --prompt_data sources, comma-separated (0.7,0.3): one probability > 0 per "
+        None,
+        "Sampling mix of the --prompt_data sources, comma-separated (0.7,0.3): one probability > 0 per "
         "source, summing to 1; sources are drawn until every one has been used whole at least once (as "
-        "OpenRLHF's interleave, 'all_exhausted')."
+        "OpenRLHF's interleave, 'all_exhausted').",
     )
     prompt_split: str = opt("train", "Split of --prompt_data to use (saved DatasetDict folders, hub datasets).")
     value_head_prefix: str = opt(
-        "score", "Name of the reward model's / critic's value head (its weight is <prefix>.weight); models from "
-        "OpenRLHF before 0.5 use value_head. A value_head_prefix in the model's config.json wins, as in OpenRLHF."
+        "score",
+        "Name of the reward model's / critic's value head (its weight is <prefix>.weight); models from "
+        "OpenRLHF before 0.5 use value_head. A value_head_prefix in the model's config.json wins, as in OpenRLHF.",
     )
     input_key: str = opt("input", "Prompt field in the data.")
     label_key: Optional[str] = opt(None, "Label field passed to the reward function.")
@@ -182,11 +211,13 @@ class DataConfig:
     input_template: Optional[str] = opt(None, "Template with one {} for the prompt, e.g. 'Q: {}\\nA:'.")
     max_samples: Optional[int] = opt(None, "Use at most this many prompts.")
     prompt_overflow: str = opt(
-        "skip", "Prompts longer than --prompt_max_len: skip them or truncate (keep the end).",
+        "skip",
+        "Prompts longer than --prompt_max_len: skip them or truncate (keep the end).",
         choices=("skip", "truncate"),
     )
     reward_timeout_s: float = opt(
-        300.0, "Longest wait for one call of a --remote_rm_url .py file's reward_func before the run fails.")
+        300.0, "Longest wait for one call of a --remote_rm_url .py file's reward_func before the run fails."
+    )
 
     @property
     def uses_demo(self) -> bool:
@@ -204,8 +235,10 @@ class PPOConfig:
     prompt_max_len: int = opt(1024, "Longest prompt in tokens.")
     generate_max_len: int = opt(1024, "Most new tokens per response (OpenRLHF: --max_new_tokens).")
     max_len: Optional[int] = opt(
-        None, "Longest prompt + response in tokens (OpenRLHF's --max_len): a response gets at most max_len - its "
-        "prompt's length new tokens; without --generate_max_len / --max_new_tokens that is the only cap.")
+        None,
+        "Longest prompt + response in tokens (OpenRLHF's --max_len): a response gets at most max_len - its "
+        "prompt's length new tokens; without --generate_max_len / --max_new_tokens that is the only cap.",
+    )
     actor_learning_rate: float = opt(1e-6, "Actor learning rate.")
     critic_learning_rate: float = opt(9e-6, "Critic learning rate.")
     lr_warmup_ratio: float = opt(0.03, "Share of optimizer steps spent in linear LR warm-up.")
@@ -222,63 +255,91 @@ class PPOConfig:
     value_clip: Optional[float] = opt(0.5, "Critic value clip.")
     dual_clip: Optional[float] = opt(None, "Dual-clip PPO constant (> 1).")
     normalize_reward: bool = opt(
-        False, "Normalize rewards: with the mean/std stored in the reward model's config.json, as OpenRLHF (the "
+        False,
+        "Normalize rewards: with the mean/std stored in the reward model's config.json, as OpenRLHF (the "
         "critic's values too, with its own); reward sources without stored statistics (functions, URLs) use "
-        "running statistics of this run's rewards."
+        "running statistics of this run's rewards.",
     )
     reward_clip_range: tuple[float, float] = opt((-10.0, 10.0), "Clip rewards to [LOW HIGH].", metavar="LOW HIGH")
     entropy_loss_coef: float = opt(0.0, "Entropy bonus coefficient.")
     temperature: float = opt(1.0, "Sampling temperature.")
     freezing_actor_steps: int = opt(
-        -1, "Critic warm-up: the actor is not trained (and the engines not synced) while the 0-based step "
-        "index is <= N, i.e. the first N+1 steps, as OpenRLHF (-1: never frozen).")
+        -1,
+        "Critic warm-up: the actor is not trained (and the engines not synced) while the 0-based step "
+        "index is <= N, i.e. the first N+1 steps, as OpenRLHF (-1: never frozen).",
+    )
     top_p: float = opt(1.0, "Nucleus sampling p.")
     seed: int = opt(42, "Random seed (engines get seed + engine index).")
     async_train: bool = opt(False, "Generate step k+1 while training on step k.")
     async_queue_size: int = opt(1, "Rollout batches that may wait between generation and training (async).")
     # ---- losses and their variants (OpenRLHF v0.10-0.11, DAPO, GSPO) ----
     loss_agg_mode: Optional[str] = opt(
-        None, "Loss aggregation over an optimizer step (all micro-batches and ranks): token_mean (each token "
+        None,
+        "Loss aggregation over an optimizer step (all micro-batches and ranks): token_mean (each token "
         "weighs the same) or seq_mean (each sequence's token mean weighs the same). Default: seq_mean with "
-        "--policy_loss_type gspo (as OpenRLHF), else token_mean.", choices=LOSS_AGG_MODES)
+        "--policy_loss_type gspo (as OpenRLHF), else token_mean.",
+        choices=LOSS_AGG_MODES,
+    )
     eps_clip_low_high: Optional[tuple[float, float]] = opt(
-        None, "Asymmetric PPO clip [1 - LOW, 1 + HIGH] (DAPO's clip-higher, e.g. 0.2 0.28); default: --eps_clip "
-        "both sides.", metavar="LOW HIGH")
-    policy_loss_type: str = opt("ppo", "ppo: token ratios; gspo: one sequence-level ratio (geometric mean of the "
-                                "token ratios, GSPO).", choices=POLICY_LOSS_TYPES)
+        None,
+        "Asymmetric PPO clip [1 - LOW, 1 + HIGH] (DAPO's clip-higher, e.g. 0.2 0.28); default: --eps_clip both sides.",
+        metavar="LOW HIGH",
+    )
+    policy_loss_type: str = opt(
+        "ppo",
+        "ppo: token ratios; gspo: one sequence-level ratio (geometric mean of the token ratios, GSPO).",
+        choices=POLICY_LOSS_TYPES,
+    )
     enable_vllm_is_correction: bool = opt(
-        False, "Importance sampling (IS) correction of the gap between engine and trainer log-probs.")
+        False, "Importance sampling (IS) correction of the gap between engine and trainer log-probs."
+    )
     vllm_is_correction_type: str = opt(
-        "tis", "tis: truncate each token's ratio to the thresholds; icepop: drop tokens outside them; "
-        "seq-mask-tis: drop sequences whose geometric-mean ratio is outside them.", choices=IS_CORRECTION_TYPES)
+        "tis",
+        "tis: truncate each token's ratio to the thresholds; icepop: drop tokens outside them; "
+        "seq-mask-tis: drop sequences whose geometric-mean ratio is outside them.",
+        choices=IS_CORRECTION_TYPES,
+    )
     vllm_is_truncated_threshold: tuple[float, float] = opt(
-        (0.5, 5.0), "IS-correction thresholds LOW HIGH on pi_trainer / pi_engine.", metavar="LOW HIGH")
+        (0.5, 5.0), "IS-correction thresholds LOW HIGH on pi_trainer / pi_engine.", metavar="LOW HIGH"
+    )
     dynamic_filtering: bool = opt(
-        False, "DAPO dynamic sampling: drop prompts whose samples' mean reward is outside the open "
-        "reward range (the flag below); generate more until the batch is full.")
+        False,
+        "DAPO dynamic sampling: drop prompts whose samples' mean reward is outside the open "
+        "reward range (the flag below); generate more until the batch is full.",
+    )
     dynamic_filtering_reward_range: tuple[float, float] = opt(
-        (0.0, 1.0), "Open range (LOW, HIGH) a prompt's mean reward must fall in to be kept.", metavar="LOW HIGH")
+        (0.0, 1.0), "Open range (LOW, HIGH) a prompt's mean reward must fall in to be kept.", metavar="LOW HIGH"
+    )
     overlong_buffer_len: Optional[float] = opt(
-        None, "DAPO soft overlong penalty: responses longer than the most new tokens minus this lose up to "
-        "the penalty factor (the flag below), linearly.")
+        None,
+        "DAPO soft overlong penalty: responses longer than the most new tokens minus this lose up to "
+        "the penalty factor (the flag below), linearly.",
+    )
     overlong_penalty_factor: float = opt(1.0, "Largest overlong penalty (at the most new tokens).")
     stop_properly_penalty_coef: Optional[float] = opt(
-        None, "Responses cut at the most new tokens: in [0, 1] scales their reward; < 0 sets it to this value.")
+        None, "Responses cut at the most new tokens: in [0, 1] scales their reward; < 0 sets it to this value."
+    )
     no_advantage_std_norm: bool = opt(
-        False, "Whitened estimators (gae, reinforce, reinforce_baseline): subtract the batch mean, do not "
-        "divide by the std.")
+        False,
+        "Whitened estimators (gae, reinforce, reinforce_baseline): subtract the batch mean, do not divide by the std.",
+    )
     max_norm: float = opt(1.0, "Gradient clipping: largest global gradient norm.")
     adam_betas: tuple[float, float] = opt((0.9, 0.95), "Adam betas.", metavar="BETA1 BETA2")
     l2: float = opt(0.0, "Weight decay (AdamW).")
-    lr_scheduler: str = opt("cosine_with_min_lr", "LR schedule after warm-up: cosine_with_min_lr (to 10%; the "
-                            "default), cosine (to 0), linear (to 0), constant, constant_with_warmup.",
-                            choices=LR_SCHEDULERS, metavar="NAME")
+    lr_scheduler: str = opt(
+        "cosine_with_min_lr",
+        "LR schedule after warm-up: cosine_with_min_lr (to 10%; the "
+        "default), cosine (to 0), linear (to 0), constant, constant_with_warmup.",
+        choices=LR_SCHEDULERS,
+        metavar="NAME",
+    )
 
 
 @dataclass(frozen=True)
 class LoggingConfig:
     use_wandb: Optional[str] = opt(
-        None, "Log to Weights & Biases; optionally the API key (as in OpenRLHF). Offline with WANDB_MODE=offline.",
+        None,
+        "Log to Weights & Biases; optionally the API key (as in OpenRLHF). Offline with WANDB_MODE=offline.",
         metavar="KEY",
     )
     wandb_project: str = opt("orlhf", "wandb project.")
@@ -296,11 +357,12 @@ class LoggingConfig:
     load_checkpoint: bool = opt(False, "Resume from the newest complete checkpoint in --ckpt_path.")
     save_hf_ckpt: bool = opt(False, "Also export HF-format model folders with checkpoints.")
     allow_no_checkpoint: bool = opt(
-        False, "With --load_checkpoint: start fresh when --ckpt_path holds no checkpoint (default: an error).")
+        False, "With --load_checkpoint: start fresh when --ckpt_path holds no checkpoint (default: an error)."
+    )
     save_value_network: bool = opt(False, "Also save the final critic (value head included) in <save_path>/critic.")
     disable_ds_ckpt: bool = opt(
-        False, "Checkpoints hold the HF actor folder only, no DeepSpeed state (smaller; a run cannot resume "
-        "from them).")
+        False, "Checkpoints hold the HF actor folder only, no DeepSpeed state (smaller; a run cannot resume from them)."
+    )
 
     @property
     def checkpoint_dir(self) -> str:
@@ -318,7 +380,8 @@ class EvalConfig:
     eval_temperature: float = opt(0.6, "Sampling temperature for evaluation.")
     eval_n_samples_per_prompt: int = opt(4, "Samples per eval prompt (k of eval/pass@k).")
     best_metric_key: Optional[str] = opt(
-        None, "Keep the checkpoint with the best eval metric in <ckpt_path>/best (never rotated out).",
+        None,
+        "Keep the checkpoint with the best eval metric in <ckpt_path>/best (never rotated out).",
         choices=("reward_mean", "pass@1", "pass@k"),
     )
 
@@ -330,8 +393,10 @@ class RuntimeConfig:
     ray_timeout_s: float = opt(600.0, "Longest wait on any Ray call or placement group before failing.")
     verbose: bool = opt(False, "Show every library's and worker's output here (default: in <save_path>/logs/).")
     stop_after_steps: Optional[int] = opt(
-        None, "End this invocation after N steps, saving a checkpoint there (schedule unchanged; resume later "
-        "with --load_checkpoint).")
+        None,
+        "End this invocation after N steps, saving a checkpoint there (schedule unchanged; resume later "
+        "with --load_checkpoint).",
+    )
 
 
 # The sections, in --help order: (attribute on TrainConfig, class, help panel).
@@ -363,8 +428,10 @@ class TrainConfig:
         """The device the run uses, "cuda" or "cpu": --device with "auto" resolved (config/resolve.py). The one place
         everything that places or builds a model reads it from; asking before it is resolved is a bug."""
         if self.runtime.device not in ("cuda", "cpu"):
-            raise ValueError(f"device {self.runtime.device!r} is not resolved yet; finish the config first "
-                             "(finish.finish_config, or finish.resolve_device)")
+            raise ValueError(
+                f"device {self.runtime.device!r} is not resolved yet; finish the config first "
+                "(finish.finish_config, or finish.resolve_device)"
+            )
         return self.runtime.device
 
     @property

@@ -21,8 +21,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar, Optional
 
+from orlhf.config.roles import model_path
+from orlhf.config.roles import role as role_spec
 from orlhf.config.train_config import PPOConfig, TrainConfig
-from orlhf.config.roles import model_path, role as role_spec
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,8 @@ class WorkerConfig:
     trim_padding: bool = True  # cut each micro-batch to its real length (not --no_trim_padding)
     packing_samples: bool = False  # one row of real tokens per micro-batch (--packing_samples)
     shared_prompt: bool = True  # causal LMs: each distinct prompt run once per forward (not --no_shared_prompt)
-    # --use_dynamic_batch: forwards grouped by a real-token budget (orlhf/workers/batching.py budget_micro_batches); 0: by
+    # --use_dynamic_batch: forwards grouped by a real-token budget (orlhf/workers/batching.py budget_micro_batches); 0:
+    # by
     # count (--micro_rollout_batch_size)
     forward_max_tokens: int = 0
 
@@ -162,8 +164,9 @@ def role_config(role: str, **fields) -> WorkerConfig:
 
 
 def _slice_type(cls: type, name: str) -> type:
-    return {"train": TrainSlice, "head": HeadSlice,
-            "loss": PolicyLossSlice if cls is ActorConfig else ValueLossSlice}[name]
+    return {"train": TrainSlice, "head": HeadSlice, "loss": PolicyLossSlice if cls is ActorConfig else ValueLossSlice}[
+        name
+    ]
 
 
 def _slice_fields(cls: type, name: str) -> set[str]:
@@ -214,10 +217,18 @@ def worker_config(cfg: TrainConfig, role: str, total_optimizer_steps: int = 1) -
     if path is None:
         raise ValueError(f"no model path for role {role!r}; finish the config first (finish.finish_config)")
     common = dict(
-        model_path=path, device=cfg.device, zero_stage=zero_stage_for(cfg, role), bf16=ds.bf16,
-        gradient_checkpointing=ds.gradient_checkpointing, flash_attn=ds.flash_attn, seed=ppo.seed,
-        micro_forward_batch_size=ppo.micro_rollout_batch_size, trim_padding=not ds.no_trim_padding,
-        packing_samples=ds.packing_samples, cpu_threads=ds.train_cpu_threads, forward_max_tokens=forward_budget,
+        model_path=path,
+        device=cfg.device,
+        zero_stage=zero_stage_for(cfg, role),
+        bf16=ds.bf16,
+        gradient_checkpointing=ds.gradient_checkpointing,
+        flash_attn=ds.flash_attn,
+        seed=ppo.seed,
+        micro_forward_batch_size=ppo.micro_rollout_batch_size,
+        trim_padding=not ds.no_trim_padding,
+        packing_samples=ds.packing_samples,
+        cpu_threads=ds.train_cpu_threads,
+        forward_max_tokens=forward_budget,
         shared_prompt=not ds.no_shared_prompt,
     )
     head = HeadSlice(value_head_prefix=d.value_head_prefix, normalize_reward=ppo.normalize_reward)
@@ -226,24 +237,46 @@ def worker_config(cfg: TrainConfig, role: str, total_optimizer_steps: int = 1) -
     if role == "reward":
         return RewardConfig(**common, head=head, param_offload=ds.ref_reward_offload)
     train = dict(
-        adam_offload=ds.adam_offload, offload_states=ds.enable_sleep, lr_warmup_ratio=ppo.lr_warmup_ratio,
-        total_optimizer_steps=total_optimizer_steps, train_batch_size=ppo.train_batch_size,
-        micro_train_batch_size=ppo.micro_train_batch_size, max_norm=ppo.max_norm, adam_betas=tuple(ppo.adam_betas),
-        weight_decay=ppo.l2, lr_scheduler=ppo.lr_scheduler, max_tokens=train_budget,
+        adam_offload=ds.adam_offload,
+        offload_states=ds.enable_sleep,
+        lr_warmup_ratio=ppo.lr_warmup_ratio,
+        total_optimizer_steps=total_optimizer_steps,
+        train_batch_size=ppo.train_batch_size,
+        micro_train_batch_size=ppo.micro_train_batch_size,
+        max_norm=ppo.max_norm,
+        adam_betas=tuple(ppo.adam_betas),
+        weight_decay=ppo.l2,
+        lr_scheduler=ppo.lr_scheduler,
+        max_tokens=train_budget,
     )
     agg = resolved_loss_agg_mode(ppo)
     if role == "actor":
         low, high = ppo.eps_clip_low_high if ppo.eps_clip_low_high is not None else (ppo.eps_clip, ppo.eps_clip)
         loss = PolicyLossSlice(
-            loss_agg_mode=agg, eps_clip=low, eps_clip_high=high, dual_clip=ppo.dual_clip,
-            entropy_loss_coef=ppo.entropy_loss_coef, use_kl_loss=ppo.use_kl_loss, kl_coef=ppo.init_kl_coef,
-            kl_estimator=ppo.kl_estimator, policy_loss_type=ppo.policy_loss_type,
+            loss_agg_mode=agg,
+            eps_clip=low,
+            eps_clip_high=high,
+            dual_clip=ppo.dual_clip,
+            entropy_loss_coef=ppo.entropy_loss_coef,
+            use_kl_loss=ppo.use_kl_loss,
+            kl_coef=ppo.init_kl_coef,
+            kl_estimator=ppo.kl_estimator,
+            policy_loss_type=ppo.policy_loss_type,
             is_correction=ppo.vllm_is_correction_type if ppo.enable_vllm_is_correction else None,
-            is_threshold=tuple(ppo.vllm_is_truncated_threshold))
-        return ActorConfig(**common, temperature=ppo.temperature,
-                           train=TrainSlice(learning_rate=ppo.actor_learning_rate, **train), loss=loss)
-    return CriticConfig(**common, head=head, train=TrainSlice(learning_rate=ppo.critic_learning_rate, **train),
-                        loss=ValueLossSlice(loss_agg_mode=agg, value_clip=ppo.value_clip))
+            is_threshold=tuple(ppo.vllm_is_truncated_threshold),
+        )
+        return ActorConfig(
+            **common,
+            temperature=ppo.temperature,
+            train=TrainSlice(learning_rate=ppo.actor_learning_rate, **train),
+            loss=loss,
+        )
+    return CriticConfig(
+        **common,
+        head=head,
+        train=TrainSlice(learning_rate=ppo.critic_learning_rate, **train),
+        loss=ValueLossSlice(loss_agg_mode=agg, value_clip=ppo.value_clip),
+    )
 
 
 def dynamic_batch_budgets(ds) -> tuple[int, int]:
@@ -251,5 +284,7 @@ def dynamic_batch_budgets(ds) -> tuple[int, int]:
     budget defaults to the training one (OpenRLHF's --rollout_max_tokens_per_gpu default)."""
     if not ds.use_dynamic_batch:
         return 0, 0
-    forward = ds.rollout_max_tokens_per_gpu if ds.rollout_max_tokens_per_gpu is not None else ds.train_max_tokens_per_gpu
+    forward = (
+        ds.rollout_max_tokens_per_gpu if ds.rollout_max_tokens_per_gpu is not None else ds.train_max_tokens_per_gpu
+    )
     return ds.train_max_tokens_per_gpu, forward

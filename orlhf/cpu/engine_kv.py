@@ -31,8 +31,14 @@ DEFAULT_GB = 1.0
 MAX_NUM_SEQS = 256  # vLLM's CPU default for the LLM class (arg_utils), passed explicitly so the sizing holds
 BLOCK_TOKENS = 128  # vLLM-CPU's block size for plain attention (platforms/cpu.py)
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-_NOT_PLAIN = ("kv_lora_rank", "layers_block_type", "hybrid_override_pattern", "sliding_window",
-              "linear_attn_config", "text_config")
+_NOT_PLAIN = (
+    "kv_lora_rank",
+    "layers_block_type",
+    "hybrid_override_pattern",
+    "sliding_window",
+    "linear_attn_config",
+    "text_config",
+)
 
 
 def kv_bytes_per_token(model_path: str, dtype: str) -> Optional[int]:
@@ -69,7 +75,8 @@ def kv_cache_bytes(model_path: str, dtype: str, max_model_len: int, user_gb: Opt
             raise ValueError(
                 f"--vllm_cpu_kv_cache_gb {user_gb} cannot hold one sequence of {max_model_len} tokens "
                 f"(--prompt_max_len + --generate_max_len) of this model: it needs at least "
-                f"{one_seq / 2**30:.4f} GiB. Give a larger size, or leave the flag out to size it automatically.")
+                f"{one_seq / 2**30:.4f} GiB. Give a larger size, or leave the flag out to size it automatically."
+            )
         return requested
     default = int(DEFAULT_GB * 2**30)
     if per_token is None:
@@ -90,6 +97,13 @@ def check_kv_cache(llm, max_model_len: int, requested: int) -> None:
         raise RuntimeError(
             f"orlhf sized this engine's KV cache to {requested / 2**20:.1f} MiB but vLLM made {blocks} blocks of "
             f"{block} tokens, fewer than {need} for {MAX_NUM_SEQS} sequences of {max_model_len} tokens: give "
-            f"--vllm_cpu_kv_cache_gb {DEFAULT_GB} (the former default) and report this model's config.json.")
-    log.info("CPU KV cache: %.1f MiB, %d blocks of %d tokens (%d sequences of %d tokens)",
-             requested / 2**20, blocks, block, MAX_NUM_SEQS, max_model_len)
+            f"--vllm_cpu_kv_cache_gb {DEFAULT_GB} (the former default) and report this model's config.json."
+        )
+    log.info(
+        "CPU KV cache: %.1f MiB, %d blocks of %d tokens (%d sequences of %d tokens)",
+        requested / 2**20,
+        blocks,
+        block,
+        MAX_NUM_SEQS,
+        max_model_len,
+    )

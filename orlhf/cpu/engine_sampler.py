@@ -86,8 +86,11 @@ def install() -> bool:
     from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
 
     if vllm.__version__.split("+")[0] != FAST_FOR:
-        log.info("vLLM %s: its own CPU sampler (orlhf's block-drawn seeds are checked against %s only)",
-                 vllm.__version__, FAST_FOR)
+        log.info(
+            "vLLM %s: its own CPU sampler (orlhf's block-drawn seeds are checked against %s only)",
+            vllm.__version__,
+            FAST_FOR,
+        )
         return False
     if _vllm_forward_cpu is None:
         _vllm_forward_cpu = TopKTopPSampler.forward_cpu

@@ -8,7 +8,8 @@
     thread that runs the work.
 
 Processes, not groups: on CPU the reference runs inside the actor's rank processes (roles.host_of), and a process
-runs its workers' calls one at a time (distributed/groups.py), so actor + hosted ref in the score phase count once per rank.
+runs its workers' calls one at a time (distributed/groups.py), so actor + hosted ref in the score phase count once per
+rank.
 A hosted critic's calls run beside the actor's (roles.runs_beside), so it counts as a process of its own.
 
 Why per phase: with one thread per Ray process (Ray sets OMP_NUM_THREADS to the actor's CPU slots, 1 here) a phase
@@ -126,8 +127,7 @@ class PhaseThreads:
             return cls({}, 1)
         scoring = ([] if cfg.single_pass else [models.actor]) + [models.ref, models.critic, models.reward]
         training = [models.actor, models.critic]
-        phases = {"score": [g for g in scoring if g is not None],
-                  "train": [g for g in training if g is not None]}
+        phases = {"score": [g for g in scoring if g is not None], "train": [g for g in training if g is not None]}
         # --train_cpu_threads N: sent like a hand-over (init() set it on one of a rank's pool threads only)
         n = cfg.deepspeed.train_cpu_threads
         fixed = {id(g): n for g in phases["score"] + phases["train"]} if n else {}
@@ -135,8 +135,13 @@ class PhaseThreads:
             phases = {phase: [g for g in gs if id(g) in fixed] for phase, gs in phases.items()}
         plan = cls(phases, cores or machine_cores(), fixed)
         engines = engine_threads(cfg, plan.cores)
-        log.info("CPU threads per phase (%d cores): generate: %d engine(s) %s; %s", plan.cores, cfg.vllm.num_engines,
-                 engines or "as Ray sets", plan.describe())
+        log.info(
+            "CPU threads per phase (%d cores): generate: %d engine(s) %s; %s",
+            plan.cores,
+            cfg.vllm.num_engines,
+            engines or "as Ray sets",
+            plan.describe(),
+        )
         return plan
 
     def threads(self, phase: str, group) -> int:
@@ -147,8 +152,14 @@ class PhaseThreads:
 
     def describe(self) -> str:
         """E.g. "score: ref 2; train: actor 2 (torch threads per rank)"."""
-        return "; ".join(f"{phase}: " + ", ".join(f"{getattr(g, 'role', '?')} {self.threads(phase, g)}" for g in gs)
-                         for phase, gs in self.phases.items() if gs) + " (torch threads per rank)"
+        return (
+            "; ".join(
+                f"{phase}: " + ", ".join(f"{getattr(g, 'role', '?')} {self.threads(phase, g)}" for g in gs)
+                for phase, gs in self.phases.items()
+                if gs
+            )
+            + " (torch threads per rank)"
+        )
 
     def before(self, phase: str) -> None:
         """Send this phase's thread counts to its groups, waited for: a rank actor applies the stored count on

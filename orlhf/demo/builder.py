@@ -61,8 +61,13 @@ class DemoPaths:
 
     @classmethod
     def under(cls, root: Path) -> DemoPaths:
-        return cls(root=root, model=root / "model", prompts=root / "prompts.jsonl", reward_fn=root / "reward_func.py",
-                   agent_fn=root / "agent_func.py")
+        return cls(
+            root=root,
+            model=root / "model",
+            prompts=root / "prompts.jsonl",
+            reward_fn=root / "reward_func.py",
+            agent_fn=root / "agent_func.py",
+        )
 
 
 def default_cache_dir() -> Path:
@@ -148,7 +153,10 @@ def _build_model(tokenizer, seed: int):
     # HF generate reads these from generation_config, not from config.
     gen = model.generation_config
     gen.bos_token_id, gen.eos_token_id, gen.pad_token_id = (
-        tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
+        tokenizer.bos_token_id,
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+    )
     return model
 
 

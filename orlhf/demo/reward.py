@@ -76,7 +76,9 @@ def reward_func(queries: list[str], prompts: list[str] | None = None, labels: li
     prompts = list(prompts) if prompts is not None else [None] * n
     labels = list(labels) if labels is not None else [None] * n
     if len(prompts) != n or len(labels) != n:
-        raise ValueError(f"reward_func got {n} queries, {len(prompts)} prompts and {len(labels)} labels; "
-                         "pass one prompt and one label per query")
+        raise ValueError(
+            f"reward_func got {n} queries, {len(prompts)} prompts and {len(labels)} labels; "
+            "pass one prompt and one label per query"
+        )
     scores = [target_share(response_of(q, p), lab) for q, p, lab in zip(queries, prompts, labels)]
     return torch.tensor(scores, dtype=torch.float32)

@@ -7,7 +7,8 @@
     group = ActorGroup("actor", PolicyWorker, ...)        exports of PolicyWorker (and its bases) read here
     group.call_sharded(PolicyWorker.log_probs, batch)      checked before anything is sent: a method reference,
                                                            an export of this group's class, else a clear error
-    engines.call(WeightSyncExtension.orlhf_ipc_begin)      one API for engines too (distributed/groups.py, rollout/engine.py)
+    engines.call(WeightSyncExtension.orlhf_ipc_begin)      one API for engines too (distributed/groups.py,
+    rollout/engine.py)
 
 Why references, not strings: go-to-definition works, a rename breaks where the reference is written (at import
 or when the call is built, before any rank runs), and a method that was never meant to be called remotely
@@ -44,12 +45,16 @@ def check_exports(role: str, *classes: type) -> None:
     for cls in classes:
         names = exports(cls)
         if not names:
-            raise TypeError(f"{role}: {cls.__qualname__} exports no methods; mark the ones its group calls with "
-                            "@endpoint (orlhf/distributed/endpoints.py)")
+            raise TypeError(
+                f"{role}: {cls.__qualname__} exports no methods; mark the ones its group calls with "
+                "@endpoint (orlhf/distributed/endpoints.py)"
+            )
         for name in names:
             if name in seen:
-                raise TypeError(f"{role}: {name} is exported by both {seen[name].__qualname__} and "
-                                f"{cls.__qualname__}; a call could not tell which one it means")
+                raise TypeError(
+                    f"{role}: {name} is exported by both {seen[name].__qualname__} and "
+                    f"{cls.__qualname__}; a call could not tell which one it means"
+                )
             seen[name] = cls
 
 
@@ -66,6 +71,8 @@ def method_name(role: str, cls: type, fn: Callable) -> str:
         what = getattr(fn, "__qualname__", repr(fn))
         raise TypeError(f"{role}: {what} is not a method of {cls.__qualname__}, the class this group runs")
     if name not in exports(cls):
-        raise TypeError(f"{role}: {cls.__qualname__}.{name} is not exported to its group; mark it @endpoint "
-                        "(orlhf/distributed/endpoints.py) if it is meant to be called remotely")
+        raise TypeError(
+            f"{role}: {cls.__qualname__}.{name} is not exported to its group; mark it @endpoint "
+            "(orlhf/distributed/endpoints.py) if it is meant to be called remotely"
+        )
     return name

@@ -12,7 +12,8 @@
     actor.host("ref", ReferenceWorker, cfg)             (CPU, roles.host_of) a group whose workers live in the
                                                          actor's rank processes: rank k's in actor rank k's
 
-Calls name the method by reference (orlhf/distributed/endpoints.py): it must be an @endpoint of the group's worker class,
+Calls name the method by reference (orlhf/distributed/endpoints.py): it must be an @endpoint of the group's worker
+class,
 checked before anything is sent. Every call starts at once and returns a GroupCall; .get() waits. The engines'
 group (rollout/engine.py) has the same call / call_rank and returns the same GroupCall.
 
@@ -39,8 +40,8 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import re
 import random
+import re
 import socket
 import threading
 import time
@@ -51,10 +52,10 @@ from typing import Any, Callable, Optional, Sequence
 import ray
 import torch
 
-from orlhf.distributed.endpoints import check_exports, method_name
-from orlhf.storage.logs import LOG_DIR_ENV, redirect_output, tail, worker_log_path
-from orlhf.distributed.placement import RankBundle, scheduling_options
 from orlhf.cpu.threads import apply_threads, threads_as_ray_set
+from orlhf.distributed.endpoints import check_exports, method_name
+from orlhf.distributed.placement import RankBundle, scheduling_options
+from orlhf.storage.logs import LOG_DIR_ENV, redirect_output, tail, worker_log_path
 
 log = logging.getLogger(__name__)
 
@@ -62,14 +63,13 @@ log = logging.getLogger(__name__)
 class RankError(RuntimeError):
     """A rank actor raised or died. `role`, `rank` and `method` say where; the message holds the traceback."""
 
-    def __init__(self, role: str, rank: int, method: str, detail: str, died: bool = False,
-                 host: Optional[str] = None):
+    def __init__(self, role: str, rank: int, method: str, detail: str, died: bool = False, host: Optional[str] = None):
         self.role, self.rank, self.method = role, rank, method
         detail = re.sub(r"\x1b\[[0-9;]*m", "", detail)  # Ray colours its task names
         path = worker_log_path(log_name(host or role, rank))  # a guest writes to its host's log
         if path is not None:
             last = tail(path) if died else ""  # no traceback travelled: show what the process printed last
-            detail += (f"\nlast lines of {path}:\n{last}" if last else f"\nits full output: {path}")
+            detail += f"\nlast lines of {path}:\n{last}" if last else f"\nits full output: {path}"
         where = f" (in {host} rank {rank}'s process)" if host else ""
         super().__init__(f"{role} rank {rank} failed in {method}(){where}:\n{detail}")
 
@@ -212,8 +212,16 @@ class RankActor:
 class GroupCall:
     """Remote calls in flight on some members of a group (ranks or engines); .get() waits for all of them."""
 
-    def __init__(self, role: str, method: str, refs: list, ranks: list, timeout_s: float,
-                 n_out: Optional[int] = None, host: Optional[str] = None):
+    def __init__(
+        self,
+        role: str,
+        method: str,
+        refs: list,
+        ranks: list,
+        timeout_s: float,
+        n_out: Optional[int] = None,
+        host: Optional[str] = None,
+    ):
         self.role, self.method, self.refs, self.ranks, self.n_out = role, method, refs, ranks, n_out
         self.timeout_s, self.host = timeout_s, host  # host: the role whose processes run a guest's calls
 
@@ -247,7 +255,7 @@ def wait_calls(*calls: GroupCall, timeout_s: Optional[float] = None) -> list[lis
     flat = _wait(refs, where, what, timeout_s or max(c.timeout_s for c in calls))
     out, i = [], 0
     for c in calls:
-        out.append(flat[i:i + len(c.refs)])
+        out.append(flat[i : i + len(c.refs)])
         i += len(c.refs)
     return out
 
@@ -262,10 +270,14 @@ def _wait(refs: list, where: list[tuple[str, Any, str, Optional[str]]], what: st
         left = deadline - time.monotonic()
         if left <= 0:
             several = len({w[0] for w in where}) > 1  # name the group of each rank when there are several
-            still = sorted((f"{where[index[r]][0]} {where[index[r]][1]}" if several else where[index[r]][1]
-                            for r in pending), key=str)
-            raise TimeoutError(f"{what} did not finish on rank(s) {still} within {timeout_s:.0f} s "
-                               "(raise --ray_timeout_s if the work is just slow)")
+            still = sorted(
+                (f"{where[index[r]][0]} {where[index[r]][1]}" if several else where[index[r]][1] for r in pending),
+                key=str,
+            )
+            raise TimeoutError(
+                f"{what} did not finish on rank(s) {still} within {timeout_s:.0f} s "
+                "(raise --ray_timeout_s if the work is just slow)"
+            )
         done, pending = ray.wait(pending, num_returns=1, timeout=min(left, 5.0))
         for ref in done:
             i = index[ref]
@@ -283,9 +295,19 @@ class ActorGroup:
     """N rank actors of one role (actor, critic, ref, reward) running `worker_cls(cfg)` each; or, made by
     host(), a guest role's workers inside another group's rank actors (`host` names that group's role)."""
 
-    def __init__(self, role: str, worker_cls: type, cfg: Any, slots: Sequence[RankBundle], *, device: str,
-                 gpus_per_node: int = 1, timeout_s: float = 600.0, env: Optional[dict[str, str]] = None,
-                 guests: Sequence[str] = ()):
+    def __init__(
+        self,
+        role: str,
+        worker_cls: type,
+        cfg: Any,
+        slots: Sequence[RankBundle],
+        *,
+        device: str,
+        gpus_per_node: int = 1,
+        timeout_s: float = 600.0,
+        env: Optional[dict[str, str]] = None,
+        guests: Sequence[str] = (),
+    ):
         self.role, self.world_size, self.timeout_s, self.worker_cls = role, len(slots), timeout_s, worker_cls
         self.guests, self.host_role, self.turns, self.beside = tuple(guests), None, None, False
         check_exports(role, worker_cls)  # before any process starts
@@ -298,9 +320,13 @@ class ActorGroup:
         master_addr, master_port = wait_all([self.actors[0].address.remote()], [0], role, "address", timeout_s)[0]
         setups = []
         for rank, actor in enumerate(self.actors):
-            rank_env = {"MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port), "RANK": str(rank),
-                        "WORLD_SIZE": str(self.world_size),
-                        "LOCAL_RANK": "0" if device == "cuda" else str(rank % max(gpus_per_node, 1))}
+            rank_env = {
+                "MASTER_ADDR": master_addr,
+                "MASTER_PORT": str(master_port),
+                "RANK": str(rank),
+                "WORLD_SIZE": str(self.world_size),
+                "LOCAL_RANK": "0" if device == "cuda" else str(rank % max(gpus_per_node, 1)),
+            }
             setups.append(actor.setup.remote(worker_cls, cfg, rank_env))
         wait_all(setups, list(range(self.world_size)), role, "setup", timeout_s)
         log.info("%s: %d rank(s), pids %s", role, self.world_size, self.pids())
@@ -330,19 +356,27 @@ class ActorGroup:
         view.guests, view.host_role, view.turns, view.actors = (), self.role, self.turns, self.actors
         view.beside = beside
         ranks = list(range(self.world_size))
-        wait_all([a.setup.remote(worker_cls, cfg, {}, role) for a in self.actors], ranks, role, "setup",
-                 self.timeout_s, self.role)
+        wait_all(
+            [a.setup.remote(worker_cls, cfg, {}, role) for a in self.actors],
+            ranks,
+            role,
+            "setup",
+            self.timeout_s,
+            self.role,
+        )
         return view
 
-    # ---- calls (method references, orlhf/distributed/endpoints.py) -------------------------------------------------------
+    # ---- calls (method references, orlhf/distributed/endpoints.py) --------------------------------------------------
     def _submit(self, name: str, ranks: list[int], args: list[tuple], kwargs: dict) -> GroupCall:
         """Start `name` on `ranks` (args[i] for ranks[i]); numbered for all of them at once when hosting."""
         if self.turns is None:
             refs = [self.actors[r].call.remote(self.role, name, None, *a, **kwargs) for r, a in zip(ranks, args)]
         else:
             with self.turns.lock:
-                refs = [self.actors[r].call.remote(self.role, name, self.turns.take(r), *a, **kwargs)
-                        for r, a in zip(ranks, args)]
+                refs = [
+                    self.actors[r].call.remote(self.role, name, self.turns.take(r), *a, **kwargs)
+                    for r, a in zip(ranks, args)
+                ]
         return GroupCall(self.role, name, refs, ranks, self.timeout_s, host=self.host_role)
 
     def call(self, fn: Callable, *args, **kwargs) -> GroupCall:
@@ -364,8 +398,14 @@ class ActorGroup:
         if self.host_role is None or self.world_size != 1:
             return self.call_sharded(fn, batch, *args)
         name = method_name(self.role, self.worker_cls, fn)
-        out = GroupCall(self.role, name, [self.actors[0].call_beside.remote(self.role, name, batch, *args)], [0],
-                        self.timeout_s, host=self.host_role)
+        out = GroupCall(
+            self.role,
+            name,
+            [self.actors[0].call_beside.remote(self.role, name, batch, *args)],
+            [0],
+            self.timeout_s,
+            host=self.host_role,
+        )
         out.n_out = len(batch)
         return out
 
@@ -380,12 +420,24 @@ class ActorGroup:
 
     def set_cpu_threads(self, n: int) -> None:
         """Every rank runs this group's next calls with n torch threads (CPU, per phase: orlhf/cpu/threads.py)."""
-        wait_all([a.set_cpu_threads.remote(n, self.role) for a in self.actors], list(range(self.world_size)),
-                 self.role, "set_cpu_threads", self.timeout_s, self.host_role)
+        wait_all(
+            [a.set_cpu_threads.remote(n, self.role) for a in self.actors],
+            list(range(self.world_size)),
+            self.role,
+            "set_cpu_threads",
+            self.timeout_s,
+            self.host_role,
+        )
 
     def pids(self) -> list[int]:
-        return wait_all([a.pid.remote() for a in self.actors], list(range(self.world_size)), self.role, "pid",
-                        self.timeout_s, self.host_role)
+        return wait_all(
+            [a.pid.remote() for a in self.actors],
+            list(range(self.world_size)),
+            self.role,
+            "pid",
+            self.timeout_s,
+            self.host_role,
+        )
 
     @property
     def processes(self) -> list:
@@ -423,7 +475,7 @@ def shard(batch: Any, world_size: int) -> list:
     pad = per * world_size - n
     if isinstance(batch, list):
         padded = batch + [batch[-1]] * pad
-        return [padded[i * per:(i + 1) * per] for i in range(world_size)]
+        return [padded[i * per : (i + 1) * per] for i in range(world_size)]
     if pad:
         batch = type(batch).cat([batch] + [batch.split([n - 1, 1])[1]] * pad)
     return batch.split([per] * world_size)

@@ -33,8 +33,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from orlhf.config.train_config import TrainConfig
 from orlhf.config.roles import ROLES, active_roles, guest_roles
+from orlhf.config.train_config import TrainConfig
 
 ENGINE = "vllm"  # occupant name of vLLM engines in a pool
 LOCAL_SPARE_CPUS = 2  # logical CPUs beyond the slots for a local CPU cluster: driver-side actors, head work
@@ -102,8 +102,11 @@ def _pool_members(cfg: TrainConfig, roles: list[str]) -> list[list[str]]:
     p = cfg.placement
     if p.colocate_all_models:
         return [roles + [ENGINE]]
-    host = {name: spec.colocate_with for name, spec in ROLES.items()
-            if spec.colocate_flag is not None and getattr(p, spec.colocate_flag)}
+    host = {
+        name: spec.colocate_with
+        for name, spec in ROLES.items()
+        if spec.colocate_flag is not None and getattr(p, spec.colocate_flag)
+    }
     host.update(guest_roles(cfg))  # guests join their host
     pools: list[list[str]] = []
     for role in roles:
@@ -132,8 +135,13 @@ def plan_layout(cfg: TrainConfig) -> Layout:
     guests = guest_roles(cfg)
     for members in _pool_members(cfg, active_roles(cfg)):
         lead = members[0]
-        pool = Pool("+".join(members), getattr(p, f"{lead}_num_nodes"), getattr(p, f"{lead}_num_gpus_per_node"),
-                    f"--{lead}_num_gpus_per_node", f"--{lead}_num_nodes")
+        pool = Pool(
+            "+".join(members),
+            getattr(p, f"{lead}_num_nodes"),
+            getattr(p, f"{lead}_num_gpus_per_node"),
+            f"--{lead}_num_gpus_per_node",
+            f"--{lead}_num_nodes",
+        )
         pools.append(pool)
         processes = [m for m in members if m not in guests]  # a guest asks for no share: it has no process
         for role in processes:
@@ -145,11 +153,13 @@ def plan_layout(cfg: TrainConfig) -> Layout:
     if p.colocate_all_models:
         shared = pools[0]
         sharing = [o for o in shared.occupants if o not in guests]
-        engines = tuple(_slots(shared, range(i * tp, (i + 1) * tp), _share(len(sharing)))
-                        for i in range(cfg.vllm.num_engines))
+        engines = tuple(
+            _slots(shared, range(i * tp, (i + 1) * tp), _share(len(sharing))) for i in range(cfg.vllm.num_engines)
+        )
     else:
-        engine_pools = [Pool(f"{ENGINE}{i}", 1, tp, "--vllm_tensor_parallel_size", None)
-                        for i in range(cfg.vllm.num_engines)]
+        engine_pools = [
+            Pool(f"{ENGINE}{i}", 1, tp, "--vllm_tensor_parallel_size", None) for i in range(cfg.vllm.num_engines)
+        ]
         pools.extend(engine_pools)
         engines = tuple(_slots(ep, range(tp), 1.0) for ep in engine_pools)
     return Layout(device, tuple(pools), roles, engines, guests)
@@ -247,15 +257,21 @@ def fit_report(layout: Layout, nodes: list[NodeSpec], placed: dict[GroupKey, int
         mine = [k for k, node in placed.items() if node == i]
         need = {r: sum(layout.group_need(layout.pool(k[0])).get(r, 0) for k in mine) for r in ("GPU", "CPU")}
         tot = n.capacity(total=True)
-        rows.append([n.name + ("" if n.ip == "-" else f" ({n.ip})"),
-                     f"{_num(need['GPU'])}/{_num(n.gpus)}/{_num(tot['GPU'])}",
-                     f"{_num(need['CPU'])}/{_num(n.cpus)}/{_num(tot['CPU'])}",
-                     ", ".join(f"{group_label(k)} ({layout.pool(k[0]).group_size})" for k in mine) or "-"])
+        rows.append(
+            [
+                n.name + ("" if n.ip == "-" else f" ({n.ip})"),
+                f"{_num(need['GPU'])}/{_num(n.gpus)}/{_num(tot['GPU'])}",
+                f"{_num(need['CPU'])}/{_num(n.cpus)}/{_num(tot['CPU'])}",
+                ", ".join(f"{group_label(k)} ({layout.pool(k[0]).group_size})" for k in mine) or "-",
+            ]
+        )
     bundle = " + ".join(f"{v:g} {k}" for k, v in layout.bundle.items())
-    lines = [f"placement does not fit: {len(unplaced)} of {len(layout.group_keys())} node-group(s) found no node "
-             f"(device {layout.device}; one slot = {bundle}; a node-group's slots must share one node)",
-             format_table(["node", "GPU need/free/total", "CPU need/free/total", "node-groups placed (slots)"], rows),
-             "not placed:"]
+    lines = [
+        f"placement does not fit: {len(unplaced)} of {len(layout.group_keys())} node-group(s) found no node "
+        f"(device {layout.device}; one slot = {bundle}; a node-group's slots must share one node)",
+        format_table(["node", "GPU need/free/total", "CPU need/free/total", "node-groups placed (slots)"], rows),
+        "not placed:",
+    ]
     for k in unplaced:
         need = layout.group_need(layout.pool(k[0]))
         lines.append(f"  {group_label(k)}: needs {' + '.join(f'{v:g} {r}' for r, v in need.items())} on one node")
@@ -271,29 +287,44 @@ def _fixes(layout: Layout, nodes: list[NodeSpec], unplaced: list[GroupKey], unit
         if pool.group_size <= largest:
             continue
         if pool.nodes_flag is None:
-            out.append(f"{pool.flag} {pool.group_size}: one engine needs {pool.group_size} {unit}s on one node, but "
-                       f"the largest node has {largest:g}: lower --vllm_tensor_parallel_size to at most {largest:g}.")
+            out.append(
+                f"{pool.flag} {pool.group_size}: one engine needs {pool.group_size} {unit}s on one node, but "
+                f"the largest node has {largest:g}: lower --vllm_tensor_parallel_size to at most {largest:g}."
+            )
         else:
-            out.append(f"{pool.flag} {pool.group_size} ({pool.name}): more {unit}s per node than the largest node "
-                       f"has ({largest:g}): use at most {largest:g} per node and raise {pool.nodes_flag} to keep the total.")
+            out.append(
+                f"{pool.flag} {pool.group_size} ({pool.name}): more {unit}s per node than the largest node "
+                f"has ({largest:g}): use at most {largest:g} per node and raise {pool.nodes_flag} to keep the total."
+            )
     need = sum(layout.bundle[unit] * p.num_slots for p in layout.pools)
     total = sum(n.capacity(total=True)[unit] for n in nodes)
     free = sum(n.capacity()[unit] for n in nodes)
     if need > total:
-        out.append(f"the layout needs {need:g} {unit}s in all, the cluster has {total:g}: add nodes, or use fewer "
-                   "ranks/engines, or share devices (--colocate_actor_ref, --colocate_critic_reward, "
-                   "--colocate_all_models).")
+        out.append(
+            f"the layout needs {need:g} {unit}s in all, the cluster has {total:g}: add nodes, or use fewer "
+            "ranks/engines, or share devices (--colocate_actor_ref, --colocate_critic_reward, "
+            "--colocate_all_models)."
+        )
     elif fits_in_total(layout, nodes):
-        out.append(f"it fits the cluster's {total:g} {unit}s, but only {free:g} are free now: other jobs or placement "
-                   "groups hold the rest (see `ray status`); wait for them or free them.")
+        out.append(
+            f"it fits the cluster's {total:g} {unit}s, but only {free:g} are free now: other jobs or placement "
+            "groups hold the rest (see `ray status`); wait for them or free them."
+        )
     elif not out:
-        out.append(f"{need:g} {unit}s are enough in total but not node by node: choose per-node counts that fill "
-                   f"nodes (divisors of {largest:g}), or add nodes.")
+        out.append(
+            f"{need:g} {unit}s are enough in total but not node by node: choose per-node counts that fill "
+            f"nodes (divisors of {largest:g}), or add nodes."
+        )
     return out
 
 
-def described_nodes(num_nodes: int, gpus_per_node: int, device: str, gpu_memory_gb: Optional[float] = None,
-                    host_memory_gb: Optional[float] = None) -> list[NodeSpec]:
+def described_nodes(
+    num_nodes: int,
+    gpus_per_node: int,
+    device: str,
+    gpu_memory_gb: Optional[float] = None,
+    host_memory_gb: Optional[float] = None,
+) -> list[NodeSpec]:
     """A cluster described by its shape. On cpu, gpus_per_node counts CPU slots; on cuda CPUs are not modelled."""
     cpus = float(gpus_per_node) if device == "cpu" else math.inf
     gpus = 0.0 if device == "cpu" else float(gpus_per_node)

@@ -21,7 +21,6 @@ from typing import Any, NamedTuple, Optional
 
 from orlhf.distributed.layout import GroupKey, Layout, NodeSpec, PlacementError, check_fits, fits_in_total, group_label
 
-
 # ---- The live cluster --------------------------------------------------------------------------------------
 
 
@@ -37,9 +36,19 @@ def live_nodes(gpu_memory_gb: Optional[float] = None) -> list[NodeSpec]:
         if not n["Alive"]:
             continue
         tot, now = n["Resources"], free.get(n["NodeID"], {})
-        out.append(NodeSpec(n["NodeID"][:8], n["NodeManagerAddress"], now.get("GPU", 0.0), now.get("CPU", 0.0),
-                            gpu_memory_gb, tot.get("memory", 0.0) / 2**30, tot.get("GPU", 0.0), tot.get("CPU", 0.0),
-                            n["NodeID"]))
+        out.append(
+            NodeSpec(
+                n["NodeID"][:8],
+                n["NodeManagerAddress"],
+                now.get("GPU", 0.0),
+                now.get("CPU", 0.0),
+                gpu_memory_gb,
+                tot.get("memory", 0.0) / 2**30,
+                tot.get("GPU", 0.0),
+                tot.get("CPU", 0.0),
+                n["NodeID"],
+            )
+        )
     return out
 
 
@@ -79,8 +88,11 @@ def scheduling_options(rb: RankBundle, device: str) -> dict[str, Any]:
     """`.options(**...)` for a rank actor on its bundle."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    return {"num_cpus": rb.share, "num_gpus": rb.share if device == "cuda" else 0,
-            "scheduling_strategy": PlacementGroupSchedulingStrategy(rb.placement_group, rb.bundle_index)}
+    return {
+        "num_cpus": rb.share,
+        "num_gpus": rb.share if device == "cuda" else 0,
+        "scheduling_strategy": PlacementGroupSchedulingStrategy(rb.placement_group, rb.bundle_index),
+    }
 
 
 def create_placement_groups(layout: Layout, timeout_s: float, settle_s: float = 5.0) -> PlacedLayout:
@@ -94,9 +106,12 @@ def create_placement_groups(layout: Layout, timeout_s: float, settle_s: float = 
     groups: dict[GroupKey, Any] = {}
     try:
         for key, node in placed.items():  # largest first, as simulated, each hinted to its simulated node
-            groups[key] = placement_group([layout.bundle] * layout.pool(key[0]).group_size, strategy="STRICT_PACK",
-                                          name=f"orlhf-{token}-{key[0]}-g{key[1]}",
-                                          _soft_target_node_id=nodes[node].node_id or None)
+            groups[key] = placement_group(
+                [layout.bundle] * layout.pool(key[0]).group_size,
+                strategy="STRICT_PACK",
+                name=f"orlhf-{token}-{key[0]}-g{key[1]}",
+                _soft_target_node_id=nodes[node].node_id or None,
+            )
         _wait_ready(groups, timeout_s)
     except BaseException:
         _remove(groups.values())
@@ -123,8 +138,10 @@ def _wait_ready(groups: dict[GroupKey, Any], timeout_s: float) -> None:
     _, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
     if pending:
         waited = ", ".join(f"{group_label(refs[r])} ({_bundle_text(groups[refs[r]])})" for r in pending)
-        raise PlacementError(f"placement groups not ready after {timeout_s:g}s: {waited}. Ray waits forever for "
-                             "resources that never free up; see `ray status` for who holds them.")
+        raise PlacementError(
+            f"placement groups not ready after {timeout_s:g}s: {waited}. Ray waits forever for "
+            "resources that never free up; see `ray status` for who holds them."
+        )
 
 
 def _bundle_text(pg: Any) -> str:

@@ -46,8 +46,11 @@ def worker_preload(cfg: TrainConfig, num_cpus: int, processes: int) -> dict:
     count cannot be set from ray.init), and there the imports overlap on spare cores anyway. Off on GPUs (not
     measured there) and with ORLHF_NO_PRELOAD=1 (an escape hatch; the A/B in benchmarks/README.md)."""
     prestarted = min(os.cpu_count() or 1, num_cpus)
-    if (cfg.runtime.device != "cpu" or prestarted > processes + 1
-            or os.environ.get("ORLHF_NO_PRELOAD", "") not in ("", "0")):
+    if (
+        cfg.runtime.device != "cpu"
+        or prestarted > processes + 1
+        or os.environ.get("ORLHF_NO_PRELOAD", "") not in ("", "0")
+    ):
         return {}
     return {"_system_config": {"preload_python_modules": ["orlhf.cpu.preload"]}}
 
@@ -57,7 +60,8 @@ def no_dashboard_head():
     """ray.init without Ray's dashboard head process. With include_dashboard=False ray.init still starts it (a
     Python process that loads only Ray's usage-stats module) and waits until it has written its address, before it
     starts the raylet (Ray 2.60's services.start_api_server). Measured on a 2-core machine, 5 alternating runs:
-    connect_ray + one task 3.03-3.23 s with it, 2.19-2.29 s without. A cluster that orlhf starts and ends needs none of what it serves (the dashboard,
+    connect_ray + one task 3.03-3.23 s with it, 2.19-2.29 s without. A cluster that orlhf starts and ends needs none of
+    what it serves (the dashboard,
     the job-submission and state APIs); a cluster orlhf joins keeps its own."""
     from ray._private.node import Node
 

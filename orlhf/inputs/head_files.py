@@ -54,8 +54,13 @@ def resolve_prefix(folder: str, flag_prefix: str) -> str:
     """The head's name: config.json's value_head_prefix if recorded (as OpenRLHF), else --value_head_prefix."""
     recorded = read_config(folder).get("value_head_prefix")
     if isinstance(recorded, str) and recorded and recorded != flag_prefix:
-        log.warning("%s: config.json records value_head_prefix=%r; using it instead of --value_head_prefix %r "
-                    "(as OpenRLHF does)", folder, recorded, flag_prefix)
+        log.warning(
+            "%s: config.json records value_head_prefix=%r; using it instead of --value_head_prefix %r "
+            "(as OpenRLHF does)",
+            folder,
+            recorded,
+            flag_prefix,
+        )
         return recorded
     return flag_prefix
 
@@ -70,9 +75,11 @@ def stored_reward_stats(folder: str) -> Optional[tuple[float, float]]:
         return None
     mean, std = _number(cfg.get("mean")), _number(cfg.get("std"))
     if mean is None or std is None or not std > 0:
-        raise HeadError(f"{folder}/config.json: reward statistics mean={cfg.get('mean')!r}, std={cfg.get('std')!r}; "
-                        "both must be finite numbers with std > 0 (fix them, or delete both keys to use the raw "
-                        "reward).")
+        raise HeadError(
+            f"{folder}/config.json: reward statistics mean={cfg.get('mean')!r}, std={cfg.get('std')!r}; "
+            "both must be finite numbers with std > 0 (fix them, or delete both keys to use the raw "
+            "reward)."
+        )
     return mean, std
 
 
@@ -111,8 +118,10 @@ def tensor_shapes(folder: str) -> dict[str, tuple[tuple[int, ...], Path]]:
                 state = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
                 out.update({name: (tuple(t.shape), f) for name, t in state.items()})
         except Exception as e:  # a truncated or corrupt file: name it, before anything starts
-            raise HeadError(f"{f}: cannot read the model's weights ({type(e).__name__}: {e}); re-save or re-download "
-                            "the model folder.") from e
+            raise HeadError(
+                f"{f}: cannot read the model's weights ({type(e).__name__}: {e}); re-save or re-download "
+                "the model folder."
+            ) from e
     return out
 
 
@@ -134,6 +143,7 @@ def _safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
 
 # ---- the head ----
 
+
 def head_like(shapes: dict, backbone_prefix: str, hidden: int) -> list[str]:
     """Tensors that look like a scalar/classification head: outside the backbone, not the LM head, and either
     named like a head or shaped (n <= 16, hidden)."""
@@ -147,8 +157,9 @@ def head_like(shapes: dict, backbone_prefix: str, hidden: int) -> list[str]:
     return sorted(out)
 
 
-def locate_head(folder: str, prefix: str, hidden: int, backbone_prefix: str, required: bool,
-                shapes: Optional[dict] = None) -> Optional[tuple[Path, Optional[Path]]]:
+def locate_head(
+    folder: str, prefix: str, hidden: int, backbone_prefix: str, required: bool, shapes: Optional[dict] = None
+) -> Optional[tuple[Path, Optional[Path]]]:
     """Where "<prefix>.weight" (1, hidden) is: (weight file, bias file or None), after checking its shape.
 
     Missing: HeadError if `required`, or if the folder holds another head-like tensor, or its config says it is a
@@ -163,16 +174,25 @@ def locate_head(folder: str, prefix: str, hidden: int, backbone_prefix: str, req
         archs = read_config(folder).get("architectures") or []
         trained = [a for a in archs if a.endswith(_HEAD_ARCHS)]
         if required or found or trained:
-            what = (f"its config.json says {trained[0]}" if trained else "a reward model needs one" if required
-                    else "it holds another head")
-            raise HeadError(f"{folder}: no value head {want!r} for --value_head_prefix {prefix} ({what}); {seen}. "
-                            f"{_prefix_hint(found)}")
+            what = (
+                f"its config.json says {trained[0]}"
+                if trained
+                else "a reward model needs one"
+                if required
+                else "it holds another head"
+            )
+            raise HeadError(
+                f"{folder}: no value head {want!r} for --value_head_prefix {prefix} ({what}); {seen}. "
+                f"{_prefix_hint(found)}"
+            )
         return None
     shape, path = shapes[want]
     if shape != (1, hidden):
-        raise HeadError(f"{folder}: value head {want!r} has shape {list(shape)}; a reward/critic head is [1, {hidden}] "
-                        "(one score per token; a classifier with several labels cannot score). "
-                        f"Pick the scalar head with --value_head_prefix ({seen}).")
+        raise HeadError(
+            f"{folder}: value head {want!r} has shape {list(shape)}; a reward/critic head is [1, {hidden}] "
+            "(one score per token; a classifier with several labels cannot score). "
+            f"Pick the scalar head with --value_head_prefix ({seen})."
+        )
     bias = shapes.get(f"{prefix}.bias")
     if bias is not None and bias[0] != (1,):
         raise HeadError(f"{folder}: {prefix}.bias has shape {list(bias[0])}; a reward/critic head's bias is [1].")
@@ -191,8 +211,9 @@ def check_head(folder: str, flag_prefix: str, required: bool) -> None:
     if hidden is None:
         return
     shapes = tensor_shapes(folder)
-    locate_head(folder, resolve_prefix(folder, flag_prefix), hidden, backbone_prefix_of(shapes), required,
-                shapes=shapes)
+    locate_head(
+        folder, resolve_prefix(folder, flag_prefix), hidden, backbone_prefix_of(shapes), required, shapes=shapes
+    )
     stored_reward_stats(folder)
 
 
@@ -222,8 +243,10 @@ def _prefix_hint(found: list[str]) -> str:
     prefixes = [n[: -len(".weight")] for n in names if n.endswith(".weight") and "." not in n[: -len(".weight")]]
     if prefixes:
         return f"Pass --value_head_prefix {prefixes[0]} if that is the head."
-    return ("Point the flag at a reward model (OpenRLHF's or HF's XForSequenceClassification with num_labels=1), "
-            "or set --value_head_prefix to its head's name.")
+    return (
+        "Point the flag at a reward model (OpenRLHF's or HF's XForSequenceClassification with num_labels=1), "
+        "or set --value_head_prefix to its head's name."
+    )
 
 
 def reward_normalization(normalize_reward: bool, reward_pretrain: Optional[str]) -> str:

@@ -18,13 +18,13 @@ from orlhf.inputs.prompts import DataError, load_prompt_rows
 logger = logging.getLogger(__name__)
 
 
-
 def split_sources(prompt_data: str) -> list[str]:
     """--prompt_data "a, b" -> ["a", "b"]; an empty entry (a,,b or a trailing comma) is a DataError."""
     sources = [s.strip() for s in prompt_data.split(",")]
     if not all(sources):
-        raise DataError(f"--prompt_data {prompt_data!r}: an empty entry in the comma-separated list; write "
-                        "a,b with no empty parts.")
+        raise DataError(
+            f"--prompt_data {prompt_data!r}: an empty entry in the comma-separated list; write a,b with no empty parts."
+        )
     return sources
 
 
@@ -34,20 +34,28 @@ def parse_probs(probs: str, sources: list[str]) -> list[float]:
     try:
         values = [float(p) for p in parts]
     except ValueError:
-        raise DataError(f"--prompt_data_probs {probs}: {[p for p in parts if not _is_float(p)]} not numbers; "
-                        "write one probability per --prompt_data source, e.g. 0.7,0.3.") from None
+        raise DataError(
+            f"--prompt_data_probs {probs}: {[p for p in parts if not _is_float(p)]} not numbers; "
+            "write one probability per --prompt_data source, e.g. 0.7,0.3."
+        ) from None
     if len(values) != len(sources):
-        raise DataError(f"--prompt_data_probs {probs}: {len(values)} values for {len(sources)} --prompt_data "
-                        f"sources ({', '.join(sources)}); give one probability per source.")
+        raise DataError(
+            f"--prompt_data_probs {probs}: {len(values)} values for {len(sources)} --prompt_data "
+            f"sources ({', '.join(sources)}); give one probability per source."
+        )
     if not all(v > 0 and v < float("inf") for v in values):
         # A 0 would make the "all_exhausted" mix wait forever for that source to be used up (OpenRLHF hangs).
-        raise DataError(f"--prompt_data_probs {probs}: every probability must be > 0 and finite; to leave a "
-                        "source out, drop it from --prompt_data.")
+        raise DataError(
+            f"--prompt_data_probs {probs}: every probability must be > 0 and finite; to leave a "
+            "source out, drop it from --prompt_data."
+        )
     total = sum(values)
     if abs(total - 1.0) > 1e-6:
         scaled = ",".join(f"{v / total:.4g}" for v in values)
-        raise DataError(f"--prompt_data_probs {probs}: the probabilities sum to {total:.6g}, not 1; e.g. "
-                        f"--prompt_data_probs {scaled}.")
+        raise DataError(
+            f"--prompt_data_probs {probs}: the probabilities sum to {total:.6g}, not 1; e.g. "
+            f"--prompt_data_probs {scaled}."
+        )
     return values
 
 
@@ -59,8 +67,9 @@ def _is_float(text: str) -> bool:
         return False
 
 
-def interleave_order(lengths: list[int], probs: list[float], seed: int, limit: int | None = None,
-                     ) -> list[tuple[int, int]]:
+def interleave_order(
+    lengths: list[int], probs: list[float], seed: int, limit: int | None = None
+) -> list[tuple[int, int]]:
     """(source, row) picks of a probability mix, as datasets.interleave_datasets(probabilities, seed,
     stopping_strategy="all_exhausted") orders them (OpenRLHF's blending_datasets):
 
@@ -89,8 +98,15 @@ def interleave_order(lengths: list[int], probs: list[float], seed: int, limit: i
     return order
 
 
-def load_prompt_mix(prompt_data: str, probs: str | None, split: str, input_key: str, label_key: str | None,
-                    max_samples: int | None, seed: int) -> list[dict]:
+def load_prompt_mix(
+    prompt_data: str,
+    probs: str | None,
+    split: str,
+    input_key: str,
+    label_key: str | None,
+    max_samples: int | None,
+    seed: int,
+) -> list[dict]:
     """Rows of every --prompt_data source (each read by load_prompt_rows, at most max_samples each), then
     concatenated in the given order, or mixed by --prompt_data_probs (interleave_order, seeded by --seed);
     at most max_samples rows in all, as OpenRLHF's blending_datasets and its caller.
@@ -106,7 +122,10 @@ def load_prompt_mix(prompt_data: str, probs: str | None, split: str, input_key: 
         order = interleave_order([len(t) for t in tables], weights, seed, limit=max_samples)
         rows = [tables[src][i] for src, i in order]
     if len(sources) > 1:
-        logger.info("prompt data: %s -> %d rows %s", ", ".join(f"{s} ({len(t)} rows)" for s, t in
-                                                              zip(sources, tables)), len(rows),
-                    f"mixed by --prompt_data_probs {probs}" if weights else "concatenated")
+        logger.info(
+            "prompt data: %s -> %d rows %s",
+            ", ".join(f"{s} ({len(t)} rows)" for s, t in zip(sources, tables)),
+            len(rows),
+            f"mixed by --prompt_data_probs {probs}" if weights else "concatenated",
+        )
     return rows[:max_samples] if max_samples is not None else rows

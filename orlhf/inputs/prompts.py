@@ -37,8 +37,9 @@ class DataError(ValueError):
 # ---- Reading rows ----
 
 
-def load_prompt_rows(path: str, input_key: str, label_key: str | None, max_samples: int | None,
-                     split: str = "train") -> list[dict]:
+def load_prompt_rows(
+    path: str, input_key: str, label_key: str | None, max_samples: int | None, split: str = "train"
+) -> list[dict]:
     """The first `max_samples` rows of `path` (all if None), each checked to hold `input_key` (and `label_key`).
     `split` picks the split of a saved DatasetDict or a hub dataset (files have none).
 
@@ -50,28 +51,37 @@ def load_prompt_rows(path: str, input_key: str, label_key: str | None, max_sampl
         raise DataError(f"--prompt_data {path}: no rows; point --prompt_data at a file with one prompt per row.")
     for row, loc in zip(rows, locs):
         if not isinstance(row, dict):
-            raise DataError(f"{path} {loc}: expected an object like {{\"{input_key}\": \"...\"}}, "
-                            f"got {type(row).__name__}; fix or remove that row.")
+            raise DataError(
+                f'{path} {loc}: expected an object like {{"{input_key}": "..."}}, '
+                f"got {type(row).__name__}; fix or remove that row."
+            )
         for key, flag in ((input_key, "--input_key"), (label_key, "--label_key")):
             if key is not None and key not in row:
-                raise DataError(f"{path} {loc}: no field {key!r} ({flag}); the row has fields {sorted(row)}. "
-                                f"Set {flag} to one of them, or add {key!r} to every row.")
+                raise DataError(
+                    f"{path} {loc}: no field {key!r} ({flag}); the row has fields {sorted(row)}. "
+                    f"Set {flag} to one of them, or add {key!r} to every row."
+                )
         if not isinstance(row[input_key], (str, list, type(None))):
-            raise DataError(f"{path} {loc}: the prompt ({input_key!r}, --input_key) is a "
-                            f"{type(row[input_key]).__name__}; it must be text (or a list of chat messages).")
+            raise DataError(
+                f"{path} {loc}: the prompt ({input_key!r}, --input_key) is a "
+                f"{type(row[input_key]).__name__}; it must be text (or a list of chat messages)."
+            )
     if all(_is_empty(row[input_key]) for row in rows):
-        raise DataError(f"{path}: every prompt in field {input_key!r} (--input_key) is empty; "
-                        "is --input_key the field that holds the prompt text?")
+        raise DataError(
+            f"{path}: every prompt in field {input_key!r} (--input_key) is empty; "
+            "is --input_key the field that holds the prompt text?"
+        )
     return rows
 
 
-def _read_rows(path: Path, given: str, max_samples: int | None, split: str = "train",
-               ) -> tuple[list[Any], list[str]]:
+def _read_rows(path: Path, given: str, max_samples: int | None, split: str = "train") -> tuple[list[Any], list[str]]:
     """(rows, where each row is: "line N" or "row N") for every supported format."""
     if path.is_file() and split != "train":
         # OpenRLHF reads a file as a dataset with the one split "train" (and crashes on another --prompt_split).
-        raise DataError(f"--prompt_split {split}: {given} is a single file, whose only split is 'train'; use "
-                        "--prompt_split train, or pass the file of the split you mean.")
+        raise DataError(
+            f"--prompt_split {split}: {given} is a single file, whose only split is 'train'; use "
+            "--prompt_split train, or pass the file of the split you mean."
+        )
     if not path.exists():
         if path.suffix in SUFFIXES:
             raise DataError(f"--prompt_data {given}: no such file.")
@@ -124,8 +134,10 @@ def _read_json(path: Path, max_samples: int | None) -> tuple[list[Any], list[str
         elif len(lists) == len(obj) and len({len(v) for v in lists}) == 1:
             obj = [dict(zip(obj, vals)) for vals in zip(*lists)]  # columns of equal length
         else:
-            raise DataError(f"{path}: expected a list of objects or columns of equal length, got an object with "
-                            f"keys {sorted(obj)[:10]}; convert it to JSONL (one object per line).")
+            raise DataError(
+                f"{path}: expected a list of objects or columns of equal length, got an object with "
+                f"keys {sorted(obj)[:10]}; convert it to JSONL (one object per line)."
+            )
     if not isinstance(obj, list):
         raise DataError(f"{path}: expected a list of objects, got {type(obj).__name__}.")
     obj = obj[:max_samples] if max_samples is not None else obj
@@ -150,16 +162,21 @@ def _read_saved_dataset(path: Path, max_samples: int | None, split: str = "train
     try:
         ds = datasets.load_from_disk(str(path))
     except Exception as e:
-        raise DataError(f"{path}: a folder, but not one written by datasets' save_to_disk "
-                        f"({type(e).__name__}: {e}); use {FORMATS}.") from e
+        raise DataError(
+            f"{path}: a folder, but not one written by datasets' save_to_disk ({type(e).__name__}: {e}); use {FORMATS}."
+        ) from e
     if isinstance(ds, datasets.DatasetDict):
         if split not in ds:
-            raise DataError(f"--prompt_split {split}: {path} has no split {split!r} (splits: {sorted(ds)}); "
-                            f"pick one with --prompt_split, e.g. --prompt_split {sorted(ds)[0]}.")
+            raise DataError(
+                f"--prompt_split {split}: {path} has no split {split!r} (splits: {sorted(ds)}); "
+                f"pick one with --prompt_split, e.g. --prompt_split {sorted(ds)[0]}."
+            )
         ds = ds[split]
     elif split != "train":
-        raise DataError(f"--prompt_split {split}: {path} holds one dataset, not a DatasetDict of splits; use "
-                        "--prompt_split train, or pass the folder of the split you mean.")
+        raise DataError(
+            f"--prompt_split {split}: {path} holds one dataset, not a DatasetDict of splits; use "
+            "--prompt_split train, or pass the folder of the split you mean."
+        )
     return _first_rows(ds, max_samples)
 
 
@@ -169,8 +186,10 @@ def _read_hub_dataset(name: str, max_samples: int | None, split: str = "train") 
     try:
         ds = datasets.load_dataset(name, split=split)
     except Exception as e:
-        raise DataError(f"--prompt_data {name}: no such file or folder, and loading it as a hub dataset failed "
-                        f"({type(e).__name__}: {e}); use {FORMATS}.") from e
+        raise DataError(
+            f"--prompt_data {name}: no such file or folder, and loading it as a hub dataset failed "
+            f"({type(e).__name__}: {e}); use {FORMATS}."
+        ) from e
     return _first_rows(ds, max_samples)
 
 
@@ -205,31 +224,42 @@ class PromptStats:
     truncated: int
 
     def summary(self) -> str:
-        return (f"prompts: {self.used} of {self.total} used ({self.skipped_empty} empty skipped, "
-                f"{self.skipped_too_long} longer than --prompt_max_len skipped, {self.truncated} truncated)")
+        return (
+            f"prompts: {self.used} of {self.total} used ({self.skipped_empty} empty skipped, "
+            f"{self.skipped_too_long} longer than --prompt_max_len skipped, {self.truncated} truncated)"
+        )
 
 
-def build_prompts(rows: list[dict], tokenizer, input_key: str, label_key: str | None, apply_chat_template: bool,
-                  input_template: str | None, prompt_max_len: int, overflow: str = "skip",
-                  ) -> tuple[list[Prompt], PromptStats]:
+def build_prompts(
+    rows: list[dict],
+    tokenizer,
+    input_key: str,
+    label_key: str | None,
+    apply_chat_template: bool,
+    input_template: str | None,
+    prompt_max_len: int,
+    overflow: str = "skip",
+) -> tuple[list[Prompt], PromptStats]:
     """Format and tokenize rows. Longer than prompt_max_len tokens: "skip" drops the prompt; "truncate" keeps its
     last tokens (the question's end, next to where the answer starts, matters most), plus a leading BOS if any.
     """
     if overflow not in ("skip", "truncate"):
         raise ValueError(f"overflow must be 'skip' or 'truncate', got {overflow!r}")
     if apply_chat_template and input_template:
-        raise DataError("--input_template and --apply_chat_template are both given; choose one way to format "
-                        "prompts (OpenRLHF would ignore --input_template silently).")
+        raise DataError(
+            "--input_template and --apply_chat_template are both given; choose one way to format "
+            "prompts (OpenRLHF would ignore --input_template silently)."
+        )
     if apply_chat_template and not getattr(tokenizer, "chat_template", None):
-        raise DataError(f"--apply_chat_template: the tokenizer of {getattr(tokenizer, 'name_or_path', '?')} has "
-                        "no chat template; drop --apply_chat_template (use --input_template) or use a chat model.")
+        raise DataError(
+            f"--apply_chat_template: the tokenizer of {getattr(tokenizer, 'name_or_path', '?')} has "
+            "no chat template; drop --apply_chat_template (use --input_template) or use a chat model."
+        )
     kept = [(i, row) for i, row in enumerate(rows) if not _is_empty(row[input_key])]
-    texts = [_format(row[input_key], i, input_key, tokenizer, apply_chat_template, input_template)
-             for i, row in kept]
+    texts = [_format(row[input_key], i, input_key, tokenizer, apply_chat_template, input_template) for i, row in kept]
     # Chat templates already contain the model's special tokens; plain text gets them from the tokenizer (BOS).
     all_ids = tokenizer(texts, add_special_tokens=not apply_chat_template)["input_ids"] if texts else []
-    stats = PromptStats(total=len(rows), used=0, skipped_empty=len(rows) - len(kept), skipped_too_long=0,
-                        truncated=0)
+    stats = PromptStats(total=len(rows), used=0, skipped_empty=len(rows) - len(kept), skipped_too_long=0, truncated=0)
     prompts = []
     for (i, row), text, ids in zip(kept, texts, all_ids):
         if len(ids) > prompt_max_len:
@@ -242,13 +272,14 @@ def build_prompts(rows: list[dict], tokenizer, input_key: str, label_key: str | 
         prompts.append(Prompt(text=text, ids=list(ids), label=row[label_key] if label_key else None, index=i))
     stats.used = len(prompts)
     if not prompts:
-        raise DataError(f"no prompts left: {stats.summary()}. Raise --prompt_max_len (now {prompt_max_len}) or "
-                        "use --prompt_overflow truncate.")
+        raise DataError(
+            f"no prompts left: {stats.summary()}. Raise --prompt_max_len (now {prompt_max_len}) or "
+            "use --prompt_overflow truncate."
+        )
     return prompts, stats
 
 
-def _format(value: Any, index: int, key: str, tokenizer, apply_chat_template: bool, input_template: str | None,
-            ) -> str:
+def _format(value: Any, index: int, key: str, tokenizer, apply_chat_template: bool, input_template: str | None) -> str:
     if apply_chat_template:
         # A row may hold a whole conversation ([{"role", "content"}, ...]), as OpenRLHF allows.
         messages = value if isinstance(value, list) else [{"role": "user", "content": str(value)}]
@@ -256,11 +287,15 @@ def _format(value: Any, index: int, key: str, tokenizer, apply_chat_template: bo
         try:
             return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as e:  # jinja2 errors of the model's own template: name the row, not the template line
-            raise DataError(f"row {index + 1}: the chat template failed on this conversation "
-                            f"({type(e).__name__}: {e}); check its roles and contents.") from None
+            raise DataError(
+                f"row {index + 1}: the chat template failed on this conversation "
+                f"({type(e).__name__}: {e}); check its roles and contents."
+            ) from None
     if not isinstance(value, str):
-        raise DataError(f"row {index + 1}: the prompt ({key!r}, --input_key) is a list of chat messages, which "
-                        "needs --apply_chat_template.")
+        raise DataError(
+            f"row {index + 1}: the prompt ({key!r}, --input_key) is a list of chat messages, which "
+            "needs --apply_chat_template."
+        )
     return input_template.format(value) if input_template else value
 
 
@@ -269,9 +304,11 @@ def _check_messages(messages: list, index: int, key: str) -> None:
     for j, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             got = sorted(m) if isinstance(m, dict) else type(m).__name__
-            raise DataError(f"row {index + 1}: message {j + 1} of the conversation in {key!r} (--input_key) needs "
-                            f'"role" and "content" strings, got {got}; fix that row, e.g. '
-                            '{"role": "user", "content": "..."}.')
+            raise DataError(
+                f"row {index + 1}: message {j + 1} of the conversation in {key!r} (--input_key) needs "
+                f'"role" and "content" strings, got {got}; fix that row, e.g. '
+                '{"role": "user", "content": "..."}.'
+            )
 
 
 # Model types whose local folder saved with tokenizer_class "TokenizersBackend" AutoTokenizer loads as that class,
@@ -293,8 +330,13 @@ def _plain_tokenizer(path: str):
         return None
     if not (isinstance(tok_cfg, dict) and isinstance(model_cfg, dict) and folder.is_dir()):
         return None
-    if (tok_cfg.get("tokenizer_class") != "TokenizersBackend" or "auto_map" in tok_cfg or "auto_map" in model_cfg
-            or model_cfg.get("model_type") not in PLAIN_TOKENIZER_TYPES or "model_name" in model_cfg):
+    if (
+        tok_cfg.get("tokenizer_class") != "TokenizersBackend"
+        or "auto_map" in tok_cfg
+        or "auto_map" in model_cfg
+        or model_cfg.get("model_type") not in PLAIN_TOKENIZER_TYPES
+        or "model_name" in model_cfg
+    ):
         return None
     from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
@@ -303,7 +345,7 @@ def _plain_tokenizer(path: str):
 
 def _keep_end(ids: list[int], max_len: int, bos_id: int | None) -> list[int]:
     head = ids[:1] if bos_id is not None and ids and ids[0] == bos_id and max_len > 1 else []
-    return head + ids[len(ids) - (max_len - len(head)):]
+    return head + ids[len(ids) - (max_len - len(head)) :]
 
 
 def load_tokenizer(path: str):
@@ -315,13 +357,17 @@ def load_tokenizer(path: str):
 
             tok = AutoTokenizer.from_pretrained(path)
     except Exception as e:  # OSError, ValueError, JSON errors...: all mean "not a usable tokenizer folder"
-        raise DataError(f"--pretrain {path}: cannot load its tokenizer ({type(e).__name__}: {e}); point --pretrain "
-                        "at a HF model folder with tokenizer files (tokenizer.json or tokenizer_config.json).") from e
+        raise DataError(
+            f"--pretrain {path}: cannot load its tokenizer ({type(e).__name__}: {e}); point --pretrain "
+            "at a HF model folder with tokenizer files (tokenizer.json or tokenizer_config.json)."
+        ) from e
     tok.padding_side = "left"
     if tok.pad_token is None:
         if tok.eos_token is None:
-            raise DataError(f"--pretrain {path}: the tokenizer has neither a pad nor an eos token; add a pad_token "
-                            "to its tokenizer_config.json.")
+            raise DataError(
+                f"--pretrain {path}: the tokenizer has neither a pad nor an eos token; add a pad_token "
+                "to its tokenizer_config.json."
+            )
         tok.pad_token = tok.eos_token
         logger.info("tokenizer of %s has no pad token; using eos %r as pad", path, tok.eos_token)
     return tok
@@ -340,8 +386,10 @@ class PromptLoader:
 
     def __init__(self, prompts: list[Prompt], batch_size: int, num_episodes: int, seed: int):
         if len(prompts) < batch_size:
-            raise DataError(f"{len(prompts)} usable prompts but --rollout_batch_size {batch_size}: lower "
-                            "--rollout_batch_size or add prompts (see the prompt summary for skipped ones).")
+            raise DataError(
+                f"{len(prompts)} usable prompts but --rollout_batch_size {batch_size}: lower "
+                "--rollout_batch_size or add prompts (see the prompt summary for skipped ones)."
+            )
         self.prompts, self.batch_size, self.num_episodes, self.seed = prompts, batch_size, num_episodes, seed
         self.episode = 0
         self.batch_in_episode = 0
@@ -381,17 +429,26 @@ class PromptLoader:
         episode, batch = self.episode, self.batch_in_episode
         if batch >= self.steps_per_episode:  # the end of an episode is the start of the next
             episode, batch = episode + 1, 0
-        return {"episode": episode, "batch_in_episode": batch, "seed": self.seed, "batch_size": self.batch_size,
-                "num_prompts": len(self.prompts)}
+        return {
+            "episode": episode,
+            "batch_in_episode": batch,
+            "seed": self.seed,
+            "batch_size": self.batch_size,
+            "num_prompts": len(self.prompts),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Continue where `state` was taken. The data, batch size and seed must match, or the order would not."""
         now = {"seed": self.seed, "batch_size": self.batch_size, "num_prompts": len(self.prompts)}
         then = {k: state.get(k) for k in now}
         if then != now:
-            raise DataError(f"the checkpoint's prompt loader had {then}, this run has {now}; resume with the same "
-                            "--prompt_data, --max_samples, --prompt_max_len, --rollout_batch_size and --seed.")
+            raise DataError(
+                f"the checkpoint's prompt loader had {then}, this run has {now}; resume with the same "
+                "--prompt_data, --max_samples, --prompt_max_len, --rollout_batch_size and --seed."
+            )
         if not 0 <= state["batch_in_episode"] < self.steps_per_episode or state["episode"] < 0:
-            raise DataError(f"corrupt prompt loader state {state}: batch_in_episode must be in "
-                            f"[0, {self.steps_per_episode}) and episode >= 0.")
+            raise DataError(
+                f"corrupt prompt loader state {state}: batch_in_episode must be in "
+                f"[0, {self.steps_per_episode}) and episode >= 0."
+            )
         self.episode, self.batch_in_episode = int(state["episode"]), int(state["batch_in_episode"])

@@ -116,14 +116,23 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def make_server(reward_fn: str, host: str = "127.0.0.1", port: int = 5000, token: Optional[str] = None,
-                timeout_s: float = 30.0, workers: int = 8, reward_timeout_s: float = 300.0) -> PooledHTTPServer:
+def make_server(
+    reward_fn: str,
+    host: str = "127.0.0.1",
+    port: int = 5000,
+    token: Optional[str] = None,
+    timeout_s: float = 30.0,
+    workers: int = 8,
+    reward_timeout_s: float = 300.0,
+) -> PooledHTTPServer:
     """A ready (bound, not yet serving) server; port 0 picks a free one (server.server_address). Raises
     ValueError for a non-loopback host without a token."""
     token = token if token is not None else os.environ.get(TOKEN_ENV) or None
     if not is_loopback(host) and token is None:
-        raise ValueError(f"--host {host} exposes the reward server beyond this machine; give it a token "
-                         f"(--token, or ${TOKEN_ENV}) so only your trainer can call it, or bind 127.0.0.1.")
+        raise ValueError(
+            f"--host {host} exposes the reward server beyond this machine; give it a token "
+            f"(--token, or ${TOKEN_ENV}) so only your trainer can call it, or bind 127.0.0.1."
+        )
     source = FunctionReward(reward_fn, timeout_s=reward_timeout_s)
     lock = threading.Lock()  # user reward functions need not be thread-safe
 
@@ -142,8 +151,13 @@ def make_server(reward_fn: str, host: str = "127.0.0.1", port: int = 5000, token
                 self.request_version = getattr(self, "request_version", "HTTP/1.0") or "HTTP/1.0"
                 self.requestline = getattr(self, "requestline", "")
                 try:
-                    self._reply(408, {"error": f"request line and headers not received within {timeout_s:g} s "
-                                               "(--timeout_s covers the whole request)"})
+                    self._reply(
+                        408,
+                        {
+                            "error": f"request line and headers not received within {timeout_s:g} s "
+                            "(--timeout_s covers the whole request)"
+                        },
+                    )
                 except OSError:  # the client is gone already: nobody to tell
                     pass
 
@@ -157,14 +171,24 @@ def make_server(reward_fn: str, host: str = "127.0.0.1", port: int = 5000, token
             except BadRequest as e:
                 return self._reply(400, {"error": str(e)})
             except socket.timeout:
-                return self._reply(408, {"error": f"body not received within {timeout_s:g} s (is Content-Length "
-                                                  "larger than the body, or is it sent too slowly?)"})
+                return self._reply(
+                    408,
+                    {
+                        "error": f"body not received within {timeout_s:g} s (is Content-Length "
+                        "larger than the body, or is it sent too slowly?)"
+                    },
+                )
             try:
                 with lock:
                     result = source.evaluate(queries, prompts, labels)
             except RewardBusy:
-                return self._reply(503, {"error": "busy: the previous reward_func call has not returned (it ran past "
-                                                  f"--reward_timeout_s {reward_timeout_s:g} s); retry later"})
+                return self._reply(
+                    503,
+                    {
+                        "error": "busy: the previous reward_func call has not returned (it ran past "
+                        f"--reward_timeout_s {reward_timeout_s:g} s); retry later"
+                    },
+                )
             except RewardError as e:
                 return self._reply(500, {"error": str(e)})
             answer: dict[str, Any] = {"rewards": result.rewards.tolist(), "scores": result.scores.tolist()}
@@ -220,6 +244,8 @@ def parse_request(content_length: Optional[str], rfile) -> tuple[list[str], list
     if not queries:
         raise BadRequest('"query" is empty; send at least one query')
     if not len(queries) == len(prompts) == len(labels):
-        raise BadRequest(f'"query", "prompts" and "labels" must have the same length (got {len(queries)}, '
-                         f"{len(prompts)}, {len(labels)})")
+        raise BadRequest(
+            f'"query", "prompts" and "labels" must have the same length (got {len(queries)}, '
+            f"{len(prompts)}, {len(labels)})"
+        )
     return queries, prompts, labels

@@ -30,8 +30,8 @@ import json
 import logging
 import os
 import sys
-import time
 import threading
+import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,15 +67,19 @@ class RewardResult:
 
     def rows(self, start: int, stop: int) -> "RewardResult":
         """Rows start:stop of every field (one prompt's group of samples, for dynamic filtering)."""
-        return RewardResult(self.rewards[start:stop], self.scores[start:stop],
-                            {k: v[start:stop] for k, v in self.extra_logs.items()})
+        return RewardResult(
+            self.rewards[start:stop], self.scores[start:stop], {k: v[start:stop] for k, v in self.extra_logs.items()}
+        )
 
     @classmethod
     def cat(cls, parts: list["RewardResult"]) -> "RewardResult":
         """Rows of several results, in order (the same extra_logs keys in each)."""
         keys = parts[0].extra_logs.keys()
-        return cls(torch.cat([p.rewards for p in parts]), torch.cat([p.scores for p in parts]),
-                   {k: torch.cat([p.extra_logs[k] for p in parts]) for k in keys})
+        return cls(
+            torch.cat([p.rewards for p in parts]),
+            torch.cat([p.scores for p in parts]),
+            {k: torch.cat([p.extra_logs[k] for p in parts]) for k in keys},
+        )
 
     def log_row(self) -> dict[str, float]:
         """extra_logs as metrics: the batch mean of each, under reward/<name>."""
@@ -100,8 +104,9 @@ def make_reward_source(remote_rm_url: str, timeout_s: float = 300.0) -> RewardSo
         return HttpReward(remote_rm_url)
     if remote_rm_url.endswith(".py"):
         return FunctionReward(remote_rm_url, timeout_s=timeout_s)
-    raise RewardError(f"--remote_rm_url {remote_rm_url}: expected an http(s)://host:port/path URL or a .py file "
-                      "defining reward_func.")
+    raise RewardError(
+        f"--remote_rm_url {remote_rm_url}: expected an http(s)://host:port/path URL or a .py file defining reward_func."
+    )
 
 
 # ---- Checking what a source answers ----
@@ -119,14 +124,17 @@ def to_result(out: Any, n: int, source: str) -> RewardResult:
     if not isinstance(out, dict):
         return RewardResult.of(_to_vector(out, n, source))
     if "rewards" not in out:
-        raise RewardError(f"{source} returned a dict without 'rewards' (keys: {sorted(map(str, out))}); "
-                          "return {'rewards': [...]} or the rewards themselves.")
+        raise RewardError(
+            f"{source} returned a dict without 'rewards' (keys: {sorted(map(str, out))}); "
+            "return {'rewards': [...]} or the rewards themselves."
+        )
     rewards = _to_vector(out["rewards"], n, source)
     scores = rewards if out.get("scores") is None else _to_vector(out["scores"], n, f"{source} ['scores']")
     extra = out.get("extra_logs") or {}
     if not isinstance(extra, dict):
-        raise RewardError(f"{source} returned 'extra_logs' as a {type(extra).__name__}; return a dict "
-                          "{name: one number per query}.")
+        raise RewardError(
+            f"{source} returned 'extra_logs' as a {type(extra).__name__}; return a dict {{name: one number per query}}."
+        )
     logs = {}
     for name, value in extra.items():
         where = f"{source} ['extra_logs'][{name!r}]"
@@ -144,18 +152,24 @@ def _to_vector(out: Any, n: int, source: str) -> torch.Tensor:
         else:
             rewards = torch.as_tensor(out, dtype=torch.float32)
     except (TypeError, ValueError, RuntimeError) as e:
-        raise RewardError(f"{source} returned non-numeric rewards ({type(out).__name__}: {_preview(out)}): {e}; "
-                          f"return {n} floats, one per query.") from None
+        raise RewardError(
+            f"{source} returned non-numeric rewards ({type(out).__name__}: {_preview(out)}): {e}; "
+            f"return {n} floats, one per query."
+        ) from None
     if rewards.dim() == 2 and rewards.shape[1] == 1:
         rewards = rewards[:, 0]  # (B, 1) -> (B,): a reward model's value-head layout
     if tuple(rewards.shape) != (n,):
-        raise RewardError(f"{source} returned shape {tuple(rewards.shape)} for {n} queries; return one reward "
-                          f"per query, shape ({n},).")
+        raise RewardError(
+            f"{source} returned shape {tuple(rewards.shape)} for {n} queries; return one reward "
+            f"per query, shape ({n},)."
+        )
     bad = (~torch.isfinite(rewards)).nonzero().flatten().tolist()
     if bad:
         shown = ", ".join(f"{i}: {rewards[i].item()}" for i in bad[:10])
-        raise RewardError(f"{source} returned {len(bad)} non-finite rewards (NaN/inf) at indices {bad[:10]}"
-                          f"{' ...' if len(bad) > 10 else ''} ({shown}); rewards must be finite numbers.")
+        raise RewardError(
+            f"{source} returned {len(bad)} non-finite rewards (NaN/inf) at indices {bad[:10]}"
+            f"{' ...' if len(bad) > 10 else ''} ({shown}); rewards must be finite numbers."
+        )
     return rewards.contiguous()
 
 
@@ -195,8 +209,10 @@ class FunctionReward:
         cannot kill it, and a daemon thread does not keep the process alive). While an abandoned call still
         runs, RewardBusy: a second call beside it would break a reward_func that is not thread-safe."""
         if self._abandoned is not None and self._abandoned.is_alive():
-            raise RewardBusy(f"{self.path}: the previous reward_func call ran past --reward_timeout_s "
-                             f"{self.timeout_s:g} s and has not returned yet; no other call starts beside it.")
+            raise RewardBusy(
+                f"{self.path}: the previous reward_func call ran past --reward_timeout_s "
+                f"{self.timeout_s:g} s and has not returned yet; no other call starts beside it."
+            )
         box: dict[str, Any] = {}
 
         def run() -> None:
@@ -210,16 +226,20 @@ class FunctionReward:
         worker.join(self.timeout_s)
         if worker.is_alive():
             self._abandoned = worker
-            raise RewardError(f"{self.path}: reward_func did not return within {self.timeout_s:g} s "
-                              f"(--reward_timeout_s) for a batch of {len(args[0])} queries. Fix what it waits on "
-                              f"in {self.path} (a network call, a lock, an endless loop), or raise "
-                              "--reward_timeout_s if it is just slow.")
+            raise RewardError(
+                f"{self.path}: reward_func did not return within {self.timeout_s:g} s "
+                f"(--reward_timeout_s) for a batch of {len(args[0])} queries. Fix what it waits on "
+                f"in {self.path} (a network call, a lock, an endless loop), or raise "
+                "--reward_timeout_s if it is just slow."
+            )
         e = box.get("error")
         if e is not None:
             if not isinstance(e, Exception):
                 raise e  # KeyboardInterrupt, SystemExit: not the user's bug to report
-            raise RewardError(f"{self.path}: reward_func raised {type(e).__name__}: {e}\n"
-                              f"{_user_frames(e, self.path)}\nFix reward_func in {self.path}.") from e
+            raise RewardError(
+                f"{self.path}: reward_func raised {type(e).__name__}: {e}\n"
+                f"{_user_frames(e, self.path)}\nFix reward_func in {self.path}."
+            ) from e
         return box.get("out")
 
     def __reduce__(self):
@@ -241,15 +261,21 @@ def _load_reward_func(path: str):
         spec.loader.exec_module(module)
     except (Exception, SystemExit) as e:
         del sys.modules[name]
-        raise RewardError(f"{path} failed to import: {type(e).__name__}: {e}\n{_user_frames(e, path)}\n"
-                          f"Fix the file (`python {path}` shows the full error).") from e
+        raise RewardError(
+            f"{path} failed to import: {type(e).__name__}: {e}\n{_user_frames(e, path)}\n"
+            f"Fix the file (`python {path}` shows the full error)."
+        ) from e
     func = getattr(module, "reward_func", None)
     if func is None:
-        raise RewardError(f"{path} defines no reward_func; define `def reward_func(queries, prompts, labels)` "
-                          "returning one float per query (a torch.Tensor of shape (B,)); see orlhf/demo/reward.py.")
+        raise RewardError(
+            f"{path} defines no reward_func; define `def reward_func(queries, prompts, labels)` "
+            "returning one float per query (a torch.Tensor of shape (B,)); see orlhf/demo/reward.py."
+        )
     if not callable(func):
-        raise RewardError(f"{path}: reward_func is a {type(func).__name__}, not a function; define "
-                          "`def reward_func(queries, prompts, labels)`.")
+        raise RewardError(
+            f"{path}: reward_func is a {type(func).__name__}, not a function; define "
+            "`def reward_func(queries, prompts, labels)`."
+        )
     return func
 
 
@@ -258,8 +284,7 @@ def _user_frames(exc: BaseException, path: str, limit: int = 3) -> str:
     frames = traceback.extract_tb(exc.__traceback__)
     target = Path(path).resolve()
     mine = [f for f in frames if Path(f.filename).resolve() == target] or frames[-1:]
-    return "\n".join(f"  {f.filename}, line {f.lineno}, in {f.name}: {(f.line or '').strip()}"
-                     for f in mine[-limit:])
+    return "\n".join(f"  {f.filename}, line {f.lineno}, in {f.name}: {(f.line or '').strip()}" for f in mine[-limit:])
 
 
 # ---- A remote HTTP reward server ----
@@ -273,8 +298,9 @@ class HttpReward:
     not retried (the request itself is wrong). The bearer token comes from `token`, else $ORLHF_RM_TOKEN.
     """
 
-    def __init__(self, url: str, timeout_s: float = 30.0, retries: int = 3, backoff_s: float = 1.0,
-                 token: str | None = None):
+    def __init__(
+        self, url: str, timeout_s: float = 30.0, retries: int = 3, backoff_s: float = 1.0, token: str | None = None
+    ):
         self.url, self.timeout_s, self.retries, self.backoff_s = url, timeout_s, retries, backoff_s
         self.token = token if token is not None else os.environ.get(TOKEN_ENV)
 
@@ -286,8 +312,10 @@ class HttpReward:
         try:
             body = json.dumps({"query": list(queries), "prompts": list(prompts), "labels": labels})
         except (TypeError, ValueError) as e:
-            raise RewardError(f"--remote_rm_url {self.url}: the labels cannot be sent as JSON ({e}); use "
-                              "JSON-compatible values in the --label_key field.") from None
+            raise RewardError(
+                f"--remote_rm_url {self.url}: the labels cannot be sent as JSON ({e}); use "
+                "JSON-compatible values in the --label_key field."
+            ) from None
         return to_result(self._post(body), len(queries), f"--remote_rm_url {self.url}")
 
     def _post(self, body: str) -> Any:
@@ -309,17 +337,24 @@ class HttpReward:
                     return self._answer(resp)
                 last = f"HTTP {resp.status_code}: {resp.text[:200]}"
             logger.warning("reward server %s, attempt %d/%d failed: %s", self.url, attempt + 1, attempts, last)
-        raise RewardError(f"--remote_rm_url {self.url}: no answer after {attempts} attempts (timeout "
-                          f"{self.timeout_s:g} s each); last error: {last}. Check that the reward server is running "
-                          "and reachable from here, or fix --remote_rm_url.")
+        raise RewardError(
+            f"--remote_rm_url {self.url}: no answer after {attempts} attempts (timeout "
+            f"{self.timeout_s:g} s each); last error: {last}. Check that the reward server is running "
+            "and reachable from here, or fix --remote_rm_url."
+        )
 
     def _answer(self, resp) -> Any:
         if resp.status_code >= 400:
-            hint = (f"check the token (${TOKEN_ENV})" if resp.status_code in (401, 403) else
-                    "check that the server takes OpenRLHF's {\"query\", \"prompts\", \"labels\"} JSON")
+            hint = (
+                f"check the token (${TOKEN_ENV})"
+                if resp.status_code in (401, 403)
+                else 'check that the server takes OpenRLHF\'s {"query", "prompts", "labels"} JSON'
+            )
             raise RewardError(f"--remote_rm_url {self.url}: HTTP {resp.status_code}: {resp.text[:300]}; {hint}.")
         try:
             return resp.json()
         except ValueError:
-            raise RewardError(f"--remote_rm_url {self.url}: the answer is not JSON ({resp.text[:200]!r}); the "
-                              "server must answer {\"rewards\": [...]} or a JSON list.") from None
+            raise RewardError(
+                f"--remote_rm_url {self.url}: the answer is not JSON ({resp.text[:200]!r}); the "
+                'server must answer {"rewards": [...]} or a JSON list.'
+            ) from None

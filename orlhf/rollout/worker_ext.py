@@ -38,8 +38,9 @@ _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16)}
 
 class WeightSyncExtension:
     @endpoint
-    def orlhf_init_sync_group(self, host: str, port: int, rank_offset: int, world_size: int, backend: str,
-                              timeout_s: float = 300.0) -> int:
+    def orlhf_init_sync_group(
+        self, host: str, port: int, rank_offset: int, world_size: int, backend: str, timeout_s: float = 300.0
+    ) -> int:
         """Join the trainer -> engines group as rank `rank_offset + tp rank`. Returns that rank."""
         rank = rank_offset + self.rank
         if backend == "nccl":
@@ -52,8 +53,9 @@ class WeightSyncExtension:
             from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
             store = TCPStore(host, port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
-            self._orlhf_comm = ProcessGroupGloo(PrefixStore("orlhf-sync", store), rank, world_size,
-                                                timedelta(seconds=timeout_s))
+            self._orlhf_comm = ProcessGroupGloo(
+                PrefixStore("orlhf-sync", store), rank, world_size, timedelta(seconds=timeout_s)
+            )
         self._orlhf_backend = backend
         return rank
 
@@ -121,8 +123,7 @@ class WeightSyncExtension:
     def orlhf_load_ipc(self, names: list[str], handles_by_uuid: dict[str, dict[str, tuple]]) -> int:
         """Load one group of whole layers from CUDA IPC handles made by the actor rank on this same GPU."""
         uuid = str(torch.cuda.get_device_properties(self.device).uuid)
-        return receive_ipc(handles_by_uuid, names, uuid, self.device, self.model_config.dtype,
-                           self._orlhf_load_group)
+        return receive_ipc(handles_by_uuid, names, uuid, self.device, self.model_config.dtype, self._orlhf_load_group)
 
     def _orlhf_load_group(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         """One group of whole layers into the open layerwise reload (between orlhf_ipc_begin and _finish)."""
@@ -157,8 +158,14 @@ class WeightSyncExtension:
             self._orlhf_comm.broadcast(t, 0).wait()
 
 
-def receive_ipc(handles_by_uuid: dict[str, dict[str, tuple]], names: list[str], uuid: str, device: torch.device,
-                dtype: torch.dtype, load) -> int:
+def receive_ipc(
+    handles_by_uuid: dict[str, dict[str, tuple]],
+    names: list[str],
+    uuid: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    load,
+) -> int:
     """Engine side of one IPC group: open the handles made on this GPU (`uuid`), hand `load` private copies in
     `dtype`, and return only once the device has finished copying. Returns the tensors loaded.
 
@@ -167,8 +174,10 @@ def receive_ipc(handles_by_uuid: dict[str, dict[str, tuple]], names: list[str], 
     copies (a cast already is one), and copies queued on the stream must be done, hence the synchronize.
     """
     if uuid not in handles_by_uuid:
-        raise RuntimeError(f"no CUDA IPC handles for this engine worker's GPU {uuid}; handles came for "
-                           f"{sorted(handles_by_uuid)}: the engine's GPUs are not its trainer ranks' GPUs")
+        raise RuntimeError(
+            f"no CUDA IPC handles for this engine worker's GPU {uuid}; handles came for "
+            f"{sorted(handles_by_uuid)}: the engine's GPUs are not its trainer ranks' GPUs"
+        )
     handles = handles_by_uuid[uuid]
     weights = []
     for name in names:

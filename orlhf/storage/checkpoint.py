@@ -52,14 +52,25 @@ from typing import Any, Optional
 
 import torch
 
-from orlhf.storage.checkpoint_format import (FORMAT_VERSION, META, STEP_DIR, TMP_PREFIX, TRASH_PREFIX, CheckpointError,
-                                     decode_state, encode_state, meta_problem, step_dir_name)
+from orlhf.storage.checkpoint_format import (
+    FORMAT_VERSION,
+    META,
+    STEP_DIR,
+    TMP_PREFIX,
+    TRASH_PREFIX,
+    CheckpointError,
+    decode_state,
+    encode_state,
+    meta_problem,
+    step_dir_name,
+)
 from orlhf.storage.runlock import OWNER_NAME, owner_gone, write_owner
 
 log = logging.getLogger(__name__)
 
 
 # ---- the folder: begin, commit, rotate, latest ----------------------------------------------------------------
+
 
 class CheckpointManager:
     """Owns <ckpt_path>: temporary folders, atomic commits, keeping the newest `max_ckpt_num`, finding the latest.
@@ -100,8 +111,14 @@ class CheckpointManager:
             raise ValueError(f"{tmp} is not a folder from {type(self).__name__}.begin() in {self.root}")
         for role, ranks in (meta.get("roles") or {}).items():
             _check_ranks_wrote(tmp / role, role, ranks)
-        full = {**meta, "format": FORMAT_VERSION, "step": int(step), "time": time.time(),
-                "orlhf_version": __version__, "run_id": self.run_id}
+        full = {
+            **meta,
+            "format": FORMAT_VERSION,
+            "step": int(step),
+            "time": time.time(),
+            "orlhf_version": __version__,
+            "run_id": self.run_id,
+        }
         _fsync_tree(tmp)
         _write_json_durable(tmp / META, full)
         final = self.root / step_dir_name(step)
@@ -118,7 +135,7 @@ class CheckpointManager:
         """Delete complete checkpoints beyond the newest max_ckpt_num; returns the deleted paths."""
         if self.max_ckpt_num < 1:
             return []
-        doomed = self.complete()[self.max_ckpt_num:]
+        doomed = self.complete()[self.max_ckpt_num :]
         for path in doomed:
             shutil.rmtree(self._trash(path), ignore_errors=True)
             log.info("checkpoint rotated out (--max_ckpt_num %d): %s", self.max_ckpt_num, path)
@@ -156,7 +173,8 @@ class CheckpointManager:
         if done:
             raise CheckpointError(
                 f"--ckpt_path {self.root} already holds {len(done)} checkpoint(s), the newest {done[0].name}. Pass "
-                "--load_checkpoint to resume from it, or choose another --ckpt_path (or delete those folders).")
+                "--load_checkpoint to resume from it, or choose another --ckpt_path (or delete those folders)."
+            )
 
     def cleanup_stale_tmp(self) -> list[Path]:
         """Remove `.tmp-step_*` / `.trash-step_*` leftovers of crashed saves whose writer is gone (runlock.owner_gone;
@@ -168,8 +186,7 @@ class CheckpointManager:
         for e in self.root.iterdir():
             if not e.is_dir():
                 continue
-            if e.name.startswith(TRASH_PREFIX + "step_") or (e.name.startswith(TMP_PREFIX + "step_")
-                                                              and owner_gone(e)):
+            if e.name.startswith(TRASH_PREFIX + "step_") or (e.name.startswith(TMP_PREFIX + "step_") and owner_gone(e)):
                 stale.append(e)
             elif e.name.startswith(TMP_PREFIX + "step_"):
                 log.warning("keeping %s: its writer (%s) is still running", e, e / OWNER_NAME)
@@ -207,20 +224,29 @@ def _check_ranks_wrote(folder: Path, role: str, ranks: int) -> None:
     if missing:
         raise CheckpointError(
             f"{folder}: ranks {missing} of the {role} group ({ranks} ranks) left no files here. Every rank must "
-            "see --ckpt_path: on several nodes put it on a shared filesystem.")
+            "see --ckpt_path: on several nodes put it on a shared filesystem."
+        )
 
 
 # ---- driver state and RNG -------------------------------------------------------------------------------------
+
 
 def rng_state() -> dict[str, Any]:
     """This process's RNG states: python `random`, numpy's global generator, torch CPU, and CUDA if in use."""
     import numpy as np
 
     kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {"python": random.getstate(),
-             "numpy": {"kind": kind, "keys": keys.tolist(), "pos": int(pos), "has_gauss": int(has_gauss),
-                       "cached_gaussian": float(cached)},
-             "torch": torch.get_rng_state()}
+    state = {
+        "python": random.getstate(),
+        "numpy": {
+            "kind": kind,
+            "keys": keys.tolist(),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # never initialise CUDA just to read it
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -232,15 +258,19 @@ def set_rng_state(state: dict[str, Any]) -> None:
     py = state["python"]
     random.setstate((py[0], tuple(py[1]), py[2]))
     n = state["numpy"]
-    np.random.set_state((n["kind"], np.asarray(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"],
-                         n["cached_gaussian"]))
+    np.random.set_state(
+        (n["kind"], np.asarray(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
+    )
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         if len(state["cuda"]) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all(state["cuda"])
         else:
-            log.warning("checkpoint has CUDA RNG states of %d devices, this process sees %d: not restored",
-                        len(state["cuda"]), torch.cuda.device_count())
+            log.warning(
+                "checkpoint has CUDA RNG states of %d devices, this process sees %d: not restored",
+                len(state["cuda"]),
+                torch.cuda.device_count(),
+            )
 
 
 def save_state(folder: str | os.PathLike, name: str, state: dict[str, Any]) -> None:
@@ -281,6 +311,7 @@ def load_controller_state(folder: str | os.PathLike) -> dict[str, Any]:
 
 # ---- DeepSpeed's files, loaded without unpickling code --------------------------------------------------------
 
+
 def deepspeed_safe_globals() -> list:
     """The non-torch classes in DeepSpeed 0.19.8's checkpoint files for orlhf's configs (ZeRO 0/1/2/3, bf16, Adam
     offload), as torch.serialization.get_unsafe_globals_in_checkpoint lists them: an enum and two plain
@@ -299,6 +330,7 @@ def safe_torch_load(path: str | os.PathLike, map_location=None) -> Any:
 
 
 # ---- durability ------------------------------------------------------------------------------------------------
+
 
 def _fsync_tree(root: Path) -> None:
     for dirpath, _, files in os.walk(root):

@@ -40,29 +40,40 @@ def meta_problem(meta: Any, step: int) -> Optional[str]:
 
 # ---- does this checkpoint belong to this run? -----------------------------------------------------------------
 
+
 def check_compatible(meta: dict[str, Any], fingerprint: dict[str, Any], path: str | os.PathLike = "") -> None:
     """Raise CheckpointError listing every setting that differs between the checkpoint and this run."""
     where = f"checkpoint {path}" if path else "the checkpoint"
     if meta.get("format") != FORMAT_VERSION:
-        raise CheckpointError(f"{where} has format {meta.get('format')!r}; this orlhf reads format {FORMAT_VERSION}. "
-                              "Resume with the orlhf version that wrote it, or start fresh with another --ckpt_path.")
+        raise CheckpointError(
+            f"{where} has format {meta.get('format')!r}; this orlhf reads format {FORMAT_VERSION}. "
+            "Resume with the orlhf version that wrote it, or start fresh with another --ckpt_path."
+        )
     if meta.get("resumable") is False:
-        raise CheckpointError(f"{where} was saved with --disable_ds_ckpt: it holds the HF actor (hf/actor) but no "
-                              "DeepSpeed state, so no run can resume from it. Start fresh (another --ckpt_path, or "
-                              "leave out --load_checkpoint), or save resumable checkpoints without --disable_ds_ckpt.")
+        raise CheckpointError(
+            f"{where} was saved with --disable_ds_ckpt: it holds the HF actor (hf/actor) but no "
+            "DeepSpeed state, so no run can resume from it. Start fresh (another --ckpt_path, or "
+            "leave out --load_checkpoint), or save resumable checkpoints without --disable_ds_ckpt."
+        )
     saved = meta.get("fingerprint") or {}
     missing = object()
-    diffs = [(k, saved.get(k, missing), fingerprint.get(k, missing)) for k in sorted({*saved, *fingerprint})
-             if saved.get(k, missing) != fingerprint.get(k, missing)]
+    diffs = [
+        (k, saved.get(k, missing), fingerprint.get(k, missing))
+        for k in sorted({*saved, *fingerprint})
+        if saved.get(k, missing) != fingerprint.get(k, missing)
+    ]
     if diffs:
         show = lambda v: "(not recorded)" if v is missing else repr(v)  # noqa: E731
         lines = "\n".join(f"  - {k}: checkpoint {show(a)}, this run {show(b)}" for k, a, b in diffs)
-        raise CheckpointError(f"{where} was written by a run with other settings:\n{lines}\nResume with the "
-                              "checkpoint's values of these flags, or start fresh: another --ckpt_path, or leave "
-                              "out --load_checkpoint.")
+        raise CheckpointError(
+            f"{where} was written by a run with other settings:\n{lines}\nResume with the "
+            "checkpoint's values of these flags, or start fresh: another --ckpt_path, or leave "
+            "out --load_checkpoint."
+        )
 
 
 # ---- state as JSON + tensors -------------------------------------------------------------------------------
+
 
 def encode_state(obj: Any, tensors: dict[str, torch.Tensor], key: str = "") -> Any:
     """`obj` as JSON-able data; its tensors moved into `tensors` (by dotted key), referenced as {"__tensor__": key},

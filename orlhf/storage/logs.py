@@ -76,8 +76,10 @@ class RunLogs:
     def summary(self) -> str:
         if self.verbose or self.log_dir is None:
             return "logs: all output on this terminal (--verbose)"
-        return (f"logs: {self.log_dir}/ (driver.log; <role>-<rank>.log per model rank; vllm-<i>.log per engine; "
-                "--verbose shows them here)")
+        return (
+            f"logs: {self.log_dir}/ (driver.log; <role>-<rank>.log per model rank; vllm-<i>.log per engine; "
+            "--verbose shows them here)"
+        )
 
     def route_transformers(self) -> None:
         """Send transformers' records to driver.log, as setup_driver does for the libraries already imported. The
@@ -101,8 +103,7 @@ def setup_driver(save_path: str, verbose: bool = False, stream=None) -> RunLogs:
     root, ours = logging.getLogger(), logging.getLogger("orlhf")
     for logger in (root, ours):  # a previous run in this process (tests) leaves its handlers: replace them
         for h in list(logger.handlers):
-            if isinstance(h, (BarSafeHandler, RunFileHandler)) or (logger is root and not verbose
-                                                                    and _to_terminal(h)):
+            if isinstance(h, (BarSafeHandler, RunFileHandler)) or (logger is root and not verbose and _to_terminal(h)):
                 logger.removeHandler(h)
                 h.close()
     root.setLevel(logging.INFO)
@@ -156,8 +157,12 @@ def _route_transformers_logging() -> None:
 
 
 def _to_terminal(h: logging.Handler) -> bool:
-    return type(h) is logging.StreamHandler and getattr(h, "stream", None) in (sys.stderr, sys.stdout,
-                                                                             sys.__stderr__, sys.__stdout__)
+    return type(h) is logging.StreamHandler and getattr(h, "stream", None) in (
+        sys.stderr,
+        sys.stdout,
+        sys.__stderr__,
+        sys.__stdout__,
+    )
 
 
 def worker_log_path(name: str) -> Optional[Path]:

@@ -28,11 +28,21 @@ log = logging.getLogger(__name__)
 
 
 class MetricsLogger:
-    def __init__(self, save_path: str, *, use_wandb: Optional[str] = None, wandb_project: str = "orlhf",
-                 wandb_run_name: Optional[str] = None, use_tensorboard: Optional[str] = None,
-                 config: Optional[dict] = None, resume: bool = False, resume_step: Optional[int] = None,
-                 run_id: Optional[str] = None, wandb_org: Optional[str] = None,
-                 wandb_group: Optional[str] = None):
+    def __init__(
+        self,
+        save_path: str,
+        *,
+        use_wandb: Optional[str] = None,
+        wandb_project: str = "orlhf",
+        wandb_run_name: Optional[str] = None,
+        use_tensorboard: Optional[str] = None,
+        config: Optional[dict] = None,
+        resume: bool = False,
+        resume_step: Optional[int] = None,
+        run_id: Optional[str] = None,
+        wandb_org: Optional[str] = None,
+        wandb_group: Optional[str] = None,
+    ):
         self.dir = Path(save_path)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "metrics.jsonl"
@@ -49,22 +59,32 @@ class MetricsLogger:
             if use_wandb:  # OpenRLHF passes the API key as the flag's value
                 os.environ.setdefault("WANDB_API_KEY", use_wandb)
             if use_wandb:  # it stays out of the config that goes to W&B (redacted by the caller) and of the logs
-                log.warning("--use_wandb KEY: the key is visible to anyone who can list this machine's processes; "
-                            "prefer `export WANDB_API_KEY=...` (or `wandb login`) and a bare --use_wandb")
+                log.warning(
+                    "--use_wandb KEY: the key is visible to anyone who can list this machine's processes; "
+                    "prefer `export WANDB_API_KEY=...` (or `wandb login`) and a bare --use_wandb"
+                )
             argv, sys.argv = sys.argv, redact_argv(sys.argv)  # W&B stores the command line in its metadata
             try:
-                self._wandb = wandb.init(project=wandb_project, dir=str(self.dir), id=run_id,
-                                         name=wandb_run_name or time.strftime("ppo-%Y%m%d-%H%M%S"),
-                                         config=config or {}, resume="allow" if resume else None,
-                                         entity=wandb_org, group=wandb_group)
+                self._wandb = wandb.init(
+                    project=wandb_project,
+                    dir=str(self.dir),
+                    id=run_id,
+                    name=wandb_run_name or time.strftime("ppo-%Y%m%d-%H%M%S"),
+                    config=config or {},
+                    resume="allow" if resume else None,
+                    entity=wandb_org,
+                    group=wandb_group,
+                )
             finally:
                 sys.argv = argv
         if use_tensorboard is not None:
             from torch.utils.tensorboard import SummaryWriter
 
             # purge_step: TensorBoard discards this folder's earlier events at steps >= it (the re-trained ones)
-            self._tb = SummaryWriter(use_tensorboard or str(self.dir / "tensorboard"),
-                                     purge_step=resume_step + 1 if resume_step is not None else None)
+            self._tb = SummaryWriter(
+                use_tensorboard or str(self.dir / "tensorboard"),
+                purge_step=resume_step + 1 if resume_step is not None else None,
+            )
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
@@ -137,8 +157,12 @@ def trim_metrics(path: Path, last_step: int) -> int:
     finally:
         os.close(fd)
     if len(kept) < len(rows):
-        log.info("%s: cut %d row(s) logged after step %d (trained again from the checkpoint)", path,
-                 len(rows) - len(kept), last_step)
+        log.info(
+            "%s: cut %d row(s) logged after step %d (trained again from the checkpoint)",
+            path,
+            len(rows) - len(kept),
+            last_step,
+        )
     return len(rows) - len(kept)
 
 
@@ -157,8 +181,10 @@ def plot_rewards(metrics_path: Path, out: Path) -> Optional[Path]:
     ax.plot(steps, rewards, marker=".", label="reward_mean")
     k = max(1, len(rows) // 10)
     if len(rows) > k:
-        smooth = [sum(rewards[max(0, i - k + 1):i + 1]) / len(rewards[max(0, i - k + 1):i + 1])
-                  for i in range(len(rewards))]
+        smooth = [
+            sum(rewards[max(0, i - k + 1) : i + 1]) / len(rewards[max(0, i - k + 1) : i + 1])
+            for i in range(len(rewards))
+        ]
         ax.plot(steps, smooth, label=f"mean of last {k}")
     ax.set_xlabel("step")
     ax.set_ylabel("reward")

@@ -37,7 +37,7 @@ def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
 
 
 def _smooth(values: list[float], k: int) -> list[float]:
-    return [sum(values[max(0, i - k + 1):i + 1]) / len(values[max(0, i - k + 1):i + 1]) for i in range(len(values))]
+    return [sum(values[max(0, i - k + 1) : i + 1]) / len(values[max(0, i - k + 1) : i + 1]) for i in range(len(values))]
 
 
 def _timing(ax, rows: list[dict]) -> bool:
@@ -46,7 +46,7 @@ def _timing(ax, rows: list[dict]) -> bool:
         return False
     steps = [r["step"] for r in rows]
     stacks = [[float(r.get(p, 0.0)) for r in rows] for p in phases]
-    ax.stackplot(steps, *stacks, labels=[p[len("timing/"):] for p in phases], alpha=0.85)
+    ax.stackplot(steps, *stacks, labels=[p[len("timing/") :] for p in phases], alpha=0.85)
     top = max(sum(col) for col in zip(*stacks))
     ax.set_ylim(0, top * 1.4)  # headroom: the legend sits above the stack, not on it
     ax.legend(fontsize=7, loc="upper right", ncol=3, framealpha=0.8)
@@ -75,8 +75,9 @@ def draw(rows: list[dict], out: Path, title: str) -> Path:
             ax.set_ylim(-0.2, max(1, max(_series(rows, "staleness")[1])) + 0.5)
             ax.yaxis.get_major_locator().set_params(integer=True)
         if not drew:
-            ax.text(0.5, 0.5, "not recorded in this run", ha="center", va="center", transform=ax.transAxes,
-                    color="gray")
+            ax.text(
+                0.5, 0.5, "not recorded in this run", ha="center", va="center", transform=ax.transAxes, color="gray"
+            )
         elif ax.get_legend() is None and any(_series(rows, key)[1] for key, _ in keys):
             ax.legend(fontsize=8)
         ax.set_title(name, fontsize=11)
@@ -94,10 +95,10 @@ def _table(rows: list[dict]) -> str:
     """First and last step, side by side, for every number the run logged."""
     first, last = rows[0], rows[-1]
     keys = [k for k in last if k != "step" and isinstance(last.get(k), (int, float))]
-    body = "".join(f"<tr><td>{html.escape(k)}</td><td>{_fmt(first.get(k))}</td><td>{_fmt(last[k])}</td></tr>"
-                   for k in keys)
-    return (f"<table><tr><th>metric</th><th>step {first['step']}</th><th>step {last['step']}</th></tr>"
-            f"{body}</table>")
+    body = "".join(
+        f"<tr><td>{html.escape(k)}</td><td>{_fmt(first.get(k))}</td><td>{_fmt(last[k])}</td></tr>" for k in keys
+    )
+    return f"<table><tr><th>metric</th><th>step {first['step']}</th><th>step {last['step']}</th></tr>{body}</table>"
 
 
 def _fmt(v) -> str:
@@ -124,7 +125,8 @@ def write_report(save_path: str | Path) -> tuple[Path, Path]:
         f"<p>{len(rows)} steps logged in <code>metrics.jsonl</code>; terminal-free output in "
         f"<code>logs/</code>.</p><img src='{png.name}' style='max-width:100%'>"
         f"<h2>first and last step</h2>{_table(rows)}"
-        f"<h2>config</h2><pre>{html.escape(_config(save) or 'not recorded')}</pre>")
+        f"<h2>config</h2><pre>{html.escape(_config(save) or 'not recorded')}</pre>"
+    )
     return png, page
 
 

@@ -56,7 +56,8 @@ class FolderLock:
             raise RunLockError(
                 f"{self.flag} {self.folder} is in use by another orlhf run ({_describe(holder)}); two runs in one "
                 f"folder destroy each other's checkpoints and metrics. Wait for that run to end (or stop it: "
-                f"kill {holder.get('pid', '<pid>')}), or pass another {self.flag}.") from None
+                f"kill {holder.get('pid', '<pid>')}), or pass another {self.flag}."
+            ) from None
         record = _owner_record(self.run_id)
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(record).encode(), 0)
@@ -81,6 +82,7 @@ def hold_folders(save_path: str, ckpt_path: str, run_id: str) -> Iterator[None]:
 
 
 # ---- owners of temporary folders ------------------------------------------------------------------------------
+
 
 def write_owner(folder: str | os.PathLike, run_id: str) -> None:
     """Record who writes `folder` (pid, host, run id), so a later cleanup can tell a live save from a dead one."""
@@ -113,8 +115,12 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _owner_record(run_id: str) -> dict:
-    return {"pid": os.getpid(), "host": socket.gethostname(), "run_id": run_id,
-            "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+    return {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "run_id": run_id,
+        "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
 
 
 def _read_record(fd: int) -> dict:
@@ -128,5 +134,7 @@ def _read_record(fd: int) -> dict:
 def _describe(rec: dict) -> str:
     if not rec:
         return "holder unknown"
-    return (f"pid {rec.get('pid', '?')} on {rec.get('host', '?')}, run id {rec.get('run_id', '?')}, "
-            f"since {rec.get('since', '?')}")
+    return (
+        f"pid {rec.get('pid', '?')} on {rec.get('host', '?')}, run id {rec.get('run_id', '?')}, "
+        f"since {rec.get('since', '?')}"
+    )

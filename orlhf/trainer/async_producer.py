@@ -32,8 +32,13 @@ log = logging.getLogger(__name__)
 
 
 class RolloutProducer:
-    def __init__(self, generate: Callable[[list, int], list], loader, queue_size: int,
-                 ahead: Optional[Callable[[list, list], Any]] = None):
+    def __init__(
+        self,
+        generate: Callable[[list, int], list],
+        loader,
+        queue_size: int,
+        ahead: Optional[Callable[[list, list], Any]] = None,
+    ):
         self.generate, self.loader, self.ahead = generate, loader, ahead
         self.lock = threading.Lock()  # held while generating and while syncing weights
         self._slots = threading.Semaphore(queue_size)
@@ -51,8 +56,9 @@ class RolloutProducer:
         self._slots.release()  # unblock a producer waiting for a slot
         self._thread.join(timeout=STOP_WAIT_S)
         if self._thread.is_alive():
-            log.info("rollout producer still in a generation after %.0f s; leaving it to end with the engines",
-                     STOP_WAIT_S)
+            log.info(
+                "rollout producer still in a generation after %.0f s; leaving it to end with the engines", STOP_WAIT_S
+            )
 
     def __iter__(self) -> Iterator[tuple[list, list, float, Any]]:
         """(prompts, rollouts, generation seconds, ahead's result or None) per batch, in loader order."""

@@ -9,7 +9,7 @@
                        the update: ref without a KL (TrainConfig.has_reference), old log-probs on a single pass
                        (TrainConfig.single_pass: the actor's training forward supplies them, the ratio is 1);
                        trainer/scoring.py (async mode starts the frozen models' forwards when a batch is generated)
-      (guard)          engine log-probs vs the actor's: past --max_engine_logprob_gap the run stops (trainer/sync_guard.py)
+      (guard)          engine log-probs vs the actor's: past --max_engine_logprob_gap the run stops (sync_guard.py)
       make_experience  driver: KL, group baseline, KL-shaped rewards, advantages and returns (algo/)
       train            actor and critic train_step at the same time (non-blocking calls, gathered after; a critic
                        hosted in a one-rank actor's process on CPU trains on a thread beside it: roles.host_of);
@@ -38,15 +38,15 @@ import torch
 
 from orlhf.algo.kl import make_kl_controller
 from orlhf.config.train_config import TrainConfig
+from orlhf.cpu.threads import PhaseThreads
+from orlhf.rollout.executor import agent_metrics, make_executor
+from orlhf.storage.metrics import MetricsLogger
 from orlhf.trainer.dynamic_filtering import DynamicFilter
 from orlhf.trainer.experience import ExperienceConfig, make_experience, rollouts_to_batch
-from orlhf.storage.metrics import MetricsLogger
-from orlhf.rollout.executor import agent_metrics, make_executor
-from orlhf.trainer.scoring import ScoredAhead, Scorer
 from orlhf.trainer.hybrid_memory import SleepSwitch
+from orlhf.trainer.scoring import ScoredAhead, Scorer
 from orlhf.trainer.step_stats import FROZEN_ACTOR_STATS, engine_gap, mean_stats
 from orlhf.trainer.sync_guard import SyncGuard
-from orlhf.cpu.threads import PhaseThreads
 from orlhf.types import Experience, Rollout, SamplingSpec
 from orlhf.workers import CriticWorker, PolicyWorker
 from orlhf.workers.shared_prompt import prompt_major_order
@@ -81,10 +81,21 @@ class Models:
 
 
 class Controller:
-    def __init__(self, cfg: TrainConfig, models: Models, loader, tokenizer, metrics: MetricsLogger,
-                 reward_source=None, checkpoints=None, evaluator=None, best_checkpoints=None):
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        models: Models,
+        loader,
+        tokenizer,
+        metrics: MetricsLogger,
+        reward_source=None,
+        checkpoints=None,
+        evaluator=None,
+        best_checkpoints=None,
+    ):
         self.cfg, self.m, self.loader, self.tok, self.metrics = cfg, models, loader, tokenizer, metrics
-        # the score phase (orlhf/trainer/scoring.py); reward_source: function file / HTTP, None when a reward model scores
+        # the score phase (orlhf/trainer/scoring.py); reward_source: function file / HTTP, None when a reward model
+        # scores
         self.scorer = Scorer(cfg, models, tokenizer, reward_source)
         self.exp_cfg = ExperienceConfig.from_ppo(cfg.ppo)
         p = cfg.ppo
@@ -98,8 +109,13 @@ class Controller:
         self.best_checkpoints = best_checkpoints  # CheckpointManager of <ckpt_path>/best (--best_metric_key)
         self.sleep = SleepSwitch(cfg, models)  # hybrid mode's memory hand-over (no-op unless asked, on GPU)
         # Rollouts: one generation per sample, or an agent episode per sample with --agent_func_path.
-        self.executor = make_executor(cfg.data.agent_func_path, models.engines, tokenizer,
-                                      cfg.ppo.prompt_max_len + cfg.ppo.generate_max_len, cfg.runtime.ray_timeout_s)
+        self.executor = make_executor(
+            cfg.data.agent_func_path,
+            models.engines,
+            tokenizer,
+            cfg.ppo.prompt_max_len + cfg.ppo.generate_max_len,
+            cfg.runtime.ray_timeout_s,
+        )
         self.guard = SyncGuard.from_config(cfg)  # --max_engine_logprob_gap (orlhf/trainer/sync_guard.py)
         self.guard.announce()  # where it does not look, said once now
         self.threads = PhaseThreads.from_config(cfg, models)  # CPU: threads handed over per phase
@@ -107,8 +123,17 @@ class Controller:
         self._saved_step: Optional[int] = None  # step of this invocation's newest checkpoint
         self._sync_lock = threading.Lock()
         self._last_step_end = time.perf_counter()
-        self.filter = DynamicFilter(p.rollout_batch_size, p.n_samples_per_prompt, p.dynamic_filtering_reward_range,
-                                    self.generate, self.scorer.rewards) if p.dynamic_filtering else None
+        self.filter = (
+            DynamicFilter(
+                p.rollout_batch_size,
+                p.n_samples_per_prompt,
+                p.dynamic_filtering_reward_range,
+                self.generate,
+                self.scorer.rewards,
+            )
+            if p.dynamic_filtering
+            else None
+        )
 
     # ---- the loop ---------------------------------------------------------------------------------------------
     def fit(self) -> list[dict]:
@@ -167,8 +192,9 @@ class Controller:
                 report(self.learn(prompts, rollouts, ahead=ahead))
         return self.history
 
-    def learn(self, prompts: list, rollouts: list[Rollout], reward=None,
-              ahead: Optional[ScoredAhead] = None) -> dict[str, Any]:
+    def learn(
+        self, prompts: list, rollouts: list[Rollout], reward=None, ahead: Optional[ScoredAhead] = None
+    ) -> dict[str, Any]:
         """Everything after generation for one batch: score, make experience, train, sync. Returns metrics.
         reward: a rewards.RewardResult already computed while generating (--dynamic_filtering), else scored here.
         ahead: the batch and the frozen models' calls started when it was generated (async: Scorer.ahead)."""
@@ -185,8 +211,7 @@ class Controller:
             self.guard.check(gap, self.step_index + 1, staleness)
         with self.timed("make_experience"):
             truncated = torch.tensor([not r.finished for r in rollouts])
-            exp, info = self.make_experience(batch, reward.rewards, old_lp, ref_lp, values, truncated,
-                                             engine_log_probs)
+            exp, info = self.make_experience(batch, reward.rewards, old_lp, ref_lp, values, truncated, engine_log_probs)
         with self.timed("train"):
             actor_stats, critic_stats = self.train(exp, info["kl_coef"])
         if old_lp is None and not self.actor_frozen:  # single pass: the actor measured the gap in its training
@@ -200,22 +225,36 @@ class Controller:
         self.step_index += 1
         now = time.perf_counter()
         seconds, self._last_step_end = now - self._last_step_end, now  # wall time per step, overlap included
-        row = {**info, "policy_loss": actor_stats["loss"], "actor_lr": actor_stats["lr"],
-               "clip_frac": actor_stats["clip_frac"], "approx_kl": actor_stats["approx_kl"],
-               **{k: actor_stats[k] for k in ("clip_frac_low", "clip_frac_high", "entropy")},
-               "actor_grad_norm": actor_stats["grad_norm"], "weight_version": self.weight_version,
-               "generation_weight_version": gen_version, "staleness": staleness,
-               "engine_logprob_gap": gap,
-               "samples": len(rollouts), "samples_per_s": len(rollouts) / seconds, "step_s": seconds,
-               **reward.log_row(), **{f"timing/{k}": v for k, v in self.timings.items()},
-               **agent_metrics(rollouts)}
+        row = {
+            **info,
+            "policy_loss": actor_stats["loss"],
+            "actor_lr": actor_stats["lr"],
+            "clip_frac": actor_stats["clip_frac"],
+            "approx_kl": actor_stats["approx_kl"],
+            **{k: actor_stats[k] for k in ("clip_frac_low", "clip_frac_high", "entropy")},
+            "actor_grad_norm": actor_stats["grad_norm"],
+            "weight_version": self.weight_version,
+            "generation_weight_version": gen_version,
+            "staleness": staleness,
+            "engine_logprob_gap": gap,
+            "samples": len(rollouts),
+            "samples_per_s": len(rollouts) / seconds,
+            "step_s": seconds,
+            **reward.log_row(),
+            **{f"timing/{k}": v for k, v in self.timings.items()},
+            **agent_metrics(rollouts),
+        }
         if self.cfg.ppo.use_kl_loss:
             row.update(kl_loss=actor_stats["kl_loss"], kl_coef=actor_stats["kl_coef"])  # the coefficient used
         if self.cfg.ppo.enable_vllm_is_correction:
             row["is_cut_frac"] = actor_stats["is_cut_frac"]
         if critic_stats is not None:
-            row.update(value_loss=critic_stats["loss"], critic_lr=critic_stats["lr"],
-                       value_clip_frac=critic_stats["clip_frac"], critic_grad_norm=critic_stats["grad_norm"])
+            row.update(
+                value_loss=critic_stats["loss"],
+                critic_lr=critic_stats["lr"],
+                value_clip_frac=critic_stats["clip_frac"],
+                critic_grad_norm=critic_stats["grad_norm"],
+            )
         return row
 
     @contextmanager
@@ -228,25 +267,30 @@ class Controller:
         self._last_step_end = time.perf_counter()
 
         def report(row: dict) -> None:
-            if self.evaluator is not None and self.evaluator.due(self.step_index, self.step_index == total
-                                                                 or self.should_stop()):
+            if self.evaluator is not None and self.evaluator.due(
+                self.step_index, self.step_index == total or self.should_stop()
+            ):
                 row.update(self.evaluate())
             self.history.append(row)
             if self.step_index % self.cfg.logging.logging_steps == 0 or self.step_index == total:
                 self.metrics.log(self.step_index, row)
-            if self.checkpoints is not None and self.cfg.logging.save_steps > 0 \
-                    and self.step_index % self.cfg.logging.save_steps == 0:
+            if (
+                self.checkpoints is not None
+                and self.cfg.logging.save_steps > 0
+                and self.step_index % self.cfg.logging.save_steps == 0
+            ):
                 self.save_checkpoint()
             bar.update(1)
-            bar.set_postfix(reward=f"{row['reward_mean']:.3f}", kl=f"{row['kl']:.4f}",
-                            sps=f"{row['samples_per_s']:.1f}")
+            bar.set_postfix(
+                reward=f"{row['reward_mean']:.3f}", kl=f"{row['kl']:.4f}", sps=f"{row['samples_per_s']:.1f}"
+            )
 
         try:
             yield report
         finally:
             bar.close()
 
-    # ---- checkpoints (orlhf/storage/checkpoint.py holds the format; this is the call order) ---------------------------
+    # ---- checkpoints (orlhf/storage/checkpoint.py holds the format; this is the call order) -------------------------
     def should_stop(self) -> bool:
         """--stop_after_steps: end this invocation early, on a step boundary, keeping the full run's schedule."""
         n = self.cfg.runtime.stop_after_steps
@@ -279,13 +323,13 @@ class Controller:
         log.info("resumed from %s at step %d (weight version %d)", path, self.step_index, self.weight_version)
 
     def evaluate(self) -> dict[str, float]:
-        """Held-out prompts on the current weights (orlhf/trainer/evaluation.py); the best checkpoint when it improved."""
+        """Held-out prompts on the current weights (orlhf/trainer/evaluation.py); the best checkpoint when it
+        improved."""
         self.sleep.before_generate()
         metrics = self.evaluator.run(self.step_index, self.executor.generate, self.scorer.eval_scores)
         self.sleep.after_generate()
         if self.evaluator.improved(metrics) and self.best_checkpoints is not None:
-            log.info("best %s so far: %.4f at step %d", self.evaluator.best_key, self.evaluator.best,
-                     self.step_index)
+            log.info("best %s so far: %.4f at step %d", self.evaluator.best_key, self.evaluator.best, self.step_index)
             self.save_checkpoint(self.best_checkpoints)
         return metrics
 
@@ -293,21 +337,36 @@ class Controller:
     def generate(self, prompts: list, batch_index: int) -> list[Rollout]:
         """Rollouts for one prompt batch; sampling seeds depend on (seed, batch index) only (reproducible)."""
         p = self.cfg.ppo
-        sampling = SamplingSpec(temperature=p.temperature, top_p=p.top_p, max_new_tokens=p.generate_max_len,
-                                max_len=p.max_len,
-                                n=p.n_samples_per_prompt, seed=p.seed * 1_000_003 + batch_index)
+        sampling = SamplingSpec(
+            temperature=p.temperature,
+            top_p=p.top_p,
+            max_new_tokens=p.generate_max_len,
+            max_len=p.max_len,
+            n=p.n_samples_per_prompt,
+            seed=p.seed * 1_000_003 + batch_index,
+        )
         return self.executor.generate(prompts, sampling)
 
-    def make_experience(self, batch, scores, old_lp, ref_lp, values, truncated=None,
-                        engine_log_probs=None) -> tuple[Experience, dict]:
+    def make_experience(
+        self, batch, scores, old_lp, ref_lp, values, truncated=None, engine_log_probs=None
+    ) -> tuple[Experience, dict]:
         """info["kl_coef"] is the KL coefficient of this step (reward penalty, or the actor's KL loss), taken
         before the adaptive controller moves it for the next step (OpenRLHF's order)."""
         norm = self.scorer.reward_norm  # --normalize_reward's running statistics, updated in score
         shaped_scores = norm.normalize(scores) if norm is not None else scores
         kl_coef = self.kl_ctl.value
-        exp, info = make_experience(batch, shaped_scores, old_lp, ref_lp, values, kl_coef, self.exp_cfg,
-                                    weight_version=self.weight_version, truncated=truncated,
-                                    rollout_log_probs=engine_log_probs)
+        exp, info = make_experience(
+            batch,
+            shaped_scores,
+            old_lp,
+            ref_lp,
+            values,
+            kl_coef,
+            self.exp_cfg,
+            weight_version=self.weight_version,
+            truncated=truncated,
+            rollout_log_probs=engine_log_probs,
+        )
         info["reward_mean"] = scores.mean().item()  # the raw task reward, whatever the normalization
         info["kl_coef"] = kl_coef
         self.kl_ctl.update(info["kl"], len(scores))
@@ -326,10 +385,14 @@ class Controller:
             g = torch.Generator().manual_seed(self.cfg.ppo.seed + 7919 * self.step_index + epoch)
             order = prompt_major_order(exp, g) if one_step else torch.randperm(len(exp), generator=g)
             shuffled = exp.index(order)
-            actor_call = None if self.actor_frozen else self.m.actor.call_sharded(PolicyWorker.train_step, shuffled,
-                                                                                  kl_coef)
-            critic_call = (self.m.critic.call_sharded_beside(CriticWorker.train_step, shuffled)  # hosted: beside
-                           if self.m.critic else None)
+            actor_call = (
+                None if self.actor_frozen else self.m.actor.call_sharded(PolicyWorker.train_step, shuffled, kl_coef)
+            )
+            critic_call = (
+                self.m.critic.call_sharded_beside(CriticWorker.train_step, shuffled)  # hosted: beside
+                if self.m.critic
+                else None
+            )
             actor_stats += actor_call.get() if actor_call is not None else []
             if critic_call is not None:
                 critic_stats += critic_call.get()

@@ -45,9 +45,15 @@ class FilledBatch:
 class DynamicFilter:
     """Holds the spare prompts between steps; fill() builds one step's batch (module docstring)."""
 
-    def __init__(self, batch_prompts: int, n_samples: int, reward_range: tuple[float, float],
-                 generate: Callable[[list, int], list[Rollout]], score: Callable[[list[Rollout], list], "RewardResult"],
-                 max_rounds: int = 64):
+    def __init__(
+        self,
+        batch_prompts: int,
+        n_samples: int,
+        reward_range: tuple[float, float],
+        generate: Callable[[list, int], list[Rollout]],
+        score: Callable[[list[Rollout], list], "RewardResult"],
+        max_rounds: int = 64,
+    ):
         self.batch_prompts, self.n = batch_prompts, n_samples
         self.low, self.high = float(reward_range[0]), float(reward_range[1])
         self.generate, self.score = generate, score
@@ -82,12 +88,16 @@ class DynamicFilter:
             if len(kept_prompts) == self.batch_prompts:
                 break  # full, possibly on the last allowed round
         else:
-            raise RuntimeError(f"--dynamic_filtering kept {len(kept_prompts)} of {self.batch_prompts} prompts after "
-                               f"{self.max_rounds} rounds ({generated} prompts generated): almost every prompt's "
-                               "samples score alike; widen --dynamic_filtering_reward_range or check the reward.")
-        info = {"dynamic_filtering_pass_rate": 100.0 * len(kept_prompts) / generated,
-                "dynamic_filtering_generated_per_kept": generated / len(kept_prompts),
-                "reward_generated_mean": score_sum / (generated * self.n)}
+            raise RuntimeError(
+                f"--dynamic_filtering kept {len(kept_prompts)} of {self.batch_prompts} prompts after "
+                f"{self.max_rounds} rounds ({generated} prompts generated): almost every prompt's "
+                "samples score alike; widen --dynamic_filtering_reward_range or check the reward."
+            )
+        info = {
+            "dynamic_filtering_pass_rate": 100.0 * len(kept_prompts) / generated,
+            "dynamic_filtering_generated_per_kept": generated / len(kept_prompts),
+            "reward_generated_mean": score_sum / (generated * self.n),
+        }
         return FilledBatch(kept_prompts, kept_rollouts, RewardResult.cat(kept), info)
 
     def _top_up(self, need: int, more: Iterator[list]) -> bool:

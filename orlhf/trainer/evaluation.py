@@ -38,8 +38,11 @@ def eval_metrics(scores: torch.Tensor, n: int, response_lengths: Optional[list[i
     """scores (prompts * n,) prompt-major -> eval/reward_mean, eval/pass@1, eval/pass@<n> (see the docstring)."""
     groups = scores.float().reshape(-1, n)  # (prompts, n)
     passed = groups >= 1.0
-    out = {"eval/reward_mean": groups.mean().item(), "eval/pass@1": passed.float().mean().item(),
-           f"eval/pass@{n}": passed.any(dim=1).float().mean().item()}
+    out = {
+        "eval/reward_mean": groups.mean().item(),
+        "eval/pass@1": passed.float().mean().item(),
+        f"eval/pass@{n}": passed.any(dim=1).float().mean().item(),
+    }
     if response_lengths:
         out["eval/response_length"] = sum(response_lengths) / len(response_lengths)
     return out
@@ -54,8 +57,17 @@ def metric_name(key: str, n: int) -> str:
 class Evaluator:
     """Runs one evaluation with the controller's executor and scoring; tracks the best value of one metric."""
 
-    def __init__(self, prompts: list, n_samples: int, temperature: float, top_p: float, max_new_tokens: int,
-                 seed: int, every: int, best_metric_key: Optional[str] = None):
+    def __init__(
+        self,
+        prompts: list,
+        n_samples: int,
+        temperature: float,
+        top_p: float,
+        max_new_tokens: int,
+        seed: int,
+        every: int,
+        best_metric_key: Optional[str] = None,
+    ):
         self.prompts, self.n, self.every = prompts, n_samples, every
         self.spec = dict(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, n=n_samples)
         self.seed = seed
@@ -69,8 +81,12 @@ class Evaluator:
             return False
         return (self.every > 0 and step % self.every == 0) or last
 
-    def run(self, step: int, generate: Callable[[list, SamplingSpec], list[Rollout]],
-            score: Callable[[list[Rollout], list], torch.Tensor]) -> dict[str, float]:
+    def run(
+        self,
+        step: int,
+        generate: Callable[[list, SamplingSpec], list[Rollout]],
+        score: Callable[[list[Rollout], list], torch.Tensor],
+    ) -> dict[str, float]:
         t0 = time.perf_counter()
         # The same seed at every evaluation: differences between evaluations come from the weights only.
         rollouts = generate(self.prompts, SamplingSpec(**self.spec, seed=self.seed * 1_000_003 + EVAL_SEED_OFFSET))
@@ -79,8 +95,9 @@ class Evaluator:
         metrics = eval_metrics(scores, self.n, lengths)
         metrics["timing/eval"] = time.perf_counter() - t0
         self.last_step = step
-        log.info("eval at step %d: %s", step, ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()
-                                                        if k.startswith("eval/")))
+        log.info(
+            "eval at step %d: %s", step, ", ".join(f"{k} {v:.3f}" for k, v in metrics.items() if k.startswith("eval/"))
+        )
         return metrics
 
     def improved(self, metrics: dict[str, float]) -> bool:
@@ -101,8 +118,16 @@ def load_eval_prompts(cfg, tokenizer) -> list:
     d, p, e = cfg.data, cfg.ppo, cfg.eval
     try:
         rows = load_prompt_rows(e.eval_dataset, d.input_key, d.label_key, None, split=e.eval_split)
-        prompts, stats = build_prompts(rows, tokenizer, d.input_key, d.label_key, d.apply_chat_template,
-                                       d.input_template, p.prompt_max_len, d.prompt_overflow)
+        prompts, stats = build_prompts(
+            rows,
+            tokenizer,
+            d.input_key,
+            d.label_key,
+            d.apply_chat_template,
+            d.input_template,
+            p.prompt_max_len,
+            d.prompt_overflow,
+        )
     except DataError as err:
         raise DataError(f"--eval_dataset: {err}") from err
     log.info("eval prompts: %s", stats.summary())

@@ -1,9 +1,9 @@
 """Rollouts + model outputs -> Experience.
 
-    [Rollout] --rollouts_to_batch--> SequenceBatch (+ engine log-probs, rewards' text inputs)
-    SequenceBatch --ref/critic/reward/actor groups--> log-probs, values, scores
-    --> length penalties on the scores (DAPO overlong, stop-properly) --> group baseline
-    --> KL-shaped rewards, advantages, returns (algo/) --> Experience
+[Rollout] --rollouts_to_batch--> SequenceBatch (+ engine log-probs, rewards' text inputs)
+SequenceBatch --ref/critic/reward/actor groups--> log-probs, values, scores
+--> length penalties on the scores (DAPO overlong, stop-properly) --> group baseline
+--> KL-shaped rewards, advantages, returns (algo/) --> Experience
 """
 
 from __future__ import annotations
@@ -38,11 +38,11 @@ def rollouts_to_batch(rollouts: list[Rollout], pad_id: int) -> tuple[SequenceBat
     logprobs = torch.zeros(B, A, dtype=torch.float32)
     for i, r in enumerate(rollouts):
         p, n = len(r.prompt_ids), len(r.response_ids)
-        seq[i, P - p:P] = torch.tensor(r.prompt_ids, dtype=torch.long)
-        attn[i, P - p:P] = 1
+        seq[i, P - p : P] = torch.tensor(r.prompt_ids, dtype=torch.long)
+        attn[i, P - p : P] = 1
         if n:
-            seq[i, P:P + n] = torch.tensor(r.response_ids, dtype=torch.long)
-            attn[i, P:P + n] = 1
+            seq[i, P : P + n] = torch.tensor(r.response_ids, dtype=torch.long)
+            attn[i, P : P + n] = 1
             action_mask[i, :n] = True if r.action_mask is None else torch.tensor(r.action_mask[:n]).bool()
             logprobs[i, :n] = torch.tensor(r.logprobs[:n], dtype=torch.float32)
     return SequenceBatch(seq, attn, action_mask), logprobs
@@ -68,14 +68,26 @@ class ExperienceConfig:
 
     @classmethod
     def from_ppo(cls, ppo) -> "ExperienceConfig":
-        return cls(ppo.advantage_estimator, ppo.n_samples_per_prompt, ppo.kl_estimator, ppo.use_kl_loss,
-                   tuple(ppo.reward_clip_range), ppo.gamma, ppo.lambd, not ppo.no_advantage_std_norm,
-                   ppo.generate_max_len, ppo.overlong_buffer_len, ppo.overlong_penalty_factor,
-                   ppo.stop_properly_penalty_coef, ppo.enable_vllm_is_correction)
+        return cls(
+            ppo.advantage_estimator,
+            ppo.n_samples_per_prompt,
+            ppo.kl_estimator,
+            ppo.use_kl_loss,
+            tuple(ppo.reward_clip_range),
+            ppo.gamma,
+            ppo.lambd,
+            not ppo.no_advantage_std_norm,
+            ppo.generate_max_len,
+            ppo.overlong_buffer_len,
+            ppo.overlong_penalty_factor,
+            ppo.stop_properly_penalty_coef,
+            ppo.enable_vllm_is_correction,
+        )
 
 
-def length_penalties(scores: torch.Tensor, lengths: torch.Tensor, truncated: Optional[torch.Tensor],
-                     cfg: ExperienceConfig) -> tuple[torch.Tensor, dict[str, float]]:
+def length_penalties(
+    scores: torch.Tensor, lengths: torch.Tensor, truncated: Optional[torch.Tensor], cfg: ExperienceConfig
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Scores (B,) after the DAPO overlong and the stop-properly penalties (OpenRLHF's order: overlong first)."""
     info: dict[str, float] = {}
     if cfg.overlong_buffer_len is not None:
@@ -88,10 +100,18 @@ def length_penalties(scores: torch.Tensor, lengths: torch.Tensor, truncated: Opt
     return scores, info
 
 
-def make_experience(batch: SequenceBatch, scores: torch.Tensor, old_log_probs: Optional[torch.Tensor],
-                    ref_log_probs: Optional[torch.Tensor], values: Optional[torch.Tensor], kl_coef: float,
-                    cfg: ExperienceConfig, weight_version: int = 0, truncated: Optional[torch.Tensor] = None,
-                    rollout_log_probs: Optional[torch.Tensor] = None) -> tuple[Experience, dict[str, float]]:
+def make_experience(
+    batch: SequenceBatch,
+    scores: torch.Tensor,
+    old_log_probs: Optional[torch.Tensor],
+    ref_log_probs: Optional[torch.Tensor],
+    values: Optional[torch.Tensor],
+    kl_coef: float,
+    cfg: ExperienceConfig,
+    weight_version: int = 0,
+    truncated: Optional[torch.Tensor] = None,
+    rollout_log_probs: Optional[torch.Tensor] = None,
+) -> tuple[Experience, dict[str, float]]:
     """One step's scored rollouts -> an Experience batch and its summary numbers.
 
     scores (B,) task rewards (already normalized if --normalize_reward); log-probs and values (B, A);
@@ -105,15 +125,22 @@ def make_experience(batch: SequenceBatch, scores: torch.Tensor, old_log_probs: O
     scores, penalty_info = length_penalties(scores, mask.sum(-1), truncated, cfg)
     baselined = group_baseline(scores, cfg.n_samples_per_prompt, cfg.advantage_estimator)  # (B,)
     rewards = shape_rewards(baselined, kl, mask, 0.0 if cfg.use_kl_loss else kl_coef, cfg.reward_clip_range)
-    advantages, returns = compute_advantages(cfg.advantage_estimator, rewards, mask, values=values,
-                                             gamma=cfg.gamma, lambd=cfg.lambd, std_norm=cfg.std_norm)
-    exp = Experience(batch.sequences, batch.attention_mask, mask, action_log_probs=old_log_probs,
-                     advantages=advantages, returns=returns if values is not None else None, values=values,
-                     base_action_log_probs=ref_log_probs if cfg.use_kl_loss else None,
-                     weight_version=weight_version,
-                     # engine log-probs: for IS correction, and for the engine gap on a single pass
-                     rollout_log_probs=rollout_log_probs if cfg.keep_rollout_log_probs or old_log_probs is None
-                     else None)
+    advantages, returns = compute_advantages(
+        cfg.advantage_estimator, rewards, mask, values=values, gamma=cfg.gamma, lambd=cfg.lambd, std_norm=cfg.std_norm
+    )
+    exp = Experience(
+        batch.sequences,
+        batch.attention_mask,
+        mask,
+        action_log_probs=old_log_probs,
+        advantages=advantages,
+        returns=returns if values is not None else None,
+        values=values,
+        base_action_log_probs=ref_log_probs if cfg.use_kl_loss else None,
+        weight_version=weight_version,
+        # engine log-probs: for IS correction, and for the engine gap on a single pass
+        rollout_log_probs=rollout_log_probs if cfg.keep_rollout_log_probs or old_log_probs is None else None,
+    )
     lengths = mask.sum(-1).clamp(min=1).float()
     info = {
         "reward_mean": scores.mean().item(),

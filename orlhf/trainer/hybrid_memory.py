@@ -29,8 +29,10 @@ class SleepSwitch:
         # wake their weights too, not only the KV cache.
         self.weights_asleep = self.vllm
         if asked and not on_gpu:
-            log.info("--vllm_enable_sleep / --deepspeed_enable_sleep do nothing on CPU (no device memory to free); "
-                     "the run is otherwise the same")
+            log.info(
+                "--vllm_enable_sleep / --deepspeed_enable_sleep do nothing on CPU (no device memory to free); "
+                "the run is otherwise the same"
+            )
 
     @staticmethod
     def _engine() -> type:
@@ -48,8 +50,9 @@ class SleepSwitch:
             for call in [g.call(DeepSpeedWorker.offload_states) for g in self._trained()]:
                 call.get()
         if self.vllm:
-            self.m.engines.call(self._engine().wake_up,
-                                ["weights", "kv_cache"] if self.weights_asleep else ["kv_cache"]).get()
+            self.m.engines.call(
+                self._engine().wake_up, ["weights", "kv_cache"] if self.weights_asleep else ["kv_cache"]
+            ).get()
             self.weights_asleep = False
 
     def after_generate(self) -> None:

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from orlhf.storage.checkpoint import load_controller_state, rng_state, save_controller_state, set_rng_state
 from orlhf.config.fingerprint import config_fingerprint
+from orlhf.storage.checkpoint import load_controller_state, rng_state, save_controller_state, set_rng_state
 from orlhf.workers import PolicyWorker
 from orlhf.workers.base import DeepSpeedWorker
 
@@ -32,14 +32,27 @@ def save_run(ctl, mgr) -> Path:
     loader_state = {**ctl.loader.state_dict(), "episode": step // spe, "batch_in_episode": step % spe}
     if ctl.filter is not None:  # refills read more batches than steps (sync only): the loader's own position
         loader_state = ctl.loader.state_dict()
-    save_controller_state(tmp, {
-        "step_index": step, "weight_version": ctl.weight_version, "loader": loader_state,
-        "kl_ctl": ctl.kl_ctl.state_dict(),
-        "reward_norm": ctl.scorer.reward_norm.state_dict() if ctl.scorer.reward_norm else None, "rng": rng_state(),
-        "best_eval": ctl.evaluator.best if ctl.evaluator else None})
-    return mgr.commit(tmp, step, {"fingerprint": config_fingerprint(ctl.cfg),
-                                  "roles": {role: g.world_size for role, g in trained},
-                                  **({"resumable": False} if hf_only else {})})
+    save_controller_state(
+        tmp,
+        {
+            "step_index": step,
+            "weight_version": ctl.weight_version,
+            "loader": loader_state,
+            "kl_ctl": ctl.kl_ctl.state_dict(),
+            "reward_norm": ctl.scorer.reward_norm.state_dict() if ctl.scorer.reward_norm else None,
+            "rng": rng_state(),
+            "best_eval": ctl.evaluator.best if ctl.evaluator else None,
+        },
+    )
+    return mgr.commit(
+        tmp,
+        step,
+        {
+            "fingerprint": config_fingerprint(ctl.cfg),
+            "roles": {role: g.world_size for role, g in trained},
+            **({"resumable": False} if hf_only else {}),
+        },
+    )
 
 
 def restore_run(ctl, path: Path) -> None:

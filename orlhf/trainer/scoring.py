@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from orlhf.algo.rewards import RunningMoments
-from orlhf.trainer.experience import rollouts_to_batch
 from orlhf.inputs.head_files import reward_normalization
 from orlhf.rollout.executor import agent_reward_result, agent_scores
+from orlhf.trainer.experience import rollouts_to_batch
 from orlhf.types import Rollout, SequenceBatch
 from orlhf.workers import CriticWorker, PolicyWorker, ReferenceWorker, RewardWorker
 
@@ -58,8 +58,12 @@ class Scorer:
         norm = reward_normalization(cfg.ppo.normalize_reward, cfg.data.reward_pretrain)
         self.reward_norm = RunningMoments() if norm == "running" else None
         if norm != "off":
-            log.info("--normalize_reward: %s", "the reward model's stored mean/std" if norm == "stored" else
-                     "running mean/std of this run's rewards (the reward source stores none)")
+            log.info(
+                "--normalize_reward: %s",
+                "the reward model's stored mean/std"
+                if norm == "stored"
+                else "running mean/std of this run's rewards (the reward source stores none)",
+            )
 
     def ahead(self, prompts: list, rollouts: list[Rollout]) -> ScoredAhead:
         """Async mode, in the producer thread as soon as a batch is generated: the batch tensors, and the forwards
@@ -74,8 +78,14 @@ class Scorer:
         reward_call = self.m.reward.call_sharded_beside(RewardWorker.scores, batch) if self.m.reward else None
         return ScoredAhead(batch, engine_log_probs, ref_call, reward_call)
 
-    def score(self, batch: SequenceBatch, rollouts: list[Rollout], prompts: list, reward=None,
-              ahead: Optional[ScoredAhead] = None):
+    def score(
+        self,
+        batch: SequenceBatch,
+        rollouts: list[Rollout],
+        prompts: list,
+        reward=None,
+        ahead: Optional[ScoredAhead] = None,
+    ):
         """Everything that reads the rollouts, started together and gathered after. Returns (reward, old
         log-probs or None, ref log-probs or None, values or None); the reward part is a rewards.RewardResult:
         .rewards to train on, .scores for filtering, .extra_logs to log (`reward`: known already, from

@@ -20,8 +20,21 @@ from orlhf.types import TrainStats
 
 # The actor's metrics on a --freezing_actor_steps step: no training, so none (NaN: metrics.jsonl writes null).
 FROZEN_ACTOR_STATS: dict[str, float] = {
-    k: float("nan") for k in ("loss", "lr", "clip_frac", "clip_frac_low", "clip_frac_high", "approx_kl", "entropy",
-                              "grad_norm", "kl_loss", "kl_coef", "is_cut_frac")}
+    k: float("nan")
+    for k in (
+        "loss",
+        "lr",
+        "clip_frac",
+        "clip_frac_low",
+        "clip_frac_high",
+        "approx_kl",
+        "entropy",
+        "grad_norm",
+        "kl_loss",
+        "kl_coef",
+        "is_cut_frac",
+    )
+}
 
 
 def mean_stats(stats: list[TrainStats]) -> dict[str, float]:
@@ -31,8 +44,9 @@ def mean_stats(stats: list[TrainStats]) -> dict[str, float]:
     return {**out, **{k: sum(float(s.extra[k]) for s in stats) / len(stats) for k in extra if k not in out}}
 
 
-def engine_gap(engine_lp: torch.Tensor, old_lp: Optional[torch.Tensor], mask: torch.Tensor,
-               actor: Optional[dict] = None) -> float:
+def engine_gap(
+    engine_lp: torch.Tensor, old_lp: Optional[torch.Tensor], mask: torch.Tensor, actor: Optional[dict] = None
+) -> float:
     """Mean |engine log-prob - trainer log-prob| per action token: against `old_lp` when there is one, else from
     the sums the actor's training forward reported (`actor`: mean_stats of its TrainStats)."""
     if old_lp is not None:

@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 # MoE one (7.1e-3). A GPU run that measures its healthy gap can tighten it with the flag.
 DEFAULT_MAX_GAP = {"fp32": 1e-3, "bf16": 3e-3, "cuda": 2e-2}
 
+
 class EngineMismatchError(RuntimeError):
     """The engines' log-probs left the trainer's: the run stops before training on those samples."""
 
@@ -62,8 +63,13 @@ class SyncGuard:
         p = cfg.ppo
         # runtime.device, not cfg.device: a run's config is finished (resolved) by now; the controller's unit tests
         # drive unfinished ones, whose "auto" gets the CPU defaults
-        return cls(max_gap(cfg.vllm.max_engine_logprob_gap, cfg.deepspeed.bf16, cfg.runtime.device),
-                   cfg.deepspeed.bf16, p.temperature, p.top_p, p.async_train)
+        return cls(
+            max_gap(cfg.vllm.max_engine_logprob_gap, cfg.deepspeed.bf16, cfg.runtime.device),
+            cfg.deepspeed.bf16,
+            p.temperature,
+            p.top_p,
+            p.async_train,
+        )
 
     @property
     def comparable(self) -> bool:
@@ -75,14 +81,20 @@ class SyncGuard:
         if self.threshold is None:
             return
         if not self.comparable:
-            log.warning("--max_engine_logprob_gap is not checked in this run: at --temperature %g with --top_p %g "
-                        "the engines report log-probs of the top-p-truncated distribution, the actor of the full "
-                        "one (engine_logprob_gap is logged, not judged). --top_p 1 or --temperature 1 turns the "
-                        "check on.", self.temperature, self.top_p)
+            log.warning(
+                "--max_engine_logprob_gap is not checked in this run: at --temperature %g with --top_p %g "
+                "the engines report log-probs of the top-p-truncated distribution, the actor of the full "
+                "one (engine_logprob_gap is logged, not judged). --top_p 1 or --temperature 1 turns the "
+                "check on.",
+                self.temperature,
+                self.top_p,
+            )
         elif self.async_train:
-            log.info("--max_engine_logprob_gap with --async_train: checked only on batches generated with the "
-                     "actor's current weights (staleness 0, e.g. the first step); a stale batch differs by the "
-                     "policy's own updates, not by the sync")
+            log.info(
+                "--max_engine_logprob_gap with --async_train: checked only on batches generated with the "
+                "actor's current weights (staleness 0, e.g. the first step); a stale batch differs by the "
+                "policy's own updates, not by the sync"
+            )
 
     def check(self, gap: float, step: int, staleness: int) -> bool:
         """Raise EngineMismatchError if `gap` (mean |engine - actor| log-prob per token) is past the threshold.
@@ -95,6 +107,7 @@ class SyncGuard:
         if gap > self.threshold:
             raise EngineMismatchError(explain(gap, step, self.threshold, self.bf16))
         return True
+
 
 def explain(gap: float, step: int, threshold: float, bf16: bool) -> str:
     dtype = "bf16" if bf16 else "fp32"

@@ -96,21 +96,31 @@ class WeightSync:
         world = 1 + len(engines) * tp
         host, port = actor.call_rank(0, PolicyWorker.sync_address).get(timeout_s)[0]
         # actor rank 0 is the group's rank 0 (it hosts the store); engine e's TP workers are ranks 1 + e*tp ..
-        host_store = actor.call_rank(0, PolicyWorker.init_weight_sender, host, port, world, backend,
-                                     timeout_s)
-        joins = [engines.call_rank(e, Ext.orlhf_init_sync_group, host, port, 1 + e * tp, world, backend,
-                                   timeout_s) for e in range(len(engines))]
+        host_store = actor.call_rank(0, PolicyWorker.init_weight_sender, host, port, world, backend, timeout_s)
+        joins = [
+            engines.call_rank(e, Ext.orlhf_init_sync_group, host, port, 1 + e * tp, world, backend, timeout_s)
+            for e in range(len(engines))
+        ]
         wait_calls(host_store, *joins, timeout_s=timeout_s)
-        log.info("weight sync: %s group of %d (1 trainer + %d engine workers), %d tensors in %d buckets",
-                 backend, world, world - 1, len(self.metas), len(self.buckets))
+        log.info(
+            "weight sync: %s group of %d (1 trainer + %d engine workers), %d tensors in %d buckets",
+            backend,
+            world,
+            world - 1,
+            len(self.metas),
+            len(self.buckets),
+        )
 
     def sync(self, version: int) -> float:
         """Push the current actor weights into every engine; returns the seconds it took."""
         t0 = time.perf_counter()
         # Both sides at once, waited together: each blocks in the broadcast until the other is there, and if
         # one side fails the other is stuck, so the first error ends the wait.
-        wait_calls(self.engines.call(Ext.orlhf_receive_weights, self.metas, self.buckets),
-                   self.actor.call(PolicyWorker.send_weights, len(self.metas)), timeout_s=self.timeout_s)
+        wait_calls(
+            self.engines.call(Ext.orlhf_receive_weights, self.metas, self.buckets),
+            self.actor.call(PolicyWorker.send_weights, len(self.metas)),
+            timeout_s=self.timeout_s,
+        )
         finish(self.engines, version)
         return time.perf_counter() - t0
 
@@ -122,11 +132,18 @@ class IpcWeightSync:
         self.actor, self.engines, self.timeout_s = actor, engines, timeout_s
         tp = engines.cfg.tensor_parallel_size
         if actor.world_size != len(engines) * tp:
-            raise ValueError(f"CUDA IPC sync needs one engine worker per actor rank ({actor.world_size} actor "
-                             f"ranks, {len(engines)} engines x TP {tp})")
+            raise ValueError(
+                f"CUDA IPC sync needs one engine worker per actor rank ({actor.world_size} actor "
+                f"ranks, {len(engines)} engines x TP {tp})"
+            )
         # actor rank r shares its GPU with engine r // tp: it gets a group of that one engine
-        wait_calls(*[actor.call_rank(r, PolicyWorker.init_ipc_sync, engines.subset([r // tp]), tp)
-                     for r in range(actor.world_size)], timeout_s=timeout_s)
+        wait_calls(
+            *[
+                actor.call_rank(r, PolicyWorker.init_ipc_sync, engines.subset([r // tp]), tp)
+                for r in range(actor.world_size)
+            ],
+            timeout_s=timeout_s,
+        )
         log.info("weight sync: CUDA IPC on %d shared GPUs", actor.world_size)
 
     def sync(self, version: int) -> float:

@@ -32,17 +32,23 @@ from typing import Callable, Iterator, Optional
 import torch
 from torch import nn
 
-from orlhf.distributed.endpoints import endpoint
 from orlhf.algo.losses import LossNorm, step_norm
-from orlhf.workers.batching import pad_actions, trim
 from orlhf.config.worker_config import WorkerConfig
+from orlhf.distributed.endpoints import endpoint
+from orlhf.types import Experience, SequenceBatch, TrainStats
+from orlhf.workers.batching import pad_actions, trim
+from orlhf.workers.engine_setup import (
+    ds_config,
+    init_distributed,
+    keep_freed_memory,
+    lr_factor,
+    seed_everything,
+    worker_device,
+)
 from orlhf.workers.hf_names import meta_group, to_checkpoint_names
 from orlhf.workers.loading import hf_zero3_loading
 from orlhf.workers.micro_batches import forward_plan, train_plan
-from orlhf.workers.engine_setup import (ds_config, init_distributed, keep_freed_memory, lr_factor, seed_everything,
-                                        worker_device)
 from orlhf.workers.optim import decay_groups, make_optimizer
-from orlhf.types import Experience, SequenceBatch, TrainStats
 
 log = logging.getLogger("orlhf.workers")
 
@@ -96,14 +102,25 @@ class DeepSpeedWorker:
         if self.cfg.trainable:
             optimizer = self._make_optimizer(model)
             scheduler = self._make_scheduler(optimizer)
-            self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                                   config=self._ds_config, dist_init_required=False)
+            self.engine, *_ = deepspeed.initialize(
+                model=model,
+                optimizer=optimizer,
+                lr_scheduler=scheduler,
+                config=self._ds_config,
+                dist_init_required=False,
+            )
         else:
             self.engine, *_ = deepspeed.initialize(model=model, config=self._ds_config, dist_init_required=False)
             self.engine.eval()
-        log.info("%s rank %d/%d ready: ZeRO-%d, %s, %.2fM params", self.cfg.role, self.rank, self.world_size,
-                 self._ds_config["zero_optimization"]["stage"], self.device,
-                 sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()) / 1e6)
+        log.info(
+            "%s rank %d/%d ready: ZeRO-%d, %s, %.2fM params",
+            self.cfg.role,
+            self.rank,
+            self.world_size,
+            self._ds_config["zero_optimization"]["stage"],
+            self.device,
+            sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()) / 1e6,
+        )
 
     def deepspeed_config(self) -> dict:
         """The config deepspeed.initialize gets (after the process group is up: it needs the world size). A
@@ -154,17 +171,22 @@ class DeepSpeedWorker:
             result = self._forward_micro_batches(batch, fn)
         return result.clone() if result.is_inference() else result  # a plain tensor: callers may use it in autograd
 
-    def _forward_micro_batches(self, batch: SequenceBatch,
-                               fn: Callable[[SequenceBatch], torch.Tensor]) -> torch.Tensor:
-        order, sizes = forward_plan(batch, self.cfg.micro_forward_batch_size, self.cfg.trim_padding,
-                                    self.cfg.forward_max_tokens, keep_prompts=self.shared_prompt)
+    def _forward_micro_batches(self, batch: SequenceBatch, fn: Callable[[SequenceBatch], torch.Tensor]) -> torch.Tensor:
+        order, sizes = forward_plan(
+            batch,
+            self.cfg.micro_forward_batch_size,
+            self.cfg.trim_padding,
+            self.cfg.forward_max_tokens,
+            keep_prompts=self.shared_prompt,
+        )
         rows = batch.index(order) if order is not None else batch
         parts = rows.split(sizes) if sizes else []
         n_calls = self._max_over_ranks(len(parts)) if self.zero3 else len(parts)
         # A one-row dummy with this batch's shapes: used for padding calls and to shape an empty result.
         t, a = batch.sequences.shape[1], batch.num_actions
-        dummy = SequenceBatch(batch.sequences.new_zeros(1, t), batch.attention_mask.new_ones(1, t),
-                              batch.action_mask.new_ones(1, a))
+        dummy = SequenceBatch(
+            batch.sequences.new_zeros(1, t), batch.attention_mask.new_ones(1, t), batch.action_mask.new_ones(1, a)
+        )
         outs = []
         for i in range(max(n_calls, 1)):
             real = i < len(parts)
@@ -179,8 +201,9 @@ class DeepSpeedWorker:
         unsorted[order] = result
         return unsorted
 
-    def train_micro_batches(self, batch: Experience,
-                            loss_fn: Callable[[Experience, LossNorm], tuple[torch.Tensor, dict]]) -> TrainStats:
+    def train_micro_batches(
+        self, batch: Experience, loss_fn: Callable[[Experience, LossNorm], tuple[torch.Tensor, dict]]
+    ) -> TrainStats:
         """Forward/backward/step over micro-batches of cfg.train.micro_train_batch_size; DeepSpeed applies the
         optimizer at each accumulation boundary (every train_batch_size / world samples on this rank).
         With --use_dynamic_batch (cfg.train.max_tokens) each step's samples are grouped by token budget instead
@@ -199,8 +222,10 @@ class DeepSpeedWorker:
         if most != fewest:
             raise ValueError(f"{self.cfg.role} train_step: ranks got {fewest}..{most} samples; shares must be equal")
         if n == 0 or n % per_rank:
-            raise ValueError(f"{self.cfg.role} train_step got {n} samples per rank; expected a positive multiple "
-                             f"of train_batch_size / world = {per_rank} (whole optimizer steps)")
+            raise ValueError(
+                f"{self.cfg.role} train_step got {n} samples per rank; expected a positive multiple "
+                f"of train_batch_size / world = {per_rank} (whole optimizer steps)"
+            )
         dynamic = bool(self.cfg.train.max_tokens)
         micro, last = self._train_plan(batch, per_rank)
         self.engine.train()
@@ -209,7 +234,7 @@ class DeepSpeedWorker:
         for i, mb in enumerate(micro):
             if i == 0 or last[i - 1]:  # a step begins. DeepSpeed divides each loss by its configured gas
                 gas = 1 if dynamic else per_rank // self.cfg.train.micro_train_batch_size  # (1 when dynamic)
-                norm = self._step_norm([x.action_mask for x in micro[i:last.index(True, i) + 1]], gas)
+                norm = self._step_norm([x.action_mask for x in micro[i : last.index(True, i) + 1]], gas)
             if dynamic:  # DeepSpeed reduces gradients and steps only where this says so
                 self.engine.set_gradient_accumulation_boundary(last[i])
             lr = self.engine.get_lr()[0]  # the LR the coming optimizer step uses
@@ -272,8 +297,9 @@ class DeepSpeedWorker:
             groups.setdefault(match.group(1) if match else "", []).append((name, p))
         return [g for g in groups.values() if g]
 
-    def named_full_weights(self, to_cpu: bool = True, copy: bool = True, all_ranks: bool = False,
-                           checkpoint_format: bool = True) -> Iterator[list[tuple[str, Optional[torch.Tensor]]]]:
+    def named_full_weights(
+        self, to_cpu: bool = True, copy: bool = True, all_ranks: bool = False, checkpoint_format: bool = True
+    ) -> Iterator[list[tuple[str, Optional[torch.Tensor]]]]:
         """Yield the full weights one group at a time: a group is whole transformer blocks' worth of
         (hf_name, tensor) (one block per group, plus one group of embeddings / final norm / head).
 
@@ -303,8 +329,10 @@ class DeepSpeedWorker:
 
     def checkpoint_groups_meta(self) -> list[list[tuple[str, str, tuple]]]:
         """(name, dtype, full shape) per group, exactly as named_full_weights() yields them. Local, no gather."""
-        return [[(n, str(t.dtype), tuple(t.shape)) for n, t in to_checkpoint_names(self.module, meta_group(g))]
-                for g in self._param_groups()]
+        return [
+            [(n, str(t.dtype), tuple(t.shape)) for n, t in to_checkpoint_names(self.module, meta_group(g))]
+            for g in self._param_groups()
+        ]
 
     @endpoint
     def state_dict_full(self) -> Optional[dict[str, torch.Tensor]]:

@@ -61,7 +61,7 @@ def trim(batch: Batch) -> Batch:
         v = getattr(batch, f.name)
         if not isinstance(v, torch.Tensor) or v.dim() < 2:
             continue
-        out[f.name] = v[:, lead:p + a_keep] if f.name in SEQ_FIELDS else v[:, :a_keep]
+        out[f.name] = v[:, lead : p + a_keep] if f.name in SEQ_FIELDS else v[:, :a_keep]
     return replace(batch, **out)
 
 
@@ -121,9 +121,16 @@ def pack(batch) -> Packed:
     ids = batch.sequences[mask]  # row-major: each sample's real tokens in order, samples one after another
     positions = torch.arange(ids.numel(), device=ids.device) - torch.repeat_interleave(starts, lengths)
     rows, cols = batch.action_mask.bool().nonzero(as_tuple=True)  # responses are a prefix of the action columns
-    return Packed(input_ids=ids.unsqueeze(0), position_ids=positions.unsqueeze(0),
-                  score_index=starts[rows] + prompt[rows] + cols - 1, action_rows=rows, action_cols=cols,
-                  last_index=starts + lengths - 1, batch_size=len(batch), num_actions=batch.num_actions)
+    return Packed(
+        input_ids=ids.unsqueeze(0),
+        position_ids=positions.unsqueeze(0),
+        score_index=starts[rows] + prompt[rows] + cols - 1,
+        action_rows=rows,
+        action_cols=cols,
+        last_index=starts + lengths - 1,
+        batch_size=len(batch),
+        num_actions=batch.num_actions,
+    )
 
 
 def first_fit_bins(lengths: list[int], budget: int) -> int:

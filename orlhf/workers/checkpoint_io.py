@@ -32,6 +32,7 @@ def save_worker_checkpoint(worker, folder: str) -> None:
     if worker.world_size > 1:
         dist.barrier()
 
+
 def load_worker_checkpoint(worker, folder: str) -> None:
     """Collective: restore what save_checkpoint wrote, right after init() and before any other call (ZeRO-3
     loads into the freshly partitioned model). Parameters, optimizer states, LR scheduler, DeepSpeed's step
@@ -42,25 +43,31 @@ def load_worker_checkpoint(worker, folder: str) -> None:
     from orlhf.storage.checkpoint import load_state, set_rng_state
     from orlhf.storage.checkpoint_format import CheckpointError
 
-    ranks = len([f for f in os.listdir(folder) if re.fullmatch(r"rng_rank\d+\.json", f)]) \
-        if os.path.isdir(folder) else 0
+    ranks = (
+        len([f for f in os.listdir(folder) if re.fullmatch(r"rng_rank\d+\.json", f)]) if os.path.isdir(folder) else 0
+    )
     if ranks != worker.world_size:
-        raise CheckpointError(f"{folder}: written by {ranks} {worker.cfg.role} ranks, this group has "
-                              f"{worker.world_size}; resume with the same number of {worker.cfg.role} GPUs/ranks")
+        raise CheckpointError(
+            f"{folder}: written by {ranks} {worker.cfg.role} ranks, this group has "
+            f"{worker.world_size}; resume with the same number of {worker.cfg.role} GPUs/ranks"
+        )
     try:
         with open(os.path.join(folder, "latest")) as f:
             tag = f.read().strip()
     except OSError as e:
         raise CheckpointError(f"{folder}: no DeepSpeed checkpoint here ({e})") from e
     engine = _engine_for_checkpoints(worker)
-    path, client = engine.load_checkpoint(folder, tag=tag, load_module_strict=True, load_optimizer_states=True,
-                                          load_lr_scheduler_states=True)
+    path, client = engine.load_checkpoint(
+        folder, tag=tag, load_module_strict=True, load_optimizer_states=True, load_lr_scheduler_states=True
+    )
     if path is None:  # DeepSpeed only warns when it finds nothing; a resume must not go on from scratch
         raise CheckpointError(f"{folder}: DeepSpeed found no checkpoint under tag {tag!r}")
     engine.micro_steps = int(client.get(_MICRO_STEPS, engine.micro_steps))
     set_rng_state(load_state(folder, f"rng_rank{worker.rank}"))
-    log.info("%s rank %d: resumed from %s (optimizer step %d)", worker.cfg.role, worker.rank, folder,
-             engine.global_steps)
+    log.info(
+        "%s rank %d: resumed from %s (optimizer step %d)", worker.cfg.role, worker.rank, folder, engine.global_steps
+    )
+
 
 def _engine_for_checkpoints(worker):
     """The engine, with DeepSpeed's checkpoint I/O reading through torch.load(weights_only=True).
@@ -78,8 +85,10 @@ def _engine_for_checkpoints(worker):
     if type(current) is TorchCheckpointEngine:
         worker.engine.checkpoint_engine = _safe_checkpoint_engine_cls()(worker.engine._config)
     elif type(current) is not _safe_checkpoint_engine_cls():
-        raise RuntimeError(f"unexpected DeepSpeed checkpoint engine {type(current).__name__}: orlhf loads "
-                           "checkpoints through TorchCheckpointEngine with weights_only=True only")
+        raise RuntimeError(
+            f"unexpected DeepSpeed checkpoint engine {type(current).__name__}: orlhf loads "
+            "checkpoints through TorchCheckpointEngine with weights_only=True only"
+        )
     return worker.engine
 
 

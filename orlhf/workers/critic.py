@@ -25,14 +25,14 @@ from typing import Optional
 import torch
 from torch import nn
 
-from orlhf.distributed.endpoints import endpoint
 from orlhf.algo.losses import LossNorm, aggregate, masked_mean, value_loss_per_token
-from orlhf.workers.batching import Packed, pack
 from orlhf.config.worker_config import CriticConfig, RewardConfig
+from orlhf.distributed.endpoints import endpoint
+from orlhf.inputs.head_files import resolve_prefix, stored_reward_stats
 from orlhf.types import Experience, SequenceBatch, TrainStats
 from orlhf.workers.base import DeepSpeedWorker, position_ids_from
+from orlhf.workers.batching import Packed, pack
 from orlhf.workers.loading import from_pretrained
-from orlhf.inputs.head_files import resolve_prefix, stored_reward_stats
 from orlhf.workers.shared_prompt import shared_prompt_forward, worker_shares_prompts
 from orlhf.workers.value_head import find_head
 
@@ -56,15 +56,27 @@ class ValueModel(nn.Module):
     def backbone(self) -> nn.Module:
         return getattr(self, self.prefix)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
-                position_ids: Optional[torch.Tensor] = None, past_key_values=None, use_cache: bool = False):
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        position_ids: Optional[torch.Tensor] = None,
+        past_key_values=None,
+        use_cache: bool = False,
+    ):
         """(B, T) values; with use_cache, (values, the backbone's cache) (workers/shared_prompt.py).
-        position_ids default to counting attention_mask's real tokens; a packed row (orlhf/workers/batching.py) passes its
+        position_ids default to counting attention_mask's real tokens; a packed row (orlhf/workers/batching.py) passes
+        its
         own and attention_mask=None."""
         if position_ids is None:
             position_ids = position_ids_from(attention_mask)
-        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            past_key_values=past_key_values, use_cache=use_cache)
+        out = self.backbone(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+        )
         values = self.value_head(out.last_hidden_state).squeeze(-1).float()  # (B, T)
         if self.normalize is not None:
             mean, std = self.normalize
@@ -76,7 +88,8 @@ class ValueModel(nn.Module):
 
 
 def packed_values(model: nn.Module, batch) -> tuple[torch.Tensor, Packed]:
-    """A ValueModel over the batch packed into one row (orlhf/workers/batching.py): (N,) values and the Packed layout."""
+    """A ValueModel over the batch packed into one row (orlhf/workers/batching.py): (N,) values and the Packed
+    layout."""
     p = pack(batch)
     return model(input_ids=p.input_ids, attention_mask=None, position_ids=p.position_ids)[0], p
 
@@ -84,6 +97,7 @@ def packed_values(model: nn.Module, batch) -> tuple[torch.Tensor, Packed]:
 def shared_values(model: nn.Module, batch, through_last: bool = False) -> Optional[torch.Tensor]:
     """A ValueModel's values of columns P-1 .. T-2 (through T-1 with through_last) with each distinct prompt run
     once (workers/shared_prompt.py), or None where that does not apply: then the caller runs the whole rows."""
+
     def run(ids, mask, pos, cache):
         return model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
 
@@ -116,11 +130,19 @@ def load_value_model(cfg: CriticConfig | RewardConfig, required: bool = False) -
         log.info("%s: value head %s.weight from %s", cfg.role, prefix, cfg.model_path)
     normalize = stats if cfg.head.normalize_reward else None
     if stats is not None and not cfg.head.normalize_reward:
-        log.info("%s: %s stores reward mean %g / std %g; pass --normalize_reward to apply them (as OpenRLHF)",
-                 cfg.role, cfg.model_path, *stats)
+        log.info(
+            "%s: %s stores reward mean %g / std %g; pass --normalize_reward to apply them (as OpenRLHF)",
+            cfg.role,
+            cfg.model_path,
+            *stats,
+        )
     elif normalize is not None:
-        log.info("%s: --normalize_reward: (x - %g) / %g with the mean/std stored in %s/config.json", cfg.role,
-                 *normalize, cfg.model_path)
+        log.info(
+            "%s: --normalize_reward: (x - %g) / %g with the mean/std stored in %s/config.json",
+            cfg.role,
+            *normalize,
+            cfg.model_path,
+        )
     return ValueModel(backbone, head.to(backbone.dtype), normalize)
 
 
@@ -136,8 +158,9 @@ class CriticWorker(DeepSpeedWorker):
     def init(self) -> None:
         """Collective: all ranks call it together."""
         super().init()
-        self.shared_prompt = worker_shares_prompts(self, lambda b: self._action_values(b, False),
-                                                   lambda b: shared_values(self.engine, b))
+        self.shared_prompt = worker_shares_prompts(
+            self, lambda b: self._action_values(b, False), lambda b: shared_values(self.engine, b)
+        )
         self.shared_prompt_train = self.shared_prompt and not self.cfg.gradient_checkpointing
 
     @endpoint
@@ -156,7 +179,7 @@ class CriticWorker(DeepSpeedWorker):
             return p.unflatten(v[p.score_index])
         v = shared_values(self.engine, mb) if shared else None  # (b, A): the columns before each action
         if v is None:
-            v = self.engine(input_ids=mb.sequences, attention_mask=mb.attention_mask)[:, -mb.num_actions - 1:-1]
+            v = self.engine(input_ids=mb.sequences, attention_mask=mb.attention_mask)[:, -mb.num_actions - 1 : -1]
         return v * mb.action_mask
 
     @endpoint
@@ -183,12 +206,13 @@ class CriticWorker(DeepSpeedWorker):
         if self.world_size > 1:
             dist.barrier()
 
-
     def _loss(self, mb: Experience, norm: LossNorm) -> tuple[torch.Tensor, dict]:
         """Clipped value loss, aggregated over the optimizer step like the actor's (algo/losses.py)."""
         values = self._action_values(mb, self.shared_prompt_train)
         per_token, bound = value_loss_per_token(values, mb.values, mb.returns, self.cfg.loss.value_clip)
         loss = aggregate(per_token, mb.action_mask, self.cfg.loss.loss_agg_mode, norm)
-        return loss, {"loss": masked_mean(per_token.detach(), mb.action_mask).item(),
-                      "clip_frac": masked_mean(bound.float(), mb.action_mask).item(),
-                      "values": masked_mean(values.detach(), mb.action_mask).item()}
+        return loss, {
+            "loss": masked_mean(per_token.detach(), mb.action_mask).item(),
+            "clip_frac": masked_mean(bound.float(), mb.action_mask).item(),
+            "values": masked_mean(values.detach(), mb.action_mask).item(),
+        }

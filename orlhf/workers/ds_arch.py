@@ -40,5 +40,8 @@ def use_arch_list_deepspeed_reads() -> None:
         return
     logging.getLogger("orlhf").warning(
         "TORCH_CUDA_ARCH_LIST=%s: DeepSpeed's op builder cannot read arch suffixes; its ops (FusedAdam, inference "
-        "kernels) are compiled for %s, which runs on the same GPUs", old, fixed)
+        "kernels) are compiled for %s, which runs on the same GPUs",
+        old,
+        fixed,
+    )
     os.environ["TORCH_CUDA_ARCH_LIST"] = fixed

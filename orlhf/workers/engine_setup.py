@@ -11,8 +11,8 @@ import random
 import torch
 
 from orlhf.config.worker_config import WorkerConfig
-from orlhf.workers.ds_arch import use_arch_list_deepspeed_reads
 from orlhf.cpu.ds_import import load_muon_uncompiled
+from orlhf.workers.ds_arch import use_arch_list_deepspeed_reads
 
 log = logging.getLogger("orlhf.workers")
 
@@ -77,7 +77,8 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):
         return False
     return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES)) and bool(
-        mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD_BYTES))
+        mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD_BYTES)
+    )
 
 
 def seed_everything(seed: int) -> None:
@@ -91,8 +92,9 @@ def seed_everything(seed: int) -> None:
         pass
 
 
-def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float = MIN_LR_RATIO,
-              kind: str = "cosine_with_min_lr") -> float:
+def lr_factor(
+    step: int, warmup_steps: int, total_steps: int, min_ratio: float = MIN_LR_RATIO, kind: str = "cosine_with_min_lr"
+) -> float:
     """LR multiplier at optimizer step `step` (0-based): linear warm-up, then the decay `kind` (--lr_scheduler):
 
         cosine_with_min_lr  cosine down to min_ratio (OpenRLHF's default)     cosine  cosine down to 0
@@ -124,17 +126,23 @@ def ds_config(cfg: WorkerConfig, world_size: int) -> dict:
             raise ValueError(
                 f"{cfg.role}: train_batch_size {t.train_batch_size} must be a positive multiple of "
                 f"micro_train_batch_size {t.micro_train_batch_size} x world size {world_size} = {per_step}; "
-                f"change --train_batch_size or --micro_train_batch_size")
+                f"change --train_batch_size or --micro_train_batch_size"
+            )
         zero: dict = {"stage": cfg.zero_stage}
         if t.adam_offload:
             zero["offload_optimizer"] = {"device": "cpu", "pin_memory": cuda}
-        batch = {"train_batch_size": t.train_batch_size,
-                 "train_micro_batch_size_per_gpu": t.micro_train_batch_size,
-                 "gradient_accumulation_steps": t.train_batch_size // per_step}
+        batch = {
+            "train_batch_size": t.train_batch_size,
+            "train_micro_batch_size_per_gpu": t.micro_train_batch_size,
+            "gradient_accumulation_steps": t.train_batch_size // per_step,
+        }
         clip = t.max_norm
         if t.max_tokens:  # --use_dynamic_batch: the worker marks each step's last micro-batch itself
-            batch = {"train_batch_size": world_size, "train_micro_batch_size_per_gpu": 1,
-                     "gradient_accumulation_steps": 1}
+            batch = {
+                "train_batch_size": world_size,
+                "train_micro_batch_size_per_gpu": 1,
+                "gradient_accumulation_steps": 1,
+            }
     else:
         stage = 3 if cfg.zero_stage == 3 else 0
         zero = {"stage": stage}
@@ -144,8 +152,11 @@ def ds_config(cfg: WorkerConfig, world_size: int) -> dict:
             else:
                 _log_cpu_param_offload_once()
         mb = cfg.micro_forward_batch_size
-        batch = {"train_batch_size": mb * world_size, "train_micro_batch_size_per_gpu": mb,
-                 "gradient_accumulation_steps": 1}
+        batch = {
+            "train_batch_size": mb * world_size,
+            "train_micro_batch_size_per_gpu": mb,
+            "gradient_accumulation_steps": 1,
+        }
         clip = 1.0  # no optimizer steps: DeepSpeed never clips here (the value frozen roles always had)
     return {
         **batch,

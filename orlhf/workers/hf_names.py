@@ -24,8 +24,9 @@ import torch
 from torch import nn
 
 
-def to_checkpoint_names(model: nn.Module,
-                        group: list[tuple[str, Optional[torch.Tensor]]]) -> list[tuple[str, Optional[torch.Tensor]]]:
+def to_checkpoint_names(
+    model: nn.Module, group: list[tuple[str, Optional[torch.Tensor]]]
+) -> list[tuple[str, Optional[torch.Tensor]]]:
     """One group of whole layers with transformers' load-time conversions reverted (runtime -> checkpoint names).
 
     Tensors may be real or on the meta device; they come back as views where a conversion splits a fused one.

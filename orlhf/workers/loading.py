@@ -1,7 +1,7 @@
 """Loading an HF model for a worker: dtype and attention kernels, partitioned at load under ZeRO-3.
 
-    with hf_zero3_loading(ds_config):                 transformers builds the model inside deepspeed.zero.Init
-        model = from_pretrained(AutoModelForCausalLM, path, cfg)    (each rank holds only its shard)
+with hf_zero3_loading(ds_config):                 transformers builds the model inside deepspeed.zero.Init
+    model = from_pretrained(AutoModelForCausalLM, path, cfg)    (each rank holds only its shard)
 """
 
 from __future__ import annotations
@@ -62,8 +62,10 @@ def _hf_deepspeed_config(config: dict):
 
 def hf_load_kwargs(cfg: WorkerConfig) -> dict:
     """from_pretrained kwargs shared by every role: dtype and attention kernels."""
-    return {"dtype": torch.bfloat16 if cfg.bf16 else torch.float32,
-            "attn_implementation": "flash_attention_2" if cfg.flash_attn else "sdpa"}
+    return {
+        "dtype": torch.bfloat16 if cfg.bf16 else torch.float32,
+        "attn_implementation": "flash_attention_2" if cfg.flash_attn else "sdpa",
+    }
 
 
 def from_pretrained(auto_cls, path: str, cfg: WorkerConfig, **kwargs):

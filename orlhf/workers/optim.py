@@ -28,8 +28,10 @@ def decay_groups(named_params, weight_decay: float) -> list[dict]:
     if weight_decay == 0:
         return [{"params": [p for _, p in trainable], "weight_decay": 0.0}]
     exempt = [any(nd in n for nd in NO_DECAY_NAMES) for n, _ in trainable]
-    groups = [{"params": [p for (_, p), e in zip(trainable, exempt) if not e], "weight_decay": weight_decay},
-              {"params": [p for (_, p), e in zip(trainable, exempt) if e], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for (_, p), e in zip(trainable, exempt) if not e], "weight_decay": weight_decay},
+        {"params": [p for (_, p), e in zip(trainable, exempt) if e], "weight_decay": 0.0},
+    ]
     return [g for g in groups if g["params"]]
 
 
@@ -41,8 +43,7 @@ def make_optimizer(params: list, cfg: ActorConfig | CriticConfig) -> torch.optim
     if kind == "DeepSpeedCPUAdam":
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-        return DeepSpeedCPUAdam(params, lr=t.learning_rate, betas=betas, weight_decay=decay,
-                                adamw_mode=True)
+        return DeepSpeedCPUAdam(params, lr=t.learning_rate, betas=betas, weight_decay=decay, adamw_mode=True)
     if kind == "FusedAdam":
         return _fused_adam(params, t.learning_rate, betas, decay)
     return torch.optim.AdamW(params, lr=t.learning_rate, betas=betas, weight_decay=decay)
@@ -73,5 +74,5 @@ def _fused_adam(params, lr: float, betas: tuple, weight_decay: float) -> torch.o
             f"--deepspeed_enable_sleep needs DeepSpeed's FusedAdam (ZeRO-3's offload_states moves only its "
             f"states), and it failed to load: {e}. Install nvcc and ninja (the op compiles on first use, about a "
             "minute), or reinstall DeepSpeed with DS_BUILD_FUSED_ADAM=1; or add --adam_offload (Adam states on "
-            "the host), or drop --deepspeed_enable_sleep.") from e
-
+            "the host), or drop --deepspeed_enable_sleep."
+        ) from e

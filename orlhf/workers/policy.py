@@ -26,14 +26,14 @@ from typing import Optional
 import torch
 from torch import nn
 
-from orlhf.distributed.endpoints import endpoint
 from orlhf.algo.kl import approx_kl
 from orlhf.algo.logprobs import token_log_probs, token_log_probs_entropy, window
 from orlhf.algo.losses import LossNorm, aggregate, entropy_from_logits, masked_mean, policy_loss_terms
-from orlhf.workers.batching import pack
 from orlhf.config.worker_config import WorkerConfig
+from orlhf.distributed.endpoints import endpoint
 from orlhf.types import Experience, SequenceBatch, TrainStats
 from orlhf.workers.base import DeepSpeedWorker, position_ids_from
+from orlhf.workers.batching import pack
 from orlhf.workers.loading import from_pretrained
 from orlhf.workers.shared_prompt import shared_prompt_forward, worker_shares_prompts
 
@@ -48,8 +48,9 @@ def load_causal_lm(cfg: WorkerConfig) -> nn.Module:
     return model
 
 
-def action_logits(model: nn.Module, batch: SequenceBatch, temperature: float, packed: bool = False,
-                  shared: bool = False) -> torch.Tensor:
+def action_logits(
+    model: nn.Module, batch: SequenceBatch, temperature: float, packed: bool = False, shared: bool = False
+) -> torch.Tensor:
     """(B, A, V) float32 logits / temperature that score the A action tokens (positions T-A-1 .. T-2).
 
     packed: run the batch as one row of real tokens (orlhf/workers/batching.py); zeros where there is no action token.
@@ -58,8 +59,9 @@ def action_logits(model: nn.Module, batch: SequenceBatch, temperature: float, pa
     return window(logits, offset, batch.num_actions, temperature)
 
 
-def model_logits(model: nn.Module, batch: SequenceBatch, packed: bool = False,
-                 shared: bool = False) -> tuple[torch.Tensor, int]:
+def model_logits(
+    model: nn.Module, batch: SequenceBatch, packed: bool = False, shared: bool = False
+) -> tuple[torch.Tensor, int]:
     """(logits (B, L, V) as the model returns them, offset): the action tokens' logits are [:, offset:offset + A].
     Left unsliced so that token_log_probs' backward writes the whole gradient at once (orlhf/algo/logprobs.py).
 
@@ -75,20 +77,32 @@ def model_logits(model: nn.Module, batch: SequenceBatch, packed: bool = False,
     kwargs = {}
     if keep:  # the LM head then runs on A+1 positions only, not all T
         kwargs["logits_to_keep"] = num_actions + 1
-    out = model(input_ids=batch.sequences, attention_mask=batch.attention_mask, position_ids=position_ids,
-                use_cache=False, **kwargs)
+    out = model(
+        input_ids=batch.sequences,
+        attention_mask=batch.attention_mask,
+        position_ids=position_ids,
+        use_cache=False,
+        **kwargs,
+    )
     return out.logits, out.logits.shape[1] - num_actions - 1
 
 
-def shared_action_logits(model: nn.Module, batch: SequenceBatch, position_ids: Optional[torch.Tensor] = None,
-                         keep: Optional[bool] = None) -> Optional[torch.Tensor]:
+def shared_action_logits(
+    model: nn.Module, batch: SequenceBatch, position_ids: Optional[torch.Tensor] = None, keep: Optional[bool] = None
+) -> Optional[torch.Tensor]:
     """(B, A, V) logits scoring the A action tokens with each distinct prompt run once (workers/shared_prompt.py),
     or None where that does not apply (no prompt shared, or the model keeps no cache)."""
     keep = _accepts_logits_to_keep(model) if keep is None else keep
 
     def run(ids, mask, pos, cache):  # the prefix pass needs no logits: the LM head on one column
-        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
-                    **({"logits_to_keep": 1} if keep and cache is None else {}))
+        out = model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=pos,
+            past_key_values=cache,
+            use_cache=True,
+            **({"logits_to_keep": 1} if keep and cache is None else {}),
+        )
         return out.logits, getattr(out, "past_key_values", None)
 
     if position_ids is None:
@@ -100,8 +114,13 @@ def _packed_action_logits(model: nn.Module, batch: SequenceBatch) -> torch.Tenso
     p = pack(batch)
     keep = _accepts_logits_to_keep(model)
     # attention_mask=None: transformers reads the sample boundaries from position_ids (varlen / block mask)
-    out = model(input_ids=p.input_ids, position_ids=p.position_ids, attention_mask=None, use_cache=False,
-                **({"logits_to_keep": p.score_index} if keep else {}))
+    out = model(
+        input_ids=p.input_ids,
+        position_ids=p.position_ids,
+        attention_mask=None,
+        use_cache=False,
+        **({"logits_to_keep": p.score_index} if keep else {}),
+    )
     logits = out.logits[0] if keep else out.logits[0, p.score_index]
     return p.unflatten(logits.float())
 
@@ -111,19 +130,21 @@ def gather_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor
     return token_log_probs(logits, tokens)
 
 
-def action_log_probs(model: nn.Module, batch: SequenceBatch, temperature: float, packed: bool = False,
-                     shared: bool = False) -> torch.Tensor:
+def action_log_probs(
+    model: nn.Module, batch: SequenceBatch, temperature: float, packed: bool = False, shared: bool = False
+) -> torch.Tensor:
     """(B, A) log pi of the action tokens, through token_log_probs' one-pass backward."""
     logits, offset = model_logits(model, batch, packed, shared)
-    return token_log_probs(logits, batch.sequences[:, -batch.num_actions:], offset, temperature)
+    return token_log_probs(logits, batch.sequences[:, -batch.num_actions :], offset, temperature)
 
 
-def action_log_probs_entropy(model: nn.Module, batch: SequenceBatch, temperature: float, packed: bool = False,
-                             shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def action_log_probs_entropy(
+    model: nn.Module, batch: SequenceBatch, temperature: float, packed: bool = False, shared: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """((B, A) log pi of the action tokens as action_log_probs, (B, A) entropy of each action position's
     distribution, detached: for the log, from the softmax the log-probs' backward keeps anyway)."""
     logits, offset = model_logits(model, batch, packed, shared)
-    return token_log_probs_entropy(logits, batch.sequences[:, -batch.num_actions:], offset, temperature)
+    return token_log_probs_entropy(logits, batch.sequences[:, -batch.num_actions :], offset, temperature)
 
 
 def _accepts_logits_to_keep(model: nn.Module) -> bool:
@@ -138,16 +159,18 @@ def _forward_takes_logits_to_keep(cls: type) -> bool:
 
 def _log_probs(worker: DeepSpeedWorker, batch: SequenceBatch) -> torch.Tensor:
     def fn(mb: SequenceBatch) -> torch.Tensor:
-        return action_log_probs(worker.engine, mb, worker.cfg.temperature, worker.cfg.packing_samples,
-                                worker.shared_prompt)
+        return action_log_probs(
+            worker.engine, mb, worker.cfg.temperature, worker.cfg.packing_samples, worker.shared_prompt
+        )
 
     return worker.forward_micro_batches(batch, fn)
 
 
 def shares_prompts(worker: DeepSpeedWorker) -> bool:
     """Whether this causal-LM worker runs each distinct prompt once per forward (workers/shared_prompt.py)."""
-    return worker_shares_prompts(worker, lambda b: action_logits(worker.engine, b, 1.0),
-                                 lambda b: shared_action_logits(worker.engine, b))
+    return worker_shares_prompts(
+        worker, lambda b: action_logits(worker.engine, b, 1.0), lambda b: shared_action_logits(worker.engine, b)
+    )
 
 
 class ReferenceWorker(DeepSpeedWorker):
@@ -208,22 +231,36 @@ class PolicyWorker(DeepSpeedWorker):
         seqs = mb.as_sequence_batch()
         if lc.entropy_loss_coef > 0:  # entropy joins the graph: (b, A, V) logits / temperature with grad
             logits = action_logits(self.engine, seqs, cfg.temperature, cfg.packing_samples, self.shared_prompt_train)
-            log_probs = gather_log_probs(logits, mb.sequences[:, -mb.num_actions:])  # (b, A)
+            log_probs = gather_log_probs(logits, mb.sequences[:, -mb.num_actions :])  # (b, A)
             entropy = entropy_from_logits(logits)  # (b, A), in the graph
         else:  # entropy is only logged: detached, from the log-probs' own softmax
-            log_probs, entropy = action_log_probs_entropy(self.engine, seqs, cfg.temperature, cfg.packing_samples,
-                                                          self.shared_prompt_train)
+            log_probs, entropy = action_log_probs_entropy(
+                self.engine, seqs, cfg.temperature, cfg.packing_samples, self.shared_prompt_train
+            )
         old = _old_log_probs(mb, log_probs)
-        terms = policy_loss_terms(log_probs, old, mb.advantages, mask, lc.eps_clip,
-                                  lc.eps_clip_high if lc.eps_clip_high is not None else lc.eps_clip,
-                                  lc.dual_clip, lc.policy_loss_type, mb.rollout_log_probs, lc.is_correction,
-                                  tuple(lc.is_threshold))
+        terms = policy_loss_terms(
+            log_probs,
+            old,
+            mb.advantages,
+            mask,
+            lc.eps_clip,
+            lc.eps_clip_high if lc.eps_clip_high is not None else lc.eps_clip,
+            lc.dual_clip,
+            lc.policy_loss_type,
+            mb.rollout_log_probs,
+            lc.is_correction,
+            tuple(lc.is_threshold),
+        )
         loss = aggregate(terms.loss, mask, lc.loss_agg_mode, norm)
         cut = terms.clipped_low | terms.clipped_high | terms.dual_clipped
-        stats = {"loss": loss.item(), "clip_frac": masked_mean(cut.float(), mask).item(),
-                 "clip_frac_low": masked_mean(terms.clipped_low.float(), mask).item(),
-                 "clip_frac_high": masked_mean(terms.clipped_high.float(), mask).item(),
-                 "approx_kl": masked_mean(old - log_probs.detach(), mask).item(), **_engine_gap_sums(mb, log_probs)}
+        stats = {
+            "loss": loss.item(),
+            "clip_frac": masked_mean(cut.float(), mask).item(),
+            "clip_frac_low": masked_mean(terms.clipped_low.float(), mask).item(),
+            "clip_frac_high": masked_mean(terms.clipped_high.float(), mask).item(),
+            "approx_kl": masked_mean(old - log_probs.detach(), mask).item(),
+            **_engine_gap_sums(mb, log_probs),
+        }
         if terms.is_cut is not None:
             stats["is_cut_frac"] = masked_mean(terms.is_cut.float(), mask).item()
         # Entropy is logged on every step; it joins the graph only when it is in the loss.
@@ -231,11 +268,13 @@ class PolicyWorker(DeepSpeedWorker):
             loss = loss - lc.entropy_loss_coef * aggregate(entropy, mask, lc.loss_agg_mode, norm)
         stats["entropy"] = masked_mean(entropy.detach(), mask).item()
         if lc.use_kl_loss:
-            kl = aggregate(approx_kl(log_probs, mb.base_action_log_probs, lc.kl_estimator), mask, lc.loss_agg_mode,
-                           norm)
+            kl = aggregate(
+                approx_kl(log_probs, mb.base_action_log_probs, lc.kl_estimator), mask, lc.loss_agg_mode, norm
+            )
             loss = loss + kl_coef * kl
-            stats["kl_loss"] = masked_mean(approx_kl(log_probs.detach(), mb.base_action_log_probs, lc.kl_estimator),
-                                           mask).item()
+            stats["kl_loss"] = masked_mean(
+                approx_kl(log_probs.detach(), mb.base_action_log_probs, lc.kl_estimator), mask
+            ).item()
         stats["loss"] = masked_mean(terms.loss.detach(), mask).item()
         return loss, stats
 
@@ -257,14 +296,12 @@ class PolicyWorker(DeepSpeedWorker):
         return ray.util.get_node_ip_address(), free_port()
 
     @endpoint
-    def init_weight_sender(self, host: str, port: int, world_size: int, backend: str,
-                           timeout_s: float = 300.0) -> None:
+    def init_weight_sender(self, host: str, port: int, world_size: int, backend: str, timeout_s: float = 300.0) -> None:
         """Rank 0 hosts the group's store and joins as rank 0; timeout_s: how long the store waits for every member
         (--ray_timeout_s)."""
         from orlhf.workers.weight_send import WeightSender
 
-        self._sender = (WeightSender(host, port, world_size, backend, self.device, timeout_s) if self.rank == 0
-                        else None)
+        self._sender = WeightSender(host, port, world_size, backend, self.device, timeout_s) if self.rank == 0 else None
 
     @endpoint
     def send_weights(self, expected: int) -> int:

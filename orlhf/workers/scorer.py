@@ -42,8 +42,9 @@ class RewardWorker(DeepSpeedWorker):
             """(B,) -> (B, A): same_as_plain compares outputs where the check batch has real actions."""
             return None if scores is None else scores[:, None].expand(batch.action_mask.shape)
 
-        self.shared_prompt = worker_shares_prompts(self, lambda b: per_action(self._scores(b, False), b),
-                                                   lambda b: per_action(self._shared_scores(b), b))
+        self.shared_prompt = worker_shares_prompts(
+            self, lambda b: per_action(self._scores(b, False), b), lambda b: per_action(self._shared_scores(b), b)
+        )
 
     @endpoint
     def scores(self, batch: SequenceBatch) -> torch.Tensor:

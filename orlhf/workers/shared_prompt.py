@@ -41,15 +41,16 @@ def prompt_groups(batch: SequenceBatch) -> Optional[tuple[torch.Tensor, torch.Te
     p = batch.sequences.shape[1] - batch.num_actions
     if p < 2 or len(batch) < 2:
         return None
-    head = batch.sequences[:, :p - 1]
-    key = torch.where(batch.attention_mask[:, :p - 1].bool(), head, torch.full_like(head, -1))  # padding as -1
+    head = batch.sequences[:, : p - 1]
+    key = torch.where(batch.attention_mask[:, : p - 1].bool(), head, torch.full_like(head, -1))  # padding as -1
     _, inverse = torch.unique(key, dim=0, return_inverse=True)
     u = int(inverse.max()) + 1
     if u == len(batch):
         return None
     rows = torch.arange(len(batch), device=inverse.device)
     first = torch.full((u,), len(batch), dtype=torch.long, device=inverse.device).scatter_reduce_(
-        0, inverse, rows, "amin")
+        0, inverse, rows, "amin"
+    )
     # order the distinct prompts by first appearance (torch.unique sorts them by value)
     order = torch.argsort(first)
     rank = torch.empty_like(order)
@@ -61,8 +62,9 @@ def prompt_groups(batch: SequenceBatch) -> Optional[tuple[torch.Tensor, torch.Te
 Run = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[object]], tuple[torch.Tensor, Optional[object]]]
 
 
-def shared_prompt_forward(run: Run, batch: SequenceBatch, position_ids: torch.Tensor,
-                          through_last: bool = False) -> Optional[torch.Tensor]:
+def shared_prompt_forward(
+    run: Run, batch: SequenceBatch, position_ids: torch.Tensor, through_last: bool = False
+) -> Optional[torch.Tensor]:
     """(B, A, ...) outputs of columns P-1 .. T-2 (what scores the A action tokens; A+1 columns, through T-1, with
     through_last), computed with each distinct prompt's first P-1 columns run once; None where that does not
     apply: no prompt shared (prompt_groups), or the model returned no cache (e.g. gradient checkpointing in
@@ -74,17 +76,22 @@ def shared_prompt_forward(run: Run, batch: SequenceBatch, position_ids: torch.Te
     first, spread = groups
     p = batch.sequences.shape[1] - batch.num_actions
     mask = batch.attention_mask
-    _, cache = run(batch.sequences[first, :p - 1], mask[first, :p - 1], position_ids[first, :p - 1], None)
+    _, cache = run(batch.sequences[first, : p - 1], mask[first, : p - 1], position_ids[first, : p - 1], None)
     if cache is None or not hasattr(cache, "batch_select_indices"):
         return None
     cache.batch_select_indices(spread)  # (U, ...) -> (B, ...) per layer
     end = batch.sequences.shape[1] if through_last else -1
-    out, _ = run(batch.sequences[:, p - 1:end], mask[:, :end], position_ids[:, p - 1:end], cache)
+    out, _ = run(batch.sequences[:, p - 1 : end], mask[:, :end], position_ids[:, p - 1 : end], cache)
     return out
 
 
-def same_as_plain(plain: Callable[[SequenceBatch], torch.Tensor], shared: Callable[[SequenceBatch], torch.Tensor],
-                  vocab_size: int, device: torch.device, float32: bool) -> bool:
+def same_as_plain(
+    plain: Callable[[SequenceBatch], torch.Tensor],
+    shared: Callable[[SequenceBatch], torch.Tensor],
+    vocab_size: int,
+    device: torch.device,
+    float32: bool,
+) -> bool:
     """Do both give the same (B, A, ...) outputs (logits, values, scores) at the real action positions of a small
     batch (2 prompts of different lengths, left-padded, 2 samples each, one response shorter)? `shared` returns
     None where it did not run shared (e.g. the model kept no cache): a no. Run without gradients; the caller puts
@@ -125,8 +132,9 @@ def prompt_major_order(batch, generator: torch.Generator) -> torch.Tensor:
     return torch.sort(place[spread], stable=True).indices
 
 
-def worker_shares_prompts(worker, plain: Callable[[SequenceBatch], torch.Tensor],
-                          shared: Callable[[SequenceBatch], torch.Tensor]) -> bool:
+def worker_shares_prompts(
+    worker, plain: Callable[[SequenceBatch], torch.Tensor], shared: Callable[[SequenceBatch], torch.Tensor]
+) -> bool:
     """Whether a model worker (workers/base.py) runs each distinct prompt once: asked for (not
     --no_shared_prompt), not packed, not ZeRO-3 over several ranks (the ranks' micro-batches would make different
     numbers of forward calls, each a round of collective parameter gathers), and `shared` gives what `plain`
@@ -140,8 +148,13 @@ def worker_shares_prompts(worker, plain: Callable[[SequenceBatch], torch.Tensor]
         ok = same_as_plain(plain, shared, vocab_size(worker.module.config), worker.device, not cfg.bf16)
     finally:
         worker.engine.train(training)
-    log.info("%s: %s", cfg.role, "each distinct prompt runs once per forward" if ok else
-             "the model's cached forward differs from its plain one; every prompt runs in each sample's row")
+    log.info(
+        "%s: %s",
+        cfg.role,
+        "each distinct prompt runs once per forward"
+        if ok
+        else "the model's cached forward differs from its plain one; every prompt runs in each sample's row",
+    )
     return ok
 
 

@@ -21,8 +21,7 @@ def _read_tensor(path: Path, name: str) -> torch.Tensor:
     return torch.load(path, map_location="cpu", weights_only=True, mmap=True)[name].clone()
 
 
-def find_head(folder: str, prefix: str, hidden: int, backbone_prefix: str, required: bool,
-              ) -> Optional[nn.Linear]:
+def find_head(folder: str, prefix: str, hidden: int, backbone_prefix: str, required: bool) -> Optional[nn.Linear]:
     """The head located by locate_head as a float32 nn.Linear(hidden, 1), or None (see locate_head)."""
     where = locate_head(folder, prefix, hidden, backbone_prefix, required)
     if where is None:

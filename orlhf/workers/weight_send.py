@@ -20,8 +20,9 @@ import torch
 class WeightSender:
     """Lives in actor rank 0's process: owns its end of the trainer -> engines group and broadcasts."""
 
-    def __init__(self, host: str, port: int, world_size: int, backend: str, device: torch.device,
-                 timeout_s: float = 300.0):
+    def __init__(
+        self, host: str, port: int, world_size: int, backend: str, device: torch.device, timeout_s: float = 300.0
+    ):
         self.backend, self.device = backend, device
         if backend == "nccl":
             from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
@@ -33,8 +34,7 @@ class WeightSender:
             from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
             store = TCPStore(host, port, world_size, is_master=True, timeout=timedelta(seconds=timeout_s))
-            self.comm = ProcessGroupGloo(PrefixStore("orlhf-sync", store), 0, world_size,
-                                         timedelta(seconds=timeout_s))
+            self.comm = ProcessGroupGloo(PrefixStore("orlhf-sync", store), 0, world_size, timedelta(seconds=timeout_s))
 
     def broadcast(self, t: torch.Tensor) -> None:
         t = t.contiguous()
@@ -44,8 +44,9 @@ class WeightSender:
             self.comm.broadcast(t, 0).wait()
 
 
-def send_groups(sender: Optional[WeightSender], groups: Iterable[list[tuple[str, Optional[torch.Tensor]]]],
-                expected: int) -> int:
+def send_groups(
+    sender: Optional[WeightSender], groups: Iterable[list[tuple[str, Optional[torch.Tensor]]]], expected: int
+) -> int:
     """Walk the worker's gathered groups (all ranks must) and broadcast them from rank 0 (sender not None).
 
     Returns the number of tensors broadcast (0 on ranks > 0).
@@ -58,8 +59,10 @@ def send_groups(sender: Optional[WeightSender], groups: Iterable[list[tuple[str,
             sender.broadcast(t)
             sent += 1
     if sender is not None and sent != expected:
-        raise RuntimeError(f"sent {sent} tensors but the engines expect {expected}: the parameter list changed "
-                           "between planning and sending")
+        raise RuntimeError(
+            f"sent {sent} tensors but the engines expect {expected}: the parameter list changed "
+            "between planning and sending"
+        )
     return sent
 
 
@@ -85,8 +88,10 @@ def merge_handles(parts: list[dict[str, dict[str, tuple]]]) -> dict[str, dict[st
     for part in parts:
         for uuid, handles in part.items():
             if uuid in merged:
-                raise RuntimeError(f"two trainer ranks of one engine sit on GPU {uuid}; CUDA IPC sync needs one "
-                                   "trainer rank per engine GPU")
+                raise RuntimeError(
+                    f"two trainer ranks of one engine sit on GPU {uuid}; CUDA IPC sync needs one "
+                    "trainer rank per engine GPU"
+                )
             merged[uuid] = handles
     return merged
 
@@ -113,7 +118,7 @@ def send_ipc(worker, engine, tp: int) -> int:
         gathered: list = [None] * worker.world_size
         dist.all_gather_object(gathered, make_ipc_handles(group, uuid))
         if leader:
-            merged = merge_handles(gathered[worker.rank:worker.rank + tp])
+            merged = merge_handles(gathered[worker.rank : worker.rank + tp])
             engine.call(Ext.orlhf_load_ipc, [n for n, _ in group], merged).get()
         dist.barrier()
         sent += len(group)

@@ -18,7 +18,11 @@ def demo_cli_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
     captured (100 columns). Used by test_terminal.py (what the terminal shows) and test_train_ppo.py (GAE learns
     with all models colocated). Returns (the finished process, its --save_path)."""
     save = tmp_path_factory.mktemp("demo_cli") / "run"
-    res = subprocess.run([sys.executable, "-m", "orlhf.cli", "train-ppo", "--device", "cpu", "--save_path", str(save),
-                          *DEMO_RUN_FLAGS], capture_output=True, text=True, timeout=900,
-                         env={**os.environ, "COLUMNS": "100"})
+    res = subprocess.run(
+        [sys.executable, "-m", "orlhf.cli", "train-ppo", "--device", "cpu", "--save_path", str(save), *DEMO_RUN_FLAGS],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "COLUMNS": "100"},
+    )
     return res, save

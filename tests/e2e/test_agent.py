@@ -24,8 +24,22 @@ DEMO_AGENT = str(Path(orlhf.__file__).parent / "demo" / "agent.py")
 
 def run(tmp_path: Path, name: str, *flags: str) -> int:
     with pytest.raises(SystemExit) as exit_:
-        main(["train-ppo", "--save_path", str(tmp_path / name), "--ckpt_path", str(tmp_path / name / "ckpt"),
-              "--device", "cpu", "--agent_func_path", DEMO_AGENT, "--generate_max_len", "8", *flags])
+        main(
+            [
+                "train-ppo",
+                "--save_path",
+                str(tmp_path / name),
+                "--ckpt_path",
+                str(tmp_path / name / "ckpt"),
+                "--device",
+                "cpu",
+                "--agent_func_path",
+                DEMO_AGENT,
+                "--generate_max_len",
+                "8",
+                *flags,
+            ]
+        )
     return exit_.value.code
 
 
@@ -36,16 +50,39 @@ def rows_of(tmp_path: Path, name: str) -> list[dict]:
 @pytest.fixture
 def eval_data(tmp_path):
     path = tmp_path / "eval.jsonl"
-    path.write_text("".join(json.dumps({"prompt": f"say colors: {w} run", "label": "colors"}) + "\n"
-                            for w in ("cat", "sky", "house", "tree", "red", "big", "sun", "dog")))
+    path.write_text(
+        "".join(
+            json.dumps({"prompt": f"say colors: {w} run", "label": "colors"}) + "\n"
+            for w in ("cat", "sky", "house", "tree", "red", "big", "sun", "dog")
+        )
+    )
     return str(path)
 
 
 def test_multi_turn_demo_learns_async_with_eval_and_best_checkpoint(ray_local, tmp_path, eval_data):
-    code = run(tmp_path, "mt", "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "4",
-               "--async_train", "--async_queue_size", "2", "--num_episodes", "3", "--eval_dataset", eval_data,
-               "--eval_steps", "8",
-               "--best_metric_key", "reward_mean", "--save_steps", "8", "--max_ckpt_num", "1")
+    code = run(
+        tmp_path,
+        "mt",
+        "--advantage_estimator",
+        "group_norm",
+        "--n_samples_per_prompt",
+        "4",
+        "--async_train",
+        "--async_queue_size",
+        "2",
+        "--num_episodes",
+        "3",
+        "--eval_dataset",
+        eval_data,
+        "--eval_steps",
+        "8",
+        "--best_metric_key",
+        "reward_mean",
+        "--save_steps",
+        "8",
+        "--max_ckpt_num",
+        "1",
+    )
     assert code == 0
     rows = rows_of(tmp_path, "mt")
     assert len(rows) == 24
@@ -86,13 +123,32 @@ def test_eval_does_not_change_the_training_trajectory(ray_local, tmp_path, eval_
 
 def test_a_bad_agent_step_names_the_file_sample_and_key(ray_local, tmp_path, capsys):
     bad = tmp_path / "bad_agent.py"
-    bad.write_text(Path(DEMO_AGENT).read_text().replace('"done": done,', '**({"done": done} if self.turn < 2 '
-                                                                          'else {}),'))
+    bad.write_text(
+        Path(DEMO_AGENT).read_text().replace('"done": done,', '**({"done": done} if self.turn < 2 else {}),')
+    )
     # reinforce without a KL: no critic and no reference to start (the error comes from the agent, not a model)
     with pytest.raises(SystemExit) as exit_:
-        main(["train-ppo", "--save_path", str(tmp_path / "bad"), "--device", "cpu", "--agent_func_path", str(bad),
-              "--generate_max_len", "8", "--max_samples", "64", "--num_episodes", "1",
-              "--advantage_estimator", "reinforce", "--init_kl_coef", "0"])
+        main(
+            [
+                "train-ppo",
+                "--save_path",
+                str(tmp_path / "bad"),
+                "--device",
+                "cpu",
+                "--agent_func_path",
+                str(bad),
+                "--generate_max_len",
+                "8",
+                "--max_samples",
+                "64",
+                "--num_episodes",
+                "1",
+                "--advantage_estimator",
+                "reinforce",
+                "--init_kl_coef",
+                "0",
+            ]
+        )
     assert exit_.value.code == 1
     err = capsys.readouterr().err
     assert str(bad) in err and "sample 0 (prompt 0 of the batch, sample 1 of 1)" in err and "'done'" in err

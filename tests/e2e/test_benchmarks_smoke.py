@@ -21,9 +21,27 @@ ROOT = Path(__file__).resolve().parents[2]
 def throughput(tmp_path_factory):
     out = tmp_path_factory.mktemp("ppo_throughput")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.run([sys.executable, "benchmarks/ppo_throughput.py", "--steps", "1", "--warmup", "1",
-                           "--modes", "hybrid,hybrid+padded,split", "--device", "cpu", "--out", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/ppo_throughput.py",
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+            "--modes",
+            "hybrid,hybrid+padded,split",
+            "--device",
+            "cpu",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return out, proc.stdout
 
@@ -70,15 +88,38 @@ def test_knob_runs_its_base_with_the_flag_and_is_compared_to_it(throughput):
 
 
 def test_unknown_knob_is_refused():
-    proc = subprocess.run([sys.executable, "benchmarks/ppo_throughput.py", "--modes", "hybrid,split+turbo"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/ppo_throughput.py", "--modes", "hybrid,split+turbo"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and "split+turbo" in proc.stderr and "mb_full" in proc.stderr
 
 
 def test_bench_padding_compares_three_layouts_with_equal_results(tmp_path):
-    proc = subprocess.run([sys.executable, "benchmarks/bench_padding.py", "--batch", "8", "--micro", "4",
-                           "--response_len", "4", "24", "--repeats", "1", "--out", str(tmp_path)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/bench_padding.py",
+            "--batch",
+            "8",
+            "--micro",
+            "4",
+            "--response_len",
+            "4",
+            "24",
+            "--repeats",
+            "1",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert set(result["results"]) == {"padded", "trimmed", "packed"} and 0 < result["real_token_share"] < 1
@@ -88,8 +129,22 @@ def test_bench_padding_compares_three_layouts_with_equal_results(tmp_path):
 
 
 def test_bench_engine_step_repeats_the_same_rollouts(tmp_path):
-    proc = subprocess.run([sys.executable, "benchmarks/bench_engine_step.py", "--repeats", "2", "--num_prompts", "8",
-                           "--out", str(tmp_path / "r.json")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/bench_engine_step.py",
+            "--repeats",
+            "2",
+            "--num_prompts",
+            "8",
+            "--out",
+            str(tmp_path / "r.json"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["rollouts"] == 32 and result["tokens"] > 32 and result["threads"] == 1

@@ -27,10 +27,13 @@ def _default_sigint() -> None:
 
 def start_run(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
     log = tmp_path / "run.log"
-    proc = subprocess.Popen([ORLHF, "train-ppo", "--num_episodes", "50", "--device", "cpu",
-                             "--save_path", str(tmp_path / "run")],
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
-                            preexec_fn=_default_sigint)
+    proc = subprocess.Popen(
+        [ORLHF, "train-ppo", "--num_episodes", "50", "--device", "cpu", "--save_path", str(tmp_path / "run")],
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=_default_sigint,
+    )
     return proc, log
 
 
@@ -77,13 +80,20 @@ def first_step_logged(tmp_path: Path, proc, log) -> None:
         time.sleep(0.5)
 
 
-@pytest.mark.parametrize("pid_line, error", [
-    # the reference and the demo's critic run in the actor's process (CPU): their calls may be the ones that meet
-    # the death first
-    (r"actor: 1 rank\(s\), pids \[(\d+)\]",
-     r"error: (actor rank 0 failed in \w+\(\)|(ref|critic) rank 0 failed in \w+\(\) \(in actor rank 0's process\))"),
-    (r"vllm engines: 1, pids \[(\d+)\]", r"error: (vllm engine|weight sync).* 0 failed"),
-], ids=["actor_rank", "vllm_engine"])
+@pytest.mark.parametrize(
+    "pid_line, error",
+    [
+        # the reference and the demo's critic run in the actor's process (CPU): their calls may be the ones that meet
+        # the death first
+        (
+            r"actor: 1 rank\(s\), pids \[(\d+)\]",
+            r"error: (actor rank 0 failed in \w+\(\)|"
+            r"(ref|critic) rank 0 failed in \w+\(\) \(in actor rank 0's process\))",
+        ),
+        (r"vllm engines: 1, pids \[(\d+)\]", r"error: (vllm engine|weight sync).* 0 failed"),
+    ],
+    ids=["actor_rank", "vllm_engine"],
+)
 def test_killed_process_stops_the_run_naming_it(tmp_path, pid_line, error):
     proc, log = start_run(tmp_path)
     pid = int(wait_for(log, pid_line, proc).group(1))

@@ -37,9 +37,23 @@ def test_frozen_actor_hf_only_checkpoints_dynamic_batch(ray_local, tmp_path, cap
     from orlhf.demo.builder import ensure_demo
 
     save = tmp_path / "run"
-    flags = ("--save_path", str(save), "--max_samples", "192", "--num_episodes", "1", "--freezing_actor_steps", "1",
-             "--save_steps", "1", "--disable_ds_ckpt", "--use_dynamic_batch", "--train_max_tokens_per_gpu", "300",
-             "--packing_samples")
+    flags = (
+        "--save_path",
+        str(save),
+        "--max_samples",
+        "192",
+        "--num_episodes",
+        "1",
+        "--freezing_actor_steps",
+        "1",
+        "--save_steps",
+        "1",
+        "--disable_ds_ckpt",
+        "--use_dynamic_batch",
+        "--train_max_tokens_per_gpu",
+        "300",
+        "--packing_samples",
+    )
     assert run(*flags) == 0
     rows = [json.loads(line) for line in open(save / "metrics.jsonl")]
     assert [r["weight_version"] for r in rows] == [0, 0, 1]  # no sync while frozen

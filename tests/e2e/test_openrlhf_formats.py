@@ -28,7 +28,7 @@ def openrlhf_reward_model(folder: Path, mean: float) -> Path:
     torch.manual_seed(0)
     backbone = LlamaModel(config)
     sd = {f"model.{k}": v.contiguous() for k, v in backbone.state_dict().items()}
-    sd["value_head.weight"] = torch.randn(1, config.hidden_size) / config.hidden_size ** 0.5
+    sd["value_head.weight"] = torch.randn(1, config.hidden_size) / config.hidden_size**0.5
     folder.mkdir()
     save_file(sd, str(folder / "model.safetensors"), metadata={"format": "pt"})
     cfg = {**config.to_dict(), "architectures": ["RewardModel"], "normalize_reward": True, "mean": mean, "std": 1.0}
@@ -46,18 +46,54 @@ def run(tmp_path: Path, *flags: str) -> int:
     a.write_text("".join(json.dumps(r) + "\n" for r in rows[:100]))
     b.write_text("".join(json.dumps(r) + "\n" for r in rows[100:200]))
     with pytest.raises(SystemExit) as exit_:
-        main(["train-ppo", "--save_path", str(tmp_path / "run"), "--device", "cpu", "--pretrain", str(demo.model),
-              "--prompt_data", f"{a},{b}", "--prompt_data_probs", "0.7,0.3", "--input_key", "prompt",
-              "--max_samples", "128", "--rollout_batch_size", "64", "--train_batch_size", "64",
-              "--micro_train_batch_size", "16", "--micro_rollout_batch_size", "32", "--prompt_max_len", "64",
-              "--generate_max_len", "16", "--enforce_eager", *flags])
+        main(
+            [
+                "train-ppo",
+                "--save_path",
+                str(tmp_path / "run"),
+                "--device",
+                "cpu",
+                "--pretrain",
+                str(demo.model),
+                "--prompt_data",
+                f"{a},{b}",
+                "--prompt_data_probs",
+                "0.7,0.3",
+                "--input_key",
+                "prompt",
+                "--max_samples",
+                "128",
+                "--rollout_batch_size",
+                "64",
+                "--train_batch_size",
+                "64",
+                "--micro_train_batch_size",
+                "16",
+                "--micro_rollout_batch_size",
+                "32",
+                "--prompt_max_len",
+                "64",
+                "--generate_max_len",
+                "16",
+                "--enforce_eager",
+                *flags,
+            ]
+        )
     return exit_.value.code
 
 
 def test_openrlhf_reward_model_with_stored_statistics_and_a_prompt_mix(ray_local, tmp_path):
     rm = openrlhf_reward_model(tmp_path / "rm", mean=1000.0)
-    code = run(tmp_path, "--reward_pretrain", str(rm), "--value_head_prefix", "value_head", "--normalize_reward",
-               "--advantage_estimator", "gae")  # the critic starts from the reward model's head
+    code = run(
+        tmp_path,
+        "--reward_pretrain",
+        str(rm),
+        "--value_head_prefix",
+        "value_head",
+        "--normalize_reward",
+        "--advantage_estimator",
+        "gae",
+    )  # the critic starts from the reward model's head
     assert code == 0
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert len(rows) == 2

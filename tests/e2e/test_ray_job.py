@@ -25,27 +25,80 @@ def test_demo_through_ray_jobs_api(tmp_path):
     ray_bin = Path(sys.executable).parent / "ray"
     temp_dir = Path("/tmp") / f"orlhf-rj-{secrets.token_hex(3)}"  # Ray socket paths must stay short
     gcs_port, dash_port, agent_port = free_port(), free_port(), free_port()
-    env = {**os.environ, "PATH": f"{ray_bin.parent}:{os.environ['PATH']}", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
+    env = {
+        **os.environ,
+        "PATH": f"{ray_bin.parent}:{os.environ['PATH']}",
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN": secrets.token_hex(16),
+    }
     head = subprocess.Popen(
-        [str(ray_bin), "start", "--head", "--block", "--port", str(gcs_port), "--node-ip-address", "127.0.0.1",
-         "--temp-dir", str(temp_dir), "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash_port),
-         "--num-cpus", "8", "--include-dashboard", "true", "--disable-usage-stats",
-         # the agent's default port (52365) is the test session's own cluster's when it runs: the Jobs API
-         # would then wait forever for an agent ("No available agent to submit job")
-         "--dashboard-agent-listen-port", str(agent_port)],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        [
+            str(ray_bin),
+            "start",
+            "--head",
+            "--block",
+            "--port",
+            str(gcs_port),
+            "--node-ip-address",
+            "127.0.0.1",
+            "--temp-dir",
+            str(temp_dir),
+            "--dashboard-host",
+            "127.0.0.1",
+            "--dashboard-port",
+            str(dash_port),
+            "--num-cpus",
+            "8",
+            "--include-dashboard",
+            "true",
+            "--disable-usage-stats",
+            # the agent's default port (52365) is the test session's own cluster's when it runs: the Jobs API
+            # would then wait forever for an agent ("No available agent to submit job")
+            "--dashboard-agent-listen-port",
+            str(agent_port),
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 90
-        while subprocess.run([str(ray_bin), "job", "list", "--address", f"http://127.0.0.1:{dash_port}"],
-                             env=env, capture_output=True).returncode != 0:
+        while (
+            subprocess.run(
+                [str(ray_bin), "job", "list", "--address", f"http://127.0.0.1:{dash_port}"],
+                env=env,
+                capture_output=True,
+            ).returncode
+            != 0
+        ):
             assert time.monotonic() < deadline and head.poll() is None, "the Ray head did not come up"
             time.sleep(2)
         save = tmp_path / "job"
-        runtime_env = json.dumps({"env_vars": {"HF_HUB_OFFLINE": "1", "ORLHF_CACHE": os.environ.get("ORLHF_CACHE", "")}})
+        runtime_env = json.dumps(
+            {"env_vars": {"HF_HUB_OFFLINE": "1", "ORLHF_CACHE": os.environ.get("ORLHF_CACHE", "")}}
+        )
         # The same command scripts/train_ppo_ray.sh runs; it waits for the job and exits non-zero if it fails.
-        submit = [str(ray_bin), "job", "submit", "--address", f"http://127.0.0.1:{dash_port}", "--runtime-env-json",
-                  runtime_env, "--", "orlhf", "train-ppo", "--num_episodes", "1", "--max_samples", "128",
-                  "--device", "cpu", "--save_path", str(save)]
+        submit = [
+            str(ray_bin),
+            "job",
+            "submit",
+            "--address",
+            f"http://127.0.0.1:{dash_port}",
+            "--runtime-env-json",
+            runtime_env,
+            "--",
+            "orlhf",
+            "train-ppo",
+            "--num_episodes",
+            "1",
+            "--max_samples",
+            "128",
+            "--device",
+            "cpu",
+            "--save_path",
+            str(save),
+        ]
         deadline = time.monotonic() + 180
         while True:  # the dashboard answers before its job agent is up: Ray says "try again later"
             job = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=400)

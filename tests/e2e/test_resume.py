@@ -16,8 +16,17 @@ from orlhf.cli import main
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray, pytest.mark.vllm]
 FLAGS = ["--device", "cpu", "--max_samples", "128", "--num_episodes", "3", "--save_steps", "3"]  # 6 steps
-COMPARED = ["reward_mean", "kl", "policy_loss", "value_loss", "approx_kl", "clip_frac", "response_length",
-            "weight_version", "actor_lr"]
+COMPARED = [
+    "reward_mean",
+    "kl",
+    "policy_loss",
+    "value_loss",
+    "approx_kl",
+    "clip_frac",
+    "response_length",
+    "weight_version",
+    "actor_lr",
+]
 
 
 def run(*flags: str) -> int:
@@ -50,12 +59,24 @@ def test_resume_equals_uninterrupted_run_and_other_flags_are_refused(ray_local, 
     assert sorted(p.name for p in ckpt.parent.iterdir()) == [".orlhf.lock", "step_000002"]
     assert meta(ckpt)["step"] == 2 and len(meta(ckpt)["run_id"]) == 12
     capsys.readouterr()
-    code = run("--save_path", str(b), "--load_checkpoint", "--rollout_batch_size", "32", "--train_batch_size",
-               "32", "--temperature", "0.7")
+    code = run(
+        "--save_path",
+        str(b),
+        "--load_checkpoint",
+        "--rollout_batch_size",
+        "32",
+        "--train_batch_size",
+        "32",
+        "--temperature",
+        "0.7",
+    )
     err = capsys.readouterr().err
     assert code == 1 and "step_000002" in err, err
-    for line in ("--rollout_batch_size: checkpoint 64, this run 32", "--train_batch_size: checkpoint 64, this run 32",
-                 "--temperature: checkpoint 1.0, this run 0.7"):
+    for line in (
+        "--rollout_batch_size: checkpoint 64, this run 32",
+        "--train_batch_size: checkpoint 64, this run 32",
+        "--temperature: checkpoint 1.0, this run 0.7",
+    ):
         assert line in err, err
     # a fresh run must not mix with old checkpoints either
     assert run("--save_path", str(b)) == 1

@@ -17,9 +17,13 @@ BAR = re.compile(r"^ppo: +\d+%\|")
 
 def run_cli(tmp_path: Path, *flags: str, timeout: float = 900) -> tuple[subprocess.CompletedProcess, Path]:
     save = tmp_path / "run"
-    res = subprocess.run([sys.executable, "-m", "orlhf.cli", "train-ppo", "--device", "cpu", "--save_path",
-                          str(save), *flags], capture_output=True, text=True, timeout=timeout,
-                         env={**os.environ, "COLUMNS": "100"})
+    res = subprocess.run(
+        [sys.executable, "-m", "orlhf.cli", "train-ppo", "--device", "cpu", "--save_path", str(save), *flags],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "COLUMNS": "100"},
+    )
     return res, save
 
 
@@ -63,9 +67,24 @@ def test_a_rank_error_reaches_the_terminal_whole(tmp_path):
         f.write_bytes(b"not a safetensors file")
     # No critic and no reference (reinforce, no KL): the driver's pre-flight of value heads reads no weights (it
     # names a corrupt file itself, test below), so the actor rank meets the broken file in its init().
-    res, save = run_cli(tmp_path, "--pretrain", str(broken), "--prompt_data", str(demo.prompts), "--remote_rm_url",
-                        str(demo.reward_fn), "--input_key", "prompt", "--label_key", "label",
-                        "--advantage_estimator", "reinforce", "--init_kl_coef", "0", timeout=600)
+    res, save = run_cli(
+        tmp_path,
+        "--pretrain",
+        str(broken),
+        "--prompt_data",
+        str(demo.prompts),
+        "--remote_rm_url",
+        str(demo.reward_fn),
+        "--input_key",
+        "prompt",
+        "--label_key",
+        "label",
+        "--advantage_estimator",
+        "reinforce",
+        "--init_kl_coef",
+        "0",
+        timeout=600,
+    )
     assert res.returncode == 1, res.stderr[-3000:]
     err = res.stderr
     assert re.search(r"actor rank 0 failed in init\(\)", err), err[-3000:]

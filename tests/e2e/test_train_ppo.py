@@ -18,8 +18,19 @@ import pytest
 from orlhf.cli import main
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray, pytest.mark.vllm]
-REQUIRED = {"step", "reward_mean", "kl", "policy_loss", "samples_per_s", "weight_version", "timing/generate",
-            "timing/score", "timing/make_experience", "timing/train", "timing/sync"}
+REQUIRED = {
+    "step",
+    "reward_mean",
+    "kl",
+    "policy_loss",
+    "samples_per_s",
+    "weight_version",
+    "timing/generate",
+    "timing/score",
+    "timing/make_experience",
+    "timing/train",
+    "timing/sync",
+}
 
 
 def train(tmp_path: Path, *flags: str) -> list[dict]:
@@ -58,14 +69,35 @@ def test_gae_with_critic_learns_with_all_models_colocated(demo_cli_run):
 def test_dapo_style_gspo_run_learns(ray_local, tmp_path):
     """Clip-higher + dynamic filtering + soft overlong penalty + group_norm (DAPO's recipe, shortened), with
     GSPO's sequence-level ratio: the group_norm, DAPO and GSPO learning checks in one run."""
-    rows = train(tmp_path, "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "4",
-                 "--policy_loss_type", "gspo",
-                 "--eps_clip_low_high", "0.2", "0.28", "--dynamic_filtering", "--overlong_buffer_len", "4",
-                 "--overlong_penalty_factor", "0.1", "--num_episodes", "3")
+    rows = train(
+        tmp_path,
+        "--advantage_estimator",
+        "group_norm",
+        "--n_samples_per_prompt",
+        "4",
+        "--policy_loss_type",
+        "gspo",
+        "--eps_clip_low_high",
+        "0.2",
+        "0.28",
+        "--dynamic_filtering",
+        "--overlong_buffer_len",
+        "4",
+        "--overlong_penalty_factor",
+        "0.1",
+        "--num_episodes",
+        "3",
+    )
     assert "value_loss" not in rows[0]  # group_norm: no critic
     assert len(rows) >= 20, len(rows)  # refills read more prompts than there are steps: up to 3 x 8
-    assert {"dynamic_filtering_pass_rate", "clip_frac_low", "clip_frac_high", "entropy", "actor_grad_norm",
-            "overlong_penalized_share"} <= set(rows[0]), set(rows[0])
+    assert {
+        "dynamic_filtering_pass_rate",
+        "clip_frac_low",
+        "clip_frac_high",
+        "entropy",
+        "actor_grad_norm",
+        "overlong_penalized_share",
+    } <= set(rows[0]), set(rows[0])
     assert all(0 < r["dynamic_filtering_pass_rate"] <= 100 for r in rows)
     # reward_mean is over the kept samples, which filtering biases; the policy's own reward is over all generated.
     rewards = [r["reward_generated_mean"] for r in rows]

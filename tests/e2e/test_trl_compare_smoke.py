@@ -28,13 +28,36 @@ def _trl_venv() -> Path:
 def compare(tmp_path_factory):
     venv = _trl_venv()
     if not (venv / "bin" / "python").exists():
-        pytest.skip(f"no TRL virtualenv at {venv}: run benchmarks/trl_compare.py once (it installs TRL from the "
-                    "package registry), or point ORLHF_TRL_VENV at one; this test never installs")
+        pytest.skip(
+            f"no TRL virtualenv at {venv}: run benchmarks/trl_compare.py once (it installs TRL from the "
+            "package registry), or point ORLHF_TRL_VENV at one; this test never installs"
+        )
     out = tmp_path_factory.mktemp("trl_compare")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.run([sys.executable, "benchmarks/trl_compare.py", "--no_install", "--trl_venv", str(venv),
-                           "--modes", "orlhf,trl", "--max_samples", "128", "--episodes", "1", "--warmup", "1",
-                           "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/trl_compare.py",
+            "--no_install",
+            "--trl_venv",
+            str(venv),
+            "--modes",
+            "orlhf,trl",
+            "--max_samples",
+            "128",
+            "--episodes",
+            "1",
+            "--warmup",
+            "1",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return out, proc.stdout
 
@@ -57,8 +80,9 @@ def test_both_sides_run_and_the_last_line_is_one_json_object(compare):
         assert math.isfinite(r["reward_first"]) and math.isfinite(r["reward_last"])
     assert result["modes"]["trl"]["ratio_vs_trl"] == 1.0
     assert result["modes"]["orlhf"]["ratio_vs_trl"] > 0
-    assert result["modes"]["orlhf"]["ratios_per_repeat"] == [pytest.approx(result["modes"]["orlhf"]["ratio_vs_trl"],
-                                                                           abs=1e-3)]  # one repeat: the same ratio
+    assert result["modes"]["orlhf"]["ratios_per_repeat"] == [
+        pytest.approx(result["modes"]["orlhf"]["ratio_vs_trl"], abs=1e-3)
+    ]  # one repeat: the same ratio
     assert {"generate_score", "train"} == set(result["modes"]["trl"]["phases"])
     assert {"generate", "score", "train"} <= set(result["modes"]["orlhf"]["phases"])
     # equal work: 64 prompts x 4 samples per step on both sides

@@ -22,8 +22,10 @@ def lm_path(tmp_path_factory) -> str:
 def dist_env():
     """World size 1 on cuda:0 for DeepSpeed workers (each worker's init() joins it once per process)."""
     if os.environ.get("DS_ACCELERATOR") != "cuda":
-        pytest.fail("DeepSpeed GPU tests need DS_ACCELERATOR=cuda before pytest starts (scripts/gpu_check.sh sets "
-                    f"it); got {os.environ.get('DS_ACCELERATOR')!r}")
+        pytest.fail(
+            "DeepSpeed GPU tests need DS_ACCELERATOR=cuda before pytest starts (scripts/gpu_check.sh sets "
+            f"it); got {os.environ.get('DS_ACCELERATOR')!r}"
+        )
     pytest.importorskip("deepspeed", reason="needs DeepSpeed (scripts/gpu_check.sh installs a carried wheel)")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

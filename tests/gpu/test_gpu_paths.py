@@ -23,9 +23,15 @@ def _installed(dist: str) -> bool:
         return False
 
 
-pytestmark = [pytest.mark.gpu, pytest.mark.ray, pytest.mark.vllm,
-              pytest.mark.skipif(not (_installed("ray") and _installed("vllm")),
-                                 reason="needs ray and the CUDA build of vLLM (pip install -e .[gpu])")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.ray,
+    pytest.mark.vllm,
+    pytest.mark.skipif(
+        not (_installed("ray") and _installed("vllm")),
+        reason="needs ray and the CUDA build of vLLM (pip install -e .[gpu])",
+    ),
+]
 
 # actor, reference and the engine each on a GPU of their own (split placement); hybrid shares one
 GPUS_NEEDED = {"nccl": 3, "cuda_ipc_hybrid": 1}
@@ -34,31 +40,44 @@ GPUS_NEEDED = {"nccl": 3, "cuda_ipc_hybrid": 1}
 def _rig(tmp_path, **flags):
     import ray
 
-    from orlhf.config.worker_config import worker_config
     from orlhf.config.resolve import finish_config
+    from orlhf.config.worker_config import worker_config
+    from orlhf.distributed.groups import ActorGroup
     from orlhf.distributed.layout import plan_layout
     from orlhf.distributed.placement import create_placement_groups
-    from orlhf.distributed.groups import ActorGroup
     from orlhf.rollout.engine import EngineGroup, engine_config
     from orlhf.trainer.weight_sync import make_weight_sync
     from orlhf.workers import PolicyWorker
 
     if not ray.is_initialized():
         ray.init(address="local", include_dashboard=False)
-    base = {"train_batch_size": 8, "micro_train_batch_size": 8, "rollout_batch_size": 8, "device": "cuda",
-            "advantage_estimator": "reinforce", "bf16": True, **flags}
+    base = {
+        "train_batch_size": 8,
+        "micro_train_batch_size": 8,
+        "rollout_batch_size": 8,
+        "device": "cuda",
+        "advantage_estimator": "reinforce",
+        "bf16": True,
+        **flags,
+    }
     cfg = finish_config(base, explicit=set(base))
     placed = create_placement_groups(plan_layout(cfg), timeout_s=120)
     engines = EngineGroup(engine_config(cfg), [placed.engine_bundles(i) for i in range(cfg.vllm.num_engines)])
-    actor = ActorGroup("actor", PolicyWorker, worker_config(cfg, "actor", 4), placed.role_bundles("actor"),
-                       device="cuda", timeout_s=300)
+    actor = ActorGroup(
+        "actor",
+        PolicyWorker,
+        worker_config(cfg, "actor", 4),
+        placed.role_bundles("actor"),
+        device="cuda",
+        timeout_s=300,
+    )
     actor.call(PolicyWorker.init).get()
     return cfg, engines, actor, make_weight_sync(cfg, actor, engines)
 
 
 def _parity(engines, actor, tok):
-    from orlhf.trainer.experience import rollouts_to_batch
     from orlhf.rollout.engine import SamplingSpec
+    from orlhf.trainer.experience import rollouts_to_batch
     from orlhf.types import Experience
 
     prompts = [tok(f"say colors: red {'blue ' * i}")["input_ids"] for i in range(8)]
@@ -67,14 +86,24 @@ def _parity(engines, actor, tok):
     from orlhf.workers import PolicyWorker
 
     old = actor.call_sharded(PolicyWorker.log_probs, batch).get_cat()
-    actor.call_sharded(PolicyWorker.train_step, Experience(batch.sequences, batch.attention_mask, batch.action_mask,
-                                                           action_log_probs=old,
-                                                           advantages=torch.randn(old.shape))).get()
+    actor.call_sharded(
+        PolicyWorker.train_step,
+        Experience(
+            batch.sequences,
+            batch.attention_mask,
+            batch.action_mask,
+            action_log_probs=old,
+            advantages=torch.randn(old.shape),
+        ),
+    ).get()
     return rollouts, actor.call_sharded(PolicyWorker.log_probs, batch).get_cat()
 
 
-@pytest.mark.parametrize("flags", [{}, {"colocate_all_models": True, "vllm_enable_sleep": True,
-                                         "deepspeed_enable_sleep": True}], ids=["nccl", "cuda_ipc_hybrid"])
+@pytest.mark.parametrize(
+    "flags",
+    [{}, {"colocate_all_models": True, "vllm_enable_sleep": True, "deepspeed_enable_sleep": True}],
+    ids=["nccl", "cuda_ipc_hybrid"],
+)
 def test_sync_parity_on_gpu(tmp_path, flags, request):
     from transformers import AutoTokenizer
 
@@ -82,8 +111,10 @@ def test_sync_parity_on_gpu(tmp_path, flags, request):
 
     need = GPUS_NEEDED[request.node.callspec.id]
     if torch.cuda.device_count() < need:
-        pytest.skip(f"needs {need} GPUs (actor, reference and engine on their own), this machine has "
-                    f"{torch.cuda.device_count()}")
+        pytest.skip(
+            f"needs {need} GPUs (actor, reference and engine on their own), this machine has "
+            f"{torch.cuda.device_count()}"
+        )
     cfg, engines, actor, sync = _rig(tmp_path, **flags)
     tok = AutoTokenizer.from_pretrained(cfg.data.pretrain)
     rollouts, new = _parity(engines, actor, tok)
@@ -93,8 +124,11 @@ def test_sync_parity_on_gpu(tmp_path, flags, request):
     sync.sync(1)
     if cfg.vllm.enable_sleep:
         engines.call(EngineActor.wake_up, ["kv_cache"]).get()
-    lps = engines.call_rank(0, EngineActor.sequence_logprobs,
-                            [r.prompt_ids + r.response_ids for r in rollouts]).get()[0]
-    gaps = [(torch.tensor(lps[i][-len(r.response_ids):]) - new[i, :len(r.response_ids)]).abs()
-            for i, r in enumerate(rollouts)]
+    lps = engines.call_rank(0, EngineActor.sequence_logprobs, [r.prompt_ids + r.response_ids for r in rollouts]).get()[
+        0
+    ]
+    gaps = [
+        (torch.tensor(lps[i][-len(r.response_ids) :]) - new[i, : len(r.response_ids)]).abs()
+        for i, r in enumerate(rollouts)
+    ]
     assert torch.cat(gaps).mean() <= 0.02

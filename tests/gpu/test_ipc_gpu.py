@@ -42,8 +42,10 @@ def test_ipc_handles_round_trip_between_processes():
     ctx = torch.multiprocessing.get_context("spawn")
     device = torch.device("cuda", 0)
     g = torch.Generator(device=device).manual_seed(0)
-    named = [("model.layers.0.mlp.up_proj.weight", torch.randn(512, 256, device=device, generator=g)),
-             ("model.norm.weight", torch.randn(256, device=device, generator=g))]
+    named = [
+        ("model.layers.0.mlp.up_proj.weight", torch.randn(512, 256, device=device, generator=g)),
+        ("model.norm.weight", torch.randn(256, device=device, generator=g)),
+    ]
     original = {k: t.cpu().clone() for k, t in named}
     handles = make_ipc_handles(named, device_uuid(device))
     to_parent, from_parent = ctx.Queue(), ctx.Queue()

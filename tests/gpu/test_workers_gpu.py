@@ -25,8 +25,17 @@ LR = 1e-2  # large enough that one Adam step moves log-probs well past bf16 nois
 def actor_cfg(path: str, **kw):
     from orlhf.config.worker_config import role_config
 
-    base = dict(model_path=path, device="cuda", zero_stage=3, bf16=True, micro_forward_batch_size=B,
-                learning_rate=LR, train_batch_size=B, micro_train_batch_size=B, total_optimizer_steps=4)
+    base = dict(
+        model_path=path,
+        device="cuda",
+        zero_stage=3,
+        bf16=True,
+        micro_forward_batch_size=B,
+        learning_rate=LR,
+        train_batch_size=B,
+        micro_train_batch_size=B,
+        total_optimizer_steps=4,
+    )
     return role_config("actor", **{**base, **kw})
 
 
@@ -50,8 +59,9 @@ def hf_model(path: str, dtype=torch.float32, attn: str = "sdpa"):
 
 def to_cuda(batch):
     """A SequenceBatch on the GPU (the workers move their inputs themselves; plain HF needs it done)."""
-    return dataclasses.replace(batch, **{f: getattr(batch, f).cuda() for f in ("sequences", "attention_mask",
-                                                                               "action_mask")})
+    return dataclasses.replace(
+        batch, **{f: getattr(batch, f).cuda() for f in ("sequences", "attention_mask", "action_mask")}
+    )
 
 
 def hf_log_probs(model, batch, packed: bool = False) -> torch.Tensor:
@@ -98,8 +108,9 @@ def test_zero3_bf16_train_step_matches_plain_hf(dist_env, lm_path):
 
     moved = masked_mean_abs(hf_after - before, mask)
     gap = masked_mean_abs(ds_after - hf_after, mask)
-    gpu_report("train_step_parity", {"loss_ds": stats.loss, "loss_hf": loss.item(), "logprob_move": moved,
-                                     "ds_vs_hf_gap": gap})
+    gpu_report(
+        "train_step_parity", {"loss_ds": stats.loss, "loss_hf": loss.item(), "logprob_move": moved, "ds_vs_hf_gap": gap}
+    )
     assert abs(stats.loss - loss.item()) < 2e-2
     assert moved > 0.05, "one step must move the log-probs, or the comparison proves nothing"
     assert gap < 0.25 * moved
@@ -142,8 +153,15 @@ def test_offload_and_reload_states_round_trip(dist_env, lm_path):
     assert torch.isfinite(torch.tensor(stats.loss))
 
 
-ATTN = ["sdpa", pytest.param("flash_attention_2", marks=pytest.mark.skipif(
-    importlib.util.find_spec("flash_attn") is None, reason="flash_attn is not importable (the `flash` extra)"))]
+ATTN = [
+    "sdpa",
+    pytest.param(
+        "flash_attention_2",
+        marks=pytest.mark.skipif(
+            importlib.util.find_spec("flash_attn") is None, reason="flash_attn is not importable (the `flash` extra)"
+        ),
+    ),
+]
 
 
 @gpu
@@ -226,8 +244,16 @@ def test_plan_estimate_against_measured_peak(dist_env, tmp_path, hidden, layers)
     torch.cuda.synchronize()
     measured = torch.cuda.max_memory_allocated() - base
     ratio = measured / estimate
-    gpu_report("plan_vs_measured", {"hidden": hidden, "layers": layers, "estimate_mib": estimate / 2**20,
-                                    "measured_peak_mib": measured / 2**20, "measured_over_estimate": ratio})
+    gpu_report(
+        "plan_vs_measured",
+        {
+            "hidden": hidden,
+            "layers": layers,
+            "estimate_mib": estimate / 2**20,
+            "measured_peak_mib": measured / 2**20,
+            "measured_over_estimate": ratio,
+        },
+    )
     # The plan counts model states and the reduce bucket (activations and gathered layers come on top).
     assert ratio >= 0.9
     del worker

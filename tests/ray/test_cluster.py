@@ -5,11 +5,11 @@ import sys
 import time
 
 import pytest
+import ray.cloudpickle
 import torch
 
-import ray.cloudpickle
-from orlhf.distributed.groups import ActorGroup, RankError, shard, wait_calls
 from orlhf.distributed.endpoints import endpoint
+from orlhf.distributed.groups import ActorGroup, RankError, shard, wait_calls
 from orlhf.distributed.placement import RankBundle
 from orlhf.types import SequenceBatch
 
@@ -60,8 +60,15 @@ def test_shard_pads_to_equal_chunks():
 
 
 def test_group_rendezvous_sharding_and_errors(ray_local):
-    group = ActorGroup("critic", EchoWorker, cfg={"x": 1}, slots=[RankBundle(None, 0, 0.5)] * 3, device="cpu",
-                       gpus_per_node=3, timeout_s=60)
+    group = ActorGroup(
+        "critic",
+        EchoWorker,
+        cfg={"x": 1},
+        slots=[RankBundle(None, 0, 0.5)] * 3,
+        device="cpu",
+        gpus_per_node=3,
+        timeout_s=60,
+    )
     try:
         envs = group.call(EchoWorker.env).get()
         assert [e["RANK"] for e in envs] == ["0", "1", "2"]
@@ -80,7 +87,7 @@ def test_group_rendezvous_sharding_and_errors(ray_local):
         assert time.monotonic() - t0 < 20, "the group waited for the healthy ranks"
         assert err.value.role == "critic" and err.value.rank == 1 and err.value.method == "boom"
         assert "deliberate failure on this rank" in str(err.value)
-        assert 'in boom' in str(err.value) and "\x1b[" not in str(err.value)  # the remote traceback, uncoloured
+        assert "in boom" in str(err.value) and "\x1b[" not in str(err.value)  # the remote traceback, uncoloured
 
         # two calls waited together end at the first failure, whichever call it is in. (Ranks 0 and 2 still
         # sleep in boom(1): each rank runs two calls at a time, so one slot is left on every rank.)

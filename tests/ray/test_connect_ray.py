@@ -1,5 +1,6 @@
 """raystart.connect_ray's own local cluster (entry.run_locked starts it): without --verbose, started without the
-autoscaler monitor, the log monitor and the dashboard head, and still runs actors and placement groups; ray.init's RayParams is left as
+autoscaler monitor, the log monitor and the dashboard head, and still runs actors and placement groups; ray.init's
+RayParams is left as
 it was afterwards.
 
 Real Ray: each case starts and ends a local cluster (~7 s), so the session's shared one is shut down first.
@@ -112,7 +113,8 @@ def test_preload_only_on_cpu_where_the_prestarted_workers_are_the_runs_own(monke
     monkeypatch.setattr("os.cpu_count", lambda: 2)
     cpu = build_config({"device": "cpu"}, explicit={"device"})
     assert worker_preload(cpu, num_cpus=4, processes=2) == {
-        "_system_config": {"preload_python_modules": ["orlhf.cpu.preload"]}}
+        "_system_config": {"preload_python_modules": ["orlhf.cpu.preload"]}
+    }
     assert worker_preload(build_config({"device": "cuda"}, explicit={"device"}), num_cpus=4, processes=2) == {}
     monkeypatch.setattr("os.cpu_count", lambda: 16)  # 16 prestarted workers for 2 processes: 14 would load for nothing
     assert worker_preload(cpu, num_cpus=16, processes=2) == {}

@@ -9,9 +9,9 @@ import time
 import pytest
 import torch
 
-from orlhf.distributed.groups import ActorGroup, RankError
-from orlhf.config.worker_config import RewardConfig, worker_config
 from orlhf.config.resolve import finish_config
+from orlhf.config.worker_config import RewardConfig, worker_config
+from orlhf.distributed.groups import ActorGroup, RankError
 from orlhf.distributed.layout import plan_layout
 from orlhf.distributed.placement import RankBundle, create_placement_groups, remove_placement_groups
 from orlhf.types import Experience, SequenceBatch
@@ -30,8 +30,14 @@ def setup(tmp_path_factory):
 
     if not ray.is_initialized():
         ray.init(address="local", num_cpus=TEST_CLUSTER_CPUS, include_dashboard=False)
-    flags = {"train_batch_size": B, "micro_train_batch_size": 2, "rollout_batch_size": B,
-             "actor_num_gpus_per_node": 2, "critic_num_gpus_per_node": 2, "device": "cpu"}
+    flags = {
+        "train_batch_size": B,
+        "micro_train_batch_size": 2,
+        "rollout_batch_size": B,
+        "actor_num_gpus_per_node": 2,
+        "critic_num_gpus_per_node": 2,
+        "device": "cpu",
+    }
     cfg = finish_config(flags, explicit=set(flags))
     # A tiny random reward model with the demo's shapes (plumbing, not learning).
     from transformers import AutoConfig, AutoTokenizer, LlamaForSequenceClassification
@@ -47,14 +53,28 @@ def setup(tmp_path_factory):
     t0 = time.monotonic()
     actor_cfg = worker_config(cfg, "actor", total_optimizer_steps=4)
     groups = {
-        "actor": ActorGroup("actor", PolicyWorker, actor_cfg, placed.role_bundles("actor"), device="cpu",
-                            gpus_per_node=2, timeout_s=300),
-        "actor1": ActorGroup("actor", PolicyWorker, actor_cfg, [RankBundle(None, 0, 0.5)], device="cpu",
-                             timeout_s=300),
-        "critic": ActorGroup("critic", CriticWorker, worker_config(cfg, "critic", 4),
-                             placed.role_bundles("critic"), device="cpu", gpus_per_node=2, timeout_s=300),
-        "reward": ActorGroup("reward", RewardWorker, RewardConfig(model_path=str(rm_dir), device="cpu"),
-                             [RankBundle(None, 0, 0.5)] * 2, device="cpu", gpus_per_node=2, timeout_s=300),
+        "actor": ActorGroup(
+            "actor", PolicyWorker, actor_cfg, placed.role_bundles("actor"), device="cpu", gpus_per_node=2, timeout_s=300
+        ),
+        "actor1": ActorGroup("actor", PolicyWorker, actor_cfg, [RankBundle(None, 0, 0.5)], device="cpu", timeout_s=300),
+        "critic": ActorGroup(
+            "critic",
+            CriticWorker,
+            worker_config(cfg, "critic", 4),
+            placed.role_bundles("critic"),
+            device="cpu",
+            gpus_per_node=2,
+            timeout_s=300,
+        ),
+        "reward": ActorGroup(
+            "reward",
+            RewardWorker,
+            RewardConfig(model_path=str(rm_dir), device="cpu"),
+            [RankBundle(None, 0, 0.5)] * 2,
+            device="cpu",
+            gpus_per_node=2,
+            timeout_s=300,
+        ),
     }
     inits = [g.call(DeepSpeedWorker.init) for g in groups.values()]
     for call in inits:
@@ -74,7 +94,7 @@ def make_batch(vocab: int, seed: int = 0) -> SequenceBatch:
     attn = torch.ones(B, T, dtype=torch.long)
     for i in range(B):
         attn[i, : i % 4] = 0  # left padding of the prompt
-        attn[i, T - A + 1 + i % (A - 1):] = 0  # right padding of the response
+        attn[i, T - A + 1 + i % (A - 1) :] = 0  # right padding of the response
     seq[attn == 0] = 2
     return SequenceBatch(seq, attn, attn[:, -A:].bool())
 
@@ -86,7 +106,7 @@ def hf_log_probs(path: str, batch: SequenceBatch) -> torch.Tensor:
     pos = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
         logits = model(input_ids=batch.sequences, attention_mask=batch.attention_mask, position_ids=pos).logits
-    lp = torch.log_softmax(logits[:, -A - 1:-1].float(), -1).gather(-1, batch.sequences[:, -A:, None]).squeeze(-1)
+    lp = torch.log_softmax(logits[:, -A - 1 : -1].float(), -1).gather(-1, batch.sequences[:, -A:, None]).squeeze(-1)
     return lp * batch.action_mask
 
 
@@ -108,8 +128,13 @@ def test_train_step_world_size_2_equals_world_size_1(setup):
     batch = make_batch(AutoConfig.from_pretrained(cfg.data.pretrain).vocab_size, seed=1)
     old = groups["actor1"].call_sharded(PolicyWorker.log_probs, batch).get_cat()
     g = torch.Generator().manual_seed(5)
-    exp = Experience(batch.sequences, batch.attention_mask, batch.action_mask, action_log_probs=old,
-                     advantages=torch.randn(B, A, generator=g))
+    exp = Experience(
+        batch.sequences,
+        batch.attention_mask,
+        batch.action_mask,
+        action_log_probs=old,
+        advantages=torch.randn(B, A, generator=g),
+    )
     before = groups["actor1"].call_rank(0, PolicyWorker.state_dict_full).get()[0]
     stats2 = groups["actor"].call_sharded(PolicyWorker.train_step, exp).get()
     stats1 = groups["actor1"].call_sharded(PolicyWorker.train_step, exp).get()
@@ -129,8 +154,9 @@ def test_critic_values_and_reward_scores_in_caller_order(setup):
     batch = make_batch(AutoConfig.from_pretrained(cfg.data.pretrain).vocab_size, seed=2)
     perm = torch.randperm(B, generator=torch.Generator().manual_seed(0))
     shuffled = SequenceBatch(batch.sequences[perm], batch.attention_mask[perm], batch.action_mask[perm])
-    values, values_shuffled = (groups["critic"].call_sharded(CriticWorker.values, b).get_cat()
-                               for b in (batch, shuffled))
+    values, values_shuffled = (
+        groups["critic"].call_sharded(CriticWorker.values, b).get_cat() for b in (batch, shuffled)
+    )
     assert values.shape == (B, A)
     assert torch.allclose(values[perm], values_shuffled, atol=1e-5)
 
@@ -151,7 +177,7 @@ def test_a_failing_rank_names_role_rank_and_traceback(setup):
 
     vocab = AutoConfig.from_pretrained(cfg.data.pretrain).vocab_size
     batch = make_batch(vocab, seed=3)
-    batch.sequences[B // 2:, -A] = vocab + 100  # only rank 1's half: an out-of-vocabulary first response token
+    batch.sequences[B // 2 :, -A] = vocab + 100  # only rank 1's half: an out-of-vocabulary first response token
     t0 = time.monotonic()
     with pytest.raises(RankError) as err:
         groups["reward"].call_sharded(RewardWorker.scores, batch).get()

@@ -17,11 +17,11 @@ ray = pytest.importorskip("ray")
 from ray.util import placement_group_table  # noqa: E402
 from ray.util.placement_group import placement_group, remove_placement_group  # noqa: E402
 
-from orlhf.distributed import layout as L  # noqa: E402
-from orlhf.distributed import placement as P  # noqa: E402
 from orlhf.cli import main  # noqa: E402
 from orlhf.config.flags import build_config  # noqa: E402
 from orlhf.config.resolve import resolve_device  # noqa: E402
+from orlhf.distributed import layout as L  # noqa: E402
+from orlhf.distributed import placement as P  # noqa: E402
 
 pytestmark = pytest.mark.ray
 NODE = {"num_cpus": 4, "num_gpus": 4, "include_dashboard": False}
@@ -48,9 +48,17 @@ def cluster():
 @pytest.fixture(scope="module")
 def rm_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("rm")
-    d.joinpath("config.json").write_text(json.dumps({"hidden_size": 64, "num_hidden_layers": 1,
-                                                     "intermediate_size": 128, "vocab_size": 100,
-                                                     "num_attention_heads": 4}))
+    d.joinpath("config.json").write_text(
+        json.dumps(
+            {
+                "hidden_size": 64,
+                "num_hidden_layers": 1,
+                "intermediate_size": 128,
+                "vocab_size": 100,
+                "num_attention_heads": 4,
+            }
+        )
+    )
     return str(d)
 
 
@@ -94,8 +102,14 @@ def live_groups() -> int:
 
 
 def test_split_placement_fills_the_cluster(cluster, rm_dir):
-    cfg = cfg_of(reward_pretrain=rm_dir, actor_num_gpus_per_node=4, ref_num_gpus_per_node=2,
-                 critic_num_gpus_per_node=2, reward_num_gpus_per_node=2, vllm_tensor_parallel_size=2)
+    cfg = cfg_of(
+        reward_pretrain=rm_dir,
+        actor_num_gpus_per_node=4,
+        ref_num_gpus_per_node=2,
+        critic_num_gpus_per_node=2,
+        reward_num_gpus_per_node=2,
+        vllm_tensor_parallel_size=2,
+    )
     with placed(cfg) as r:
         assert sorted(assert_groups_whole(r).values()) == [4, 4, 4]  # 4 + 2 + 2 + 2 + 2 = 12 GPUs
         actor = r.role_bundles("actor")
@@ -108,9 +122,16 @@ def test_split_placement_fills_the_cluster(cluster, rm_dir):
 
 
 def test_colocate_actor_ref(cluster):
-    cfg = cfg_of(actor_num_nodes=2, actor_num_gpus_per_node=2, ref_num_nodes=2, ref_num_gpus_per_node=2,
-                 colocate_actor_ref=True, critic_num_gpus_per_node=2, vllm_num_engines=2,
-                 vllm_tensor_parallel_size=2)
+    cfg = cfg_of(
+        actor_num_nodes=2,
+        actor_num_gpus_per_node=2,
+        ref_num_nodes=2,
+        ref_num_gpus_per_node=2,
+        colocate_actor_ref=True,
+        critic_num_gpus_per_node=2,
+        vllm_num_engines=2,
+        vllm_tensor_parallel_size=2,
+    )
     with placed(cfg) as r:
         assert_groups_whole(r)
         assert set(p.name for p in r.layout.pools) == {"actor+ref", "critic", "vllm0", "vllm1"}
@@ -120,9 +141,15 @@ def test_colocate_actor_ref(cluster):
 
 
 def test_colocate_critic_reward(cluster, rm_dir):
-    cfg = cfg_of(reward_pretrain=rm_dir, actor_num_gpus_per_node=4, ref_num_gpus_per_node=2,
-                 critic_num_gpus_per_node=4, reward_num_gpus_per_node=4, colocate_critic_reward=True,
-                 vllm_tensor_parallel_size=2)
+    cfg = cfg_of(
+        reward_pretrain=rm_dir,
+        actor_num_gpus_per_node=4,
+        ref_num_gpus_per_node=2,
+        critic_num_gpus_per_node=4,
+        reward_num_gpus_per_node=4,
+        colocate_critic_reward=True,
+        vllm_tensor_parallel_size=2,
+    )
     with placed(cfg) as r:
         assert sorted(assert_groups_whole(r).values()) == [4, 4, 4]
         crit, rew = r.role_bundles("critic"), r.role_bundles("reward")
@@ -138,8 +165,9 @@ class Probe:
 
 def test_colocate_all_models_with_two_tp2_engines(cluster, rm_dir):
     shape = {f"{role}_num_gpus_per_node": 4 for role in ("actor", "ref", "critic", "reward")}
-    cfg = cfg_of(reward_pretrain=rm_dir, colocate_all_models=True, vllm_num_engines=2, vllm_tensor_parallel_size=2,
-                 **shape)
+    cfg = cfg_of(
+        reward_pretrain=rm_dir, colocate_all_models=True, vllm_num_engines=2, vllm_tensor_parallel_size=2, **shape
+    )
     with placed(cfg) as r:
         (pg,) = r.groups.values()  # one pool, one node-group: everything on one node's 4 GPUs
         assert len(set(bundle_nodes(pg).values())) == 1
@@ -166,8 +194,14 @@ def test_tp_engines_each_on_one_node(cluster):
 
 
 def test_cpu_slots(cluster):
-    cfg = cfg_of(device="cpu", actor_num_nodes=2, actor_num_gpus_per_node=2, ref_num_gpus_per_node=2,
-                 critic_num_gpus_per_node=2, vllm_num_engines=2)
+    cfg = cfg_of(
+        device="cpu",
+        actor_num_nodes=2,
+        actor_num_gpus_per_node=2,
+        ref_num_gpus_per_node=2,
+        critic_num_gpus_per_node=2,
+        vllm_num_engines=2,
+    )
     with placed(cfg, device="cpu") as r:
         assert_groups_whole(r)
         assert L.cpu_slots_needed(r.layout) == 4 + 2 + 2 + 2
@@ -175,8 +209,9 @@ def test_cpu_slots(cluster):
 
 
 def test_unsatisfiable_fails_fast_with_the_table(cluster):
-    layout = layout_of(cfg_of(actor_num_gpus_per_node=6, micro_train_batch_size=8, train_batch_size=48,
-                              rollout_batch_size=48), "cuda")
+    layout = layout_of(
+        cfg_of(actor_num_gpus_per_node=6, micro_train_batch_size=8, train_batch_size=48, rollout_batch_size=48), "cuda"
+    )
     start = time.monotonic()
     with pytest.raises(L.PlacementError) as err:
         P.create_placement_groups(layout, timeout_s=600)
@@ -195,8 +230,15 @@ def test_busy_cluster_fails_after_settling_and_says_so(cluster):
     held = placement_group([{"GPU": 1, "CPU": 1}] * 4, strategy="STRICT_PACK")
     ray.get(held.ready(), timeout=30)
     try:
-        layout = layout_of(cfg_of(actor_num_gpus_per_node=4, ref_num_gpus_per_node=4,
-                                  critic_num_gpus_per_node=2, vllm_tensor_parallel_size=2), "cuda")
+        layout = layout_of(
+            cfg_of(
+                actor_num_gpus_per_node=4,
+                ref_num_gpus_per_node=4,
+                critic_num_gpus_per_node=2,
+                vllm_tensor_parallel_size=2,
+            ),
+            "cuda",
+        )
         start = time.monotonic()
         with pytest.raises(L.PlacementError, match="only 8 are free now"):
             P.create_placement_groups(layout, timeout_s=600, settle_s=2)

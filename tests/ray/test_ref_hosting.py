@@ -1,29 +1,29 @@
 """A guest role inside a host group's rank processes (ActorGroup.host; on CPU the reference in the actor's ranks).
 
-    probes (no DeepSpeed, cheap)   host + guest drawing random numbers: the host's draws are those it makes alone,
-                                   the guest's are its own seed's; pids shared; errors name the guest and the host;
-                                   a one-rank host's guest called "beside" runs during the host's call; two
-                                   guests' beside calls run side by side
-    real workers (2 ranks each)    PolicyWorker with a hosted ReferenceWorker beside a ReferenceWorker in its own
-                                   processes: equal log-probs (bit for bit), while the actor's forwards run at the
-                                   same time (ZeRO collectives of two workers on one process group, in turn order);
-                                   a dead actor rank fails the ref's next call with an error naming both
-    hosted critic (1 rank)         a CriticWorker beside a one-rank PolicyWorker and one in its own process: the
-                                   same values and train stats, bit for bit, while the actor trains beside it
+probes (no DeepSpeed, cheap)   host + guest drawing random numbers: the host's draws are those it makes alone,
+                               the guest's are its own seed's; pids shared; errors name the guest and the host;
+                               a one-rank host's guest called "beside" runs during the host's call; two
+                               guests' beside calls run side by side
+real workers (2 ranks each)    PolicyWorker with a hosted ReferenceWorker beside a ReferenceWorker in its own
+                               processes: equal log-probs (bit for bit), while the actor's forwards run at the
+                               same time (ZeRO collectives of two workers on one process group, in turn order);
+                               a dead actor rank fails the ref's next call with an error naming both
+hosted critic (1 rank)         a CriticWorker beside a one-rank PolicyWorker and one in its own process: the
+                               same values and train stats, bit for bit, while the actor trains beside it
 """
 
 import sys
 
 import pytest
+import ray.cloudpickle
 import torch
 
-import ray.cloudpickle
-from orlhf.distributed.groups import ActorGroup, RankError
-from orlhf.distributed.endpoints import endpoint
 from orlhf.config.resolve import finish_config
+from orlhf.config.worker_config import worker_config
+from orlhf.distributed.endpoints import endpoint
+from orlhf.distributed.groups import ActorGroup, RankError
 from orlhf.distributed.placement import RankBundle
 from orlhf.types import SequenceBatch
-from orlhf.config.worker_config import worker_config
 from orlhf.workers import PolicyWorker, ReferenceWorker
 from orlhf.workers.base import DeepSpeedWorker
 
@@ -147,15 +147,35 @@ def hosted_and_own(tmp_path_factory):
 
     if not ray.is_initialized():
         ray.init(address="local", num_cpus=TEST_CLUSTER_CPUS, include_dashboard=False)
-    flags = {"device": "cpu", "advantage_estimator": "group_norm", "n_samples_per_prompt": 4, "use_kl_loss": True,
-             "train_batch_size": 8, "rollout_batch_size": 2, "micro_train_batch_size": 2,
-             "micro_rollout_batch_size": 2, "actor_num_gpus_per_node": 2, "ref_num_gpus_per_node": 2}
+    flags = {
+        "device": "cpu",
+        "advantage_estimator": "group_norm",
+        "n_samples_per_prompt": 4,
+        "use_kl_loss": True,
+        "train_batch_size": 8,
+        "rollout_batch_size": 2,
+        "micro_train_batch_size": 2,
+        "micro_rollout_batch_size": 2,
+        "actor_num_gpus_per_node": 2,
+        "ref_num_gpus_per_node": 2,
+    }
     cfg = finish_config(flags, explicit=set(flags))
-    actor = ActorGroup("actor", PolicyWorker, worker_config(cfg, "actor", 4), TWO, device="cpu", gpus_per_node=2,
-                       timeout_s=300, guests=["ref"])
+    actor = ActorGroup(
+        "actor",
+        PolicyWorker,
+        worker_config(cfg, "actor", 4),
+        TWO,
+        device="cpu",
+        gpus_per_node=2,
+        timeout_s=300,
+        guests=["ref"],
+    )
     ref_cfg = worker_config(cfg, "ref", 4)
-    groups = {"actor": actor, "hosted": actor.host("ref", ReferenceWorker, ref_cfg),
-              "own": ActorGroup("ref", ReferenceWorker, ref_cfg, TWO, device="cpu", gpus_per_node=2, timeout_s=300)}
+    groups = {
+        "actor": actor,
+        "hosted": actor.host("ref", ReferenceWorker, ref_cfg),
+        "own": ActorGroup("ref", ReferenceWorker, ref_cfg, TWO, device="cpu", gpus_per_node=2, timeout_s=300),
+    }
     for call in [g.call(DeepSpeedWorker.init) for g in groups.values()]:  # the actor's first, as launch/run.py does
         call.get()
     yield cfg, groups
@@ -169,7 +189,7 @@ def batch_of(vocab: int, b: int = 6, t: int = 10, a: int = 5) -> SequenceBatch:
     attn = torch.ones(b, t, dtype=torch.long)
     for i in range(b):
         attn[i, : i % 3] = 0  # left padding of the prompt
-        attn[i, t - a + 1 + i % (a - 1):] = 0  # right padding of the response
+        attn[i, t - a + 1 + i % (a - 1) :] = 0  # right padding of the response
     return SequenceBatch(seq, attn, attn[:, -a:].bool())
 
 
@@ -197,8 +217,11 @@ def test_a_dead_actor_rank_takes_its_hosted_ref_down_with_a_clear_error(hosted_a
     cfg, g = hosted_and_own
     ray.kill(g["actor"].actors[1], no_restart=True)
     batch = batch_of(16)
-    with pytest.raises(RankError, match=r"ref rank 1 failed in log_probs\(\) \(in actor rank 1's process\):"
-                                        r"\nthe rank actor died"):
+    with pytest.raises(
+        RankError,
+        match=r"ref rank 1 failed in log_probs\(\) \(in actor rank 1's process\):"
+        r"\nthe rank actor died",
+    ):
         g["hosted"].call_sharded(ReferenceWorker.log_probs, batch).get(timeout_s=120)
 
 
@@ -231,12 +254,18 @@ def test_a_critic_hosted_beside_a_one_rank_actor_trains_as_one_in_its_own_proces
     from orlhf.types import Experience
     from orlhf.workers import CriticWorker
 
-    flags = {"device": "cpu", "train_batch_size": 6, "rollout_batch_size": 6, "micro_train_batch_size": 3,
-             "micro_rollout_batch_size": 3}
+    flags = {
+        "device": "cpu",
+        "train_batch_size": 6,
+        "rollout_batch_size": 6,
+        "micro_train_batch_size": 3,
+        "micro_rollout_batch_size": 3,
+    }
     cfg = finish_config(flags, explicit=set(flags))
     one = [RankBundle(None, 0, 0.5)]
-    actor = ActorGroup("actor", PolicyWorker, worker_config(cfg, "actor", 4), one, device="cpu", timeout_s=300,
-                       guests=["critic"])
+    actor = ActorGroup(
+        "actor", PolicyWorker, worker_config(cfg, "actor", 4), one, device="cpu", timeout_s=300, guests=["critic"]
+    )
     critic_cfg = worker_config(cfg, "critic", 4)
     hosted = actor.host("critic", CriticWorker, critic_cfg, beside=True)
     own = ActorGroup("critic", CriticWorker, critic_cfg, one, device="cpu", timeout_s=300)
@@ -251,16 +280,24 @@ def test_a_critic_hosted_beside_a_one_rank_actor_trains_as_one_in_its_own_proces
         for _ in range(2):
             values = hosted.call_sharded_beside(CriticWorker.values, batch).get_cat()
             assert torch.equal(values, own.call_sharded(CriticWorker.values, batch).get_cat())
-            exp = Experience(batch.sequences, batch.attention_mask, batch.action_mask, action_log_probs=None,
-                             advantages=torch.randn(b, a, generator=g), returns=torch.randn(b, a, generator=g),
-                             values=values)
+            exp = Experience(
+                batch.sequences,
+                batch.attention_mask,
+                batch.action_mask,
+                action_log_probs=None,
+                advantages=torch.randn(b, a, generator=g),
+                returns=torch.randn(b, a, generator=g),
+                values=values,
+            )
             actor_call = actor.call_sharded(PolicyWorker.train_step, exp)
             hosted_call = hosted.call_sharded_beside(CriticWorker.train_step, exp)
             own_stats = own.call_sharded(CriticWorker.train_step, exp).get()
             assert [vars(s) for s in hosted_call.get()] == [vars(s) for s in own_stats]
             assert actor_call.get()  # the actor trained beside it
-        assert torch.equal(hosted.call_sharded_beside(CriticWorker.values, batch).get_cat(),
-                           own.call_sharded(CriticWorker.values, batch).get_cat())
+        assert torch.equal(
+            hosted.call_sharded_beside(CriticWorker.values, batch).get_cat(),
+            own.call_sharded(CriticWorker.values, batch).get_cat(),
+        )
     finally:
         for grp in (hosted, own, actor):
             grp.shutdown()

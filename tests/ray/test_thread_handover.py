@@ -1,10 +1,10 @@
 """CPU threads handed over per phase (orlhf/cpu/threads.py) on real Ray rank actors: the working call sees the count.
 
-    2 rank actors (Ray: OMP_NUM_THREADS=1; Ray runs each actor's calls on a pool of threads)
-      work() x 4, one after another   -> 1 torch thread, and all four on one thread per rank (the compute thread)
-      PhaseThreads.before("train")  (cores 4, 2 ranks working: 2 each)
-      work() x 4, one after another   -> 2 threads, on that same thread (which ran torch code with 1 before)
-      work() x 2 at once              -> 2 threads on both: an overlapping call runs on a pool thread, with the count
+2 rank actors (Ray: OMP_NUM_THREADS=1; Ray runs each actor's calls on a pool of threads)
+  work() x 4, one after another   -> 1 torch thread, and all four on one thread per rank (the compute thread)
+  PhaseThreads.before("train")  (cores 4, 2 ranks working: 2 each)
+  work() x 4, one after another   -> 2 threads, on that same thread (which ran torch code with 1 before)
+  work() x 2 at once              -> 2 threads on both: an overlapping call runs on a pool thread, with the count
 """
 
 import sys
@@ -13,13 +13,13 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import ray.cloudpickle
 import torch
 
-import ray.cloudpickle
-from orlhf.distributed.groups import ActorGroup
-from orlhf.distributed.endpoints import endpoint
-from orlhf.distributed.placement import RankBundle
 from orlhf.cpu.threads import PhaseThreads
+from orlhf.distributed.endpoints import endpoint
+from orlhf.distributed.groups import ActorGroup
+from orlhf.distributed.placement import RankBundle
 
 pytestmark = pytest.mark.ray
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -54,17 +54,19 @@ def observed(group: ActorGroup, at_once: int) -> dict:
 
 
 def test_the_working_ranks_get_the_cores_on_one_compute_thread(ray_local):
-    group = ActorGroup("actor", WorkProbe, cfg=None, slots=[RankBundle(None, 0, 1.0)] * 2, device="cpu",
-                       timeout_s=60)
+    group = ActorGroup("actor", WorkProbe, cfg=None, slots=[RankBundle(None, 0, 1.0)] * 2, device="cpu", timeout_s=60)
     try:
         before = observed(group, 1)
         assert len(before) == 2, f"calls one after another should share one thread per rank: {before}"
         assert set(before.values()) == {1}  # Ray's OMP_NUM_THREADS=1
         models = SimpleNamespace(actor=group, ref=None, critic=None, reward=None, engines=[])
-        cfg = SimpleNamespace(runtime=SimpleNamespace(device="cpu"), ppo=SimpleNamespace(async_train=False),
-                              deepspeed=SimpleNamespace(train_cpu_threads=0),
-                              vllm=SimpleNamespace(cpu_threads=0, num_engines=1, tensor_parallel_size=1),
-                              single_pass=True)
+        cfg = SimpleNamespace(
+            runtime=SimpleNamespace(device="cpu"),
+            ppo=SimpleNamespace(async_train=False),
+            deepspeed=SimpleNamespace(train_cpu_threads=0),
+            vllm=SimpleNamespace(cpu_threads=0, num_engines=1, tensor_parallel_size=1),
+            single_pass=True,
+        )
         threads = PhaseThreads.from_config(cfg, models, cores=4)
         threads.before("train")
         after = observed(group, 1)

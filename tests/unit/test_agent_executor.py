@@ -41,13 +41,13 @@ class FakeEngine:
             out = [ord(c) for c in "red "]
             if fut.cancelled():  # the runner stopped early (an agent raised)
                 return
-            fut.set_result([(out[:p.max_tokens], [-0.25] * min(4, p.max_tokens), "length", 7) for _, p in requests])
+            fut.set_result([(out[: p.max_tokens], [-0.25] * min(4, p.max_tokens), "length", 7) for _, p in requests])
 
         threading.Thread(target=answer).start()
         return fut
 
 
-AGENT = '''
+AGENT = """
 import asyncio, torch
 from orlhf.rollout.agent import AgentInstanceBase, MultiTurnAgentExecutor
 
@@ -67,7 +67,7 @@ class AgentInstance(AgentInstanceBase):
 class AgentExecutor(MultiTurnAgentExecutor):
     def __init__(self):
         super().__init__(AgentInstance)
-'''
+"""
 
 
 def write_agent(tmp_path, init="def __init__(self):\n        self.turn = 0", body="pass"):
@@ -81,8 +81,9 @@ def prompts(labels):
 
 
 def run(path, labels, n=1, max_new=3, max_length=20, engine=None):
-    runner = AgentRunner(path, engines=None, tokenizer=CharTokenizer(), max_length=max_length,
-                         call=engine or FakeEngine())
+    runner = AgentRunner(
+        path, engines=None, tokenizer=CharTokenizer(), max_length=max_length, call=engine or FakeEngine()
+    )
     spec = SamplingSpec(temperature=1.0, max_new_tokens=max_new, n=n, seed=5)
     return runner, runner.generate(prompts(labels), spec)
 
@@ -137,8 +138,9 @@ def test_async_init_as_in_openrlhf_files(tmp_path):
 
 
 def test_a_bad_step_names_the_file_sample_and_key(tmp_path):
-    path = write_agent(tmp_path, body='if states["label"] == "bad": return {"rewards": 1.0, '
-                                      '"environment_feedback": ""}')
+    path = write_agent(
+        tmp_path, body='if states["label"] == "bad": return {"rewards": 1.0, "environment_feedback": ""}'
+    )
     with pytest.raises(AgentError) as e:
         run(path, ["x", "bad"], n=2)
     msg = str(e.value)
@@ -185,7 +187,7 @@ def test_the_demo_agent_loads_and_scores_colors():
     assert abs(float(out["rewards"]) - (2 / 3) / 3) < 1e-6 and not out["done"]
 
 
-SCORED_AGENT = '''
+SCORED_AGENT = """
 import torch
 from orlhf.rollout.agent import AgentInstanceBase, MultiTurnAgentExecutor
 
@@ -207,7 +209,7 @@ class AgentInstance(AgentInstanceBase):
 class AgentExecutor(MultiTurnAgentExecutor):
     def __init__(self):
         super().__init__(AgentInstance)
-'''
+"""
 
 
 def test_dynamic_filtering_keeps_groups_by_the_agents_scores_and_trains_on_their_rewards(tmp_path):

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from orlhf.algo.advantages import actions_first, compute_advantages
-from orlhf.algo.registry import ESTIMATORS
 from orlhf.algo.losses import policy_loss
+from orlhf.algo.registry import ESTIMATORS
 from orlhf.algo.rewards import group_baseline, shape_rewards
-from orlhf.trainer.experience import ExperienceConfig, make_experience, rollouts_to_batch
 from orlhf.rollout.executor import episode_to_rollout
+from orlhf.trainer.experience import ExperienceConfig, make_experience, rollouts_to_batch
 from orlhf.types import Rollout
 
 PAD = 0
@@ -22,8 +22,15 @@ MASK = [1, 1, 0, 0, 1]
 
 
 def multi_turn_rollout() -> Rollout:
-    return Rollout(prompt_index=0, prompt_ids=[11, 12], response_ids=[21, 22, 31, 32, 23],
-                   logprobs=[-0.5, -0.6, 0.0, 0.0, -0.7], finished=True, action_mask=MASK, reward=1.0)
+    return Rollout(
+        prompt_index=0,
+        prompt_ids=[11, 12],
+        response_ids=[21, 22, 31, 32, 23],
+        logprobs=[-0.5, -0.6, 0.0, 0.0, -0.7],
+        finished=True,
+        action_mask=MASK,
+        reward=1.0,
+    )
 
 
 def single_turn_rollout() -> Rollout:
@@ -41,9 +48,14 @@ def test_batch_keeps_feedback_as_context_but_not_as_actions():
 
 def test_episode_dict_to_rollout_marks_the_action_ranges():
     # OpenRLHF's execute() result: observation = prompt + turn a + feedback + turn b
-    out = {"observation_tokens": [11, 12, 21, 22, 31, 32, 23], "action_ranges": [(2, 4), (6, 7)],
-           "rollout_log_probs": [0, 0, -0.5, -0.6, 0, 0, -0.7], "reward": torch.tensor(0.5), "scores": 1.0,
-           "extra_logs": {"x": torch.tensor(2.0)}}
+    out = {
+        "observation_tokens": [11, 12, 21, 22, 31, 32, 23],
+        "action_ranges": [(2, 4), (6, 7)],
+        "rollout_log_probs": [0, 0, -0.5, -0.6, 0, 0, -0.7],
+        "reward": torch.tensor(0.5),
+        "scores": 1.0,
+        "extra_logs": {"x": torch.tensor(2.0)},
+    }
     r = episode_to_rollout(out, prompt_index=3, engine=1)
     assert r.prompt_ids == [11, 12] and r.response_ids == [21, 22, 31, 32, 23]
     assert r.action_mask == MASK and r.logprobs == [-0.5, -0.6, 0, 0, -0.7]
@@ -88,8 +100,14 @@ def test_right_padded_rows_are_unchanged_by_the_compaction():
     values = torch.tensor([[0.1, 0.2, 0.3, 0.0], [0.4, 0.5, 0.0, 0.0]])
     a1, r1 = compute_advantages("gae", rewards, mask, values, 0.9, 0.95)
     shuffled = torch.tensor([[1, 0, 1, 1], [1, 1, 0, 0]], dtype=torch.bool)  # row 0 gets a gap at column 1
-    a2, _ = compute_advantages("gae", torch.tensor([[0.0, 0.0, 0.0, 1.0], [0.0, 2.0, 0.0, 0.0]]), shuffled,
-                               torch.tensor([[0.1, 0.0, 0.2, 0.3], [0.4, 0.5, 0.0, 0.0]]), 0.9, 0.95)
+    a2, _ = compute_advantages(
+        "gae",
+        torch.tensor([[0.0, 0.0, 0.0, 1.0], [0.0, 2.0, 0.0, 0.0]]),
+        shuffled,
+        torch.tensor([[0.1, 0.0, 0.2, 0.3], [0.4, 0.5, 0.0, 0.0]]),
+        0.9,
+        0.95,
+    )
     assert torch.allclose(a2[0, [0, 2, 3]], a1[0, :3]) and torch.allclose(a2[1], a1[1])
 
 

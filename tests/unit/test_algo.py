@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from orlhf.algo.advantages import compute_advantages, discounted_returns, gae, whiten
-from orlhf.algo.registry import ESTIMATORS
 from orlhf.algo.kl import AdaptiveKLController, FixedKLController, make_kl_controller
+from orlhf.algo.registry import ESTIMATORS
 from orlhf.algo.rewards import RunningMoments, group_baseline, shape_rewards
 
 

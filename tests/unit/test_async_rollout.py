@@ -34,7 +34,7 @@ class FakeTrainer:
         producer = RolloutProducer(self.generate, [[i] for i in range(batches)], queue_size)
         seen = []
         with producer:
-            for prompts, rollouts, seconds, _ in producer:
+            for prompts, rollouts, _seconds, _ in producer:
                 seen.append(prompts[0])
                 time.sleep(train_s)  # training overlaps the next generation
                 staleness.append(self.version - rollouts[0].weight_version)

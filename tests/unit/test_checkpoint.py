@@ -10,11 +10,18 @@ import numpy as np
 import pytest
 import torch
 
-from orlhf.storage.checkpoint import (CheckpointManager, load_controller_state, read_meta, rng_state,
-                              save_controller_state, save_state, set_rng_state)
-from orlhf.storage.checkpoint_format import CheckpointError, check_compatible
 from orlhf.config.fingerprint import config_fingerprint
 from orlhf.config.train_config import TrainConfig
+from orlhf.storage.checkpoint import (
+    CheckpointManager,
+    load_controller_state,
+    read_meta,
+    rng_state,
+    save_controller_state,
+    save_state,
+    set_rng_state,
+)
+from orlhf.storage.checkpoint_format import CheckpointError, check_compatible
 
 
 def _meta(cfg: TrainConfig | None = None) -> dict:
@@ -70,8 +77,13 @@ def test_rotation_keeps_the_newest_n_and_touches_nothing_else(tmp_path):
     for step in (1, 2, 3, 4):
         _save(mgr, step)
     assert [p.name for p in mgr.complete()] == ["step_000004", "step_000003"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step5", "notes.txt", "step_000000",
-                                                          "step_000003", "step_000004"]  # no .trash-* left
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "global_step5",
+        "notes.txt",
+        "step_000000",
+        "step_000003",
+        "step_000004",
+    ]  # no .trash-* left
     keep_all = CheckpointManager(tmp_path / "all", max_ckpt_num=0)
     for step in (1, 2, 3):
         _save(keep_all, step)
@@ -84,7 +96,9 @@ def test_a_new_run_refuses_a_folder_with_checkpoints(tmp_path):
     mgr.begin(1)  # a leftover temp folder is no checkpoint
     mgr.check_new_run()
     _save(mgr, 8)
-    with pytest.raises(CheckpointError, match="holds 1 checkpoint.*step_000008.*--load_checkpoint.*another --ckpt_path"):
+    with pytest.raises(
+        CheckpointError, match="holds 1 checkpoint.*step_000008.*--load_checkpoint.*another --ckpt_path"
+    ):
         mgr.check_new_run()
 
 
@@ -114,21 +128,30 @@ def test_commit_refuses_when_a_rank_left_no_files(tmp_path):
 def test_fingerprint_mismatch_lists_every_field_with_both_values(tmp_path):
     base = TrainConfig()
     other = dataclasses.replace(
-        base, deepspeed=dataclasses.replace(base.deepspeed, zero_stage=2),
+        base,
+        deepspeed=dataclasses.replace(base.deepspeed, zero_stage=2),
         placement=dataclasses.replace(base.placement, actor_num_gpus_per_node=4),
-        ppo=dataclasses.replace(base.ppo, advantage_estimator="group_norm", n_samples_per_prompt=4,
-                                actor_learning_rate=1.0, micro_train_batch_size=2),  # micro batches are free
-        logging=dataclasses.replace(base.logging, save_steps=7, max_ckpt_num=9))  # so is everything here
+        ppo=dataclasses.replace(
+            base.ppo,
+            advantage_estimator="group_norm",
+            n_samples_per_prompt=4,
+            actor_learning_rate=1.0,
+            micro_train_batch_size=2,
+        ),  # micro batches are free
+        logging=dataclasses.replace(base.logging, save_steps=7, max_ckpt_num=9),
+    )  # so is everything here
     meta = {"format": 1, "fingerprint": config_fingerprint(base)}
     with pytest.raises(CheckpointError) as err:
         check_compatible(meta, config_fingerprint(other), path="/ck/step_000010")
     msg = str(err.value)
     assert "/ck/step_000010" in msg and "another --ckpt_path" in msg and "checkpoint's values" in msg
-    expected = ["--zero_stage: checkpoint None, this run 2",  # None: the default (3, or 2/0 at one rank)
-                "--actor_num_gpus_per_node: checkpoint 1, this run 4",
-                "--advantage_estimator: checkpoint 'gae', this run 'group_norm'",
-                "--n_samples_per_prompt: checkpoint 1, this run 4",
-                "--actor_learning_rate: checkpoint 1e-06, this run 1.0"]
+    expected = [
+        "--zero_stage: checkpoint None, this run 2",  # None: the default (3, or 2/0 at one rank)
+        "--actor_num_gpus_per_node: checkpoint 1, this run 4",
+        "--advantage_estimator: checkpoint 'gae', this run 'group_norm'",
+        "--n_samples_per_prompt: checkpoint 1, this run 4",
+        "--actor_learning_rate: checkpoint 1e-06, this run 1.0",
+    ]
     for line in expected:
         assert f"  - {line}" in msg
     assert msg.count("\n  - ") == len(expected)  # nothing else (the critic model path is None on both sides)
@@ -136,16 +159,33 @@ def test_fingerprint_mismatch_lists_every_field_with_both_values(tmp_path):
     with pytest.raises(CheckpointError, match="format 99"):
         check_compatible({**meta, "format": 99}, config_fingerprint(base))
     with pytest.raises(CheckpointError, match=r"--seed: checkpoint \(not recorded\), this run 42"):
-        check_compatible({"format": 1, "fingerprint": {k: v for k, v in meta["fingerprint"].items() if k != "--seed"}},
-                         config_fingerprint(base))
+        check_compatible(
+            {"format": 1, "fingerprint": {k: v for k, v in meta["fingerprint"].items() if k != "--seed"}},
+            config_fingerprint(base),
+        )
 
 
 # The flags issue 16 found missing from the fingerprint; each must now refuse a resume when changed.
-TRAJECTORY = {"remote_rm_url": "http://h:1/r", "input_template": "Q: {}", "apply_chat_template": True,
-              "input_key": "q", "label_key": "a", "prompt_max_len": 7, "prompt_overflow": "truncate",
-              "generate_max_len": 9, "temperature": 0.5, "gamma": 0.9, "lambd": 0.9, "kl_estimator": "k3",
-              "use_kl_loss": True, "actor_learning_rate": 0.5, "critic_learning_rate": 0.5, "num_episodes": 9,
-              "lr_warmup_ratio": 0.5, "max_epochs": 3}
+TRAJECTORY = {
+    "remote_rm_url": "http://h:1/r",
+    "input_template": "Q: {}",
+    "apply_chat_template": True,
+    "input_key": "q",
+    "label_key": "a",
+    "prompt_max_len": 7,
+    "prompt_overflow": "truncate",
+    "generate_max_len": 9,
+    "temperature": 0.5,
+    "gamma": 0.9,
+    "lambd": 0.9,
+    "kl_estimator": "k3",
+    "use_kl_loss": True,
+    "actor_learning_rate": 0.5,
+    "critic_learning_rate": 0.5,
+    "num_episodes": 9,
+    "lr_warmup_ratio": 0.5,
+    "max_epochs": 3,
+}
 
 
 @pytest.mark.parametrize("flag,value", sorted(TRAJECTORY.items()))
@@ -162,8 +202,8 @@ def test_every_trajectory_flag_is_fingerprinted(flag, value):
 
 
 def test_every_flag_is_fingerprinted_or_argued_free():
-    from orlhf.config.flags import flag_fields
     from orlhf.config.fingerprint import FREE_ON_RESUME
+    from orlhf.config.flags import flag_fields
 
     flags = {flag for _, flag, _, _ in flag_fields()}
     assert set(FREE_ON_RESUME) <= flags, set(FREE_ON_RESUME) - flags  # no stale names
@@ -188,11 +228,17 @@ def test_controller_state_round_trip_restores_values_and_rng(tmp_path):
     torch.manual_seed(3)
     torch.rand(5), random.random(), np.random.rand()  # move off the seeded states
     np.random.randn()  # numpy now caches a gaussian: has_gauss / cached_gaussian must come back too
-    state = {"step_index": 12, "weight_version": 12, "episode": 1,
-             "loader": {"episode": 1, "batch_in_episode": 2, "seed": 42, "batch_size": 64, "num_prompts": 300},
-             "kl_ctl": {"kind": "adaptive", "value": 0.1 + 0.2}, "reward_norm": None,
-             "clip_range": (-10.0, 10.0), "nested": [{"t": torch.arange(3, dtype=torch.int64)}],
-             "rng": rng_state()}
+    state = {
+        "step_index": 12,
+        "weight_version": 12,
+        "episode": 1,
+        "loader": {"episode": 1, "batch_in_episode": 2, "seed": 42, "batch_size": 64, "num_prompts": 300},
+        "kl_ctl": {"kind": "adaptive", "value": 0.1 + 0.2},
+        "reward_norm": None,
+        "clip_range": (-10.0, 10.0),
+        "nested": [{"t": torch.arange(3, dtype=torch.int64)}],
+        "rng": rng_state(),
+    }
     save_controller_state(tmp_path, state)
     expected = (random.random(), np.random.rand(), np.random.randn(), torch.rand(4))
     random.random(), np.random.rand(5), torch.rand(9)  # the run goes on; RNGs move
@@ -200,8 +246,9 @@ def test_controller_state_round_trip_restores_values_and_rng(tmp_path):
     set_rng_state(loaded["rng"])
     got = (random.random(), np.random.rand(), np.random.randn(), torch.rand(4))
     assert got[:3] == expected[:3] and torch.equal(got[3], expected[3])
-    assert {k: v for k, v in loaded.items() if k not in ("rng", "nested")} == \
-        {k: v for k, v in state.items() if k not in ("rng", "nested")}  # 0.1 + 0.2 exactly, the tuple a tuple
+    assert {k: v for k, v in loaded.items() if k not in ("rng", "nested")} == {
+        k: v for k, v in state.items() if k not in ("rng", "nested")
+    }  # 0.1 + 0.2 exactly, the tuple a tuple
     assert torch.equal(loaded["nested"][0]["t"], state["nested"][0]["t"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["controller.json", "controller.safetensors"]  # no pickle
 

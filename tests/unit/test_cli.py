@@ -24,8 +24,7 @@ use_wandb wandb_project wandb_run_name use_tensorboard save_path ckpt_path save_
 max_ckpt_num load_checkpoint save_hf_ckpt agent_func_path eval_dataset eval_split eval_steps eval_temperature
 eval_n_samples_per_prompt best_metric_key
 """.split()
-PANELS = ["Placement", "vLLM engines", "DeepSpeed", "Models and data", "PPO", "Logging and checkpoints",
-          "Evaluation"]
+PANELS = ["Placement", "vLLM engines", "DeepSpeed", "Models and data", "PPO", "Logging and checkpoints", "Evaluation"]
 
 
 def run(argv, capsys):
@@ -61,9 +60,29 @@ def test_help_reads_at_80_columns(capsys, monkeypatch):
 
 
 def test_valid_flags_in_both_spellings(capsys, no_training):
-    argv = ["train-ppo", "--actor_num_gpus_per_node", "2", "--ref-num-gpus-per-node", "2", "--colocate-actor-ref",
-            "--advantage-estimator", "group_norm", "--n_samples_per_prompt", "4", "--bf16", "--zero-stage", "2",
-            "--reward_clip_range", "-5", "5", "--use_wandb", "--use-tensorboard", "/tmp/tb", "--device", "cpu"]
+    argv = [
+        "train-ppo",
+        "--actor_num_gpus_per_node",
+        "2",
+        "--ref-num-gpus-per-node",
+        "2",
+        "--colocate-actor-ref",
+        "--advantage-estimator",
+        "group_norm",
+        "--n_samples_per_prompt",
+        "4",
+        "--bf16",
+        "--zero-stage",
+        "2",
+        "--reward_clip_range",
+        "-5",
+        "5",
+        "--use_wandb",
+        "--use-tensorboard",
+        "/tmp/tb",
+        "--device",
+        "cpu",
+    ]
     code, out, err = run(argv, capsys)
     assert code == 0, err
     (cfg,) = no_training
@@ -101,8 +120,10 @@ def test_demo_preset_is_announced(capsys, no_training):
 
 def test_cli_imports_no_heavy_packages():
     """`orlhf --help` stays fast because the CLI never imports torch, ray, deepspeed or vllm."""
-    code = ("import sys, orlhf.cli; heavy = [m for m in ('torch', 'ray', 'deepspeed', 'vllm', 'transformers') "
-            "if m in sys.modules]; print(heavy); sys.exit(bool(heavy))")
+    code = (
+        "import sys, orlhf.cli; heavy = [m for m in ('torch', 'ray', 'deepspeed', 'vllm', 'transformers') "
+        "if m in sys.modules]; print(heavy); sys.exit(bool(heavy))"
+    )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ))
     assert res.returncode == 0, res.stdout + res.stderr
 
@@ -111,8 +132,19 @@ def test_openrlhf_mix_and_head_flags_parse(capsys, no_training, tmp_path):
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     for p in (a, b):
         p.write_text('{"input": "hi"}\n')
-    argv = ["train-ppo", "--prompt_data", f"{a},{b}", "--prompt-data-probs", "0.7,0.3", "--prompt_split", "test",
-            "--value-head-prefix", "value_head", "--device", "cpu"]
+    argv = [
+        "train-ppo",
+        "--prompt_data",
+        f"{a},{b}",
+        "--prompt-data-probs",
+        "0.7,0.3",
+        "--prompt_split",
+        "test",
+        "--value-head-prefix",
+        "value_head",
+        "--device",
+        "cpu",
+    ]
     code, _, err = run(argv, capsys)
     assert code == 0, err
     d = no_training[0].data
@@ -122,11 +154,41 @@ def test_openrlhf_mix_and_head_flags_parse(capsys, no_training, tmp_path):
 
 
 def test_loss_variant_flags_parse(capsys, no_training):
-    argv = ["train-ppo", "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "4",
-            "--eps_clip_low_high", "0.2", "0.28", "--policy-loss-type", "ppo", "--enable_vllm_is_correction",
-            "--vllm_is_truncated_threshold", "0.4", "4", "--dynamic_filtering", "--dynamic_filtering_reward_range",
-            "0", "1", "--overlong_buffer_len", "8", "--stop_properly_penalty_coef", "-0.5", "--adam_betas", "0.9",
-            "0.99", "--l2", "0.01", "--max_norm", "0.5", "--lr_scheduler", "cosine", "--loss_agg_mode", "token_mean"]
+    argv = [
+        "train-ppo",
+        "--advantage_estimator",
+        "group_norm",
+        "--n_samples_per_prompt",
+        "4",
+        "--eps_clip_low_high",
+        "0.2",
+        "0.28",
+        "--policy-loss-type",
+        "ppo",
+        "--enable_vllm_is_correction",
+        "--vllm_is_truncated_threshold",
+        "0.4",
+        "4",
+        "--dynamic_filtering",
+        "--dynamic_filtering_reward_range",
+        "0",
+        "1",
+        "--overlong_buffer_len",
+        "8",
+        "--stop_properly_penalty_coef",
+        "-0.5",
+        "--adam_betas",
+        "0.9",
+        "0.99",
+        "--l2",
+        "0.01",
+        "--max_norm",
+        "0.5",
+        "--lr_scheduler",
+        "cosine",
+        "--loss_agg_mode",
+        "token_mean",
+    ]
     code, _, err = run(argv, capsys)
     assert code == 0, err
     (cfg,) = no_training
@@ -138,23 +200,42 @@ def test_loss_variant_flags_parse(capsys, no_training):
     code, _, err = run(["train-ppo", "--policy-loss-type", "gspo", "--enable_vllm_is_correction"], capsys)
     assert code == 0, err
     assert no_training[-1].ppo.policy_loss_type == "gspo" and no_training[-1].ppo.enable_vllm_is_correction
-    code, _, err = run(["train-ppo", "--policy_loss_type", "gspo", "--enable_vllm_is_correction",
-                        "--vllm_is_correction_type", "seq-mask-tis"], capsys)
+    code, _, err = run(
+        [
+            "train-ppo",
+            "--policy_loss_type",
+            "gspo",
+            "--enable_vllm_is_correction",
+            "--vllm_is_correction_type",
+            "seq-mask-tis",
+        ],
+        capsys,
+    )
     assert code == 2 and "--policy_loss_type gspo" in err and "--vllm_is_correction_type seq-mask-tis" in err
 
 
-@pytest.mark.parametrize("argv, names", [
-    (["--vllm_is_correction_type", "icepop"], ["--vllm_is_correction_type", "--enable_vllm_is_correction"]),
-    (["--vllm-is-truncated-threshold", "0.4", "4"], ["--vllm_is_truncated_threshold", "--enable_vllm_is_correction"]),
-    (["--dynamic_filtering_reward_range", "0", "1"], ["--dynamic_filtering_reward_range", "--dynamic_filtering"]),
-    (["--overlong_penalty_factor", "0.5"], ["--overlong_penalty_factor", "--overlong_buffer_len"]),
-    (["--eps_clip", "0.2", "--eps_clip_low_high", "0.2", "0.28"], ["--eps_clip ", "--eps_clip_low_high"]),
-    (["--policy_loss_type", "gspo", "--enable_vllm_is_correction", "--vllm_is_truncated_threshold", "0.4", "4"],
-     ["--vllm_is_truncated_threshold 0.4 4.0", "--policy_loss_type gspo"]),
-    # tis is the default type: given explicitly next to GSPO it still does nothing (OpenRLHF ignores it there)
-    (["--policy_loss_type", "gspo", "--enable_vllm_is_correction", "--vllm_is_correction_type", "tis"],
-     ["--vllm_is_correction_type tis", "--policy_loss_type gspo"]),
-])
+@pytest.mark.parametrize(
+    "argv, names",
+    [
+        (["--vllm_is_correction_type", "icepop"], ["--vllm_is_correction_type", "--enable_vllm_is_correction"]),
+        (
+            ["--vllm-is-truncated-threshold", "0.4", "4"],
+            ["--vllm_is_truncated_threshold", "--enable_vllm_is_correction"],
+        ),
+        (["--dynamic_filtering_reward_range", "0", "1"], ["--dynamic_filtering_reward_range", "--dynamic_filtering"]),
+        (["--overlong_penalty_factor", "0.5"], ["--overlong_penalty_factor", "--overlong_buffer_len"]),
+        (["--eps_clip", "0.2", "--eps_clip_low_high", "0.2", "0.28"], ["--eps_clip ", "--eps_clip_low_high"]),
+        (
+            ["--policy_loss_type", "gspo", "--enable_vllm_is_correction", "--vllm_is_truncated_threshold", "0.4", "4"],
+            ["--vllm_is_truncated_threshold 0.4 4.0", "--policy_loss_type gspo"],
+        ),
+        # tis is the default type: given explicitly next to GSPO it still does nothing (OpenRLHF ignores it there)
+        (
+            ["--policy_loss_type", "gspo", "--enable_vllm_is_correction", "--vllm_is_correction_type", "tis"],
+            ["--vllm_is_correction_type tis", "--policy_loss_type gspo"],
+        ),
+    ],
+)
 def test_a_flag_given_without_the_flag_it_needs_exits_2(argv, names, capsys, no_training):
     """Given, these flags would be silently ignored: exit 2 before anything starts, naming both flags. Their
     defaults never trigger this (the demo's run above passes with all of them at their defaults)."""
@@ -177,12 +258,13 @@ def test_user_errors_name_real_exception_classes():
 
 
 def test_run_reporting_errors_prints_user_errors_and_raises_bugs(capsys):
-    from orlhf.storage.checkpoint_format import CheckpointError
     from orlhf.cli import run_reporting_errors
+    from orlhf.storage.checkpoint_format import CheckpointError
 
     def fail(exc):
         def fn(_cfg):
             raise exc
+
         return fn
 
     assert run_reporting_errors(fail(CheckpointError("no checkpoint in /x")), None) == 1
@@ -194,7 +276,9 @@ def test_run_reporting_errors_prints_user_errors_and_raises_bugs(capsys):
 
 def test_reporting_errors_imports_no_torch_before_the_run():
     """The driver's main thread starts Ray inside the run; torch loads beside it (launch/run.py), not before it."""
-    code = ("import sys; from orlhf.cli import run_reporting_errors; "
-            "print(run_reporting_errors(lambda cfg: int('torch' in sys.modules), None))")
+    code = (
+        "import sys; from orlhf.cli import run_reporting_errors; "
+        "print(run_reporting_errors(lambda cfg: int('torch' in sys.modules), None))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "0"

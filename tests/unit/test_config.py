@@ -4,8 +4,8 @@ import dataclasses
 
 import pytest
 
-from orlhf.config.train_config import ConfigError, TrainConfig
 from orlhf.config.flags import DEMO_PRESET, build_config
+from orlhf.config.train_config import ConfigError, TrainConfig
 
 
 def build(**flags) -> TrainConfig:
@@ -72,8 +72,9 @@ def test_group_estimators_need_several_samples(est):
 
 
 def test_group_estimators_need_gamma_1():
-    assert_fails(["--advantage_estimator rloo", "--gamma 1.0"], advantage_estimator="rloo",
-                 n_samples_per_prompt=2, gamma=0.9)
+    assert_fails(
+        ["--advantage_estimator rloo", "--gamma 1.0"], advantage_estimator="rloo", n_samples_per_prompt=2, gamma=0.9
+    )
 
 
 def test_reinforce_needs_one_sample_only():
@@ -99,11 +100,16 @@ def test_estimator_registry_drives_cli_choices_and_validation(monkeypatch):
     with pytest.raises(SystemExit) as exit_:
         main(["train-ppo", "--advantage_estimator", "not_an_estimator"])
     assert exit_.value.code == 2
-    monkeypatch.setitem(registry.ESTIMATORS, "grouped_gae",
-                        registry.EstimatorSpec(needs_critic=True, baseline="mean", whiten=False))
+    monkeypatch.setitem(
+        registry.ESTIMATORS, "grouped_gae", registry.EstimatorSpec(needs_critic=True, baseline="mean", whiten=False)
+    )
     assert_fails(["--advantage_estimator grouped_gae", "--n_samples_per_prompt"], advantage_estimator="grouped_gae")
-    assert_fails(["--no_advantage_std_norm", "not whitened"], advantage_estimator="grouped_gae",
-                 n_samples_per_prompt=2, no_advantage_std_norm=True)
+    assert_fails(
+        ["--no_advantage_std_norm", "not whitened"],
+        advantage_estimator="grouped_gae",
+        n_samples_per_prompt=2,
+        no_advantage_std_norm=True,
+    )
     cfg = build(advantage_estimator="grouped_gae", n_samples_per_prompt=2)
     assert cfg.has_critic and "critic" in active_roles(cfg) and trained_roles(cfg) == ["actor", "critic"]
     assert "unknown" not in " ".join(problems(advantage_estimator="reinforce", n_samples_per_prompt=0))
@@ -111,8 +117,13 @@ def test_estimator_registry_drives_cli_choices_and_validation(monkeypatch):
 
 
 def test_exactly_one_reward_source(model_dir, prompts, reward_py):
-    assert_fails(["--reward_pretrain", "--remote_rm_url", "choose one"],
-                 pretrain=model_dir, prompt_data=prompts, reward_pretrain=model_dir, remote_rm_url=reward_py)
+    assert_fails(
+        ["--reward_pretrain", "--remote_rm_url", "choose one"],
+        pretrain=model_dir,
+        prompt_data=prompts,
+        reward_pretrain=model_dir,
+        remote_rm_url=reward_py,
+    )
     assert_fails(["--pretrain", "--reward_pretrain", "--remote_rm_url"], pretrain=model_dir, prompt_data=prompts)
     assert build(pretrain=model_dir, prompt_data=prompts, reward_pretrain=model_dir).has_reward_model
     assert build(pretrain=model_dir, prompt_data=prompts, remote_rm_url="http://127.0.0.1:5000/get_reward")
@@ -123,28 +134,53 @@ def test_pretrain_needs_prompt_data(model_dir, reward_py):
 
 
 def test_colocate_all_models_needs_engines_to_cover_actor_gpus():
-    assert_fails(["--colocate_all_models", "vllm_num_engines x vllm_tensor_parallel_size", "actor 4"],
-                 colocate_all_models=True, actor_num_gpus_per_node=4, ref_num_gpus_per_node=4,
-                 critic_num_gpus_per_node=4, vllm_num_engines=1, train_batch_size=64)
-    cfg = build(colocate_all_models=True, actor_num_gpus_per_node=4, ref_num_gpus_per_node=4,
-                critic_num_gpus_per_node=4, vllm_num_engines=2, vllm_tensor_parallel_size=2)
+    assert_fails(
+        ["--colocate_all_models", "vllm_num_engines x vllm_tensor_parallel_size", "actor 4"],
+        colocate_all_models=True,
+        actor_num_gpus_per_node=4,
+        ref_num_gpus_per_node=4,
+        critic_num_gpus_per_node=4,
+        vllm_num_engines=1,
+        train_batch_size=64,
+    )
+    cfg = build(
+        colocate_all_models=True,
+        actor_num_gpus_per_node=4,
+        ref_num_gpus_per_node=4,
+        critic_num_gpus_per_node=4,
+        vllm_num_engines=2,
+        vllm_tensor_parallel_size=2,
+    )
     assert cfg.placement.colocate_all_models
 
 
 def test_colocate_all_models_needs_same_shapes():
-    assert_fails(["--colocate_all_models", "--ref_num_nodes"], colocate_all_models=True,
-                 actor_num_gpus_per_node=2, vllm_num_engines=2, critic_num_gpus_per_node=2)
+    assert_fails(
+        ["--colocate_all_models", "--ref_num_nodes"],
+        colocate_all_models=True,
+        actor_num_gpus_per_node=2,
+        vllm_num_engines=2,
+        critic_num_gpus_per_node=2,
+    )
 
 
 def test_colocate_all_tp_engine_on_one_node():
-    assert_fails(["--vllm_tensor_parallel_size 4", "--actor_num_gpus_per_node 2"], colocate_all_models=True,
-                 actor_num_nodes=2, actor_num_gpus_per_node=2, ref_num_nodes=2, ref_num_gpus_per_node=2,
-                 critic_num_nodes=2, critic_num_gpus_per_node=2, vllm_num_engines=1, vllm_tensor_parallel_size=4)
+    assert_fails(
+        ["--vllm_tensor_parallel_size 4", "--actor_num_gpus_per_node 2"],
+        colocate_all_models=True,
+        actor_num_nodes=2,
+        actor_num_gpus_per_node=2,
+        ref_num_nodes=2,
+        ref_num_gpus_per_node=2,
+        critic_num_nodes=2,
+        critic_num_gpus_per_node=2,
+        vllm_num_engines=1,
+        vllm_tensor_parallel_size=4,
+    )
 
 
 def test_colocate_actor_ref_needs_equal_shapes():
-    assert_fails(["--colocate_actor_ref", "actor 1x2", "ref 1x1"], colocate_actor_ref=True,
-                 actor_num_gpus_per_node=2)
+    assert_fails(["--colocate_actor_ref", "actor 1x2", "ref 1x1"], colocate_actor_ref=True, actor_num_gpus_per_node=2)
     assert build(colocate_actor_ref=True, actor_num_gpus_per_node=2, ref_num_gpus_per_node=2)
 
 
@@ -170,8 +206,11 @@ def test_async_train_not_with_colocate_all():
 
 def test_train_batch_divides_by_micro_batch_times_ranks():
     # 64 % (16 x 3) != 0
-    assert_fails(["--train_batch_size 64", "--micro_train_batch_size", "actor ranks", "16 x 3 = 48"],
-                 actor_num_gpus_per_node=3, micro_train_batch_size=16)
+    assert_fails(
+        ["--train_batch_size 64", "--micro_train_batch_size", "actor ranks", "16 x 3 = 48"],
+        actor_num_gpus_per_node=3,
+        micro_train_batch_size=16,
+    )
     assert_fails(["critic ranks"], critic_num_nodes=3, micro_train_batch_size=8)
     assert build(actor_num_gpus_per_node=2, critic_num_gpus_per_node=4, micro_train_batch_size=8)
     # no critic without gae: its rank count does not matter then
@@ -179,18 +218,22 @@ def test_train_batch_divides_by_micro_batch_times_ranks():
 
 
 def test_rollout_samples_divide_into_train_batches():
-    assert_fails(["--rollout_batch_size x --n_samples_per_prompt", "--train_batch_size 64"],
-                 rollout_batch_size=48, train_batch_size=64)
-    assert build(rollout_batch_size=48, n_samples_per_prompt=4, train_batch_size=64,
-                 advantage_estimator="group_norm")
+    assert_fails(
+        ["--rollout_batch_size x --n_samples_per_prompt", "--train_batch_size 64"],
+        rollout_batch_size=48,
+        train_batch_size=64,
+    )
+    assert build(rollout_batch_size=48, n_samples_per_prompt=4, train_batch_size=64, advantage_estimator="group_norm")
 
 
 def test_paths_must_exist(tmp_path, prompts, reward_py, monkeypatch):
-    assert_fails(["--pretrain", "no such folder"], pretrain=str(tmp_path / "nope"), prompt_data=prompts,
-                 remote_rm_url=reward_py)
+    assert_fails(
+        ["--pretrain", "no such folder"], pretrain=str(tmp_path / "nope"), prompt_data=prompts, remote_rm_url=reward_py
+    )
     (tmp_path / "empty").mkdir()
-    assert_fails(["--pretrain", "config.json"], pretrain=str(tmp_path / "empty"), prompt_data=prompts,
-                 remote_rm_url=reward_py)
+    assert_fails(
+        ["--pretrain", "config.json"], pretrain=str(tmp_path / "empty"), prompt_data=prompts, remote_rm_url=reward_py
+    )
     assert_fails(["--prompt_data", "no such file"], prompt_data=str(tmp_path / "missing.jsonl"))
     assert_fails(["--remote_rm_url", "no such file"], remote_rm_url=str(tmp_path / "missing.py"))
     assert_fails(["--remote_rm_url", "http(s)://"], remote_rm_url=str(prompts))
@@ -199,36 +242,40 @@ def test_paths_must_exist(tmp_path, prompts, reward_py, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     assert build(pretrain="org/model", prompt_data=prompts, remote_rm_url=reward_py)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    assert_fails(["--pretrain org/model", "HF_HUB_OFFLINE"], pretrain="org/model", prompt_data=prompts,
-                 remote_rm_url=reward_py)
+    assert_fails(
+        ["--pretrain org/model", "HF_HUB_OFFLINE"], pretrain="org/model", prompt_data=prompts, remote_rm_url=reward_py
+    )
 
 
-@pytest.mark.parametrize("flags, fragment", [
-    ({"eps_clip": 0.0}, "--eps_clip must be > 0"),
-    ({"lambd": 1.5}, "--lambd must be in [0, 1]"),
-    ({"gamma": -0.1}, "--gamma must be in [0, 1]"),
-    ({"value_clip": 0.0}, "--value_clip must be > 0"),
-    ({"dual_clip": 1.0}, "--dual_clip must be > 1"),
-    ({"actor_learning_rate": 0.0}, "--actor_learning_rate must be > 0"),
-    ({"critic_learning_rate": -1.0}, "--critic_learning_rate must be > 0"),
-    ({"lr_warmup_ratio": 1.0}, "--lr_warmup_ratio must be in [0, 1)"),
-    ({"init_kl_coef": -0.1}, "--init_kl_coef must be >= 0"),
-    ({"kl_target": 0.0}, "--kl_target must be > 0"),
-    ({"entropy_loss_coef": -1.0}, "--entropy_loss_coef must be >= 0"),
-    ({"temperature": 0.0}, "--temperature must be > 0"),
-    ({"top_p": 0.0}, "--top_p must be in (0, 1]"),
-    ({"reward_clip_range": (5.0, -5.0)}, "--reward_clip_range LOW HIGH needs LOW < HIGH"),
-    ({"vllm_gpu_memory_utilization": 1.5}, "--vllm_gpu_memory_utilization must be in (0, 1]"),
-    ({"vllm_num_engines": 0}, "--vllm_num_engines must be >= 1"),
-    ({"actor_num_nodes": 0}, "--actor_num_nodes must be >= 1"),
-    ({"num_episodes": 0}, "--num_episodes must be >= 1"),
-    ({"max_samples": 0}, "--max_samples must be >= 1"),
-    ({"save_steps": 0}, "--save_steps must be -1 (never) or >= 1"),
-    ({"input_template": "no placeholder"}, "--input_template must contain exactly one '{}'"),
-    ({"async_queue_size": 0}, "--async_queue_size must be >= 1"),
-    ({"vllm_cpu_threads": -1}, "--vllm_cpu_threads must be >= 0"),
-    ({"train_cpu_threads": -2}, "--train_cpu_threads must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "flags, fragment",
+    [
+        ({"eps_clip": 0.0}, "--eps_clip must be > 0"),
+        ({"lambd": 1.5}, "--lambd must be in [0, 1]"),
+        ({"gamma": -0.1}, "--gamma must be in [0, 1]"),
+        ({"value_clip": 0.0}, "--value_clip must be > 0"),
+        ({"dual_clip": 1.0}, "--dual_clip must be > 1"),
+        ({"actor_learning_rate": 0.0}, "--actor_learning_rate must be > 0"),
+        ({"critic_learning_rate": -1.0}, "--critic_learning_rate must be > 0"),
+        ({"lr_warmup_ratio": 1.0}, "--lr_warmup_ratio must be in [0, 1)"),
+        ({"init_kl_coef": -0.1}, "--init_kl_coef must be >= 0"),
+        ({"kl_target": 0.0}, "--kl_target must be > 0"),
+        ({"entropy_loss_coef": -1.0}, "--entropy_loss_coef must be >= 0"),
+        ({"temperature": 0.0}, "--temperature must be > 0"),
+        ({"top_p": 0.0}, "--top_p must be in (0, 1]"),
+        ({"reward_clip_range": (5.0, -5.0)}, "--reward_clip_range LOW HIGH needs LOW < HIGH"),
+        ({"vllm_gpu_memory_utilization": 1.5}, "--vllm_gpu_memory_utilization must be in (0, 1]"),
+        ({"vllm_num_engines": 0}, "--vllm_num_engines must be >= 1"),
+        ({"actor_num_nodes": 0}, "--actor_num_nodes must be >= 1"),
+        ({"num_episodes": 0}, "--num_episodes must be >= 1"),
+        ({"max_samples": 0}, "--max_samples must be >= 1"),
+        ({"save_steps": 0}, "--save_steps must be -1 (never) or >= 1"),
+        ({"input_template": "no placeholder"}, "--input_template must contain exactly one '{}'"),
+        ({"async_queue_size": 0}, "--async_queue_size must be >= 1"),
+        ({"vllm_cpu_threads": -1}, "--vllm_cpu_threads must be >= 0"),
+        ({"train_cpu_threads": -2}, "--train_cpu_threads must be >= 0"),
+    ],
+)
 def test_value_ranges(flags, fragment):
     assert any(fragment in p for p in problems(**flags)), problems(**flags)
 
@@ -241,10 +288,10 @@ def test_cpu_device_rules():
 
 
 def test_padding_and_thread_flags_reach_the_workers_and_engines():
+    from dataclasses import replace
+
     from orlhf.config.worker_config import worker_config
     from orlhf.rollout.engine import engine_config
-
-    from dataclasses import replace
 
     cfg = build(no_trim_padding=True, packing_samples=True, train_cpu_threads=2, vllm_cpu_threads=3, device="cpu")
     cfg = replace(cfg, data=replace(cfg.data, pretrain="model"))  # as finish.resolve_demo fills it in
@@ -307,27 +354,53 @@ def test_prompt_mix_and_value_head_flags(model_dir, prompts, reward_py, tmp_path
     other = tmp_path / "q.jsonl"
     other.write_text('{"input": "ho"}\n')
     base = dict(pretrain=model_dir, remote_rm_url=reward_py)
-    cfg = build(**base, prompt_data=f"{prompts},{other}", prompt_data_probs="0.7,0.3", prompt_split="test",
-                value_head_prefix="value_head")
-    assert (cfg.data.prompt_data_probs, cfg.data.prompt_split, cfg.data.value_head_prefix) == \
-        ("0.7,0.3", "test", "value_head")
+    cfg = build(
+        **base,
+        prompt_data=f"{prompts},{other}",
+        prompt_data_probs="0.7,0.3",
+        prompt_split="test",
+        value_head_prefix="value_head",
+    )
+    assert (cfg.data.prompt_data_probs, cfg.data.prompt_split, cfg.data.value_head_prefix) == (
+        "0.7,0.3",
+        "test",
+        "value_head",
+    )
     assert build(**base, prompt_data=prompts).data.value_head_prefix == "score"  # OpenRLHF's default
-    found = problems(**base, prompt_data=f"{prompts},{tmp_path}/missing.jsonl", prompt_data_probs="0.7",
-                     value_head_prefix="a.b", prompt_split=" ")
-    for fragment in ("missing.jsonl: no such file or folder", "--prompt_data_probs 0.7: 1 values for 2 "
-                     "--prompt_data sources", "--value_head_prefix 'a.b' must be a module name",
-                     "--prompt_split must name a split"):
+    found = problems(
+        **base,
+        prompt_data=f"{prompts},{tmp_path}/missing.jsonl",
+        prompt_data_probs="0.7",
+        value_head_prefix="a.b",
+        prompt_split=" ",
+    )
+    for fragment in (
+        "missing.jsonl: no such file or folder",
+        "--prompt_data_probs 0.7: 1 values for 2 --prompt_data sources",
+        "--value_head_prefix 'a.b' must be a module name",
+        "--prompt_split must name a split",
+    ):
         assert any(fragment in p for p in found), (fragment, found)
-    assert_fails(["--prompt_data_probs 0.6,0.3", "sum to 0.9"], **base, prompt_data=f"{prompts},{other}",
-                 prompt_data_probs="0.6,0.3")
+    assert_fails(
+        ["--prompt_data_probs 0.6,0.3", "sum to 0.9"],
+        **base,
+        prompt_data=f"{prompts},{other}",
+        prompt_data_probs="0.6,0.3",
+    )
     assert_fails(["--prompt_data_probs needs --prompt_data"], prompt_data_probs="1.0")
 
 
 def test_value_head_flags_reach_the_reward_and_critic_workers(model_dir, prompts):
     from orlhf.config.worker_config import worker_config
 
-    cfg = build(pretrain=model_dir, reward_pretrain=model_dir, prompt_data=prompts, value_head_prefix="value_head",
-                normalize_reward=True, device="cpu")
+    cfg = build(
+        pretrain=model_dir,
+        reward_pretrain=model_dir,
+        prompt_data=prompts,
+        value_head_prefix="value_head",
+        normalize_reward=True,
+        device="cpu",
+    )
     for role in ("reward", "critic"):
         w = worker_config(cfg, role)
         assert (w.head.value_head_prefix, w.head.normalize_reward) == ("value_head", True), role
@@ -335,23 +408,36 @@ def test_value_head_flags_reach_the_reward_and_critic_workers(model_dir, prompts
 
 # ---------------------------------------------------------------- losses, DAPO / GSPO, IS correction, optimizer
 
+
 def _actor(cfg):
     from dataclasses import replace
 
-    from orlhf.config.worker_config import worker_config
-
     from orlhf.config.resolve import resolve_device
+    from orlhf.config.worker_config import worker_config
 
     return worker_config(resolve_device(replace(cfg, data=replace(cfg.data, pretrain="model")), "cpu"), "actor")
 
 
 def test_loss_flags_reach_the_actor_slice():
-    w = _actor(build(eps_clip_low_high=(0.2, 0.28), enable_vllm_is_correction=True, vllm_is_correction_type="icepop",
-                     vllm_is_truncated_threshold=(0.3, 3.0), max_norm=0.5, adam_betas=(0.9, 0.99), l2=0.01,
-                     lr_scheduler="linear"))
+    w = _actor(
+        build(
+            eps_clip_low_high=(0.2, 0.28),
+            enable_vllm_is_correction=True,
+            vllm_is_correction_type="icepop",
+            vllm_is_truncated_threshold=(0.3, 3.0),
+            max_norm=0.5,
+            adam_betas=(0.9, 0.99),
+            l2=0.01,
+            lr_scheduler="linear",
+        )
+    )
     loss, t = w.loss, w.train
-    assert (loss.eps_clip, loss.eps_clip_high, loss.is_correction, loss.is_threshold) == (0.2, 0.28, "icepop",
-                                                                                          (0.3, 3.0))
+    assert (loss.eps_clip, loss.eps_clip_high, loss.is_correction, loss.is_threshold) == (
+        0.2,
+        0.28,
+        "icepop",
+        (0.3, 3.0),
+    )
     assert (t.max_norm, t.adam_betas, t.weight_decay, t.lr_scheduler) == (0.5, (0.9, 0.99), 0.01, "linear")
     assert loss.loss_agg_mode == "token_mean" and loss.policy_loss_type == "ppo"
     plain = _actor(build(eps_clip=0.3)).loss
@@ -362,8 +448,8 @@ def test_loss_flags_reach_the_actor_slice():
 
 
 def test_config_choices_match_the_algo_registries():
-    from orlhf.config import train_config as config
     from orlhf.algo import losses
+    from orlhf.config import train_config as config
 
     assert config.LOSS_AGG_MODES == losses.LOSS_AGG_MODES
     assert config.POLICY_LOSS_TYPES == losses.POLICY_LOSS_TYPES
@@ -372,48 +458,81 @@ def test_config_choices_match_the_algo_registries():
 
 def test_dynamic_filtering_rules(model_dir, prompts):
     assert_fails(["--dynamic_filtering", "--n_samples_per_prompt"], dynamic_filtering=True)
-    assert_fails(["--dynamic_filtering_reward_range", "LOW < HIGH"], dynamic_filtering=True, n_samples_per_prompt=2,
-                 advantage_estimator="group_norm", dynamic_filtering_reward_range=(1.0, 0.0))
-    assert_fails(["--dynamic_filtering", "--reward_pretrain"], dynamic_filtering=True, n_samples_per_prompt=2,
-                 pretrain=model_dir, reward_pretrain=model_dir, prompt_data=prompts)
-    assert_fails(["--dynamic_filtering", "--async_train"], dynamic_filtering=True, n_samples_per_prompt=2,
-                 async_train=True)
+    assert_fails(
+        ["--dynamic_filtering_reward_range", "LOW < HIGH"],
+        dynamic_filtering=True,
+        n_samples_per_prompt=2,
+        advantage_estimator="group_norm",
+        dynamic_filtering_reward_range=(1.0, 0.0),
+    )
+    assert_fails(
+        ["--dynamic_filtering", "--reward_pretrain"],
+        dynamic_filtering=True,
+        n_samples_per_prompt=2,
+        pretrain=model_dir,
+        reward_pretrain=model_dir,
+        prompt_data=prompts,
+    )
+    assert_fails(
+        ["--dynamic_filtering", "--async_train"], dynamic_filtering=True, n_samples_per_prompt=2, async_train=True
+    )
     build(dynamic_filtering=True, n_samples_per_prompt=4, advantage_estimator="group_norm")
 
 
-@pytest.mark.parametrize("flags,fragments", [
-    (dict(eps_clip_low_high=(0.0, 0.28)), ["--eps_clip_low_high"]),
-    (dict(vllm_is_truncated_threshold=(5.0, 0.5)), ["--vllm_is_truncated_threshold"]),
-    (dict(policy_loss_type="gspo", enable_vllm_is_correction=True, vllm_is_correction_type="icepop"),
-     ["--vllm_is_correction_type icepop", "--policy_loss_type gspo"]),
-    (dict(use_kl_loss=True, kl_target=0.1, init_kl_coef=0.0), ["--kl_target", "--init_kl_coef"]),
-    (dict(max_norm=0.0), ["--max_norm"]),
-    (dict(adam_betas=(0.9, 1.0)), ["--adam_betas"]),
-    (dict(l2=-0.1), ["--l2"]),
-    (dict(lr_scheduler="constant", lr_warmup_ratio=0.1), ["--lr_scheduler constant", "--lr_warmup_ratio"]),
-    (dict(no_advantage_std_norm=True, advantage_estimator="group_norm", n_samples_per_prompt=2),
-     ["--no_advantage_std_norm", "--advantage_estimator group_norm", "dr_grpo"]),
-    (dict(overlong_buffer_len=30.0, generate_max_len=24), ["--overlong_buffer_len", "--generate_max_len"]),
-    (dict(stop_properly_penalty_coef=1.5), ["--stop_properly_penalty_coef"]),
-])
+@pytest.mark.parametrize(
+    "flags,fragments",
+    [
+        (dict(eps_clip_low_high=(0.0, 0.28)), ["--eps_clip_low_high"]),
+        (dict(vllm_is_truncated_threshold=(5.0, 0.5)), ["--vllm_is_truncated_threshold"]),
+        (
+            dict(policy_loss_type="gspo", enable_vllm_is_correction=True, vllm_is_correction_type="icepop"),
+            ["--vllm_is_correction_type icepop", "--policy_loss_type gspo"],
+        ),
+        (dict(use_kl_loss=True, kl_target=0.1, init_kl_coef=0.0), ["--kl_target", "--init_kl_coef"]),
+        (dict(max_norm=0.0), ["--max_norm"]),
+        (dict(adam_betas=(0.9, 1.0)), ["--adam_betas"]),
+        (dict(l2=-0.1), ["--l2"]),
+        (dict(lr_scheduler="constant", lr_warmup_ratio=0.1), ["--lr_scheduler constant", "--lr_warmup_ratio"]),
+        (
+            dict(no_advantage_std_norm=True, advantage_estimator="group_norm", n_samples_per_prompt=2),
+            ["--no_advantage_std_norm", "--advantage_estimator group_norm", "dr_grpo"],
+        ),
+        (dict(overlong_buffer_len=30.0, generate_max_len=24), ["--overlong_buffer_len", "--generate_max_len"]),
+        (dict(stop_properly_penalty_coef=1.5), ["--stop_properly_penalty_coef"]),
+    ],
+)
 def test_loss_variant_rules(flags, fragments):
     assert_fails(fragments, **flags)
 
 
 def test_valid_dapo_and_gspo_combinations():
-    build(advantage_estimator="group_norm", n_samples_per_prompt=4, eps_clip_low_high=(0.2, 0.28),
-          dynamic_filtering=True, overlong_buffer_len=8.0, overlong_penalty_factor=1.0, stop_properly_penalty_coef=0.0)
-    build(advantage_estimator="group_norm", n_samples_per_prompt=4, policy_loss_type="gspo",
-          enable_vllm_is_correction=True)
+    build(
+        advantage_estimator="group_norm",
+        n_samples_per_prompt=4,
+        eps_clip_low_high=(0.2, 0.28),
+        dynamic_filtering=True,
+        overlong_buffer_len=8.0,
+        overlong_penalty_factor=1.0,
+        stop_properly_penalty_coef=0.0,
+    )
+    build(
+        advantage_estimator="group_norm",
+        n_samples_per_prompt=4,
+        policy_loss_type="gspo",
+        enable_vllm_is_correction=True,
+    )
     build(no_advantage_std_norm=True, advantage_estimator="reinforce_baseline", n_samples_per_prompt=2)
 
 
-@pytest.mark.parametrize("flags,needs", [
-    (dict(vllm_is_correction_type="icepop"), "--enable_vllm_is_correction"),
-    (dict(vllm_is_truncated_threshold=(0.4, 4.0)), "--enable_vllm_is_correction"),
-    (dict(dynamic_filtering_reward_range=(0.0, 1.0)), "--dynamic_filtering"),
-    (dict(overlong_penalty_factor=0.5), "--overlong_buffer_len"),
-])
+@pytest.mark.parametrize(
+    "flags,needs",
+    [
+        (dict(vllm_is_correction_type="icepop"), "--enable_vllm_is_correction"),
+        (dict(vllm_is_truncated_threshold=(0.4, 4.0)), "--enable_vllm_is_correction"),
+        (dict(dynamic_filtering_reward_range=(0.0, 1.0)), "--dynamic_filtering"),
+        (dict(overlong_penalty_factor=0.5), "--overlong_buffer_len"),
+    ],
+)
 def test_a_flag_given_without_the_flag_it_needs_is_refused(flags, needs):
     (flag,) = flags
     assert_fails([f"--{flag}", needs, "does nothing"], **flags)
@@ -423,8 +542,12 @@ def test_a_flag_given_without_the_flag_it_needs_is_refused(flags, needs):
 
 def test_the_needed_flag_makes_them_valid():
     build(vllm_is_correction_type="icepop", vllm_is_truncated_threshold=(0.4, 4.0), enable_vllm_is_correction=True)
-    build(dynamic_filtering_reward_range=(0.0, 1.0), dynamic_filtering=True, n_samples_per_prompt=2,
-          advantage_estimator="group_norm")
+    build(
+        dynamic_filtering_reward_range=(0.0, 1.0),
+        dynamic_filtering=True,
+        n_samples_per_prompt=2,
+        advantage_estimator="group_norm",
+    )
     build(overlong_penalty_factor=0.5, overlong_buffer_len=4.0)
 
 
@@ -438,8 +561,11 @@ def test_gspo_with_is_correction_refuses_a_type_or_threshold():
     """OpenRLHF v0.10.1's GSPO puts the engine log-probs in its sequence ratio and applies neither the correction
     type nor the threshold, so both would be silently ignored."""
     gspo = dict(policy_loss_type="gspo", enable_vllm_is_correction=True)
-    assert_fails(["--vllm_is_truncated_threshold 0.4 4.0", "--policy_loss_type gspo"], **gspo,
-                 vllm_is_truncated_threshold=(0.4, 4.0))
+    assert_fails(
+        ["--vllm_is_truncated_threshold 0.4 4.0", "--policy_loss_type gspo"],
+        **gspo,
+        vllm_is_truncated_threshold=(0.4, 4.0),
+    )
     assert_fails(["--vllm_is_correction_type tis", "--policy_loss_type gspo"], **gspo, vllm_is_correction_type="tis")
     build(**gspo)
     build(policy_loss_type="ppo", enable_vllm_is_correction=True, vllm_is_truncated_threshold=(0.4, 4.0))
@@ -447,12 +573,24 @@ def test_gspo_with_is_correction_refuses_a_type_or_threshold():
 
 def test_demo_preset_and_the_e2e_flag_sets_pass_the_given_together_rules():
     """No preset value counts as given, and the flag sets the e2e tests and benchmarks run with stay valid."""
-    assert not set(DEMO_PRESET) & {"vllm_is_correction_type", "vllm_is_truncated_threshold", "eps_clip",
-                                   "dynamic_filtering_reward_range", "overlong_penalty_factor"}
+    assert not set(DEMO_PRESET) & {
+        "vllm_is_correction_type",
+        "vllm_is_truncated_threshold",
+        "eps_clip",
+        "dynamic_filtering_reward_range",
+        "overlong_penalty_factor",
+    }
     build()
     # tests/e2e/test_train_ppo.py's DAPO-style GSPO run
-    build(advantage_estimator="group_norm", n_samples_per_prompt=4, policy_loss_type="gspo",
-          eps_clip_low_high=(0.2, 0.28), dynamic_filtering=True, overlong_buffer_len=4.0, overlong_penalty_factor=0.1)
+    build(
+        advantage_estimator="group_norm",
+        n_samples_per_prompt=4,
+        policy_loss_type="gspo",
+        eps_clip_low_high=(0.2, 0.28),
+        dynamic_filtering=True,
+        overlong_buffer_len=4.0,
+        overlong_penalty_factor=0.1,
+    )
 
 
 def test_agent_file_replaces_the_reward_source(model_dir, prompts, reward_py, tmp_path):
@@ -460,10 +598,20 @@ def test_agent_file_replaces_the_reward_source(model_dir, prompts, reward_py, tm
     agent.write_text("")
     cfg = build(pretrain=model_dir, prompt_data=prompts, agent_func_path=str(agent))
     assert cfg.data.agent_func_path == str(agent) and not cfg.has_reward_model
-    assert_fails(["--agent_func_path", "--remote_rm_url", "drop --remote_rm_url"],
-                 pretrain=model_dir, prompt_data=prompts, agent_func_path=str(agent), remote_rm_url=reward_py)
-    assert_fails(["--agent_func_path", "--reward_pretrain"],
-                 pretrain=model_dir, prompt_data=prompts, agent_func_path=str(agent), reward_pretrain=model_dir)
+    assert_fails(
+        ["--agent_func_path", "--remote_rm_url", "drop --remote_rm_url"],
+        pretrain=model_dir,
+        prompt_data=prompts,
+        agent_func_path=str(agent),
+        remote_rm_url=reward_py,
+    )
+    assert_fails(
+        ["--agent_func_path", "--reward_pretrain"],
+        pretrain=model_dir,
+        prompt_data=prompts,
+        agent_func_path=str(agent),
+        reward_pretrain=model_dir,
+    )
     assert_fails(["--agent_func_path", "missing.py", ".py file"], agent_func_path=str(tmp_path / "missing.py"))
 
 
@@ -480,12 +628,19 @@ def test_eval_rules(prompts):
 def test_dynamic_batch_and_freezing_rules():
     assert_fails(["--train_max_tokens_per_gpu must be >= 1"], use_dynamic_batch=True, train_max_tokens_per_gpu=0)
     assert_fails(["--rollout_max_tokens_per_gpu must be >= 1"], rollout_max_tokens_per_gpu=-5)
-    assert_fails(["--freezing_actor_steps", "no critic", "gae"], advantage_estimator="reinforce",
-                 freezing_actor_steps=2)
+    assert_fails(
+        ["--freezing_actor_steps", "no critic", "gae"], advantage_estimator="reinforce", freezing_actor_steps=2
+    )
     assert_fails(["--freezing_actor_steps must be >= -1"], freezing_actor_steps=-2)
     # a budget below prompt + response is no error (OpenRLHF has none): long samples run alone
-    cfg = build(use_dynamic_batch=True, train_max_tokens_per_gpu=8, prompt_max_len=64, generate_max_len=64,
-                freezing_actor_steps=1, disable_ds_ckpt=True)
+    cfg = build(
+        use_dynamic_batch=True,
+        train_max_tokens_per_gpu=8,
+        prompt_max_len=64,
+        generate_max_len=64,
+        freezing_actor_steps=1,
+        disable_ds_ckpt=True,
+    )
     assert cfg.deepspeed.train_max_tokens_per_gpu == 8 and cfg.ppo.freezing_actor_steps == 1
 
 
@@ -497,8 +652,10 @@ def test_dynamic_batch_budgets_reach_the_workers():
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, pretrain="/m"))  # as resolve_demo does
         return worker_config(cfg, role)
 
-    actor, ref = of("actor", use_dynamic_batch=True, train_max_tokens_per_gpu=100), \
-        of("ref", use_dynamic_batch=True, train_max_tokens_per_gpu=100)
+    actor, ref = (
+        of("actor", use_dynamic_batch=True, train_max_tokens_per_gpu=100),
+        of("ref", use_dynamic_batch=True, train_max_tokens_per_gpu=100),
+    )
     assert (actor.train.max_tokens, actor.forward_max_tokens, ref.forward_max_tokens) == (100, 100, 100)
     critic = of("critic", use_dynamic_batch=True, train_max_tokens_per_gpu=100, rollout_max_tokens_per_gpu=300)
     assert (critic.train.max_tokens, critic.forward_max_tokens) == (100, 300)
@@ -520,8 +677,10 @@ def test_device_auto_without_gpu_device_files_is_cpu_without_torch(monkeypatch):
         import torch
 
         assert not torch.cuda.is_available()  # what the shortcut stands for, on this machine
-        code = ("import sys; from orlhf.config.resolve import resolve_device; from orlhf.config.flags import parse_config; "
-                "print(resolve_device(parse_config({'device': 'auto'})).device, 'torch' in sys.modules)")
+        code = (
+            "import sys; from orlhf.config.resolve import resolve_device; from orlhf.config.flags import parse_config; "
+            "print(resolve_device(parse_config({'device': 'auto'})).device, 'torch' in sys.modules)"
+        )
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
         assert out.stdout.split() == ["cpu", "False"]
     monkeypatch.setattr(finish, "no_gpu_device_files", lambda: False)

@@ -7,8 +7,8 @@ import torch
 
 from orlhf.cli import run_reporting_errors
 from orlhf.config.flags import build_config
-from orlhf.trainer.controller import Controller, Models
 from orlhf.inputs.rewards import RewardResult
+from orlhf.trainer.controller import Controller, Models
 from orlhf.types import Rollout, TrainStats
 
 ENGINE_LP, ACTOR_LP = -1.0, -1.5  # per token: a gap of 0.5, the size of a sync that missed the head
@@ -39,14 +39,24 @@ class Actor:
             return Done(torch.full(batch.action_mask.shape, ACTOR_LP))
         # train_step on a single pass: the actor measured the gap in its training forward (sum, token count)
         tokens = float(batch.action_mask.sum())
-        return Done([TrainStats(loss=0.0, lr=0.0, extra={"engine_gap_sum": abs(ENGINE_LP - ACTOR_LP) * tokens,
-                                                         "engine_gap_tokens": tokens})])
+        return Done(
+            [
+                TrainStats(
+                    loss=0.0,
+                    lr=0.0,
+                    extra={"engine_gap_sum": abs(ENGINE_LP - ACTOR_LP) * tokens, "engine_gap_tokens": tokens},
+                )
+            ]
+        )
 
 
 class Engines:
     def generate(self, prompt_ids, sampling):
-        return [Rollout(prompt_index=i, prompt_ids=ids, response_ids=[5, 6, 7], logprobs=[ENGINE_LP] * 3,
-                        finished=True) for i, ids in enumerate(prompt_ids) for _ in range(sampling.n)]
+        return [
+            Rollout(prompt_index=i, prompt_ids=ids, response_ids=[5, 6, 7], logprobs=[ENGINE_LP] * 3, finished=True)
+            for i, ids in enumerate(prompt_ids)
+            for _ in range(sampling.n)
+        ]
 
 
 class Sync:
@@ -90,7 +100,9 @@ def make(tmp_path, **flags):
 
 
 def test_the_run_stops_before_training_on_another_policys_samples(tmp_path, capsys):
-    cfg, ctl, log = make(tmp_path, rollout_batch_size=2, train_batch_size=2, micro_train_batch_size=1, init_kl_coef=0.01)
+    cfg, ctl, log = make(
+        tmp_path, rollout_batch_size=2, train_batch_size=2, micro_train_batch_size=1, init_kl_coef=0.01
+    )
     assert not cfg.single_pass  # the old log-probs come from their own forward, before training
 
     def train(_cfg):
@@ -110,8 +122,14 @@ def test_single_pass_stops_before_the_update_reaches_the_engines(tmp_path):
 
     from orlhf.trainer.sync_guard import EngineMismatchError
 
-    cfg, ctl, log = make(tmp_path, rollout_batch_size=2, train_batch_size=2, micro_train_batch_size=1, init_kl_coef=0.0,
-                         advantage_estimator="reinforce")
+    cfg, ctl, log = make(
+        tmp_path,
+        rollout_batch_size=2,
+        train_batch_size=2,
+        micro_train_batch_size=1,
+        init_kl_coef=0.0,
+        advantage_estimator="reinforce",
+    )
     assert cfg.single_pass  # the actor's training forward measures the gap
     with pytest.raises(EngineMismatchError, match="by 0.5 per token"):
         ctl.fit()
@@ -119,10 +137,16 @@ def test_single_pass_stops_before_the_update_reaches_the_engines(tmp_path):
 
 
 def test_a_healthy_gap_trains_and_syncs(tmp_path):
-    cfg, ctl, log = make(tmp_path, rollout_batch_size=2, train_batch_size=2, micro_train_batch_size=1, init_kl_coef=0.01,
-                         max_engine_logprob_gap=0.6, advantage_estimator="reinforce")
+    cfg, ctl, log = make(
+        tmp_path,
+        rollout_batch_size=2,
+        train_batch_size=2,
+        micro_train_batch_size=1,
+        init_kl_coef=0.01,
+        max_engine_logprob_gap=0.6,
+        advantage_estimator="reinforce",
+    )
     ctl.metrics = type("M", (), {"log": lambda *a: None})()
     ctl.fit()
     assert log == ["log_probs", "train_step", "sync"] * 2
     assert [round(r["engine_logprob_gap"], 6) for r in ctl.history] == [0.5, 0.5]
-

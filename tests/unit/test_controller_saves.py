@@ -2,9 +2,8 @@
 the real groups are exercised by tests/e2e/test_resume.py): DeepSpeed's save_checkpoint and save_hf are both
 collectives on the actor ranks, so they must never be in flight together; --stop_after_steps saves at the stop."""
 
-
-from orlhf.storage.checkpoint import CheckpointManager
 from orlhf.config.flags import build_config
+from orlhf.storage.checkpoint import CheckpointManager
 from orlhf.trainer.controller import Controller, Models
 
 
@@ -46,10 +45,17 @@ class Loader:
 def make(tmp_path, **flags):
     cfg = build_config({"save_path": str(tmp_path), "save_hf_ckpt": True, **flags}, {"save_hf_ckpt", *flags})
     log = []
-    models = Models(actor=RecordingGroup("actor", log), critic=RecordingGroup("critic", log), ref=None,
-                    engines=None, sync=None)
-    ctl = Controller(cfg, models, Loader(), tokenizer=None, metrics=None,
-                     checkpoints=CheckpointManager(tmp_path / "ck", 3, run_id="r"))
+    models = Models(
+        actor=RecordingGroup("actor", log), critic=RecordingGroup("critic", log), ref=None, engines=None, sync=None
+    )
+    ctl = Controller(
+        cfg,
+        models,
+        Loader(),
+        tokenizer=None,
+        metrics=None,
+        checkpoints=CheckpointManager(tmp_path / "ck", 3, run_id="r"),
+    )
     return ctl, log
 
 
@@ -57,8 +63,11 @@ def test_save_hf_starts_only_after_the_deepspeed_saves_finished(tmp_path):
     ctl, log = make(tmp_path)
     ctl.step_index = 4
     ctl.save_checkpoint()
-    assert [(g, m) for g, m, _ in log] == [("actor", "save_checkpoint"), ("critic", "save_checkpoint"),
-                                          ("actor", "save_hf")]
+    assert [(g, m) for g, m, _ in log] == [
+        ("actor", "save_checkpoint"),
+        ("critic", "save_checkpoint"),
+        ("actor", "save_hf"),
+    ]
     assert log[-1][2] == ()  # nothing else in flight on the actor ranks when save_hf started
     assert (tmp_path / "ck" / "step_000004" / "meta.json").exists()
 

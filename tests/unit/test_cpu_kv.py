@@ -10,8 +10,14 @@ GIB = 2**30
 
 
 def model(tmp_path, **over):
-    cfg = {"model_type": "llama", "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
-           "num_hidden_layers": 3, "sliding_window": None}
+    cfg = {
+        "model_type": "llama",
+        "hidden_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 3,
+        "sliding_window": None,
+    }
     cfg.update(over)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     return str(tmp_path)
@@ -24,9 +30,15 @@ def test_bytes_per_token_from_the_config(tmp_path):
     assert kv_bytes_per_token(model(tmp_path, layer_types=["full_attention"] * 3), "float32") == 3 * 2 * 2 * 32 * 4
 
 
-@pytest.mark.parametrize("over", [{"kv_lora_rank": 512}, {"sliding_window": 4096},
-                                  {"layer_types": ["full_attention", "sliding_attention", "full_attention"]},
-                                  {"text_config": {"hidden_size": 64}}])
+@pytest.mark.parametrize(
+    "over",
+    [
+        {"kv_lora_rank": 512},
+        {"sliding_window": 4096},
+        {"layer_types": ["full_attention", "sliding_attention", "full_attention"]},
+        {"text_config": {"hidden_size": 64}},
+    ],
+)
 def test_other_attention_keeps_the_former_default(tmp_path, over):
     path = model(tmp_path, **over)
     assert kv_bytes_per_token(path, "float32") is None

@@ -7,8 +7,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 
-from orlhf.inputs.prompts import DataError, Prompt, PromptLoader, build_prompts, load_prompt_rows, load_tokenizer
 from orlhf.demo.builder import ensure_demo
+from orlhf.inputs.prompts import DataError, Prompt, PromptLoader, build_prompts, load_prompt_rows, load_tokenizer
 
 ROWS = [{"q": f"say colors: red {i}", "a": f"label{i}"} for i in range(5)]
 
@@ -42,8 +42,10 @@ def test_jsonl_json_parquet_and_saved_folder_give_the_same_rows(tmp_path):
     (tmp_path / "cols.json").write_text(json.dumps({"q": [r["q"] for r in ROWS], "a": [r["a"] for r in ROWS]}))
     (tmp_path / "field.json").write_text(json.dumps({"data": ROWS}))
     (tmp_path / "lines.json").write_text("".join(json.dumps(r) + "\n" for r in ROWS))  # JSON lines named .json
-    paths = [write_jsonl(tmp_path / "p.jsonl", ROWS)] + [str(tmp_path / n) for n in (
-        "p.parquet", "saved", "saved_dict", "list.json", "cols.json", "field.json", "lines.json")]
+    paths = [write_jsonl(tmp_path / "p.jsonl", ROWS)] + [
+        str(tmp_path / n)
+        for n in ("p.parquet", "saved", "saved_dict", "list.json", "cols.json", "field.json", "lines.json")
+    ]
     for path in paths:
         assert load_prompt_rows(path, "q", "a", None) == ROWS, path
 
@@ -274,12 +276,15 @@ def test_utf8_bom_files_are_accepted(tmp_path):
     assert load_prompt_rows(str(js), "q", "a", None) == rows
 
 
-@pytest.mark.parametrize("message, got", [
-    ({"role": "user"}, "got ['role']"),
-    ({"role": "user", "text": "hi"}, "got ['role', 'text']"),
-    ({"role": "user", "content": None}, "got ['content', 'role']"),
-    ("hi", "got str"),
-])
+@pytest.mark.parametrize(
+    "message, got",
+    [
+        ({"role": "user"}, "got ['role']"),
+        ({"role": "user", "text": "hi"}, "got ['role', 'text']"),
+        ({"role": "user", "content": None}, "got ['content', 'role']"),
+        ("hi", "got str"),
+    ],
+)
 def test_chat_rows_without_content_name_the_row_and_message(tok, message, got):
     rows = [{"q": "fine", "a": ""}, {"q": [{"role": "system", "content": "be brief"}, message], "a": ""}]
     with pytest.raises(DataError) as e:

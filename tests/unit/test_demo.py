@@ -67,7 +67,10 @@ def test_special_ids_agree_with_model(tokenizer, model):
     assert None not in ids and len(ids) == 4
     for cfg in (model.config, model.generation_config):
         assert (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id) == (
-            tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
+            tokenizer.bos_token_id,
+            tokenizer.eos_token_id,
+            tokenizer.pad_token_id,
+        )
 
 
 def test_chat_template(tokenizer):
@@ -184,8 +187,9 @@ def test_vllm_loads_the_demo_model(demo, model, tokenizer):
     pytest.importorskip("vllm")
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     # Its own process: in-process vLLM initialises torch.distributed and changes torch's thread count.
-    proc = subprocess.run([sys.executable, "-c", _VLLM_SCRIPT, str(demo.model)], env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", _VLLM_SCRIPT, str(demo.model)], env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     token_ids = json.loads(proc.stdout.split("RESULT ", 1)[1])
     assert [len(t) for t in token_ids] == [8, 8]

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-STEP = r'''
+STEP = r"""
 import json, os, sys
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
                   DS_ACCELERATOR="cpu")
@@ -36,7 +36,7 @@ print(json.dumps({"params": [p.detach().flatten().tolist() for p in engine.modul
                   "compile_fx": "torch._inductor.compile_fx" in sys.modules,
                   "plain_fn": not hasattr(original_muon.zeropower_via_newtonschulz5, "_torchdynamo_orig_callable"),
                   "compile_restored": torch.compile.__module__ == "torch"}))
-'''
+"""
 
 
 def _free_port() -> int:
@@ -48,8 +48,13 @@ def _free_port() -> int:
 
 
 def _run(mode: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", STEP, mode, str(_free_port())], capture_output=True, text=True,
-                         timeout=300, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    out = subprocess.run(
+        [sys.executable, "-c", STEP, mode, str(_free_port())],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "DS_ACCELERATOR": "cpu"},
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 

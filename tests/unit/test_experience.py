@@ -4,8 +4,8 @@ pass). Each must leave the Experience the actor trains on as it was with the for
 import pytest
 import torch
 
-from orlhf.trainer.step_stats import engine_gap, mean_stats
 from orlhf.trainer.experience import ExperienceConfig, make_experience
+from orlhf.trainer.step_stats import engine_gap, mean_stats
 from orlhf.types import SequenceBatch, TrainStats
 
 B, P, A = 4, 3, 5
@@ -53,8 +53,16 @@ def test_single_pass_sends_the_engine_log_probs_instead_of_old_ones():
 
 def test_a_kl_shaped_reward_cannot_skip_the_old_log_probs():
     with pytest.raises(ValueError, match="old log-probs"):
-        make_experience(_batch(), SCORES, None, _lp(2), None, 0.01, ExperienceConfig(advantage_estimator="reinforce"),
-                        rollout_log_probs=_lp(4))
+        make_experience(
+            _batch(),
+            SCORES,
+            None,
+            _lp(2),
+            None,
+            0.01,
+            ExperienceConfig(advantage_estimator="reinforce"),
+            rollout_log_probs=_lp(4),
+        )
 
 
 def test_engine_gap_from_the_actor_sums_is_the_token_mean():
@@ -64,7 +72,15 @@ def test_engine_gap_from_the_actor_sums_is_the_token_mean():
     assert direct == pytest.approx(((engine - old).abs() * mask).sum().item() / mask.sum().item())
     # two ranks x two micro-batches each report (sum, tokens); averaging both alike keeps the ratio exact
     parts = [((engine - old).abs() * mask)[i].sum().item() for i in range(B)]
-    stats = [TrainStats(loss=0.0, lr=0.0, extra={"engine_gap_sum": (parts[2 * r] + parts[2 * r + 1]) / 2,
-                                                 "engine_gap_tokens": mask[2 * r:2 * r + 2].sum().item() / 2})
-             for r in range(2)]
+    stats = [
+        TrainStats(
+            loss=0.0,
+            lr=0.0,
+            extra={
+                "engine_gap_sum": (parts[2 * r] + parts[2 * r + 1]) / 2,
+                "engine_gap_tokens": mask[2 * r : 2 * r + 2].sum().item() / 2,
+            },
+        )
+        for r in range(2)
+    ]
     assert engine_gap(engine, None, mask, mean_stats(stats)) == pytest.approx(direct)

@@ -3,7 +3,8 @@
 Metadata only, in seconds: the index's project JSON says whether the pinned vLLM and torch have Linux x86_64
 wheels, and the METADATA inside vLLM's wheel (read by HTTP range requests, not downloaded) says whether its
 requirements admit orlhf's pins (its torch pin must be ours; every package both vLLM and orlhf's core constrain,
-transformers included, must have a release both accept). Skipped, saying why, when the index cannot be reached. The full transitive
+transformers included, must have a release both accept). Skipped, saying why, when the index cannot be reached. The
+full transitive
 resolution (pip --dry-run over ~200 packages, about 3 minutes here) runs with ORLHF_FULL_RESOLVE=1.
 """
 
@@ -29,9 +30,17 @@ ROOT = Path(__file__).resolve().parents[2]
 PINS = runpy.run_path(str(ROOT / "orlhf" / "versions.py"))
 INDEX = os.environ.get("ORLHF_PYPI_JSON", "https://pypi.org/pypi")
 # A CUDA machine as the gpu extra targets: Linux x86_64, CPython 3.11 (the version the CPU stack is measured on)
-LINUX_X86_64 = {"sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64",
-                "python_version": "3.11", "python_full_version": "3.11.7", "implementation_name": "cpython",
-                "platform_python_implementation": "CPython", "os_name": "posix", "extra": ""}
+LINUX_X86_64 = {
+    "sys_platform": "linux",
+    "platform_system": "Linux",
+    "platform_machine": "x86_64",
+    "python_version": "3.11",
+    "python_full_version": "3.11.7",
+    "implementation_name": "cpython",
+    "platform_python_implementation": "CPython",
+    "os_name": "posix",
+    "extra": "",
+}
 
 
 def _get(url: str, headers: dict | None = None) -> bytes:
@@ -73,7 +82,7 @@ class _RangeFile(io.RawIOBase):
         if n <= 0:
             return 0
         data = _get(self.url, {"Range": f"bytes={self.pos}-{self.pos + n - 1}"})[:n]
-        buf[:len(data)] = data
+        buf[: len(data)] = data
         self.pos += len(data)
         return len(data)
 
@@ -83,7 +92,8 @@ def linux_wheel(name: str, version: str) -> dict | None:
     files = project(name)["releases"].get(version, [])
     wheels = [f for f in files if f["filename"].endswith(".whl")]
     return next((f for f in wheels if "x86_64" in f["filename"] and "linux" in f["filename"]), None) or next(
-        (f for f in wheels if f["filename"].endswith("-none-any.whl")), None)
+        (f for f in wheels if f["filename"].endswith("-none-any.whl")), None
+    )
 
 
 def requirements(name: str, version: str) -> list[Requirement]:
@@ -95,8 +105,9 @@ def requirements(name: str, version: str) -> list[Requirement]:
     with zipfile.ZipFile(io.BufferedReader(_RangeFile(url, wheel["size"]), 1 << 16)) as z:
         meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
         text = z.read(meta).decode()
-    reqs = [Requirement(line.split(":", 1)[1].strip()) for line in text.splitlines()
-            if line.startswith("Requires-Dist:")]
+    reqs = [
+        Requirement(line.split(":", 1)[1].strip()) for line in text.splitlines() if line.startswith("Requires-Dist:")
+    ]
     return [r for r in reqs if r.marker is None or r.marker.evaluate(LINUX_X86_64)]
 
 
@@ -140,16 +151,41 @@ def test_gpu_extra_resolves_for_linux_x86_64_cuda():
     assert not problems, problems
 
 
-@pytest.mark.skipif(os.environ.get("ORLHF_FULL_RESOLVE") != "1",
-                    reason="full pip resolution takes minutes; set ORLHF_FULL_RESOLVE=1 to run it")
+@pytest.mark.skipif(
+    os.environ.get("ORLHF_FULL_RESOLVE") != "1",
+    reason="full pip resolution takes minutes; set ORLHF_FULL_RESOLVE=1 to run it",
+)
 def test_gpu_extra_full_pip_resolution(tmp_path):
     platforms = [a for i in range(17, 36) for a in ("--platform", f"manylinux_2_{i}_x86_64")]
-    cmd = [sys.executable, "-m", "pip", "install", "--isolated", "--dry-run", "--ignore-installed", "-q",
-           "--target", str(tmp_path / "t"), "--report", str(tmp_path / "r.json"), "--only-binary=:all:",
-           "--python-version", "3.11", "--implementation", "cp", *platforms, "--platform", "manylinux2014_x86_64",
-           *PINS["EXTRAS"]["gpu"], f"torch=={PINS['TORCH']}", f"transformers{PINS['TRANSFORMERS']}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--isolated",
+        "--dry-run",
+        "--ignore-installed",
+        "-q",
+        "--target",
+        str(tmp_path / "t"),
+        "--report",
+        str(tmp_path / "r.json"),
+        "--only-binary=:all:",
+        "--python-version",
+        "3.11",
+        "--implementation",
+        "cp",
+        *platforms,
+        "--platform",
+        "manylinux2014_x86_64",
+        *PINS["EXTRAS"]["gpu"],
+        f"torch=={PINS['TORCH']}",
+        f"transformers{PINS['TRANSFORMERS']}",
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    installed = {i["metadata"]["name"]: i["metadata"]["version"] for i in json.loads((tmp_path / "r.json")
-                                                                                    .read_text())["install"]}
+    installed = {
+        i["metadata"]["name"]: i["metadata"]["version"]
+        for i in json.loads((tmp_path / "r.json").read_text())["install"]
+    }
     assert installed["torch"] == PINS["TORCH"] and installed["vllm"] == PINS["VLLM_GPU"]

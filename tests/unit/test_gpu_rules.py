@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from orlhf.config.train_config import ConfigError
 from orlhf.config.flags import build_config
 from orlhf.config.resolve import resolve_device
+from orlhf.config.train_config import ConfigError
 from orlhf.config.worker_config import worker_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,13 +48,15 @@ def test_flash_attn_needs_bf16():
 
 def test_flash_attn_needs_an_importable_flash_attn(monkeypatch):
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "flash_attn"
-                        else real_find_spec(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "flash_attn" else real_find_spec(name, *a)
+    )
     found = problems(device="cuda", flash_attn=True, bf16=True)
     assert any("flash_attn package is not importable" in p and ".[flash]" in p for p in found), found
     # with the package present the same flags pass
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn"
-                        else real_find_spec(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn" else real_find_spec(name, *a)
+    )
     assert build(device="cuda", flash_attn=True, bf16=True).deepspeed.flash_attn
 
 
@@ -88,8 +90,11 @@ def test_engine_env_for_colocated_tp_asks_ray_for_the_slot_share_only():
 
     tp2 = EngineConfig(model_path="m", device="cuda", tensor_parallel_size=2, cuda_ipc=True)
     env = engine_env(tp2, [2, 3], 0.33)
-    assert env == {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1", "VLLM_RAY_BUNDLE_INDICES": "2,3",
-                   "VLLM_RAY_PER_WORKER_GPUS": "0.33"}
+    assert env == {
+        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+        "VLLM_RAY_BUNDLE_INDICES": "2,3",
+        "VLLM_RAY_PER_WORKER_GPUS": "0.33",
+    }
     own = engine_env(dataclasses.replace(tp2, cuda_ipc=False), [0, 1], 1.0)
     assert own == {"VLLM_RAY_BUNDLE_INDICES": "0,1", "VLLM_RAY_PER_WORKER_GPUS": "1.0"}
     assert engine_env(EngineConfig(model_path="m", device="cuda"), [0], 1.0) == {}
@@ -109,8 +114,17 @@ def test_colocated_start_order_is_engines_then_sleep_then_trainers():
     from orlhf.launch.bringup import start_plan
 
     hybrid = build(colocate_all_models=True, vllm_enable_sleep=True, deepspeed_enable_sleep=True)
-    assert start_plan(resolve_device(hybrid, "cuda")) == ("start_engines", "wait_engines", "sleep_engines", "start_models")
-    assert start_plan(resolve_device(build(colocate_all_models=True), "cuda")) == ("start_engines", "wait_engines", "start_models")
+    assert start_plan(resolve_device(hybrid, "cuda")) == (
+        "start_engines",
+        "wait_engines",
+        "sleep_engines",
+        "start_models",
+    )
+    assert start_plan(resolve_device(build(colocate_all_models=True), "cuda")) == (
+        "start_engines",
+        "wait_engines",
+        "start_models",
+    )
     # own devices, or CPU (no device memory to share): engines load while the trainers initialise
     assert start_plan(resolve_device(build(), "cuda")) == ("start_engines", "start_models", "wait_engines")
     assert start_plan(resolve_device(hybrid, "cpu")) == ("start_engines", "start_models", "wait_engines")
@@ -141,8 +155,12 @@ def test_sleep_switch_first_generation_wakes_the_weights_put_to_sleep_at_start()
     switch.after_generate()
     switch.before_sync()
     switch.before_generate()
-    assert log == [("wake_up", ["weights", "kv_cache"]), ("sleep",), ("wake_up", ["weights"]),
-                   ("wake_up", ["kv_cache"])]
+    assert log == [
+        ("wake_up", ["weights", "kv_cache"]),
+        ("sleep",),
+        ("wake_up", ["weights"]),
+        ("wake_up", ["kv_cache"]),
+    ]
 
 
 # ---- optimizer (defect 4) ------------------------------------------------------------------------------------
@@ -192,7 +210,7 @@ def test_receive_ipc_picks_its_own_gpu_by_uuid_and_hands_over_private_copies():
     _fake_rebuild.devices.clear()
     n = receive_ipc(merged, ["w"], "GPU-a", torch.device("cpu"), torch.float32, loads.append)
     assert n == 1 and len(loads) == 1  # one load call per group
-    (name, t), = loads[0]
+    ((name, t),) = loads[0]
     assert name == "w" and torch.equal(t, mine) and t.data_ptr() != mine.data_ptr()  # a copy, not the sender's
     assert _fake_rebuild.devices == [None]  # the receiver's own device index replaced the sender's 99
     loads.clear()
@@ -270,9 +288,9 @@ def test_install_sh_cuda_constraint_holds_the_distribution_version(tmp_path):
     """A PyPI CUDA torch: torch.__version__ "2.13.0+cu130", distribution "2.13.0". The constraint must be the
     latter, or every later `pip install -c` fails. Runs install.sh's own cuda-branch line."""
     text = (ROOT / "scripts" / "install.sh").read_text()
-    branch = text[text.index('if [ "$ORLHF_DEVICE" = cuda ]; then\n  "${PIP[@]}" install -q "torch=='):]
-    branch = branch[:branch.index("\nelse")]
-    line = [ln for ln in branch.splitlines() if ">\"$CONSTRAINTS\"" in ln][-1]  # the line that fills it
+    branch = text[text.index('if [ "$ORLHF_DEVICE" = cuda ]; then\n  "${PIP[@]}" install -q "torch==') :]
+    branch = branch[: branch.index("\nelse")]
+    line = [ln for ln in branch.splitlines() if '>"$CONSTRAINTS"' in ln][-1]  # the line that fills it
     fake = tmp_path / "site"
     (fake / "torch").mkdir(parents=True)
     (fake / "torch" / "__init__.py").write_text('__version__ = "2.13.0+cu130"\n')
@@ -294,14 +312,17 @@ def test_torch_constraint_is_the_installed_distribution():
     assert re.fullmatch(r"torch==[\w.+]+", _versions()["torch_constraint"]())
 
 
-@pytest.mark.parametrize("value, fixed", [
-    ("9.0a", "9.0"),  # the H100 image's setting: DeepSpeed 0.19.8 raised "invalid literal for int() ... '0a'"
-    ("8.0;9.0a", "8.0;9.0"),
-    ("9.0a 10.0f+PTX", "9.0;10.0+PTX"),
-    ("9.0a;9.0", "9.0"),
-    ("8.0;9.0+PTX", None),  # DeepSpeed reads it: left alone
-    ("8.0 8.6", None),
-])
+@pytest.mark.parametrize(
+    "value, fixed",
+    [
+        ("9.0a", "9.0"),  # the H100 image's setting: DeepSpeed 0.19.8 raised "invalid literal for int() ... '0a'"
+        ("8.0;9.0a", "8.0;9.0"),
+        ("9.0a 10.0f+PTX", "9.0;10.0+PTX"),
+        ("9.0a;9.0", "9.0"),
+        ("8.0;9.0+PTX", None),  # DeepSpeed reads it: left alone
+        ("8.0 8.6", None),
+    ],
+)
 def test_arch_list_written_so_deepspeed_reads_it(value, fixed):
     from orlhf.workers.ds_arch import deepspeed_arch_list
 

@@ -15,12 +15,20 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 def test_baseline_and_controller_import_without_ray_or_vllm():
-    code = ("import sys; sys.modules['ray'] = None; sys.modules['vllm'] = None; "
-            "sys.argv = ['x']; import runpy; "
-            "g = runpy.run_path('benchmarks/hybrid_engine_baseline.py', run_name='not_main'); "
-            "import orlhf.trainer.controller, hybrid_worker; print(g['Controller'].__module__)")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'benchmarks'}"})
+    code = (
+        "import sys; sys.modules['ray'] = None; sys.modules['vllm'] = None; "
+        "sys.argv = ['x']; import runpy; "
+        "g = runpy.run_path('benchmarks/hybrid_engine_baseline.py', run_name='not_main'); "
+        "import orlhf.trainer.controller, hybrid_worker; print(g['Controller'].__module__)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'benchmarks'}"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().endswith("orlhf.trainer.controller")
 
@@ -32,8 +40,12 @@ def test_rollouts_are_cut_at_each_prompts_limit_then_after_eos():
 
     eos, P = 9, 4
     prompts = [(0, [1, 2, 3, 4]), (1, [5, 6])]  # lengths 4 and 2; left-padded to P = 4
-    sequences = torch.tensor([[1, 2, 3, 4, 7, 7, 7, 7, 7, 7],  # prompt 0: no EOS
-                              [0, 0, 5, 6, 7, 9, 0, 0, 0, 0]])  # prompt 1: EOS at its 2nd token
+    sequences = torch.tensor(
+        [
+            [1, 2, 3, 4, 7, 7, 7, 7, 7, 7],  # prompt 0: no EOS
+            [0, 0, 5, 6, 7, 9, 0, 0, 0, 0],
+        ]
+    )  # prompt 1: EOS at its 2nd token
     logprobs = torch.arange(12, dtype=torch.float32).reshape(2, 6) * -0.1
     spec = SamplingSpec(max_new_tokens=6, max_len=8, n=1)  # prompt 0 may add 4 tokens, prompt 1 six
     first, second = to_rollouts(prompts, sequences, logprobs, P, spec, eos)
@@ -46,8 +58,13 @@ def test_rollouts_are_cut_at_each_prompts_limit_then_after_eos():
 
 
 def test_baseline_refuses_flags_it_cannot_honour(tmp_path):
-    proc = subprocess.run([sys.executable, "benchmarks/hybrid_engine_baseline.py", "--async_train",
-                           "--save_path", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/hybrid_engine_baseline.py", "--async_train", "--save_path", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "--async_train" in proc.stderr and "drop --async_train" in proc.stderr
 

@@ -11,16 +11,21 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from orlhf.algo.losses import LossNorm
-from orlhf.workers.batching import trim
 from orlhf.config.flags import build_config
-from orlhf.trainer.experience import ExperienceConfig, make_experience, rollouts_to_batch
 from orlhf.config.resolve import resolve_device
-from orlhf.types import Rollout
 from orlhf.config.worker_config import worker_config
+from orlhf.trainer.experience import ExperienceConfig, make_experience, rollouts_to_batch
+from orlhf.types import Rollout
+from orlhf.workers.batching import trim
 from orlhf.workers.policy import PolicyWorker, action_logits, gather_log_probs
 
-FLAGS = {"advantage_estimator": "group_norm", "n_samples_per_prompt": 2, "enable_vllm_is_correction": True,
-         "vllm_is_correction_type": "icepop", "vllm_is_truncated_threshold": (0.5, 2.0)}
+FLAGS = {
+    "advantage_estimator": "group_norm",
+    "n_samples_per_prompt": 2,
+    "enable_vllm_is_correction": True,
+    "vllm_is_correction_type": "icepop",
+    "vllm_is_truncated_threshold": (0.5, 2.0),
+}
 
 
 def finished(flags):
@@ -31,8 +36,16 @@ def finished(flags):
 
 def tiny_model():
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                        num_attention_heads=4, num_key_value_heads=4, vocab_size=40)).eval()
+    return LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            vocab_size=40,
+        )
+    ).eval()
 
 
 def rollouts(engine_logprobs):
@@ -48,12 +61,13 @@ def actor_loss(model, engine_shift):
     actor = worker_config(cfg, "actor")
     batch, _ = rollouts_to_batch(rollouts([[0.0] * 4] * 4), pad_id=0)
     with torch.no_grad():
-        old = gather_log_probs(action_logits(model, batch, 1.0), batch.sequences[:, -batch.num_actions:])  # (4, 4)
+        old = gather_log_probs(action_logits(model, batch, 1.0), batch.sequences[:, -batch.num_actions :])  # (4, 4)
     engine = (old + torch.tensor(engine_shift).unsqueeze(-1)).tolist()
     batch, engine_lp = rollouts_to_batch(rollouts(engine), pad_id=0)  # the engine's, as the controller gets them
     scores = torch.tensor([1.0, 0.0, 1.0, 0.0])
-    exp, _ = make_experience(batch, scores, old, None, None, 0.0, ExperienceConfig.from_ppo(cfg.ppo),
-                             rollout_log_probs=engine_lp)
+    exp, _ = make_experience(
+        batch, scores, old, None, None, 0.0, ExperienceConfig.from_ppo(cfg.ppo), rollout_log_probs=engine_lp
+    )
     assert exp.rollout_log_probs is not None
     mb = trim(exp.index(torch.arange(4)).split([4])[0])  # the trainer's shuffle / split / trim keep them
     worker = SimpleNamespace(cfg=actor, engine=model, shared_prompt_train=False)  # what _loss reads
@@ -70,18 +84,26 @@ def test_engine_log_probs_weight_the_actor_loss():
     # Row 0 (A = +0.7071): engine log-probs higher by log 4, w = 1/4 < 0.5: icepop drops its 4 tokens.
     # Loss = -(4 x (-0.7071) + 4 x 0.7071 + 4 x (-0.7071)) / 16 = 0.7071 / 4 = 0.1768; a quarter of tokens cut.
     loss, stats = actor_loss(model, [math.log(4.0), 0.0, 0.0, 0.0])
-    assert loss.item() == pytest.approx(0.5 ** 0.5 / 4, rel=1e-4) and stats["is_cut_frac"] == 0.25
+    assert loss.item() == pytest.approx(0.5**0.5 / 4, rel=1e-4) and stats["is_cut_frac"] == 0.25
     assert loss.requires_grad  # a training loss, not a figure
     # Row 1 (A = -0.7071), engine lower by log 1.5: w = 1.5, inside: weighted, loss = -(1.5 - 1) x 4 x (-0.7071)
     # / 16 = +0.0884 (icepop multiplies by w where it keeps the token).
     loss, stats = actor_loss(model, [0.0, -math.log(1.5), 0.0, 0.0])
-    assert loss.item() == pytest.approx(0.5 * 0.5 ** 0.5 / 4, rel=1e-4) and stats["is_cut_frac"] == 0.0
+    assert loss.item() == pytest.approx(0.5 * 0.5**0.5 / 4, rel=1e-4) and stats["is_cut_frac"] == 0.0
 
 
 def test_without_the_flag_the_engine_log_probs_stay_out_of_the_loss():
     flags = {k: v for k, v in FLAGS.items() if not k.startswith(("enable_vllm", "vllm_is"))}
     cfg = finished(flags)
     batch, engine_lp = rollouts_to_batch(rollouts([[-1.0] * 4] * 4), pad_id=0)
-    exp, _ = make_experience(batch, torch.tensor([1.0, 0.0, 1.0, 0.0]), torch.zeros(4, 4), None, None, 0.0,
-                             ExperienceConfig.from_ppo(cfg.ppo), rollout_log_probs=engine_lp)
+    exp, _ = make_experience(
+        batch,
+        torch.tensor([1.0, 0.0, 1.0, 0.0]),
+        torch.zeros(4, 4),
+        None,
+        None,
+        0.0,
+        ExperienceConfig.from_ppo(cfg.ppo),
+        rollout_log_probs=engine_lp,
+    )
     assert exp.rollout_log_probs is None and worker_config(cfg, "actor").loss.is_correction is None

@@ -8,18 +8,21 @@ from orlhf.algo.logprobs import token_log_probs
 
 def _reference(logits, tokens, offset, temperature):
     """What policy.py computed before: slice, divide, gather - logsumexp, all through autograd."""
-    x = logits[:, offset:offset + tokens.shape[1]].float() / temperature
+    x = logits[:, offset : offset + tokens.shape[1]].float() / temperature
     return x.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(x, dim=-1)
 
 
-@pytest.mark.parametrize("shape,offset,temperature", [
-    ((64, 25, 965), 0, 1.0),  # the demo: logits_to_keep = A + 1, window = all but the last position
-    ((64, 24, 965), 0, 1.0),  # the packed path: logits already (B, A, V)
-    ((3, 11, 50), 4, 0.7),  # window in the middle, temperature
-    ((1, 2, 7), 0, 1.3),
-])
+@pytest.mark.parametrize(
+    "shape,offset,temperature",
+    [
+        ((64, 25, 965), 0, 1.0),  # the demo: logits_to_keep = A + 1, window = all but the last position
+        ((64, 24, 965), 0, 1.0),  # the packed path: logits already (B, A, V)
+        ((3, 11, 50), 4, 0.7),  # window in the middle, temperature
+        ((1, 2, 7), 0, 1.3),
+    ],
+)
 def test_values_and_gradients_bit_identical_to_autograd(shape, offset, temperature):
-    b, l, v = shape
+    b, l, v = shape  # noqa: E741 (batch, length, vocabulary)
     a = min(l - offset, 24) if l - offset > 1 else 1
     a = a - 1 if offset + a == l and l > a else a  # leave a position outside the window where there is room
     g = torch.Generator().manual_seed(sum(shape))
@@ -71,7 +74,7 @@ def test_entropy_comes_with_the_same_log_probs_and_gradients(offset, temperature
     assert torch.equal(got, plain) and torch.equal(with_in.grad, plain_in.grad)  # bit for bit
     assert not entropy.requires_grad
     # the entropy of the same window as the loss's entropy term computes it (float rounding apart)
-    want = entropy_from_logits(base[:, offset:offset + 5] / temperature)
+    want = entropy_from_logits(base[:, offset : offset + 5] / temperature)
     torch.testing.assert_close(entropy, want, rtol=1e-5, atol=1e-6)
     with torch.no_grad():
         lp, ent = token_log_probs_entropy(base, tokens, offset, temperature)

@@ -58,7 +58,7 @@ def test_library_chatter_goes_to_the_file_orlhf_lines_to_the_terminal(tmp_path, 
         hf_logging.set_verbosity(verbosity)
     with warnings.catch_warnings():  # shown even if an earlier import filtered FutureWarnings out
         warnings.simplefilter("always")
-        warnings.warn("torch.cuda.amp is deprecated", FutureWarning)
+        warnings.warn("torch.cuda.amp is deprecated", FutureWarning, stacklevel=2)
     for _ in range(5):
         logging.getLogger("orlhf.trainer.controller").warning("reward is constant")
     run.close()
@@ -69,8 +69,13 @@ def test_library_chatter_goes_to_the_file_orlhf_lines_to_the_terminal(tmp_path, 
     assert not any("RotaryEmbedding" in s or "Ray instance" in s or "deprecated" in s for s in shown)
     logged = (tmp_path / "logs" / "driver.log").read_text()
     assert not any("Special tokens" in s or "Token authentication" in s for s in shown)
-    for text in ("RotaryEmbedding", "Started a local Ray instance", "torch.cuda.amp is deprecated", "Special tokens",
-                 "3 model group(s) ready"):
+    for text in (
+        "RotaryEmbedding",
+        "Started a local Ray instance",
+        "torch.cuda.amp is deprecated",
+        "Special tokens",
+        "3 model group(s) ready",
+    ):
         assert text in logged
     assert os.environ[LOG_DIR_ENV] == str((tmp_path / "logs").resolve())
     assert str(tmp_path / "logs") in run.summary()
@@ -87,8 +92,10 @@ def test_verbose_keeps_everything_on_the_terminal(tmp_path, restore_logging):
 
 def test_a_worker_process_output_lands_in_its_file(tmp_path):
     """C-level and Python output alike (fd 1 and 2 are redirected), as in a rank actor."""
-    code = ("import os, sys; from orlhf.storage.logs import redirect_output; redirect_output('actor-0'); "
-            "print('from python'); sys.stdout.flush(); os.write(2, b'from C stderr\\n')")
+    code = (
+        "import os, sys; from orlhf.storage.logs import redirect_output; redirect_output('actor-0'); "
+        "print('from python'); sys.stdout.flush(); os.write(2, b'from C stderr\\n')"
+    )
     env = {**os.environ, LOG_DIR_ENV: str(tmp_path)}
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert res.returncode == 0 and res.stdout == "" and res.stderr == ""
@@ -100,9 +107,11 @@ def test_a_worker_process_output_lands_in_its_file(tmp_path):
 def test_setup_driver_leaves_transformers_unimported(tmp_path):
     """The driver's main thread starts Ray right after setup_driver; importing transformers there (to route its
     logger) cost ~1.5 CPU-s before Ray's start. route_transformers does it where the driver imports it."""
-    code = ("import sys; from orlhf.storage.logs import setup_driver; run = setup_driver(sys.argv[1]); "
-            "print('transformers' in sys.modules, 'torch' in sys.modules); run.route_transformers(); "
-            "import transformers.utils.logging as h; print(h.get_logger().propagate, "
-            "h.get_logger().handlers == [])")
+    code = (
+        "import sys; from orlhf.storage.logs import setup_driver; run = setup_driver(sys.argv[1]); "
+        "print('transformers' in sys.modules, 'torch' in sys.modules); run.route_transformers(); "
+        "import transformers.utils.logging as h; print(h.get_logger().propagate, "
+        "h.get_logger().handlers == [])"
+    )
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False", "True", "True"]

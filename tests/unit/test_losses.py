@@ -6,8 +6,16 @@ import pytest
 import torch
 
 from orlhf.algo.kl import approx_kl
-from orlhf.algo.losses import (LossNorm, aggregate, entropy_from_logits, masked_mean, policy_loss, policy_loss_terms,
-                               step_norm, value_loss)
+from orlhf.algo.losses import (
+    LossNorm,
+    aggregate,
+    entropy_from_logits,
+    masked_mean,
+    policy_loss,
+    policy_loss_terms,
+    step_norm,
+    value_loss,
+)
 
 LN = math.log
 
@@ -119,6 +127,7 @@ def test_entropy_from_logits():
 
 # ---------------------------------------------------------------- aggregation over an optimizer step
 
+
 def test_aggregate_token_and_sequence_means():
     # rows: [1, 2, 3] (3 tokens), [10, -, -] (1 token), [-, -, -] (empty)
     x = t([1.0, 2.0, 3.0], [10.0, 0.0, 0.0], [5.0, 5.0, 5.0])
@@ -151,6 +160,7 @@ def test_step_aggregation_equals_whole_batch_mean_not_mean_of_micro_means():
 
 
 # ---------------------------------------------------------------- policy-loss variants
+
 
 def test_asymmetric_clip_low_and_high():
     # eps_low 0.2, eps_high 0.28 (DAPO), old log-prob 0:
@@ -190,8 +200,9 @@ def test_gspo_uses_one_geometric_mean_ratio_per_sequence():
     # With IS correction GSPO measures the ratio against the engine's log-probs instead of pi_old:
     # engine log-probs ln 2 on row 1 -> sequence ratio 1 -> loss -1.
     eng = t([0.0, 0.0], [LN(2.0), 0.0])
-    terms = policy_loss_terms(lp, torch.zeros(2, 2), adv, mask, 0.2, 0.2, loss_type="gspo", rollout_log_probs=eng,
-                              is_type="tis")
+    terms = policy_loss_terms(
+        lp, torch.zeros(2, 2), adv, mask, 0.2, 0.2, loss_type="gspo", rollout_log_probs=eng, is_type="tis"
+    )
     assert terms.loss[1, 0].item() == pytest.approx(-1.0, abs=1e-6)
 
 
@@ -200,8 +211,17 @@ def _is_case(is_type):
     # Engine log-probs: w = exp(log pi_old - log pi_engine) = [0.25, 1, 8] on row 0, [2, 2, -] on row 1.
     eng = t([LN(4.0), 0.0, -LN(8.0)], [-LN(2.0), -LN(2.0), 0.0])
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.bool)
-    return policy_loss_terms(torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3), mask, 0.2, 0.2,
-                             rollout_log_probs=eng, is_type=is_type, is_threshold=(0.5, 5.0))
+    return policy_loss_terms(
+        torch.zeros(2, 3),
+        torch.zeros(2, 3),
+        torch.ones(2, 3),
+        mask,
+        0.2,
+        0.2,
+        rollout_log_probs=eng,
+        is_type=is_type,
+        is_threshold=(0.5, 5.0),
+    )
 
 
 def test_vllm_is_correction_tis_icepop_seq_mask():
@@ -222,9 +242,25 @@ def test_vllm_is_correction_tis_icepop_seq_mask():
     # With thresholds (0.5, 1.5) row 1's geometric mean 2 is outside: the whole row is masked (and counted cut).
     eng = t([LN(4.0), 0.0, -LN(8.0)], [-LN(2.0), -LN(2.0), 0.0])
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.bool)
-    narrow = policy_loss_terms(torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3), mask, 0.2, 0.2,
-                               rollout_log_probs=eng, is_type="seq-mask-tis", is_threshold=(0.5, 1.5))
+    narrow = policy_loss_terms(
+        torch.zeros(2, 3),
+        torch.zeros(2, 3),
+        torch.ones(2, 3),
+        mask,
+        0.2,
+        0.2,
+        rollout_log_probs=eng,
+        is_type="seq-mask-tis",
+        is_threshold=(0.5, 1.5),
+    )
     assert narrow.loss[1].tolist() == [0.0, 0.0, 0.0] and narrow.is_cut.tolist() == [[False] * 3, [True, True, False]]
     with pytest.raises(ValueError, match="engine"):
-        policy_loss_terms(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1, dtype=torch.bool),
-                          0.2, 0.2, is_type="tis")
+        policy_loss_terms(
+            torch.zeros(1, 1),
+            torch.zeros(1, 1),
+            torch.ones(1, 1),
+            torch.ones(1, 1, dtype=torch.bool),
+            0.2,
+            0.2,
+            is_type="tis",
+        )

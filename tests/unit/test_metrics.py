@@ -88,8 +88,9 @@ def test_wandb_resumes_the_same_run_id_and_never_gets_the_key(tmp_path, monkeypa
     seen = []
     real_init = wandb.init
     monkeypatch.setattr(wandb, "init", lambda **kw: seen.append(kw) or real_init(**kw))
-    m = MetricsLogger(str(tmp_path), use_wandb="", run_id="abc123def456", config={"use_wandb": "<redacted>"},
-                      resume_step=2)
+    m = MetricsLogger(
+        str(tmp_path), use_wandb="", run_id="abc123def456", config={"use_wandb": "<redacted>"}, resume_step=2
+    )
     m.close(plot=False)
     assert seen[0]["id"] == "abc123def456" and seen[0]["resume"] == "allow"
     assert list((tmp_path / "wandb").glob("offline-run-*-abc123def456"))

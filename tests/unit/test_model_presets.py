@@ -63,13 +63,16 @@ def _rows(ratios):
     return [{"preset": n, "params": p, "ratio": r} for n, p, r in ratios]
 
 
-@pytest.mark.parametrize("ratios, expected", [
-    ([("demo", 1, 0.8), ("small", 4, 0.95), ("medium", 20, 1.3), ("large", 50, 1.6)], "medium"),
-    ([("demo", 1, 0.8), ("small", 4, 1.05), ("medium", 20, 0.97), ("large", 50, 1.6)], "large"),  # not a dip
-    ([("demo", 1, 0.8), ("medium", 20, 0.9)], None),
-    ([("demo", 1, 1.1), ("medium", 20, 1.2)], "demo"),
-    ([("medium", 20, 1.3), ("demo", 1, 0.8), ("small", 4, 1.0)], "medium"),  # order of the rows does not matter
-])
+@pytest.mark.parametrize(
+    "ratios, expected",
+    [
+        ([("demo", 1, 0.8), ("small", 4, 0.95), ("medium", 20, 1.3), ("large", 50, 1.6)], "medium"),
+        ([("demo", 1, 0.8), ("small", 4, 1.05), ("medium", 20, 0.97), ("large", 50, 1.6)], "large"),  # not a dip
+        ([("demo", 1, 0.8), ("medium", 20, 0.9)], None),
+        ([("demo", 1, 1.1), ("medium", 20, 1.2)], "demo"),
+        ([("medium", 20, 1.3), ("demo", 1, 0.8), ("small", 4, 1.0)], "medium"),  # order of the rows does not matter
+    ],
+)
 def test_crossover_is_the_smallest_size_from_which_vllm_stays_ahead(ratios, expected):
     assert mp.crossover(_rows(ratios), "ratio") == expected
 
@@ -89,22 +92,50 @@ def test_sweep_defaults_to_the_demo_step_and_reports_both_crossovers():
     assert args.variants == ["orlhf", "plain"]
     single = bg.parse_args(["--model", "/some/folder"])
     assert (single.n, single.max_new_tokens, single.variants) == (1, 64, list(bg.VLLM_VARIANTS))
-    rows = [{"preset": "demo", "params": 0.6e6, "hf_tok_s": 1000, "vllm_tok_s": 800, "ratio": 0.8,
-             "vllm_plain_tok_s": 1100, "ratio_plain": 1.1},
-            {"preset": "medium", "params": 20e6, "hf_tok_s": 100, "vllm_tok_s": 150, "ratio": 1.5,
-             "vllm_plain_tok_s": 170, "ratio_plain": 1.7}]
-    result = {"num_prompts": 64, "samples_per_prompt": 4, "max_new_tokens": 24, "repeats": 3, "threads_flag": 1,
-              "sizes": rows, "crossover": {k: mp.crossover(rows, f"ratio{bg.suffix(k)}") for k in args.variants},
-              "crossover_text": {k: mp.describe_crossover(rows, f"ratio{bg.suffix(k)}") for k in args.variants}}
+    rows = [
+        {
+            "preset": "demo",
+            "params": 0.6e6,
+            "hf_tok_s": 1000,
+            "vllm_tok_s": 800,
+            "ratio": 0.8,
+            "vllm_plain_tok_s": 1100,
+            "ratio_plain": 1.1,
+        },
+        {
+            "preset": "medium",
+            "params": 20e6,
+            "hf_tok_s": 100,
+            "vllm_tok_s": 150,
+            "ratio": 1.5,
+            "vllm_plain_tok_s": 170,
+            "ratio_plain": 1.7,
+        },
+    ]
+    result = {
+        "num_prompts": 64,
+        "samples_per_prompt": 4,
+        "max_new_tokens": 24,
+        "repeats": 3,
+        "threads_flag": 1,
+        "sizes": rows,
+        "crossover": {k: mp.crossover(rows, f"ratio{bg.suffix(k)}") for k in args.variants},
+        "crossover_text": {k: mp.describe_crossover(rows, f"ratio{bg.suffix(k)}") for k in args.variants},
+    }
     text = bg.sweep_table(result)
     assert "| medium | 20.0M | 100 | 150 | 1.50x | 170 | 1.70x |" in text
     assert "crossover, vLLM orlhf with log-probs (as orlhf's engines): between demo" in text
     assert "crossover, vLLM plain without log-probs: at or below demo" in text
 
 
-@pytest.mark.parametrize("argv, named", [(["--sweep", "demo,huge"], "huge"),
-                                         (["--sweep", "demo", "--model", "/x"], "leave out --model"),
-                                         (["--variants", "orlhf,fast"], "fast")])
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["--sweep", "demo,huge"], "huge"),
+        (["--sweep", "demo", "--model", "/x"], "leave out --model"),
+        (["--variants", "orlhf,fast"], "fast"),
+    ],
+)
 def test_bench_generation_refuses_bad_flags_with_exit_2(argv, named, capsys):
     import bench_generation as bg
 
@@ -148,7 +179,9 @@ def test_trl_compare_refuses_a_preset_with_its_own_model_flag(capsys):
 def test_trl_compare_extra_modes_add_flags_to_the_sync_orlhf_command(capsys):
     import trl_compare
 
-    a = trl_compare.parse_args(["--modes", "orlhf", "--extra", "zero3=--zero_stage 3", "--extra", "e2=--vllm_num_engines 2"])
+    a = trl_compare.parse_args(
+        ["--modes", "orlhf", "--extra", "zero3=--zero_stage 3", "--extra", "e2=--vllm_num_engines 2"]
+    )
     assert a.extra_cmds == {"zero3": ("--zero_stage", "3"), "e2": ("--vllm_num_engines", "2")}
     base, extra = trl_compare.orlhf_cmd(a, False), trl_compare.orlhf_cmd(a, False, a.extra_cmds["zero3"])
     assert extra == base + ["--zero_stage", "3"] and "--async_train" not in extra

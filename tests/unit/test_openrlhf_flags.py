@@ -2,35 +2,73 @@
 
 import pytest
 
-
-from orlhf.config import flags as F
 from orlhf.cli import main, native_arity
-from orlhf.config.openrlhf import (ALIASES, DOTTED, NO_EFFECT, OPENRLHF_V0101_FLAGS, UNSUPPORTED, CompatError,
-                                  translate)
+from orlhf.config import flags as F
+from orlhf.config.openrlhf import ALIASES, DOTTED, NO_EFFECT, OPENRLHF_V0101_FLAGS, UNSUPPORTED, CompatError, translate
 
 # Flags other branches add (issues 14, 15, 17); skipped here until those branches merge, then this set is emptied.
 
 # One value per flag, as an OpenRLHF v0.10.1 script would write it (switches take none). Unsupported features
 # carry OpenRLHF's default, which asks for nothing; their refusal is tested below.
 VALUES = {
-    "vllm_sync_backend": ["gloo"], "vllm_gpu_memory_utilization": ["0.5"], "ckpt_path": ["/tmp/ck"],
-    "zero_stage": ["3"], "param_dtype": ["bf16"], "attn_implementation": ["sdpa"], "save_path": ["/tmp/run"],
-    "max_len": ["2048"], "max_new_tokens": ["1024"], "reward_clip_range": ["-5", "5"],
-    "advantage_estimator": ["reinforce_baseline"], "kl_estimator": ["k3"], "pretrain": ["/m/policy"],
-    "remote_rm_url": ["http://rm:5000/get_reward"], "prompt_data": ["/d/prompts.jsonl"], "input_key": ["prompt"],
-    "label_key": ["label"], "input_template": ["Q: {}"], "use_wandb": ["KEY"], "wandb_org": ["org"],
-    "wandb_group": ["g"], "wandb_project": ["p"], "wandb_run_name": ["r"], "use_tensorboard": ["/tmp/tb"],
-    "reward_pretrain": None, "critic_pretrain": None, "kl_target": None, "dual_clip": ["3"],
-    "n_samples_per_prompt": ["4"], "rollout_batch_size": ["8"], "train_batch_size": ["32"],
-    "micro_train_batch_size": ["4"], "micro_rollout_batch_size": ["4"], "vllm_num_engines": ["2"],
-    "temperature": ["1.0"], "entropy_loss_coef": ["0.0"], "ptx_coef": ["0.05"],
-    "eps_clip_low_high": ["0.2", "0.28"], "policy_loss_type": ["ppo"], "vllm_is_correction_type": ["icepop"],
-    "vllm_is_truncated_threshold": ["0.5", "5.0"], "dynamic_filtering_reward_range": ["0", "1"],
-    "adam_betas": ["0.9", "0.99"], "lr_scheduler": ["cosine_with_min_lr"], "l2": ["0.01"], "max_norm": ["0.5"],
-    "value_head_prefix": ["value_head"], "prompt_data_probs": ["1.0"], "prompt_split": ["train"],
-    "agent_func_path": ["/a/agent.py"], "eval_dataset": ["/d/eval.jsonl"], "eval_split": ["test"],
-    "eval_steps": ["8"], "eval_temperature": ["0.6"], "eval_n_samples_per_prompt": ["4"],
-    "best_metric_key": ["pass@1"], "overlong_buffer_len": ["16"], "overlong_penalty_factor": ["1.0"],
+    "vllm_sync_backend": ["gloo"],
+    "vllm_gpu_memory_utilization": ["0.5"],
+    "ckpt_path": ["/tmp/ck"],
+    "zero_stage": ["3"],
+    "param_dtype": ["bf16"],
+    "attn_implementation": ["sdpa"],
+    "save_path": ["/tmp/run"],
+    "max_len": ["2048"],
+    "max_new_tokens": ["1024"],
+    "reward_clip_range": ["-5", "5"],
+    "advantage_estimator": ["reinforce_baseline"],
+    "kl_estimator": ["k3"],
+    "pretrain": ["/m/policy"],
+    "remote_rm_url": ["http://rm:5000/get_reward"],
+    "prompt_data": ["/d/prompts.jsonl"],
+    "input_key": ["prompt"],
+    "label_key": ["label"],
+    "input_template": ["Q: {}"],
+    "use_wandb": ["KEY"],
+    "wandb_org": ["org"],
+    "wandb_group": ["g"],
+    "wandb_project": ["p"],
+    "wandb_run_name": ["r"],
+    "use_tensorboard": ["/tmp/tb"],
+    "reward_pretrain": None,
+    "critic_pretrain": None,
+    "kl_target": None,
+    "dual_clip": ["3"],
+    "n_samples_per_prompt": ["4"],
+    "rollout_batch_size": ["8"],
+    "train_batch_size": ["32"],
+    "micro_train_batch_size": ["4"],
+    "micro_rollout_batch_size": ["4"],
+    "vllm_num_engines": ["2"],
+    "temperature": ["1.0"],
+    "entropy_loss_coef": ["0.0"],
+    "ptx_coef": ["0.05"],
+    "eps_clip_low_high": ["0.2", "0.28"],
+    "policy_loss_type": ["ppo"],
+    "vllm_is_correction_type": ["icepop"],
+    "vllm_is_truncated_threshold": ["0.5", "5.0"],
+    "dynamic_filtering_reward_range": ["0", "1"],
+    "adam_betas": ["0.9", "0.99"],
+    "lr_scheduler": ["cosine_with_min_lr"],
+    "l2": ["0.01"],
+    "max_norm": ["0.5"],
+    "value_head_prefix": ["value_head"],
+    "prompt_data_probs": ["1.0"],
+    "prompt_split": ["train"],
+    "agent_func_path": ["/a/agent.py"],
+    "eval_dataset": ["/d/eval.jsonl"],
+    "eval_split": ["test"],
+    "eval_steps": ["8"],
+    "eval_temperature": ["0.6"],
+    "eval_n_samples_per_prompt": ["4"],
+    "best_metric_key": ["pass@1"],
+    "overlong_buffer_len": ["16"],
+    "overlong_penalty_factor": ["1.0"],
     "stop_properly_penalty_coef": ["0.5"],
 }
 
@@ -79,8 +117,10 @@ def test_a_launch_line_with_every_flag_parses(capsys, no_training, dashed, monke
 
     monkeypatch.setattr(orlhf.config.validation, "validate", lambda cfg, explicit=(): None)
     argv = launch_line()
-    assert len({t for t in argv if t.startswith("--")}) == 144 - len(
-        [f for f, s in UNSUPPORTED.items() if s.nargs == 0 or s.default is None]) - 3  # the VALUES None ones
+    assert (
+        len({t for t in argv if t.startswith("--")})
+        == 144 - len([f for f, s in UNSUPPORTED.items() if s.nargs == 0 or s.default is None]) - 3
+    )  # the VALUES None ones
     if dashed:
         argv = [t.replace("_", "-") if t.startswith("--") else t for t in argv]
     code, err = run(["train-ppo", *argv], capsys)
@@ -96,16 +136,19 @@ def test_a_launch_line_with_every_flag_parses(capsys, no_training, dashed, monke
     assert cfg.data.agent_func_path == "/a/agent.py" and cfg.eval.eval_steps == 8  # issue 15's
 
 
-@pytest.mark.parametrize("argv, flag", [
-    (["--ring_attn_size", "2"], "--ring_attn_size"),
-    (["--lora_rank", "16"], "--lora_rank"),
-    (["--load_in_4bit"], "--load_in_4bit"),
-    (["--use_ds_universal_ckpt"], "--use_ds_universal_ckpt"),
-    (["--target_modules", "q_proj", "v_proj"], "--target_modules"),
-    (["--param_dtype", "fp16"], "--param_dtype fp16"),
-    (["--ds.ring_attn_size", "4"], "--ring_attn_size"),
-    (["--actor.optim", "muon"], "--actor.optim"),
-])
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--ring_attn_size", "2"], "--ring_attn_size"),
+        (["--lora_rank", "16"], "--lora_rank"),
+        (["--load_in_4bit"], "--load_in_4bit"),
+        (["--use_ds_universal_ckpt"], "--use_ds_universal_ckpt"),
+        (["--target_modules", "q_proj", "v_proj"], "--target_modules"),
+        (["--param_dtype", "fp16"], "--param_dtype fp16"),
+        (["--ds.ring_attn_size", "4"], "--ring_attn_size"),
+        (["--actor.optim", "muon"], "--actor.optim"),
+    ],
+)
 def test_unsupported_refused_by_name(capsys, argv, flag):
     code, err = run(["train-ppo", *argv], capsys)
     assert code == 2 and flag in err and "Traceback" not in err
@@ -124,10 +167,27 @@ def test_dotted_names_reach_the_same_options(capsys, no_training, tmp_path):
     (tmp_path / "p").mkdir()
     (tmp_path / "p" / "config.json").write_text("{}")
     (tmp_path / "prompts.jsonl").write_text('{"input": "1+1="}\n')
-    argv = ["--actor.model_name_or_path", str(tmp_path / "p"), "--data.prompt_dataset", str(tmp_path / "prompts.jsonl"),
-            "--reward.remote_url", "http://rm:5000/get_reward", "--algo.advantage.estimator", "group_norm",
-            "--rollout.n_samples_per_prompt", "4", "--ds.param_dtype", "bf16", "--rollout.max_new_tokens", "32",
-            "--actor.adam.lr", "3e-6", "--logger.wandb.key", "--vllm.enforce_eager", "--ckpt.output_dir=/tmp/o"]
+    argv = [
+        "--actor.model_name_or_path",
+        str(tmp_path / "p"),
+        "--data.prompt_dataset",
+        str(tmp_path / "prompts.jsonl"),
+        "--reward.remote_url",
+        "http://rm:5000/get_reward",
+        "--algo.advantage.estimator",
+        "group_norm",
+        "--rollout.n_samples_per_prompt",
+        "4",
+        "--ds.param_dtype",
+        "bf16",
+        "--rollout.max_new_tokens",
+        "32",
+        "--actor.adam.lr",
+        "3e-6",
+        "--logger.wandb.key",
+        "--vllm.enforce_eager",
+        "--ckpt.output_dir=/tmp/o",
+    ]
     code, err = run(["train-ppo", *argv], capsys)
     assert code == 0, err
     (cfg,) = no_training
@@ -138,20 +198,24 @@ def test_dotted_names_reach_the_same_options(capsys, no_training, tmp_path):
     assert cfg.logging.save_path == "/tmp/o"
 
 
-@pytest.mark.parametrize("argv", [
-    ["--max_new_tokens", "64", "--generate_max_len", "32"],
-    ["--attn_implementation", "sdpa", "--flash_attn"],
-    ["--actor.model_name_or_path", "/a", "--pretrain", "/b"],
-    ["--ref.offload", "--reward.offload", "--rollout.batch_size", "8", "--rollout_batch_size", "16"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--max_new_tokens", "64", "--generate_max_len", "32"],
+        ["--attn_implementation", "sdpa", "--flash_attn"],
+        ["--actor.model_name_or_path", "/a", "--pretrain", "/b"],
+        ["--ref.offload", "--reward.offload", "--rollout.batch_size", "8", "--rollout_batch_size", "16"],
+    ],
+)
 def test_one_option_two_spellings_two_values_is_an_error(capsys, argv):
     code, err = run(["train-ppo", *argv], capsys)
     assert code == 2 and "different values" in err, err
 
 
 def test_same_value_under_two_spellings_is_fine(capsys, no_training):
-    code, err = run(["train-ppo", "--max_new_tokens", "64", "--generate-max-len", "64", "--param_dtype", "bf16",
-                     "--bf16"], capsys)
+    code, err = run(
+        ["train-ppo", "--max_new_tokens", "64", "--generate-max-len", "64", "--param_dtype", "bf16", "--bf16"], capsys
+    )
     assert code == 0, err
     assert no_training[0].ppo.generate_max_len == 64
 

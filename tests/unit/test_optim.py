@@ -10,8 +10,15 @@ from orlhf.workers.optim import decay_groups
 
 def tiny_llama():
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                      num_key_value_heads=4, vocab_size=50, attention_bias=True)  # q/k/v/o get biases
+    cfg = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=50,
+        attention_bias=True,
+    )  # q/k/v/o get biases
     return LlamaForCausalLM(cfg)
 
 
@@ -23,8 +30,12 @@ def test_biases_and_norm_weights_are_not_decayed():
     decayed, exempt = ({names[id(p)] for p in g["params"]} for g in groups)
     assert [g["weight_decay"] for g in groups] == [0.1, 0.0]
     # 1 layer: input_layernorm, post_attention_layernorm, the final model.norm; 4 attention biases
-    assert exempt == {"model.layers.0.input_layernorm.weight", "model.layers.0.post_attention_layernorm.weight",
-                      "model.norm.weight", *(f"model.layers.0.self_attn.{x}_proj.bias" for x in "qkvo")}
+    assert exempt == {
+        "model.layers.0.input_layernorm.weight",
+        "model.layers.0.post_attention_layernorm.weight",
+        "model.norm.weight",
+        *(f"model.layers.0.self_attn.{x}_proj.bias" for x in "qkvo"),
+    }
     assert "model.layers.0.self_attn.q_proj.weight" in decayed and "lm_head.weight" in decayed
     assert "model.embed_tokens.weight" not in decayed | exempt
     assert len(decayed) + len(exempt) == sum(p.requires_grad for p in model.parameters())
@@ -44,6 +55,8 @@ def test_the_worker_optimizer_steps_norms_without_decay():
         p.grad = torch.zeros_like(p)
     opt.step()
     after = dict(model.named_parameters())
-    assert torch.allclose(after["model.layers.0.mlp.up_proj.weight"], 0.95 * before["model.layers.0.mlp.up_proj.weight"])
+    assert torch.allclose(
+        after["model.layers.0.mlp.up_proj.weight"], 0.95 * before["model.layers.0.mlp.up_proj.weight"]
+    )
     for name in ("model.norm.weight", "model.layers.0.input_layernorm.weight", "model.layers.0.self_attn.q_proj.bias"):
         assert torch.equal(after[name], before[name]), name

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from orlhf.inputs.prompts import PLAIN_TOKENIZER_TYPES, _plain_tokenizer, load_tokenizer
 from orlhf.demo.builder import ensure_demo
+from orlhf.inputs.prompts import PLAIN_TOKENIZER_TYPES, _plain_tokenizer, load_tokenizer
 
 
 def demo_copy(tmp_path, **config_changes):
@@ -53,18 +53,24 @@ def test_the_demo_loads_the_same_tokenizer_as_autotokenizer(tmp_path):
     assert filecmp.cmpfiles(tmp_path / "fast", tmp_path / "auto", files, shallow=False)[0] == files
 
 
-@pytest.mark.parametrize("change", [{"model_type": "qwen2"}, {"auto_map": {"AutoConfig": "x.Y"}},
-                                    {"model_name": "something"}], ids=["other_type", "auto_map", "model_name"])
+@pytest.mark.parametrize(
+    "change",
+    [{"model_type": "qwen2"}, {"auto_map": {"AutoConfig": "x.Y"}}, {"model_name": "something"}],
+    ids=["other_type", "auto_map", "model_name"],
+)
 def test_anything_else_goes_through_autotokenizer(tmp_path, change):
     assert _plain_tokenizer(str(demo_copy(tmp_path, **change))) is None
     assert _plain_tokenizer(str(tmp_path / "missing")) is None
 
 
 def test_the_driver_does_not_import_autotokenizers_module():
-    code = ("import sys; from orlhf.inputs.prompts import load_tokenizer; load_tokenizer(sys.argv[1]); "
-            "print('transformers.models.auto.tokenization_auto' in sys.modules, 'sympy' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code, str(ensure_demo().model)], capture_output=True, text=True,
-                         check=True).stdout.split()
+    code = (
+        "import sys; from orlhf.inputs.prompts import load_tokenizer; load_tokenizer(sys.argv[1]); "
+        "print('transformers.models.auto.tokenization_auto' in sys.modules, 'sympy' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(ensure_demo().model)], capture_output=True, text=True, check=True
+    ).stdout.split()
     assert out == ["False", "False"]
 
 

@@ -8,14 +8,29 @@ import pytest
 from orlhf.cli import main
 from orlhf.config.flags import build_config
 from orlhf.config.resolve import resolve_device
-from orlhf.distributed.layout import (PlacementError, Slot, check_fits, cpu_slots_needed, described_nodes, plan_layout,
-                          simulate)
+from orlhf.distributed.layout import (
+    PlacementError,
+    Slot,
+    check_fits,
+    cpu_slots_needed,
+    described_nodes,
+    plan_layout,
+    simulate,
+)
 from orlhf.launch.plan import GIB, ModelDims, count_params, device_peak, read_dims, role_memory
 
 # Llama-3-70B's shape (hand count below).
-CONFIG_70B = {"architectures": ["LlamaForCausalLM"], "hidden_size": 8192, "num_hidden_layers": 80,
-              "intermediate_size": 28672, "vocab_size": 128256, "num_attention_heads": 64, "num_key_value_heads": 8,
-              "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+CONFIG_70B = {
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 8192,
+    "num_hidden_layers": 80,
+    "intermediate_size": 28672,
+    "vocab_size": 128256,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
 # head_dim = 8192/64 = 128, kv width = 8 x 128 = 1024. Per layer: q, o 2 x 8192^2 = 134,217,728;
 # k, v 2 x 8192 x 1024 = 16,777,216; MLP 3 x 8192 x 28672 = 704,643,072; norms 2 x 8192 = 16,384
 # -> 855,654,400; x 80 layers = 68,452,352,000. Embeddings 128256 x 8192 = 1,050,673,152, LM head the same,
@@ -42,9 +57,19 @@ def layout_of(cfg, device: str):
 
 def tiny_rm(tmp_path):
     (tmp_path / "rm").mkdir(exist_ok=True)
-    (tmp_path / "rm" / "config.json").write_text(json.dumps({**CONFIG_70B, "hidden_size": 64, "num_hidden_layers": 1,
-                                                            "intermediate_size": 128, "num_attention_heads": 4,
-                                                            "num_key_value_heads": 4, "vocab_size": 100}))
+    (tmp_path / "rm" / "config.json").write_text(
+        json.dumps(
+            {
+                **CONFIG_70B,
+                "hidden_size": 64,
+                "num_hidden_layers": 1,
+                "intermediate_size": 128,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 4,
+                "vocab_size": 100,
+            }
+        )
+    )
     return str(tmp_path / "rm")
 
 
@@ -62,14 +87,29 @@ def shares_per_slot(layout):
 
 
 def test_split_layout_one_pool_per_role_and_per_engine():
-    cfg = cfg_of(actor_num_nodes=2, actor_num_gpus_per_node=2, ref_num_gpus_per_node=2,
-                 critic_num_gpus_per_node=2, vllm_num_engines=2, vllm_tensor_parallel_size=2)
+    cfg = cfg_of(
+        actor_num_nodes=2,
+        actor_num_gpus_per_node=2,
+        ref_num_gpus_per_node=2,
+        critic_num_gpus_per_node=2,
+        vllm_num_engines=2,
+        vllm_tensor_parallel_size=2,
+    )
     layout = layout_of(cfg, "cuda")
     assert [(p.name, p.num_groups, p.group_size) for p in layout.pools] == [
-        ("actor", 2, 2), ("ref", 1, 2), ("critic", 1, 2), ("vllm0", 1, 2), ("vllm1", 1, 2)]
+        ("actor", 2, 2),
+        ("ref", 1, 2),
+        ("critic", 1, 2),
+        ("vllm0", 1, 2),
+        ("vllm1", 1, 2),
+    ]
     # rank r -> node-group r // 2, bundle r % 2
-    assert layout.roles["actor"] == (Slot("actor", 0, 0, 1.0), Slot("actor", 0, 1, 1.0),
-                                     Slot("actor", 1, 0, 1.0), Slot("actor", 1, 1, 1.0))
+    assert layout.roles["actor"] == (
+        Slot("actor", 0, 0, 1.0),
+        Slot("actor", 0, 1, 1.0),
+        Slot("actor", 1, 0, 1.0),
+        Slot("actor", 1, 1, 1.0),
+    )
     assert layout.engines[1] == (Slot("vllm1", 0, 0, 1.0), Slot("vllm1", 0, 1, 1.0))
     assert "reward" not in layout.roles  # no --reward_pretrain
     assert layout.bundle == {"GPU": 1.0, "CPU": 1.0}
@@ -89,7 +129,10 @@ def test_no_reference_model_without_a_kl():
     assert list(layout.roles) == ["actor", "critic"] and [p.name for p in layout.pools] == ["actor", "critic", "vllm0"]
     # --colocate_actor_ref then has nothing to colocate; under --colocate_all_models the ref takes no share
     assert [p.name for p in layout_of(cfg_of(init_kl_coef=0.0, colocate_actor_ref=True, **own), "cpu").pools] == [
-        "actor", "critic", "vllm0"]
+        "actor",
+        "critic",
+        "vllm0",
+    ]
     shared = layout_of(cfg_of(init_kl_coef=0.0, colocate_all_models=True, **own), "cpu")
     assert [p.name for p in shared.pools] == ["actor+critic+vllm"] and shared.roles["actor"][0].share == 0.33
     # a KL in the loss reads the reference even at coefficient 0
@@ -106,18 +149,26 @@ def test_colocate_actor_ref_shares_one_pool():
 
 
 def test_colocate_critic_reward_shares_one_pool(tmp_path):
-    cfg = cfg_of(reward_pretrain=tiny_rm(tmp_path), critic_num_nodes=2, reward_num_nodes=2,
-                 colocate_critic_reward=True)
+    cfg = cfg_of(reward_pretrain=tiny_rm(tmp_path), critic_num_nodes=2, reward_num_nodes=2, colocate_critic_reward=True)
     layout = layout_of(cfg, "cuda")
     assert [p.name for p in layout.pools] == ["actor", "ref", "critic+reward", "vllm0"]
     assert layout.roles["reward"] == (Slot("critic+reward", 0, 0, 0.5), Slot("critic+reward", 1, 0, 0.5))
 
 
 def test_colocate_all_models_puts_engines_on_the_actor_pool(tmp_path):
-    shape = {f"{r}_{k}": v for r in ("actor", "ref", "critic", "reward")
-             for k, v in (("num_nodes", 2), ("num_gpus_per_node", 4))}
-    cfg = cfg_of(reward_pretrain=tiny_rm(tmp_path), colocate_all_models=True, vllm_num_engines=4,
-                 vllm_tensor_parallel_size=2, micro_train_batch_size=8, **shape)
+    shape = {
+        f"{r}_{k}": v
+        for r in ("actor", "ref", "critic", "reward")
+        for k, v in (("num_nodes", 2), ("num_gpus_per_node", 4))
+    }
+    cfg = cfg_of(
+        reward_pretrain=tiny_rm(tmp_path),
+        colocate_all_models=True,
+        vllm_num_engines=4,
+        vllm_tensor_parallel_size=2,
+        micro_train_batch_size=8,
+        **shape,
+    )
     layout = layout_of(cfg, "cuda")
     assert [(p.name, p.num_groups, p.group_size) for p in layout.pools] == [("actor+ref+critic+reward+vllm", 2, 4)]
     pool = "actor+ref+critic+reward+vllm"
@@ -167,14 +218,23 @@ def test_cpu_one_rank_critic_runs_in_the_actors_process_beside_it(tmp_path):
     assert "critic" not in layout_of(cfg_of(critic_num_gpus_per_node=2, micro_train_batch_size=8), "cpu").guests
     assert "critic" not in layout_of(cfg_of(actor_num_gpus_per_node=2, micro_train_batch_size=8), "cpu").guests
     # a critic model with dropout: concurrent train steps would interleave draws from one random generator
-    for name, config in (("llama", {"attention_dropout": 0.0}), ("gpt2", {"resid_pdrop": 0.1, "attn_pdrop": 0.1}),
-                         ("bert", {"hidden_dropout_prob": 0.1}), ("nested", {"text_config": {"dropout": 0.1}}),
-                         ("none", None)):
+    for name, config in (
+        ("llama", {"attention_dropout": 0.0}),
+        ("gpt2", {"resid_pdrop": 0.1, "attn_pdrop": 0.1}),
+        ("bert", {"hidden_dropout_prob": 0.1}),
+        ("nested", {"text_config": {"dropout": 0.1}}),
+        ("none", None),
+    ):
         (tmp_path / name).mkdir()
         if config is not None:
             (tmp_path / name / "config.json").write_text(json.dumps({"model_type": name, **config}))
     assert [has_dropout(str(tmp_path / n)) for n in ("llama", "gpt2", "bert", "nested", "none")] == [
-        False, True, True, True, True]
+        False,
+        True,
+        True,
+        True,
+        True,
+    ]
     assert has_dropout(None) is False  # the built-in demo before its path is resolved: attention_dropout 0
 
 
@@ -182,8 +242,13 @@ def test_cpu_one_rank_critic_runs_in_the_actors_process_beside_it(tmp_path):
 
 
 def test_first_fit_places_node_groups_whole():
-    cfg = cfg_of(actor_num_gpus_per_node=4, ref_num_gpus_per_node=2, critic_num_gpus_per_node=2,
-                 vllm_num_engines=2, vllm_tensor_parallel_size=2)
+    cfg = cfg_of(
+        actor_num_gpus_per_node=4,
+        ref_num_gpus_per_node=2,
+        critic_num_gpus_per_node=2,
+        vllm_num_engines=2,
+        vllm_tensor_parallel_size=2,
+    )
     layout = layout_of(cfg, "cuda")
     placed = check_fits(layout, described_nodes(3, 4, "cuda"))
     assert placed[("actor", 0)] == 0  # largest first, first node with room
@@ -229,8 +294,12 @@ def test_param_count_70b(model70b):
 
 
 def test_memory_70b_layout(model70b):
-    cfg = cfg_of(pretrain=str(model70b / "m"), reward_pretrain=str(model70b / "m"),
-                 prompt_data=str(model70b / "prompts.jsonl"), bf16=True)
+    cfg = cfg_of(
+        pretrain=str(model70b / "m"),
+        reward_pretrain=str(model70b / "m"),
+        prompt_data=str(model70b / "prompts.jsonl"),
+        bf16=True,
+    )
     # bf16 ZeRO-3 trained: (2 + 2 + 12) P / N. actor N=16: 16 x 70,553,706,496 / 16 B = 65.71 GiB
     actor = role_memory(cfg, "actor", P_LM, 16, device="cpu")
     assert actor.device_gib == pytest.approx(P_LM / GIB) and round(actor.device_gib, 1) == 65.7
@@ -243,13 +312,16 @@ def test_memory_70b_layout(model70b):
     assert round(role_memory(cfg, "reward", P_VALUE, 8, device="cuda").device_gib, 1) == 16.2
 
 
-@pytest.mark.parametrize("flags, device_gib, host_gib", [
-    ({"zero_stage": 0}, 16, 0),  # 2 + 2 + 12, nothing sharded
-    ({"zero_stage": 1}, 7, 0),  # 2 + 2 + 12/4
-    ({"zero_stage": 2}, 5.5, 0),  # 2 + (2 + 12)/4
-    ({"zero_stage": 3}, 4, 0),  # (2 + 2 + 12)/4
-    ({"zero_stage": 3, "adam_offload": True}, 1, 3),  # Adam 12/4 to host
-])
+@pytest.mark.parametrize(
+    "flags, device_gib, host_gib",
+    [
+        ({"zero_stage": 0}, 16, 0),  # 2 + 2 + 12, nothing sharded
+        ({"zero_stage": 1}, 7, 0),  # 2 + 2 + 12/4
+        ({"zero_stage": 2}, 5.5, 0),  # 2 + (2 + 12)/4
+        ({"zero_stage": 3}, 4, 0),  # (2 + 2 + 12)/4
+        ({"zero_stage": 3, "adam_offload": True}, 1, 3),  # Adam 12/4 to host
+    ],
+)
 def test_trained_memory_by_zero_stage(flags, device_gib, host_gib):
     m = role_memory(cfg_of(bf16=True, **flags), "actor", GIB, 4, device="cpu")  # P = 2**30 params: bytes/param == GiB
     assert (m.device_gib, m.host_gib) == (pytest.approx(device_gib), pytest.approx(host_gib))
@@ -262,12 +334,15 @@ def test_trained_gpu_ranks_add_the_reduce_bucket_of_their_stage(stage, bucket_by
     assert gpu.device_gib - cpu.device_gib == pytest.approx(bucket_bytes * 5e8 / GIB)
     assert ("reduce bucket" in gpu.formula) == (bucket_bytes > 0)
     default = role_memory(cfg_of(bf16=True), "actor", GIB, 1, device="cuda")  # one rank: ZeRO-2 by default
-    assert default.device_gib == pytest.approx(role_memory(cfg_of(bf16=True, zero_stage=2), "actor", GIB, 1,
-                                                           device="cuda").device_gib)
+    assert default.device_gib == pytest.approx(
+        role_memory(cfg_of(bf16=True, zero_stage=2), "actor", GIB, 1, device="cuda").device_gib
+    )
 
 
 def test_frozen_and_fp32_memory():
-    assert role_memory(cfg_of(zero_stage=2), "ref", GIB, 4, device="cpu").device_gib == 4  # fp32, replicated below stage 3
+    assert (
+        role_memory(cfg_of(zero_stage=2), "ref", GIB, 4, device="cpu").device_gib == 4
+    )  # fp32, replicated below stage 3
     assert role_memory(cfg_of(), "actor", GIB, 4, device="cpu").device_gib == 4  # fp32 stage 3: (4 + 4 + 8)/4
     m = role_memory(cfg_of(bf16=True, ref_reward_offload=True), "reward", GIB, 4, device="cpu")
     assert (m.device_gib, m.host_gib) == (0, 0.5)
@@ -282,9 +357,27 @@ def test_device_peak_with_sleep():
 
 # ---- orlhf plan --------------------------------------------------------------------------------------------
 
-LAYOUT_70B = ["--actor_num_nodes", "2", "--actor_num_gpus_per_node", "8", "--critic_num_nodes", "2",
-              "--critic_num_gpus_per_node", "8", "--ref_num_gpus_per_node", "8", "--reward_num_gpus_per_node", "8",
-              "--vllm_num_engines", "4", "--vllm_tensor_parallel_size", "4", "--bf16", "--micro_train_batch_size", "4"]
+LAYOUT_70B = [
+    "--actor_num_nodes",
+    "2",
+    "--actor_num_gpus_per_node",
+    "8",
+    "--critic_num_nodes",
+    "2",
+    "--critic_num_gpus_per_node",
+    "8",
+    "--ref_num_gpus_per_node",
+    "8",
+    "--reward_num_gpus_per_node",
+    "8",
+    "--vllm_num_engines",
+    "4",
+    "--vllm_tensor_parallel_size",
+    "4",
+    "--bf16",
+    "--micro_train_batch_size",
+    "4",
+]
 
 
 def plan(argv, capsys):
@@ -295,20 +388,27 @@ def plan(argv, capsys):
 
 
 def model_flags(root):
-    return ["--pretrain", str(root / "m"), "--reward_pretrain", str(root / "m"),
-            "--prompt_data", str(root / "prompts.jsonl")]
+    return [
+        "--pretrain",
+        str(root / "m"),
+        "--reward_pretrain",
+        str(root / "m"),
+        "--prompt_data",
+        str(root / "prompts.jsonl"),
+    ]
 
 
 def test_plan_70b_on_described_cluster(model70b, capsys):
-    code, out, err = plan([*model_flags(model70b), *LAYOUT_70B, "--nodes", "8", "--gpus_per_node", "8",
-                           "--gpu_memory_gb", "80"], capsys)
+    code, out, err = plan(
+        [*model_flags(model70b), *LAYOUT_70B, "--nodes", "8", "--gpus_per_node", "8", "--gpu_memory_gb", "80"], capsys
+    )
     assert code == 0, out + err
     assert "described: 8 nodes x 8 GPU x 80 GiB" in out and "model: 70.6B params" in out
-    lines = out[:out.index("memory estimate")].splitlines()
+    lines = out[: out.index("memory estimate")].splitlines()
     assert "actor   16 (2x8)  actor   g0          node0  0-7      1" in lines
     # engines: two TP-4 engines per 8-GPU node, each whole on one node (nodes 0-5 hold the four models)
     assert [ln.split()[5] for ln in lines if ln.startswith("vllm") and "TP 4" in ln] == ["node6"] * 2 + ["node7"] * 2
-    table = out[out.index("memory estimate"):]
+    table = out[out.index("memory estimate") :]
     # GPUs: trained ranks add DeepSpeed's reduce bucket (1e9 B = 0.93 GiB): actor 65.7 -> 66.6, critic 64.7 -> 65.7
     for who, gib in (("actor", "66.6"), ("ref", "16.4"), ("critic", "65.7"), ("reward", "16.2"), ("vllm", "72.0")):
         assert any(ln.startswith(who) and f" {gib} " in ln for ln in table.splitlines()), who
@@ -317,8 +417,18 @@ def test_plan_70b_on_described_cluster(model70b, capsys):
 
 
 def test_plan_flags_memory_that_does_not_fit(model70b, capsys):
-    argv = [*model_flags(model70b), *LAYOUT_70B, "--actor_num_nodes", "1",
-            "--nodes", "8", "--gpus_per_node", "8", "--gpu_memory_gb", "80"]
+    argv = [
+        *model_flags(model70b),
+        *LAYOUT_70B,
+        "--actor_num_nodes",
+        "1",
+        "--nodes",
+        "8",
+        "--gpus_per_node",
+        "8",
+        "--gpu_memory_gb",
+        "80",
+    ]
     code, out, _ = plan(argv, capsys)
     assert code == 1
     # actor on 8 ranks: 16 x 70,553,706,496 / 8 B + 1e9 B reduce bucket = 132.3 GiB per GPU > 80
@@ -327,8 +437,9 @@ def test_plan_flags_memory_that_does_not_fit(model70b, capsys):
 
 
 def test_plan_flags_what_cannot_be_placed(model70b, capsys):
-    code, out, _ = plan([*model_flags(model70b), *LAYOUT_70B, "--nodes", "4", "--gpus_per_node", "8",
-                         "--gpu_memory_gb", "80"], capsys)
+    code, out, _ = plan(
+        [*model_flags(model70b), *LAYOUT_70B, "--nodes", "4", "--gpus_per_node", "8", "--gpu_memory_gb", "80"], capsys
+    )
     assert code == 1
     assert "NOT PLACED" in out and "needs 64 GPUs in all, the cluster has 32: add nodes" in out
     # first fit: the four 8-GPU node-groups of actor and critic fill the 4 nodes; ref, reward, 4 engines are left
@@ -342,11 +453,22 @@ def test_plan_on_this_machine_cpu(capsys):
     assert "this machine" in out and "actor+ref+critic+vllm" in out and "0.5" in out and "0.33" not in out
     assert "ref runs inside the actor's rank processes" in out and "--ref_own_process gives it its own" in out
     assert "critic runs inside the actor's rank processes" in out and "--critic_own_process gives" in out
-    code, out, _ = plan(["--device", "cpu", "--colocate_all_models", "--vllm_num_engines", "1",
-                         "--critic_own_process"], capsys)
+    code, out, _ = plan(
+        ["--device", "cpu", "--colocate_all_models", "--vllm_num_engines", "1", "--critic_own_process"], capsys
+    )
     assert code == 0 and "0.33" in out and "critic runs inside" not in out  # actor (+ ref), critic, vllm
-    code, out, _ = plan(["--device", "cpu", "--colocate_all_models", "--vllm_num_engines", "1", "--ref_own_process",
-                         "--critic_own_process"], capsys)
+    code, out, _ = plan(
+        [
+            "--device",
+            "cpu",
+            "--colocate_all_models",
+            "--vllm_num_engines",
+            "1",
+            "--ref_own_process",
+            "--critic_own_process",
+        ],
+        capsys,
+    )
     assert code == 0 and "0.25" in out and "runs inside" not in out
 
 

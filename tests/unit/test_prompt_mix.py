@@ -8,8 +8,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 
 from orlhf.config.flags import build_config
-from orlhf.inputs.prompts import DataError
 from orlhf.inputs.prompt_mix import interleave_order, load_prompt_mix, parse_probs, split_sources
+from orlhf.inputs.prompts import DataError
 
 
 def write_jsonl(path, name, n):
@@ -71,8 +71,12 @@ def test_max_samples_is_the_first_picks_of_the_whole_mix(tmp_path):
 
 def test_prompt_split_picks_the_split_of_a_saved_dataset_dict(tmp_path):
     datasets = pytest.importorskip("datasets")
-    dd = datasets.DatasetDict({"train": datasets.Dataset.from_list([{"q": "train row"}]),
-                               "test": datasets.Dataset.from_list([{"q": "test row"}, {"q": "test row 2"}])})
+    dd = datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_list([{"q": "train row"}]),
+            "test": datasets.Dataset.from_list([{"q": "test row"}, {"q": "test row 2"}]),
+        }
+    )
     dd.save_to_disk(str(tmp_path / "dd"))
     assert [r["q"] for r in mix(str(tmp_path / "dd"))] == ["train row"]
     assert [r["q"] for r in mix(str(tmp_path / "dd"), split="test")] == ["test row", "test row 2"]
@@ -100,18 +104,24 @@ def test_probs_errors_name_the_flag():
 def test_start_up_line_says_prompts_once_and_the_mix_reaches_the_prompts(tmp_path, caplog):
     import logging
 
-    from orlhf.inputs.prompts import load_tokenizer
-    from orlhf.demo.builder import ensure_demo
-    from orlhf.launch.run import load_prompts
     from orlhf.config.resolve import resolve_demo
+    from orlhf.demo.builder import ensure_demo
+    from orlhf.inputs.prompts import load_tokenizer
+    from orlhf.launch.run import load_prompts
 
     a, b = write_jsonl(tmp_path / "a.jsonl", "a", 40), write_jsonl(tmp_path / "b.jsonl", "b", 40)
-    flags = {"prompt_data": f"{a},{b}", "prompt_data_probs": "0.25,0.75", "input_key": "q", "label_key": None,
-             "max_samples": 40}
+    flags = {
+        "prompt_data": f"{a},{b}",
+        "prompt_data_probs": "0.25,0.75",
+        "input_key": "q",
+        "label_key": None,
+        "max_samples": 40,
+    }
     cfg = resolve_demo(build_config(flags, explicit=set(flags)))  # the demo's model and reward, these prompts
     with caplog.at_level(logging.INFO, logger="orlhf"):
         prompts = load_prompts(cfg, load_tokenizer(str(ensure_demo().model)))
     lines = [r.getMessage() for r in caplog.records if "used (" in r.getMessage()]
-    assert lines == ["prompts: 40 of 40 used (0 empty skipped, 0 longer than --prompt_max_len skipped, "
-                     "0 truncated)"], lines
+    assert lines == ["prompts: 40 of 40 used (0 empty skipped, 0 longer than --prompt_max_len skipped, 0 truncated)"], (
+        lines
+    )
     assert 0 < sum(p.text.startswith("a ") for p in prompts) < 20  # about 10 of 40 from a (p = 0.25)

@@ -11,9 +11,20 @@ from orlhf.storage.report import PANELS, write_report
 def write_metrics(folder, steps=12, **drop):
     rows = []
     for s in range(1, steps + 1):
-        row = {"step": s, "reward_mean": 0.1 + 0.01 * s, "kl": 0.001 * s, "policy_loss": -0.01, "value_loss": 0.2,
-               "entropy": 3.0, "samples_per_s": 40.0, "staleness": s % 2, "engine_logprob_gap": 1e-4,
-               "response_length": 20.0, "timing/generate": 0.4, "timing/train": 0.6}
+        row = {
+            "step": s,
+            "reward_mean": 0.1 + 0.01 * s,
+            "kl": 0.001 * s,
+            "policy_loss": -0.01,
+            "value_loss": 0.2,
+            "entropy": 3.0,
+            "samples_per_s": 40.0,
+            "staleness": s % 2,
+            "engine_logprob_gap": 1e-4,
+            "response_length": 20.0,
+            "timing/generate": 0.4,
+            "timing/train": 0.6,
+        }
         rows.append({k: v for k, v in row.items() if k not in drop})
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 

@@ -12,8 +12,15 @@ import pytest
 import torch
 
 from orlhf.demo.builder import ensure_demo
-from orlhf.inputs.rewards import (FunctionReward, HttpReward, RewardBusy, RewardError, RewardSource, make_reward_source,
-                           to_rewards)
+from orlhf.inputs.rewards import (
+    FunctionReward,
+    HttpReward,
+    RewardBusy,
+    RewardError,
+    RewardSource,
+    make_reward_source,
+    to_rewards,
+)
 
 QUERIES = ["say colors: red blue", "say colors: cat dog"]
 PROMPTS = ["say colors:", "say colors:"]
@@ -37,26 +44,33 @@ def test_demo_reward_file_scores_through_function_reward():
     assert pickle.loads(pickle.dumps(source)).score(QUERIES, PROMPTS, LABELS).tolist() == [1.0, 0.0]
 
 
-@pytest.mark.parametrize("answer", [
-    "[0.5, 1]", "np.array([0.5, 1.0])", "torch.tensor([[0.5], [1.0]])", "{'rewards': [0.5, 1], 'scores': [0, 0]}",
-])
+@pytest.mark.parametrize(
+    "answer",
+    ["[0.5, 1]", "np.array([0.5, 1.0])", "torch.tensor([[0.5], [1.0]])", "{'rewards': [0.5, 1], 'scores': [0, 0]}"],
+)
 def test_function_reward_accepts_lists_arrays_tensors_and_dicts(tmp_path, answer):
-    path = reward_file(tmp_path, f"""
+    path = reward_file(
+        tmp_path,
+        f"""
         import numpy as np, torch
         def reward_func(queries, prompts, labels):
             assert labels == ["colors", ""]  # None labels arrive as "", as in OpenRLHF
             return {answer}
-    """)
+    """,
+    )
     assert FunctionReward(path).score(QUERIES, PROMPTS, LABELS).tolist() == [0.5, 1.0]
 
 
 def test_file_that_fails_to_import_names_file_line_and_error(tmp_path):
-    path = reward_file(tmp_path, """
+    path = reward_file(
+        tmp_path,
+        """
         import torch
         THRESHOLD = 1 / 0
         def reward_func(queries, prompts, labels):
             return torch.zeros(len(queries))
-    """)
+    """,
+    )
     with pytest.raises(RewardError) as e:
         FunctionReward(path)
     msg = str(e.value)
@@ -79,10 +93,13 @@ def test_file_without_reward_func_says_what_to_define(tmp_path):
 
 
 def test_reward_func_that_raises_is_wrapped_with_file_and_exception(tmp_path):
-    path = reward_file(tmp_path, """
+    path = reward_file(
+        tmp_path,
+        """
         def reward_func(queries, prompts, labels):
             return [len(q) / labels.index("nope") for q in queries]
-    """)
+    """,
+    )
     with pytest.raises(RewardError) as e:
         FunctionReward(path).score(QUERIES, PROMPTS, LABELS)
     msg = str(e.value)
@@ -90,14 +107,17 @@ def test_reward_func_that_raises_is_wrapped_with_file_and_exception(tmp_path):
     assert isinstance(e.value.__cause__, ValueError)
 
 
-@pytest.mark.parametrize("answer, problem", [
-    ("[1.0]", r"returned shape \(1,\) for 2 queries; return one reward per query, shape \(2,\)"),
-    ("[[1.0, 2.0], [3.0, 4.0]]", r"returned shape \(2, 2\) for 2 queries"),
-    ("[0.0, float('nan')]", r"returned 1 non-finite rewards \(NaN/inf\) at indices \[1\] \(1: nan\)"),
-    ("[float('inf'), 0.0]", r"returned 1 non-finite rewards \(NaN/inf\) at indices \[0\]"),
-    ("['good', 'bad']", r"returned non-numeric rewards \(list: \['good', 'bad'\]\)"),
-    ("{'score': [1, 2]}", r"returned a dict without 'rewards' \(keys: \['score'\]\)"),
-])
+@pytest.mark.parametrize(
+    "answer, problem",
+    [
+        ("[1.0]", r"returned shape \(1,\) for 2 queries; return one reward per query, shape \(2,\)"),
+        ("[[1.0, 2.0], [3.0, 4.0]]", r"returned shape \(2, 2\) for 2 queries"),
+        ("[0.0, float('nan')]", r"returned 1 non-finite rewards \(NaN/inf\) at indices \[1\] \(1: nan\)"),
+        ("[float('inf'), 0.0]", r"returned 1 non-finite rewards \(NaN/inf\) at indices \[0\]"),
+        ("['good', 'bad']", r"returned non-numeric rewards \(list: \['good', 'bad'\]\)"),
+        ("{'score': [1, 2]}", r"returned a dict without 'rewards' \(keys: \['score'\]\)"),
+    ],
+)
 def test_bad_answers_name_the_file_and_problem(tmp_path, answer, problem):
     path = reward_file(tmp_path, f"def reward_func(queries, prompts, labels):\n    return {answer}\n")
     with pytest.raises(RewardError, match=r"my_reward\.py: reward_func " + problem):
@@ -105,12 +125,15 @@ def test_bad_answers_name_the_file_and_problem(tmp_path, answer, problem):
 
 
 def test_openrlhf_dict_keeps_scores_for_filtering_and_extra_logs(tmp_path):
-    path = reward_file(tmp_path, """
+    path = reward_file(
+        tmp_path,
+        """
         import torch
         def reward_func(queries, prompts, labels):
             return {"rewards": torch.tensor([0.5, 1.0]), "scores": torch.tensor([1.0, 0.0]),
                     "extra_logs": {"format_ok": torch.tensor([1.0, 0.0]), "batch_len": 7}}
-    """)
+    """,
+    )
     result = FunctionReward(path).evaluate(QUERIES, PROMPTS, LABELS)
     assert result.rewards.tolist() == [0.5, 1.0] and result.scores.tolist() == [1.0, 0.0]
     assert {k: v.tolist() for k, v in result.extra_logs.items()} == {"format_ok": [1.0, 0.0], "batch_len": [7.0, 7.0]}
@@ -120,11 +143,14 @@ def test_openrlhf_dict_keeps_scores_for_filtering_and_extra_logs(tmp_path):
     assert result.scores.tolist() == [0.0, 2.0] and result.extra_logs == {}  # scores default to rewards
 
 
-@pytest.mark.parametrize("answer, problem", [
-    ("{'rewards': [1, 2], 'scores': [1]}", r"\['scores'\] returned shape \(1,\) for 2 queries"),
-    ("{'rewards': [1, 2], 'extra_logs': [1, 2]}", r"returned 'extra_logs' as a list"),
-    ("{'rewards': [1, 2], 'extra_logs': {'acc': ['a', 'b']}}", r"\['extra_logs'\]\['acc'\] returned non-numeric"),
-])
+@pytest.mark.parametrize(
+    "answer, problem",
+    [
+        ("{'rewards': [1, 2], 'scores': [1]}", r"\['scores'\] returned shape \(1,\) for 2 queries"),
+        ("{'rewards': [1, 2], 'extra_logs': [1, 2]}", r"returned 'extra_logs' as a list"),
+        ("{'rewards': [1, 2], 'extra_logs': {'acc': ['a', 'b']}}", r"\['extra_logs'\]\['acc'\] returned non-numeric"),
+    ],
+)
 def test_bad_dict_parts_name_the_part(tmp_path, answer, problem):
     path = reward_file(tmp_path, f"def reward_func(queries, prompts, labels):\n    return {answer}\n")
     with pytest.raises(RewardError, match=problem):
@@ -132,14 +158,20 @@ def test_bad_dict_parts_name_the_part(tmp_path, answer, problem):
 
 
 def test_a_stuck_reward_func_fails_at_its_deadline_naming_the_file(tmp_path):
-    path = reward_file(tmp_path, """
+    path = reward_file(
+        tmp_path,
+        """
         import threading
         def reward_func(queries, prompts, labels):
             threading.Event().wait()  # never returns
-    """)
+    """,
+    )
     t0 = time.monotonic()
-    with pytest.raises(RewardError, match=r"my_reward\.py: reward_func did not return within 0\.5 s "
-                                          r"\(--reward_timeout_s\)"):
+    with pytest.raises(
+        RewardError,
+        match=r"my_reward\.py: reward_func did not return within 0\.5 s "
+        r"\(--reward_timeout_s\)",
+    ):
         FunctionReward(path, timeout_s=0.5).score(QUERIES, PROMPTS, LABELS)
     assert time.monotonic() - t0 < 5
     source = make_reward_source(path, timeout_s=0.3)
@@ -148,14 +180,17 @@ def test_a_stuck_reward_func_fails_at_its_deadline_naming_the_file(tmp_path):
 
 def test_no_call_starts_while_a_timed_out_call_still_runs(tmp_path):
     """reward_func need not be thread-safe: the abandoned call must return before another one starts."""
-    path = reward_file(tmp_path, """
+    path = reward_file(
+        tmp_path,
+        """
         import threading
         release = threading.Event()
         def reward_func(queries, prompts, labels):
             if queries[0] == "stuck":
                 release.wait()
             return [1.0] * len(queries)
-    """)
+    """,
+    )
     source = FunctionReward(path, timeout_s=0.3)
     with pytest.raises(RewardError, match="did not return within 0.3 s"):
         source.score(["stuck"], [""], [""])
@@ -293,8 +328,8 @@ def test_reward_query_is_the_prompt_text_plus_the_decoded_response():
     skip_special_tokens dropped them, so queries[i] no longer started with prompts[i] (issue 16)."""
     from types import SimpleNamespace
 
-    from orlhf.trainer.scoring import reward_inputs
     from orlhf.inputs.prompts import load_tokenizer
+    from orlhf.trainer.scoring import reward_inputs
 
     tok = load_tokenizer(str(ensure_demo().model))
     text = f"{tok.bos_token}user: say colors:\nassistant:"
@@ -304,6 +339,6 @@ def test_reward_query_is_the_prompt_text_plus_the_decoded_response():
     rollout = SimpleNamespace(prompt_ids=ids, response_ids=response, prompt_index=0)
     queries, prompts, labels = reward_inputs(tok, [rollout], [prompt])
     assert prompts == [text] and labels == ["colors"]
-    assert queries[0].startswith(text) and queries[0][len(text):] == tok.decode(response, skip_special_tokens=True)
+    assert queries[0].startswith(text) and queries[0][len(text) :] == tok.decode(response, skip_special_tokens=True)
     old = tok.decode(ids + response, skip_special_tokens=True)
     assert not old.startswith(text)  # what the old query was: the bug this guards against

@@ -1,4 +1,5 @@
-"""One run per folder (orlhf/storage/runlock.py) with real processes: a second `orlhf train-ppo` on a held folder exits at
+"""One run per folder (orlhf/storage/runlock.py) with real processes: a second `orlhf train-ppo` on a held folder exits
+at
 once naming the holder's pid; a kill -9 frees the lock; temp folders are removed only once their writer is gone;
 the final export (orlhf/launch/export.py) survives a kill mid-write."""
 
@@ -13,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from orlhf.storage.checkpoint import CheckpointManager
 from orlhf.launch.export import export_actor
+from orlhf.storage.checkpoint import CheckpointManager
 from orlhf.storage.runlock import FolderLock, RunLockError, hold_folders, owner_gone, write_owner
 
 REPO = Path(__file__).resolve().parents[2]
@@ -23,8 +24,7 @@ ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 
 def spawn(code: str) -> subprocess.Popen:
     """A python process running `code`; it prints 'ready' once set up, then waits to be killed."""
-    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=ENV, stdout=subprocess.PIPE,
-                            text=True)
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=ENV, stdout=subprocess.PIPE, text=True)
 
 
 def wait_ready(proc: subprocess.Popen) -> None:
@@ -44,8 +44,13 @@ def hold(save: Path, ckpt: Path) -> subprocess.Popen:
 
 
 def train_ppo(*flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orlhf.cli", "train-ppo", "--device", "cpu", *flags], env=ENV,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "orlhf.cli", "train-ppo", "--device", "cpu", *flags],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_a_second_orlhf_run_on_a_held_folder_exits_at_once_naming_the_holder(tmp_path):
@@ -196,7 +201,12 @@ def test_save_value_network_exports_the_critic_atomically(tmp_path):
     assert critic.dirs[0].name.startswith(".tmp-critic-")  # written aside, then swapped in
     assert (tmp_path / "critic" / "model.safetensors").read_bytes() == b"c1" * 100
     with pytest.raises(OSError, match="No space left"):
-        finish_run(cfg, SimpleNamespace(actor=FakeActorGroup(b"a2"), critic=FakeCriticGroup(b"c2" * 100, fail=True)),
-                   metrics, [], "r2")
+        finish_run(
+            cfg,
+            SimpleNamespace(actor=FakeActorGroup(b"a2"), critic=FakeCriticGroup(b"c2" * 100, fail=True)),
+            metrics,
+            [],
+            "r2",
+        )
     assert (tmp_path / "critic" / "model.safetensors").read_bytes() == b"c1" * 100  # still the whole previous one
     assert (tmp_path / "actor" / "model.safetensors").read_bytes() == b"a2"

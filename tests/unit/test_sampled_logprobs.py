@@ -7,8 +7,12 @@ from orlhf.rollout.engine import sampled_logprobs
 def test_flat_and_dict_logprobs_give_the_same_floats():
     from vllm.logprobs import FlatLogprobs, Logprob
 
-    positions = [{7: Logprob(-0.25, rank=2)}, {3: Logprob(-1.5, rank=1), 9: Logprob(-0.1, rank=1)}, {},
-                 {4: Logprob(-3.0)}]
+    positions = [
+        {7: Logprob(-0.25, rank=2)},
+        {3: Logprob(-1.5, rank=1), 9: Logprob(-0.1, rank=1)},
+        {},
+        {4: Logprob(-3.0)},
+    ]
     flat = FlatLogprobs()
     for p in positions:
         flat.append(p)

@@ -1,21 +1,30 @@
 """Async mode starts the frozen models' forwards (reference, reward model) as soon as a batch is generated
-(Scorer.ahead in orlhf/trainer/scoring.py), while the trainers still work on the batch before; learn() then takes those results
-instead of calling again. Stand-ins for the groups and engines: what is checked is the loop's call order and that
-the step's result is the same either way (the real async run: tests/e2e/test_agent.py, tests/e2e/test_train_ppo.py)."""
+(Scorer.ahead in orlhf/trainer/scoring.py), while the trainers still work on the batch before; learn() then takes
+those results instead of calling again. Stand-ins for the groups and engines: what is checked is the loop's call
+order and that the step's result is the same either way (the real async run: tests/e2e/test_agent.py,
+tests/e2e/test_train_ppo.py)."""
 
 import threading
 import time
 
 import torch
 
-from orlhf.trainer.controller import Controller, Models
 from orlhf.config.flags import build_config
 from orlhf.inputs.rewards import RewardResult
+from orlhf.trainer.controller import Controller, Models
 from orlhf.types import Rollout, TrainStats
 from tests.unit.test_controller_guard import Done  # a finished call's stand-in
 
-FLAGS = dict(rollout_batch_size=2, train_batch_size=4, micro_train_batch_size=2, n_samples_per_prompt=2,
-             advantage_estimator="group_norm", use_kl_loss=True, init_kl_coef=0.01, max_engine_logprob_gap=0)
+FLAGS = dict(
+    rollout_batch_size=2,
+    train_batch_size=4,
+    micro_train_batch_size=2,
+    n_samples_per_prompt=2,
+    advantage_estimator="group_norm",
+    use_kl_loss=True,
+    init_kl_coef=0.01,
+    max_engine_logprob_gap=0,
+)
 
 
 class Group:
@@ -34,7 +43,7 @@ class Group:
         first = int(batch.sequences[:, -batch.num_actions].min())  # names the batch, in any row order
         self.log.append((method.__name__, first, threading.current_thread().name, time.perf_counter()))
         if method.__name__ == "log_probs":
-            return Done(-0.01 * batch.sequences[:, -batch.num_actions:].float())
+            return Done(-0.01 * batch.sequences[:, -batch.num_actions :].float())
         time.sleep(self.train_s)
         self.log.append(("train_step_end", first, threading.current_thread().name, time.perf_counter()))
         loss = float(batch.advantages.abs().sum() + batch.base_action_log_probs.sum())  # reads the ref log-probs
@@ -50,10 +59,17 @@ class Engines:
 
     def generate(self, prompt_ids, sampling):
         time.sleep(self.gen_s)
-        return [Rollout(prompt_index=i, prompt_ids=ids, response_ids=[ids[-1] + 10, ids[-1] + 11 + j, 7 + j],
-                        logprobs=[-0.01 * (ids[-1] + 10), -0.01 * (ids[-1] + 11 + j), -0.01 * (7 + j)],
-                        finished=True)
-                for i, ids in enumerate(prompt_ids) for j in range(sampling.n)]
+        return [
+            Rollout(
+                prompt_index=i,
+                prompt_ids=ids,
+                response_ids=[ids[-1] + 10, ids[-1] + 11 + j, 7 + j],
+                logprobs=[-0.01 * (ids[-1] + 10), -0.01 * (ids[-1] + 11 + j), -0.01 * (7 + j)],
+                finished=True,
+            )
+            for i, ids in enumerate(prompt_ids)
+            for j in range(sampling.n)
+        ]
 
 
 class Sync:

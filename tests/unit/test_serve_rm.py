@@ -6,8 +6,8 @@ import pytest
 import requests
 
 from orlhf.demo.builder import ensure_demo
-from orlhf.inputs.rewards import HttpReward, RewardError
 from orlhf.inputs.reward_server import make_server
+from orlhf.inputs.rewards import HttpReward, RewardError
 
 
 @pytest.fixture
@@ -26,8 +26,11 @@ def test_binds_loopback_by_default(server):
 
 def test_token_required_and_rewards_served(server):
     url = f"http://127.0.0.1:{server.server_address[1]}/get_reward"
-    body = {"query": ["say colors: red blue", "say colors: cat"], "prompts": ["say colors:"] * 2,
-            "labels": ["colors", "colors"]}
+    body = {
+        "query": ["say colors: red blue", "say colors: cat"],
+        "prompts": ["say colors:"] * 2,
+        "labels": ["colors", "colors"],
+    }
     assert requests.post(url, json=body, timeout=10).status_code == 401
     assert requests.post(url, json=body, headers={"Authorization": "Bearer nope"}, timeout=10).status_code == 401
     ok = requests.post(url, json=body, headers={"Authorization": "Bearer s3cret"}, timeout=10)
@@ -61,8 +64,13 @@ def _serve(*args, reward_fn=None):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("ORLHF_RM_TOKEN", None)
     reward_fn = reward_fn or ensure_demo().reward_fn
-    return subprocess.Popen([sys.executable, "-m", "orlhf.cli", "serve-rm", str(reward_fn), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    return subprocess.Popen(
+        [sys.executable, "-m", "orlhf.cli", "serve-rm", str(reward_fn), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
 
 
 def _port(proc) -> int:
@@ -93,8 +101,9 @@ def _raw(port, data: bytes, timeout=10.0) -> bytes:
 
 def _post(body: bytes, length=None) -> bytes:
     n = len(body) if length is None else length
-    return (f"POST /get_reward HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {n}\r\n\r\n"
-            ).encode() + body
+    return (
+        f"POST /get_reward HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {n}\r\n\r\n"
+    ).encode() + body
 
 
 def _status_and_error(answer: bytes) -> tuple[int, str]:
@@ -105,17 +114,20 @@ def _status_and_error(answer: bytes) -> tuple[int, str]:
 GOOD = {"query": ["say colors: red blue"], "prompts": ["say colors:"], "labels": ["colors"]}
 
 
-@pytest.mark.parametrize("request_bytes, reason", [
-    (_post(b"{}", length="abc"), "Content-Length must be a number of bytes (got 'abc')"),
-    (_post(b"{not json"), "body is not JSON"),
-    (_post(json.dumps({"prompts": []}).encode()), 'expected a JSON object {"query"'),
-    (_post(json.dumps({**GOOD, "query": "red"}).encode()), '"query" must be a list of strings (got str)'),
-    (_post(json.dumps({**GOOD, "prompts": [1]}).encode()), '"prompts" must be a list of strings'),
-    (_post(json.dumps({**GOOD, "labels": "x"}).encode()), '"labels" must be a list (got str)'),
-    (_post(json.dumps({**GOOD, "prompts": ["a", "b"]}).encode()), "must have the same length (got 1, 2, 1)"),
-    (_post(json.dumps({"query": []}).encode()), '"query" is empty'),
-    (_post(b"{}", length=0), "body must be 1.."),
-])
+@pytest.mark.parametrize(
+    "request_bytes, reason",
+    [
+        (_post(b"{}", length="abc"), "Content-Length must be a number of bytes (got 'abc')"),
+        (_post(b"{not json"), "body is not JSON"),
+        (_post(json.dumps({"prompts": []}).encode()), 'expected a JSON object {"query"'),
+        (_post(json.dumps({**GOOD, "query": "red"}).encode()), '"query" must be a list of strings (got str)'),
+        (_post(json.dumps({**GOOD, "prompts": [1]}).encode()), '"prompts" must be a list of strings'),
+        (_post(json.dumps({**GOOD, "labels": "x"}).encode()), '"labels" must be a list (got str)'),
+        (_post(json.dumps({**GOOD, "prompts": ["a", "b"]}).encode()), "must have the same length (got 1, 2, 1)"),
+        (_post(json.dumps({"query": []}).encode()), '"query" is empty'),
+        (_post(b"{}", length=0), "body must be 1.."),
+    ],
+)
 def test_each_malformed_request_gets_400_with_a_one_line_reason(rm_process, request_bytes, reason):
     _, port = rm_process
     code, error = _status_and_error(_raw(port, request_bytes))
@@ -162,7 +174,7 @@ def _drip(port, at_once: bytes, dripped: bytes, every_s=0.2) -> tuple[bytes, flo
             for i in range(len(dripped)):
                 if select.select([s], [], [], every_s)[0]:  # an answer (or the close) is there: stop sending
                     break
-                s.sendall(dripped[i:i + 1])
+                s.sendall(dripped[i : i + 1])
         except (BrokenPipeError, ConnectionResetError):
             pass
         chunks = []
@@ -184,14 +196,14 @@ def test_a_client_sending_a_byte_at_a_time_gets_408_at_the_deadline(rm_process, 
     assert seconds < 2.5  # 1 s deadline, a drip interval, slack for a loaded machine
 
 
-SLOW_REWARD = '''
+SLOW_REWARD = """
 import time
 
 def reward_func(queries, prompts, labels):
     if queries[0] == "slow":
         time.sleep(4)
     return [1.0] * len(queries)
-'''
+"""
 
 
 def test_no_second_reward_func_call_while_a_timed_out_one_still_runs(tmp_path):

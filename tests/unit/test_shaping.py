@@ -5,8 +5,8 @@ import torch
 
 from orlhf.algo.advantages import compute_advantages, whiten
 from orlhf.algo.rewards import keep_groups, overlong_penalty, stop_properly_penalty
-from orlhf.trainer.dynamic_filtering import DynamicFilter
 from orlhf.inputs.rewards import RewardResult
+from orlhf.trainer.dynamic_filtering import DynamicFilter
 from orlhf.types import Rollout
 from orlhf.workers.engine_setup import lr_factor
 
@@ -65,6 +65,7 @@ def test_lr_schedulers():
 
 
 # ---------------------------------------------------------------- the dynamic-filtering loop, on fake engines
+
 
 def _fake_engine(score_of: dict):
     """generate: n=2 rollouts per prompt; score: the table's score per prompt for both samples (mocks: pure logic)."""
@@ -132,4 +133,4 @@ def test_no_advantage_std_norm_holds_for_multi_turn_rows():
     adv, _ = compute_advantages("reinforce", rewards, mask, std_norm=False)
     assert adv.tolist() == [pytest.approx([-8 / 3, 0.0, -8 / 3]), pytest.approx([16 / 3, 0.0, 0.0])]
     whitened, _ = compute_advantages("reinforce", rewards, mask)
-    assert whitened[1, 0].item() == pytest.approx(2 ** 0.5)  # (16/3) / (8 * sqrt(2) / 3)
+    assert whitened[1, 0].item() == pytest.approx(2**0.5)  # (16/3) / (8 * sqrt(2) / 3)

@@ -8,8 +8,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
-from orlhf.workers.batching import sort_by_length
 from orlhf.types import SequenceBatch
+from orlhf.workers.batching import sort_by_length
 from orlhf.workers.policy import action_logits, model_logits
 from orlhf.workers.shared_prompt import prompt_groups, prompt_major_order, same_as_plain
 
@@ -22,8 +22,8 @@ def _batch(prompts: list[list[int]], responses: list[list[int]]) -> SequenceBatc
     seq = torch.full((len(prompts), p + a), PAD)
     mask = torch.zeros(len(prompts), p + a, dtype=torch.long)
     for i, (q, r) in enumerate(zip(prompts, responses)):
-        seq[i, p - len(q):p], mask[i, p - len(q):p] = torch.tensor(q), 1
-        seq[i, p:p + len(r)], mask[i, p:p + len(r)] = torch.tensor(r), 1
+        seq[i, p - len(q) : p], mask[i, p - len(q) : p] = torch.tensor(q), 1
+        seq[i, p : p + len(r)], mask[i, p : p + len(r)] = torch.tensor(r), 1
     return SequenceBatch(seq, mask, mask[:, p:].bool())
 
 
@@ -66,9 +66,17 @@ def lm():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=V, max_position_embeddings=64, pad_token_id=PAD,
-                      initializer_range=0.5)  # large weights: logits that differ clearly between positions
+    cfg = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=V,
+        max_position_embeddings=64,
+        pad_token_id=PAD,
+        initializer_range=0.5,
+    )  # large weights: logits that differ clearly between positions
     model = LlamaForCausalLM(cfg).eval()
     model.config.use_cache = False  # as workers load it (policy.load_causal_lm)
     return model
@@ -112,8 +120,8 @@ def test_shared_forward_gradients_equal_plain(lm):
     def grads(shared: bool) -> dict:
         lm.zero_grad()
         logits, offset = model_logits(lm, batch, shared=shared)
-        lp = torch.log_softmax(logits[:, offset:offset + batch.num_actions], -1)
-        tok = lp.gather(-1, batch.sequences[:, -batch.num_actions:, None]).squeeze(-1)
+        lp = torch.log_softmax(logits[:, offset : offset + batch.num_actions], -1)
+        tok = lp.gather(-1, batch.sequences[:, -batch.num_actions :, None]).squeeze(-1)
         (tok * weights * batch.action_mask).sum().backward()
         return {n: p.grad.clone() for n, p in lm.named_parameters()}
 
@@ -151,8 +159,8 @@ def test_value_model_outputs_through_the_last_column_equal_whole_rows(lm):
         critic = shared_values(model, batch)  # columns P-1 .. T-2: the critic's
         reward, n_shared = _positions_seen(model.backbone, lambda: shared_values(model, batch, through_last=True))
     assert critic.shape == (9, a) and reward.shape == (9, a + 1)
-    assert (critic - whole[:, -a - 1:-1]).abs().max() < 1e-5
-    assert (reward - whole[:, -a - 1:]).abs().max() < 1e-5
+    assert (critic - whole[:, -a - 1 : -1]).abs().max() < 1e-5
+    assert (reward - whole[:, -a - 1 :]).abs().max() < 1e-5
     assert n_whole == 9 * 13 and n_shared == 3 * 6 + 9 * 7
 
 
@@ -168,8 +176,13 @@ def test_no_cache_means_no_shared_forward_and_the_check_says_no(lm):
     try:
         with torch.no_grad():
             assert shared_action_logits(lm, batch) is None
-        assert not same_as_plain(lambda b: action_logits(lm, b, 1.0), lambda b: shared_action_logits(lm, b), V,
-                                 torch.device("cpu"), float32=True)
+        assert not same_as_plain(
+            lambda b: action_logits(lm, b, 1.0),
+            lambda b: shared_action_logits(lm, b),
+            V,
+            torch.device("cpu"),
+            float32=True,
+        )
     finally:
         lm.gradient_checkpointing_disable()
         lm.eval()

@@ -27,11 +27,13 @@ def plan(cores=2, hosted=False, **flags):
     cfg = build_config({"device": "cpu", **flags}, set(flags) | {"device"})
     sent = []
     actor = Group("actor", 1, sent, processes=["actor-0"])
-    models = SimpleNamespace(actor=actor, engines=None,
-                             ref=Group("ref", 1, sent, ["actor-0" if hosted else "ref-0"]) if cfg.has_reference
-                             else None,
-                             critic=Group("critic", 1, sent) if cfg.ppo.advantage_estimator == "gae" else None,
-                             reward=None)
+    models = SimpleNamespace(
+        actor=actor,
+        engines=None,
+        ref=Group("ref", 1, sent, ["actor-0" if hosted else "ref-0"]) if cfg.has_reference else None,
+        critic=Group("critic", 1, sent) if cfg.ppo.advantage_estimator == "gae" else None,
+        reward=None,
+    )
     threads = PhaseThreads.from_config(cfg, models, cores=cores)
     return threads, sent
 
@@ -41,8 +43,13 @@ def run_step(threads):
         threads.before(phase)
 
 
-GRPO = {"advantage_estimator": "group_norm", "n_samples_per_prompt": 4, "use_kl_loss": True, "rollout_batch_size": 16,
-        "train_batch_size": 64}  # one optimizer step per batch: a single pass
+GRPO = {
+    "advantage_estimator": "group_norm",
+    "n_samples_per_prompt": 4,
+    "use_kl_loss": True,
+    "rollout_batch_size": 16,
+    "train_batch_size": 64,
+}  # one optimizer step per batch: a single pass
 
 
 def test_share():

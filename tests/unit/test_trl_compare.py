@@ -11,9 +11,11 @@ import trl_compare  # noqa: E402
 
 
 def test_ratios_are_the_medians_ratio_and_the_median_of_each_repeats_own_ratio():
-    runs = {"trl": [{"samples_per_s": 100.0}, {"samples_per_s": 200.0}, {"samples_per_s": 100.0}],
-            "orlhf": [{"samples_per_s": 150.0}, {"samples_per_s": 220.0}, {"samples_per_s": 120.0}],
-            "broken": [{"error": "no rows"}, {"samples_per_s": 300.0}, {"error": "no rows"}]}
+    runs = {
+        "trl": [{"samples_per_s": 100.0}, {"samples_per_s": 200.0}, {"samples_per_s": 100.0}],
+        "orlhf": [{"samples_per_s": 150.0}, {"samples_per_s": 220.0}, {"samples_per_s": 120.0}],
+        "broken": [{"error": "no rows"}, {"samples_per_s": 300.0}, {"error": "no rows"}],
+    }
     result = {m: trl_compare.median_of(rs) for m, rs in runs.items()}
     trl_compare.add_ratios(result, runs)
     assert result["orlhf"]["ratio_vs_trl"] == pytest.approx(150.0 / 100.0)  # median over median
@@ -32,8 +34,15 @@ def test_no_trl_mode_means_no_ratios():
 
 def test_cpu_per_step_by_group_counts_the_measured_steps_only():
     # CPU seconds used so far by each group when rows 1..4 landed; warm-up 1: steps 2-4 are measured
-    cpu_at_rows = [{"driver": 1.0, "EngineActor": 5.0}, {"driver": 1.1, "EngineActor": 5.6},
-                   {"driver": 1.2, "EngineActor": 6.2}, {"driver": 1.3, "EngineActor": 6.8, "RankActor": 0.3}]
+    cpu_at_rows = [
+        {"driver": 1.0, "EngineActor": 5.0},
+        {"driver": 1.1, "EngineActor": 5.6},
+        {"driver": 1.2, "EngineActor": 6.2},
+        {"driver": 1.3, "EngineActor": 6.8, "RankActor": 0.3},
+    ]
     by_group = trl_compare.per_group_cpu(cpu_at_rows, warmup=1, n=4)
-    assert by_group == {"EngineActor": pytest.approx(0.6), "RankActor": pytest.approx(0.1),
-                        "driver": pytest.approx(0.1)}
+    assert by_group == {
+        "EngineActor": pytest.approx(0.6),
+        "RankActor": pytest.approx(0.1),
+        "driver": pytest.approx(0.1),
+    }

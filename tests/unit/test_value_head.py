@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from orlhf.config.worker_config import role_config
-from orlhf.workers.critic import ValueModel, load_value_model
 from orlhf.inputs.head_files import HeadError, check_head, reward_normalization, stored_reward_stats, tensor_shapes
+from orlhf.workers.critic import ValueModel, load_value_model
 
 H, V = 64, 128
 MEAN, STD = 0.3, 2.5
@@ -22,12 +22,22 @@ MEAN, STD = 0.3, 2.5
 def tiny_config(**kw):
     from transformers import LlamaConfig
 
-    return LlamaConfig(hidden_size=H, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=4, vocab_size=V, max_position_embeddings=64, pad_token_id=0, **kw)
+    return LlamaConfig(
+        hidden_size=H,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=V,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        **kw,
+    )
 
 
-def save_openrlhf_model(folder, prefix="value_head", seed=0, arch="RewardModel", stats=True, extra=None,
-                        head_shape=(1, H)):
+def save_openrlhf_model(
+    folder, prefix="value_head", seed=0, arch="RewardModel", stats=True, extra=None, head_shape=(1, H)
+):
     """A folder as OpenRLHF's save_model writes a reward model: "model.*" backbone tensors + "<prefix>.weight" in
     model.safetensors, and config.json with architectures, normalize_reward, mean and std."""
     from safetensors.torch import save_file
@@ -37,7 +47,7 @@ def save_openrlhf_model(folder, prefix="value_head", seed=0, arch="RewardModel",
     backbone = LlamaModel(tiny_config()).eval()
     sd = {f"model.{k}": v.contiguous() for k, v in backbone.state_dict().items()}
     if prefix is not None:
-        sd[f"{prefix}.weight"] = torch.randn(head_shape) / H ** 0.5
+        sd[f"{prefix}.weight"] = torch.randn(head_shape) / H**0.5
     folder.mkdir(parents=True, exist_ok=True)
     save_file(sd, str(folder / "model.safetensors"), metadata={"format": "pt"})
     cfg = tiny_config().to_dict()
@@ -74,8 +84,9 @@ def test_openrlhf_value_head_is_loaded_and_normalized_as_openrlhf(tmp_path):
     backbone, w = save_openrlhf_model(tmp_path / "rm")
     ids, mask = batch()
     expect = hand_values(backbone, w, ids, mask)  # (B, T)
-    model = load_value_model(wcfg(tmp_path / "rm", value_head_prefix="value_head", normalize_reward=True),
-                             required=True).eval()
+    model = load_value_model(
+        wcfg(tmp_path / "rm", value_head_prefix="value_head", normalize_reward=True), required=True
+    ).eval()
     with torch.no_grad():
         got = model(ids, mask)
     assert torch.allclose(got.double(), (expect - MEAN) / STD, atol=1e-5)
@@ -114,8 +125,13 @@ def test_missing_head_names_folder_prefix_tensor_and_what_is_there(tmp_path):
     with pytest.raises(HeadError) as e:
         load_value_model(wcfg(tmp_path / "old"), required=True)  # default prefix "score"
     msg = str(e.value)
-    for part in (str(tmp_path / "old"), "'score.weight'", "--value_head_prefix score", f"value_head.weight [1, {H}]",
-                 "Pass --value_head_prefix value_head"):
+    for part in (
+        str(tmp_path / "old"),
+        "'score.weight'",
+        "--value_head_prefix score",
+        f"value_head.weight [1, {H}]",
+        "Pass --value_head_prefix value_head",
+    ):
         assert part in msg, (part, msg)
     with pytest.raises(HeadError, match="'score.weight'"):  # the driver's pre-flight says the same, from files
         check_head(str(tmp_path / "old"), "score", required=True)
@@ -207,8 +223,12 @@ def test_pre_flight_reads_width_and_backbone_from_the_files_without_transformers
     assert config_hidden_size({"n_embd": 48}) == 48  # GPT-2's name for it
     assert config_hidden_size({"text_config": {"hidden_size": 32}}) == 32  # a multimodal wrapper's language model
     assert config_hidden_size({"hidden_size": True}) is None and config_hidden_size({}) is None
-    shapes = {"transformer.h.0.attn.c_attn.weight": ((4, 4), None), "transformer.wte.weight": ((8, 4), None),
-              "lm_head.weight": ((8, 4), None), "score.weight": ((1, 4), None)}
+    shapes = {
+        "transformer.h.0.attn.c_attn.weight": ((4, 4), None),
+        "transformer.wte.weight": ((8, 4), None),
+        "lm_head.weight": ((8, 4), None),
+        "score.weight": ((1, 4), None),
+    }
     assert backbone_prefix_of(shapes) == "transformer"
 
     # A GPT-2-shaped reward model ("transformer.*" backbone, n_embd): a head of the wrong width is still caught.
@@ -222,9 +242,11 @@ def test_pre_flight_reads_width_and_backbone_from_the_files_without_transformers
     # The check runs on the driver before Ray starts: no torch, no transformers config machinery (its type
     # validators import torch's compiler and DTensor modules, ~1.5 CPU-s).
     save_openrlhf_model(tmp_path / "rm", prefix="score")
-    code = ("import sys; from orlhf.inputs.head_files import check_head; "
-            f"check_head({str(tmp_path / 'rm')!r}, 'score', required=True); "
-            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    code = (
+        "import sys; from orlhf.inputs.head_files import check_head; "
+        f"check_head({str(tmp_path / 'rm')!r}, 'score', required=True); "
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"

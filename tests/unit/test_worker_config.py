@@ -5,11 +5,18 @@ import dataclasses
 
 import pytest
 
-from orlhf.config.train_config import ConfigError
 from orlhf.config.flags import parse_config
 from orlhf.config.roles import ROLES
-from orlhf.config.worker_config import (ActorConfig, CriticConfig, RefConfig, RewardConfig, TrainSlice, role_config,
-                                 worker_config)
+from orlhf.config.train_config import ConfigError
+from orlhf.config.worker_config import (
+    ActorConfig,
+    CriticConfig,
+    RefConfig,
+    RewardConfig,
+    TrainSlice,
+    role_config,
+    worker_config,
+)
 
 
 def field_names(obj) -> set[str]:
@@ -45,8 +52,10 @@ def test_each_role_gets_only_its_slices(cfg):
     # A training slice exactly for the roles that train (config/roles.py), with the right learning rate.
     for role, c in configs.items():
         assert hasattr(c, "train") == ROLES[role].trains == c.trainable, role
-    assert (actor.train.learning_rate, critic.train.learning_rate) == (cfg.ppo.actor_learning_rate,
-                                                                       cfg.ppo.critic_learning_rate)
+    assert (actor.train.learning_rate, critic.train.learning_rate) == (
+        cfg.ppo.actor_learning_rate,
+        cfg.ppo.critic_learning_rate,
+    )
     assert actor.train.total_optimizer_steps == critic.train.total_optimizer_steps == 7
     assert critic.loss.value_clip == cfg.ppo.value_clip and actor.loss.eps_clip == cfg.ppo.eps_clip
     assert (reward.model_path, critic.head.value_head_prefix) == ("rm", cfg.data.value_head_prefix)
@@ -75,12 +84,13 @@ def test_finish_validates_once_against_the_resolved_device(monkeypatch):
     import torch
 
     from orlhf.config import resolve as finish
-
     from orlhf.config import validation
 
     calls = []
     real = validation.validate
-    monkeypatch.setattr(validation, "validate", lambda c, explicit=(): calls.append(c.runtime.device) or real(c, explicit))
+    monkeypatch.setattr(
+        validation, "validate", lambda c, explicit=(): calls.append(c.runtime.device) or real(c, explicit)
+    )
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     done = finish.finish_config({"seed": 3}, {"seed"})  # --device auto, the demo
     assert calls == ["cpu"] and done.device == "cpu" and done.vllm.sync_backend == "gloo"
@@ -118,8 +128,12 @@ def _run_cfg(device: str, **flags):
 
 def test_zero_stage_default_is_3_except_for_one_rank_groups():
     one_rank = _run_cfg("cpu")  # every group has one rank: nothing to partition
-    assert {r: worker_config(one_rank, r).zero_stage for r in ("actor", "critic", "ref", "reward")} == \
-        {"actor": 2, "critic": 2, "ref": 0, "reward": 0}
+    assert {r: worker_config(one_rank, r).zero_stage for r in ("actor", "critic", "ref", "reward")} == {
+        "actor": 2,
+        "critic": 2,
+        "ref": 0,
+        "reward": 0,
+    }
     wide = _run_cfg("cpu", actor_num_gpus_per_node=2, ref_num_nodes=2)
     assert worker_config(wide, "actor").zero_stage == 3 and worker_config(wide, "ref").zero_stage == 3
     assert worker_config(wide, "critic").zero_stage == 2  # still one rank

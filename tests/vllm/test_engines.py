@@ -1,6 +1,6 @@
 """vLLM engines on CPU with real weight sync from a 2-rank ZeRO-3 actor (one set of engines per module).
 
-    actor (2 ranks, ZeRO-3) --train_step--> --WeightSync (gloo)--> 2 engines --> log-probs == trainer's
+actor (2 ranks, ZeRO-3) --train_step--> --WeightSync (gloo)--> 2 engines --> log-probs == trainer's
 """
 
 import dataclasses
@@ -10,15 +10,15 @@ import time
 import pytest
 import torch
 
-from orlhf.distributed.groups import ActorGroup, RankError
-from orlhf.config.worker_config import worker_config
 from orlhf.config.resolve import finish_config
-from orlhf.trainer.experience import rollouts_to_batch
+from orlhf.config.worker_config import worker_config
+from orlhf.distributed.groups import ActorGroup, RankError
 from orlhf.distributed.layout import plan_layout
 from orlhf.distributed.placement import EngineBundles, create_placement_groups, remove_placement_groups
 from orlhf.rollout.engine import EngineActor, EngineGroup, SamplingSpec, engine_config
-from orlhf.types import Experience
+from orlhf.trainer.experience import rollouts_to_batch
 from orlhf.trainer.weight_sync import WeightSync
+from orlhf.types import Experience
 from orlhf.workers import PolicyWorker
 
 pytestmark = [pytest.mark.ray, pytest.mark.vllm]
@@ -33,15 +33,29 @@ def rig():
 
     if not ray.is_initialized():
         ray.init(address="local", num_cpus=TEST_CLUSTER_CPUS, include_dashboard=False)
-    flags = {"train_batch_size": 8, "micro_train_batch_size": 2, "rollout_batch_size": 8,
-             "actor_num_gpus_per_node": 2, "vllm_num_engines": 2,  # KV cache sized automatically (cpu/engine_kv.py)
-             "vllm_cpu_threads": 2, "advantage_estimator": "reinforce", "device": "cpu"}
+    flags = {
+        "train_batch_size": 8,
+        "micro_train_batch_size": 2,
+        "rollout_batch_size": 8,
+        "actor_num_gpus_per_node": 2,
+        "vllm_num_engines": 2,  # KV cache sized automatically (cpu/engine_kv.py)
+        "vllm_cpu_threads": 2,
+        "advantage_estimator": "reinforce",
+        "device": "cpu",
+    }
     cfg = finish_config(flags, explicit=set(flags))
     placed = create_placement_groups(plan_layout(cfg), timeout_s=60)
     t0 = time.monotonic()
     engines = EngineGroup(engine_config(cfg), [placed.engine_bundles(i) for i in range(2)], timeout_s=300)
-    actor = ActorGroup("actor", PolicyWorker, worker_config(cfg, "actor", 4), placed.role_bundles("actor"),
-                       device="cpu", gpus_per_node=2, timeout_s=300)
+    actor = ActorGroup(
+        "actor",
+        PolicyWorker,
+        worker_config(cfg, "actor", 4),
+        placed.role_bundles("actor"),
+        device="cpu",
+        gpus_per_node=2,
+        timeout_s=300,
+    )
     actor.call(PolicyWorker.init).get()
     sync = WeightSync(actor, engines, backend="gloo", timeout_s=120)
     print(f"\n[engines] 2 engines + 2 actor ranks + sync group ready in {time.monotonic() - t0:.1f} s")
@@ -84,8 +98,7 @@ def test_automatic_kv_cache_samples_as_the_former_fixed_gib(rig):
     from orlhf.rollout.engine import RemoteEngine
 
     cfg, engines, _, _, tok = rig
-    old = RemoteEngine.options(num_cpus=0, max_restarts=0).remote(
-        dataclasses.replace(engines.cfg, kv_cache_gb=1.0), 0)
+    old = RemoteEngine.options(num_cpus=0, max_restarts=0).remote(dataclasses.replace(engines.cfg, kv_cache_gb=1.0), 0)
     try:
         indexed = list(enumerate(prompts(tok, 8)))
         spec = SamplingSpec(max_new_tokens=16, n=4, seed=11)
@@ -108,8 +121,10 @@ def test_sync_after_train_step_gives_trainer_log_probs(rig, tmp_path):
     batch, _ = rollouts_to_batch(rollouts, tok.pad_token_id)
     old = actor.call_sharded(PolicyWorker.log_probs, batch).get_cat()
     adv = torch.randn(batch.action_mask.shape, generator=torch.Generator().manual_seed(0))
-    actor.call_sharded(PolicyWorker.train_step, Experience(batch.sequences, batch.attention_mask, batch.action_mask,
-                                                           action_log_probs=old, advantages=adv)).get()
+    actor.call_sharded(
+        PolicyWorker.train_step,
+        Experience(batch.sequences, batch.attention_mask, batch.action_mask, action_log_probs=old, advantages=adv),
+    ).get()
     new = actor.call_sharded(PolicyWorker.log_probs, batch).get_cat()
     assert (new - old)[batch.action_mask].abs().max() > 1e-4, "the train step did not move the policy"
 
@@ -127,8 +142,9 @@ def test_sync_after_train_step_gives_trainer_log_probs(rig, tmp_path):
     export = tmp_path / "export"
     actor.call(PolicyWorker.save_hf, str(export)).get()
 
-    fresh = EngineGroup(dataclasses.replace(engine_config(cfg), model_path=str(export)),
-                        [EngineBundles(None, [0], 0.0)], timeout_s=300)
+    fresh = EngineGroup(
+        dataclasses.replace(engine_config(cfg), model_path=str(export)), [EngineBundles(None, [0], 0.0)], timeout_s=300
+    )
     try:
         greedy = SamplingSpec(temperature=0.0, max_new_tokens=8)
         ps = prompts(tok)

@@ -69,8 +69,20 @@ def test_one_reload_across_per_layer_calls_gives_the_new_model(tmp_path):
     seqs = [[1] + list(range(10 + i, 30 + 2 * i)) for i in range(4)]
     (tmp_path / "seqs.json").write_text(json.dumps(seqs))
     out = tmp_path / "out.json"
-    done = subprocess.run([sys.executable, "-c", ENGINE_SCRIPT, model_dir, str(new_dir / "model.safetensors"),
-                           str(tmp_path / "seqs.json"), str(out)], capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            ENGINE_SCRIPT,
+            model_dir,
+            str(new_dir / "model.safetensors"),
+            str(tmp_path / "seqs.json"),
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     res = json.loads(out.read_text())
     assert res["calls"][0] >= 3  # the embeddings/head group plus one per decoder layer

@@ -1,7 +1,6 @@
 from pathlib import Path
 
 import pytest
-
 from mp_tools import save_tiny_llama
 
 

@@ -11,9 +11,18 @@ def save_tiny_llama(root: Path, vocab: int) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                                 num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=32,
-                                 pad_token_id=0)).save_pretrained(root / "lm")
+    LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            vocab_size=vocab,
+            max_position_embeddings=32,
+            pad_token_id=0,
+        )
+    ).save_pretrained(root / "lm")
     return root / "lm"
 
 
@@ -43,5 +52,6 @@ def spawn_ranks(rank_main, world: int, *args) -> None:
     leaves the group together with the others when rank_main returns."""
     import torch.multiprocessing as mp
 
-    mp.start_processes(_run_rank, args=(rank_main, world, free_port(), *args), nprocs=world, join=True,
-                       start_method="spawn")
+    mp.start_processes(
+        _run_rank, args=(rank_main, world, free_port(), *args), nprocs=world, join=True, start_method="spawn"
+    )

@@ -22,10 +22,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
-
-from orlhf.types import Experience
 from mp_tools import spawn_ranks
 from test_workers_mp import A, B, _cfg, _hf_log_probs, _make_batch, _tiny_llama_config, _tiny_tokenizer
+
+from orlhf.types import Experience
 
 ROLES = ("actor", "critic")
 
@@ -42,9 +42,16 @@ def setup(tmp_path_factory) -> dict:
     batch = _make_batch()
     old = _hf_log_probs(model.eval(), batch)
     g = torch.Generator().manual_seed(7)
-    exp = Experience(batch.sequences, batch.attention_mask, batch.action_mask, action_log_probs=old,
-                     advantages=torch.randn(B, A, generator=g), returns=torch.randn(B, A, generator=g),
-                     values=0.1 * torch.randn(B, A, generator=g), base_action_log_probs=old - 0.1)
+    exp = Experience(
+        batch.sequences,
+        batch.attention_mask,
+        batch.action_mask,
+        action_log_probs=old,
+        advantages=torch.randn(B, A, generator=g),
+        returns=torch.randn(B, A, generator=g),
+        values=0.1 * torch.randn(B, A, generator=g),
+        base_action_log_probs=old - 0.1,
+    )
     return {"root": root, "lm": str(root / "lm"), "exp": exp}
 
 
@@ -52,8 +59,10 @@ def _workers(lm: str) -> dict:
     from orlhf.workers import CriticWorker, PolicyWorker
 
     # warm-up over 2 of the 4 optimizer steps, then cosine: a different LR at every step
-    workers = {"actor": PolicyWorker(_cfg("actor", lm, lr_warmup_ratio=0.5)),
-               "critic": CriticWorker(_cfg("critic", lm, lr_warmup_ratio=0.5))}
+    workers = {
+        "actor": PolicyWorker(_cfg("actor", lm, lr_warmup_ratio=0.5)),
+        "critic": CriticWorker(_cfg("critic", lm, lr_warmup_ratio=0.5)),
+    }
     for w in workers.values():
         w.init()
     return workers
@@ -71,9 +80,13 @@ def _steps(workers: dict, exp: Experience, rank: int, steps: range) -> dict:
 
 
 def _finish(workers: dict) -> dict:
-    return {role: {"state": w.state_dict_full(), "counters": (w.engine.global_steps, w.engine.global_samples,
-                                                              w.engine.micro_steps, w.engine.skipped_steps)}
-            for role, w in workers.items()}
+    return {
+        role: {
+            "state": w.state_dict_full(),
+            "counters": (w.engine.global_steps, w.engine.global_samples, w.engine.micro_steps, w.engine.skipped_steps),
+        }
+        for role, w in workers.items()
+    }
 
 
 def _draw() -> tuple:
@@ -85,8 +98,15 @@ def _draw() -> tuple:
 
 
 def _rank_main(rank: int, world: int, port: int, setup: dict, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        DS_ACCELERATOR="cpu",
+        HF_HUB_OFFLINE="1",
+    )
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     import torch.distributed as dist
 

@@ -15,12 +15,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
-
-from orlhf.workers.batching import budget_micro_batches, first_fit_bins, real_lengths
-from orlhf.types import Experience
-from orlhf.config.worker_config import WorkerConfig, role_config
-
 from mp_tools import spawn_ranks
+
+from orlhf.config.worker_config import WorkerConfig, role_config
+from orlhf.types import Experience
+from orlhf.workers.batching import budget_micro_batches, first_fit_bins, real_lengths
 
 B, P, A, V = 12, 4, 5, 64
 BUDGETS = (8, 20)
@@ -32,21 +31,44 @@ def experience() -> Experience:
     seq = torch.randint(3, V, (B, P + A), generator=g)
     attn = torch.ones(B, P + A, dtype=torch.long)
     for i in range(B):
-        attn[i, P + 1 + (i * 7) % A:] = 0  # response i has 1 + 7i % 5 real tokens
+        attn[i, P + 1 + (i * 7) % A :] = 0  # response i has 1 + 7i % 5 real tokens
     seq[attn == 0] = 0
-    return Experience(seq, attn, attn[:, -A:].bool(), action_log_probs=-2.0 - torch.rand(B, A, generator=g),
-                      advantages=torch.randn(B, A, generator=g), returns=torch.randn(B, A, generator=g))
+    return Experience(
+        seq,
+        attn,
+        attn[:, -A:].bool(),
+        action_log_probs=-2.0 - torch.rand(B, A, generator=g),
+        advantages=torch.randn(B, A, generator=g),
+        returns=torch.randn(B, A, generator=g),
+    )
 
 
 def _cfg(path: str, zero: int, budget: int) -> WorkerConfig:
-    return role_config("actor", model_path=path, device="cpu", zero_stage=zero, learning_rate=1e-3,
-                       train_batch_size=B // 2, micro_train_batch_size=3, max_norm=1e9, entropy_loss_coef=0.01,
-                       max_tokens=budget, forward_max_tokens=budget)
+    return role_config(
+        "actor",
+        model_path=path,
+        device="cpu",
+        zero_stage=zero,
+        learning_rate=1e-3,
+        train_batch_size=B // 2,
+        micro_train_batch_size=3,
+        max_norm=1e9,
+        entropy_loss_coef=0.01,
+        max_tokens=budget,
+        forward_max_tokens=budget,
+    )
 
 
 def _rank_main(rank: int, world: int, port: int, path: str, exp: Experience, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        DS_ACCELERATOR="cpu",
+        HF_HUB_OFFLINE="1",
+    )
     torch.set_num_threads(1)
     from orlhf.workers import PolicyWorker
 
@@ -61,17 +83,23 @@ def _rank_main(rank: int, world: int, port: int, path: str, exp: Experience, out
             micro, last = worker._train_plan(share, B // 2 // world)
             step = worker.engine.step
 
-            def capture(*a, _w=worker, _step=step, **kw):  # ZeRO-0: the step's gradient before Adam
-                if _w.engine.is_gradient_accumulation_boundary() and zero == 0:
-                    grads.append({n: p.grad.detach().clone() for n, p in _w.module.named_parameters()})
+            def capture(*a, _w=worker, _step=step, _zero=zero, _grads=grads, **kw):  # ZeRO-0: the gradient before Adam
+                if _w.engine.is_gradient_accumulation_boundary() and _zero == 0:
+                    _grads.append({n: p.grad.detach().clone() for n, p in _w.module.named_parameters()})
                 return _step(*a, **kw)
 
             worker.engine.step = capture
             before = worker.state_dict_full()
             worker.train_step(share)
-            out[(zero, budget)] = {"before": before, "weights": worker.state_dict_full(), "grads": grads, "log_probs": lp,
-                                   "forward_lengths": seen, "last": last,
-                                   "train_lengths": [_lengths(m) for m in micro]}
+            out[(zero, budget)] = {
+                "before": before,
+                "weights": worker.state_dict_full(),
+                "grads": grads,
+                "log_probs": lp,
+                "forward_lengths": seen,
+                "last": last,
+                "train_lengths": [_lengths(m) for m in micro],
+            }
     torch.save(out, Path(out_dir) / f"ws{world}-rank{rank}.pt")
 
 
@@ -80,7 +108,7 @@ def _recording_log_probs(worker, seen: list):
 
     def fn(mb):
         seen.append(_lengths(mb))
-        return gather_log_probs(action_logits(worker.engine, mb, 1.0), mb.sequences[:, -mb.num_actions:])
+        return gather_log_probs(action_logits(worker.engine, mb, 1.0), mb.sequences[:, -mb.num_actions :])
 
     return fn
 

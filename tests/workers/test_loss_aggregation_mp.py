@@ -15,20 +15,33 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
+from mp_tools import spawn_ranks
 
 from orlhf.algo.kl import approx_kl
 from orlhf.algo.losses import aggregate, entropy_from_logits, policy_loss_terms, value_loss_per_token
 from orlhf.config.worker_config import WorkerConfig, role_config
-
-from mp_tools import spawn_ranks
 from orlhf.types import Experience
 
 B, P, A, V = 12, 4, 5, 64  # global batch, prompt length, response length, vocab
 ENT, KL = 0.01, 0.1
-CASES = {1: [("actor", 1, "token_mean"), ("actor", 3, "token_mean"), ("actor", 12, "token_mean"),
-             ("actor", 3, "seq_mean"), ("critic", 1, "token_mean"), ("critic", 12, "token_mean")],
-         2: [("actor", 1, "token_mean"), ("actor", 3, "token_mean"), ("actor", 6, "token_mean"),
-             ("actor", 3, "seq_mean"), ("critic", 1, "token_mean"), ("critic", 6, "token_mean")]}
+CASES = {
+    1: [
+        ("actor", 1, "token_mean"),
+        ("actor", 3, "token_mean"),
+        ("actor", 12, "token_mean"),
+        ("actor", 3, "seq_mean"),
+        ("critic", 1, "token_mean"),
+        ("critic", 12, "token_mean"),
+    ],
+    2: [
+        ("actor", 1, "token_mean"),
+        ("actor", 3, "token_mean"),
+        ("actor", 6, "token_mean"),
+        ("actor", 3, "seq_mean"),
+        ("critic", 1, "token_mean"),
+        ("critic", 6, "token_mean"),
+    ],
+}
 
 
 @pytest.fixture(scope="module")
@@ -37,27 +50,53 @@ def experience(model_dir) -> Experience:
     seq = torch.randint(3, V, (B, P + A), generator=g)
     attn = torch.ones(B, P + A, dtype=torch.long)
     for i in range(B):
-        attn[i, P + 1 + (i * 7) % A:] = 0  # response i has 1 + 7i % 5 real tokens: 1, 3, 5, 2, 4, ...
+        attn[i, P + 1 + (i * 7) % A :] = 0  # response i has 1 + 7i % 5 real tokens: 1, 3, 5, 2, 4, ...
     seq[attn == 0] = 0
     mask = attn[:, -A:].bool()
-    return Experience(seq, attn, mask, action_log_probs=-2.0 - torch.rand(B, A, generator=g),
-                      advantages=torch.randn(B, A, generator=g), returns=torch.randn(B, A, generator=g),
-                      values=0.1 * torch.randn(B, A, generator=g),
-                      base_action_log_probs=-2.0 - torch.rand(B, A, generator=g))
+    return Experience(
+        seq,
+        attn,
+        mask,
+        action_log_probs=-2.0 - torch.rand(B, A, generator=g),
+        advantages=torch.randn(B, A, generator=g),
+        returns=torch.randn(B, A, generator=g),
+        values=0.1 * torch.randn(B, A, generator=g),
+        base_action_log_probs=-2.0 - torch.rand(B, A, generator=g),
+    )
 
 
 def _cfg(role: str, path: str, mb: int, mode: str) -> WorkerConfig:
     # kl_coef here is the configured initial value; the step's coefficient comes with train_step (an adaptive
     # controller moves it), and the reference uses KL: the gradients agree only if the passed value is used.
-    extra = (dict(entropy_loss_coef=ENT, use_kl_loss=True, kl_coef=5 * KL, kl_estimator="k3") if role == "actor"
-             else dict(value_clip=0.5))
-    return role_config(role, model_path=path, device="cpu", zero_stage=0, learning_rate=1e-3,
-                       train_batch_size=B, micro_train_batch_size=mb, max_norm=1e9, loss_agg_mode=mode, **extra)
+    extra = (
+        dict(entropy_loss_coef=ENT, use_kl_loss=True, kl_coef=5 * KL, kl_estimator="k3")
+        if role == "actor"
+        else dict(value_clip=0.5)
+    )
+    return role_config(
+        role,
+        model_path=path,
+        device="cpu",
+        zero_stage=0,
+        learning_rate=1e-3,
+        train_batch_size=B,
+        micro_train_batch_size=mb,
+        max_norm=1e9,
+        loss_agg_mode=mode,
+        **extra,
+    )
 
 
 def _rank_main(rank: int, world: int, port: int, path: str, exp: Experience, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        DS_ACCELERATOR="cpu",
+        HF_HUB_OFFLINE="1",
+    )
     torch.set_num_threads(1)
     from orlhf.workers import CriticWorker, PolicyWorker
 
@@ -69,9 +108,9 @@ def _rank_main(rank: int, world: int, port: int, path: str, exp: Experience, out
         grads = {}
         step = worker.engine.step
 
-        def capture(*a, _w=worker, _step=step, **kw):  # the step's gradient, averaged over ranks, before Adam
+        def capture(*a, _w=worker, _step=step, _grads=grads, **kw):  # the gradient, averaged over ranks, before Adam
             if _w.engine.is_gradient_accumulation_boundary():
-                grads.update({n: p.grad.detach().clone() for n, p in _w.module.named_parameters()})
+                _grads.update({n: p.grad.detach().clone() for n, p in _w.module.named_parameters()})
             return _step(*a, **kw)
 
         worker.engine.step = capture
@@ -80,7 +119,6 @@ def _rank_main(rank: int, world: int, port: int, path: str, exp: Experience, out
         out[(role, mb, mode)] = grads
     if rank == 0:
         torch.save(out, Path(out_dir) / f"ws{world}.pt")
-
 
 
 def _spawn(world: int, root: Path, exp: Experience) -> dict:
@@ -95,6 +133,7 @@ def runs(model_dir, experience) -> dict:
 
 # ---------------------------------------------------------------- the reference: the whole batch at once
 
+
 def _actor_loss(model, exp: Experience, mode: str, split: int = 1) -> torch.Tensor:
     """The actor's loss on `exp`; split > 1 gives the old mean of per-micro-batch local means instead."""
     if split > 1:
@@ -102,16 +141,19 @@ def _actor_loss(model, exp: Experience, mode: str, split: int = 1) -> torch.Tens
         return sum(_actor_loss(model, p, mode) for p in parts) / split
     pos = (exp.attention_mask.cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=exp.sequences, attention_mask=exp.attention_mask, position_ids=pos).logits
-    logits = logits[:, -A - 1:-1].float()
+    logits = logits[:, -A - 1 : -1].float()
     lp = torch.log_softmax(logits, -1).gather(-1, exp.sequences[:, -A:, None]).squeeze(-1)
     m = exp.action_mask
     pol = policy_loss_terms(lp, exp.action_log_probs, exp.advantages, m, 0.2, 0.2).loss
-    return (aggregate(pol, m, mode) - ENT * aggregate(entropy_from_logits(logits), m, mode)
-            + KL * aggregate(approx_kl(lp, exp.base_action_log_probs, "k3"), m, mode))
+    return (
+        aggregate(pol, m, mode)
+        - ENT * aggregate(entropy_from_logits(logits), m, mode)
+        + KL * aggregate(approx_kl(lp, exp.base_action_log_probs, "k3"), m, mode)
+    )
 
 
 def _critic_loss(model, exp: Experience) -> torch.Tensor:
-    v = model(input_ids=exp.sequences, attention_mask=exp.attention_mask)[:, -A - 1:-1]
+    v = model(input_ids=exp.sequences, attention_mask=exp.attention_mask)[:, -A - 1 : -1]
     per_token, _ = value_loss_per_token(v, exp.values, exp.returns, 0.5)
     return aggregate(per_token, exp.action_mask, "token_mean")
 
@@ -130,10 +172,12 @@ def reference(model_dir, experience) -> dict:
 
     lm = AutoModelForCausalLM.from_pretrained(model_dir / "lm", dtype=torch.float32)
     critic = load_value_model(_cfg("critic", str(model_dir / "lm"), 1, "token_mean"))  # same seeded value head
-    return {"token_mean": _grads(lm, _actor_loss(lm, experience, "token_mean")),
-            "seq_mean": _grads(lm, _actor_loss(lm, experience, "seq_mean")),
-            "micro_means": _grads(lm, _actor_loss(lm, experience, "token_mean", split=4)),
-            "critic": _grads(critic, _critic_loss(critic, experience))}
+    return {
+        "token_mean": _grads(lm, _actor_loss(lm, experience, "token_mean")),
+        "seq_mean": _grads(lm, _actor_loss(lm, experience, "seq_mean")),
+        "micro_means": _grads(lm, _actor_loss(lm, experience, "token_mean", split=4)),
+        "critic": _grads(critic, _critic_loss(critic, experience)),
+    }
 
 
 def _rel_err(got: dict, want: dict) -> float:

@@ -15,11 +15,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
+from mp_tools import spawn_ranks
 
 from orlhf.config.worker_config import WorkerConfig, role_config
 from orlhf.types import Experience, SequenceBatch
-
-from mp_tools import spawn_ranks
 
 B, P, A, V = 8, 6, 5, 128  # global batch, prompt length, response length, vocab
 PAD = 0
@@ -27,12 +26,24 @@ PAD = 0
 
 # ---------------------------------------------------------------- fixtures built in the parent
 
+
 def _tiny_llama_config(**kw):
     from transformers import LlamaConfig
 
-    return LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=4, vocab_size=V, max_position_embeddings=64, tie_word_embeddings=False,
-                       pad_token_id=PAD, bos_token_id=1, eos_token_id=2, **kw)
+    return LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=V,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        pad_token_id=PAD,
+        bos_token_id=1,
+        eos_token_id=2,
+        **kw,
+    )
 
 
 def _tiny_tokenizer():
@@ -42,8 +53,9 @@ def _tiny_tokenizer():
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{f"w{i}": i for i in range(4, V)}}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-                                   unk_token="<unk>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +79,7 @@ def _make_batch() -> SequenceBatch:
     attn = torch.ones(B, P + A, dtype=torch.long)
     for i in range(B):
         attn[i, : i % P] = 0  # prompt i has P - i % P real tokens
-        attn[i, P + 1 + (i * 3) % A:] = 0  # response i has 1 + 3i % A real tokens
+        attn[i, P + 1 + (i * 3) % A :] = 0  # response i has 1 + 3i % A real tokens
     seq[attn == 0] = PAD
     return SequenceBatch(seq, attn, attn[:, -A:].bool())
 
@@ -85,9 +97,12 @@ def _positions(attn):
 
 def _hf_log_probs(model, batch: SequenceBatch) -> torch.Tensor:
     with torch.no_grad():
-        logits = model(input_ids=batch.sequences, attention_mask=batch.attention_mask,
-                       position_ids=_positions(batch.attention_mask)).logits
-    lp = torch.log_softmax(logits[:, -A - 1:-1].float(), -1)
+        logits = model(
+            input_ids=batch.sequences,
+            attention_mask=batch.attention_mask,
+            position_ids=_positions(batch.attention_mask),
+        ).logits
+    lp = torch.log_softmax(logits[:, -A - 1 : -1].float(), -1)
     return lp.gather(-1, batch.sequences[:, -A:, None]).squeeze(-1)
 
 
@@ -104,12 +119,19 @@ def experience(hf_lm) -> Experience:
     old = _hf_log_probs(hf_lm, batch)
     g = torch.Generator().manual_seed(7)
     return Experience(
-        batch.sequences, batch.attention_mask, batch.action_mask, action_log_probs=old,
-        advantages=torch.randn(B, A, generator=g), returns=torch.randn(B, A, generator=g),
-        values=0.1 * torch.randn(B, A, generator=g), base_action_log_probs=old - 0.1 * torch.rand(B, A, generator=g))
+        batch.sequences,
+        batch.attention_mask,
+        batch.action_mask,
+        action_log_probs=old,
+        advantages=torch.randn(B, A, generator=g),
+        returns=torch.randn(B, A, generator=g),
+        values=0.1 * torch.randn(B, A, generator=g),
+        base_action_log_probs=old - 0.1 * torch.rand(B, A, generator=g),
+    )
 
 
 # ---------------------------------------------------------------- what each rank runs
+
 
 def _cfg(role: str, path: str, **kw) -> WorkerConfig:
     train = dict(learning_rate=1e-3, train_batch_size=B, micro_train_batch_size=2, total_optimizer_steps=4)
@@ -245,8 +267,15 @@ def _ws1(rank: int, out: dict, paths: dict, exp: Experience) -> None:
 
 
 def _rank_main(rank: int, world: int, port: int, job: str, paths: dict, exp: Experience, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        DS_ACCELERATOR="cpu",
+        HF_HUB_OFFLINE="1",
+    )
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     out: dict = {}
     {"ws2": _ws2, "ws1": _ws1}[job](rank, out, paths, exp)
@@ -277,6 +306,7 @@ def _max_diff(a: dict, b: dict) -> float:
 
 # ---------------------------------------------------------------- pure helpers (no processes)
 
+
 def test_ds_config_batch_sizes_and_frozen_stage():
     from orlhf.workers.engine_setup import ds_config
 
@@ -302,6 +332,7 @@ def test_lr_schedule_warms_up_then_decays_to_ten_percent():
 
 
 # ---------------------------------------------------------------- the checks
+
 
 def test_zero3_log_probs_equal_plain_hf(ws2, hf_lm, experience):
     expected = _hf_log_probs(hf_lm, experience.as_sequence_batch())  # (B, A)
@@ -364,10 +395,13 @@ def test_critic_values_are_the_value_head_before_each_action(ws2, paths, experie
     backbone = AutoModel.from_pretrained(paths["lm"], dtype=torch.float32).eval()
     batch = experience.as_sequence_batch()
     with torch.no_grad():
-        h = backbone(input_ids=batch.sequences, attention_mask=batch.attention_mask,
-                     position_ids=_positions(batch.attention_mask)).last_hidden_state  # (B, T, H)
+        h = backbone(
+            input_ids=batch.sequences,
+            attention_mask=batch.attention_mask,
+            position_ids=_positions(batch.attention_mask),
+        ).last_hidden_state  # (B, T, H)
     v = (h @ sd["value_head.weight"].T).squeeze(-1)  # (B, T)
-    expected = v[:, -A - 1:-1] * batch.action_mask
+    expected = v[:, -A - 1 : -1] * batch.action_mask
     assert ws2[0]["values"].shape == (B, A) and ws2[1]["values"].shape == (4, A)
     assert (ws2[0]["values"] - expected).abs().max().item() <= 1e-5
     assert (ws2[1]["values"] - expected[:4]).abs().max().item() <= 1e-5
@@ -381,15 +415,23 @@ def test_reward_scores_are_the_last_real_token(ws2, ws1, paths, experience):
     rm = AutoModelForSequenceClassification.from_pretrained(paths["rm"], dtype=torch.float32).eval()
     batch = experience.as_sequence_batch()
     with torch.no_grad():  # HF pools at the last non-pad token; pad id 0 appears only on padding here
-        expected = rm(input_ids=batch.sequences, attention_mask=batch.attention_mask,
-                      position_ids=_positions(batch.attention_mask)).logits.squeeze(-1)  # (B,)
-        per_token = rm.score(rm.model(input_ids=batch.sequences, attention_mask=batch.attention_mask,
-                                      position_ids=_positions(batch.attention_mask)).last_hidden_state).squeeze(-1)
+        expected = rm(
+            input_ids=batch.sequences,
+            attention_mask=batch.attention_mask,
+            position_ids=_positions(batch.attention_mask),
+        ).logits.squeeze(-1)  # (B,)
+        per_token = rm.score(
+            rm.model(
+                input_ids=batch.sequences,
+                attention_mask=batch.attention_mask,
+                position_ids=_positions(batch.attention_mask),
+            ).last_hidden_state
+        ).squeeze(-1)
     assert ws2[0]["scores"].shape == (B,) and ws2[1]["scores"].shape == (4,)
     assert (ws2[0]["scores"] - expected).abs().max().item() <= 1e-5
     assert (ws2[1]["scores"] - expected[:4]).abs().max().item() <= 1e-5
     # A critic initialised from the reward model starts as the reward model's per-token score.
-    assert (ws1[0]["rm_critic_values"] - per_token[:, -A - 1:-1] * batch.action_mask).abs().max().item() <= 1e-5
+    assert (ws1[0]["rm_critic_values"] - per_token[:, -A - 1 : -1] * batch.action_mask).abs().max().item() <= 1e-5
 
 
 def test_single_pass_without_old_log_probs_makes_the_same_step(ws1, hf_lm):
