@@ -11,15 +11,11 @@ token t is predicted from tokens < t, so sequences[:, -A:] are the actions and l
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
-from typing import Optional
+from typing import Optional, TypeVar
 
 import torch
 
-
-def _split(t: Optional[torch.Tensor], sizes: list[int]) -> list[Optional[torch.Tensor]]:
-    if t is None:
-        return [None] * len(sizes)
-    return list(torch.split(t, sizes, dim=0))
+R = TypeVar("R", bound="Rows")
 
 
 @dataclass(frozen=True)
@@ -61,13 +57,16 @@ class Rollout:
     extra_logs: dict = field(default_factory=dict)  # the agent's last extra_logs, floats, logged as agent/<key>
 
 
-@dataclass
-class SequenceBatch:
-    """Token sequences to score (reference, reward, critic, policy forward)."""
+class Rows:
+    """Row-wise operations of a batch dataclass (SequenceBatch, Experience) over its tensor fields, batch dim 0.
 
-    sequences: torch.Tensor  # (B, T) long: prompt left-padded, response right-padded
-    attention_mask: torch.Tensor  # (B, T) long/bool: 1 on real tokens
-    action_mask: torch.Tensor  # (B, A) bool: 1 on real response tokens (incl. EOS)
+    Tensor fields are split, indexed and concatenated by row; None fields stay None in every part; other fields
+    (weight_version) are carried over as they are (cat: the first part's). Sequence-length dims must already
+    agree across cat's parts (pad before merging).
+    """
+
+    sequences: torch.Tensor
+    action_mask: torch.Tensor
 
     @property
     def num_actions(self) -> int:
@@ -76,21 +75,38 @@ class SequenceBatch:
     def __len__(self) -> int:
         return self.sequences.shape[0]
 
-    def split(self, sizes: list[int]) -> list["SequenceBatch"]:
+    def split(self: R, sizes: list[int]) -> list[R]:
         """Split along the batch dim into chunks of the given sizes (order kept)."""
-        return _split_dataclass(self, sizes)
+        chunks = {name: torch.split(v, sizes, dim=0) for name, v in self._tensors().items()}
+        return [replace(self, **{name: c[i] for name, c in chunks.items()}) for i in range(len(sizes))]
 
-    def index(self, idx: torch.Tensor) -> "SequenceBatch":
-        """Rows `idx` (B',) of every tensor field."""
-        return _index_dataclass(self, idx)
+    def index(self: R, idx: torch.Tensor) -> R:
+        """Rows `idx` (B',) of every tensor field, e.g. a shuffle before splitting into train batches."""
+        return replace(self, **{name: v[idx] for name, v in self._tensors().items()})
 
     @classmethod
-    def cat(cls, parts: list["SequenceBatch"]) -> "SequenceBatch":
-        return _cat_dataclass(cls, parts)
+    def cat(cls: type[R], parts: list[R]) -> R:
+        """The parts' rows, in order."""
+        first = parts[0]
+        return replace(
+            first, **{name: torch.cat([getattr(p, name) for p in parts], dim=0) for name in first._tensors()}
+        )
+
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        return {f.name: v for f in fields(self) if isinstance(v := getattr(self, f.name), torch.Tensor)}
 
 
 @dataclass
-class Experience:
+class SequenceBatch(Rows):
+    """Token sequences to score (reference, reward, critic, policy forward)."""
+
+    sequences: torch.Tensor  # (B, T) long: prompt left-padded, response right-padded
+    attention_mask: torch.Tensor  # (B, T) long/bool: 1 on real tokens
+    action_mask: torch.Tensor  # (B, A) bool: 1 on real response tokens (incl. EOS)
+
+
+@dataclass
+class Experience(Rows):
     """One PPO training batch: sequences plus everything the losses need. Built by trainer/experience.py."""
 
     sequences: torch.Tensor  # (B, T) long
@@ -109,26 +125,8 @@ class Experience:
     rollout_log_probs: Optional[torch.Tensor] = None
     weight_version: int = 0  # actor weight version the engines generated with (async staleness bookkeeping)
 
-    @property
-    def num_actions(self) -> int:
-        return self.action_mask.shape[1]
-
-    def __len__(self) -> int:
-        return self.sequences.shape[0]
-
     def as_sequence_batch(self) -> SequenceBatch:
         return SequenceBatch(self.sequences, self.attention_mask, self.action_mask)
-
-    def split(self, sizes: list[int]) -> list["Experience"]:
-        return _split_dataclass(self, sizes)
-
-    def index(self, idx: torch.Tensor) -> "Experience":
-        """Rows `idx` (B',) of every tensor field, e.g. a shuffle before splitting into train batches."""
-        return _index_dataclass(self, idx)
-
-    @classmethod
-    def cat(cls, parts: list["Experience"]) -> "Experience":
-        return _cat_dataclass(cls, parts)
 
 
 @dataclass
@@ -148,33 +146,3 @@ class TrainStats:
     clip_frac_high: float = 0.0  # actor: share of tokens clipped at 1 + eps_high (A > 0)
     is_cut_frac: float = 0.0  # actor, IS correction: share of tokens whose weight was truncated or masked
     extra: dict = field(default_factory=dict)
-
-
-def _index_dataclass(obj, idx: torch.Tensor):
-    return replace(
-        obj,
-        **{f.name: getattr(obj, f.name)[idx] for f in fields(obj) if isinstance(getattr(obj, f.name), torch.Tensor)},
-    )
-
-
-def _split_dataclass(obj, sizes: list[int]):
-    per_field = {f.name: getattr(obj, f.name) for f in fields(obj)}
-    chunks = {k: _split(v, sizes) if isinstance(v, torch.Tensor) or v is None else None for k, v in per_field.items()}
-    out = []
-    for i in range(len(sizes)):
-        kw = {k: (chunks[k][i] if chunks[k] is not None else v) for k, v in per_field.items()}
-        out.append(replace(obj, **kw))
-    return out
-
-
-def _cat_dataclass(cls, parts):
-    """Concatenate along the batch dim. Sequence-length dims must already agree (pad before merging)."""
-    first = parts[0]
-    kw = {}
-    for f in fields(first):
-        v = getattr(first, f.name)
-        if isinstance(v, torch.Tensor):
-            kw[f.name] = torch.cat([getattr(p, f.name) for p in parts], dim=0)
-        else:
-            kw[f.name] = v
-    return cls(**kw)

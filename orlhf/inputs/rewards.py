@@ -23,26 +23,22 @@ killed; until it returns, no other call of that reward_func starts (RewardBusy),
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
-import itertools
 import json
 import logging
 import os
-import sys
 import threading
 import time
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Protocol, runtime_checkable
 
 import torch
 
+from orlhf.inputs.user_files import NotImportable, import_failure, import_file, user_frames
+
 logger = logging.getLogger(__name__)
 
 TOKEN_ENV = "ORLHF_RM_TOKEN"
-_module_ids = itertools.count()  # loading one file twice gives two modules, never a shared or stale one
 
 
 class RewardError(RuntimeError):
@@ -238,7 +234,7 @@ class FunctionReward:
                 raise e  # KeyboardInterrupt, SystemExit: not the user's bug to report
             raise RewardError(
                 f"{self.path}: reward_func raised {type(e).__name__}: {e}\n"
-                f"{_user_frames(e, self.path)}\nFix reward_func in {self.path}."
+                f"{user_frames(e, self.path)}\nFix reward_func in {self.path}."
             ) from e
         return box.get("out")
 
@@ -250,21 +246,14 @@ class FunctionReward:
 def _load_reward_func(path: str):
     if not Path(path).is_file():
         raise RewardError(f"--remote_rm_url {path}: no such file; pass a .py file that defines reward_func.")
-    digest = hashlib.sha1(str(Path(path).resolve()).encode()).hexdigest()[:10]
-    name = f"orlhf_reward_{digest}_{next(_module_ids)}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise RewardError(f"{path}: python cannot import this file; pass a .py file that defines reward_func.")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # before exec, as importlib's recipe does: dataclasses and pickle look it up
     try:
-        spec.loader.exec_module(module)
-    except (Exception, SystemExit) as e:
-        del sys.modules[name]
+        module = import_file(path, "orlhf_reward")
+    except NotImportable:
         raise RewardError(
-            f"{path} failed to import: {type(e).__name__}: {e}\n{_user_frames(e, path)}\n"
-            f"Fix the file (`python {path}` shows the full error)."
-        ) from e
+            f"{path}: python cannot import this file; pass a .py file that defines reward_func."
+        ) from None
+    except (Exception, SystemExit) as e:
+        raise RewardError(f"{import_failure(e, path)}\nFix the file (`python {path}` shows the full error).") from e
     func = getattr(module, "reward_func", None)
     if func is None:
         raise RewardError(
@@ -277,14 +266,6 @@ def _load_reward_func(path: str):
             "`def reward_func(queries, prompts, labels)`."
         )
     return func
-
-
-def _user_frames(exc: BaseException, path: str, limit: int = 3) -> str:
-    """The traceback lines in the user's file (else the innermost one): where to look, without orlhf's frames."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    target = Path(path).resolve()
-    mine = [f for f in frames if Path(f.filename).resolve() == target] or frames[-1:]
-    return "\n".join(f"  {f.filename}, line {f.lineno}, in {f.name}: {(f.line or '').strip()}" for f in mine[-limit:])
 
 
 # ---- A remote HTTP reward server ----

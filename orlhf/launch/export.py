@@ -21,8 +21,8 @@ import shutil
 import uuid
 from pathlib import Path
 
-from orlhf.storage.checkpoint import _fsync_dir, _fsync_tree
-from orlhf.storage.runlock import OWNER_NAME, owner_gone, write_owner
+from orlhf.storage.runlock import OWNER_NAME, write_owner
+from orlhf.storage.tmp_folders import fsync_dir, fsync_tree, remove_stale
 from orlhf.workers.policy import PolicyWorker
 
 log = logging.getLogger(__name__)
@@ -52,27 +52,23 @@ def export_model(group, save, out: str | os.PathLike, run_id: str = "") -> Path:
 def publish(tmp: Path, out: Path) -> None:
     """Make the finished folder `tmp` the folder `out` (replacing one that is there) durably and atomically."""
     (tmp / OWNER_NAME).unlink(missing_ok=True)
-    _fsync_tree(tmp)
+    fsync_tree(tmp)
     if out.exists():
         if not _exchange(tmp, out):  # a filesystem without RENAME_EXCHANGE: two renames, a short window
             old = out.parent / f"{_TMP}{out.name}-old-{uuid.uuid4().hex[:8]}"
             os.rename(out, old)
             os.rename(tmp, out)
             tmp = old
-        _fsync_dir(out.parent)
+        fsync_dir(out.parent)
         shutil.rmtree(tmp, ignore_errors=True)  # now the previous model
     else:
         os.rename(tmp, out)
-        _fsync_dir(out.parent)
+        fsync_dir(out.parent)
 
 
 def remove_stale_exports(out: Path) -> list[Path]:
     """`.tmp-<name>-*` folders next to `out` whose writer is gone (a killed export). Returns what was removed."""
-    stale = [p for p in out.parent.glob(f"{_TMP}{out.name}-*") if p.is_dir() and owner_gone(p)]
-    for p in stale:
-        shutil.rmtree(p, ignore_errors=True)
-        log.info("removed the leftover of an unfinished export: %s", p)
-    return stale
+    return remove_stale(out.parent.glob(f"{_TMP}{out.name}-*"), "an unfinished export")
 
 
 def _exchange(a: Path, b: Path) -> bool:

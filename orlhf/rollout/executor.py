@@ -21,13 +21,11 @@ from __future__ import annotations
 import asyncio
 import copy
 import hashlib
-import importlib.util
-import sys
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from orlhf.inputs.user_files import import_failure, import_file, user_frames
 from orlhf.rollout.agent import AgentError, AgentExecutorBase, AgentStepError, as_float
 from orlhf.types import Rollout
 
@@ -218,7 +216,7 @@ class AgentRunner:
             raise AgentError(f"{where}: {e}") from e
         except Exception as e:
             raise AgentError(
-                f"{where}: {type(e).__name__}: {e}\n{_user_frames(e, self.path)}\nFix the agent in {self.path}."
+                f"{where}: {type(e).__name__}: {e}\n{user_frames(e, self.path)}\nFix the agent in {self.path}."
             ) from e
         rollout.weight_version = min(handle.weight_versions, default=0)
         rollout.finished = handle.finish_reason == "stop"
@@ -276,21 +274,16 @@ def load_agent_executor(path: str) -> AgentExecutorBase:
     """Import the user's file and build its AgentExecutor(); AgentError saying what to fix otherwise."""
     if not Path(path).is_file():
         raise AgentError(f"--agent_func_path {path}: no such file")
-    name = f"orlhf_agent_{hashlib.sha1(str(Path(path).resolve()).encode()).hexdigest()[:10]}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
     try:
-        spec.loader.exec_module(module)
+        module = import_file(path, "orlhf_agent")
     except (Exception, SystemExit) as e:
-        sys.modules.pop(name, None)
         hint = (
             " An OpenRLHF agent file needs its import changed to `from orlhf.rollout.agent import "
             "AgentInstanceBase, MultiTurnAgentExecutor`."
             if "openrlhf" in str(e)
             else ""
         )
-        raise AgentError(f"{path} failed to import: {type(e).__name__}: {e}\n{_user_frames(e, path)}{hint}") from e
+        raise AgentError(f"{import_failure(e, path)}{hint}") from e
     cls = getattr(module, "AgentExecutor", None)
     if not (isinstance(cls, type) and issubclass(cls, AgentExecutorBase)):
         raise AgentError(
@@ -300,14 +293,7 @@ def load_agent_executor(path: str) -> AgentExecutorBase:
     try:
         return cls()
     except Exception as e:
-        raise AgentError(f"{path}: AgentExecutor() raised {type(e).__name__}: {e}\n{_user_frames(e, path)}") from e
-
-
-def _user_frames(exc: BaseException, path: str, limit: int = 3) -> str:
-    frames = traceback.extract_tb(exc.__traceback__)
-    target = Path(path).resolve()
-    mine = [f for f in frames if Path(f.filename).resolve() == target] or frames[-1:]
-    return "\n".join(f"  {f.filename}, line {f.lineno}, in {f.name}: {(f.line or '').strip()}" for f in mine[-limit:])
+        raise AgentError(f"{path}: AgentExecutor() raised {type(e).__name__}: {e}\n{user_frames(e, path)}") from e
 
 
 def agent_scores(rollouts: list[Rollout]) -> Optional[list[float]]:

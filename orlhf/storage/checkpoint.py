@@ -64,7 +64,8 @@ from orlhf.storage.checkpoint_format import (
     meta_problem,
     step_dir_name,
 )
-from orlhf.storage.runlock import OWNER_NAME, owner_gone, write_owner
+from orlhf.storage.runlock import write_owner
+from orlhf.storage.tmp_folders import fsync_dir, fsync_tree, remove_stale
 
 log = logging.getLogger(__name__)
 
@@ -119,12 +120,12 @@ class CheckpointManager:
             "orlhf_version": __version__,
             "run_id": self.run_id,
         }
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
         _write_json_durable(tmp / META, full)
         final = self.root / step_dir_name(step)
         old = self._trash(final) if final.exists() else None
         os.rename(tmp, final)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
         log.info("checkpoint saved: %s", final)
@@ -182,18 +183,12 @@ class CheckpointManager:
         (no save of this run may be in flight). Returns what was removed."""
         if not self.root.is_dir():
             return []
-        stale = []
-        for e in self.root.iterdir():
-            if not e.is_dir():
-                continue
-            if e.name.startswith(TRASH_PREFIX + "step_") or (e.name.startswith(TMP_PREFIX + "step_") and owner_gone(e)):
-                stale.append(e)
-            elif e.name.startswith(TMP_PREFIX + "step_"):
-                log.warning("keeping %s: its writer (%s) is still running", e, e / OWNER_NAME)
-        for path in stale:
-            shutil.rmtree(path, ignore_errors=True)
-            log.info("removed leftover of an unfinished checkpoint save: %s", path)
-        return stale
+        entries = list(self.root.iterdir())
+        return remove_stale(
+            [e for e in entries if e.name.startswith(TMP_PREFIX + "step_")],
+            "an unfinished checkpoint save",
+            trash=[e for e in entries if e.name.startswith(TRASH_PREFIX + "step_")],
+        )
 
     def _trash(self, path: Path) -> Path:
         trash = self.root / f"{TRASH_PREFIX}{path.name}-{uuid.uuid4().hex[:8]}"
@@ -332,32 +327,9 @@ def safe_torch_load(path: str | os.PathLike, map_location=None) -> Any:
 # ---- durability ------------------------------------------------------------------------------------------------
 
 
-def _fsync_tree(root: Path) -> None:
-    for dirpath, _, files in os.walk(root):
-        for f in files:
-            fd = os.open(os.path.join(dirpath, f), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(dirpath))
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make a directory's entries (new files, a rename) durable. Some network filesystems refuse fsync on a
-    directory (EINVAL); there the rename is as durable as that filesystem makes it."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _write_json_durable(path: Path, obj: Any) -> None:
     with open(path, "w") as f:
         json.dump(obj, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)

@@ -68,6 +68,12 @@ class DeepSpeedWorker:
     # keeps a prompt's rows in one micro-batch
     shared_prompt = False
 
+    @property
+    def shared_prompt_train(self) -> bool:
+        """shared_prompt in training forwards too: not with gradient checkpointing, under which transformers runs
+        training forwards without a cache."""
+        return self.shared_prompt and not self.cfg.gradient_checkpointing
+
     def __init__(self, cfg: WorkerConfig):
         self.cfg = cfg
         self.device = worker_device(cfg.device)
@@ -165,8 +171,8 @@ class DeepSpeedWorker:
         longest prompt and response (orlhf/workers/batching.py); `fn` may then return (b, A') and results come back
         (B, A) in the input order, zeros on padding.
         """
-        # inference_mode skips autograd's version counters and view tracking (~5% of a demo ref forward), values
-        # unchanged; not under ZeRO-3, whose hooks assign gathered tensors to the parameters' .data
+        # inference_mode skips autograd's version counters and view tracking, values unchanged; not under ZeRO-3,
+        # whose hooks assign gathered tensors to the parameters' .data
         with torch.no_grad() if self.zero3 else torch.inference_mode():
             result = self._forward_micro_batches(batch, fn)
         return result.clone() if result.is_inference() else result  # a plain tensor: callers may use it in autograd

@@ -149,8 +149,6 @@ def load_value_model(cfg: CriticConfig | RewardConfig, required: bool = False) -
 class CriticWorker(DeepSpeedWorker):
     """V(s) per action position, and value-loss train steps."""
 
-    shared_prompt_train = False  # as PolicyWorker's: set by init, not with gradient checkpointing
-
     def build_model(self) -> nn.Module:
         return load_value_model(self.cfg, required=False)
 
@@ -161,7 +159,6 @@ class CriticWorker(DeepSpeedWorker):
         self.shared_prompt = worker_shares_prompts(
             self, lambda b: self._action_values(b, False), lambda b: shared_values(self.engine, b)
         )
-        self.shared_prompt_train = self.shared_prompt and not self.cfg.gradient_checkpointing
 
     @endpoint
     def values(self, batch: SequenceBatch) -> torch.Tensor:

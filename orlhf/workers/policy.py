@@ -1,4 +1,5 @@
-"""Causal-LM workers: the actor (PolicyWorker, trained with PPO) and the reference (ReferenceWorker, frozen).
+"""Causal-LM workers: the reference (ReferenceWorker, frozen) and the actor (PolicyWorker: the reference's model
+building, init and scoring, plus PPO training and weight export).
 
 Both score the same thing, log pi(a_t | s_<t) for the last A tokens of each sequence:
 
@@ -157,15 +158,6 @@ def _forward_takes_logits_to_keep(cls: type) -> bool:
     return "logits_to_keep" in inspect.signature(cls.forward).parameters
 
 
-def _log_probs(worker: DeepSpeedWorker, batch: SequenceBatch) -> torch.Tensor:
-    def fn(mb: SequenceBatch) -> torch.Tensor:
-        return action_log_probs(
-            worker.engine, mb, worker.cfg.temperature, worker.cfg.packing_samples, worker.shared_prompt
-        )
-
-    return worker.forward_micro_batches(batch, fn)
-
-
 def shares_prompts(worker: DeepSpeedWorker) -> bool:
     """Whether this causal-LM worker runs each distinct prompt once per forward (workers/shared_prompt.py)."""
     return worker_shares_prompts(
@@ -173,8 +165,8 @@ def shares_prompts(worker: DeepSpeedWorker) -> bool:
     )
 
 
-class ReferenceWorker(DeepSpeedWorker):
-    """The frozen reference policy: log-probs only (ZeRO inference, eval mode)."""
+class CausalLMWorker(DeepSpeedWorker):
+    """What the actor and the reference share: the same causal LM, built, initialised and scored the same way."""
 
     def build_model(self) -> nn.Module:
         return load_causal_lm(self.cfg)
@@ -184,34 +176,33 @@ class ReferenceWorker(DeepSpeedWorker):
         """Collective: all ranks call it together."""
         super().init()
         self.shared_prompt = shares_prompts(self)
+
+    def score_log_probs(self, batch: SequenceBatch) -> torch.Tensor:
+        """(B, A) float32 on CPU: log-probs of each action token (padding positions hold garbage: mask them)."""
+
+        def fn(mb: SequenceBatch) -> torch.Tensor:
+            return action_log_probs(self.engine, mb, self.cfg.temperature, self.cfg.packing_samples, self.shared_prompt)
+
+        return self.forward_micro_batches(batch, fn)
+
+
+class ReferenceWorker(CausalLMWorker):
+    """The frozen reference policy: log-probs only (ZeRO inference, eval mode)."""
 
     @endpoint
     def log_probs(self, batch: SequenceBatch) -> torch.Tensor:
         """(B, A) float32 on CPU: log pi_ref of each action token (padding positions hold garbage: mask them)."""
-        return _log_probs(self, batch)
+        return self.score_log_probs(batch)
 
 
-class PolicyWorker(DeepSpeedWorker):
+class PolicyWorker(CausalLMWorker):
     """The actor: log-probs for experience making, PPO train steps, full weights for the engines."""
-
-    shared_prompt_train = False  # set by init: shared_prompt (shares_prompts), and in training also not with
-    # gradient checkpointing, under which transformers runs training forwards without a cache
-
-    def build_model(self) -> nn.Module:
-        return load_causal_lm(self.cfg)
-
-    @endpoint
-    def init(self) -> None:
-        """Collective: all ranks call it together."""
-        super().init()
-        self.shared_prompt = shares_prompts(self)
-        self.shared_prompt_train = self.shared_prompt and not self.cfg.gradient_checkpointing
 
     @endpoint
     def log_probs(self, batch: SequenceBatch) -> torch.Tensor:
         """(B, A) float32 on CPU: log pi of each action token under the current weights."""
-        self.engine.eval()
-        return _log_probs(self, batch)
+        self.engine.eval()  # train_step leaves the engine in train mode
+        return self.score_log_probs(batch)
 
     @endpoint
     def train_step(self, batch: Experience, kl_coef: Optional[float] = None) -> TrainStats:

@@ -13,9 +13,9 @@ forward computes the same prompt activations n times. Here:
                        critic's values (B, A) likewise, and the reward model's through column T-1 (its score
                        sits on each row's last real token)
 
-The linear layers see U*(P-1) + B*A positions instead of B*T: on the demo's GRPO step (prompts of ~15 columns,
-24-token responses, 4 samples each) ~30% fewer. The results are the plain forward's up to float summation order
-(one prompt's products summed once instead of n times; gradients of its copies added by the index backward).
+The linear layers see U*(P-1) + B*A positions instead of B*T. The results are the plain forward's up to float
+summation order (one prompt's products summed once instead of n times; gradients of its copies added by the index
+backward).
 
 When it does not apply (nothing shared, prompts of one column) the caller runs the plain forward. Whether a model
 computes the same thing both ways is checked once per worker at init (`worker_shares_prompts`, on a small batch),

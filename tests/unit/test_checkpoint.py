@@ -165,7 +165,7 @@ def test_fingerprint_mismatch_lists_every_field_with_both_values(tmp_path):
         )
 
 
-# The flags issue 16 found missing from the fingerprint; each must now refuse a resume when changed.
+# Flags that change the trajectory, so the fingerprint must hold them; each refuses a resume when changed.
 TRAJECTORY = {
     "remote_rm_url": "http://h:1/r",
     "input_template": "Q: {}",

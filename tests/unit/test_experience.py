@@ -6,7 +6,7 @@ import torch
 
 from orlhf.trainer.experience import ExperienceConfig, make_experience
 from orlhf.trainer.step_stats import engine_gap, mean_stats
-from orlhf.types import SequenceBatch, TrainStats
+from orlhf.types import Experience, SequenceBatch, TrainStats
 
 B, P, A = 4, 3, 5
 
@@ -84,3 +84,19 @@ def test_engine_gap_from_the_actor_sums_is_the_token_mean():
         for r in range(2)
     ]
     assert engine_gap(engine, None, mask, mean_stats(stats)) == pytest.approx(direct)
+
+
+def test_split_index_cat_move_tensor_rows_and_carry_none_and_plain_fields():
+    batch = _batch()
+    exp = Experience(*vars(batch).values(), None, _lp(1), returns=_lp(2), weight_version=3)
+    parts = exp.split([1, 3])
+    assert [len(p) for p in parts] == [1, 3] and parts[1].num_actions == A
+    assert all(p.action_log_probs is None and p.values is None and p.weight_version == 3 for p in parts)
+    assert torch.equal(parts[1].returns, exp.returns[1:])
+    back = Experience.cat(parts)
+    for name in ("sequences", "attention_mask", "action_mask", "advantages", "returns"):
+        assert torch.equal(getattr(back, name), getattr(exp, name))
+    assert back.action_log_probs is None and back.weight_version == 3
+    picked = exp.index(torch.tensor([3, 0]))
+    assert torch.equal(picked.advantages, exp.advantages[[3, 0]]) and picked.values is None
+    assert torch.equal(SequenceBatch.cat(batch.split([2, 2])).sequences, batch.sequences)

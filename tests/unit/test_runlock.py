@@ -111,6 +111,17 @@ def test_only_temp_folders_whose_writer_is_gone_are_removed(tmp_path):
     assert owner_gone(in_flight) and mgr.cleanup_stale_tmp() == [in_flight]
 
 
+def test_a_checkpoint_being_deleted_is_removed_whoever_wrote_it(tmp_path):
+    """A .trash-step_* folder is a complete checkpoint half-way through deletion: nobody writes it, so cleanup
+    removes it even when its owner.json names a live process (the run that committed it)."""
+    trash = tmp_path / ".trash-step_000002-abcdef12"
+    trash.mkdir()
+    write_owner(trash, "other")
+    rec = json.loads((trash / "owner.json").read_text())
+    (trash / "owner.json").write_text(json.dumps({**rec, "pid": 1}))  # pid 1 (init) is always alive
+    assert CheckpointManager(tmp_path, 3).cleanup_stale_tmp() == [trash] and not trash.exists()
+
+
 class FakeActorGroup:
     """Stands in for the actor ActorGroup (only its call(PolicyWorker.save_hf, dir)): the file protocol is under
     test."""
