@@ -11,10 +11,7 @@ Runs `orlhf train-ppo` three times in one invocation with identical flags: sync 
 Async's step time is the wall time between consecutive steps; the target is async <= 1.15 x limit.
 Prints a table, then one JSON line.
 
-Measured here (2 CPU cores, `--steps 10 --warmup 3`): sync 0.491 s/step (generate 0.156, train side 0.332),
-async 0.444 s (x1.11 vs sync; 1.34 x the overlap limit 0.332 s, target <= 1.15 not met: the engine and the
-trainers share the same 2 cores, so the train side slows to 0.440 s while generation runs beside it),
-hybrid (--colocate_all_models) 0.542 s.
+Results: benchmarks/results/2026-11-21-async-overlap.md.
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ Why separate processes: in-process vLLM initialises torch.distributed and replac
 process (later calls are ignored), so a side's thread count is fixed at start: --threads N starts both with
 OMP_NUM_THREADS=N (default: unset, torch's default of one thread per core). orlhf's engines run as 1-CPU Ray
 actors, and Ray sets OMP_NUM_THREADS=1 for those: --threads 1 is the setting orlhf's engines actually get.
-Why rounds: on a shared 2-core machine a burst from another job can slow one call 10-50x (OpenMP teams spin
-on busy cores); rounds put both sides under the same conditions. Reported: the ratio of medians, the median of
+Why rounds: on a shared 2-core machine a burst from another job can slow one call many times over (OpenMP teams
+spin on busy cores); rounds put both sides under the same conditions. Reported: the ratio of medians, the median of
 per-round ratios, and best-of-rounds (the uncontended speed). Both sides produce exactly num_prompts x N
 tokens per call (checked); tokens/s = those tokens / wall time of one generate call (prompts pre-tokenized;
 model load and engine start-up reported apart). One warm-up call per side and variant.
@@ -31,17 +31,9 @@ the parent; no Ray):
     .venv/bin/python benchmarks/bench_generation.py --out /tmp/bench_generation.json
     .venv/bin/python benchmarks/bench_generation.py --threads 1
     .venv/bin/python benchmarks/bench_generation.py --num_prompts 64 --max_new_tokens 64 --model /path/to/hf_folder
-    .venv/bin/python benchmarks/bench_generation.py --sweep all --threads 1 --repeats 3   # ~8 min; benchmarks/README
+    .venv/bin/python benchmarks/bench_generation.py --sweep all --threads 1 --repeats 3   # ~8 min
 
-Measured 2026-11-21 on this project's 2-core CPU machine (demo model: 2-layer Llama, hidden 128, vocab 965),
-64 prompts x 64 tokens, median of 7 rounds, in a quiet window (under load from other jobs single calls took
-10-50x longer and the medians meant nothing):
-    threads  HF tok/s   vLLM orlhf tok/s   vLLM orlhf+detok   vLLM plain
-    2        12702      11988 (0.94x)      10098 (0.79x)      14961 (1.18x)
-    1        10829      10205 (0.94x)       8512 (0.79x)      12158 (1.12x)
-For a model this small vLLM's per-step scheduling costs about what its kernels save: it is on par with HF
-generate, not ahead; the logprobs orlhf needs cost ~20%, and detokenizing cost another ~16% before
-EngineActor turned it off.
+Results: benchmarks/results/2026-11-21-generation-demo.md and 2026-11-23-generation-sweep.md.
 """
 
 from __future__ import annotations

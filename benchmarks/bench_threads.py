@@ -1,6 +1,6 @@
 """Torch threads on the demo model's per-phase work: 1 against 2 threads, and where a 1-thread process spends its
-time (with py-spy). The figures behind benchmarks/README.md's "Why --vllm_cpu_threads 2 --train_cpu_threads 2 gave
-no gain".
+time (with py-spy). Results:
+benchmarks/results/2026-11-22-cpu-threads.md.
 
     threads   one process, interleaved rounds: for 1 and 2 threads, the actor's train micro-batch (HF forward +
               backward, 64 x 40 tokens), a step's scoring forward (256 x 40), 24 decode forwards of 256 rows;

@@ -4,7 +4,7 @@ CPU seconds, one rank, no Ray (what the RankActor runs beside the engine in --as
     one process (world size 1, gloo): PolicyWorker + ReferenceWorker built from the config trl_compare's orlhf side
     runs (worker_config of finish_config: ZeRO-2 actor, ZeRO-0 ref, fp32, micro-batch 64, k3 KL loss 0.01,
     GRPO single pass) -> a demo-shaped batch (256 rows: 64 demo prompts x 4, left-padded; responses of 24
-    random tokens, one in ten shorter, right-padded: demo runs' mean response length is 23.5-23.9)
+    random tokens, one in ten shorter, right-padded: demo runs' responses mostly run to the limit)
     -> --warmup untimed steps, then --repeats timed ref log_probs and train_step calls -> CPU seconds
     (time.process_time) and wall seconds per call, min and median, and the first timed step's stats
 

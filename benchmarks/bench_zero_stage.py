@@ -7,10 +7,7 @@ trained groups, worker_config.zero_stage_of).
     response tokens, micro-batch 64, --use_kl_loss k3 as trl_compare's orlhf side) -> min and median seconds
 
 Reproduce (2-core CPU box, ~1.5 min): .venv/bin/python benchmarks/bench_zero_stage.py --threads 2
-Measured 2026-11-23 (load ~2, 2 threads; min of 7 steps): ZeRO-3 0.77-0.84 s, ZeRO-2 0.50-0.67 s, ZeRO-0 0.59 s
-(three runs; the spread is the machine).
-cProfile of 3 ZeRO-3 steps: 441k Python calls against 50k under ZeRO-2 (the coordinator's fetch/release per
-submodule), and LinearFunctionForZeroStage3's matmuls in place of torch's fused linear.
+Results: benchmarks/results/2026-11-23-trl-compare-zero2.md.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ How the parameters reach `generate` (`gather`):
                 engine does with pin_parameters=True; ranks generate independently (no collectives inside).
                 ZeRO-3's per-module hooks are removed for the call and registered again after it (hook_free,
                 the default): the hybrid engine's inference containers run outside them too, and with them
-                every decode step pays their bookkeeping on every layer (2x the generation time on the demo).
+                every decode step pays their bookkeeping on every layer.
                 hook_free=False keeps the hooks and marks the parameters external instead, so the hooks leave
                 them gathered (they would otherwise release each layer after its forward).
     per_layer   no gather: ZeRO-3's hooks fetch each layer on every decode step (DeepSpeed-Chat without the

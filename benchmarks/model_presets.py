@@ -1,8 +1,7 @@
 """Named model sizes for the benchmarks, and where vLLM overtakes HF `generate` among them.
 
-    preset name -> folder: `demo` is the built-in demo model itself (orlhf.demo.builder.ensure_demo().model); every
-    other
-    preset is a random-init Llama (seed 0) with the demo's tokenizer, built once into
+    preset name -> folder: `demo` is the built-in demo model itself (orlhf.demo.builder.ensure_demo().model);
+    every other preset is a random-init Llama (seed 0) with the demo's tokenizer, built once into
     <orlhf cache>/bench/models/llama-h<hidden>-l<layers>-... ($ORLHF_CACHE moves it) and reused after that
     build_model(out, hidden, layers, max_len, ...) -> a random Llama of any size under <out>/models (what
     ppo_throughput.py --hidden/--layers and bench_padding.py --hidden build)

@@ -3,7 +3,7 @@
     TRL: installed by this script into its own virtualenv (<cache>/trl-venv-<version>; orlhf's stays clean):
          python -m venv, pip install torch==<orlhf's torch> (same build: CPU wheel on CPU), then trl==<version>
          with torch pinned by a constraints file. Reused when it already imports that TRL version.
-    equal work (issue 13): the demo model, the first --max_samples demo prompts, the demo reward function; per step
+    equal work: the demo model, the first --max_samples demo prompts, the demo reward function; per step
          64 prompts x 4 samples = 256 completions and ONE optimizer step (micro-batch 64), 24 new tokens,
          temperature 1, lr 5e-4 cosine to 10%, fp32, group-normalised advantages, PPO clip 0.2, KL 0.01 as a k3 loss
          term against the reference (TRL's beta; orlhf --use_kl_loss --kl_estimator k3); --kl 0: no reference on
@@ -11,7 +11,7 @@
     for repeat: for mode in --modes:      interleaved, so machine-load drift hits every side alike
         orlhf        orlhf train-ppo (sync)          orlhf_async   the same with --async_train
         orlhf_1thread  sync with one thread per process (--vllm_cpu_threads 1 --train_cpu_threads 1): no per-phase
-                     hand-over of the cores (orlhf/cpu/threads.py), as before it
+                     hand-over of the cores (orlhf/cpu/threads.py)
         orlhf_engines2 sync with --vllm_num_engines 2: generation data-parallel over the cores, one thread each
         trl          benchmarks/trl_grpo_runner.py under TRL's python (HF generate; no vLLM on CPU)
       each a subprocess; proctree.TreeSampler notes when each metrics.jsonl row lands and the CPU seconds of the
@@ -25,7 +25,7 @@
 
 Reproduce (2-core CPU box; about 1.5 min a run at the default 12 steps, so ~14 min with 3 repeats of 3 modes):
     .venv/bin/python benchmarks/trl_compare.py --repeats 3
-    .venv/bin/python benchmarks/trl_compare.py --kl 0 --repeats 3               # the no-KL row of the issue
+    .venv/bin/python benchmarks/trl_compare.py --kl 0 --repeats 3               # the no-KL row
 Speed figures from a machine shared with other jobs are only comparable within one invocation (see load_avg).
 """
 
@@ -291,7 +291,7 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma list of {MODES}")
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--warmup", type=int, default=2, help="steps not measured (the issue measures steps 3-12)")
+    ap.add_argument("--warmup", type=int, default=2, help="steps not measured at the start of each run")
     add_work_args(ap)
     ap.add_argument(
         "--model_preset",

@@ -1,8 +1,7 @@
 """The `orlhf` command line. No logic: parse flags into a config and call one entry function.
 
 The train-ppo flags are generated from config/train_config.py's dataclass fields (one declaration per flag), each
-accepted
-as `--flag_name` (OpenRLHF's spelling) and `--flag-name`, grouped into --help panels by config section.
+accepted as `--flag_name` (OpenRLHF's spelling) and `--flag-name`, grouped into --help panels by config section.
 Heavy packages (torch, ray, deepspeed, vllm) are imported inside the commands, so `orlhf --help` stays fast.
 """
 
@@ -77,7 +76,7 @@ def _given(ctx: typer.Context, name: str) -> bool:
 def parse_or_exit(
     ctx: typer.Context, flags: dict[str, Any], build: Callable[..., C.TrainConfig] = F.build_config
 ) -> C.TrainConfig:
-    """Flags -> TrainConfig via `build` (build_config: validated; finish.finish_config: finished for a run), or
+    """Flags -> TrainConfig via `build` (build_config: validated; resolve.finish_config: finished for a run), or
     exit 2 with every problem listed (no traceback)."""
     values = {name: flags[name] for _, name, _, _ in F.flag_fields()}
     explicit = {name for name in values if _given(ctx, name)}
@@ -127,8 +126,8 @@ def run_reporting_errors(fn: Callable[[C.TrainConfig], int], cfg: C.TrainConfig)
 
 
 # (module, class) of the errors run_reporting_errors prints without a traceback. Looked up in sys.modules when an
-# error arrives instead of imported up front: importing them loaded torch (checkpoint_format, workers) and ray on
-# the driver's main thread before Ray's start, which launch/run.py keeps free of them. An error of a class whose
+# error arrives instead of imported up front: importing them would load torch (checkpoint_format, workers) and ray
+# on the driver's main thread before Ray's start, which launch/run.py keeps free of them. An error of a class whose
 # module was never imported cannot exist, so the check is the same as an `except` over the classes.
 USER_ERRORS = (
     ("orlhf.storage.checkpoint_format", "CheckpointError"),

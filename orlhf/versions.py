@@ -1,7 +1,7 @@
 """Every pinned version of orlhf's stack, in one place.
 
 Read by setup.py (as plain text, before orlhf is importable) and by scripts/install.sh. Keep this file free of
-module-level imports so both can exec it. The CPU pins were measured together on the project's machines; the
+module-level imports so both can exec it. The CPU pins were tested together on the project's machines; the
 GPU pins are read from the packages' metadata (tests/unit/test_versions.py resolves them for Linux x86_64).
 """
 

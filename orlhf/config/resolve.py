@@ -57,9 +57,8 @@ GPU_DEVICE_FILES = ("/dev/nvidia*", "/dev/nvhost*", "/dev/nvmap", "/dev/dxg", "/
 
 def no_gpu_device_files() -> bool:
     """True on a Linux machine without any GPU device file: torch.cuda.is_available() is False there (its driver
-    cannot open a GPU), so --device auto resolves to cpu without importing torch (1.5-2 CPU-s on the driver's main
-    thread before Ray's start; the inputs thread imports it beside Ray's start instead). Elsewhere: False (ask
-    torch)."""
+    cannot open a GPU), so --device auto resolves to cpu without importing torch on the driver's main thread before
+    Ray's start (the inputs thread imports it beside Ray's start instead). Elsewhere: False (ask torch)."""
     return sys.platform == "linux" and not any(glob.glob(pattern) for pattern in GPU_DEVICE_FILES)
 
 

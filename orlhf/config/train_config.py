@@ -1,13 +1,14 @@
 """Typed, frozen configuration for `orlhf train-ppo`: one dataclass per flag group.
 
-Every flag is declared once, here, as a dataclass field whose metadata carries its command-line name and help;
-cli.py builds the Typer command from these fields, so the flag surface, the config tree and `--help` cannot
-drift apart. Flag names are OpenRLHF's flat names (`--actor_num_gpus_per_node`), accepted with dashes too.
+Every flag is declared once, here (the PPO section in config/ppo_config.py), as a dataclass field whose metadata
+carries its command-line name and help (config/option.py); cli.py builds the Typer command from these fields, so the
+flag surface, the config tree and `--help` cannot drift apart. Flag names are OpenRLHF's flat names
+(`--actor_num_gpus_per_node`), accepted with dashes too.
 
-    flags --cli.py--> dict --flags.parse_config()--> TrainConfig (frozen) --finish.py: resolve --device auto,
+    flags --cli.py--> dict --flags.parse_config()--> TrainConfig (frozen) --resolve.py: resolve --device auto,
         validate() once (ok | ConfigError(all problems)), the demo's paths--> the config a run starts from
 
-Workers receive only their own section (PolicyConfig-style slices), never the whole tree. Nothing here imports
+Workers receive only their own slice (config/worker_config.py), never the whole tree. Nothing here imports
 torch, ray, deepspeed or vllm: `orlhf --help` must stay fast, and validation runs before Ray starts.
 """
 
@@ -15,26 +16,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 from orlhf.algo.registry import ESTIMATORS
+from orlhf.config.option import opt
+from orlhf.config.ppo_config import PPOConfig
 
-KL_ESTIMATORS = ("k1", "k2", "k3")
 SYNC_BACKENDS = ("nccl", "gloo")
-# Kept equal to orlhf/algo/losses.py's tuples (a unit test checks): this module imports no torch.
-LOSS_AGG_MODES = ("token_mean", "seq_mean")
-POLICY_LOSS_TYPES = ("ppo", "gspo")
-IS_CORRECTION_TYPES = ("tis", "icepop", "seq-mask-tis")
-LR_SCHEDULERS = ("cosine_with_min_lr", "cosine", "linear", "constant", "constant_with_warmup")
 DEVICES = ("auto", "cpu", "cuda")
-
-
-def opt(default: Any, help: str, *, flag: str | None = None, choices: tuple | None = None, metavar: str | None = None):
-    """A config field that is also a command-line flag. `flag` defaults to the field name."""
-    meta = {"help": help, "flag": flag, "choices": choices, "metavar": metavar}
-    if isinstance(default, (list, dict, set)):
-        raise TypeError("mutable defaults are not allowed in a frozen config")
-    return field(default=default, metadata=meta)
 
 
 @dataclass(frozen=True)
@@ -59,9 +48,8 @@ class PlacementConfig:
     )
     critic_own_process: bool = opt(
         False,
-        "CPU only: the critic in a process of its own. By default on CPU a one-rank critic beside a one-rank "
-        "actor runs inside the actor's process, its calls on a thread of their own beside the actor's (one fewer "
-        "process to start); a critic model with dropout always gets its own.",
+        "CPU only: the critic in a process of its own. By default on CPU a one-rank critic beside a one-rank actor "
+        "runs in the actor's process, on a thread of its own; a critic model with dropout always gets its own.",
     )
 
     def world_size(self, role: str) -> int:
@@ -108,11 +96,8 @@ class VLLMConfig:
     )
     max_engine_logprob_gap: Optional[float] = opt(
         None,
-        "Stop the run when the engines' log-probs of the sampled tokens differ from the actor's by more "
-        "than this per token on average (engine_logprob_gap: the engines sample another policy, e.g. a broken "
-        "weight sync). Default on CPU: 1e-3, or 3e-3 with --bf16; on GPUs 2e-2 (bf16 engines); "
-        "0 or negative: off. Not checked on async-stale rollouts, nor with --temperature other than 1 "
-        "and --top_p below 1 (said at start).",
+        "Stop the run when the engines' log-probs of the sampled tokens differ from the actor's by more than this "
+        "per token (a broken weight sync). Default: 1e-3 on CPU (3e-3 with --bf16), 2e-2 on GPUs; 0 or negative: off.",
         flag="max_engine_logprob_gap",
     )
 
@@ -121,10 +106,8 @@ class VLLMConfig:
 class DeepSpeedConfig:
     zero_stage: Optional[int] = opt(
         None,
-        "DeepSpeed ZeRO stage for the trained and frozen models. Default: 3, except for a model group of one "
-        "rank, which has nothing to partition: ZeRO-2 if it trains, none if frozen (ZeRO-3's per-module hooks cost "
-        "1.25-1.6x per CPU train step there); 3 stays with --deepspeed_enable_sleep, and for frozen models with "
-        "--ref_reward_offload on GPUs. Give a stage to use it everywhere.",
+        "DeepSpeed ZeRO stage of every model. Default: 3; a one-rank group, with nothing to partition, trains under 2 "
+        "and scores without ZeRO (3 with --deepspeed_enable_sleep, or --ref_reward_offload on GPUs).",
         choices=(0, 1, 2, 3),
     )
     bf16: bool = opt(False, "Train and score in bfloat16 (fp32 master weights kept by DeepSpeed).")
@@ -157,9 +140,8 @@ class DeepSpeedConfig:
     )
     use_dynamic_batch: bool = opt(
         False,
-        "Micro-batches by a token budget instead of a sample count: training (per optimizer step, "
-        "--train_max_tokens_per_gpu) and scoring forwards (--rollout_max_tokens_per_gpu). Budgets count real "
-        "tokens (prompt + response); --packing_samples makes that what a forward holds.",
+        "Micro-batches by a budget of real tokens (prompt + response) instead of a sample count: training by "
+        "--train_max_tokens_per_gpu, scoring forwards by --rollout_max_tokens_per_gpu.",
     )
     train_max_tokens_per_gpu: int = opt(
         16192,
@@ -222,117 +204,6 @@ class DataConfig:
     @property
     def uses_demo(self) -> bool:
         return self.pretrain is None
-
-
-@dataclass(frozen=True)
-class PPOConfig:
-    num_episodes: int = opt(1, "Passes over the prompt data.")
-    rollout_batch_size: int = opt(64, "Prompts per PPO step.")
-    micro_rollout_batch_size: int = opt(16, "Samples per forward pass when scoring, per rank.")
-    train_batch_size: int = opt(64, "Samples per optimizer step (global).")
-    micro_train_batch_size: int = opt(8, "Samples per forward/backward pass, per rank.")
-    max_epochs: int = opt(1, "Passes over each step's experience.")
-    prompt_max_len: int = opt(1024, "Longest prompt in tokens.")
-    generate_max_len: int = opt(1024, "Most new tokens per response (OpenRLHF: --max_new_tokens).")
-    max_len: Optional[int] = opt(
-        None,
-        "Longest prompt + response in tokens (OpenRLHF's --max_len): a response gets at most max_len - its "
-        "prompt's length new tokens; without --generate_max_len / --max_new_tokens that is the only cap.",
-    )
-    actor_learning_rate: float = opt(1e-6, "Actor learning rate.")
-    critic_learning_rate: float = opt(9e-6, "Critic learning rate.")
-    lr_warmup_ratio: float = opt(0.03, "Share of optimizer steps spent in linear LR warm-up.")
-    init_kl_coef: float = opt(0.01, "KL penalty coefficient (initial, if adaptive).")
-    kl_target: Optional[float] = opt(None, "Target KL for an adaptive KL controller (default: none, a fixed KL coef).")
-    kl_horizon: int = opt(10000, "Horizon of the adaptive KL controller.")
-    kl_estimator: str = opt("k1", "KL estimator.", choices=KL_ESTIMATORS)
-    use_kl_loss: bool = opt(False, "KL as a loss term instead of a reward penalty.")
-    advantage_estimator: str = opt("gae", "Advantage estimator.", choices=tuple(ESTIMATORS))
-    n_samples_per_prompt: int = opt(1, "Responses sampled per prompt.")
-    gamma: float = opt(1.0, "Discount factor.")
-    lambd: float = opt(1.0, "GAE lambda.")
-    eps_clip: float = opt(0.2, "PPO policy ratio clip.")
-    value_clip: Optional[float] = opt(0.5, "Critic value clip.")
-    dual_clip: Optional[float] = opt(None, "Dual-clip PPO constant (> 1).")
-    normalize_reward: bool = opt(
-        False,
-        "Normalize rewards: with the mean/std stored in the reward model's config.json, as OpenRLHF (the "
-        "critic's values too, with its own); reward sources without stored statistics (functions, URLs) use "
-        "running statistics of this run's rewards.",
-    )
-    reward_clip_range: tuple[float, float] = opt((-10.0, 10.0), "Clip rewards to [LOW HIGH].", metavar="LOW HIGH")
-    entropy_loss_coef: float = opt(0.0, "Entropy bonus coefficient.")
-    temperature: float = opt(1.0, "Sampling temperature.")
-    freezing_actor_steps: int = opt(
-        -1,
-        "Critic warm-up: the actor is not trained (and the engines not synced) while the 0-based step "
-        "index is <= N, i.e. the first N+1 steps, as OpenRLHF (-1: never frozen).",
-    )
-    top_p: float = opt(1.0, "Nucleus sampling p.")
-    seed: int = opt(42, "Random seed (engines get seed + engine index).")
-    async_train: bool = opt(False, "Generate step k+1 while training on step k.")
-    async_queue_size: int = opt(1, "Rollout batches that may wait between generation and training (async).")
-    # ---- losses and their variants (OpenRLHF v0.10-0.11, DAPO, GSPO) ----
-    loss_agg_mode: Optional[str] = opt(
-        None,
-        "Loss aggregation over an optimizer step (all micro-batches and ranks): token_mean (each token "
-        "weighs the same) or seq_mean (each sequence's token mean weighs the same). Default: seq_mean with "
-        "--policy_loss_type gspo (as OpenRLHF), else token_mean.",
-        choices=LOSS_AGG_MODES,
-    )
-    eps_clip_low_high: Optional[tuple[float, float]] = opt(
-        None,
-        "Asymmetric PPO clip [1 - LOW, 1 + HIGH] (DAPO's clip-higher, e.g. 0.2 0.28); default: --eps_clip both sides.",
-        metavar="LOW HIGH",
-    )
-    policy_loss_type: str = opt(
-        "ppo",
-        "ppo: token ratios; gspo: one sequence-level ratio (geometric mean of the token ratios, GSPO).",
-        choices=POLICY_LOSS_TYPES,
-    )
-    enable_vllm_is_correction: bool = opt(
-        False, "Importance sampling (IS) correction of the gap between engine and trainer log-probs."
-    )
-    vllm_is_correction_type: str = opt(
-        "tis",
-        "tis: truncate each token's ratio to the thresholds; icepop: drop tokens outside them; "
-        "seq-mask-tis: drop sequences whose geometric-mean ratio is outside them.",
-        choices=IS_CORRECTION_TYPES,
-    )
-    vllm_is_truncated_threshold: tuple[float, float] = opt(
-        (0.5, 5.0), "IS-correction thresholds LOW HIGH on pi_trainer / pi_engine.", metavar="LOW HIGH"
-    )
-    dynamic_filtering: bool = opt(
-        False,
-        "DAPO dynamic sampling: drop prompts whose samples' mean reward is outside the open "
-        "reward range (the flag below); generate more until the batch is full.",
-    )
-    dynamic_filtering_reward_range: tuple[float, float] = opt(
-        (0.0, 1.0), "Open range (LOW, HIGH) a prompt's mean reward must fall in to be kept.", metavar="LOW HIGH"
-    )
-    overlong_buffer_len: Optional[float] = opt(
-        None,
-        "DAPO soft overlong penalty: responses longer than the most new tokens minus this lose up to "
-        "the penalty factor (the flag below), linearly.",
-    )
-    overlong_penalty_factor: float = opt(1.0, "Largest overlong penalty (at the most new tokens).")
-    stop_properly_penalty_coef: Optional[float] = opt(
-        None, "Responses cut at the most new tokens: in [0, 1] scales their reward; < 0 sets it to this value."
-    )
-    no_advantage_std_norm: bool = opt(
-        False,
-        "Whitened estimators (gae, reinforce, reinforce_baseline): subtract the batch mean, do not divide by the std.",
-    )
-    max_norm: float = opt(1.0, "Gradient clipping: largest global gradient norm.")
-    adam_betas: tuple[float, float] = opt((0.9, 0.95), "Adam betas.", metavar="BETA1 BETA2")
-    l2: float = opt(0.0, "Weight decay (AdamW).")
-    lr_scheduler: str = opt(
-        "cosine_with_min_lr",
-        "LR schedule after warm-up: cosine_with_min_lr (to 10%; the "
-        "default), cosine (to 0), linear (to 0), constant, constant_with_warmup.",
-        choices=LR_SCHEDULERS,
-        metavar="NAME",
-    )
 
 
 @dataclass(frozen=True)
@@ -430,7 +301,7 @@ class TrainConfig:
         if self.runtime.device not in ("cuda", "cpu"):
             raise ValueError(
                 f"device {self.runtime.device!r} is not resolved yet; finish the config first "
-                "(finish.finish_config, or finish.resolve_device)"
+                "(resolve.finish_config, or resolve.resolve_device)"
             )
         return self.runtime.device
 

@@ -21,9 +21,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar, Optional
 
+from orlhf.config.ppo_config import PPOConfig
 from orlhf.config.roles import model_path
 from orlhf.config.roles import role as role_spec
-from orlhf.config.train_config import PPOConfig, TrainConfig
+from orlhf.config.train_config import TrainConfig
 
 
 @dataclass(frozen=True)
@@ -99,9 +100,8 @@ class WorkerConfig:
     trim_padding: bool = True  # cut each micro-batch to its real length (not --no_trim_padding)
     packing_samples: bool = False  # one row of real tokens per micro-batch (--packing_samples)
     shared_prompt: bool = True  # causal LMs: each distinct prompt run once per forward (not --no_shared_prompt)
-    # --use_dynamic_batch: forwards grouped by a real-token budget (orlhf/workers/batching.py budget_micro_batches); 0:
-    # by
-    # count (--micro_rollout_batch_size)
+    # --use_dynamic_batch: forwards grouped by a real-token budget (orlhf/workers/batching.py budget_micro_batches);
+    # 0: by count (--micro_rollout_batch_size)
     forward_max_tokens: int = 0
 
     @property
@@ -193,9 +193,9 @@ def zero_stage_for(cfg: TrainConfig, role: str) -> int:
 
 def zero_stage_of(ds, role: str, ranks: int, device: str) -> int:
     """--zero_stage when given; else 3, except for a group of one rank. There ZeRO-3 partitions nothing (the one
-    shard is the whole model) but still runs its per-module gather/release hooks: a train step of the demo
-    actor took 0.77-0.84 s under ZeRO-3 against 0.50-0.67 s under ZeRO-2 on CPU (2 threads). So one rank trains
-    under ZeRO-2 (its gradient and optimizer-state partitions are whole too) and scores with no ZeRO. Kept at 3:
+    shard is the whole model) but still runs its per-module gather/release hooks on every forward and backward
+    (benchmarks/bench_zero_stage.py measures what they cost). So one rank trains under ZeRO-2 (its gradient and
+    optimizer-state partitions are whole too) and scores with no ZeRO. Kept at 3:
     --deepspeed_enable_sleep (DeepSpeed's offload_states path is ZeRO-3's) and a frozen model with
     --ref_reward_offload on GPUs (parameter offload is ZeRO-3 only). `ds`: the config's DeepSpeedConfig."""
     if ds.zero_stage is not None:
@@ -213,10 +213,36 @@ def worker_config(cfg: TrainConfig, role: str, total_optimizer_steps: int = 1) -
     role_spec(role)  # ValueError for an unknown role
     d, ds, ppo = cfg.data, cfg.deepspeed, cfg.ppo
     train_budget, forward_budget = dynamic_batch_budgets(ds)
+    common = _common_fields(cfg, role, forward_budget)
+    head = HeadSlice(value_head_prefix=d.value_head_prefix, normalize_reward=ppo.normalize_reward)
+    if role == "ref":
+        return RefConfig(**common, temperature=ppo.temperature, param_offload=ds.ref_reward_offload)
+    if role == "reward":
+        return RewardConfig(**common, head=head, param_offload=ds.ref_reward_offload)
+    train = _train_fields(cfg, total_optimizer_steps, train_budget)
+    agg = resolved_loss_agg_mode(ppo)
+    if role == "actor":
+        return ActorConfig(
+            **common,
+            temperature=ppo.temperature,
+            train=TrainSlice(learning_rate=ppo.actor_learning_rate, **train),
+            loss=_policy_loss(ppo, agg),
+        )
+    return CriticConfig(
+        **common,
+        head=head,
+        train=TrainSlice(learning_rate=ppo.critic_learning_rate, **train),
+        loss=ValueLossSlice(loss_agg_mode=agg, value_clip=ppo.value_clip),
+    )
+
+
+def _common_fields(cfg: TrainConfig, role: str, forward_budget: int) -> dict:
+    """WorkerConfig's fields for `role`: the model, the device, DeepSpeed, forward batching."""
+    ds, ppo = cfg.deepspeed, cfg.ppo
     path = model_path(cfg, role)
     if path is None:
-        raise ValueError(f"no model path for role {role!r}; finish the config first (finish.finish_config)")
-    common = dict(
+        raise ValueError(f"no model path for role {role!r}; finish the config first (resolve.finish_config)")
+    return dict(
         model_path=path,
         device=cfg.device,
         zero_stage=zero_stage_for(cfg, role),
@@ -231,12 +257,12 @@ def worker_config(cfg: TrainConfig, role: str, total_optimizer_steps: int = 1) -
         forward_max_tokens=forward_budget,
         shared_prompt=not ds.no_shared_prompt,
     )
-    head = HeadSlice(value_head_prefix=d.value_head_prefix, normalize_reward=ppo.normalize_reward)
-    if role == "ref":
-        return RefConfig(**common, temperature=ppo.temperature, param_offload=ds.ref_reward_offload)
-    if role == "reward":
-        return RewardConfig(**common, head=head, param_offload=ds.ref_reward_offload)
-    train = dict(
+
+
+def _train_fields(cfg: TrainConfig, total_optimizer_steps: int, train_budget: int) -> dict:
+    """TrainSlice's fields but the learning rate, which differs between actor and critic."""
+    ds, ppo = cfg.deepspeed, cfg.ppo
+    return dict(
         adam_offload=ds.adam_offload,
         offload_states=ds.enable_sleep,
         lr_warmup_ratio=ppo.lr_warmup_ratio,
@@ -249,33 +275,23 @@ def worker_config(cfg: TrainConfig, role: str, total_optimizer_steps: int = 1) -
         lr_scheduler=ppo.lr_scheduler,
         max_tokens=train_budget,
     )
-    agg = resolved_loss_agg_mode(ppo)
-    if role == "actor":
-        low, high = ppo.eps_clip_low_high if ppo.eps_clip_low_high is not None else (ppo.eps_clip, ppo.eps_clip)
-        loss = PolicyLossSlice(
-            loss_agg_mode=agg,
-            eps_clip=low,
-            eps_clip_high=high,
-            dual_clip=ppo.dual_clip,
-            entropy_loss_coef=ppo.entropy_loss_coef,
-            use_kl_loss=ppo.use_kl_loss,
-            kl_coef=ppo.init_kl_coef,
-            kl_estimator=ppo.kl_estimator,
-            policy_loss_type=ppo.policy_loss_type,
-            is_correction=ppo.vllm_is_correction_type if ppo.enable_vllm_is_correction else None,
-            is_threshold=tuple(ppo.vllm_is_truncated_threshold),
-        )
-        return ActorConfig(
-            **common,
-            temperature=ppo.temperature,
-            train=TrainSlice(learning_rate=ppo.actor_learning_rate, **train),
-            loss=loss,
-        )
-    return CriticConfig(
-        **common,
-        head=head,
-        train=TrainSlice(learning_rate=ppo.critic_learning_rate, **train),
-        loss=ValueLossSlice(loss_agg_mode=agg, value_clip=ppo.value_clip),
+
+
+def _policy_loss(ppo: PPOConfig, agg: str) -> PolicyLossSlice:
+    """The actor's loss slice: --eps_clip_low_high when given, else --eps_clip on both sides."""
+    low, high = ppo.eps_clip_low_high if ppo.eps_clip_low_high is not None else (ppo.eps_clip, ppo.eps_clip)
+    return PolicyLossSlice(
+        loss_agg_mode=agg,
+        eps_clip=low,
+        eps_clip_high=high,
+        dual_clip=ppo.dual_clip,
+        entropy_loss_coef=ppo.entropy_loss_coef,
+        use_kl_loss=ppo.use_kl_loss,
+        kl_coef=ppo.init_kl_coef,
+        kl_estimator=ppo.kl_estimator,
+        policy_loss_type=ppo.policy_loss_type,
+        is_correction=ppo.vllm_is_correction_type if ppo.enable_vllm_is_correction else None,
+        is_threshold=tuple(ppo.vllm_is_truncated_threshold),
     )
 
 

@@ -12,7 +12,7 @@ with nothing downloaded (the machines this runs on cannot reach the hub). The pi
         demo.json        what was built (version, seed), written last
 
 The task is learnable from scratch: the vocabulary is mostly whole demo words, so a random model already says a
-color now and then (mean reward ~0.05) and PPO only has to shift probability mass onto ~40 tokens.
+color now and then (a low but nonzero mean reward) and PPO only has to shift probability mass onto ~40 tokens.
 
 Invariants: make_demo is deterministic given its seed; ensure_demo never returns a half-built folder (it builds
 into a temp sibling and renames it into place under a file lock), and a cached demo is returned without

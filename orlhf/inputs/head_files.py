@@ -203,8 +203,8 @@ def check_head(folder: str, flag_prefix: str, required: bool) -> None:
     """Driver-side pre-flight, before Ray starts: the checks the worker's load makes, from the folder's files
     alone (config.json, tensor names and shapes), so a wrong head fails in a second, not after start-up.
 
-    Milliseconds, no torch or transformers: AutoConfig's import alone pulls transformers' type validators and,
-    through them, torch's compiler and DTensor modules (1.5 CPU-s, measured on 2 cores). The hidden size comes
+    No torch or transformers: AutoConfig's import alone pulls transformers' type validators and, through them,
+    torch's compiler and DTensor modules, on the driver's main thread before Ray starts. The hidden size comes
     from config.json and the backbone's prefix from the tensor names (backbone_prefix_of); where either cannot be
     read, the worker's load makes the check with the real config."""
     hidden = config_hidden_size(read_config(folder))

@@ -3,8 +3,10 @@
     --prompt_data --load_prompt_rows()--> list[dict]          (jsonl | json | parquet | saved HF dataset folder)
        a,b,...    --prompt_mix.load_prompt_mix()--> list[dict]   (each source as above; concatenated, or mixed
                                                                   by --prompt_data_probs)
-                  --build_prompts()-----> list[Prompt], PromptStats   (template, tokenize, length policy)
-                  --PromptLoader--------> list[Prompt] per step (rollout_batch_size, reshuffled each episode)
+                  --build_prompts()-----> list[Prompt], PromptStats   (template, tokenize, length policy;
+                                                                  the tokenizer: inputs/tokenizer.py)
+                  --PromptLoader--------> list[Prompt] per step (inputs/prompt_loader.py: rollout_batch_size,
+                                                                  reshuffled each episode)
 
 Invariants:
 - Prompt.text is exactly the string the model is prompted with, and Prompt.ids its tokens; for a truncated prompt
@@ -19,12 +21,9 @@ Messages use 1-based positions ("line 17" for JSONL, "row 17" otherwise), as edi
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
-
-logger = logging.getLogger(__name__)
+from typing import Any
 
 FORMATS = ".jsonl, .json, .parquet, a folder written by datasets' save_to_disk, or a hub dataset id (online)"
 SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -311,144 +310,6 @@ def _check_messages(messages: list, index: int, key: str) -> None:
             )
 
 
-# Model types whose local folder saved with tokenizer_class "TokenizersBackend" AutoTokenizer loads as that class,
-# with nothing else to decide (transformers 5: not a type it overrides the saved class for, nor Mistral's format);
-# tests/unit/test_plain_tokenizer.py checks this against transformers' own tables and loads.
-PLAIN_TOKENIZER_TYPES = ("llama",)
-
-
-def _plain_tokenizer(path: str):
-    """AutoTokenizer's own result for a local folder it would load as TokenizersBackend (PLAIN_TOKENIZER_TYPES),
-    loaded without importing AutoTokenizer's module: that import (the model-class tables, torch.distributed's tensor
-    and sympy, torch._dynamo) costs the driver ~2 of its ~7 CPU-seconds before the first step. None: use
-    AutoTokenizer (any other folder, a hub name, unreadable files: its own errors then)."""
-    folder = Path(path)
-    try:
-        tok_cfg = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
-        model_cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    if not (isinstance(tok_cfg, dict) and isinstance(model_cfg, dict) and folder.is_dir()):
-        return None
-    if (
-        tok_cfg.get("tokenizer_class") != "TokenizersBackend"
-        or "auto_map" in tok_cfg
-        or "auto_map" in model_cfg
-        or model_cfg.get("model_type") not in PLAIN_TOKENIZER_TYPES
-        or "model_name" in model_cfg
-    ):
-        return None
-    from transformers.tokenization_utils_tokenizers import TokenizersBackend
-
-    return TokenizersBackend.from_pretrained(path, _from_auto=True, revision=None)  # AutoTokenizer's call
-
-
 def _keep_end(ids: list[int], max_len: int, bos_id: int | None) -> list[int]:
     head = ids[:1] if bos_id is not None and ids and ids[0] == bos_id and max_len > 1 else []
     return head + ids[len(ids) - (max_len - len(head)) :]
-
-
-def load_tokenizer(path: str):
-    """The actor's tokenizer, left-padded (prompts end where generation starts), with a pad token."""
-    try:
-        tok = _plain_tokenizer(path)
-        if tok is None:
-            from transformers import AutoTokenizer
-
-            tok = AutoTokenizer.from_pretrained(path)
-    except Exception as e:  # OSError, ValueError, JSON errors...: all mean "not a usable tokenizer folder"
-        raise DataError(
-            f"--pretrain {path}: cannot load its tokenizer ({type(e).__name__}: {e}); point --pretrain "
-            "at a HF model folder with tokenizer files (tokenizer.json or tokenizer_config.json)."
-        ) from e
-    tok.padding_side = "left"
-    if tok.pad_token is None:
-        if tok.eos_token is None:
-            raise DataError(
-                f"--pretrain {path}: the tokenizer has neither a pad nor an eos token; add a pad_token "
-                "to its tokenizer_config.json."
-            )
-        tok.pad_token = tok.eos_token
-        logger.info("tokenizer of %s has no pad token; using eos %r as pad", path, tok.eos_token)
-    return tok
-
-
-# ---- Batching ----
-
-
-class PromptLoader:
-    """Batches of exactly batch_size prompts, num_episodes passes, each pass in its own shuffled order.
-
-    The last partial batch of an episode is dropped (as OpenRLHF's drop_last=True dataloader): every PPO step
-    sees the same number of prompts. Iterating resumes from the current position; state_dict() after receiving
-    k batches points at batch k+1, so a checkpoint taken after training on a batch resumes with the next one.
-    """
-
-    def __init__(self, prompts: list[Prompt], batch_size: int, num_episodes: int, seed: int):
-        if len(prompts) < batch_size:
-            raise DataError(
-                f"{len(prompts)} usable prompts but --rollout_batch_size {batch_size}: lower "
-                "--rollout_batch_size or add prompts (see the prompt summary for skipped ones)."
-            )
-        self.prompts, self.batch_size, self.num_episodes, self.seed = prompts, batch_size, num_episodes, seed
-        self.episode = 0
-        self.batch_in_episode = 0
-
-    @property
-    def steps_per_episode(self) -> int:
-        return len(self.prompts) // self.batch_size
-
-    @property
-    def total_steps(self) -> int:
-        return self.steps_per_episode * self.num_episodes
-
-    @property
-    def steps_done(self) -> int:
-        return self.episode * self.steps_per_episode + self.batch_in_episode
-
-    def order(self, episode: int) -> list[int]:
-        """The prompt order of one episode: a permutation seeded by (seed, episode) alone."""
-        import numpy as np
-
-        rng = np.random.default_rng([self.seed & 0xFFFFFFFFFFFFFFFF, episode])  # SeedSequence wants ints >= 0
-        return rng.permutation(len(self.prompts)).tolist()
-
-    def __iter__(self) -> Iterator[list[Prompt]]:
-        while self.episode < self.num_episodes:
-            order = self.order(self.episode)
-            while self.batch_in_episode < self.steps_per_episode:
-                start = self.batch_in_episode * self.batch_size
-                self.batch_in_episode += 1  # before yielding: the batch counts as consumed once handed out
-                yield [self.prompts[i] for i in order[start : start + self.batch_size]]
-            self.episode, self.batch_in_episode = self.episode + 1, 0
-
-    def __len__(self) -> int:
-        return self.total_steps
-
-    def state_dict(self) -> dict:
-        episode, batch = self.episode, self.batch_in_episode
-        if batch >= self.steps_per_episode:  # the end of an episode is the start of the next
-            episode, batch = episode + 1, 0
-        return {
-            "episode": episode,
-            "batch_in_episode": batch,
-            "seed": self.seed,
-            "batch_size": self.batch_size,
-            "num_prompts": len(self.prompts),
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        """Continue where `state` was taken. The data, batch size and seed must match, or the order would not."""
-        now = {"seed": self.seed, "batch_size": self.batch_size, "num_prompts": len(self.prompts)}
-        then = {k: state.get(k) for k in now}
-        if then != now:
-            raise DataError(
-                f"the checkpoint's prompt loader had {then}, this run has {now}; resume with the same "
-                "--prompt_data, --max_samples, --prompt_max_len, --rollout_batch_size and --seed."
-            )
-        if not 0 <= state["batch_in_episode"] < self.steps_per_episode or state["episode"] < 0:
-            raise DataError(
-                f"corrupt prompt loader state {state}: batch_in_episode must be in "
-                f"[0, {self.steps_per_episode}) and episode >= 0."
-            )
-        self.episode, self.batch_in_episode = int(state["episode"]), int(state["batch_in_episode"])

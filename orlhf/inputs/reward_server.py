@@ -34,6 +34,7 @@ import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Any, Optional
 
@@ -78,6 +79,7 @@ class PooledHTTPServer(HTTPServer):
     (a semaphore gates accept), so idle clients cannot grow the thread count."""
 
     request_queue_size = 128  # connections waiting for a free worker
+    service: Optional["RewardService"] = None  # what RewardHandler serves (make_server sets it)
 
     def __init__(self, address, handler, workers: int):
         self._slots = threading.BoundedSemaphore(workers)
@@ -116,6 +118,17 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+@dataclass
+class RewardService:
+    """What every connection's handler shares: the reward function, the token and the deadlines."""
+
+    source: FunctionReward
+    token: Optional[str]
+    timeout_s: float  # a whole request's deadline, and each write's socket timeout
+    reward_timeout_s: float
+    lock: threading.Lock = field(default_factory=threading.Lock)  # user reward functions need not be thread-safe
+
+
 def make_server(
     reward_fn: str,
     host: str = "127.0.0.1",
@@ -133,85 +146,93 @@ def make_server(
             f"--host {host} exposes the reward server beyond this machine; give it a token "
             f"(--token, or ${TOKEN_ENV}) so only your trainer can call it, or bind 127.0.0.1."
         )
-    source = FunctionReward(reward_fn, timeout_s=reward_timeout_s)
-    lock = threading.Lock()  # user reward functions need not be thread-safe
+    service = RewardService(FunctionReward(reward_fn, timeout_s=reward_timeout_s), token, timeout_s, reward_timeout_s)
+    server = PooledHTTPServer((host, port), RewardHandler, workers)
+    server.service = service  # read by each RewardHandler through self.server
+    return server
 
-    class Handler(BaseHTTPRequestHandler):
-        timeout = timeout_s  # socket timeout of each write; reads go through DeadlineReader
 
-        def setup(self) -> None:
-            super().setup()
-            self.reader = DeadlineReader(self.connection, timeout_s)
-            self.rfile = io.BufferedReader(self.reader)
-            self.replied = False
+class RewardHandler(BaseHTTPRequestHandler):
+    """One connection of a make_server server: one POST read against one deadline, answered once."""
 
-        def handle_one_request(self) -> None:
-            super().handle_one_request()  # catches a read's TimeoutError itself and closes without an answer
-            if self.reader.expired and self.reader.received and not self.replied:  # request line or headers
-                self.request_version = getattr(self, "request_version", "HTTP/1.0") or "HTTP/1.0"
-                self.requestline = getattr(self, "requestline", "")
-                try:
-                    self._reply(
-                        408,
-                        {
-                            "error": f"request line and headers not received within {timeout_s:g} s "
-                            "(--timeout_s covers the whole request)"
-                        },
-                    )
-                except OSError:  # the client is gone already: nobody to tell
-                    pass
+    def setup(self) -> None:
+        self.service: RewardService = self.server.service
+        self.timeout = self.service.timeout_s  # socket timeout of each write; reads go through DeadlineReader
+        super().setup()
+        self.reader = DeadlineReader(self.connection, self.service.timeout_s)
+        self.rfile = io.BufferedReader(self.reader)
+        self.replied = False
 
-        def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
-            if token is not None:
-                given = self.headers.get("Authorization", "")
-                if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-                    return self._reply(401, {"error": "missing or wrong bearer token"})
+    def handle_one_request(self) -> None:
+        super().handle_one_request()  # catches a read's TimeoutError itself and closes without an answer
+        if self.reader.expired and self.reader.received and not self.replied:  # request line or headers
+            self.request_version = getattr(self, "request_version", "HTTP/1.0") or "HTTP/1.0"
+            self.requestline = getattr(self, "requestline", "")
             try:
-                queries, prompts, labels = parse_request(self.headers.get("Content-Length"), self.rfile)
-            except BadRequest as e:
-                return self._reply(400, {"error": str(e)})
-            except socket.timeout:
-                return self._reply(
+                self._reply(
                     408,
                     {
-                        "error": f"body not received within {timeout_s:g} s (is Content-Length "
-                        "larger than the body, or is it sent too slowly?)"
+                        "error": f"request line and headers not received within {self.service.timeout_s:g} s "
+                        "(--timeout_s covers the whole request)"
                     },
                 )
-            try:
-                with lock:
-                    result = source.evaluate(queries, prompts, labels)
-            except RewardBusy:
-                return self._reply(
-                    503,
-                    {
-                        "error": "busy: the previous reward_func call has not returned (it ran past "
-                        f"--reward_timeout_s {reward_timeout_s:g} s); retry later"
-                    },
-                )
-            except RewardError as e:
-                return self._reply(500, {"error": str(e)})
-            answer: dict[str, Any] = {"rewards": result.rewards.tolist(), "scores": result.scores.tolist()}
-            if result.extra_logs:
-                answer["extra_logs"] = {k: v.tolist() for k, v in result.extra_logs.items()}
-            self._reply(200, answer)
+            except OSError:  # the client is gone already: nobody to tell
+                pass
 
-        def _reply(self, code: int, obj: dict) -> None:
-            self.replied = True
-            self.connection.settimeout(timeout_s)  # the reads left it at what remained of their deadline
-            data = json.dumps(obj).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.send_header("Connection", "close")
-            self.end_headers()
-            self.wfile.write(data)
-            self.close_connection = True
+    def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
+        token = self.service.token
+        if token is not None:
+            given = self.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+                return self._reply(401, {"error": "missing or wrong bearer token"})
+        try:
+            queries, prompts, labels = parse_request(self.headers.get("Content-Length"), self.rfile)
+        except BadRequest as e:
+            return self._reply(400, {"error": str(e)})
+        except socket.timeout:
+            return self._reply(
+                408,
+                {
+                    "error": f"body not received within {self.service.timeout_s:g} s (is Content-Length "
+                    "larger than the body, or is it sent too slowly?)"
+                },
+            )
+        self._score(queries, prompts, labels)
 
-        def log_message(self, fmt: str, *args) -> None:
-            log.debug("%s " + fmt, self.client_address[0], *args)
+    def _score(self, queries: list[str], prompts: list[str], labels: list) -> None:
+        """One reward_func call, answered 200 with its rewards, 503 while a timed-out call still runs, else 500."""
+        try:
+            with self.service.lock:
+                result = self.service.source.evaluate(queries, prompts, labels)
+        except RewardBusy:
+            return self._reply(
+                503,
+                {
+                    "error": "busy: the previous reward_func call has not returned (it ran past "
+                    f"--reward_timeout_s {self.service.reward_timeout_s:g} s); retry later"
+                },
+            )
+        except RewardError as e:
+            return self._reply(500, {"error": str(e)})
+        answer: dict[str, Any] = {"rewards": result.rewards.tolist(), "scores": result.scores.tolist()}
+        if result.extra_logs:
+            answer["extra_logs"] = {k: v.tolist() for k, v in result.extra_logs.items()}
+        self._reply(200, answer)
 
-    return PooledHTTPServer((host, port), Handler, workers)
+    def _reply(self, code: int, obj: dict) -> None:
+        self.replied = True
+        self.connection.settimeout(self.service.timeout_s)  # the reads left it at what remained of their deadline
+        data = json.dumps(obj).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(data)
+        self.close_connection = True
+
+    def log_message(self, fmt: str, *args) -> None:
+        log.debug("%s " + fmt, self.client_address[0], *args)
 
 
 def parse_request(content_length: Optional[str], rfile) -> tuple[list[str], list[str], list]:

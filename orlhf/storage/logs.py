@@ -84,7 +84,7 @@ class RunLogs:
     def route_transformers(self) -> None:
         """Send transformers' records to driver.log, as setup_driver does for the libraries already imported. The
         driver calls it where it first imports transformers (launch/run.py: the inputs thread, the value-head check):
-        importing transformers only to route its logger cost ~1.5 CPU-s on the main thread before Ray's start."""
+        importing transformers only to route its logger would cost CPU time on the main thread before Ray's start."""
         if not self.verbose:
             _route_transformers_logging()
 

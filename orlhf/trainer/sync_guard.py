@@ -1,10 +1,10 @@
 """The sync guard: stop a run whose engines sample from another policy than the one being trained.
 
-Every step the controller has, for the same sampled tokens, the engine's log-probs (from generation) and the
-actor's (scoring, before training). With the weights in step they agree to rounding (fp32: ~1e-7 mean absolute
-difference per token; bf16: ~1e-3); a sync that missed weights (a tied head, a renamed or fused tensor, a
-pre-packed copy vLLM did not refresh) gives 1e-2 and more, and PPO would then train on another policy's samples
-while the reward curve looks plausible. `--max_engine_logprob_gap` bounds that mean; past it the run stops.
+Every step the controller has, for the same sampled tokens, the engine's log-probs (from generation) and the actor's
+(scoring, before training). With the weights in step they agree to rounding; a sync that missed weights (a tied head, a
+renamed or fused tensor, a pre-packed copy vLLM did not refresh) gives a mean gap per token orders of magnitude larger,
+and PPO would then train on another policy's samples while the reward curve looks plausible. `--max_engine_logprob_gap`
+bounds that mean; past it the run stops.
 
 The comparison is meaningful only where both sides score the same policy the same way, so it is skipped when
 - rollouts are stale (async mode: they came from older weights than the actor holds now; the actor cannot score
@@ -23,18 +23,12 @@ from typing import Optional
 
 log = logging.getLogger(__name__)
 
-# Defaults by training dtype: a healthy run sits well below, a broken sync above. Measured with this statistic on
-# tiny random models (tests/vllm/family_rig.py; Llama untied and tied, Qwen2-MoE, GPT-2; 16 x 16 sampled tokens):
-#   fp32: healthy 1.6e-7..2.0e-7; broken (issue 17: tied head, MoE experts, real train-ppo runs) 7.1e-3..4.9e-2
-#   bf16 (trainer and engine): healthy 5.2e-4..8.9e-4 (after 0 to 3 updates), and 1.0e-3..1.1e-3 over the 8 steps
-#        of the built-in demo's `train-ppo --bf16` (1.0e-3..1.4e-3 with --actor_learning_rate 0.01, rising as the
-#        policy sharpens); engine one update or 0.002 seeded noise behind: 1.7e-2..2.0e-1
-# bf16's 3e-3 is 2.2x the largest healthy gap and 2.4x under the smallest broken one above. GPU kernels (vLLM's
-# and the trainer's attention differ more) may need it raised: the error says how.
-# On GPUs the engines run bfloat16 whatever the trainer's dtype (rollout/engine.py: vLLM's GPU attention wants
-# 16 bits), and vLLM's kernels and the trainer's differ more than on CPU; nothing has been measured there yet, so the
-# default is looser, 2e-2: it still stops the tied-head and one-update-behind breaks above (2.4e-2 and up), not the
-# MoE one (7.1e-3). A GPU run that measures its healthy gap can tighten it with the flag.
+# Defaults by training dtype: a healthy run sits well below, a broken sync (a tied head, MoE experts, an engine one
+# update behind) above; tests/vllm/family_rig.py measures both sides with this statistic on tiny random models (Llama
+# untied and tied, Qwen2-MoE, GPT-2). On GPUs the engines run bfloat16 whatever the trainer's dtype (rollout/engine.py:
+# vLLM's GPU attention wants 16 bits), and vLLM's kernels and the trainer's differ more than on CPU, so the default is
+# looser: it still stops the tied-head and one-update-behind breaks, not the MoE one. A GPU run that measures its
+# healthy gap can tighten it with the flag; the error says how to raise it.
 DEFAULT_MAX_GAP = {"fp32": 1e-3, "bf16": 3e-3, "cuda": 2e-2}
 
 

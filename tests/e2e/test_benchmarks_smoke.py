@@ -1,4 +1,4 @@
-"""The benchmark scripts run end to end on the demo (~1.5 min on 2 cores): one ppo_throughput invocation with
+"""The benchmark scripts run end to end on the demo: one ppo_throughput invocation with
 `--steps 1 --warmup 1 --modes hybrid,split` runs the DeepSpeed-Chat-style baseline for 2 steps, then orlhf's
 split mode, and ends with one JSON line. Both are subprocesses (the baseline owns its process group; orlhf starts
 its own Ray), as a user runs them.

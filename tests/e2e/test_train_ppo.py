@@ -1,9 +1,9 @@
 """`orlhf train-ppo` end to end on the built-in demo: real Ray, DeepSpeed, vLLM; the reward must rise.
 
-The runs share the session's Ray cluster (the CLI joins a running one). Criterion (the PPO issue's, shortened
-for CI): mean reward of the last 10 steps >= 1.5 x the mean of the first 10.
+The runs share the session's Ray cluster (the CLI joins a running one). Criterion (shortened for CI): mean
+reward of the last 10 steps >= 1.5 x the mean of the first 10.
 
-Each run costs a whole start-up (~40 s on 2 cores), so one run proves several points: the GAE run is also the
+Each run costs a whole start-up, so one run proves several points: the GAE run is also the
 hybrid layout (--colocate_all_models) and the terminal test's run, the DAPO-style run is also GSPO and plain
 group_norm without a critic.
 Elsewhere: the async staleness bound in test_agent.py (its multi-turn run is async), a reward model scoring in

@@ -207,7 +207,7 @@ def test_shared_prompt_forward_matches_whole_rows(lm_path, attn):
 def plan_estimate_bytes(model_dir: str, bf16: bool = True, zero_stage: int = 3, ranks: int = 1) -> float:
     """What `orlhf plan` says one actor rank holds on its GPU (model states only) for this model folder."""
     from orlhf.config.train_config import DeepSpeedConfig, TrainConfig
-    from orlhf.launch.plan import GIB, count_params, read_dims, role_memory
+    from orlhf.launch.plan_memory import GIB, count_params, read_dims, role_memory
 
     cfg = dataclasses.replace(TrainConfig(), deepspeed=DeepSpeedConfig(bf16=bf16, zero_stage=zero_stage))
     return role_memory(cfg, "actor", count_params(read_dims(model_dir)), ranks, device="cuda").device_gib * GIB

@@ -79,7 +79,7 @@ def test_stopping_early_does_not_hang():
 @pytest.mark.parametrize("error", [RuntimeError("trainer rank 1 died"), KeyboardInterrupt()])
 def test_an_error_or_ctrl_c_mid_generation_stops_within_seconds(error, monkeypatch):
     """The trainer fails (or the user presses Ctrl-C) while the producer is inside a generation that would take
-    10 minutes: leaving the producer returns within STOP_WAIT_S, not after the generation (was: up to 600 s)."""
+    10 minutes: leaving the producer returns within STOP_WAIT_S, not after the generation."""
     import orlhf.trainer.async_producer
 
     assert orlhf.trainer.async_producer.STOP_WAIT_S <= 10  # seconds, as promised

@@ -449,7 +449,7 @@ def test_loss_flags_reach_the_actor_slice():
 
 def test_config_choices_match_the_algo_registries():
     from orlhf.algo import losses
-    from orlhf.config import train_config as config
+    from orlhf.config import ppo_config as config
 
     assert config.LOSS_AGG_MODES == losses.LOSS_AGG_MODES
     assert config.POLICY_LOSS_TYPES == losses.POLICY_LOSS_TYPES

@@ -8,7 +8,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 
 from orlhf.demo.builder import ensure_demo
-from orlhf.inputs.prompts import DataError, Prompt, PromptLoader, build_prompts, load_prompt_rows, load_tokenizer
+from orlhf.inputs.prompt_loader import PromptLoader
+from orlhf.inputs.prompts import DataError, Prompt, build_prompts, load_prompt_rows
+from orlhf.inputs.tokenizer import load_tokenizer
 
 ROWS = [{"q": f"say colors: red {i}", "a": f"label{i}"} for i in range(5)]
 
@@ -264,7 +266,7 @@ def test_demo_prompts_load_end_to_end(tok):
     assert PromptLoader(prompts, 64, 4, seed=42).total_steps == 32
 
 
-# ---- bad input of issue 16: one clear line each ----
+# ---- bad input: one clear line each ----
 
 
 def test_utf8_bom_files_are_accepted(tmp_path):

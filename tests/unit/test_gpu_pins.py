@@ -4,8 +4,7 @@ Metadata only, in seconds: the index's project JSON says whether the pinned vLLM
 wheels, and the METADATA inside vLLM's wheel (read by HTTP range requests, not downloaded) says whether its
 requirements admit orlhf's pins (its torch pin must be ours; every package both vLLM and orlhf's core constrain,
 transformers included, must have a release both accept). Skipped, saying why, when the index cannot be reached. The
-full transitive
-resolution (pip --dry-run over ~200 packages, about 3 minutes here) runs with ORLHF_FULL_RESOLVE=1.
+full transitive resolution (pip --dry-run over the whole stack, minutes) runs with ORLHF_FULL_RESOLVE=1.
 """
 
 import importlib.metadata
@@ -29,7 +28,7 @@ from packaging.version import InvalidVersion, Version
 ROOT = Path(__file__).resolve().parents[2]
 PINS = runpy.run_path(str(ROOT / "orlhf" / "versions.py"))
 INDEX = os.environ.get("ORLHF_PYPI_JSON", "https://pypi.org/pypi")
-# A CUDA machine as the gpu extra targets: Linux x86_64, CPython 3.11 (the version the CPU stack is measured on)
+# A CUDA machine as the gpu extra targets: Linux x86_64, CPython 3.11 (the version the CPU stack is tested on)
 LINUX_X86_64 = {
     "sys_platform": "linux",
     "platform_system": "Linux",

@@ -1,8 +1,7 @@
 """The GPU path's decisions that a CPU can check: flag rules, engine environment and dtype, optimizer choice,
 colocated start-up order, the sleep switch's first wake-up, CUDA IPC handle routing, and the install pins.
 
-Each test names the defect it guards (issue: "the GPU path, correct by construction"). What needs a GPU to run
-is in tests/gpu/ (skipped here).
+Each test names the defect it guards. What needs a GPU to run is in tests/gpu/ (skipped here).
 """
 
 import dataclasses

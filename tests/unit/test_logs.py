@@ -106,7 +106,7 @@ def test_a_worker_process_output_lands_in_its_file(tmp_path):
 
 def test_setup_driver_leaves_transformers_unimported(tmp_path):
     """The driver's main thread starts Ray right after setup_driver; importing transformers there (to route its
-    logger) cost ~1.5 CPU-s before Ray's start. route_transformers does it where the driver imports it."""
+    logger) would cost CPU time before Ray's start. route_transformers does it where the driver imports it."""
     code = (
         "import sys; from orlhf.storage.logs import setup_driver; run = setup_driver(sys.argv[1]); "
         "print('transformers' in sys.modules, 'torch' in sys.modules); run.route_transformers(); "

@@ -150,7 +150,7 @@ def test_aggregate_token_and_sequence_means():
 def test_step_aggregation_equals_whole_batch_mean_not_mean_of_micro_means():
     # Micro-batch 1 has 1 token of loss 1, micro-batch 2 has 3 tokens of loss 3 (one optimizer step, gas 2).
     # Whole-batch token mean: (1 + 9) / 4 = 2.5. DeepSpeed sums micro losses / gas: with the step norm
-    # (4 tokens, scale 2): (1 / 4 * 2 + 9 / 4 * 2) / 2 = 2.5. Mean of micro means (the old way): (1 + 3) / 2 = 2.
+    # (4 tokens, scale 2): (1 / 4 * 2 + 9 / 4 * 2) / 2 = 2.5. Mean of micro means: (1 + 3) / 2 = 2.
     a, ma = t([1.0, 0.0, 0.0]), torch.tensor([[1, 0, 0]], dtype=torch.bool)
     b, mb = t([3.0, 3.0, 3.0]), torch.tensor([[1, 1, 1]], dtype=torch.bool)
     norm = step_norm([ma, mb], scale=2.0)

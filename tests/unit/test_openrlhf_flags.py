@@ -4,9 +4,8 @@ import pytest
 
 from orlhf.cli import main, native_arity
 from orlhf.config import flags as F
-from orlhf.config.openrlhf import ALIASES, DOTTED, NO_EFFECT, OPENRLHF_V0101_FLAGS, UNSUPPORTED, CompatError, translate
-
-# Flags other branches add (issues 14, 15, 17); skipped here until those branches merge, then this set is emptied.
+from orlhf.config.openrlhf import ALIASES, NO_EFFECT, OPENRLHF_V0101_FLAGS, UNSUPPORTED, CompatError, translate
+from orlhf.config.openrlhf_dotted import DOTTED
 
 # One value per flag, as an OpenRLHF v0.10.1 script would write it (switches take none). Unsupported features
 # carry OpenRLHF's default, which asks for nothing; their refusal is tested below.
@@ -130,10 +129,10 @@ def test_a_launch_line_with_every_flag_parses(capsys, no_training, dashed, monke
     assert cfg.ppo.max_len == 2048 and cfg.ppo.generate_max_len == 1024  # --max_new_tokens
     assert cfg.ppo.advantage_estimator == "reinforce_baseline" and cfg.ppo.reward_clip_range == (-5.0, 5.0)
     assert cfg.logging.wandb_org == "org" and cfg.logging.save_value_network and cfg.logging.use_wandb == "KEY"
-    assert cfg.ppo.eps_clip_low_high == (0.2, 0.28) and cfg.ppo.adam_betas == (0.9, 0.99)  # issue 14's
+    assert cfg.ppo.eps_clip_low_high == (0.2, 0.28) and cfg.ppo.adam_betas == (0.9, 0.99)  # loss variants
     assert cfg.ppo.vllm_is_correction_type == "icepop" and cfg.ppo.dynamic_filtering
-    assert cfg.data.value_head_prefix == "value_head" and cfg.data.prompt_split == "train"  # issue 17's
-    assert cfg.data.agent_func_path == "/a/agent.py" and cfg.eval.eval_steps == 8  # issue 15's
+    assert cfg.data.value_head_prefix == "value_head" and cfg.data.prompt_split == "train"  # data and heads
+    assert cfg.data.agent_func_path == "/a/agent.py" and cfg.eval.eval_steps == 8  # agent and evaluation
 
 
 @pytest.mark.parametrize(

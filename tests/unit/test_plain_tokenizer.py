@@ -1,5 +1,6 @@
-"""data._plain_tokenizer: the driver's tokenizer without importing AutoTokenizer's module, only where AutoTokenizer
-itself returns the same class from the same call, checked against transformers' own tables and by loading both."""
+"""inputs/tokenizer.py's _plain_tokenizer: the driver's tokenizer without importing AutoTokenizer's module, only
+where AutoTokenizer itself returns the same class from the same call, checked against transformers' own tables and by
+loading both."""
 
 import filecmp
 import json
@@ -10,7 +11,7 @@ import sys
 import pytest
 
 from orlhf.demo.builder import ensure_demo
-from orlhf.inputs.prompts import PLAIN_TOKENIZER_TYPES, _plain_tokenizer, load_tokenizer
+from orlhf.inputs.tokenizer import PLAIN_TOKENIZER_TYPES, _plain_tokenizer, load_tokenizer
 
 
 def demo_copy(tmp_path, **config_changes):
@@ -65,7 +66,7 @@ def test_anything_else_goes_through_autotokenizer(tmp_path, change):
 
 def test_the_driver_does_not_import_autotokenizers_module():
     code = (
-        "import sys; from orlhf.inputs.prompts import load_tokenizer; load_tokenizer(sys.argv[1]); "
+        "import sys; from orlhf.inputs.tokenizer import load_tokenizer; load_tokenizer(sys.argv[1]); "
         "print('transformers.models.auto.tokenization_auto' in sys.modules, 'sympy' in sys.modules)"
     )
     out = subprocess.run(

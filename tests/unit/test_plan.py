@@ -17,7 +17,7 @@ from orlhf.distributed.layout import (
     plan_layout,
     simulate,
 )
-from orlhf.launch.plan import GIB, ModelDims, count_params, device_peak, read_dims, role_memory
+from orlhf.launch.plan_memory import GIB, ModelDims, count_params, device_peak, read_dims, role_memory
 
 # Llama-3-70B's shape (hand count below).
 CONFIG_70B = {

@@ -324,11 +324,11 @@ def test_http_reward_bad_answers_are_checked_like_files(serve):
 
 
 def test_reward_query_is_the_prompt_text_plus_the_decoded_response():
-    """With a chat template the prompt text holds special tokens; decoding prompt + response with
-    skip_special_tokens dropped them, so queries[i] no longer started with prompts[i] (issue 16)."""
+    """With a chat template the prompt text holds special tokens: queries[i] still starts with prompts[i]
+    (decoding prompt + response with skip_special_tokens would drop them from the query only)."""
     from types import SimpleNamespace
 
-    from orlhf.inputs.prompts import load_tokenizer
+    from orlhf.inputs.tokenizer import load_tokenizer
     from orlhf.trainer.scoring import reward_inputs
 
     tok = load_tokenizer(str(ensure_demo().model))
@@ -341,4 +341,4 @@ def test_reward_query_is_the_prompt_text_plus_the_decoded_response():
     assert prompts == [text] and labels == ["colors"]
     assert queries[0].startswith(text) and queries[0][len(text) :] == tok.decode(response, skip_special_tokens=True)
     old = tok.decode(ids + response, skip_special_tokens=True)
-    assert not old.startswith(text)  # what the old query was: the bug this guards against
+    assert not old.startswith(text)  # decoding prompt + response together drops the special tokens

@@ -185,8 +185,8 @@ def _drip(port, at_once: bytes, dripped: bytes, every_s=0.2) -> tuple[bytes, flo
 
 @pytest.mark.parametrize("split", ["request line", "body"])
 def test_a_client_sending_a_byte_at_a_time_gets_408_at_the_deadline(rm_process, split):
-    """--timeout_s 1 bounds the whole request read: a byte every 0.2 s never trips a per-read timeout (the old
-    behaviour held a worker for the whole drip, ~15 s here, and then answered 200)."""
+    """--timeout_s 1 bounds the whole request read: a byte every 0.2 s never trips a per-read timeout (which
+    would hold a worker for the whole drip and then answer 200)."""
     _, port = rm_process
     request = _post(json.dumps(GOOD).encode())
     cut = 0 if split == "request line" else request.index(b"\r\n\r\n") + 4

@@ -19,10 +19,9 @@ def test_threshold_defaults_by_dtype_and_flag_wins():
 
 
 def test_bf16_default_between_healthy_and_broken_bf16_syncs():
-    # Measured (trainer/sync_guard.py): a healthy bf16 sync gives <= 1.4e-3 per token (the demo's train-ppo --bf16);
-    # the broken syncs of issue 17 gave
-    # 7.1e-3 (Qwen2-MoE), 2.4e-2 (tied Llama), 3.1e-2 (Gemma 3), 4.9e-2 (GPT-2). The old default, 5e-2, let all
-    # of them train on.
+    # Measured: a healthy bf16 sync gives <= 1.4e-3 per token (the demo's train-ppo --bf16); broken syncs
+    # (tests/vllm/family_rig.py) gave 7.1e-3 (Qwen2-MoE), 2.4e-2 (tied Llama), 3.1e-2 (Gemma 3), 4.9e-2 (GPT-2).
+    # A default of 5e-2 would let all of them train on.
     bf16 = max_gap(None, bf16=True)
     assert bf16 == DEFAULT_MAX_GAP["bf16"] and DEFAULT_MAX_GAP["fp32"] < bf16
     guard = SyncGuard(threshold=bf16, bf16=True)
@@ -46,7 +45,7 @@ def test_healthy_gap_passes_broken_sync_stops_with_the_facts():
     assert guard.check(3e-7, step=4, staleness=0) is True  # a synced fp32 engine: ~1e-7
     assert guard.check(1e-3, step=4, staleness=0) is True  # at the threshold: still fine
     with pytest.raises(EngineMismatchError) as err:
-        guard.check(0.024, step=5, staleness=0)  # the tied-head gap of issue 17
+        guard.check(0.024, step=5, staleness=0)  # the gap of a sync that missed a tied head
     msg = str(err.value)
     for fact in ("step 5", "0.024", "--max_engine_logprob_gap 0.001", "fp32", "tied lm_head", "dtype", "set it to 0"):
         assert fact in msg, fact

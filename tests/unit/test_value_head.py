@@ -240,7 +240,7 @@ def test_pre_flight_reads_width_and_backbone_from_the_files_without_transformers
         check_head(str(tmp_path / "gpt2ish"), "score", required=True)
 
     # The check runs on the driver before Ray starts: no torch, no transformers config machinery (its type
-    # validators import torch's compiler and DTensor modules, ~1.5 CPU-s).
+    # validators import torch's compiler and DTensor modules).
     save_openrlhf_model(tmp_path / "rm", prefix="score")
     code = (
         "import sys; from orlhf.inputs.head_files import check_head; "

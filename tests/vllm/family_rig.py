@@ -6,7 +6,7 @@
       Rig.sync()                ------->  send_weights  --gloo broadcast-->    orlhf_receive_weights
 
 Both processes live for the whole test module and load one model family after another, so each family costs
-one DeepSpeed init and one vLLM start (~3 s in-process). Commands go over a pipe as (method name, args); the
+one DeepSpeed init and one vLLM start (in-process). Commands go over a pipe as (method name, args); the
 sync starts both sides at once, as WeightSync does with Ray.
 """
 

@@ -1,10 +1,10 @@
-"""One optimizer step's gradient is the gradient of the whole batch's loss computed at once (issue: divergence 1).
+"""One optimizer step's gradient is the gradient of the whole batch's loss computed at once.
 
 Real DeepSpeed workers (ZeRO-0, where the averaged gradient sits in p.grad at the accumulation boundary) on real
 gloo process groups at world size 1 and 2, micro-batch sizes 1, 3 and the whole share; the reference is the
 same loss computed here on the whole batch in one forward with plain transformers. Response lengths differ from
 row to row (1..5 tokens), so a mean of micro-batch means would weigh tokens unequally: a check below shows that
-the old aggregation misses the reference by far more than the tolerance. The actor is configured with a KL
+a mean of micro-batch means misses the reference by far more than the tolerance. The actor is configured with a KL
 coefficient 5x the one its train_step is given, so the match also shows the passed (adaptive) value is used.
 """
 
@@ -135,7 +135,7 @@ def runs(model_dir, experience) -> dict:
 
 
 def _actor_loss(model, exp: Experience, mode: str, split: int = 1) -> torch.Tensor:
-    """The actor's loss on `exp`; split > 1 gives the old mean of per-micro-batch local means instead."""
+    """The actor's loss on `exp`; split > 1 gives a mean of per-micro-batch local means instead."""
     if split > 1:
         parts = exp.split([B // split] * split)
         return sum(_actor_loss(model, p, mode) for p in parts) / split

@@ -1,0 +1,186 @@
+"""The rules of config/validation.py about the algorithm: advantage estimators, loss variants, reward shaping and
+dynamic sampling, token budgets and the critic warm-up, and flags that do nothing without another one.
+
+Each rule appends one message per problem to `out`, naming the flags and the fix.
+"""
+
+from __future__ import annotations
+
+from orlhf.algo.registry import ESTIMATORS
+from orlhf.algo.registry import names as estimator_names
+from orlhf.config.train_config import TrainConfig
+
+
+def estimators(cfg: TrainConfig, out: list[str]) -> None:
+    est, n = cfg.ppo.advantage_estimator, cfg.ppo.n_samples_per_prompt
+    spec = ESTIMATORS.get(est)
+    if spec is None:  # the CLI's choices come from the registry; a config built in code may still miss
+        out.append(f"--advantage_estimator {est!r} is not one of {', '.join(ESTIMATORS)}.")
+        return
+    if spec.needs_groups and n < 2:
+        out.append(
+            f"--advantage_estimator {est} compares samples of the same prompt: set "
+            f"--n_samples_per_prompt to 2 or more (got {n}), or use "
+            f"{' / '.join(estimator_names(needs_groups=False))}."
+        )
+    if spec.needs_groups and cfg.ppo.gamma != 1.0:
+        out.append(
+            f"--advantage_estimator {est} scores whole responses (the group baseline is on the final "
+            f"score): it needs --gamma 1.0 (got {cfg.ppo.gamma})."
+        )
+    if not cfg.has_critic:
+        if cfg.data.critic_pretrain is not None:
+            out.append(
+                f"--critic_pretrain is given but --advantage_estimator {est} uses no critic; "
+                f"drop --critic_pretrain or use --advantage_estimator {_critic_estimators()}."
+            )
+        if cfg.placement.colocate_critic_reward:
+            out.append(
+                f"--colocate_critic_reward is given but --advantage_estimator {est} uses no critic; "
+                f"drop it or use --advantage_estimator {_critic_estimators()}."
+            )
+
+
+def _critic_estimators() -> str:
+    return " / ".join(estimator_names(needs_critic=True))
+
+
+def _pair(value: tuple) -> tuple[float, float]:
+    return float(value[0]), float(value[1])
+
+
+def losses(cfg: TrainConfig, out: list[str]) -> None:
+    """The loss variants (clip-higher, GSPO, IS correction, KL loss, optimizer knobs)."""
+    ppo = cfg.ppo
+    if ppo.eps_clip_low_high is not None:
+        lo, hi = _pair(ppo.eps_clip_low_high)
+        if not (0 < lo < 1 and hi > 0):
+            out.append(
+                f"--eps_clip_low_high LOW HIGH needs 0 < LOW < 1 and HIGH > 0 (got {lo} {hi}); DAPO uses 0.2 0.28."
+            )
+    lo, hi = _pair(ppo.vllm_is_truncated_threshold)
+    if not 0 <= lo < hi:
+        out.append(f"--vllm_is_truncated_threshold LOW HIGH needs 0 <= LOW < HIGH (got {lo} {hi}); e.g. 0.5 5.0.")
+    if ppo.kl_target is not None and ppo.use_kl_loss and ppo.init_kl_coef == 0:
+        out.append(
+            "--kl_target adapts the KL coefficient multiplicatively, but --init_kl_coef is 0 so it stays 0 "
+            "under --use_kl_loss: set --init_kl_coef > 0 or drop --kl_target."
+        )
+    if ppo.max_norm <= 0:
+        out.append(f"--max_norm must be > 0 (got {ppo.max_norm}).")
+    b1, b2 = _pair(ppo.adam_betas)
+    if not (0 <= b1 < 1 and 0 <= b2 < 1):
+        out.append(f"--adam_betas BETA1 BETA2 must both be in [0, 1) (got {b1} {b2}); OpenRLHF uses 0.9 0.95.")
+    if ppo.l2 < 0:
+        out.append(f"--l2 (weight decay) must be >= 0 (got {ppo.l2}).")
+    if ppo.lr_scheduler == "constant" and ppo.lr_warmup_ratio > 0:
+        out.append(
+            f"--lr_scheduler constant has no warm-up but --lr_warmup_ratio is {ppo.lr_warmup_ratio}: use "
+            "--lr_scheduler constant_with_warmup, or --lr_warmup_ratio 0."
+        )
+    est = ppo.advantage_estimator
+    spec = ESTIMATORS.get(est)
+    if ppo.no_advantage_std_norm and spec is not None and not spec.whiten:
+        out.append(
+            f"--no_advantage_std_norm changes the batch whitening of "
+            f"{' / '.join(estimator_names(whiten=True))}; "
+            f"--advantage_estimator {est} is not whitened, so it would do nothing"
+            + (f" (for {est} without the /std use --advantage_estimator {spec.std_free})." if spec.std_free else ".")
+        )
+
+
+def sampling(cfg: TrainConfig, out: list[str]) -> None:
+    """Reward shaping by length, and DAPO's dynamic sampling."""
+    ppo = cfg.ppo
+    if ppo.overlong_buffer_len is not None:
+        if not 0 < ppo.overlong_buffer_len <= ppo.generate_max_len:
+            out.append(
+                f"--overlong_buffer_len must be in (0, --generate_max_len {ppo.generate_max_len}] (got "
+                f"{ppo.overlong_buffer_len})."
+            )
+        if ppo.overlong_penalty_factor < 0:
+            out.append(f"--overlong_penalty_factor must be >= 0 (got {ppo.overlong_penalty_factor}).")
+    coef = ppo.stop_properly_penalty_coef
+    if coef is not None and coef > 1:
+        out.append(
+            f"--stop_properly_penalty_coef must be in [0, 1] (scales a cut response's reward) or < 0 (sets "
+            f"it); got {coef}."
+        )
+    if not ppo.dynamic_filtering:
+        return
+    lo, hi = _pair(ppo.dynamic_filtering_reward_range)
+    if not lo < hi:
+        out.append(f"--dynamic_filtering_reward_range LOW HIGH needs LOW < HIGH (got {lo} {hi}).")
+    if ppo.n_samples_per_prompt < 2:
+        out.append(
+            f"--dynamic_filtering drops prompts whose samples all score alike: it needs "
+            f"--n_samples_per_prompt 2 or more (got {ppo.n_samples_per_prompt})."
+        )
+    if cfg.data.reward_pretrain is not None:
+        out.append(
+            "--dynamic_filtering scores samples while generating, with a reward function or server: it "
+            "cannot use --reward_pretrain; use --remote_rm_url."
+        )
+    if ppo.async_train:
+        out.append(
+            "--dynamic_filtering refills a batch before training on it; --async_train generates ahead of "
+            "training. Drop one of them."
+        )
+
+
+def given_alone(cfg: TrainConfig, explicit: frozenset[str], out: list[str]) -> None:
+    """Flags the user gave that the rest of the command line makes do nothing (they would be silently ignored)."""
+    ppo = cfg.ppo
+    needs = [
+        ("vllm_is_correction_type", "enable_vllm_is_correction", ppo.enable_vllm_is_correction),
+        ("vllm_is_truncated_threshold", "enable_vllm_is_correction", ppo.enable_vllm_is_correction),
+        ("dynamic_filtering_reward_range", "dynamic_filtering", ppo.dynamic_filtering),
+        ("overlong_penalty_factor", "overlong_buffer_len", ppo.overlong_buffer_len is not None),
+    ]
+    for flag, needed, present in needs:
+        if flag in explicit and not present:
+            out.append(f"--{flag} does nothing without --{needed}: add --{needed} or drop --{flag}.")
+    if "eps_clip" in explicit and ppo.eps_clip_low_high is not None:
+        out.append(
+            "--eps_clip and --eps_clip_low_high both set the PPO clip (--eps_clip_low_high LOW HIGH "
+            "replaces --eps_clip on both sides): give only one of them."
+        )
+    if ppo.policy_loss_type == "gspo" and ppo.enable_vllm_is_correction:
+        # OpenRLHF v0.10.1's GSPO takes the engine log-probs as the base of its sequence ratio and applies no
+        # token weight, so neither the correction type nor its threshold has any effect there.
+        for flag, given in (
+            ("vllm_is_correction_type", ppo.vllm_is_correction_type != "tis"),
+            ("vllm_is_truncated_threshold", False),
+        ):
+            if flag in explicit or given:
+                out.append(
+                    f"--{flag} {_shown(getattr(ppo, flag))} acts on the token-level PPO loss; "
+                    "--policy_loss_type gspo with --enable_vllm_is_correction corrects inside its sequence "
+                    f"ratio (log pi - log pi_engine) instead, with no type or threshold. Drop --{flag} or "
+                    "use --policy_loss_type ppo."
+                )
+
+
+def _shown(value) -> str:
+    return " ".join(str(v) for v in value) if isinstance(value, tuple) else str(value)
+
+
+def dynamic_batch_and_freezing(cfg: TrainConfig, out: list[str]) -> None:
+    """Token budgets and the critic warm-up. A budget below one sample's length is no error (OpenRLHF has none
+    either): that sample gets a micro-batch of its own."""
+    ds = cfg.deepspeed
+    for flag, value in (
+        ("--train_max_tokens_per_gpu", ds.train_max_tokens_per_gpu),
+        ("--rollout_max_tokens_per_gpu", ds.rollout_max_tokens_per_gpu),
+    ):
+        if value is not None and value < 1:
+            out.append(f"{flag} must be >= 1 token (got {value}).")
+    n = cfg.ppo.freezing_actor_steps
+    if n < -1:
+        out.append(f"--freezing_actor_steps must be >= -1 (got {n}; -1: the actor is never frozen).")
+    elif n >= 0 and not cfg.has_critic:
+        out.append(
+            f"--freezing_actor_steps {n} trains the critic alone in the first steps, but --advantage_estimator "
+            f"{cfg.ppo.advantage_estimator} has no critic: nothing would train. Use --advantage_estimator gae "
+            "or leave out --freezing_actor_steps."
+        )

@@ -1,0 +1,152 @@
+"""The rules of config/validation.py about what a run reads: models, prompts, the reward source, eval data.
+
+Each rule appends one message per problem to `out`, naming the flags and the fix; none reads more than a path's
+existence or a folder's config.json.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Optional
+
+from orlhf.config.train_config import TrainConfig
+
+# "org/name" on the HF hub; allowed for model paths when the hub is reachable (HF_HUB_OFFLINE unset).
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
+
+
+def template_error(tpl: str) -> Optional[str]:
+    """The template is applied with str.format (as OpenRLHF does), so any other brace must be doubled: the message
+    when it cannot be, else None."""
+    try:
+        tpl.format("x")
+    except (KeyError, IndexError, ValueError) as e:
+        return (
+            f"--input_template {tpl!r}: braces other than the one '{{}}' ({type(e).__name__}: {e}); "
+            "write literal braces doubled, '{{' and '}}'."
+        )
+    return None
+
+
+def reward_source(cfg: TrainConfig, out: list[str]) -> None:
+    d = cfg.data
+    if d.reward_pretrain is not None and d.remote_rm_url is not None:
+        out.append("--reward_pretrain and --remote_rm_url are both given: choose one reward source.")
+    if d.agent_func_path is not None:
+        path = Path(d.agent_func_path).expanduser()
+        if path.suffix != ".py" or not path.is_file():
+            out.append(
+                f"--agent_func_path {d.agent_func_path}: expected an existing .py file defining AgentInstance "
+                "and AgentExecutor (see orlhf/demo/agent.py)."
+            )
+        for flag, given in (("--reward_pretrain", d.reward_pretrain), ("--remote_rm_url", d.remote_rm_url)):
+            if given is not None:
+                out.append(
+                    f"--agent_func_path and {flag} are both given: the agent's step() returns the rewards; drop {flag}."
+                )
+    elif d.reward_pretrain is None and d.remote_rm_url is None and not d.uses_demo:
+        out.append(
+            "--pretrain is given without a reward source: add --reward_pretrain MODEL_DIR or "
+            "--remote_rm_url (http://host:port/path or reward.py)."
+        )
+    if not d.uses_demo and d.prompt_data is None:
+        out.append(
+            "--pretrain is given without prompts: add --prompt_data (a .jsonl/.json/.parquet file or a "
+            "saved dataset folder)."
+        )
+    if cfg.placement.colocate_critic_reward and d.reward_pretrain is None:
+        out.append(
+            "--colocate_critic_reward needs a reward model (--reward_pretrain); with "
+            f"{'--remote_rm_url' if d.remote_rm_url else 'the demo reward function'} there is none."
+        )
+
+
+def paths(cfg: TrainConfig, out: list[str]) -> None:
+    d = cfg.data
+    offline = _offline()
+    for flag, value in (
+        ("--pretrain", d.pretrain),
+        ("--reward_pretrain", d.reward_pretrain),
+        ("--critic_pretrain", d.critic_pretrain),
+    ):
+        if value is None:
+            continue
+        path = Path(value).expanduser()
+        if path.is_dir():
+            if not (path / "config.json").is_file():
+                out.append(
+                    f"{flag} {value}: the folder has no config.json, so it is not a Hugging Face model "
+                    "folder (save one with model.save_pretrained(DIR))."
+                )
+        elif path.exists():
+            out.append(f"{flag} {value}: is a file; it must be a model folder (with config.json).")
+        elif offline or not _HUB_ID.match(value):
+            out.append(
+                f"{flag} {value}: no such folder"
+                + (
+                    " (and HF_HUB_OFFLINE is set, so it cannot be a hub id)."
+                    if offline and _HUB_ID.match(value)
+                    else "."
+                )
+            )
+    for source in d.prompt_data.split(",") if d.prompt_data is not None else []:  # a,b: several sources
+        source = source.strip()
+        path = Path(source).expanduser()
+        if source and not path.exists() and (offline or not _HUB_ID.match(source)):
+            out.append(f"--prompt_data {source}: no such file or folder.")
+    url = d.remote_rm_url
+    if url is not None and not url.startswith(("http://", "https://")):
+        path = Path(url).expanduser()
+        if path.suffix != ".py":
+            out.append(f"--remote_rm_url {url}: expected an http(s):// URL or a .py file defining reward_func.")
+        elif not path.is_file():
+            out.append(f"--remote_rm_url {url}: no such file.")
+
+
+def prompt_mix_and_heads(cfg: TrainConfig, out: list[str]) -> None:
+    """--prompt_data a,b with --prompt_data_probs, --prompt_split, --value_head_prefix (OpenRLHF's flags)."""
+    from orlhf.inputs.prompt_mix import parse_probs, split_sources
+    from orlhf.inputs.prompts import DataError
+
+    d = cfg.data
+    try:
+        sources = split_sources(d.prompt_data) if d.prompt_data is not None else None
+        if d.prompt_data_probs is not None:
+            if sources is None:
+                out.append("--prompt_data_probs needs --prompt_data with the sources it mixes (a,b).")
+            else:
+                parse_probs(d.prompt_data_probs, sources)
+    except DataError as e:
+        out.append(str(e))
+    if not d.prompt_split.strip():
+        out.append("--prompt_split must name a split (OpenRLHF's default: train).")
+    if not d.value_head_prefix.isidentifier():
+        out.append(
+            f"--value_head_prefix {d.value_head_prefix!r} must be a module name (letters, digits, _), the "
+            "head's weight being <prefix>.weight: e.g. score (OpenRLHF's default) or value_head."
+        )
+
+
+def evaluation(cfg: TrainConfig, out: list[str]) -> None:
+    e = cfg.eval
+    if e.eval_steps != -1 and e.eval_steps < 1:
+        out.append(f"--eval_steps must be -1 (after the last step only) or >= 1 (got {e.eval_steps}).")
+    if e.eval_n_samples_per_prompt < 1:
+        out.append(f"--eval_n_samples_per_prompt must be >= 1 (got {e.eval_n_samples_per_prompt}).")
+    if e.eval_temperature < 0:
+        out.append(f"--eval_temperature must be >= 0 (0: greedy; got {e.eval_temperature}).")
+    if e.eval_dataset is None:
+        for flag, given in (("--eval_steps", e.eval_steps != -1), ("--best_metric_key", e.best_metric_key)):
+            if given:
+                out.append(f"{flag} needs --eval_dataset (held-out prompts to evaluate on).")
+    else:
+        path = Path(e.eval_dataset).expanduser()
+        offline = _offline()
+        if not path.exists() and (offline or not _HUB_ID.match(e.eval_dataset)):
+            out.append(f"--eval_dataset {e.eval_dataset}: no such file or folder.")

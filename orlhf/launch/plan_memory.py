@@ -1,0 +1,190 @@
+"""The memory model of `orlhf plan` (launch/plan.py): model sizes from config.json, each role's bytes per device.
+
+GiB = 2**30 bytes. Model states, plus on GPUs DeepSpeed's reduce bucket under ZeRO-1/2/3 (5e8 gradient elements,
+allocated whole per trained rank: + 2 x 5e8 B in bf16, fp32 under ZeRO-1); activations and gathered ZeRO-3 layers
+come on top, so keep headroom ("tight" marks > 90%).
+  P = parameters, counted from config.json (dense Llama-style: embeddings, attention with grouped KV heads,
+      gated MLP, norms; biases ignored). Critic and reward: no LM head, a value head (hidden x 1).
+  w = bytes per weight: 2 with --bf16, else 4; gradients the same. K = Adam states: 12 with --bf16 (fp32 master
+      + m + v), 8 in fp32 (the weights are the master: m + v).
+  trained (actor, critic) on N ranks, by ZeRO stage (ZeRO paper / DeepSpeed docs):
+      0: (w + w + K)P    1: (w + w)P + KP/N    2: wP + (w + K)P/N    3: (w + w + K)P/N
+      --adam_offload moves the K part to host memory.
+  frozen (ref, reward): wP/N at stage 3, wP otherwise; --ref_reward_offload moves it to host memory.
+  vLLM engine: vllm_gpu_memory_utilization x GPU memory, on each of its TP GPUs; its weights (2P/TP) must fit
+      inside that, the rest is KV cache. On cpu: weights + $VLLM_CPU_KVCACHE_SPACE GiB (1 if unset).
+  Occupants of one device add up. With an engine there, the peak is the larger of generation (engine, plus the
+  trainers unless --deepspeed_enable_sleep) and training (trainers, plus the engine unless --vllm_enable_sleep).
+  On cpu every byte is host memory, summed over the ranks on a node.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from orlhf.config.roles import ROLES, model_path
+from orlhf.config.train_config import TrainConfig, engine_gpu_memory_utilization
+from orlhf.config.worker_config import zero_stage_of
+from orlhf.distributed.layout import ENGINE
+
+GIB = 2**30
+
+
+# ---- Model size --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    source: str  # where the numbers came from
+    hidden: int
+    layers: int
+    intermediate: int
+    vocab: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tied: bool  # tie_word_embeddings: the LM head reuses the embedding matrix
+    dtype_bytes: int = 2  # of the checkpoint (torch_dtype), what a vLLM engine loads
+
+
+def read_dims(model_dir: str | Path) -> ModelDims:
+    path = Path(model_dir) / "config.json"
+    c = json.loads(path.read_text())
+    try:
+        heads = c["num_attention_heads"]
+        dtype = c.get("torch_dtype") or c.get("dtype") or "bfloat16"
+        return ModelDims(
+            str(path),
+            c["hidden_size"],
+            c["num_hidden_layers"],
+            c["intermediate_size"],
+            c["vocab_size"],
+            heads,
+            c.get("num_key_value_heads") or heads,
+            c.get("head_dim") or c["hidden_size"] // heads,
+            bool(c.get("tie_word_embeddings", False)),
+            4 if dtype == "float32" else 2,
+        )
+    except KeyError as e:
+        raise ValueError(
+            f"{path} has no {e}: orlhf plan sizes Llama-style configs (hidden_size, num_hidden_layers, "
+            "intermediate_size, vocab_size, num_attention_heads)"
+        ) from None
+
+
+def demo_dims() -> ModelDims:
+    """The built-in demo's sizes: its cached config.json when built, else the recipe's numbers (not built here:
+    a plan must not import torch to make a model)."""
+    try:
+        from orlhf.demo import builder as demo
+
+        cached = demo.default_cache_dir() / f"demo-v{demo.DEMO_VERSION}" / "model"
+        if (cached / "config.json").is_file():
+            return read_dims(cached)
+        vocab = demo.VOCAB_SIZE
+    except (ImportError, AttributeError, OSError, KeyError, ValueError):
+        vocab = 1024
+    return ModelDims(f"built-in demo (vocab <= {vocab})", 128, 2, 256, vocab, 4, 4, 32, False, 4)
+
+
+def count_params(d: ModelDims, value_head: bool = False) -> int:
+    """Parameters of a dense Llama-style model; value_head: no LM head, a hidden x 1 head (critic, reward)."""
+    attn = 2 * d.hidden * d.heads * d.head_dim + 2 * d.hidden * d.kv_heads * d.head_dim  # q, o; k, v
+    layer = attn + 3 * d.hidden * d.intermediate + 2 * d.hidden  # gate/up/down, two norms
+    body = d.vocab * d.hidden + d.layers * layer + d.hidden  # embeddings, layers, final norm
+    if value_head:
+        return body + d.hidden
+    return body + (0 if d.tied else d.vocab * d.hidden)
+
+
+def role_dims(cfg: TrainConfig) -> dict[str, ModelDims]:
+    d = cfg.data
+    paths = {role: model_path(cfg, role) for role in ROLES}
+    demo = demo_dims() if d.uses_demo else None  # the demo reward is a function: no reward model to size
+    return {role: read_dims(p) if p else demo for role, p in paths.items() if p or demo}
+
+
+# ---- Memory ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Memory:
+    who: str  # role, or "vllm" (one engine, per GPU)
+    params: int
+    ranks: int  # ranks that shard it (TP for an engine)
+    device_gib: float  # per device
+    host_gib: float  # per rank
+    formula: str
+
+
+# DeepSpeed 0.19.8 ZeRO-3 allocates its gradient reduce bucket whole on the device at start-up: reduce_bucket_size
+# (default 5e8) elements of the gradient dtype, whatever the model's size (stage3.py, "IPG");
+# tests/gpu/test_workers_gpu.py checks the estimate against the allocator's peak.
+REDUCE_BUCKET_ELEMENTS = 500_000_000
+# ZeRO-1/2 allocate one such bucket too, at the first backward (stage_1_and_2.py setup_buckets, contiguous gradients,
+# no overlap_comm as orlhf configures it): the gradient dtype under ZeRO-2, an fp32 accumulator under ZeRO-1. Read
+# from the source, not measured on a GPU; one-rank trained groups run ZeRO-2 by default (worker_config).
+
+
+def bucket_bytes_per_element(stage: int, grad_bytes: int) -> int:
+    """Bytes per reduce-bucket element of a trained rank on a GPU (0: no bucket, as under ZeRO-0)."""
+    return {0: 0, 1: 4}.get(stage, grad_bytes)
+
+
+def role_memory(cfg: TrainConfig, role: str, params: int, ranks: int, *, device: str) -> Memory:
+    """One rank's memory for `role` (device_gib per GPU on cuda, per rank in RAM on cpu).
+
+    On cuda a trained ZeRO-1/2/3 rank also holds DeepSpeed's reduce bucket (REDUCE_BUCKET_ELEMENTS x the gradient's
+    bytes, fp32 under ZeRO-1); on cpu torch.empty leaves those pages untouched, so they cost no RAM and are not counted.
+    """
+    ds = cfg.deepspeed
+    w = 2 if ds.bf16 else 4
+    s, n = zero_stage_of(ds, role, ranks, device), ranks
+    if not ROLES[role].trains:
+        per = w * params / (n if s == 3 else 1)
+        text = f"{w}P" + (f"/{n}" if s == 3 and n > 1 else "")
+        on_host = ds.ref_reward_offload
+        return Memory(
+            role,
+            params,
+            n,
+            0.0 if on_host else per / GIB,
+            per / GIB if on_host else 0.0,
+            text + (" on host (--ref_reward_offload)" if on_host else ""),
+        )
+    k = 12 if ds.bf16 else 8
+    # (weights, grads, Adam) divisors by stage: which of the three ZeRO shards over the N ranks
+    div = {0: (1, 1, 1), 1: (1, 1, n), 2: (1, n, n), 3: (n, n, n)}[s]
+    weights, grads, adam = w * params / div[0], w * params / div[1], k * params / div[2]
+    parts = [f"{b}P" + (f"/{d}" if d > 1 else "") for b, d in zip((w, w, k), div)]
+    text = " + ".join(parts[:2]) + (f" [+ {parts[2]} on host]" if ds.adam_offload else f" + {parts[2]}")
+    per_element = bucket_bytes_per_element(s, w) if device == "cuda" else 0
+    bucket = REDUCE_BUCKET_ELEMENTS * per_element
+    if bucket:
+        text += f" + {per_element} x 5e8 reduce bucket"
+    on_device = weights + grads + (0 if ds.adam_offload else adam) + bucket
+    return Memory(role, params, n, on_device / GIB, (adam if ds.adam_offload else 0) / GIB, text)
+
+
+def engine_memory(cfg: TrainConfig, dims: ModelDims, device: str, gpu_memory_gb: Optional[float]) -> Memory:
+    params, tp = count_params(dims), cfg.vllm.tensor_parallel_size
+    weights = dims.dtype_bytes * params / tp / GIB
+    if device == "cpu":
+        kv = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+        return Memory(ENGINE, params, tp, weights + kv / tp, 0.0, f"({dims.dtype_bytes}P + {kv:g} GiB KV cache)/{tp}")
+    util = engine_gpu_memory_utilization(cfg)
+    budget = util * gpu_memory_gb if gpu_memory_gb else math.nan
+    return Memory(ENGINE, params, tp, budget, 0.0, f"{util:g} x GPU; weights {dims.dtype_bytes}P/{tp} = {weights:.1f}")
+
+
+def device_peak(cfg: TrainConfig, trainers: float, engine: float) -> float:
+    if not engine or not trainers:
+        return trainers + engine
+    generation = engine + (0.0 if cfg.deepspeed.enable_sleep else trainers)
+    training = trainers + (0.0 if cfg.vllm.enable_sleep else engine)
+    return max(generation, training)
