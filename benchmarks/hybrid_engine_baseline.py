@@ -16,13 +16,12 @@ the actor, critic, reference and reward engines, and each step runs strictly one
       (no weight sync: the actor that trains is the one that generates; only the version tag moves)
 
 What is orlhf's and what is not: the loop and its phases (orlhf.trainer.controller.Controller: sampling seeds, scoring
-and
-its skips, experience, shuffles, metrics), the model workers (DeepSpeed configs, losses, micro-batching), the PPO
+and its skips, experience, shuffles, metrics), the model workers (DeepSpeed configs, losses, micro-batching), the PPO
 math (orlhf.algo via orlhf.trainer.experience), prompts (orlhf.launch.run.load_prompts), rewards, the flags and their
-validation (orlhf train-ppo's, with the demo preset) are shared, so the same flags give the same models, data,
-batch sizes, generation lengths, sampling and learning rates. What differs is the system: one process per device
-holding every model, HF generate instead of vLLM, sequential phases instead of parallel groups. The code of its
-own is this file (the SPMD groups, launch, command line) and hybrid_worker.py (PolicyWorker + generate()).
+validation (orlhf train-ppo's, with the demo preset) are shared, so the same flags give the same models, data, batch
+sizes, generation lengths, sampling and learning rates. What differs is the system: one process per device holding every
+model, HF generate instead of vLLM, sequential phases instead of parallel groups. The code of its own is this file (the
+SPMD groups, launch, command line) and hybrid_worker.py (PolicyWorker + generate()).
 
 Why torch.multiprocessing and not Ray actors: DeepSpeed-Chat is SPMD from the `deepspeed` launcher, with no
 controller process; spawned ranks that each run the loop are that design, while Ray would add the driver and
@@ -64,7 +63,6 @@ import typer  # noqa: E402
 from orlhf import cli  # noqa: E402
 from orlhf.config import train_config as C  # noqa: E402
 from orlhf.config.worker_config import worker_config  # noqa: E402
-from orlhf.cpu.threads import PhaseThreads  # noqa: E402
 from orlhf.distributed.endpoints import method_name  # noqa: E402
 from orlhf.trainer.controller import Controller, Models  # noqa: E402
 
@@ -158,9 +156,6 @@ class LocalGroup:
     def call(self, fn: Callable, *args, **kwargs) -> LocalCall:
         return LocalCall(self.ranks, self._run(fn, *args, **kwargs))
 
-    # ActorGroup's call beside a host's call in flight: here every call runs at once, in the controller's order
-    call_sharded_beside = call_sharded
-
 
 class HybridGenerator:
     """The controller's `engines`: the trained actor generates this rank's share of the prompts (HF generate in
@@ -203,10 +198,6 @@ class HybridController(Controller):
     """orlhf's Controller, with the step's train time split by role (the phases run one after the other here)
     and one log line per step; no `timing/sync` (nothing is synced)."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.threads = PhaseThreads({}, 1)  # each rank runs every model in one process, on --threads threads
-
     def learn(self, prompts: list, rollouts: list, reward=None) -> dict[str, Any]:
         for g in self.m.groups():
             g.seconds.clear()
@@ -234,7 +225,8 @@ def build(cfg: C.TrainConfig, opts: HybridOptions, rank: int, world: int) -> Hyb
     """Every model of this rank (orlhf's workers; the roles orlhf would start), wrapped for the controller."""
     from hybrid_worker import HybridPolicyWorker
 
-    from orlhf.inputs.prompts import PromptLoader, load_tokenizer
+    from orlhf.inputs.prompt_loader import PromptLoader
+    from orlhf.inputs.tokenizer import load_tokenizer
     from orlhf.launch.run import load_prompts, make_reward
     from orlhf.storage.metrics import MetricsLogger
     from orlhf.workers import CriticWorker, ReferenceWorker, RewardWorker

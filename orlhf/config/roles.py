@@ -86,22 +86,23 @@ def trained_roles(cfg: "TrainConfig") -> list[str]:
 
 
 def model_path(cfg: "TrainConfig", name: str) -> Optional[str]:
-    """The model folder `name` loads (before finish.resolve_demo: None for the demo's models)."""
+    """The model folder `name` loads (before resolve.resolve_demo: None for the demo's models)."""
     return role(name).model(cfg.data)
 
 
 def host_of(cfg: "TrainConfig", name: str) -> Optional[str]:
     """The role in whose rank processes `name` runs, or None for its own processes. CPU only: GPUs keep separate
     processes (each rank owns its device). A process of its own costs a Ray worker plus torch, transformers and
-    DeepSpeed imports (~4-6 CPU-s and ~0.5 GB per rank on a 2-core machine, before the first step).
+    DeepSpeed imports and their memory, before the first step (benchmarks/results/2026-11-23-trl-compare-startup.md).
 
     - ref: inside the actor's rank processes (rank k's reference worker in actor rank k's process) when both have
       the same rank count: a frozen forward. --ref_own_process keeps it apart.
     - critic: inside the actor's process when both have one rank, its calls on a thread beside the actor's
-      (runs_beside): two one-thread train steps side by side in one process take as long as in two (measured
-      on the demo, 0.51 s against 0.53 s a step; one after the other 0.88 s). Not when its model has dropout
-      (concurrent steps would interleave their draws from the process's one random generator: a seeded run
-      would not reproduce), nor with --colocate_critic_reward. --critic_own_process keeps it apart."""
+      (runs_beside): two one-thread train steps side by side in one process take as long as in two processes,
+      and far less than one after the other (benchmarks/results/2026-11-25-trl-compare-hosted-critic.md). Not
+      when its model has dropout (concurrent steps would interleave their draws from the process's one random
+      generator: a seeded run would not reproduce), nor with --colocate_critic_reward. --critic_own_process keeps
+      it apart."""
     if cfg.device != "cpu" or not role(name).present(cfg):
         return None
     p = cfg.placement

@@ -2,14 +2,14 @@
 
     kv_cache_bytes(cfg) -> bytes for vLLM's kv_cache_memory_bytes
         user-given --vllm_cpu_kv_cache_gb: that size (refused if it cannot hold one max_model_len sequence)
-        not given: what MAX_NUM_SEQS full-length sequences need, at most DEFAULT_GB (the old fixed default)
+        not given: what MAX_NUM_SEQS full-length sequences need, at most DEFAULT_GB
     check_kv_cache(llm, cfg, requested) -> after LLM(): the blocks vLLM made hold MAX_NUM_SEQS full sequences
 
-Why: vLLM-CPU zeroes the whole cache at start-up (torch.zeros in allocate_kv_cache) and touches every page:
-1 GiB costs ~0.5 CPU-s and a GiB of resident memory per engine, while the demo's run needs ~64 MiB. The
-automatic size never changes what the engine samples: the scheduler never runs more than MAX_NUM_SEQS sequences
-of at most max_model_len tokens, so a cache that holds them all never preempts, exactly as the old 1 GiB did
-when it was larger; where the need exceeds DEFAULT_GB the size stays DEFAULT_GB, as before. (With
+Why: vLLM-CPU zeroes the whole cache at start-up (torch.zeros in allocate_kv_cache) and touches every page, so
+each GiB costs start-up CPU and a GiB of resident memory per engine, while a small model's run needs far less.
+The automatic size never changes what the engine samples: the scheduler never runs more than MAX_NUM_SEQS
+sequences of at most max_model_len tokens, so a cache that holds them all never preempts, exactly as a
+DEFAULT_GB cache does when it is larger; where the need exceeds DEFAULT_GB the size stays DEFAULT_GB. (With
 --enable_prefix_caching a smaller cache keeps fewer finished prefixes around between calls.)
 
 The need is estimated from the model's config.json for plain attention models (layers x 2 x KV heads x head dim
@@ -97,7 +97,7 @@ def check_kv_cache(llm, max_model_len: int, requested: int) -> None:
         raise RuntimeError(
             f"orlhf sized this engine's KV cache to {requested / 2**20:.1f} MiB but vLLM made {blocks} blocks of "
             f"{block} tokens, fewer than {need} for {MAX_NUM_SEQS} sequences of {max_model_len} tokens: give "
-            f"--vllm_cpu_kv_cache_gb {DEFAULT_GB} (the former default) and report this model's config.json."
+            f"--vllm_cpu_kv_cache_gb {DEFAULT_GB} (the automatic size's bound) and report this model's config.json."
         )
     log.info(
         "CPU KV cache: %.1f MiB, %d blocks of %d tokens (%d sequences of %d tokens)",

@@ -8,17 +8,18 @@
 
 Why: vLLM 0.32 samples on x86 CPUs with one fused Gumbel-max kernel that takes a 31-bit seed per row. A row whose
 request has a seed (orlhf seeds every request: engine.request_seed) gets it from the request's torch.Generator,
-one `torch.randint(0, 2**31, (1,), generator=g).item()` and one tensor item assignment per row per step: 256 rows
-x 24 steps = 6144 pairs of small torch calls per demo step, ~0.07 of its ~0.8 CPU-s (benchmarks/README.md).
+one `torch.randint(0, 2**31, (1,), generator=g).item()` and one tensor item assignment per row per step: a pair
+of small torch calls per row and step, a noticeable share of a CPU generate
+(benchmarks/results/2026-11-23-engine-generation.md).
 A CPU generator (mt19937, one 32-bit output per draw below 2**32) gives the same numbers drawn one at a time or
 as one block, so forward_cpu here draws DRAW_BLOCK of them per generator at once, hands them out in order, and
 writes all rows' seeds in one assignment. The unseeded rows keep their draw from the global generator, made as
-vLLM makes it, so the global random state advances as before too.
+vLLM makes it, so the global random state advances as with vLLM's own.
 
 Ranks: with any log-probs asked for, vLLM counts per row the vocabulary entries at least as likely as the
 sampled token (the Logprob's rank, which orlhf does not read) with a torch.compile'd function; compiling it with
-inductor costs the engine's first generate ~1 CPU-s (half of that call), and every later call pays dynamo's
-guards. count_at_least is the same expression run eagerly: integer counts, so exactly the same ranks.
+inductor costs the engine's first generate much of its time, and every later call pays dynamo's guards.
+count_at_least is the same expression run eagerly: integer counts, so exactly the same ranks.
 
 The only assumption beyond the version: between steps nothing else draws from a request's generator. In vLLM
 0.32 on CPU the other users are speculative decoding's rejection sampler (orlhf never enables it) and the rewind

@@ -1,11 +1,11 @@
 """Imported by every Python worker of a local CPU cluster orlhf starts, before the worker takes work (Ray's
-`preload_python_modules`, raystart.worker_preload): torch and transformers' model base, which every orlhf actor
+`preload_python_modules`, cpu/tuning.worker_preload): torch and transformers' model base, which every orlhf actor
 (model rank or vLLM engine) imports first, load while the driver places the groups and reads its inputs, instead
 of after the actor lands on the worker. Ray prestarts min(cores, num_cpus) workers when the driver connects, and
 orlhf's actors take those workers.
 
-As in RankActor and EngineActor: no automatic garbage collection while the imports build ~500k objects that are
-almost never garbage, then the heap is frozen so later collections skip them.
+As in CpuRankActor and CpuTuning.engine_start: no automatic garbage collection while the imports build objects
+that are almost never garbage, then the heap is frozen so later collections skip them.
 
 torch fixes its thread count at import, before Ray sets OMP_NUM_THREADS for the actor that later lands here, so
 each actor applies Ray's value first thing (threads.threads_as_ray_set). The actors set their own environment

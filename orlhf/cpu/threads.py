@@ -1,16 +1,15 @@
 """CPU threads handed over per phase: the model ranks that work in a phase share all the machine's cores.
 
-    Controller.timed(phase) --> PhaseThreads.before(phase)          (--device cpu only)
+    Controller.timed(phase) --> PhaseThreads.before(phase)          (CpuTuning.phases: --device cpu only)
         score      the ranks that score: actor (old log-probs), ref, critic, reward   cores // processes working
         train      actor (+ critic) ranks                                              (at least 1 each)
         generate   the engines, set once at their start (engine_threads): cores // engines in sync mode
-    RankActor.set_cpu_threads(n, role) stores n for that role's worker; every later call of it applies n on the
-    thread that runs the work.
+    CpuGroup.set_cpu_threads(n) stores n for that role's worker in its rank processes (cpu/hosting.py); every later
+    call of it applies n on the thread that runs the work (cpu/rank_actor.py).
 
 Processes, not groups: on CPU the reference runs inside the actor's rank processes (roles.host_of), and a process
-runs its workers' calls one at a time (distributed/groups.py), so actor + hosted ref in the score phase count once per
-rank.
-A hosted critic's calls run beside the actor's (roles.runs_beside), so it counts as a process of its own.
+runs its workers' calls one at a time (cpu/hosting.py), so actor + hosted ref in the score phase count once per
+rank. A hosted critic's calls run beside the actor's (roles.runs_beside), so it counts as a process of its own.
 
 Why per phase: with one thread per Ray process (Ray sets OMP_NUM_THREADS to the actor's CPU slots, 1 here) a phase
 in which one rank works (GRPO with one optimizer step per batch: the ref scores alone, the actor trains alone)
@@ -19,32 +18,31 @@ cores and OpenMP teams wait at barriers for descheduled threads.
 
 Why "on the thread that runs the work": torch's OpenMP thread count is per calling thread (libgomp keeps it in
 the thread's own ICV once a thread has run torch code). A rank actor runs every worker call on one compute thread
-of its own (RankActor.call), and the count is applied there. One thread matters as much as the count: each thread
-that runs a multi-threaded op gets its own OpenMP team, and once libgomp manages more threads than there are cores
-its idle team threads spin only briefly before sleeping on a futex, to be woken again around every op. With calls
-spread over Ray's pool threads the demo's 2-thread train step took 0.75 s (1.05 CPU-s, ~2,250 voluntary context
-switches); on one thread 0.43 s (0.83 CPU-s, ~200).
+of its own (CpuRankActor.call_as), and the count is applied there. One thread matters as much as the count: each
+thread that runs a multi-threaded op gets its own OpenMP team, and once libgomp manages more threads than there
+are cores its idle team threads spin only briefly before sleeping on a futex, to be woken again around every op:
+calls spread over Ray's pool threads make a train step slower and switch context far more often.
 
 The engines get their count once, before vLLM starts (its CPU worker refuses set_num_threads afterwards), from
 engine_threads(): in sync mode they work alone in the generate phase (the ranks wait for the rollouts), so they
 share the cores, cores // (engines x tensor-parallel size); with --async_train generation runs beside training
 all the time and each engine keeps one thread per CPU slot (Ray's OMP_NUM_THREADS); --vllm_cpu_threads N sets N.
-Generation on CPU is mostly serial Python (vLLM's scheduler, sampler and output processing: about a third of a
-1-thread generate in math kernels, benchmarks/README.md), so a second thread gains less than a second rank
-would: measured on the demo step, quiet machine, 1.06 -> 0.90 s a step (trl_compare `e2t` mode, +12% samples/s
-in sync mode). More engines (--vllm_num_engines) fill the cores with whole processes instead.
+Generation on CPU is mostly serial Python (vLLM's scheduler, sampler and output processing:
+benchmarks/results/2026-11-23-engine-generation.md),
+so a second thread gains less than a second rank would; more engines (--vllm_num_engines) fill the cores with
+whole processes instead.
 
-Idle processes do not spin: libgomp's threads spin only briefly after a parallel region and then sleep
-(<= 0.8% of a 1-thread phase's samples in libgomp, 0.1-3.6 ms of CPU in the second after a 2-thread region), so
-no OMP_WAIT_POLICY is set (PASSIVE would put the working team to sleep between every op).
+Idle processes do not spin: libgomp's threads spin only briefly after a parallel region and then sleep, so no
+OMP_WAIT_POLICY is set (PASSIVE would put the working team to sleep between every op).
 
 The counts follow from the flags and the machine's cores alone, never from its load, so a seeded run gives the
 same numbers on a busy machine (the thread count changes floating-point summation order). On a machine shared
-with other jobs, teams larger than the free cores wait at every barrier for a descheduled thread (measured: a
-2-thread train step at 0.57x of one thread at load ~9): there, pass --train_cpu_threads 1.
+with other jobs, teams larger than the free cores wait at every barrier for a descheduled thread: there, pass
+--train_cpu_threads 1.
 
-Off: on GPUs; with --async_train (generation runs beside training all the time) nothing is handed over; a fixed
---train_cpu_threads N is sent the same way (also in async mode), so that it reaches every pool thread.
+Off: on GPUs (the plain Tuning hands nothing over); with --async_train (generation runs beside training all the
+time) nothing is handed over; a fixed --train_cpu_threads N is sent the same way (also in async mode), so that it
+reaches every pool thread.
 """
 
 from __future__ import annotations
@@ -87,10 +85,10 @@ def engine_threads(cfg, cores: Optional[int] = None) -> int:
 
 
 def threads_as_ray_set() -> None:
-    """In a worker that preloaded torch (orlhf/cpu/preload.py), apply the OMP_NUM_THREADS Ray set for this actor: torch
-    fixed its thread count at import, before Ray set the variable, and would otherwise use every core. Called
-    first thing in an actor's __init__; the count then holds on every thread of the process (torch keeps it
-    process-wide once set). Nothing in a worker that did not preload: there torch reads the variable itself."""
+    """In a worker that preloaded torch (cpu/preload.py), apply the OMP_NUM_THREADS Ray set for this actor: torch
+    fixed its thread count at import, before Ray set the variable, and would otherwise use every core. Called as
+    an actor starts (CpuRankActor, CpuTuning.engine_start); the count then holds on every thread of the process
+    (torch keeps it process-wide once set). Nothing in a worker that did not preload: torch reads the variable."""
     if "orlhf.cpu.preload" not in sys.modules:
         return
     n = os.environ.get("OMP_NUM_THREADS", "")
@@ -105,7 +103,7 @@ def share(cores: int, processes: int) -> int:
 
 def processes(groups) -> int:
     """Distinct processes among the groups' ranks: a guest group's ranks are its host's processes
-    (ActorGroup.processes gives one key per rank process; a group without it has processes of its own)."""
+    (CpuGroup.processes gives one key per rank process; a group without it has processes of its own)."""
     keys = set()
     for g in groups:
         keys.update(getattr(g, "processes", None) or [(id(g), rank) for rank in range(g.world_size)])

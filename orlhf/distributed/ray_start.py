@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
+from typing import Optional
 
 from orlhf.config.train_config import TrainConfig
+from orlhf.distributed.tuning import Tuning
 
 
-def connect_ray(cfg: TrainConfig, num_cpus: int, processes: int = 0) -> bool:
+def connect_ray(cfg: TrainConfig, num_cpus: int, processes: int = 0, tuning: Optional[Tuning] = None) -> bool:
     """Join the given / the job's cluster, else start a local one (`num_cpus` logical CPUs; `processes`: the
-    run's model and engine processes, prestarted, see worker_preload). Returns True when this process started it."""
+    run's model and engine processes; `tuning`'s ray_options for it, distributed/tuning.py). Returns True when
+    this process started it."""
     import ray
 
     if ray.is_initialized():
@@ -26,43 +29,21 @@ def connect_ray(cfg: TrainConfig, num_cpus: int, processes: int = 0) -> bool:
     if address:
         ray.init(address=address, **quiet)
         return False
-    preload = worker_preload(cfg, num_cpus, processes)
+    options = (tuning or Tuning()).ray_options(cfg, num_cpus, processes)
     if cfg.runtime.verbose:  # Ray's processes as ray.init starts them: their output is what --verbose shows
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **quiet, **preload)
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **quiet, **options)
         return True
     with local_cluster_without(no_monitor=True, include_log_monitor=False), no_dashboard_head():
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **quiet, **preload)
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **quiet, **options)
     return True
-
-
-def worker_preload(cfg: TrainConfig, num_cpus: int, processes: int) -> dict:
-    """ray.init arguments that make a local CPU cluster's Python workers import torch and transformers' model base
-    (orlhf/cpu/preload.py) before they take work. When the first driver connects, Ray prestarts min(cores, num_cpus)
-    workers; orlhf's actors take them, and their heaviest imports then run while the driver places the groups and
-    reads its inputs, instead of after each actor lands. Each actor first applies the OMP_NUM_THREADS Ray set for
-    it (threads.threads_as_ray_set), which torch, imported earlier, could not read.
-    Only where the prestarted workers are about as many as the run's model and engine processes (`processes`):
-    on a machine with many more cores each idle worker would load ~0.5 GiB and ~5 CPU-s for nothing (Ray's prestart
-    count cannot be set from ray.init), and there the imports overlap on spare cores anyway. Off on GPUs (not
-    measured there) and with ORLHF_NO_PRELOAD=1 (an escape hatch; the A/B in benchmarks/README.md)."""
-    prestarted = min(os.cpu_count() or 1, num_cpus)
-    if (
-        cfg.runtime.device != "cpu"
-        or prestarted > processes + 1
-        or os.environ.get("ORLHF_NO_PRELOAD", "") not in ("", "0")
-    ):
-        return {}
-    return {"_system_config": {"preload_python_modules": ["orlhf.cpu.preload"]}}
 
 
 @contextmanager
 def no_dashboard_head():
     """ray.init without Ray's dashboard head process. With include_dashboard=False ray.init still starts it (a
     Python process that loads only Ray's usage-stats module) and waits until it has written its address, before it
-    starts the raylet (Ray 2.60's services.start_api_server). Measured on a 2-core machine, 5 alternating runs:
-    connect_ray + one task 3.03-3.23 s with it, 2.19-2.29 s without. A cluster that orlhf starts and ends needs none of
-    what it serves (the dashboard,
-    the job-submission and state APIs); a cluster orlhf joins keeps its own."""
+    starts the raylet (Ray 2.60's services.start_api_server). A cluster that orlhf starts and ends needs none of
+    what it serves (the dashboard, the job-submission and state APIs); a cluster orlhf joins keeps its own."""
     from ray._private.node import Node
 
     original = Node.start_api_server
@@ -78,10 +59,10 @@ def local_cluster_without(**fields):
     """ray.init's local cluster with RayParams `fields` set: ray.init builds its RayParams itself and has no switch
     for these two Ray processes, which a cluster this run starts and ends does not need without --verbose (ray
     2.60's node.py; Ray's own test clusters start nodes without a log monitor too):
-    - no_monitor=True: the autoscaler monitor (~0.6 CPU-s at start-up) resizes clusters launched from an
+    - no_monitor=True: the autoscaler monitor resizes clusters launched from an
       autoscaler config; a one-machine cluster has nothing to resize (placement groups are scheduled by the GCS,
       and a placement that cannot fit fails with orlhf's own message); its events reach only a log_to_driver run.
-    - include_log_monitor=False: the log monitor (~0.7 CPU-s) forwards workers' output to a driver started with
+    - include_log_monitor=False: the log monitor forwards workers' output to a driver started with
       log_to_driver, and nothing else reads it; without --verbose workers write to <save_path>/logs instead.
     A cluster orlhf joins (--address, RAY_ADDRESS, `ray job submit`) is never touched."""
     from ray._private import parameter

@@ -2,9 +2,9 @@
 ExitStack closes (entry.run_locked drives it and marks the start-up clock between phases):
 
     launch_engines   the vLLM engines' actors, not waited for (vLLM's import and LLM() are the longest chain)
-    start_models     the model groups spawned concurrently (one thread each), guests hosted in their host's
-                     processes (the reference inside the actor's on CPU), all init() together, then the engines
-                     awaited and the weight-sync group built -> controller.Models
+    start_models     the model groups spawned concurrently (one thread each), as the platform's tuning builds
+                     them (tuning_for: on CPU the reference inside the actor's processes), all init() together,
+                     then the engines awaited and the weight-sync group built -> controller.Models
     start_plan       own devices: engines and trainers together; colocated on GPUs: the engines first, alone
                      (vLLM's memory profile sees only itself), asleep with --vllm_enable_sleep, then the trainers
 Said once as it starts: the forwards left out because they cannot change an update (no reference without a KL,
@@ -15,16 +15,28 @@ from __future__ import annotations
 
 import logging
 from contextlib import ExitStack
+from typing import Optional
 
 from orlhf.config.train_config import TrainConfig
 from orlhf.config.worker_config import worker_config
+from orlhf.distributed.tuning import Tuning
 
 log = logging.getLogger("orlhf")
 
 
-def launch_engines(cfg: TrainConfig, placed, stack: ExitStack):
+def tuning_for(cfg: TrainConfig) -> Tuning:
+    """The platform's hooks (distributed/tuning.py): CPU runs' from orlhf/cpu/, imported for them only, so a GPU
+    run never loads it; the plain path elsewhere."""
+    if cfg.device == "cpu":
+        from orlhf.cpu.tuning import CpuTuning
+
+        return CpuTuning.for_config(cfg)
+    return Tuning()
+
+
+def launch_engines(cfg: TrainConfig, placed, stack: ExitStack, tuning: Optional[Tuning] = None):
     """The engines' actors on their bundles, started without waiting for them (EngineGroup.wait_ready waits);
-    shut down when `stack` closes."""
+    shut down when `stack` closes. `tuning`: tuning_for(cfg) unless given."""
     from orlhf.rollout.engine import EngineGroup, engine_config
 
     engines = EngineGroup(
@@ -32,31 +44,36 @@ def launch_engines(cfg: TrainConfig, placed, stack: ExitStack):
         [placed.engine_bundles(i) for i in range(cfg.vllm.num_engines)],
         timeout_s=cfg.runtime.ray_timeout_s,
         wait=False,
+        tuning=tuning or tuning_for(cfg),
     )
     stack.callback(engines.shutdown)
     return engines
 
 
-def start_models(cfg: TrainConfig, placed, optimizer_steps: int, stack: ExitStack, clock=None, engines=None):
+def start_models(
+    cfg: TrainConfig,
+    placed,
+    optimizer_steps: int,
+    stack: ExitStack,
+    clock=None,
+    engines=None,
+    tuning: Optional[Tuning] = None,
+):
     """Engines and model groups on their bundles, started together; each is shut down when `stack` closes.
 
     `engines`: already launched (launch_engines), else launched here. Engines start first without waiting
-    (vLLM's start-up is the longest); the model groups' actors are spawned
-    and set up concurrently (one thread each: every ActorGroup waits on its ranks' process start and imports),
-    then all groups init() together, then the engines are awaited. `clock` (startup.StartupClock) gets a mark
-    after each of these phases."""
-    from orlhf.config.roles import active_roles, guest_roles, runs_beside
-    from orlhf.distributed.groups import ActorGroup
+    (vLLM's start-up is the longest); the model groups are built as `tuning` says (Tuning.model_groups; tuning_for
+    unless given), then all groups init() together, then the engines are awaited. `clock`
+    (startup.StartupClock) gets a mark after each of these phases."""
     from orlhf.rollout.engine import EngineActor
     from orlhf.trainer.controller import Models
     from orlhf.trainer.weight_sync import make_weight_sync
-    from orlhf.workers import CriticWorker, PolicyWorker, ReferenceWorker, RewardWorker
     from orlhf.workers.base import DeepSpeedWorker
 
-    pl, timeout = cfg.placement, cfg.runtime.ray_timeout_s
+    tuning = tuning or tuning_for(cfg)
     plan = start_plan(cfg)
     if engines is None:
-        engines = launch_engines(cfg, placed, stack)
+        engines = launch_engines(cfg, placed, stack, tuning)
     if plan.index("wait_engines") < plan.index("start_models"):
         log.info(
             "vllm engines: %d, pids %s (started before the trainers share their GPUs)",
@@ -65,34 +82,10 @@ def start_models(cfg: TrainConfig, placed, optimizer_steps: int, stack: ExitStac
         )
     if "sleep_engines" in plan:
         engines.call(EngineActor.sleep).get()
-    workers = {"actor": PolicyWorker, "ref": ReferenceWorker, "critic": CriticWorker, "reward": RewardWorker}
     log_skipped_forwards(cfg)
     log_zero_stages(cfg)
     mark = clock.mark if clock is not None else (lambda phase: None)
-
-    guests = guest_roles(cfg)  # the ref in the actor's processes on CPU
-
-    def spawn(role: str) -> ActorGroup:
-        return ActorGroup(
-            role,
-            workers[role],
-            worker_config(cfg, role, optimizer_steps),
-            placed.role_bundles(role),
-            device=cfg.device,
-            gpus_per_node=getattr(pl, f"{role}_num_gpus_per_node"),
-            timeout_s=timeout,
-            guests=[guest for guest, host in guests.items() if host == role],
-        )
-
-    # no ref without a KL (TrainConfig.has_reference)
-    groups = _spawn_concurrently([role for role in active_roles(cfg) if role not in guests], spawn, stack)
-    _host_guests(
-        groups,
-        guests,
-        lambda role: (workers[role], worker_config(cfg, role, optimizer_steps)),
-        stack,
-        beside={role for role in guests if runs_beside(cfg, role)},
-    )
+    groups = model_groups(cfg, placed, optimizer_steps, stack, tuning)
     mark("groups spawned")
     for call in [g.call(DeepSpeedWorker.init) for g in groups.values()]:
         call.get()
@@ -109,46 +102,33 @@ def start_models(cfg: TrainConfig, placed, optimizer_steps: int, stack: ExitStac
         sync=sync,
         critic=groups.get("critic"),
         reward=groups.get("reward"),
+        tuning=tuning,
     )
 
 
-def _spawn_concurrently(roles: list[str], spawn, stack: ExitStack) -> dict:
-    """{role: spawn(role)} built in parallel threads; every group built is shut down when `stack` closes, also
-    when another one failed (its error is raised after all have finished)."""
-    from concurrent.futures import ThreadPoolExecutor
+def model_groups(cfg: TrainConfig, placed, optimizer_steps: int, stack: ExitStack, tuning: Tuning) -> dict:
+    """{role: group} of the run's models (no ref without a KL: TrainConfig.has_reference), as `tuning` builds them
+    (Tuning.model_groups) with an ActorGroup per role on its bundles; each shut down when `stack` closes."""
+    from orlhf.distributed.groups import ActorGroup
+    from orlhf.workers import CriticWorker, PolicyWorker, ReferenceWorker, RewardWorker
 
-    with ThreadPoolExecutor(max_workers=len(roles), thread_name_prefix="orlhf-spawn") as pool:
-        futures = {role: pool.submit(spawn, role) for role in roles}
-    groups, errors = {}, []
-    for role, future in futures.items():
-        if future.exception() is not None:
-            errors.append(future.exception())
-            continue
-        groups[role] = future.result()
-        stack.callback(groups[role].shutdown)
-    if errors:
-        raise errors[0]
-    return groups
+    workers = {"actor": PolicyWorker, "ref": ReferenceWorker, "critic": CriticWorker, "reward": RewardWorker}
 
+    def worker_of(role: str) -> tuple:
+        return workers[role], worker_config(cfg, role, optimizer_steps)
 
-def _host_guests(groups: dict, guests: dict, worker_of, stack: ExitStack, beside: frozenset = frozenset()) -> None:
-    """Add each guest role (roles.host_of) to `groups` as a view onto its host's rank actors. After its host in
-    `groups`, so its init() is numbered after the host's in every process (distributed/groups.py). `beside`: the guests
-    whose
-    work calls run beside the host's (roles.runs_beside)."""
-    for role, host in guests.items():
-        groups[role] = groups[host].host(role, *worker_of(role), beside=role in beside)
-        stack.callback(groups[role].shutdown)  # lets go only: the host's shutdown kills the processes
-        log.info(
-            "%s: %d rank(s) inside the %s's rank processes%s, pids %s (CPU; --%s_own_process gives it "
-            "processes of its own)",
+    def spawn(role: str, **options) -> ActorGroup:
+        return ActorGroup(
             role,
-            groups[role].world_size,
-            host,
-            ", its calls beside the " + host + "'s" if role in beside else "",
-            groups[role].pids(),
-            role,
+            *worker_of(role),
+            placed.role_bundles(role),
+            device=cfg.device,
+            gpus_per_node=getattr(cfg.placement, f"{role}_num_gpus_per_node"),
+            timeout_s=cfg.runtime.ray_timeout_s,
+            **options,
         )
+
+    return tuning.model_groups(cfg, spawn, worker_of, stack)
 
 
 def log_skipped_forwards(cfg: TrainConfig) -> None:

@@ -23,13 +23,13 @@ from orlhf.config.redact import public_config
 from orlhf.config.roles import model_path
 from orlhf.config.train_config import TrainConfig
 from orlhf.distributed.ray_start import connect_ray
-from orlhf.launch.bringup import launch_engines, start_models
+from orlhf.launch.bringup import launch_engines, start_models, tuning_for
 
 log = logging.getLogger("orlhf")
 
 
 def train_ppo(cfg: TrainConfig) -> int:
-    """Run PPO with a finished `cfg` (finish.finish_config). Returns the process exit code."""
+    """Run PPO with a finished `cfg` (resolve.finish_config). Returns the process exit code."""
     from orlhf.launch.startup_clock import StartupClock
     from orlhf.storage.runlock import hold_folders
 
@@ -43,8 +43,8 @@ def train_ppo(cfg: TrainConfig) -> int:
 
 def run_locked(cfg: TrainConfig, run_id: str, clock) -> int:
     """train_ppo once this process holds the run folder and the checkpoint folder (`clock`: startup.StartupClock)."""
-    # Only what Ray's start needs is imported before it: torch (checkpoint, controller: ~2.5 CPU-s) loads in the
-    # inputs thread (the tokenizer's transformers imports it) while ray.init waits on Ray's processes.
+    # Only what Ray's start needs is imported before it: torch (checkpoint, controller) loads in the inputs thread
+    # (the tokenizer's transformers imports it) while ray.init waits on Ray's processes.
     import ray
 
     from orlhf.distributed.layout import cpu_slots_needed, local_num_cpus, plan_layout
@@ -52,20 +52,20 @@ def run_locked(cfg: TrainConfig, run_id: str, clock) -> int:
 
     run_logs = setup_driver(cfg.logging.save_path, cfg.runtime.verbose)  # once the run folder is ours
     log.info("%s", run_logs.summary())
-    p = cfg.ppo
     preflight(cfg, run_logs)
     layout = plan_layout(cfg)
 
     # No automatic collections during start-up: the driver's imports (torch, the tokenizer, Ray's client) build
-    # ~375k objects that live as long as the run, and Python's collector would walk them again and again (0.2-0.3
-    # CPU-s, while every process of the run is starting on the same cores). Frozen once the controller exists.
+    # objects that live as long as the run, and Python's collector would walk them again and again while every
+    # process of the run is starting on the same cores. Frozen once the controller exists.
     gc.disable()
     with ExitStack() as stack:
         stack.callback(gc.enable)  # also when start-up fails
         inputs = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="orlhf-inputs"))
         reading = inputs.submit(read_inputs, cfg, run_id, run_logs)
         # in this thread: Ray sets its SIGTERM handler only here
-        if connect_ray(cfg, local_num_cpus(layout), cpu_slots_needed(layout)):
+        tuning = tuning_for(cfg)  # the platform's hooks (distributed/tuning.py), for Ray, engines and groups
+        if connect_ray(cfg, local_num_cpus(layout), cpu_slots_needed(layout), tuning):
             stack.callback(ray.shutdown)
         clock.mark("ray")
         from orlhf.distributed.placement import create_placement_groups, remove_placement_groups
@@ -74,16 +74,12 @@ def run_locked(cfg: TrainConfig, run_id: str, clock) -> int:
         stack.callback(remove_placement_groups, placed)
         t0 = time.monotonic()
         # The engines' start is the longest (vLLM's import, then LLM()); it needs only the flags and its bundles,
-        # so it begins before this thread waits for the inputs (measured waits: 0.1-1.7 s).
-        engines = launch_engines(cfg, placed, stack)
+        # so it begins before this thread waits for the inputs.
+        engines = launch_engines(cfg, placed, stack, tuning)
         clock.mark("placement")
         checkpoints, tokenizer, loader, evaluator, resume_from, resume_step, run_id = reading.result()
-        from orlhf.trainer.controller import Controller
-
-        samples_per_step = p.rollout_batch_size * p.n_samples_per_prompt
-        optimizer_steps = loader.total_steps * p.max_epochs * (samples_per_step // p.train_batch_size)
         clock.mark("prompts")
-        models = start_models(cfg, placed, optimizer_steps, stack, clock, engines)
+        models = start_models(cfg, placed, optimizer_steps(cfg, loader), stack, clock, engines, tuning)
         log.info(
             "%d model group(s) and %d engine(s) ready in %.1f s",
             len(models.groups()),
@@ -91,19 +87,7 @@ def run_locked(cfg: TrainConfig, run_id: str, clock) -> int:
             time.monotonic() - t0,
         )
         metrics = make_metrics(cfg, resume_step, run_id)
-        controller = Controller(
-            cfg,
-            models,
-            loader,
-            tokenizer,
-            metrics,
-            reward_source=make_reward(cfg),
-            checkpoints=checkpoints,
-            evaluator=evaluator,
-            best_checkpoints=checkpoints.best(),
-        )  # after resume_point: the run's id
-        if resume_from is not None:
-            controller.resume(resume_from)
+        controller = make_controller(cfg, models, loader, tokenizer, metrics, checkpoints, evaluator, resume_from)
         clock.mark("controller")
         gc.freeze()
         gc.enable()
@@ -118,12 +102,40 @@ def run_locked(cfg: TrainConfig, run_id: str, clock) -> int:
     return 0
 
 
+def optimizer_steps(cfg: TrainConfig, loader) -> int:
+    """Optimizer steps of the whole run (the LR schedule's length): each step's samples in train batches, per epoch."""
+    p = cfg.ppo
+    samples_per_step = p.rollout_batch_size * p.n_samples_per_prompt
+    return loader.total_steps * p.max_epochs * (samples_per_step // p.train_batch_size)
+
+
+def make_controller(cfg: TrainConfig, models, loader, tokenizer, metrics, checkpoints, evaluator, resume_from):
+    """The Controller of this run (after resume_point: the run's id), resumed from `resume_from` when given."""
+    from orlhf.trainer.controller import Controller
+
+    controller = Controller(
+        cfg,
+        models,
+        loader,
+        tokenizer,
+        metrics,
+        reward_source=make_reward(cfg),
+        checkpoints=checkpoints,
+        evaluator=evaluator,
+        best_checkpoints=checkpoints.best(),
+    )
+    if resume_from is not None:
+        controller.resume(resume_from)
+    return controller
+
+
 def read_inputs(cfg: TrainConfig, run_id: str, run_logs) -> tuple:
     """Tokenizer, prompts, eval prompts, resume point: in a thread while Ray starts (run_locked; the tokenizer's
     import of transformers and torch is most of it); their errors are raised once Ray is up, and Ray is shut down.
     Returns (checkpoints, tokenizer, loader, evaluator, resume_from, resume_step, run_id)."""
     run_logs.route_transformers()  # first: it imports transformers, before anything here can log through it
-    from orlhf.inputs.prompts import PromptLoader, load_tokenizer
+    from orlhf.inputs.prompt_loader import PromptLoader
+    from orlhf.inputs.tokenizer import load_tokenizer
     from orlhf.storage.checkpoint import CheckpointManager
 
     p = cfg.ppo
@@ -160,9 +172,9 @@ def preflight(cfg: TrainConfig, run_logs=None) -> None:
     if cfg.deepspeed.packing_samples and not cfg.deepspeed.flash_attn:
         log.warning(
             "--packing_samples without --flash_attn: attention runs over each packed row with a "
-            "block-diagonal mask, whose cost grows with the square of the row (on CPU: 0.55-0.7x of "
-            "the default trimmed micro-batches, benchmarks/bench_padding.py); packing pays with "
-            "flash-attn's varlen kernels on GPUs"
+            "block-diagonal mask, whose cost grows with the square of the row (benchmarks/bench_padding.py "
+            "compares it with the default trimmed micro-batches); packing pays with flash-attn's varlen kernels "
+            "on GPUs"
         )
     if run_logs is not None and cfg.data.agent_func_path:
         run_logs.route_transformers()  # an agent file may import transformers here

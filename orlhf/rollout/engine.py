@@ -10,14 +10,14 @@ Calls name the method by reference (orlhf/distributed/endpoints.py): an @endpoin
 extension (rollout/worker_ext.py), which goes through the engine's collective_rpc and returns one result per
 TP worker. trainer/weight_sync.py drives the extension's side of a weight update through this API.
 
-On CPU each engine runs vLLM in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0): 3 s start-up instead of ~20 s and
-the fastest generation on this stack, at the cost of owning its process (a Ray actor is exactly that). On
-GPUs an engine with TP > 1 uses vLLM's Ray executor on the placement group's bundles.
+On CPU each engine runs vLLM in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0): a much shorter start-up and the
+fastest generation on this stack, at the cost of owning its process (a Ray actor is exactly that); its threads,
+sampler and KV cache size come from the platform's tuning, an argument of each engine actor (Tuning.engine_start,
+distributed/tuning.py). On GPUs an engine with TP > 1 uses vLLM's Ray executor on the placement group's bundles.
 """
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import os
 from dataclasses import dataclass
@@ -27,12 +27,12 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orlhf.config.train_config import engine_gpu_memory_utilization
-from orlhf.cpu.engine_kv import MAX_NUM_SEQS, check_kv_cache, kv_cache_bytes
-from orlhf.cpu.threads import engine_threads, threads_as_ray_set
 from orlhf.distributed.endpoints import check_exports, endpoint, method_name
 from orlhf.distributed.groups import GroupCall, wait_all
 from orlhf.distributed.placement import EngineBundles
+from orlhf.distributed.tuning import Tuning
 from orlhf.rollout.worker_ext import WeightSyncExtension
+from orlhf.storage.logs import LOG_DIR_ENV, redirect_output
 from orlhf.types import Rollout, SamplingSpec, max_new_tokens
 
 EXTENSION = f"{WeightSyncExtension.__module__}.{WeightSyncExtension.__qualname__}"
@@ -52,8 +52,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     max_model_len: int = 2048  # prompt_max_len + generate_max_len
     dtype: str = "float32"  # "bfloat16" with --bf16
-    kv_cache_gb: Optional[float] = None  # CPU only: KV cache GiB; None: sized to the engine's need (cpu/engine_kv.py)
-    cpu_threads: int = 0  # CPU only: torch threads (threads.engine_threads; 0: Ray's OMP_NUM_THREADS = its CPU slots)
+    kv_cache_gb: Optional[float] = None  # CPU only: KV cache GiB; None: sized to the engine's need (CPU tuning)
+    cpu_threads: int = 0  # CPU only: torch threads, --vllm_cpu_threads (0: as the CPU tuning shares the cores)
     enable_sleep: bool = False  # GPU only (--vllm_enable_sleep): vLLM's sleep mode, for hybrid placement
     cuda_ipc: bool = False  # GPU + --colocate_all_models: weights arrive as CUDA IPC handles (trainer/weight_sync.py)
     logprobs_mode: str = "raw_logprobs"  # vLLM's: what the sampled tokens' log-probs are (engine_logprobs_mode)
@@ -73,7 +73,7 @@ def engine_config(cfg) -> EngineConfig:
         max_model_len=min(cfg.ppo.prompt_max_len + cfg.ppo.generate_max_len, cfg.ppo.max_len or 1 << 62),
         dtype=engine_dtype(cfg.deepspeed.bf16, device),
         kv_cache_gb=v.cpu_kv_cache_gb,
-        cpu_threads=engine_threads(cfg),
+        cpu_threads=v.cpu_threads,
         enable_sleep=v.enable_sleep and device == "cuda",
         cuda_ipc=cfg.placement.colocate_all_models and device == "cuda",
         logprobs_mode=engine_logprobs_mode(cfg.ppo.temperature),
@@ -82,12 +82,12 @@ def engine_config(cfg) -> EngineConfig:
 
 def engine_logprobs_mode(temperature: float) -> str:
     """The log-probs the engines report for sampled tokens. vLLM's default, raw_logprobs, is log_softmax(logits):
-    at --temperature 1 exactly what the actor computes. At another temperature the actor scores
-    log_softmax(logits / temperature) (workers/policy.py), so the engines report processed_logprobs, the
-    distribution they sample from after temperature, as OpenRLHF asks for its IS correction. (Processed also
-    means after top-p: below --top_p 1 they are the truncated distribution's, which the actor does not compute,
-    and the sync guard does not compare them; trainer/sync_guard.py. And after logits processors such as min_tokens,
-    which orlhf's requests do not set; an agent's own sampling_params may.) Prompt log-probs are raw in both."""
+    at --temperature 1 exactly what the actor computes. At another temperature the actor scores log_softmax(logits
+    / temperature) (workers/policy.py), so the engines report processed_logprobs, the distribution they sample
+    from after temperature, as OpenRLHF asks for its IS correction. (Processed also means after top-p: below
+    --top_p 1 they are the truncated distribution's, which the actor does not compute, and the sync guard does not
+    compare them; trainer/sync_guard.py. And after logits processors such as min_tokens, which orlhf's requests do
+    not set; an agent's own sampling_params may.) Prompt log-probs are raw in both."""
     return "raw_logprobs" if temperature == 1.0 else "processed_logprobs"
 
 
@@ -149,11 +149,9 @@ class EngineActor:
         bundle_indices: Optional[list[int]] = None,
         share: float = 1.0,
         log_dir: Optional[str] = None,
+        tuning: Optional[Tuning] = None,
     ):
-        threads_as_ray_set()
         if log_dir:  # before vLLM starts, so its engine-core processes inherit the file (storage/logs.py)
-            from orlhf.storage.logs import LOG_DIR_ENV, redirect_output
-
             os.environ[LOG_DIR_ENV] = log_dir
             redirect_output(f"vllm-{index}")
         self.index, self.weight_version = index, 0
@@ -163,32 +161,13 @@ class EngineActor:
                 "in-process); use more --vllm_num_engines instead"
             )
         os.environ.update(engine_env(cfg, bundle_indices, share))  # before vLLM is imported and started
-        gc.disable()  # see _start: no automatic collections while torch, transformers and vLLM load
-        try:
-            self.llm = self._start(cfg, index)
-        finally:
-            gc.enable()
+        self.llm = (tuning or Tuning()).engine_start(cfg, lambda extra: self._start(cfg, index, extra))
 
     @staticmethod
-    def _start(cfg: EngineConfig, index: int):
-        """Import vLLM and build the LLM, with the garbage collector off (the caller turns it back on).
-
-        Start-up CPU: importing torch, transformers and vLLM creates ~700k tracked objects and almost no garbage
-        (10 unreachable objects after the imports), yet Python's collector runs ~9 full passes over them (1.7
-        CPU-s); vLLM then calls gc.collect() five times while it loads the model (0.35 CPU-s each) and freezes the
-        heap at the end (engine core's freeze_gc_heap). Freezing before LLM() makes those passes skip what the
-        imports built. Memory and sampling are unchanged: the frozen objects live as long as the process anyway."""
-        if cfg.device == "cpu" and cfg.cpu_threads:  # before vLLM starts: its CPU worker then refuses set_num_threads
-            import torch
-
-            torch.set_num_threads(cfg.cpu_threads)
+    def _start(cfg: EngineConfig, index: int, extra: dict):
+        """Import vLLM and build the LLM with this engine's arguments and the tuning's `extra` ones."""
         from vllm import LLM
 
-        if cfg.device == "cpu":  # before LLM(): its sampler binds forward_cpu when built (rollout/cpu_sampler.py)
-            from orlhf.cpu.engine_sampler import install
-
-            install()
-        gc.freeze()
         kwargs: dict[str, Any] = dict(
             model=cfg.model_path,
             tensor_parallel_size=cfg.tensor_parallel_size,
@@ -201,13 +180,7 @@ class EngineActor:
             trust_remote_code=False,
             logprobs_mode=cfg.logprobs_mode,
         )
-        kv_bytes = 0
         if cfg.device == "cpu":
-            # An explicit size: else vLLM would ask for 92% of host memory. max_num_seqs is vLLM's CPU default,
-            # given so that the automatic size (which assumes it) cannot drift from it.
-            kv_bytes = kv_cache_bytes(cfg.model_path, cfg.dtype, cfg.max_model_len, cfg.kv_cache_gb)
-            kwargs["kv_cache_memory_bytes"] = kv_bytes
-            kwargs["max_num_seqs"] = MAX_NUM_SEQS
             # No chunked prefill on CPU: a seeded request whose prompt is split over steps makes vLLM rewind its
             # generator (`set_offset`), which CPU generators do not have ("CPU Generator does not use offset").
             # Batches of many separate requests (agents' turns, large rollout batches) hit it.
@@ -218,10 +191,7 @@ class EngineActor:
             kwargs["enable_sleep_mode"] = cfg.enable_sleep  # vLLM frees weights / KV cache on request (GPU only)
             if cfg.tensor_parallel_size > 1:
                 kwargs["distributed_executor_backend"] = "ray"
-        llm = LLM(**kwargs)
-        if cfg.device == "cpu" and cfg.kv_cache_gb is None:
-            check_kv_cache(llm, cfg.max_model_len, kv_bytes)
-        return llm
+        return LLM(**kwargs, **extra)
 
     @endpoint
     def num_threads(self) -> int:
@@ -235,10 +205,9 @@ class EngineActor:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        # detokenize=False: rollouts carry token ids only (the controller decodes for rewards); vLLM's incremental
-        # detokenizer cost ~20% of generation time on CPU (benchmarks/bench_generation.py). flat_logprobs: vLLM
-        # keeps a request's log-probs in flat lists instead of a {token: Logprob} dict per token (256 x 24 dicts
-        # and Logprob objects a demo step); the same floats (sampled_logprobs).
+        # detokenize=False: rollouts carry token ids only (the controller decodes for rewards), and vLLM's
+        # incremental detokenizer is costly on CPU (benchmarks/bench_generation.py). flat_logprobs: a request's
+        # log-probs in flat lists instead of a {token: Logprob} dict per token; the same floats (sampled_logprobs).
         params = [
             SamplingParams(
                 n=sampling.n,
@@ -281,7 +250,7 @@ class EngineActor:
         for _, p in requests:
             p.logprobs = p.logprobs or 0  # the sampled token's log-prob is always kept
             if not p.stop:
-                p.detokenize = False  # the driver decodes; vLLM's detokenizer costs ~20% on CPU
+                p.detokenize = False  # the driver decodes (as in generate)
             params.append(p)
         outs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=list(ids)) for ids, _ in requests], params, use_tqdm=False
@@ -338,10 +307,18 @@ RemoteEngine = ray.remote(EngineActor)
 
 
 class EngineGroup:
-    """N engines; `generate` splits prompts across them and returns rollouts in prompt order."""
+    """N engines; `generate` splits prompts across them and returns rollouts in prompt order. `tuning`: the
+    platform's hooks each engine starts with (distributed/tuning.py; None: the plain path)."""
 
-    def __init__(self, cfg: EngineConfig, slots: Sequence[EngineBundles], timeout_s: float = 600.0, wait: bool = True):
-        self.cfg, self.timeout_s = cfg, timeout_s
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        slots: Sequence[EngineBundles],
+        timeout_s: float = 600.0,
+        wait: bool = True,
+        tuning: Optional[Tuning] = None,
+    ):
+        self.cfg, self.timeout_s, self.tuning = cfg, timeout_s, tuning or Tuning()
         check_exports(ROLE, EngineActor, WeightSyncExtension)  # before any engine starts
         self._engines = [self._spawn(i, engine_slots) for i, engine_slots in enumerate(slots)]
         self._started = [e.pid.remote() for e in self._engines]
@@ -367,10 +344,8 @@ class EngineGroup:
                 placement_group_bundle_index=slot.bundle_indices[0],
                 placement_group_capture_child_tasks=True,
             )
-        from orlhf.storage.logs import LOG_DIR_ENV
-
         return RemoteEngine.options(**opts).remote(
-            self.cfg, index, list(slot.bundle_indices), slot.share, os.environ.get(LOG_DIR_ENV)
+            self.cfg, index, list(slot.bundle_indices), slot.share, os.environ.get(LOG_DIR_ENV), self.tuning
         )
 
     def __len__(self) -> int:
@@ -410,7 +385,7 @@ class EngineGroup:
         """A group of some of these engines (the same actors), e.g. the one engine an actor rank feeds over
         CUDA IPC; it can be passed to another Ray actor. Shutting it down is the full group's job."""
         sub = object.__new__(EngineGroup)
-        sub.cfg, sub.timeout_s, sub._started = self.cfg, self.timeout_s, []
+        sub.cfg, sub.timeout_s, sub.tuning, sub._started = self.cfg, self.timeout_s, self.tuning, []
         sub._engines = [self._engines[i] for i in indices]
         return sub
 

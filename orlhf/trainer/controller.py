@@ -11,8 +11,7 @@
                        trainer/scoring.py (async mode starts the frozen models' forwards when a batch is generated)
       (guard)          engine log-probs vs the actor's: past --max_engine_logprob_gap the run stops (sync_guard.py)
       make_experience  driver: KL, group baseline, KL-shaped rewards, advantages and returns (algo/)
-      train            actor and critic train_step at the same time (non-blocking calls, gathered after; a critic
-                       hosted in a one-rank actor's process on CPU trains on a thread beside it: roles.host_of);
+      train            actor and critic train_step at the same time (non-blocking calls, gathered after);
                        --freezing_actor_steps N: the critic alone while the step index (0-based) is <= N
       sync_weights     actor -> engines (trainer/weight_sync.py); weight_version += 1; before the next generate
                        (skipped after a frozen-actor step: the engines already hold those weights)
@@ -22,7 +21,8 @@
 Invariants: weights are synced after the optimizer steps of a step and before the next generation, so every
 rollout of step k+1 comes from weight_version k+1. Async mode (fit_async) relaxes this: generation runs ahead
 by at most --async_queue_size batches, and a sync never overlaps a generation (the producer's lock).
-Each phase is timed (`timing/<phase>` seconds in metrics.jsonl).
+Each phase is timed (`timing/<phase>` seconds in metrics.jsonl) and announced to the platform's tuning as it starts
+(Tuning.phases, distributed/tuning.py: on CPU the cores go to the processes working in it).
 """
 
 from __future__ import annotations
@@ -31,21 +31,21 @@ import logging
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from orlhf.algo.kl import make_kl_controller
 from orlhf.config.train_config import TrainConfig
-from orlhf.cpu.threads import PhaseThreads
+from orlhf.distributed.tuning import Tuning
 from orlhf.rollout.executor import agent_metrics, make_executor
 from orlhf.storage.metrics import MetricsLogger
 from orlhf.trainer.dynamic_filtering import DynamicFilter
 from orlhf.trainer.experience import ExperienceConfig, make_experience, rollouts_to_batch
 from orlhf.trainer.hybrid_memory import SleepSwitch
 from orlhf.trainer.scoring import ScoredAhead, Scorer
-from orlhf.trainer.step_stats import FROZEN_ACTOR_STATS, engine_gap, mean_stats
+from orlhf.trainer.step_stats import FROZEN_ACTOR_STATS, engine_gap, mean_stats, step_row
 from orlhf.trainer.sync_guard import SyncGuard
 from orlhf.types import Experience, Rollout, SamplingSpec
 from orlhf.workers import CriticWorker, PolicyWorker
@@ -63,7 +63,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class Models:
     """Everything the controller drives. critic exists with gae only; reward with --reward_pretrain only; ref only
-    when a KL uses it (TrainConfig.has_reference)."""
+    when a KL uses it (TrainConfig.has_reference). tuning: the platform's hooks the groups were built with."""
 
     actor: ActorGroup
     ref: Optional[ActorGroup]
@@ -71,6 +71,7 @@ class Models:
     sync: WeightSync
     critic: Optional[ActorGroup] = None
     reward: Optional[ActorGroup] = None
+    tuning: Tuning = field(default_factory=Tuning)
 
     def groups(self) -> list:
         return [g for g in (self.actor, self.ref, self.critic, self.reward) if g is not None]
@@ -94,8 +95,7 @@ class Controller:
         best_checkpoints=None,
     ):
         self.cfg, self.m, self.loader, self.tok, self.metrics = cfg, models, loader, tokenizer, metrics
-        # the score phase (orlhf/trainer/scoring.py); reward_source: function file / HTTP, None when a reward model
-        # scores
+        # the score phase (trainer/scoring.py); reward_source: function file / HTTP, None when a reward model scores
         self.scorer = Scorer(cfg, models, tokenizer, reward_source)
         self.exp_cfg = ExperienceConfig.from_ppo(cfg.ppo)
         p = cfg.ppo
@@ -118,7 +118,7 @@ class Controller:
         )
         self.guard = SyncGuard.from_config(cfg)  # --max_engine_logprob_gap (orlhf/trainer/sync_guard.py)
         self.guard.announce()  # where it does not look, said once now
-        self.threads = PhaseThreads.from_config(cfg, models)  # CPU: threads handed over per phase
+        self.phases = models.tuning.phases(cfg, models)  # told as each phase starts (timed)
         self._first_step = 0  # step_index when this invocation started (resume)
         self._saved_step: Optional[int] = None  # step of this invocation's newest checkpoint
         self._sync_lock = threading.Lock()
@@ -225,14 +225,7 @@ class Controller:
         self.step_index += 1
         now = time.perf_counter()
         seconds, self._last_step_end = now - self._last_step_end, now  # wall time per step, overlap included
-        row = {
-            **info,
-            "policy_loss": actor_stats["loss"],
-            "actor_lr": actor_stats["lr"],
-            "clip_frac": actor_stats["clip_frac"],
-            "approx_kl": actor_stats["approx_kl"],
-            **{k: actor_stats[k] for k in ("clip_frac_low", "clip_frac_high", "entropy")},
-            "actor_grad_norm": actor_stats["grad_norm"],
+        fields = {
             "weight_version": self.weight_version,
             "generation_weight_version": gen_version,
             "staleness": staleness,
@@ -244,18 +237,7 @@ class Controller:
             **{f"timing/{k}": v for k, v in self.timings.items()},
             **agent_metrics(rollouts),
         }
-        if self.cfg.ppo.use_kl_loss:
-            row.update(kl_loss=actor_stats["kl_loss"], kl_coef=actor_stats["kl_coef"])  # the coefficient used
-        if self.cfg.ppo.enable_vllm_is_correction:
-            row["is_cut_frac"] = actor_stats["is_cut_frac"]
-        if critic_stats is not None:
-            row.update(
-                value_loss=critic_stats["loss"],
-                critic_lr=critic_stats["lr"],
-                value_clip_frac=critic_stats["clip_frac"],
-                critic_grad_norm=critic_stats["grad_norm"],
-            )
-        return row
+        return step_row(info, actor_stats, critic_stats, fields, self.cfg.ppo)
 
     @contextmanager
     def progress(self):
@@ -388,11 +370,7 @@ class Controller:
             actor_call = (
                 None if self.actor_frozen else self.m.actor.call_sharded(PolicyWorker.train_step, shuffled, kl_coef)
             )
-            critic_call = (
-                self.m.critic.call_sharded_beside(CriticWorker.train_step, shuffled)  # hosted: beside
-                if self.m.critic
-                else None
-            )
+            critic_call = self.m.critic.call_sharded(CriticWorker.train_step, shuffled) if self.m.critic else None
             actor_stats += actor_call.get() if actor_call is not None else []
             if critic_call is not None:
                 critic_stats += critic_call.get()
@@ -414,7 +392,7 @@ class Controller:
     # ---- helpers ----------------------------------------------------------------------------------------------
     @contextmanager
     def timed(self, phase: str):
-        self.threads.before(phase)  # CPU: the processes working in this phase get the cores (cpu/threads.py)
+        self.phases.before(phase)  # the platform's tuning (on CPU: the cores go to the processes working in it)
         t0 = time.perf_counter()
         yield
         self.timings[phase] = self.timings.get(phase, 0.0) + time.perf_counter() - t0

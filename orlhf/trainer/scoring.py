@@ -42,8 +42,8 @@ class ScoredAhead:
 
     batch: SequenceBatch
     engine_log_probs: torch.Tensor
-    ref_call: Any  # cluster.GroupCall of ReferenceWorker.log_probs, or None
-    reward_call: Any  # cluster.GroupCall of RewardWorker.scores, or None
+    ref_call: Any  # distributed/groups.GroupCall of ReferenceWorker.log_probs, or None
+    reward_call: Any  # distributed/groups.GroupCall of RewardWorker.scores, or None
 
 
 class Scorer:
@@ -70,12 +70,11 @@ class Scorer:
         of the frozen models started (reference log-probs, reward-model scores), which depend on nothing the
         trainers change. They run while the trainers still work on the batch before, and score() takes their
         results instead of calling again: the same calls on the same tensors, earlier. The critic's values and
-        the actor's old log-probs wait for score(): they read weights that train. A reference hosted in a
-        one-rank actor's process runs beside the actor's call in flight (ActorGroup.call_sharded_beside); with
-        more ranks, after the calls numbered before it (distributed/groups.py)."""
+        the actor's old log-probs wait for score(): they read weights that train. (On CPU a reference hosted in a
+        one-rank actor's process runs these beside the actor's call in flight: cpu/hosting.py.)"""
         batch, engine_log_probs = rollouts_to_batch(rollouts, self.tok.pad_token_id)
-        ref_call = self.m.ref.call_sharded_beside(ReferenceWorker.log_probs, batch) if self.m.ref else None
-        reward_call = self.m.reward.call_sharded_beside(RewardWorker.scores, batch) if self.m.reward else None
+        ref_call = self.m.ref.call_sharded(ReferenceWorker.log_probs, batch) if self.m.ref else None
+        reward_call = self.m.reward.call_sharded(RewardWorker.scores, batch) if self.m.reward else None
         return ScoredAhead(batch, engine_log_probs, ref_call, reward_call)
 
     def score(
@@ -98,8 +97,7 @@ class Scorer:
             ref_call = ahead.ref_call
         else:
             ref_call = m.ref.call_sharded(ReferenceWorker.log_probs, batch) if m.ref else None
-        # a critic hosted in a one-rank actor's process computes beside the actor's and reference's calls
-        value_call = m.critic.call_sharded_beside(CriticWorker.values, batch) if m.critic else None
+        value_call = m.critic.call_sharded(CriticWorker.values, batch) if m.critic else None
         if ahead is not None:
             reward_call = ahead.reward_call
         else:

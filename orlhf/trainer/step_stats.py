@@ -2,6 +2,7 @@
 
     mean_stats([TrainStats per rank and micro-step])  -> {field: mean}, plus the `extra` keys every rank reported
     engine_gap(engine_lp, old_lp, action_mask, actor)  -> mean |engine log-prob - trainer log-prob| per action token
+    step_row(info, actor, critic, fields, ppo)          -> the step's metrics row (metrics.jsonl), in its order
 
 The engine gap is how far the vLLM engines' sampling log-probs are from the policy being trained (trainer/sync_guard.py
 stops a run whose engines diverge). With an old-log-prob forward it is measured here; on a single pass
@@ -52,3 +53,31 @@ def engine_gap(
     if old_lp is not None:
         return (engine_lp - old_lp).abs().mul(mask).sum().item() / max(1, int(mask.sum()))
     return actor["engine_gap_sum"] / max(1.0, actor["engine_gap_tokens"])
+
+
+def step_row(info: dict, actor: dict, critic: Optional[dict], fields: dict, ppo) -> dict:
+    """A step's metrics row: make_experience's `info`, the actor's mean train stats, the controller's `fields`
+    (versions, gap, samples, rewards, timings, agents' metrics), then the KL loss and its coefficient, the IS cut
+    fraction and the critic's stats where the run has them (`ppo`: its PPO config section)."""
+    row = {
+        **info,
+        "policy_loss": actor["loss"],
+        "actor_lr": actor["lr"],
+        "clip_frac": actor["clip_frac"],
+        "approx_kl": actor["approx_kl"],
+        **{k: actor[k] for k in ("clip_frac_low", "clip_frac_high", "entropy")},
+        "actor_grad_norm": actor["grad_norm"],
+        **fields,
+    }
+    if ppo.use_kl_loss:
+        row.update(kl_loss=actor["kl_loss"], kl_coef=actor["kl_coef"])  # the coefficient used
+    if ppo.enable_vllm_is_correction:
+        row["is_cut_frac"] = actor["is_cut_frac"]
+    if critic is not None:
+        row.update(
+            value_loss=critic["loss"],
+            critic_lr=critic["lr"],
+            value_clip_frac=critic["clip_frac"],
+            critic_grad_norm=critic["grad_norm"],
+        )
+    return row

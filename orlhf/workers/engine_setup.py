@@ -11,7 +11,6 @@ import random
 import torch
 
 from orlhf.config.worker_config import WorkerConfig
-from orlhf.cpu.ds_import import load_muon_uncompiled
 from orlhf.workers.ds_arch import use_arch_list_deepspeed_reads
 
 log = logging.getLogger("orlhf.workers")
@@ -42,11 +41,10 @@ def init_distributed(device: str) -> None:
         if device == "cpu":
             skip_shm_comm_build()
         deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo")
-    load_muon_uncompiled()  # before deepspeed.initialize imports it: 1.2-1.5 CPU-s less per rank (cpu/ds_import.py)
 
 
 def skip_shm_comm_build() -> None:
-    """DeepSpeed's CPU backend loads its shm_comm op on every init_distributed, compiling it (~40 s) when it was
+    """DeepSpeed's CPU backend loads its shm_comm op on every init_distributed, compiling it (slow) when it was
     not built at install. The op serves only DeepSpeed-inference's tensor-parallel all-reduce, which orlhf never
     calls (ZeRO's collectives go through torch.distributed/gloo), so the install skips it and so does this."""
     import importlib
@@ -58,9 +56,9 @@ def skip_shm_comm_build() -> None:
 
 
 # glibc malloc: blocks >= M_MMAP_THRESHOLD get their own mmap, and a free heap top above M_TRIM_THRESHOLD goes back
-# to the OS. A CPU train step allocates and frees (64, 25, 965)-sized float tensors (6 MB) many times; with the
-# defaults each comes back as fresh pages, ~25k page faults and 0.03-0.09 s of system time per demo step
-# (benchmarks/bench_train_step.py). Keeping them in the heap: ~2.6k faults, ~0.01 s. Memory stays at the step's peak.
+# to the OS. A CPU train step allocates and frees large activation tensors many times; with the defaults each
+# comes back as fresh pages, page faults and system time every step (benchmarks/bench_train_step.py measures it).
+# Keeping them in the heap avoids most of them. Memory stays at the step's peak.
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _MMAP_THRESHOLD_BYTES, _TRIM_THRESHOLD_BYTES = 256 << 20, 1 << 30
 

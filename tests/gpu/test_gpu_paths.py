@@ -4,7 +4,8 @@ These need a machine with CUDA, ray, deepspeed and the CUDA build of vLLM (the `
 vLLM they skip saying so (scripts/gpu_check.sh runs the Ray-free tests next to this file). The NCCL case puts
 actor, reference and engine on three GPUs of their own; the hybrid case shares one. Each checks the same parity
 as tests/vllm/test_engines.py: after a train step and a sync, the engine's log-probs of the rollouts match the
-trainer's (both bfloat16 here, as engines on GPUs always are: mean gap <= 0.02).
+trainer's (both bfloat16 here, as engines on GPUs always are: mean gap <= 0.02), and that no rank or engine
+process imported orlhf.cpu (a GPU run takes the plain tuning: distributed/tuning.py).
 """
 
 import importlib.metadata
@@ -45,6 +46,7 @@ def _rig(tmp_path, **flags):
     from orlhf.distributed.groups import ActorGroup
     from orlhf.distributed.layout import plan_layout
     from orlhf.distributed.placement import create_placement_groups
+    from orlhf.launch.bringup import tuning_for
     from orlhf.rollout.engine import EngineGroup, engine_config
     from orlhf.trainer.weight_sync import make_weight_sync
     from orlhf.workers import PolicyWorker
@@ -62,7 +64,9 @@ def _rig(tmp_path, **flags):
     }
     cfg = finish_config(base, explicit=set(base))
     placed = create_placement_groups(plan_layout(cfg), timeout_s=120)
-    engines = EngineGroup(engine_config(cfg), [placed.engine_bundles(i) for i in range(cfg.vllm.num_engines)])
+    engines = EngineGroup(
+        engine_config(cfg), [placed.engine_bundles(i) for i in range(cfg.vllm.num_engines)], tuning=tuning_for(cfg)
+    )
     actor = ActorGroup(
         "actor",
         PolicyWorker,
@@ -73,6 +77,19 @@ def _rig(tmp_path, **flags):
     )
     actor.call(PolicyWorker.init).get()
     return cfg, engines, actor, make_weight_sync(cfg, actor, engines)
+
+
+def _cpu_modules(actor, engines) -> list[str]:
+    """The orlhf.cpu modules loaded in any of the actor's rank processes or the engines' processes."""
+    import ray
+
+    def loaded(_actor) -> list[str]:
+        import sys
+
+        return [m for m in sys.modules if m == "orlhf.cpu" or m.startswith("orlhf.cpu.")]
+
+    handles = actor.actors + engines._engines
+    return sorted({m for mods in ray.get([h.__ray_call__.remote(loaded) for h in handles], timeout=120) for m in mods})
 
 
 def _parity(engines, actor, tok):
@@ -132,3 +149,4 @@ def test_sync_parity_on_gpu(tmp_path, flags, request):
         for i, r in enumerate(rollouts)
     ]
     assert torch.cat(gaps).mean() <= 0.02
+    assert _cpu_modules(actor, engines) == []  # workers, weight sync and engines ran without the CPU package

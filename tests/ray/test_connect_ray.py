@@ -3,7 +3,7 @@ autoscaler monitor, the log monitor and the dashboard head, and still runs actor
 RayParams is left as
 it was afterwards.
 
-Real Ray: each case starts and ends a local cluster (~7 s), so the session's shared one is shut down first.
+Real Ray: each case starts and ends a local cluster, so the session's shared one is shut down first.
 """
 
 import pytest
@@ -75,7 +75,7 @@ class Threads:
         from orlhf.cpu.threads import threads_as_ray_set
 
         self.preloaded = "orlhf.cpu.preload" in sys.modules and "transformers.modeling_utils" in sys.modules
-        threads_as_ray_set()  # as RankActor and EngineActor do first
+        threads_as_ray_set()  # as CPU rank actors and engines do first (CpuRankActor, CpuTuning.engine_start)
 
     def report(self):
         import os
@@ -98,8 +98,10 @@ class Threads2(Threads.__ray_actor_class__):
 def test_a_cpu_runs_own_cluster_preloads_torch_and_actors_keep_the_threads_ray_gives_them(own_cluster, monkeypatch):
     monkeypatch.delenv("ORLHF_NO_PRELOAD", raising=False)
     monkeypatch.setattr("os.cpu_count", lambda: 2)  # Ray prestarts min(cores, num_cpus) workers: 2 for 2 processes
+    from orlhf.cpu.tuning import CpuTuning
+
     cfg = build_config({"device": "cpu"}, explicit={"device"})
-    assert connect_ray(cfg, num_cpus=4, processes=2) is True
+    assert connect_ray(cfg, num_cpus=4, processes=2, tuning=CpuTuning.for_config(cfg)) is True
     # torch read the thread count at import, before Ray set OMP_NUM_THREADS for the actor: threads_as_ray_set
     # applies Ray's value, on every thread (the machine's cores would be used otherwise)
     one, two = Threads.remote(), Threads2.remote()
@@ -107,7 +109,7 @@ def test_a_cpu_runs_own_cluster_preloads_torch_and_actors_keep_the_threads_ray_g
 
 
 def test_preload_only_on_cpu_where_the_prestarted_workers_are_the_runs_own(monkeypatch):
-    from orlhf.distributed.ray_start import worker_preload
+    from orlhf.cpu.tuning import worker_preload
 
     monkeypatch.delenv("ORLHF_NO_PRELOAD", raising=False)
     monkeypatch.setattr("os.cpu_count", lambda: 2)

@@ -1,6 +1,6 @@
 """Placement groups on a simulated 3-node cluster (4 fake GPUs + 4 CPUs per node, head included).
 
-One cluster for the module (Ray starts ~4 s per node here); each case removes its placement groups, so every
+One cluster for the module (each node is a slow Ray start); each case removes its placement groups, so every
 case sees all 12 GPUs free. What is checked: every node-group lands whole on one node (STRICT_PACK), each TP
 engine on one node, ranks map to (group, bundle, share) as the layout says, fractional shares co-schedule on one
 bundle, and what cannot be placed fails fast with the needed-vs-available table.

@@ -1,8 +1,9 @@
-"""A guest role inside a host group's rank processes (ActorGroup.host; on CPU the reference in the actor's ranks).
+"""A guest role inside a host group's rank processes (cpu/hosting.py, CpuGroup.host: on CPU the reference in the
+actor's ranks).
 
 probes (no DeepSpeed, cheap)   host + guest drawing random numbers: the host's draws are those it makes alone,
                                the guest's are its own seed's; pids shared; errors name the guest and the host;
-                               a one-rank host's guest called "beside" runs during the host's call; two
+                               a one-rank host's guest's `beside` method runs during the host's call; two
                                guests' beside calls run side by side
 real workers (2 ranks each)    PolicyWorker with a hosted ReferenceWorker beside a ReferenceWorker in its own
                                processes: equal log-probs (bit for bit), while the actor's forwards run at the
@@ -20,8 +21,9 @@ import torch
 
 from orlhf.config.resolve import finish_config
 from orlhf.config.worker_config import worker_config
+from orlhf.cpu.hosting import cpu_group
 from orlhf.distributed.endpoints import endpoint
-from orlhf.distributed.groups import ActorGroup, RankError
+from orlhf.distributed.groups import RankError
 from orlhf.distributed.placement import RankBundle
 from orlhf.types import SequenceBatch
 from orlhf.workers import PolicyWorker, ReferenceWorker
@@ -81,7 +83,7 @@ class GuestProbe(Probe):
 
 
 def test_a_guest_runs_in_the_hosts_processes_on_its_own_random_numbers(ray_local):
-    host = ActorGroup("actor", Probe, None, TWO, device="cpu", gpus_per_node=2, guests=["ref"])
+    host = cpu_group("actor", Probe, None, TWO, device="cpu", gpus_per_node=2, guests=["ref"])
     guest = host.host("ref", GuestProbe, None)
     try:
         assert guest.pids() == host.pids() and len(set(host.pids())) == 2
@@ -113,25 +115,26 @@ def test_a_guest_runs_in_the_hosts_processes_on_its_own_random_numbers(ray_local
 
 
 def test_a_frozen_guests_forward_runs_beside_a_one_rank_hosts_call(ray_local):
-    """call_sharded_beside: at one rank the guest's call runs at once beside the host's call in flight, and the
+    """A `beside` method: at one rank the guest's call runs at once beside the host's call in flight, and the
     host's random numbers are those it draws alone; with two ranks it waits its turn like any call."""
     import ray
 
-    one = ActorGroup("actor", Probe, None, [RankBundle(None, 0, 0.5)], device="cpu", guests=["ref"])
-    two = ActorGroup("actor", Probe, None, TWO, device="cpu", gpus_per_node=2, guests=["ref"])
+    one = cpu_group("actor", Probe, None, [RankBundle(None, 0, 0.5)], device="cpu", guests=["ref"])
+    two = cpu_group("actor", Probe, None, TWO, device="cpu", gpus_per_node=2, guests=["ref"])
     try:
-        guest1, guest2 = one.host("ref", GuestProbe, None), two.host("ref", GuestProbe, None)
+        methods = (GuestProbe.count,)
+        guest1, guest2 = one.host("ref", GuestProbe, None, methods), two.host("ref", GuestProbe, None, methods)
         one.call(Probe.seed, 0).get()
         held = one.call(Probe.hold, 5.0)
-        numbered = guest1.call_sharded(GuestProbe.count, [1, 2, 3])  # waits for the host's call
-        beside = guest1.call_sharded_beside(GuestProbe.count, [1, 2, 3])
+        numbered = guest1.call(GuestProbe.count, [1, 2, 3])  # not a beside call: waits for the host's call
+        beside = guest1.call_sharded(GuestProbe.count, [1, 2, 3])
         assert beside.get() == [3]
         assert not ray.wait(held.refs + numbered.refs, num_returns=2, timeout=0)[0]  # both still waiting
         assert numbered.get() == [3]
         torch.manual_seed(0)
         assert held.get() == [[torch.rand(1).item(), torch.rand(1).item()]]  # as if the guest were not there
         held2 = two.call(Probe.hold, 3.0)
-        waited = guest2.call_sharded_beside(GuestProbe.count, [1, 2, 3, 4])  # two ranks: numbered, in turn
+        waited = guest2.call_sharded(GuestProbe.count, [1, 2, 3, 4])  # two ranks: numbered, in turn
         assert waited.get() == [2, 2] and ray.wait(held2.refs, num_returns=2, timeout=0)[0] == held2.refs
     finally:
         one.shutdown()
@@ -160,7 +163,7 @@ def hosted_and_own(tmp_path_factory):
         "ref_num_gpus_per_node": 2,
     }
     cfg = finish_config(flags, explicit=set(flags))
-    actor = ActorGroup(
+    actor = cpu_group(
         "actor",
         PolicyWorker,
         worker_config(cfg, "actor", 4),
@@ -174,9 +177,9 @@ def hosted_and_own(tmp_path_factory):
     groups = {
         "actor": actor,
         "hosted": actor.host("ref", ReferenceWorker, ref_cfg),
-        "own": ActorGroup("ref", ReferenceWorker, ref_cfg, TWO, device="cpu", gpus_per_node=2, timeout_s=300),
+        "own": cpu_group("ref", ReferenceWorker, ref_cfg, TWO, device="cpu", gpus_per_node=2, timeout_s=300),
     }
-    for call in [g.call(DeepSpeedWorker.init) for g in groups.values()]:  # the actor's first, as launch/run.py does
+    for call in [g.call(DeepSpeedWorker.init) for g in groups.values()]:  # the actor's first, as bring-up does
         call.get()
     yield cfg, groups
     for g in groups.values():
@@ -232,15 +235,16 @@ def test_two_guests_beside_a_one_rank_host_run_side_by_side(ray_local):
 
     import ray
 
-    one = ActorGroup("actor", Probe, None, [RankBundle(None, 0, 0.5)], device="cpu", guests=["ref", "critic"])
+    one = cpu_group("actor", Probe, None, [RankBundle(None, 0, 0.5)], device="cpu", guests=["ref", "critic"])
     try:
-        ref, critic = one.host("ref", GuestProbe, None), one.host("critic", GuestProbe, None, beside=True)
+        ref = one.host("ref", GuestProbe, None, beside=(GuestProbe.count_slowly,))
+        critic = one.host("critic", GuestProbe, None, beside=(GuestProbe.count,))
         assert len(set(one.processes + ref.processes)) == 1  # the ref counts as the actor's process...
         assert len(set(one.processes + critic.processes)) == 2  # ...the critic, working beside it, as its own
         held = one.call(Probe.hold, 5.0)
-        ref_held = ref.call_sharded_beside(GuestProbe.count_slowly, [1, 2, 3])
+        ref_held = ref.call_sharded(GuestProbe.count_slowly, [1, 2, 3])
         time.sleep(1.0)  # the ref's call is running
-        assert critic.call_sharded_beside(GuestProbe.count, [1, 2]).get(timeout_s=3) == [2]
+        assert critic.call_sharded(GuestProbe.count, [1, 2]).get(timeout_s=3) == [2]
         assert not ray.wait(held.refs + ref_held.refs, num_returns=2, timeout=0)[0]  # both still running
         held.get(), ref_held.get()
     finally:
@@ -263,12 +267,12 @@ def test_a_critic_hosted_beside_a_one_rank_actor_trains_as_one_in_its_own_proces
     }
     cfg = finish_config(flags, explicit=set(flags))
     one = [RankBundle(None, 0, 0.5)]
-    actor = ActorGroup(
+    actor = cpu_group(
         "actor", PolicyWorker, worker_config(cfg, "actor", 4), one, device="cpu", timeout_s=300, guests=["critic"]
     )
     critic_cfg = worker_config(cfg, "critic", 4)
-    hosted = actor.host("critic", CriticWorker, critic_cfg, beside=True)
-    own = ActorGroup("critic", CriticWorker, critic_cfg, one, device="cpu", timeout_s=300)
+    hosted = actor.host("critic", CriticWorker, critic_cfg, beside=(CriticWorker.values, CriticWorker.train_step))
+    own = cpu_group("critic", CriticWorker, critic_cfg, one, device="cpu", timeout_s=300)
     try:
         for call in [g.call(DeepSpeedWorker.init) for g in (actor, hosted, own)]:
             call.get()
@@ -278,7 +282,7 @@ def test_a_critic_hosted_beside_a_one_rank_actor_trains_as_one_in_its_own_proces
         g = torch.Generator().manual_seed(1)
         b, a = batch.action_mask.shape
         for _ in range(2):
-            values = hosted.call_sharded_beside(CriticWorker.values, batch).get_cat()
+            values = hosted.call_sharded(CriticWorker.values, batch).get_cat()
             assert torch.equal(values, own.call_sharded(CriticWorker.values, batch).get_cat())
             exp = Experience(
                 batch.sequences,
@@ -290,12 +294,12 @@ def test_a_critic_hosted_beside_a_one_rank_actor_trains_as_one_in_its_own_proces
                 values=values,
             )
             actor_call = actor.call_sharded(PolicyWorker.train_step, exp)
-            hosted_call = hosted.call_sharded_beside(CriticWorker.train_step, exp)
+            hosted_call = hosted.call_sharded(CriticWorker.train_step, exp)
             own_stats = own.call_sharded(CriticWorker.train_step, exp).get()
             assert [vars(s) for s in hosted_call.get()] == [vars(s) for s in own_stats]
             assert actor_call.get()  # the actor trained beside it
         assert torch.equal(
-            hosted.call_sharded_beside(CriticWorker.values, batch).get_cat(),
+            hosted.call_sharded(CriticWorker.values, batch).get_cat(),
             own.call_sharded(CriticWorker.values, batch).get_cat(),
         )
     finally:

@@ -1,6 +1,6 @@
 """CPU threads handed over per phase (orlhf/cpu/threads.py) on real Ray rank actors: the working call sees the count.
 
-2 rank actors (Ray: OMP_NUM_THREADS=1; Ray runs each actor's calls on a pool of threads)
+2 CPU rank actors (cpu/rank_actor.py; Ray: OMP_NUM_THREADS=1; Ray runs each actor's calls on a pool of threads)
   work() x 4, one after another   -> 1 torch thread, and all four on one thread per rank (the compute thread)
   PhaseThreads.before("train")  (cores 4, 2 ranks working: 2 each)
   work() x 4, one after another   -> 2 threads, on that same thread (which ran torch code with 1 before)
@@ -16,9 +16,9 @@ import pytest
 import ray.cloudpickle
 import torch
 
+from orlhf.cpu.hosting import CpuGroup, cpu_group
 from orlhf.cpu.threads import PhaseThreads
 from orlhf.distributed.endpoints import endpoint
-from orlhf.distributed.groups import ActorGroup
 from orlhf.distributed.placement import RankBundle
 
 pytestmark = pytest.mark.ray
@@ -38,7 +38,7 @@ class WorkProbe:
         return threading.get_ident(), torch.get_num_threads()
 
 
-def observed(group: ActorGroup, at_once: int) -> dict:
+def observed(group: CpuGroup, at_once: int) -> dict:
     """{(rank, thread): torch threads seen inside work()}: four calls one after another (at_once=1), or
     at_once calls in flight together."""
     seen = {}
@@ -54,7 +54,7 @@ def observed(group: ActorGroup, at_once: int) -> dict:
 
 
 def test_the_working_ranks_get_the_cores_on_one_compute_thread(ray_local):
-    group = ActorGroup("actor", WorkProbe, cfg=None, slots=[RankBundle(None, 0, 1.0)] * 2, device="cpu", timeout_s=60)
+    group = cpu_group("actor", WorkProbe, cfg=None, slots=[RankBundle(None, 0, 1.0)] * 2, device="cpu", timeout_s=60)
     try:
         before = observed(group, 1)
         assert len(before) == 2, f"calls one after another should share one thread per rank: {before}"

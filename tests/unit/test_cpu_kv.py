@@ -39,7 +39,7 @@ def test_bytes_per_token_from_the_config(tmp_path):
         {"text_config": {"hidden_size": 64}},
     ],
 )
-def test_other_attention_keeps_the_former_default(tmp_path, over):
+def test_other_attention_gets_the_fallback_size(tmp_path, over):
     path = model(tmp_path, **over)
     assert kv_bytes_per_token(path, "float32") is None
     assert kv_cache_bytes(path, "float32", 88, None) == GIB
@@ -51,7 +51,7 @@ def test_automatic_size_holds_every_sequence_vllm_may_run(tmp_path):
     # 88 tokens -> one 128-token block per sequence, plus vLLM's null block
     assert kv_cache_bytes(path, "float32", 88, None) == (MAX_NUM_SEQS + 1) * BLOCK_TOKENS * per_token
     assert kv_cache_bytes(path, "float32", 129, None) == (2 * MAX_NUM_SEQS + 1) * BLOCK_TOKENS * per_token
-    assert kv_cache_bytes(path, "float32", 32768, None) == GIB  # more than the former default: stays at it
+    assert kv_cache_bytes(path, "float32", 32768, None) == GIB  # more than the 1 GiB cap: stays at it
 
 
 def test_user_given_size_is_honoured_or_refused_naming_the_flag(tmp_path):
@@ -62,6 +62,6 @@ def test_user_given_size_is_honoured_or_refused_naming_the_flag(tmp_path):
         kv_cache_bytes(path, "float32", 88, 1e-5)
 
 
-def test_unreadable_config_keeps_the_former_default(tmp_path):
+def test_unreadable_config_gets_the_fallback_size(tmp_path):
     assert kv_cache_bytes(str(tmp_path), "float32", 88, None) == GIB
     assert kv_cache_bytes(str(tmp_path), "float32", 88, 1e-5) == int(1e-5 * GIB)  # nothing to check it against

@@ -1,4 +1,4 @@
-"""workers/ds_muon.py: DeepSpeed's Muon module loaded without torch.compile's wrappers leaves a ZeRO-2 training
+"""cpu/ds_import.py: DeepSpeed's Muon module loaded without torch.compile's wrappers leaves a ZeRO-2 training
 step unchanged and keeps torch._inductor's compiler out of the process. Each case runs in a fresh interpreter
 (the point is what gets imported), with real DeepSpeed on one CPU rank."""
 
@@ -18,6 +18,7 @@ from orlhf.cpu import ds_import as ds_muon
 from orlhf.workers.engine_setup import init_distributed
 if sys.argv[1] == "plain":
     ds_muon.CHECKED_VERSIONS = ()  # as on an unchecked DeepSpeed: the module loads as DeepSpeed imports it
+ds_muon.load_deepspeed()  # as CpuRankActor does before a worker's init()
 init_distributed("cpu")
 import deepspeed
 torch.manual_seed(0)

@@ -33,14 +33,6 @@ LEVEL = {name: i for i, names in enumerate(LAYERS) for name in names}
 USER_TEMPLATES = {"demo/agent.py", "demo/reward.py"}
 ROOT_MODULES = {"__init__.py", "cli.py", "types.py", "versions.py"}
 
-# Imports from the core into cpu/ that predate the tuning seam; to be emptied, never extended.
-PENDING: set[tuple[str, str]] = {
-    ("distributed/groups.py", "cpu"),
-    ("rollout/engine.py", "cpu"),
-    ("workers/engine_setup.py", "cpu"),
-    ("trainer/controller.py", "cpu"),
-}
-
 
 def top(module: str) -> str:
     """'orlhf.trainer.controller' -> 'trainer'; 'orlhf' -> '__init__'."""
@@ -77,20 +69,13 @@ def upward_imports() -> list[str]:
         for module in imported(ast.parse(path.read_text())):
             target = top(module)
             assert target in LEVEL, f"orlhf/{rel} imports {module}, which is in no layer"
-            if LEVEL[target] > LEVEL[own] and (rel, target) not in PENDING:
+            if LEVEL[target] > LEVEL[own]:
                 bad.append(f"orlhf/{rel} ({own}) imports {module} ({target}), a higher layer")
     return bad
 
 
 def test_no_import_runs_up_the_layers():
     assert upward_imports() == []
-
-
-def test_pending_exceptions_are_still_needed():
-    """An entry of PENDING whose import is gone must go too, so the list only shrinks."""
-    for rel, target in PENDING:
-        tree = ast.parse((ORLHF / rel).read_text())
-        assert any(top(m) == target for m in imported(tree)), f"PENDING lists orlhf/{rel} -> {target}: remove it"
 
 
 def test_the_root_holds_only_the_cli_and_shared_types():

@@ -36,9 +36,6 @@ class Group:
     def __init__(self, log, train_s=0.0):
         self.log, self.train_s = log, train_s
 
-    def call_sharded_beside(self, method, batch, *args):
-        return self.call_sharded(method, batch, *args)
-
     def call_sharded(self, method, batch, *args):
         first = int(batch.sequences[:, -batch.num_actions].min())  # names the batch, in any row order
         self.log.append((method.__name__, first, threading.current_thread().name, time.perf_counter()))

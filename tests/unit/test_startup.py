@@ -6,7 +6,7 @@ from contextlib import ExitStack
 
 import pytest
 
-from orlhf.launch.bringup import _spawn_concurrently
+from orlhf.distributed.groups import spawn_groups as _spawn_concurrently
 from orlhf.launch.startup_clock import StartupClock, process_start_time
 
 

@@ -10,7 +10,7 @@ from orlhf.cpu.threads import PhaseThreads, engine_threads, processes, share
 
 
 class Group:
-    """`processes`: one key per rank process, as ActorGroup.processes (a guest shares its host's); None: a group
+    """`processes`: one key per rank process, as CpuGroup.processes (a guest shares its host's); None: a group
     without it (its ranks count as processes of their own)."""
 
     def __init__(self, name, world_size, sent, processes=None):

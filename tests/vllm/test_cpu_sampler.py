@@ -92,7 +92,8 @@ def counted(gen):
 cpu_sampler._next_seed = counted
 
 cfg = finish_config({"device": "cpu"}, explicit={"device"})
-engine = EngineActor(engine_config(cfg), 0)
+from orlhf.cpu.tuning import CpuTuning
+engine = EngineActor(engine_config(cfg), 0, tuning=CpuTuning.for_config(cfg))
 tok = AutoTokenizer.from_pretrained(cfg.data.pretrain)
 prompts = [(i, tok(f"say colors: red {'blue ' * i}cat")["input_ids"]) for i in range(12)]
 spec = SamplingSpec(max_new_tokens=cfg.ppo.generate_max_len, n=4, seed=5)

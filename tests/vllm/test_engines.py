@@ -12,6 +12,7 @@ import torch
 
 from orlhf.config.resolve import finish_config
 from orlhf.config.worker_config import worker_config
+from orlhf.cpu.tuning import CpuTuning
 from orlhf.distributed.groups import ActorGroup, RankError
 from orlhf.distributed.layout import plan_layout
 from orlhf.distributed.placement import EngineBundles, create_placement_groups, remove_placement_groups
@@ -46,7 +47,10 @@ def rig():
     cfg = finish_config(flags, explicit=set(flags))
     placed = create_placement_groups(plan_layout(cfg), timeout_s=60)
     t0 = time.monotonic()
-    engines = EngineGroup(engine_config(cfg), [placed.engine_bundles(i) for i in range(2)], timeout_s=300)
+    tuning = CpuTuning.for_config(cfg)
+    engines = EngineGroup(
+        engine_config(cfg), [placed.engine_bundles(i) for i in range(2)], timeout_s=300, tuning=tuning
+    )
     actor = ActorGroup(
         "actor",
         PolicyWorker,
@@ -90,15 +94,17 @@ def test_generation_order_shapes_and_masks(rig):
     assert [r.response_ids for r in again] == [r.response_ids for r in out]  # per-request seeds
 
 
-def test_automatic_kv_cache_samples_as_the_former_fixed_gib(rig):
-    """The automatic KV cache (~64 MiB here) gives the same tokens and log-probs as the former 1 GiB default:
+def test_automatic_kv_cache_samples_as_a_fixed_gib(rig):
+    """The automatic KV cache (~64 MiB here) gives the same tokens and log-probs as a fixed 1 GiB cache:
     both hold all 256 sequences vLLM may run at once, so the scheduler never preempts with either."""
     import ray
 
     from orlhf.rollout.engine import RemoteEngine
 
     cfg, engines, _, _, tok = rig
-    old = RemoteEngine.options(num_cpus=0, max_restarts=0).remote(dataclasses.replace(engines.cfg, kv_cache_gb=1.0), 0)
+    old = RemoteEngine.options(num_cpus=0, max_restarts=0).remote(
+        dataclasses.replace(engines.cfg, kv_cache_gb=1.0), 0, tuning=engines.tuning
+    )
     try:
         indexed = list(enumerate(prompts(tok, 8)))
         spec = SamplingSpec(max_new_tokens=16, n=4, seed=11)
@@ -143,7 +149,10 @@ def test_sync_after_train_step_gives_trainer_log_probs(rig, tmp_path):
     actor.call(PolicyWorker.save_hf, str(export)).get()
 
     fresh = EngineGroup(
-        dataclasses.replace(engine_config(cfg), model_path=str(export)), [EngineBundles(None, [0], 0.0)], timeout_s=300
+        dataclasses.replace(engine_config(cfg), model_path=str(export)),
+        [EngineBundles(None, [0], 0.0)],
+        timeout_s=300,
+        tuning=engines.tuning,
     )
     try:
         greedy = SamplingSpec(temperature=0.0, max_new_tokens=8)
@@ -158,7 +167,7 @@ def test_sync_after_train_step_gives_trainer_log_probs(rig, tmp_path):
 def test_dead_engine_is_named_and_leaves_no_process(rig):
     cfg, _, _, _, tok = rig
     # a generous start-up bound: a loaded CI machine took over 120 s to start this engine (its death is what is timed)
-    group = EngineGroup(engine_config(cfg), [EngineBundles(None, [0], 0.0)], timeout_s=600)
+    group = EngineGroup(engine_config(cfg), [EngineBundles(None, [0], 0.0)], timeout_s=600, tuning=CpuTuning())
     pid = group.call(EngineActor.pid).get()[0]
     long = SamplingSpec(max_new_tokens=cfg.ppo.generate_max_len, n=64, seed=0)
     call = group.call_rank(0, EngineActor.generate, list(enumerate(prompts(tok, 32))), long)
