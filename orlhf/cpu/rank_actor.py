@@ -14,6 +14,7 @@ Invariants (cpu/hosting.py's module docstring says why):
 - Every call runs on one compute thread while it is free, with its role's torch thread count applied on that
   thread (OpenMP's count is per thread).
 - No automatic garbage collection until the host's init() has run; the heap is frozen then.
+- Freed memory stays in glibc's heap (cpu/memory.py).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import ray
 import torch
 
 from orlhf.cpu.ds_import import load_deepspeed
+from orlhf.cpu.memory import keep_freed_memory
 from orlhf.cpu.threads import apply_threads, threads_as_ray_set
 from orlhf.distributed.groups import free_port, log_name
 from orlhf.storage.logs import redirect_output
@@ -62,6 +64,7 @@ class CpuRankActor:
         # (_run), so later collections skip them too; memory is unchanged.
         gc.disable()
         threads_as_ray_set()
+        keep_freed_memory()  # before the worker allocates: its large activations then come back from the heap
         os.environ.update(env)
         redirect_output(log_name(role, rank))
         self.role, self.rank = role, rank

@@ -37,14 +37,7 @@ from orlhf.config.worker_config import WorkerConfig
 from orlhf.distributed.endpoints import endpoint
 from orlhf.types import Experience, SequenceBatch, TrainStats
 from orlhf.workers.batching import pad_actions, trim
-from orlhf.workers.engine_setup import (
-    ds_config,
-    init_distributed,
-    keep_freed_memory,
-    lr_factor,
-    seed_everything,
-    worker_device,
-)
+from orlhf.workers.engine_setup import ds_config, init_distributed, lr_factor, seed_everything, worker_device
 from orlhf.workers.hf_names import meta_group, to_checkpoint_names
 from orlhf.workers.loading import hf_zero3_loading
 from orlhf.workers.micro_batches import forward_plan, train_plan
@@ -96,8 +89,6 @@ class DeepSpeedWorker:
 
         if self.cfg.device == "cpu" and self.cfg.cpu_threads:
             torch.set_num_threads(self.cfg.cpu_threads)
-        if self.cfg.device == "cpu":
-            keep_freed_memory()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         seed_everything(self.cfg.seed)
         self._ds_config = self.deepspeed_config()

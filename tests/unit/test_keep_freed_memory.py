@@ -1,4 +1,4 @@
-"""workers/engine_setup.keep_freed_memory: freed 6 MB tensors come back from the heap, not as fresh pages.
+"""cpu/memory.keep_freed_memory: freed 6 MB tensors come back from the heap, not as fresh pages.
 
 Both cases start by holding glibc's starting mmap threshold (128 KiB) fixed, and keep_freed_memory must undo
 that. Left alone, glibc raises the threshold after the first freed mmapped block and may then keep or trim the
@@ -12,7 +12,7 @@ import pytest
 
 CHILD = """
 import resource, sys, torch
-from orlhf.workers.engine_setup import keep_freed_memory
+from orlhf.cpu.memory import keep_freed_memory
 import ctypes
 # both start from glibc's default threshold, held: every 6 MB block is mmapped and returned when freed
 assert ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
