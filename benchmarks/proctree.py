@@ -30,6 +30,8 @@ def rss_group(pid: int, cmd: list[str], root_pid: int) -> str:
     head = cmd[0] if cmd else ""
     if head.startswith("ray::"):  # Ray's process titles: ray::RankActor, ray::EngineActor.generate, ray::IDLE
         cls = re.split(r"[.\s(]", head[5:], maxsplit=1)[0]
+        if cls == "CpuRankActor":  # CPU runs' rank processes (orlhf/cpu/rank_actor.py): the same group
+            return "RankActor"
         return cls if cls in ("RankActor", "EngineActor") else "ray system"
     text = " ".join(cmd)
     if "spawn_main" in text:

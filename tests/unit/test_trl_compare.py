@@ -46,3 +46,13 @@ def test_cpu_per_step_by_group_counts_the_measured_steps_only():
         "RankActor": pytest.approx(0.1),
         "driver": pytest.approx(0.1),
     }
+
+
+def test_rank_processes_group_together_whatever_their_actor_class():
+    """CPU runs' rank processes are CpuRankActors: their memory and CPU count under the ranks' group."""
+    from proctree import rss_group
+
+    assert rss_group(7, ["ray::CpuRankActor.call_as"], 1) == "RankActor"
+    assert rss_group(7, ["ray::RankActor"], 1) == "RankActor"
+    assert rss_group(7, ["ray::EngineActor.generate"], 1) == "EngineActor"
+    assert rss_group(7, ["ray::IDLE"], 1) == "ray system"
