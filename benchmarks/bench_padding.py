@@ -88,7 +88,7 @@ def main(argv=None) -> None:
     import torch
 
     from orlhf.config.worker_config import role_config
-    from orlhf.cpu.memory import keep_freed_memory
+    from orlhf.cpu.rank_actor import tune_rank_process
     from orlhf.workers import PolicyWorker
 
     with socket.socket() as s:
@@ -124,7 +124,7 @@ def main(argv=None) -> None:
             **kw,
         )
         worker = PolicyWorker(cfg)
-        keep_freed_memory()  # as orlhf's CPU rank processes do
+        tune_rank_process()  # as orlhf's CPU rank processes do
         worker.init()
         batch = exp.as_sequence_batch()
         lp = worker.log_probs(batch)  # warm-up, and the log-probs compared below (before any train step)

@@ -58,13 +58,13 @@ def build_workers(steps: int, extra: dict | None = None):
     )
     from orlhf.config.resolve import finish_config
     from orlhf.config.worker_config import worker_config
-    from orlhf.cpu.memory import keep_freed_memory
+    from orlhf.cpu.rank_actor import tune_rank_process
     from orlhf.workers import PolicyWorker, ReferenceWorker
 
     flags = {**FLAGS, **(extra or {})}
     cfg = finish_config(flags, frozenset(flags))
     actor, ref = PolicyWorker(worker_config(cfg, "actor", steps)), ReferenceWorker(worker_config(cfg, "ref", steps))
-    keep_freed_memory()  # as orlhf's CPU rank processes do (cpu/rank_actor.py)
+    tune_rank_process()  # as orlhf's CPU rank processes do
     actor.init()
     ref.init()  # the hosted reference: same process, the process group already up
     return cfg, actor, ref

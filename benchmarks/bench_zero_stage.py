@@ -38,7 +38,7 @@ def child(stage: int, threads: int, steps: int, port: int) -> dict:
 
     torch.set_num_threads(threads)
     from orlhf.config.worker_config import role_config
-    from orlhf.cpu.memory import keep_freed_memory
+    from orlhf.cpu.rank_actor import tune_rank_process
     from orlhf.demo.builder import ensure_demo
     from orlhf.types import Experience
     from orlhf.workers import PolicyWorker
@@ -74,7 +74,7 @@ def child(stage: int, threads: int, steps: int, port: int) -> dict:
         kl_estimator="k3",
     )
     worker = PolicyWorker(cfg)
-    keep_freed_memory()  # as orlhf's CPU rank processes do
+    tune_rank_process()  # as orlhf's CPU rank processes do
     worker.init()
     for _ in range(2):
         worker.train_step(exp)

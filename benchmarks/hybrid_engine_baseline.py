@@ -285,10 +285,10 @@ def run_rank(rank: int, world: int, cfg: C.TrainConfig, opts: HybridOptions, por
     # DeepSpeed calls all_gather_into_tensor / reduce_scatter_tensor on every ZeRO-3 step: one warning each.
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     if cfg.runtime.device == "cpu":
-        from orlhf.cpu.memory import keep_freed_memory
+        from orlhf.cpu.rank_actor import tune_rank_process
 
         torch.set_num_threads(opts.threads or max(1, (os.cpu_count() or 1) // world))
-        keep_freed_memory()  # as orlhf's CPU rank processes do
+        tune_rank_process()  # as orlhf's CPU rank processes do
     controller = build(cfg, opts, rank, world)
     t0 = time.monotonic()
     for g in controller.m.groups():  # the same order on every rank: ZeRO-3 loading is collective

@@ -37,6 +37,14 @@ from orlhf.distributed.groups import free_port, log_name
 from orlhf.storage.logs import redirect_output
 
 
+def tune_rank_process() -> None:
+    """What a CPU rank process does before its worker's init(), for code that runs workers in a process of its own
+    making (benchmarks, the multi-process worker tests): freed memory kept in the heap, DeepSpeed's Muon module
+    loaded uncompiled."""
+    keep_freed_memory()
+    load_deepspeed()
+
+
 def rng_states() -> tuple:
     """The process's global RNG states a worker draws from."""
     import numpy as np

@@ -43,6 +43,9 @@ def leave_group() -> None:
 
 
 def _run_rank(rank: int, rank_main, *args) -> None:
+    from orlhf.cpu.rank_actor import tune_rank_process
+
+    tune_rank_process()  # as a CPU run's rank process does before its worker's init()
     rank_main(rank, *args)
     leave_group()
 
