@@ -4,7 +4,7 @@
     actor.host("ref", ReferenceWorker, cfg)                        ref's workers in the actor's rank processes:
                                                                     rank k's in actor rank k's process
     actor.host("critic", CriticWorker, cfg, beside=(CriticWorker.values, CriticWorker.train_step))
-    group.call / call_rank / call_sharded -> GroupCall             ActorGroup's call API (distributed/groups.py)
+    group.call / call_rank / call_sharded -> GroupCall             the call API of every group (groups.Calls)
     group.set_cpu_threads(n), group.processes                      for the per-phase thread plan (cpu/threads.py)
     model_groups(cfg, spawn, worker_of, stack)                     a run's groups (CpuTuning.model_groups)
 
@@ -35,7 +35,7 @@ from typing import Any, Callable, Optional, Sequence
 from orlhf.config.roles import ROLES, active_roles, guest_roles, runs_beside
 from orlhf.cpu.rank_actor import CpuRankActor
 from orlhf.distributed.endpoints import check_exports, method_name
-from orlhf.distributed.groups import ActorGroup, GroupCall, shard, spawn_groups, wait_all
+from orlhf.distributed.groups import ActorGroup, Calls, GroupCall, spawn_groups, wait_all
 from orlhf.workers import CriticWorker, ReferenceWorker, RewardWorker
 
 log = logging.getLogger("orlhf")
@@ -54,7 +54,7 @@ class Turns:
         return n
 
 
-class CpuGroup:
+class CpuGroup(Calls):
     """One role's workers on the CpuRankActors of `base` (an ActorGroup): that group's own role, or, made by
     host(), a guest role's workers in its host's processes. The same call API as ActorGroup."""
 
@@ -105,24 +105,14 @@ class CpuGroup:
                 ]
         return GroupCall(self.role, name, refs, ranks, self.timeout_s, host=self.host_role)
 
-    def call(self, fn: Callable, *args, **kwargs) -> GroupCall:
-        """Call `fn` on every rank with the same arguments; .get() gives the results in rank order."""
-        name = method_name(self.role, self.worker_cls, fn)
-        return self._submit(name, list(range(self.world_size)), [args] * self.world_size, kwargs)
-
-    def call_rank(self, rank: int, fn: Callable, *args, **kwargs) -> GroupCall:
-        return self._submit(method_name(self.role, self.worker_cls, fn), [rank], [args], kwargs)
-
     def call_sharded(self, fn: Callable, batch: Any, *args, **kwargs) -> GroupCall:
         """As ActorGroup.call_sharded; a `beside` method on a one-rank host runs beside its call in flight
         (CpuRankActor.call_beside, on the whole batch), unnumbered."""
         name = method_name(self.role, self.worker_cls, fn)
-        if name in self.beside and self.world_size == 1:
-            ref = self.actors[0].call_beside.remote(self.role, name, batch, *args, **kwargs)
-            out = GroupCall(self.role, name, [ref], [0], self.timeout_s, host=self.host_role)
-        else:
-            chunks = shard(batch, self.world_size)
-            out = self._submit(name, list(range(self.world_size)), [(c, *args) for c in chunks], kwargs)
+        if name not in self.beside or self.world_size != 1:
+            return super().call_sharded(fn, batch, *args, **kwargs)
+        ref = self.actors[0].call_beside.remote(self.role, name, batch, *args, **kwargs)
+        out = GroupCall(self.role, name, [ref], [0], self.timeout_s, host=self.host_role)
         out.n_out = len(batch)
         return out
 

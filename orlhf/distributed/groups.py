@@ -177,7 +177,37 @@ def _wait(refs: list, where: list[tuple[str, Any, str, Optional[str]]], what: st
     return results
 
 
-class ActorGroup:
+class Calls:
+    """The call API of every model group: ActorGroup here, and the groups a platform's tuning builds on its rank
+    actors (distributed/tuning.py). A method is named by reference and checked against the group's worker class
+    (`role`, `worker_cls`, `world_size`); `_submit` starts it on the given ranks."""
+
+    role: str
+    worker_cls: type
+    world_size: int
+
+    def _submit(self, name: str, ranks: list[int], args: list[tuple], kwargs: dict) -> GroupCall:
+        raise NotImplementedError
+
+    def call(self, fn: Callable, *args, **kwargs) -> GroupCall:
+        """Call `fn` on every rank with the same arguments; .get() gives the results in rank order."""
+        name = method_name(self.role, self.worker_cls, fn)
+        return self._submit(name, list(range(self.world_size)), [args] * self.world_size, kwargs)
+
+    def call_rank(self, rank: int, fn: Callable, *args, **kwargs) -> GroupCall:
+        return self._submit(method_name(self.role, self.worker_cls, fn), [rank], [args], kwargs)
+
+    def call_sharded(self, fn: Callable, batch: Any, *args, **kwargs) -> GroupCall:
+        """Split `batch` (a types.py dataclass with .split, or a list) over the ranks in contiguous chunks;
+        .get_cat() gives per-rank tensors concatenated in batch order, .get() the per-rank results."""
+        name = method_name(self.role, self.worker_cls, fn)
+        chunks = shard(batch, self.world_size)
+        out = self._submit(name, list(range(self.world_size)), [(c, *args) for c in chunks], kwargs)
+        out.n_out = len(batch)
+        return out
+
+
+class ActorGroup(Calls):
     """N rank actors of one role (actor, critic, ref, reward) running `worker_cls(cfg)` each.
 
     `actor_cls`: the rank actors' Ray class (RankActor's remote methods), `concurrency` the calls each runs at
@@ -233,23 +263,6 @@ class ActorGroup:
         """Start `name` on `ranks` (args[i] for ranks[i])."""
         refs = [self.actors[r].call.remote(name, *a, **kwargs) for r, a in zip(ranks, args)]
         return GroupCall(self.role, name, refs, ranks, self.timeout_s)
-
-    def call(self, fn: Callable, *args, **kwargs) -> GroupCall:
-        """Call `fn` on every rank with the same arguments; .get() gives the results in rank order."""
-        name = method_name(self.role, self.worker_cls, fn)
-        return self._submit(name, list(range(self.world_size)), [args] * self.world_size, kwargs)
-
-    def call_rank(self, rank: int, fn: Callable, *args, **kwargs) -> GroupCall:
-        return self._submit(method_name(self.role, self.worker_cls, fn), [rank], [args], kwargs)
-
-    def call_sharded(self, fn: Callable, batch: Any, *args, **kwargs) -> GroupCall:
-        """Split `batch` (a types.py dataclass with .split, or a list) over the ranks in contiguous chunks;
-        .get_cat() gives per-rank tensors concatenated in batch order, .get() the per-rank results."""
-        name = method_name(self.role, self.worker_cls, fn)
-        chunks = shard(batch, self.world_size)
-        out = self._submit(name, list(range(self.world_size)), [(c, *args) for c in chunks], kwargs)
-        out.n_out = len(batch)
-        return out
 
     def pids(self) -> list[int]:
         ranks = list(range(self.world_size))
