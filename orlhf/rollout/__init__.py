@@ -1,1 +1,3 @@
-"""Generation side: vLLM engines as Ray actors (engine.py) and the worker extension that loads new weights."""
+"""Generation side: vLLM engines as Ray actors (engine.py), the worker extension that loads new weights inside them
+(worker_ext.py), and the executors that turn prompts into rollouts: one generation per sample, or a multi-turn
+agent episode (executor.py, agent.py)."""
