@@ -229,6 +229,21 @@ class PromptStats:
         )
 
 
+def format_prompts(rows: list[dict], tokenizer, data, prompt_max_len: int) -> tuple[list[Prompt], PromptStats]:
+    """build_prompts with a run's data flags (config's DataConfig: input_key, label_key, apply_chat_template,
+    input_template, prompt_overflow): training and evaluation prompts are formatted the one same way."""
+    return build_prompts(
+        rows,
+        tokenizer,
+        data.input_key,
+        data.label_key,
+        data.apply_chat_template,
+        data.input_template,
+        prompt_max_len,
+        data.prompt_overflow,
+    )
+
+
 def build_prompts(
     rows: list[dict],
     tokenizer,

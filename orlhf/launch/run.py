@@ -224,22 +224,13 @@ def load_prompts(cfg: TrainConfig, tokenizer) -> list:
     """--prompt_data (one source or a mix) -> formatted, tokenized Prompts; logs the start-up line
     "prompts: N of M used (...)"."""
     from orlhf.inputs.prompt_mix import load_prompt_mix
-    from orlhf.inputs.prompts import build_prompts
+    from orlhf.inputs.prompts import format_prompts
 
     d, p = cfg.data, cfg.ppo
     rows = load_prompt_mix(
         d.prompt_data, d.prompt_data_probs, d.prompt_split, d.input_key, d.label_key, d.max_samples, p.seed
     )
-    prompts, stats = build_prompts(
-        rows,
-        tokenizer,
-        d.input_key,
-        d.label_key,
-        d.apply_chat_template,
-        d.input_template,
-        p.prompt_max_len,
-        d.prompt_overflow,
-    )
+    prompts, stats = format_prompts(rows, tokenizer, d, p.prompt_max_len)
     log.info("%s", stats.summary())  # the summary starts with "prompts: " itself
     return prompts
 
