@@ -42,17 +42,30 @@ def leave_group() -> None:
         dist.destroy_process_group()
 
 
-def _run_rank(rank: int, rank_main, *args) -> None:
+def _run_rank(rank: int, rank_main, world: int, port: int, *args) -> None:
+    import os
+
     from orlhf.cpu.rank_actor import tune_rank_process
 
+    os.environ.update(  # one gloo group of `world` processes on this machine
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        DS_ACCELERATOR="cpu",
+        HF_HUB_OFFLINE="1",
+    )
+
     tune_rank_process()  # as a CPU run's rank process does before its worker's init()
-    rank_main(rank, *args)
+    rank_main(rank, world, port, *args)
     leave_group()
 
 
 def spawn_ranks(rank_main, world: int, *args) -> None:
-    """rank_main(rank, world, port, *args) in `world` fresh processes (one gloo group), waited for; each rank
-    leaves the group together with the others when rank_main returns."""
+    """rank_main(rank, world, port, *args) in `world` fresh processes (one gloo group: its rendezvous variables set
+    before rank_main runs), waited for; each rank leaves the group together with the others when rank_main
+    returns."""
     import torch.multiprocessing as mp
 
     mp.start_processes(

@@ -98,15 +98,6 @@ def _draw() -> tuple:
 
 
 def _rank_main(rank: int, world: int, port: int, setup: dict, out_dir: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        DS_ACCELERATOR="cpu",
-        HF_HUB_OFFLINE="1",
-    )
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     import torch.distributed as dist
 

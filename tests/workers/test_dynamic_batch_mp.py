@@ -60,15 +60,6 @@ def _cfg(path: str, zero: int, budget: int) -> WorkerConfig:
 
 
 def _rank_main(rank: int, world: int, port: int, path: str, exp: Experience, out_dir: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        DS_ACCELERATOR="cpu",
-        HF_HUB_OFFLINE="1",
-    )
     torch.set_num_threads(1)
     from orlhf.workers import PolicyWorker
 

@@ -66,15 +66,6 @@ def _batch() -> SequenceBatch:
 
 
 def _rank_main(rank: int, world: int, port: int, path: str, out_dir: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        DS_ACCELERATOR="cpu",
-        HF_HUB_OFFLINE="1",
-    )
     from orlhf.workers import CriticWorker, RewardWorker
 
     batch = _batch()

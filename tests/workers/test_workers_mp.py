@@ -267,15 +267,6 @@ def _ws1(rank: int, out: dict, paths: dict, exp: Experience) -> None:
 
 
 def _rank_main(rank: int, world: int, port: int, job: str, paths: dict, exp: Experience, out_dir: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        DS_ACCELERATOR="cpu",
-        HF_HUB_OFFLINE="1",
-    )
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     out: dict = {}
     {"ws2": _ws2, "ws1": _ws1}[job](rank, out, paths, exp)
