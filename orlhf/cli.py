@@ -156,7 +156,8 @@ app.command(
     "Flags use OpenRLHF's names; --flag_name and --flag-name both work. Without --pretrain it trains the "
     "built-in tiny demo. OpenRLHF v0.10.1 launch lines carry over: --param_dtype bf16, --attn_implementation, "
     "--max_new_tokens and its newer dotted names (--actor.model_name_or_path, --algo.advantage.estimator) are "
-    "read as the flags below; a flag for a feature orlhf lacks (LoRA, ring attention, ...) exits 2 naming it.",
+    "read as the flags below; a flag for a feature orlhf lacks (ring attention, vision-language models, ...) "
+    "exits 2 naming it.",
     context_settings={"token_normalize_func": _normalize_flag},
 )(_train_ppo)
 
@@ -256,11 +257,16 @@ def serve_rm(
         server.shutdown()
 
 
+# Flags that take a list, space-separated as OpenRLHF's nargs="*" or comma-separated: one value for Typer.
+LIST_FLAGS = ("target_modules",)
+
+
 def native_arity() -> dict[str, int]:
-    """How many values each orlhf flag takes: 0 for switches, 2 for ranges, else 1."""
+    """How many values each orlhf flag takes: 0 for switches, 2 for ranges, -1 (any) for lists, else 1."""
     out = {}
     for _, name, _, typ in F.flag_fields():
         out[name] = 0 if typ is bool else 2 if getattr(typ, "__origin__", None) is tuple else 1
+    out.update({name: -1 for name in LIST_FLAGS})
     return out
 
 

@@ -8,7 +8,7 @@ tag v0.10.1, in its order). Each one is, in orlhf, one of:
   - an ALIAS: another spelling of an orlhf flag, its value translated (`--param_dtype bf16` is `--bf16`);
   - NO_EFFECT: a flag that changes nothing in OpenRLHF v0.10.1 either (accepted, documented why);
   - UNSUPPORTED: a feature orlhf does not have yet. Accepted only with OpenRLHF's default value, which asks for
-    nothing (`--lora_rank 0`, `--ring_attn_size 1`); any other value is refused by name with exit 2.
+    nothing (`--ring_attn_size 1`); any other value is refused by name with exit 2.
 OpenRLHF's newer dotted names (`--actor.model_name_or_path`, `--algo.advantage.estimator`) are rewritten to these
 flat names first (config/openrlhf_dotted.py), so each option has one meaning whatever its spelling. A flag given
 twice under different spellings (`--max_new_tokens 64 --generate_max_len 32`) with different values is an error,
@@ -128,11 +128,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "disable_fast_tokenizer": _u(0, None, "slow (Python) tokenizers"),
     "dataloader_num_workers": _u(1, ("0",), "data-loader worker processes (prompts are read in memory)"),
     "ds_tensor_parallel_size": _u(1, ("1",), "DeepSpeed tensor parallelism"),
-    "load_in_4bit": _u(0, None, "4-bit (QLoRA) loading"),
-    "lora_rank": _u(1, ("0",), "LoRA"),
-    "lora_alpha": _u(1, ("16",), "LoRA"),
-    "target_modules": _u(STAR, ("all-linear",), "LoRA"),
-    "lora_dropout": _u(1, ("0",), "LoRA"),
     "vllm_generate_batch_size": _u(1, None, "a vLLM batch other than --rollout_batch_size"),
     "full_determinism": _u(0, None, "fully deterministic kernels"),
     "aux_loss_coef": _u(1, ("0",), "the MoE balancing loss"),
@@ -219,6 +214,11 @@ def translate(argv: list[str], native_arity: dict[str, int]) -> list[str]:
         if arity is None:  # unknown here: Typer names it
             out.append(tok)
             i += 1
+            continue
+        if arity == STAR:  # OpenRLHF's nargs="*" (--target_modules q_proj v_proj): one comma-separated value
+            values, i = _take(argv, i, inline, STAR)
+            seen.setdefault(flat, []).append((f"--{name}", ",".join(values)))
+            out.extend([f"--{flat}", ",".join(values)])
             continue
         values, j = _take(argv, i, inline, arity) if arity else ([], i + 1)
         if arity == 1 and inline is None and values and values[0].startswith("--"):

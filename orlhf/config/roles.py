@@ -1,7 +1,8 @@
 """The model roles of a run, one record each: the single place that says when a role exists and what it is.
 
     actor    the policy: always; trained, checkpointed, an LM head
-    ref      the reference policy: when a KL reads it (TrainConfig.has_reference); frozen
+    ref      the reference policy: when a KL reads it (TrainConfig.has_reference) and the actor has no LoRA adapter
+             (with one, the actor's ranks score it: TrainConfig.reference_from_actor); frozen
     critic   the value model: when the advantage estimator needs one (algo/registry.py); trained, a value head
     reward   the reward model: with --reward_pretrain; frozen, a value head
 
@@ -42,7 +43,7 @@ ROLES: dict[str, RoleSpec] = {
         "ref",
         trains=False,
         value_head=False,
-        present=lambda cfg: cfg.has_reference,
+        present=lambda cfg: cfg.has_reference and not cfg.reference_from_actor,
         model=lambda d: d.pretrain,
         colocate_with="actor",
         colocate_flag="colocate_actor_ref",
@@ -100,9 +101,9 @@ def host_of(cfg: "TrainConfig", name: str) -> Optional[str]:
     - critic: inside the actor's process when both have one rank, its calls on a thread beside the actor's
       (runs_beside): two one-thread train steps side by side in one process take as long as in two processes,
       and far less than one after the other (benchmarks/results/2026-11-25-trl-compare-hosted-critic.md). Not
-      when its model has dropout (concurrent steps would interleave their draws from the process's one random
-      generator: a seeded run would not reproduce), nor with --colocate_critic_reward. --critic_own_process keeps
-      it apart."""
+      when its model or its LoRA adapter has dropout (concurrent steps would interleave their draws from the
+      process's one random generator: a seeded run would not reproduce), nor with --colocate_critic_reward.
+      --critic_own_process keeps it apart."""
     if cfg.device != "cpu" or not role(name).present(cfg):
         return None
     p = cfg.placement
@@ -111,7 +112,8 @@ def host_of(cfg: "TrainConfig", name: str) -> Optional[str]:
         return "actor" if same else None
     if name == "critic" and not (p.critic_own_process or p.colocate_critic_reward):
         one_rank = p.world_size("actor") == 1 and p.world_size("critic") == 1
-        return "actor" if one_rank and not has_dropout(model_path(cfg, "critic")) else None
+        dropout = has_dropout(model_path(cfg, "critic")) or (cfg.lora.enabled and cfg.lora.lora_dropout > 0)
+        return "actor" if one_rank and not dropout else None
     return None
 
 

@@ -156,6 +156,41 @@ class DeepSpeedConfig:
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """LoRA (peft) on the actor and the critic instead of full fine-tuning (OpenRLHF's flags and defaults). With an
+    adapter the reference is the actor's own base weights with the adapter off (no reference group), and the
+    engines get the adapted modules' merged weights after every update (workers/lora.py)."""
+
+    lora_rank: int = opt(0, "LoRA rank of the actor and the critic (0: full fine-tuning).")
+    lora_alpha: int = opt(16, "LoRA alpha: the adapter's update is scaled by alpha / rank.")
+    target_modules: str = opt(
+        "all-linear",
+        "Modules that get an adapter: all-linear (every Linear layer but the output head), or names, "
+        "space- or comma-separated (q_proj v_proj).",
+        metavar="NAMES",
+    )
+    lora_dropout: float = opt(0.0, "Dropout on the adapter's input while training.")
+    load_in_4bit: bool = opt(
+        False, "QLoRA: the frozen base weights in 4-bit NF4 (bitsandbytes; CUDA and --bf16 only; needs --lora_rank)."
+    )
+    lora_save_merged: bool = opt(
+        False,
+        "Also export the final actor with the adapter merged into its weights, a plain HF folder "
+        "(<save_path>/actor_merged), beside the adapter in <save_path>/actor.",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.lora_rank > 0
+
+    @property
+    def targets(self) -> "str | tuple[str, ...]":
+        """peft's target_modules: the string "all-linear", or a tuple of module names."""
+        names = tuple(n for n in self.target_modules.replace(",", " ").split() if n)
+        return "all-linear" if names == ("all-linear",) else names
+
+
+@dataclass(frozen=True)
 class DataConfig:
     """Models and data. Without --pretrain orlhf uses its built-in tiny demo (model, prompts, reward)."""
 
@@ -275,6 +310,7 @@ SECTIONS: tuple[tuple[str, type, str], ...] = (
     ("placement", PlacementConfig, "Placement"),
     ("vllm", VLLMConfig, "vLLM engines"),
     ("deepspeed", DeepSpeedConfig, "DeepSpeed"),
+    ("lora", LoraConfig, "LoRA"),
     ("data", DataConfig, "Models and data"),
     ("ppo", PPOConfig, "PPO"),
     ("logging", LoggingConfig, "Logging and checkpoints"),
@@ -288,6 +324,7 @@ class TrainConfig:
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     data: DataConfig = field(default_factory=DataConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -321,6 +358,12 @@ class TrainConfig:
         """A reference model runs only when a KL reads it (OpenRLHF: --init_kl_coef 0 means no reference model).
         Without one the KL term is 0 * KL in the rewards; its forward could not change a single update."""
         return self.ppo.init_kl_coef > 0 or self.ppo.use_kl_loss
+
+    @property
+    def reference_from_actor(self) -> bool:
+        """With LoRA the reference log-probs come from the actor's ranks (its base weights, adapter off) instead of a
+        reference group: the same weights, without a second copy of the model."""
+        return self.has_reference and self.lora.enabled
 
     @property
     def single_pass(self) -> bool:

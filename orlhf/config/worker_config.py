@@ -4,9 +4,9 @@ Every role gets the common part, WorkerConfig: which model, on which device, how
 forwards are batched. On top of that, each role gets only the slices it reads (the shape of torchtitan's nested
 per-component configs):
 
-    ActorConfig   + temperature, train (TrainSlice), loss (PolicyLossSlice)
+    ActorConfig   + temperature, train (TrainSlice), loss (PolicyLossSlice), lora (LoraSlice or None)
     RefConfig     + temperature, param_offload
-    CriticConfig  + head (HeadSlice), train (TrainSlice), loss (ValueLossSlice)
+    CriticConfig  + head (HeadSlice), train (TrainSlice), loss (ValueLossSlice), lora (LoraSlice or None)
     RewardConfig  + head (HeadSlice), param_offload
 
 So the reference has no optimizer or learning rate and the critic no eps_clip: a worker cannot read a flag that
@@ -74,6 +74,17 @@ class ValueLossSlice:
 
 
 @dataclass(frozen=True)
+class LoraSlice:
+    """A LoRA adapter on a trained model (--lora_rank > 0): peft's LoraConfig fields, OpenRLHF's defaults."""
+
+    rank: int
+    alpha: int = 16
+    target_modules: "str | tuple" = "all-linear"  # "all-linear" or module names
+    dropout: float = 0.0
+    load_in_4bit: bool = False
+
+
+@dataclass(frozen=True)
 class HeadSlice:
     """A value head (critic, reward model): its name and whether config.json's mean/std apply
     (inputs/head_files.py)."""
@@ -115,6 +126,7 @@ class ActorConfig(WorkerConfig):
     temperature: float = 1.0  # logits are divided by it, as the engines sample with it
     train: TrainSlice
     loss: PolicyLossSlice = PolicyLossSlice()
+    lora: Optional[LoraSlice] = None  # an adapter instead of full fine-tuning; also scores the reference
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,6 +142,7 @@ class CriticConfig(WorkerConfig):
     head: HeadSlice = HeadSlice()
     train: TrainSlice
     loss: ValueLossSlice = ValueLossSlice()
+    lora: Optional[LoraSlice] = None  # an adapter on the backbone; the value head trains whole
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -221,18 +234,22 @@ def worker_config(cfg: TrainConfig, role: str, total_optimizer_steps: int = 1) -
         return RewardConfig(**common, head=head, param_offload=ds.ref_reward_offload)
     train = _train_fields(cfg, total_optimizer_steps, train_budget)
     agg = resolved_loss_agg_mode(ppo)
+    lo = cfg.lora
+    lora = LoraSlice(lo.lora_rank, lo.lora_alpha, lo.targets, lo.lora_dropout, lo.load_in_4bit) if lo.enabled else None
     if role == "actor":
         return ActorConfig(
             **common,
             temperature=ppo.temperature,
             train=TrainSlice(learning_rate=ppo.actor_learning_rate, **train),
             loss=_policy_loss(ppo, agg),
+            lora=lora,
         )
     return CriticConfig(
         **common,
         head=head,
         train=TrainSlice(learning_rate=ppo.critic_learning_rate, **train),
         loss=ValueLossSlice(loss_agg_mode=agg, value_clip=ppo.value_clip),
+        lora=lora,
     )
 
 

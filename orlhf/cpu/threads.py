@@ -123,7 +123,8 @@ class PhaseThreads:
         """The plan for a run; empty (before() does nothing) where nothing is handed over."""
         if cfg.runtime.device != "cpu":
             return cls({}, 1)
-        scoring = ([] if cfg.single_pass else [models.actor]) + [models.ref, models.critic, models.reward]
+        actor_scores = not cfg.single_pass or cfg.reference_from_actor  # old log-probs, or LoRA's base ones
+        scoring = ([models.actor] if actor_scores else []) + [models.ref, models.critic, models.reward]
         training = [models.actor, models.critic]
         phases = {"score": [g for g in scoring if g is not None], "train": [g for g in training if g is not None]}
         # --train_cpu_threads N: sent like a hand-over (init() set it on one of a rank's pool threads only)

@@ -17,7 +17,9 @@ come out of that with pre-packed data that no longer matches their weights:
    (convert, build the kernel, pre-pack), which its copy-back then writes into the old storage. Only layers
    whose experts pre-pack are touched (none on GPU).
 
-Both rely on a sync holding the whole model (orlhf's sync sends every parameter in one reload call).
+Both hold for a sync of the whole model in one reload call and for a LoRA sync of some modules (workers/lora.py):
+modules a sync leaves out keep their tensors, packed data included, and so stay right. `modules_left_out` keeps
+vLLM's one warning per such module out of the engine's log.
 """
 
 from __future__ import annotations
@@ -69,8 +71,26 @@ def refreshed_after_reload(model: nn.Module):
         for module, qm, old_kernel in moe_layers:
             if qm.moe_kernel is None:  # the reload did not reach this layer: keep it as it was
                 qm.moe_kernel = old_kernel
-                log.warning("%s was not reloaded: its experts keep their previous weights", type(module).__name__)
+                log.debug("%s was not in this sync: its experts keep their weights", type(module).__name__)
     _reprocess_tied(model, processed)
+
+
+class _LeftOut(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Failed to load weights" not in record.getMessage()
+
+
+@contextmanager
+def modules_left_out():
+    """Silence vLLM's "<Module>: Failed to load weights" for the modules a partial sync does not hold (a LoRA sync
+    sends the adapted modules only; vLLM keeps the others' tensors, which is what is wanted)."""
+    logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    quiet = _LeftOut()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
 
 
 def _recording(fn, processed: set[int]):

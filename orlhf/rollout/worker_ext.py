@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections import deque
 from datetime import timedelta
+from typing import Optional
 
 import torch
 
@@ -57,6 +58,14 @@ class WeightSyncExtension:
             )
         self._orlhf_backend = backend
         return rank
+
+    @endpoint
+    def orlhf_packed_modules(self) -> Optional[dict[str, list[str]]]:
+        """The engine model's packed_modules_mapping ({"qkv_proj": ["q_proj", "k_proj", "v_proj"], ...}): which
+        checkpoint modules it fuses into one. A LoRA sync sends every part of a fused module it touches
+        (workers/lora.py). None when the model declares none."""
+        mapping = getattr(self.model_runner.get_model(), "packed_modules_mapping", None)
+        return {k: list(v) for k, v in mapping.items()} if mapping else None
 
     @endpoint
     def orlhf_receive_weights(self, metas: list[tuple[str, str, tuple]], buckets: list[list[int]]) -> int:
@@ -138,16 +147,18 @@ class WeightSyncExtension:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        with set_current_vllm_config(self.vllm_config):
+        from orlhf.rollout.reload_fixes import modules_left_out
+
+        with set_current_vllm_config(self.vllm_config), modules_left_out():
             finalize_layerwise_reload(self.model_runner.get_model(), self.model_config)
         self._orlhf_fixups.__exit__(None, None, None)  # opened by orlhf_ipc_begin (see _orlhf_reload)
 
     def _orlhf_reload(self, weights) -> None:
         """vLLM's in-place reload of (checkpoint name, tensor) pairs, with the fix-ups for what it leaves stale
         (tied heads, pre-packed MoE experts: rollout/reload_fixes.py). Every load path goes through here."""
-        from orlhf.rollout.reload_fixes import refreshed_after_reload
+        from orlhf.rollout.reload_fixes import modules_left_out, refreshed_after_reload
 
-        with refreshed_after_reload(self.model_runner.get_model()):
+        with refreshed_after_reload(self.model_runner.get_model()), modules_left_out():
             self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
 
     def _orlhf_broadcast(self, t: torch.Tensor) -> None:

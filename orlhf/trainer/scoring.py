@@ -8,6 +8,8 @@ the groups and gathered after (the controller's loop calls it; no Ray here eithe
     Scorer.rewards(rollouts, prompts)     the agents' own episode rewards, else the reward function / server
     Scorer.eval_scores(rollouts, prompts) held-out scores for evaluation: no training state touched
 
+With LoRA the reference is the actor's base weights (adapter off), scored in the actor's ranks in the same call as
+the old log-probs (TrainConfig.reference_from_actor); in async mode it waits for score() like them.
 Skipped, as they cannot change the update: the reference without a KL (its group is not even started:
 TrainConfig.has_reference), the actor's old log-probs on a single pass (TrainConfig.single_pass: the training
 forward supplies them and the ratio is 1 there). --normalize_reward's running statistics live here (updated with
@@ -53,6 +55,7 @@ class Scorer:
     def __init__(self, cfg: TrainConfig, models, tokenizer, reward_source=None):
         self.m, self.tok, self.reward_source = models, tokenizer, reward_source
         self.single_pass = cfg.single_pass
+        self.ref_from_actor = cfg.reference_from_actor  # LoRA: the actor's ranks score the base weights
         # --normalize_reward: a reward model's stored mean/std (applied in its worker, as OpenRLHF), else running
         # statistics here; never both (head_files.reward_normalization).
         norm = reward_normalization(cfg.ppo.normalize_reward, cfg.data.reward_pretrain)
@@ -92,7 +95,13 @@ class Scorer:
         from orlhf.inputs.rewards import RewardResult
 
         m = self.m
-        old_call = None if self.single_pass else m.actor.call_sharded(PolicyWorker.log_probs, batch)
+        if self.ref_from_actor:  # one call: a rank must not run the two forwards at once (adapter on / off)
+            fn = PolicyWorker.base_log_probs if self.single_pass else PolicyWorker.log_probs_and_base
+            actor_call = m.actor.call_sharded(fn, batch)
+            old_call = None
+        else:
+            actor_call = None
+            old_call = None if self.single_pass else m.actor.call_sharded(PolicyWorker.log_probs, batch)
         if ahead is not None:
             ref_call = ahead.ref_call
         else:
@@ -112,7 +121,11 @@ class Scorer:
             self.reward_norm.update(reward.rewards)
         values = value_call.get_cat() if value_call else None
         old_lp = old_call.get_cat() if old_call else None  # None on a single pass (module docstring)
-        return reward, old_lp, ref_call.get_cat() if ref_call else None, values
+        ref_lp = ref_call.get_cat() if ref_call else None
+        if actor_call is not None:
+            got = actor_call.get_cat()
+            old_lp, ref_lp = (got[:, 0], got[:, 1]) if got.dim() == 3 else (None, got)
+        return reward, old_lp, ref_lp, values
 
     def rewards(self, rollouts: list[Rollout], prompts: list) -> RewardResult:
         """rewards.RewardResult from the agents' own episode rewards and scores (--agent_func_path), else from the

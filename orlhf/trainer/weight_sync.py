@@ -23,6 +23,8 @@ Invariants:
   whole sync in one reload_weights call and use buckets as their receive-ahead window (worker_ext.py).
 - The engines reset their prefix cache after loading: cached KV blocks hold activations of the old weights.
 - dtypes: the trainer sends its own dtype (fp32, or bf16 with --bf16); engines cast to theirs on receipt.
+- LoRA (workers/lora.py): a sync sends only the adapted modules, merged (W + scaling * B @ A), and the modules the
+  engine fuses with them (its packed_modules_mapping), whole; the engines' layerwise reload keeps the rest.
 - Names: tensors leave the trainer as a checkpoint on disk names them (workers/hf_names.py: transformers' fused
   runtime tensors split back per expert), on every path; engines load them through one reload wrapper that
   refreshes what vLLM's reload leaves stale (rollout/reload_fixes.py: tied heads, pre-packed MoE experts).
@@ -90,7 +92,7 @@ class WeightSync:
         """timeout_s (--ray_timeout_s) bounds each wait here (Ray) and how long the group's members wait for each
         other to join (the TCPStore rank 0 hosts)."""
         self.actor, self.engines, self.backend, self.timeout_s = actor, engines, backend, timeout_s
-        groups = actor.call_rank(0, PolicyWorker.weight_groups_meta).get(timeout_s)[0]
+        groups = plan_sync(actor, engines, timeout_s)
         self.metas, self.buckets = plan_buckets(groups, int(bucket_mb * 2**20))
         tp = engines.cfg.tensor_parallel_size
         world = 1 + len(engines) * tp
@@ -130,6 +132,7 @@ class IpcWeightSync:
 
     def __init__(self, actor, engines, timeout_s: float = 600.0):
         self.actor, self.engines, self.timeout_s = actor, engines, timeout_s
+        plan_sync(actor, engines, timeout_s)
         tp = engines.cfg.tensor_parallel_size
         if actor.world_size != len(engines) * tp:
             raise ValueError(
@@ -151,6 +154,13 @@ class IpcWeightSync:
         self.actor.call(PolicyWorker.send_weights_ipc).get(self.timeout_s)
         finish(self.engines, version)
         return time.perf_counter() - t0
+
+
+def plan_sync(actor, engines, timeout_s: float) -> list[list[Meta]]:
+    """Every actor rank fixes what a sync sends (all weights; with LoRA the adapted modules and the ones the engine
+    fuses with them, read from engine 0's model); rank 0's (name, dtype, shape) groups are the engines' plan."""
+    packed = engines.call_rank(0, Ext.orlhf_packed_modules).get(timeout_s)[0][0]  # engine 0, its first TP worker
+    return actor.call(PolicyWorker.weight_groups_meta, packed).get(timeout_s)[0]
 
 
 def finish(engines, version: int) -> None:

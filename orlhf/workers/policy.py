@@ -150,6 +150,8 @@ def action_log_probs_entropy(
 
 def _accepts_logits_to_keep(model: nn.Module) -> bool:
     module = getattr(model, "module", model)  # a DeepSpeedEngine forwards kwargs to its module
+    if hasattr(module, "get_base_model"):  # a peft model passes unknown kwargs on to the transformers model
+        module = module.get_base_model()
     return _forward_takes_logits_to_keep(type(module))
 
 
@@ -169,7 +171,13 @@ class CausalLMWorker(DeepSpeedWorker):
     """What the actor and the reference share: the same causal LM, built, initialised and scored the same way."""
 
     def build_model(self) -> nn.Module:
-        return load_causal_lm(self.cfg)
+        model = load_causal_lm(self.cfg)
+        lora = getattr(self.cfg, "lora", None)
+        if lora is None:
+            return model
+        from orlhf.workers.lora import apply_lora
+
+        return apply_lora(model, lora)
 
     @endpoint
     def init(self) -> None:
@@ -203,6 +211,22 @@ class PolicyWorker(CausalLMWorker):
         """(B, A) float32 on CPU: log pi of each action token under the current weights."""
         self.engine.eval()  # train_step leaves the engine in train mode
         return self.score_log_probs(batch)
+
+    @endpoint
+    def base_log_probs(self, batch: SequenceBatch) -> torch.Tensor:
+        """(B, A) float32 on CPU: log-probs under the base weights with the LoRA adapter off: the reference policy,
+        from the actor's own ranks (TrainConfig.reference_from_actor)."""
+        from orlhf.workers.lora import adapter_off
+
+        self.engine.eval()
+        with adapter_off(self.module):
+            return self.score_log_probs(batch)
+
+    @endpoint
+    def log_probs_and_base(self, batch: SequenceBatch) -> torch.Tensor:
+        """(B, 2, A): [:, 0] log_probs (current weights), [:, 1] base_log_probs (adapter off), in one call so the two
+        forwards never run at once on a rank (a rank actor runs two calls at a time)."""
+        return torch.stack([self.log_probs(batch), self.base_log_probs(batch)], dim=1)
 
     @endpoint
     def train_step(self, batch: Experience, kl_coef: Optional[float] = None) -> TrainStats:
@@ -273,9 +297,31 @@ class PolicyWorker(CausalLMWorker):
     # talks to the engines (broadcast) ----
 
     @endpoint
-    def weight_groups_meta(self) -> list[list[tuple[str, str, tuple]]]:
-        """(checkpoint name, dtype, full shape) per group, in named_full_weights order. Local: no gather."""
-        return self.checkpoint_groups_meta()
+    def weight_groups_meta(self, packed: Optional[dict] = None) -> list[list[tuple[str, str, tuple]]]:
+        """(checkpoint name, dtype, full shape) per group, in the order sync_groups yields them. Local: no gather.
+        Every rank calls it before the first sync: with LoRA it fixes what a sync sends (the adapted modules and
+        the ones the engine fuses with them; `packed`: the engine model's packed_modules_mapping, workers/lora.py)."""
+        if self.lora is None:
+            return self.checkpoint_groups_meta()
+        from orlhf.workers.lora import merged_groups_meta, sync_plan
+
+        self._sync_plan = sync_plan(self.module, packed)
+        return merged_groups_meta(self, self._sync_plan)
+
+    @property
+    def lora(self):
+        return self.cfg.lora
+
+    def sync_groups(self, to_cpu: bool, copy: bool, all_ranks: bool = False):
+        """What the engines load, one group of whole layers at a time (named_full_weights' contract): every weight,
+        or with LoRA the adapted modules merged (workers/lora.py; weight_groups_meta chose them)."""
+        if self.lora is None:
+            return self.named_full_weights(to_cpu=to_cpu, copy=copy, all_ranks=all_ranks)
+        from orlhf.workers.lora import merged_groups
+
+        if getattr(self, "_sync_plan", None) is None:
+            raise RuntimeError("a LoRA weight sync before weight_groups_meta: the modules to send are not chosen")
+        return merged_groups(self, self._sync_plan, to_cpu=to_cpu, all_ranks=all_ranks)
 
     @endpoint
     def sync_address(self) -> tuple[str, int]:
@@ -302,7 +348,7 @@ class PolicyWorker(CausalLMWorker):
         sender = getattr(self, "_sender", None)
         if self.rank == 0 and sender is None:
             raise RuntimeError("send_weights before init_weight_sender: the engines would wait forever")
-        return send_groups(sender, self.named_full_weights(to_cpu=False, copy=False), expected)
+        return send_groups(sender, self.sync_groups(to_cpu=False, copy=False), expected)
 
     @endpoint
     def init_ipc_sync(self, engine, tp: int) -> None:
@@ -318,10 +364,19 @@ class PolicyWorker(CausalLMWorker):
 
     @endpoint
     def save_hf(self, out_dir: str) -> None:
-        """Write an HF folder (weights in the module dtype, config, tokenizer) that transformers and vLLM load.
+        """Write an HF folder (weights in the module dtype, config, tokenizer) that transformers and vLLM load; with
+        LoRA the adapter in PEFT's format (loads with PeftModel.from_pretrained on the base model).
 
         Collective under ZeRO-3 (all ranks call it); rank 0 writes; returns on every rank after the write.
         """
+        self._save_folder(out_dir, merged=False)
+
+    @endpoint
+    def save_hf_merged(self, out_dir: str) -> None:
+        """With LoRA: the adapter merged into the base weights, a plain HF folder (--lora_save_merged). Collective."""
+        self._save_folder(out_dir, merged=True)
+
+    def _save_folder(self, out_dir: str, merged: bool) -> None:
         import torch.distributed as dist
 
         state: dict[str, torch.Tensor] = {}
@@ -329,7 +384,18 @@ class PolicyWorker(CausalLMWorker):
             state.update({n: t for n, t in group if t is not None})
         if self.rank == 0:
             os.makedirs(out_dir, exist_ok=True)
-            self.module.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
+            if self.lora is None:
+                self.module.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
+            else:
+                from orlhf.workers import lora
+
+                if merged:
+                    base = lora.base_hf_model(self.module)
+                    base.save_pretrained(
+                        out_dir, state_dict=lora.merged_state(self.module, state), safe_serialization=True
+                    )
+                else:
+                    lora.save_adapter(self.module, state, out_dir)
             _copy_tokenizer(self.cfg.model_path, out_dir)
         if self.world_size > 1:
             dist.barrier()

@@ -114,7 +114,7 @@ def send_ipc(worker, engine, tp: int) -> int:
         engine.call(Ext.orlhf_ipc_begin).get()
     uuid = device_uuid(worker.device)
     sent = 0
-    for group in worker.named_full_weights(to_cpu=False, copy=True, all_ranks=True):
+    for group in worker.sync_groups(to_cpu=False, copy=True, all_ranks=True):
         gathered: list = [None] * worker.world_size
         dist.all_gather_object(gathered, make_ipc_handles(group, uuid))
         if leader:

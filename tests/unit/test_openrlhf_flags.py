@@ -139,10 +139,8 @@ def test_a_launch_line_with_every_flag_parses(capsys, no_training, dashed, monke
     "argv, flag",
     [
         (["--ring_attn_size", "2"], "--ring_attn_size"),
-        (["--lora_rank", "16"], "--lora_rank"),
-        (["--load_in_4bit"], "--load_in_4bit"),
+        (["--load_in_4bit"], "--load_in_4bit"),  # without --lora_rank (and on CPU)
         (["--use_ds_universal_ckpt"], "--use_ds_universal_ckpt"),
-        (["--target_modules", "q_proj", "v_proj"], "--target_modules"),
         (["--param_dtype", "fp16"], "--param_dtype fp16"),
         (["--ds.ring_attn_size", "4"], "--ring_attn_size"),
         (["--actor.optim", "muon"], "--actor.optim"),
@@ -153,6 +151,37 @@ def test_unsupported_refused_by_name(capsys, argv, flag):
     assert code == 2 and flag in err and "Traceback" not in err
     if "ring_attn" in flag:
         assert "--ring_attn_size is OpenRLHF's; orlhf does not support it yet" in err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--lora_rank", "16", "--lora_alpha", "32", "--target_modules", "q_proj", "v_proj", "--lora_dropout", "0.05"],
+        ["--lora_rank", "16", "--lora_alpha", "32", "--target_modules", "q_proj,v_proj", "--lora_dropout", "0.05"],
+        [
+            "--ds.lora.rank",
+            "16",
+            "--ds.lora.alpha",
+            "32",
+            "--ds.lora.target_modules",
+            "q_proj",
+            "v_proj",
+            "--ds.lora.dropout",
+            "0.05",
+        ],
+    ],
+)
+def test_lora_flags_in_every_spelling_reach_the_config(capsys, no_training, argv):
+    code, err = run(["train-ppo", *argv], capsys)
+    assert code == 0, err
+    (cfg,) = no_training
+    assert (cfg.lora.lora_rank, cfg.lora.lora_alpha, cfg.lora.lora_dropout) == (16, 32, 0.05)
+    assert cfg.lora.targets == ("q_proj", "v_proj") and cfg.reference_from_actor == cfg.has_reference
+
+
+def test_lora_settings_without_a_rank_are_refused(capsys):
+    code, err = run(["train-ppo", "--lora_alpha", "32", "--device", "cpu"], capsys)
+    assert code == 2 and "--lora_alpha configure a LoRA adapter: add --lora_rank" in err
 
 
 def test_every_unsupported_flag_is_refused_when_it_asks_for_its_feature():
