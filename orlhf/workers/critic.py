@@ -150,7 +150,12 @@ class CriticWorker(DeepSpeedWorker):
     """V(s) per action position, and value-loss train steps."""
 
     def build_model(self) -> nn.Module:
-        return load_value_model(self.cfg, required=False)
+        model = load_value_model(self.cfg, required=False)
+        if self.cfg.lora is not None:  # an adapter on the backbone; the value head stays whole and trains
+            from orlhf.workers.lora import apply_lora
+
+            model.add_module(model.prefix, apply_lora(model.backbone, self.cfg.lora, causal_lm=False))
+        return model
 
     @endpoint
     def init(self) -> None:
@@ -189,11 +194,15 @@ class CriticWorker(DeepSpeedWorker):
     @endpoint
     def save_value_network(self, out_dir: str) -> None:
         """--save_value_network: the critic as a folder (model.safetensors in OpenRLHF's critic names, backbone
-        config.json). Collective under ZeRO-3: every rank calls it; rank 0 writes."""
+        config.json; with LoRA the adapter merged in). Collective under ZeRO-3: every rank calls it; rank 0 writes."""
         import torch.distributed as dist
         from safetensors.torch import save_file
 
         state = self.state_dict_full()
+        if self.rank == 0 and self.cfg.lora is not None:  # a plain critic folder: the adapter merged in
+            from orlhf.workers.lora import merged_state
+
+            state = merged_state(self.module, state)
         if self.rank == 0:
             os.makedirs(out_dir, exist_ok=True)
             save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(out_dir, "model.safetensors"))

@@ -87,6 +87,17 @@ def check_targets(model: nn.Module, targets: "str | tuple[str, ...]", flag: str 
             )
 
 
+def check_folder_targets(path: str, targets: "str | tuple[str, ...]", causal_lm: bool = True) -> None:
+    """check_targets on the model in `path` built on the meta device (shapes only, no weights read): a wrong
+    --target_modules fails before any rank starts. The critic's backbone is the folder's AutoModel."""
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = (AutoModelForCausalLM if causal_lm else AutoModel).from_config(config)
+    check_targets(model, targets)
+
+
 def apply_lora(model: nn.Module, lora: "LoraSlice", causal_lm: bool = True) -> nn.Module:
     """`model` with a LoRA adapter (peft's get_peft_model, OpenRLHF's LoraConfig): every parameter but the
     adapter's is frozen. Called on every rank with the same seed, so the adapter starts identical everywhere."""
