@@ -107,10 +107,18 @@ class TrainerSide:
         self.worker = None
 
     def load(
-        self, path: str, bf16: bool = False, temperature: float = 1.0, lr: float = 1e-2, zero_stage: int = 3
+        self,
+        path: str,
+        bf16: bool = False,
+        temperature: float = 1.0,
+        lr: float = 1e-2,
+        zero_stage: int = 3,
+        lora_rank: int = 0,
     ) -> None:
-        from orlhf.config.worker_config import role_config
+        from orlhf.config.worker_config import LoraSlice, role_config
         from orlhf.workers import PolicyWorker
+
+        lora = LoraSlice(rank=lora_rank, alpha=2 * lora_rank) if lora_rank else None
 
         cfg = role_config(
             "actor",
@@ -124,12 +132,20 @@ class TrainerSide:
             train_batch_size=4,
             micro_train_batch_size=4,
             total_optimizer_steps=4,
+            lora=lora,
         )
         self.worker = PolicyWorker(cfg)
         self.worker.init()
 
-    def metas(self):
-        return self.worker.weight_groups_meta()
+    def metas(self, packed=None):
+        return self.worker.weight_groups_meta(packed)
+
+    def base_log_probs(self, sequences: torch.Tensor) -> torch.Tensor:
+        """log_probs with the LoRA adapter off (the reference a LoRA run scores)."""
+        from orlhf.types import SequenceBatch
+
+        attn = torch.ones_like(sequences)
+        return self.worker.base_log_probs(SequenceBatch(sequences, attn, attn[:, 1:].bool()))
 
     def join(self, host: str, port: int) -> None:
         self.worker.init_weight_sender(host, port, 2, "gloo")
@@ -157,12 +173,12 @@ class TrainerSide:
         return stats.grad_norm
 
     def perturb(self, seed: int, scale: float = 0.02) -> int:
-        """Add seeded noise to every parameter (ZeRO-3: gathered, modified on rank 0, re-partitioned; below stage 3
-        GatheredParameters does nothing)."""
+        """Add seeded noise to every trained parameter (ZeRO-3: gathered, modified on rank 0, re-partitioned; below
+        stage 3 GatheredParameters does nothing). With LoRA: the adapter's, as training moves only them."""
         import deepspeed
 
         g = torch.Generator().manual_seed(seed)
-        params = [p for _, p in self.worker.module.named_parameters()]
+        params = [p for _, p in self.worker.module.named_parameters() if p.requires_grad]
         with deepspeed.zero.GatheredParameters(params, modifier_rank=0), torch.no_grad():
             for p in params:
                 p.add_(scale * torch.randn(p.shape, generator=g, dtype=torch.float32).to(p.dtype))
@@ -205,6 +221,11 @@ class EngineSide:
         from orlhf.rollout.worker_ext import WeightSyncExtension as Ext
 
         return self.llm.collective_rpc(Ext.orlhf_init_sync_group.__name__, args=(host, port, 1, 2, "gloo"))[0]
+
+    def packed(self):
+        from orlhf.rollout.worker_ext import WeightSyncExtension as Ext
+
+        return self.llm.collective_rpc(Ext.orlhf_packed_modules.__name__)[0]
 
     def receive(self, metas, buckets) -> int:
         from orlhf.rollout.worker_ext import WeightSyncExtension as Ext
@@ -327,15 +348,19 @@ class Rig:
         self.start(side, method, *args)
         return self.wait(side)
 
-    def load(self, path: str, bf16: bool = False, temperature: float = 1.0, zero_stage: int = 3) -> None:
+    def load(
+        self, path: str, bf16: bool = False, temperature: float = 1.0, zero_stage: int = 3, lora_rank: int = 0
+    ) -> None:
         """Both sides load the same folder (in parallel) in fp32, or bf16 as --bf16 runs them, set up for
-        --temperature as a run sets them up, the trainer under `zero_stage`; then join a fresh sync group."""
-        self.start("trainer", "load", path, bf16, temperature, 1e-2, zero_stage)
+        --temperature as a run sets them up, the trainer under `zero_stage` (with a LoRA adapter of `lora_rank`);
+        then join a fresh sync group, planned as WeightSync plans it (the engine's fused-module map first)."""
+        self.start("trainer", "load", path, bf16, temperature, 1e-2, zero_stage, lora_rank)
         self.start("engine", "load", path, bf16, temperature)
         self.wait("trainer"), self.wait("engine")
         from orlhf.trainer.weight_sync import plan_buckets
 
-        self.metas, self.buckets = plan_buckets(self.call("trainer", "metas"), 256 * 2**20)
+        packed = self.call("engine", "packed")
+        self.metas, self.buckets = plan_buckets(self.call("trainer", "metas", packed), 256 * 2**20)
         port = free_port()
         self.start("engine", "join", "127.0.0.1", port)
         self.start("trainer", "join", "127.0.0.1", port)
