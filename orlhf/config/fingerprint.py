@@ -36,6 +36,7 @@ FREE_ON_RESUME: dict[str, str] = {
             "wandb_project",
             "wandb_run_name",
             "use_tensorboard",
+            "lora_save_merged",
         ),
         "where outputs go",
     ),

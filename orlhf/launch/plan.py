@@ -41,6 +41,7 @@ from orlhf.launch.plan_memory import (
     GIB,
     Memory,
     ModelDims,
+    count_lora_params,
     count_params,
     device_peak,
     engine_memory,
@@ -144,12 +145,28 @@ def run_plan(cfg: TrainConfig, args: ClusterArgs) -> int:
     return 0 if ok else 1
 
 
+def lora_line(cfg: TrainConfig, dims: dict[str, ModelDims]) -> list[str]:
+    """With --lora_rank: what trains, and that no reference model is placed (its memory is saved)."""
+    lo = cfg.lora
+    if not lo.enabled:
+        return []
+    adapter = count_lora_params(dims["actor"], lo.lora_rank, lo.targets)
+    ref = (
+        "; no reference model (the actor's adapter-off forward scores it): "
+        f"{_count(count_params(dims['actor']))} params not placed"
+        if cfg.reference_from_actor
+        else ""
+    )
+    return [f"LoRA rank {lo.lora_rank} on {lo.target_modules}: {_count(adapter)} params train{ref}"]
+
+
 def render(cfg: TrainConfig, layout: Layout, nodes: list[NodeSpec], where: str) -> tuple[str, bool]:
     placed, unplaced = simulate(layout, nodes)
     dims = role_dims(cfg)
     lines = [
         f"orlhf plan: device {layout.device}; cluster {where}",
         f"model: {_count(count_params(dims['actor']))} params ({dims['actor'].source})",
+        *lora_line(cfg, dims),
         "",
     ]
     lines += placement_section(layout, nodes, placed)
@@ -218,9 +235,19 @@ def memory_section(
     cfg: TrainConfig, layout: Layout, nodes: list[NodeSpec], placed: dict[GroupKey, int], dims: dict[str, ModelDims]
 ) -> tuple[list[str], list[str]]:
     """The per-rank estimate, the per-device sums (cuda) and the per-node host sums; and what does not fit."""
+    lo = cfg.lora
+
+    def adapter(role: str) -> int:
+        return count_lora_params(dims[role], lo.lora_rank, lo.targets) if lo.enabled and ROLES[role].trains else 0
+
     mems = {
         role: role_memory(
-            cfg, role, count_params(dims[role], value_head=ROLES[role].value_head), len(slots), device=layout.device
+            cfg,
+            role,
+            count_params(dims[role], value_head=ROLES[role].value_head),
+            len(slots),
+            device=layout.device,
+            adapter=adapter(role),
         )
         for role, slots in layout.roles.items()
     }

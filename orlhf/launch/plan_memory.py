@@ -11,6 +11,8 @@ come on top, so keep headroom ("tight" marks > 90%).
       0: (w + w + K)P    1: (w + w)P + KP/N    2: wP + (w + K)P/N    3: (w + w + K)P/N
       --adam_offload moves the K part to host memory.
   frozen (ref, reward): wP/N at stage 3, wP otherwise; --ref_reward_offload moves it to host memory.
+  LoRA (--lora_rank r): L = r x (in + out) per adapted Linear; the trained roles hold w(P + L) weights and the
+      gradients and Adam states of L only; no reference model (the actor's adapter-off forward is the reference).
   vLLM engine: vllm_gpu_memory_utilization x GPU memory, on each of its TP GPUs; its weights (2P/TP) must fit
       inside that, the rest is KV cache. On cpu: weights + $VLLM_CPU_KVCACHE_SPACE GiB (1 if unset).
   Occupants of one device add up. With an engine there, the peak is the larger of generation (engine, plus the
@@ -102,6 +104,25 @@ def count_params(d: ModelDims, value_head: bool = False) -> int:
     return body + (0 if d.tied else d.vocab * d.hidden)
 
 
+# The Linear layers of a Llama-style decoder layer: (in, out) as functions of the dims; all-linear adapts them all.
+LLAMA_LINEARS = {
+    "q_proj": lambda d: (d.hidden, d.heads * d.head_dim),
+    "k_proj": lambda d: (d.hidden, d.kv_heads * d.head_dim),
+    "v_proj": lambda d: (d.hidden, d.kv_heads * d.head_dim),
+    "o_proj": lambda d: (d.heads * d.head_dim, d.hidden),
+    "gate_proj": lambda d: (d.hidden, d.intermediate),
+    "up_proj": lambda d: (d.hidden, d.intermediate),
+    "down_proj": lambda d: (d.intermediate, d.hidden),
+}
+
+
+def count_lora_params(d: ModelDims, rank: int, targets: "str | tuple[str, ...]") -> int:
+    """A LoRA adapter's parameters: rank x (in + out) per adapted Linear (A is rank x in, B out x rank), per layer.
+    Names outside a Llama-style layer count nothing (plan sizes Llama-style configs)."""
+    names = LLAMA_LINEARS if targets == "all-linear" else [t for t in targets if t in LLAMA_LINEARS]
+    return d.layers * sum(rank * sum(LLAMA_LINEARS[n](d)) for n in names)
+
+
 def role_dims(cfg: TrainConfig) -> dict[str, ModelDims]:
     d = cfg.data
     paths = {role: model_path(cfg, role) for role in ROLES}
@@ -136,8 +157,9 @@ def bucket_bytes_per_element(stage: int, grad_bytes: int) -> int:
     return {0: 0, 1: 4}.get(stage, grad_bytes)
 
 
-def role_memory(cfg: TrainConfig, role: str, params: int, ranks: int, *, device: str) -> Memory:
-    """One rank's memory for `role` (device_gib per GPU on cuda, per rank in RAM on cpu).
+def role_memory(cfg: TrainConfig, role: str, params: int, ranks: int, *, device: str, adapter: int = 0) -> Memory:
+    """One rank's memory for `role` (device_gib per GPU on cuda, per rank in RAM on cpu). `adapter`: a trained role's
+    LoRA parameters L: then only they have gradients and Adam states, beside the frozen P (w(P + L) + wL + KL).
 
     On cuda a trained ZeRO-1/2/3 rank also holds DeepSpeed's reduce bucket (REDUCE_BUCKET_ELEMENTS x the gradient's
     bytes, fp32 under ZeRO-1); on cpu torch.empty leaves those pages untouched, so they cost no RAM and are not counted.
@@ -160,8 +182,12 @@ def role_memory(cfg: TrainConfig, role: str, params: int, ranks: int, *, device:
     k = 12 if ds.bf16 else 8
     # (weights, grads, Adam) divisors by stage: which of the three ZeRO shards over the N ranks
     div = {0: (1, 1, 1), 1: (1, 1, n), 2: (1, n, n), 3: (n, n, n)}[s]
-    weights, grads, adam = w * params / div[0], w * params / div[1], k * params / div[2]
-    parts = [f"{b}P" + (f"/{d}" if d > 1 else "") for b, d in zip((w, w, k), div)]
+    trained = adapter or params
+    weights, grads, adam = w * (params + adapter) / div[0], w * trained / div[1], k * trained / div[2]
+    sym = ("P + L", "L", "L") if adapter else ("P", "P", "P")
+    parts = [
+        (f"{b}({x})" if "+" in x else f"{b}{x}") + (f"/{d}" if d > 1 else "") for b, x, d in zip((w, w, k), sym, div)
+    ]
     text = " + ".join(parts[:2]) + (f" [+ {parts[2]} on host]" if ds.adam_offload else f" + {parts[2]}")
     per_element = bucket_bytes_per_element(s, w) if device == "cuda" else 0
     bucket = REDUCE_BUCKET_ELEMENTS * per_element

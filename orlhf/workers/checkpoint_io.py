@@ -19,7 +19,8 @@ def save_worker_checkpoint(worker, folder: str) -> None:
 
     `folder`/latest names the tag `global_step<N>`, whose files hold every rank's ZeRO partitions of parameters
     and optimizer states (ZeRO-0: rank 0's full copy), the LR scheduler and DeepSpeed's step counters; each rank
-    adds its RNG states (rng_rank<r>.json/.safetensors). Returns on every rank after all ranks wrote.
+    adds its RNG states (rng_rank<r>.json/.safetensors). With a LoRA adapter only the trained tensors are saved (the
+    frozen base weights are --pretrain's). Returns on every rank after all ranks wrote.
     """
     import torch.distributed as dist
 
@@ -27,7 +28,13 @@ def save_worker_checkpoint(worker, folder: str) -> None:
 
     engine = _engine_for_checkpoints(worker)
     tag = f"global_step{engine.global_steps}"
-    engine.save_checkpoint(folder, tag=tag, client_state={_MICRO_STEPS: engine.micro_steps}, save_latest=True)
+    engine.save_checkpoint(
+        folder,
+        tag=tag,
+        client_state={_MICRO_STEPS: engine.micro_steps},
+        save_latest=True,
+        exclude_frozen_parameters=_has_adapter(worker),  # LoRA: the frozen base comes from --pretrain on resume
+    )
     save_state(folder, f"rng_rank{worker.rank}", rng_state())
     if worker.world_size > 1:
         dist.barrier()
@@ -58,7 +65,11 @@ def load_worker_checkpoint(worker, folder: str) -> None:
         raise CheckpointError(f"{folder}: no DeepSpeed checkpoint here ({e})") from e
     engine = _engine_for_checkpoints(worker)
     path, client = engine.load_checkpoint(
-        folder, tag=tag, load_module_strict=True, load_optimizer_states=True, load_lr_scheduler_states=True
+        folder,
+        tag=tag,
+        load_module_strict=not _has_adapter(worker),  # LoRA: the adapter's tensors only; the base is --pretrain's
+        load_optimizer_states=True,
+        load_lr_scheduler_states=True,
     )
     if path is None:  # DeepSpeed only warns when it finds nothing; a resume must not go on from scratch
         raise CheckpointError(f"{folder}: DeepSpeed found no checkpoint under tag {tag!r}")
@@ -67,6 +78,10 @@ def load_worker_checkpoint(worker, folder: str) -> None:
     log.info(
         "%s rank %d: resumed from %s (optimizer step %d)", worker.cfg.role, worker.rank, folder, engine.global_steps
     )
+
+
+def _has_adapter(worker) -> bool:
+    return getattr(worker.cfg, "lora", None) is not None
 
 
 def _engine_for_checkpoints(worker):

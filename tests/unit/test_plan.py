@@ -17,7 +17,15 @@ from orlhf.distributed.layout import (
     plan_layout,
     simulate,
 )
-from orlhf.launch.plan_memory import GIB, ModelDims, count_params, device_peak, read_dims, role_memory
+from orlhf.launch.plan_memory import (
+    GIB,
+    ModelDims,
+    count_lora_params,
+    count_params,
+    device_peak,
+    read_dims,
+    role_memory,
+)
 
 # Llama-3-70B's shape (hand count below).
 CONFIG_70B = {
@@ -482,3 +490,26 @@ def test_plan_without_a_kl_lists_no_reference(capsys):
 def test_plan_needs_both_cluster_flags(capsys):
     code, _, err = plan(["--nodes", "2"], capsys)
     assert code == 2 and "--gpus_per_node" in err
+
+
+def test_lora_adapter_params_and_memory_70b(model70b):
+    # all-linear, rank 16, per layer: q 16(8192 + 8192) + k, v 16(8192 + 1024) each + o 16(8192 + 8192)
+    # + gate, up 16(8192 + 28672) each + down 16(28672 + 8192) = 262,144 + 294,912 + 262,144 + 1,769,472
+    # = 2,588,672; x 80 layers = 207,093,760
+    dims = read_dims(model70b / "m")
+    assert count_lora_params(dims, 16, "all-linear") == 207_093_760
+    assert count_lora_params(dims, 16, ("q_proj", "v_proj")) == 80 * (262_144 + 147_456)
+    cfg = cfg_of(bf16=True, zero_stage=3, lora_rank=16)
+    # ZeRO-3 over 16: weights 2(P + L), gradients 2L, Adam 12L, all / 16
+    m = role_memory(cfg, "actor", P_LM, 16, device="cpu", adapter=207_093_760)
+    assert m.device_gib == pytest.approx((2 * (P_LM + 207_093_760) + 14 * 207_093_760) / 16 / GIB)
+    assert m.formula == "2(P + L)/16 + 2L/16 + 12L/16"
+
+
+def test_plan_with_lora_places_no_reference_and_says_so(model70b, capsys):
+    argv = [*model_flags(model70b), "--init_kl_coef", "0.01", "--nodes", "1", "--gpus_per_node", "8"]
+    code, out, err = plan([*argv, "--lora_rank", "16", "--gpu_memory_gb", "141"], capsys)
+    assert "LoRA rank 16 on all-linear: 207M params train; no reference model" in out, out + err
+    assert not any(ln.startswith("ref ") for ln in out.splitlines())
+    code, out, err = plan([*argv, "--gpu_memory_gb", "141"], capsys)
+    assert any(ln.startswith("ref ") for ln in out.splitlines())
