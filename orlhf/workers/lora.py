@@ -48,7 +48,8 @@ class LoraTargetError(ValueError):
 
 
 def linear_module_names(model: nn.Module) -> list[str]:
-    """Full names of the Linear (and GPT-2 Conv1D) layers LoRA can adapt: every one but the output head."""
+    """Full names of the Linear (and GPT-2 Conv1D) layers inside the model (all-linear: every one but the output
+    head, which an untied model may name in --target_modules as lm_head)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     return [n for n, m in model.named_modules() if _is_linear(m) and m is not head]
 
@@ -75,10 +76,11 @@ def check_targets(model: nn.Module, targets: "str | tuple[str, ...]", flag: str 
                 f"{flag} {target}: no module of the model has that name. Its Linear layers: {' '.join(short)} "
                 "(all-linear takes them all)."
             )
-        if any(modules[n] is head for n in hits):
+        if any(modules[n] is head for n in hits) and _tied(model):
             raise LoraTargetError(
-                f"{flag} {target} is the output head: LoRA here adapts the Linear layers inside the model (the "
-                f"engines load the head apart, tied to the embeddings in many families). Use: {' '.join(short)}."
+                f"{flag} {target} is the output head, which this model ties to its input embeddings: an adapter "
+                "on it would untie them, and the engines tie them again. Adapt the Linear layers inside the "
+                f"model: {' '.join(short)}."
             )
         if not any(_is_linear(modules[n]) for n in hits):
             kind = type(modules[hits[0]]).__name__
@@ -96,6 +98,11 @@ def check_folder_targets(path: str, targets: "str | tuple[str, ...]", causal_lm:
     with torch.device("meta"):
         model = (AutoModelForCausalLM if causal_lm else AutoModel).from_config(config)
     check_targets(model, targets)
+
+
+def _tied(model: nn.Module) -> bool:
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    return head is not None and embed is not None and head.weight is embed.weight
 
 
 def apply_lora(model: nn.Module, lora: "LoraSlice", causal_lm: bool = True) -> nn.Module:

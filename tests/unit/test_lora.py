@@ -167,15 +167,21 @@ def test_adapter_off_is_the_base_model():
     "targets, message",
     [
         (("qproj",), "--target_modules qproj: no module of the model has that name. Its Linear layers: down_proj"),
-        (("lm_head",), "--target_modules lm_head is the output head"),
+        (("lm_head",), "--target_modules lm_head is the output head, which this model ties"),
         (("embed_tokens",), "--target_modules embed_tokens is a Embedding, not a Linear layer"),
     ],
 )
 def test_target_modules_that_name_nothing_adaptable_are_refused_with_the_model_linears(targets, message):
     with pytest.raises(lora.LoraTargetError, match=message.replace("(", r"\(")):
-        lora.check_targets(tiny(), targets)
+        lora.check_targets(tiny(tied=True), targets)
     lora.check_targets(tiny(), ("q_proj", "v_proj"))
+    lora.check_targets(tiny(), ("q_proj", "lm_head"))  # an untied head may have an adapter
     lora.check_targets(tiny(), "all-linear")
+
+
+def test_an_untied_head_adapter_is_sent_merged():
+    model = with_adapter(tiny(), targets=("lm_head",))
+    assert sent(model, VLLM_LLAMA) == ["lm_head.weight"]
 
 
 def test_folder_check_builds_the_model_on_the_meta_device(tmp_path):
