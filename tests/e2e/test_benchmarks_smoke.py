@@ -149,3 +149,35 @@ def test_bench_engine_step_repeats_the_same_rollouts(tmp_path):
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["rollouts"] == 32 and result["tokens"] > 32 and result["threads"] == 1
     assert len(result["digests"]) == 1 and len(result["cpu_s"]) == 2 and min(result["cpu_s"]) > 0
+
+
+def test_bench_lora_reports_both_modes_in_fresh_processes(tmp_path):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/bench_lora.py",
+            "--presets",
+            "demo",
+            "--warmup",
+            "0",
+            "--repeats",
+            "1",
+            "--out",
+            str(tmp_path / "r.json"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result == json.loads((tmp_path / "r.json").read_text())
+    full, lora = result["results"]["demo"]["full"], result["results"]["demo"]["lora"]
+    assert full["trainable_params"] == full["total_params"] and 0 < lora["trainable_params"] < full["total_params"]
+    # Adam's two fp32 moments per trained parameter (and a step counter each)
+    for r in (full, lora):
+        assert 8 * r["trainable_params"] <= r["optimizer_state_bytes"] < 8 * r["trainable_params"] + 4096
+    assert 0 < lora["sync_bytes"] < full["sync_bytes"] == 4 * full["total_params"]  # fp32, every weight
+    assert full["train_step_s_median"] > 0 and lora["train_step_s_median"] > 0 and lora["peak_rss_kib"] > 0
+    assert "LoRA / full" in proc.stdout
