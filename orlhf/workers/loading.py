@@ -61,11 +61,25 @@ def _hf_deepspeed_config(config: dict):
 
 
 def hf_load_kwargs(cfg: WorkerConfig) -> dict:
-    """from_pretrained kwargs shared by every role: dtype and attention kernels."""
-    return {
+    """from_pretrained kwargs shared by every role: dtype and attention kernels; with --load_in_4bit (QLoRA, a
+    trained role with an adapter) the frozen weights as bitsandbytes NF4 with double quantization, computing in
+    bfloat16 (OpenRLHF's BitsAndBytesConfig)."""
+    kw = {
         "dtype": torch.bfloat16 if cfg.bf16 else torch.float32,
         "attn_implementation": "flash_attention_2" if cfg.flash_attn else "sdpa",
     }
+    lora = getattr(cfg, "lora", None)
+    if lora is not None and lora.load_in_4bit:
+        from transformers import BitsAndBytesConfig
+
+        kw["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16,
+        )
+        kw["device_map"] = {"": torch.cuda.current_device()}  # bitsandbytes quantizes as the weights reach the GPU
+    return kw
 
 
 def from_pretrained(auto_cls, path: str, cfg: WorkerConfig, **kwargs):

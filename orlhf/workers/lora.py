@@ -5,6 +5,8 @@
     weight sync:          per decoder layer, the adapted modules (and the ones vLLM fuses with them: q/k/v into
                           qkv_proj, gate/up into gate_up_proj) as W + scaling * B @ A, in the base model's names
     export:               the adapter in PEFT's format (PeftModel.from_pretrained loads it); merged on request
+    QLoRA (--load_in_4bit): the frozen base in bitsandbytes NF4 on the GPU; syncs send every quantized module
+                          dequantized (merged where adapted), so the engines run the weights the trainer runs
 
 Why merged weights and not vLLM's own LoRA loading: the engines then run the plain model they were started with
 (no LoRA kernels, no max_lora_rank, no adapter id on every request), the sync reuses the full fine-tuning path
@@ -225,7 +227,9 @@ def sync_plan(model: nn.Module, packed: Optional[dict[str, list[str]]]) -> SyncP
     engine model that declares no mapping gets the whole decoder layers that hold an adapter: safe, if larger."""
     adapted = adapted_modules(model)
     modules = dict(model.named_modules())
-    send = set(adapted)
+    # QLoRA: the trainer computes with the 4-bit weights, the engines hold the checkpoint's: every quantized module
+    # goes (dequantized), adapted or not, so both run the same weights
+    send = set(adapted) | {n for n, m in modules.items() if _is_4bit(getattr(m, "weight", None))}
     for name in adapted:
         parent, _, leaf = name.rpartition(".")
         for parts in (packed or {}).values():
@@ -263,7 +267,7 @@ def merged_groups(
         ctx = deepspeed.zero.GatheredParameters(params) if worker.zero3 else nullcontext()
         with ctx:
             if worker.rank == 0 or all_ranks:
-                full = [(n, p.data.detach().to("cpu" if to_cpu else p.device)) for n, p in group]
+                full = [(n, _full(p).to("cpu" if to_cpu else p.device)) for n, p in group]
                 yield to_checkpoint_names(hf_model, merge_group(full, plan.adapters))
             else:
                 yield [(n, None) for n, _ in to_checkpoint_names(hf_model, merge_group(_meta(group), plan.adapters))]
@@ -282,7 +286,27 @@ def merged_groups_meta(worker, plan: SyncPlan) -> list[list[tuple[str, str, tupl
 
 
 def _meta(group: list[tuple[str, nn.Parameter]]) -> list[tuple[str, torch.Tensor]]:
-    return [(n, torch.empty(tuple(getattr(p, "ds_shape", p.shape)), dtype=p.dtype, device="meta")) for n, p in group]
+    out = []
+    for n, p in group:
+        if _is_4bit(p):  # packed bytes: the layer's real shape and compute dtype are in its quant state
+            out.append((n, torch.empty(tuple(p.quant_state.shape), dtype=p.quant_state.dtype, device="meta")))
+        else:
+            out.append((n, torch.empty(tuple(getattr(p, "ds_shape", p.shape)), dtype=p.dtype, device="meta")))
+    return out
+
+
+def _is_4bit(p) -> bool:
+    """A bitsandbytes 4-bit weight (--load_in_4bit): packed NF4 bytes plus a quant state."""
+    return p is not None and type(p).__name__ == "Params4bit"
+
+
+def _full(p: nn.Parameter) -> torch.Tensor:
+    """A parameter's full tensor: gathered ZeRO data as is, a 4-bit weight dequantized to its compute dtype."""
+    if _is_4bit(p):
+        import bitsandbytes.functional as bnbf
+
+        return bnbf.dequantize_4bit(p.data, p.quant_state).to(p.quant_state.dtype)
+    return p.data.detach()
 
 
 def base_hf_model(model: nn.Module) -> nn.Module:
