@@ -126,8 +126,8 @@ def pinned_core() -> dict[str, Requirement]:
 
 
 def test_gpu_extra_resolves_for_linux_x86_64_cuda():
-    (vllm_req,) = [Requirement(r) for r in PINS["EXTRAS"]["gpu"]]
-    vllm_version = str(next(iter(vllm_req.specifier)).version)
+    extra = {canonicalize_name(Requirement(r).name): Requirement(r) for r in PINS["EXTRAS"]["gpu"]}
+    vllm_version = str(next(iter(extra["vllm"].specifier)).version)
     assert linux_wheel("torch", PINS["TORCH"]) is not None, f"torch {PINS['TORCH']} has no Linux x86_64 wheel"
     torch_version = Version(PINS["TORCH"])
     core = pinned_core()
@@ -147,6 +147,14 @@ def test_gpu_extra_resolves_for_linux_x86_64_cuda():
         for req in map(Requirement, importlib.metadata.requires("deepspeed") or []):
             if canonicalize_name(req.name) == "torch" and torch_version not in req.specifier:
                 problems.append(f"deepspeed {PINS['DEEPSPEED']} needs {req}, orlhf pins torch=={torch_version}")
+    # the other packages of the extra (bitsandbytes): the newest allowed release has a Linux wheel that takes our torch
+    for name, req in extra.items():
+        if name == "vllm":
+            continue
+        newest = max(v for v in releases(name) if v in req.specifier and not v.is_prerelease)
+        for dep in requirements(name, str(newest)):
+            if canonicalize_name(dep.name) == "torch" and torch_version not in dep.specifier:
+                problems.append(f"{name} {newest} needs {dep}, orlhf pins torch=={torch_version}")
     assert not problems, problems
 
 
