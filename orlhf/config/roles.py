@@ -102,7 +102,9 @@ def host_of(cfg: "TrainConfig", name: str) -> Optional[str]:
       (runs_beside): two one-thread train steps side by side in one process take as long as in two processes,
       and far less than one after the other (benchmarks/results/2026-11-25-trl-compare-hosted-critic.md). Not
       when its model or its LoRA adapter has dropout (concurrent steps would interleave their draws from the
-      process's one random generator: a seeded run would not reproduce), nor with --colocate_critic_reward.
+      process's one random generator: a seeded run would not reproduce), nor with LoRA under --zero_stage 3 (two
+      adapted ZeRO-3 engines stepping on two threads of one process failed in DeepSpeed's parameter fetch, an
+      adapter parameter still in flight), nor with --colocate_critic_reward.
       --critic_own_process keeps it apart."""
     if cfg.device != "cpu" or not role(name).present(cfg):
         return None
@@ -113,7 +115,8 @@ def host_of(cfg: "TrainConfig", name: str) -> Optional[str]:
     if name == "critic" and not (p.critic_own_process or p.colocate_critic_reward):
         one_rank = p.world_size("actor") == 1 and p.world_size("critic") == 1
         dropout = has_dropout(model_path(cfg, "critic")) or (cfg.lora.enabled and cfg.lora.lora_dropout > 0)
-        return "actor" if one_rank and not dropout else None
+        lora_zero3 = cfg.lora.enabled and cfg.deepspeed.zero_stage == 3
+        return "actor" if one_rank and not dropout and not lora_zero3 else None
     return None
 
 
