@@ -140,6 +140,10 @@ class TrainerSide:
     def metas(self, packed=None):
         return self.worker.weight_groups_meta(packed)
 
+    def save_merged(self, out_dir: str) -> None:
+        """--lora_save_merged's export: the adapter merged into a plain HF folder."""
+        self.worker.save_hf_merged(out_dir)
+
     def base_log_probs(self, sequences: torch.Tensor) -> torch.Tensor:
         """log_probs with the LoRA adapter off (the reference a LoRA run scores)."""
         from orlhf.types import SequenceBatch

@@ -145,7 +145,8 @@ def test_lora_engine_samples_the_adapted_policy_after_sync(rig, family):
     """LoRA (all-linear, rank 4): a real PPO step and seeded noise on the adapter, then a sync of only the adapted
     modules, merged (plus vLLM's fused siblings; GPT-2's engine model declares no fused map: whole layers). The
     engine equals the trainer as tightly as after a full sync, and the reference the actor scores with its
-    adapter off is the base model the engine held before the sync. Untied, tied, MoE, Conv1D."""
+    adapter off is the base model the engine held before the sync. Untied, tied, MoE, Conv1D. The merged export
+    (--lora_save_merged), loaded by a fresh engine, scores as the trainer does."""
     paths, r = rig
     try:
         seqs = _tokens()
@@ -169,5 +170,11 @@ def test_lora_engine_samples_the_adapted_policy_after_sync(rig, family):
         assert gap < 1e-5
         assert (reference - base_engine).abs().max().item() < 1e-5
         assert _bytes(r.metas) < full  # embeddings, head and norms stay where they are
+        if family == "llama":  # the merged export is a plain model a fresh engine serves as the trainer scores
+            merged = str(Path(paths[family]).parent / "llama-merged")
+            r.call("trainer", "save_merged", merged)
+            r.call("engine", "unload")
+            r.call("engine", "load", merged)
+            assert (r.call("engine", "log_probs", seqs) - after).abs().max().item() < 1e-5
     finally:
         r.unload()
