@@ -20,7 +20,7 @@ from typing import Optional
 
 from orlhf.algo.registry import ESTIMATORS
 from orlhf.config.option import opt
-from orlhf.config.ppo_config import PPOConfig
+from orlhf.config.ppo_config import LR_SCHEDULERS, PPOConfig
 
 SYNC_BACKENDS = ("nccl", "gloo")
 DEVICES = ("auto", "cpu", "cuda")
@@ -153,6 +153,53 @@ class DeepSpeedConfig:
         "With --use_dynamic_batch: most real tokens in one scoring forward per rank (default: "
         "--train_max_tokens_per_gpu).",
     )
+
+
+@dataclass(frozen=True)
+class RoleOptimConfig:
+    """Each trained role's own optimizer settings (OpenRLHF 0.11's --actor.* / --critic.* names). Unset, a role takes
+    the shared flag (--max_norm, --adam_betas, --l2, --lr_scheduler, --lr_warmup_ratio), so v0.10.1's flat flags
+    keep their meaning; set, it applies to that role only."""
+
+    actor_max_norm: Optional[float] = opt(None, "The actor's gradient clipping (default: --max_norm).")
+    critic_max_norm: Optional[float] = opt(None, "The critic's gradient clipping (default: --max_norm).")
+    actor_adam_betas: Optional[tuple[float, float]] = opt(
+        None, "The actor's Adam betas (default: --adam_betas).", metavar="BETA1 BETA2"
+    )
+    critic_adam_betas: Optional[tuple[float, float]] = opt(
+        None, "The critic's Adam betas (default: --adam_betas).", metavar="BETA1 BETA2"
+    )
+    actor_adam_eps: float = opt(1e-8, "The actor's Adam epsilon.")
+    critic_adam_eps: float = opt(1e-8, "The critic's Adam epsilon.")
+    actor_weight_decay: Optional[float] = opt(None, "The actor's AdamW weight decay (default: --l2).")
+    critic_weight_decay: Optional[float] = opt(None, "The critic's AdamW weight decay (default: --l2).")
+    actor_lr_scheduler: Optional[str] = opt(
+        None, "The actor's LR schedule (default: --lr_scheduler).", choices=LR_SCHEDULERS, metavar="NAME"
+    )
+    critic_lr_scheduler: Optional[str] = opt(
+        None, "The critic's LR schedule (default: --lr_scheduler).", choices=LR_SCHEDULERS, metavar="NAME"
+    )
+    actor_lr_warmup_ratio: Optional[float] = opt(None, "The actor's LR warm-up share (default: --lr_warmup_ratio).")
+    critic_lr_warmup_ratio: Optional[float] = opt(None, "The critic's LR warm-up share (default: --lr_warmup_ratio).")
+    actor_min_lr_ratio: float = opt(0.1, "The actor's floor of cosine_with_min_lr, as a share of its peak LR.")
+    critic_min_lr_ratio: float = opt(0.1, "The critic's floor of cosine_with_min_lr, as a share of its peak LR.")
+
+    def of(self, role: str, ppo) -> dict:
+        """`role`'s settings with the shared flags (`ppo`: PPOConfig) filling what is unset."""
+
+        def pick(name: str, shared):
+            own = getattr(self, f"{role}_{name}")
+            return shared if own is None else own
+
+        return dict(
+            max_norm=pick("max_norm", ppo.max_norm),
+            adam_betas=tuple(pick("adam_betas", ppo.adam_betas)),
+            adam_eps=getattr(self, f"{role}_adam_eps"),
+            weight_decay=pick("weight_decay", ppo.l2),
+            lr_scheduler=pick("lr_scheduler", ppo.lr_scheduler),
+            lr_warmup_ratio=pick("lr_warmup_ratio", ppo.lr_warmup_ratio),
+            min_lr_ratio=getattr(self, f"{role}_min_lr_ratio"),
+        )
 
 
 @dataclass(frozen=True)
@@ -313,6 +360,7 @@ SECTIONS: tuple[tuple[str, type, str], ...] = (
     ("lora", LoraConfig, "LoRA"),
     ("data", DataConfig, "Models and data"),
     ("ppo", PPOConfig, "PPO"),
+    ("optim", RoleOptimConfig, "Per-role optimizers"),
     ("logging", LoggingConfig, "Logging and checkpoints"),
     ("eval", EvalConfig, "Evaluation"),
     ("runtime", RuntimeConfig, "Runtime"),
@@ -327,6 +375,7 @@ class TrainConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     data: DataConfig = field(default_factory=DataConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
+    optim: RoleOptimConfig = field(default_factory=RoleOptimConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)

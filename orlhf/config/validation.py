@@ -109,7 +109,6 @@ def _ppo_bounds(cfg: TrainConfig) -> list[Bound]:
         (ppo.dual_clip is None or ppo.dual_clip > 1, f"--dual_clip must be > 1 (got {ppo.dual_clip}); e.g. 3."),
         (ppo.actor_learning_rate > 0, f"--actor_learning_rate must be > 0 (got {ppo.actor_learning_rate})."),
         (ppo.critic_learning_rate > 0, f"--critic_learning_rate must be > 0 (got {ppo.critic_learning_rate})."),
-        (0 <= ppo.lr_warmup_ratio < 1, f"--lr_warmup_ratio must be in [0, 1) (got {ppo.lr_warmup_ratio})."),
         (ppo.init_kl_coef >= 0, f"--init_kl_coef must be >= 0 (got {ppo.init_kl_coef})."),
         (ppo.kl_target is None or ppo.kl_target > 0, f"--kl_target must be > 0 (got {ppo.kl_target})."),
         (ppo.entropy_loss_coef >= 0, f"--entropy_loss_coef must be >= 0 (got {ppo.entropy_loss_coef})."),

@@ -66,18 +66,8 @@ def losses(cfg: TrainConfig, out: list[str]) -> None:
             "--kl_target adapts the KL coefficient multiplicatively, but --init_kl_coef is 0 so it stays 0 "
             "under --use_kl_loss: set --init_kl_coef > 0 or drop --kl_target."
         )
-    if ppo.max_norm <= 0:
-        out.append(f"--max_norm must be > 0 (got {ppo.max_norm}).")
-    b1, b2 = _pair(ppo.adam_betas)
-    if not (0 <= b1 < 1 and 0 <= b2 < 1):
-        out.append(f"--adam_betas BETA1 BETA2 must both be in [0, 1) (got {b1} {b2}); OpenRLHF uses 0.9 0.95.")
-    if ppo.l2 < 0:
-        out.append(f"--l2 (weight decay) must be >= 0 (got {ppo.l2}).")
-    if ppo.lr_scheduler == "constant" and ppo.lr_warmup_ratio > 0:
-        out.append(
-            f"--lr_scheduler constant has no warm-up but --lr_warmup_ratio is {ppo.lr_warmup_ratio}: use "
-            "--lr_scheduler constant_with_warmup, or --lr_warmup_ratio 0."
-        )
+    for role in ("actor", "critic"):
+        _optimizer(cfg, role, out)
     est = ppo.advantage_estimator
     spec = ESTIMATORS.get(est)
     if ppo.no_advantage_std_norm and spec is not None and not spec.whiten:
@@ -87,6 +77,43 @@ def losses(cfg: TrainConfig, out: list[str]) -> None:
             f"--advantage_estimator {est} is not whitened, so it would do nothing"
             + (f" (for {est} without the /std use --advantage_estimator {spec.std_free})." if spec.std_free else ".")
         )
+
+
+def _optimizer(cfg: TrainConfig, role: str, out: list[str]) -> None:
+    """One trained role's optimizer settings (RoleOptimConfig.of): each problem named by the flag that set it, the
+    role's own (--critic_max_norm) or the shared one (--max_norm), once when both roles share it."""
+    o = cfg.optim.of(role, cfg.ppo)
+
+    def flag(name: str, shared: str) -> str:
+        own = f"{role}_{name}"
+        return f"--{own}" if getattr(cfg.optim, own) is not None else f"--{shared}"
+
+    def add(message: str) -> None:
+        if message not in out:
+            out.append(message)
+
+    if o["max_norm"] <= 0:
+        add(f"{flag('max_norm', 'max_norm')} must be > 0 (got {o['max_norm']}).")
+    b1, b2 = _pair(o["adam_betas"])
+    if not (0 <= b1 < 1 and 0 <= b2 < 1):
+        add(
+            f"{flag('adam_betas', 'adam_betas')} BETA1 BETA2 must both be in [0, 1) (got {b1} {b2}); "
+            "OpenRLHF uses 0.9 0.95."
+        )
+    if o["weight_decay"] < 0:
+        add(f"{flag('weight_decay', 'l2')} (weight decay) must be >= 0 (got {o['weight_decay']}).")
+    if not 0 <= o["lr_warmup_ratio"] < 1:
+        add(f"{flag('lr_warmup_ratio', 'lr_warmup_ratio')} must be in [0, 1) (got {o['lr_warmup_ratio']}).")
+    if o["lr_scheduler"] == "constant" and o["lr_warmup_ratio"] > 0:
+        add(
+            f"{flag('lr_scheduler', 'lr_scheduler')} constant has no warm-up but "
+            f"{flag('lr_warmup_ratio', 'lr_warmup_ratio')} is {o['lr_warmup_ratio']}: use constant_with_warmup, "
+            "or a warm-up of 0."
+        )
+    if o["adam_eps"] <= 0:
+        add(f"--{role}_adam_eps must be > 0 (got {o['adam_eps']}).")
+    if not 0 <= o["min_lr_ratio"] <= 1:
+        add(f"--{role}_min_lr_ratio must be in [0, 1] (got {o['min_lr_ratio']}).")
 
 
 def sampling(cfg: TrainConfig, out: list[str]) -> None:

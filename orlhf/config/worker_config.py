@@ -39,8 +39,10 @@ class TrainSlice:
     micro_train_batch_size: int = 1
     max_norm: float = 1.0
     adam_betas: tuple = (0.9, 0.95)
+    adam_eps: float = 1e-8
     weight_decay: float = 0.0
     lr_scheduler: str = "cosine_with_min_lr"
+    min_lr_ratio: float = 0.1  # cosine_with_min_lr's floor, a share of the peak LR
     adam_offload: bool = False  # Adam states on host
     offload_states: bool = False  # --deepspeed_enable_sleep: ZeRO-3 states leave the GPU in generation
     # --use_dynamic_batch: each optimizer step's samples in micro-batches of at most this many real tokens; 0: by
@@ -232,7 +234,7 @@ def worker_config(cfg: TrainConfig, role: str, total_optimizer_steps: int = 1) -
         return RefConfig(**common, temperature=ppo.temperature, param_offload=ds.ref_reward_offload)
     if role == "reward":
         return RewardConfig(**common, head=head, param_offload=ds.ref_reward_offload)
-    train = _train_fields(cfg, total_optimizer_steps, train_budget)
+    train = _train_fields(cfg, role, total_optimizer_steps, train_budget)
     agg = resolved_loss_agg_mode(ppo)
     lo = cfg.lora
     lora = LoraSlice(lo.lora_rank, lo.lora_alpha, lo.targets, lo.lora_dropout, lo.load_in_4bit) if lo.enabled else None
@@ -276,21 +278,18 @@ def _common_fields(cfg: TrainConfig, role: str, forward_budget: int) -> dict:
     )
 
 
-def _train_fields(cfg: TrainConfig, total_optimizer_steps: int, train_budget: int) -> dict:
-    """TrainSlice's fields but the learning rate, which differs between actor and critic."""
+def _train_fields(cfg: TrainConfig, role: str, total_optimizer_steps: int, train_budget: int) -> dict:
+    """TrainSlice's fields but the learning rate: `role`'s own optimizer settings (--actor_max_norm, ...), the shared
+    flags (--max_norm, ...) where it has none."""
     ds, ppo = cfg.deepspeed, cfg.ppo
     return dict(
         adam_offload=ds.adam_offload,
         offload_states=ds.enable_sleep,
-        lr_warmup_ratio=ppo.lr_warmup_ratio,
         total_optimizer_steps=total_optimizer_steps,
         train_batch_size=ppo.train_batch_size,
         micro_train_batch_size=ppo.micro_train_batch_size,
-        max_norm=ppo.max_norm,
-        adam_betas=tuple(ppo.adam_betas),
-        weight_decay=ppo.l2,
-        lr_scheduler=ppo.lr_scheduler,
         max_tokens=train_budget,
+        **cfg.optim.of(role, ppo),
     )
 
 

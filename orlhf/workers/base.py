@@ -130,8 +130,10 @@ class DeepSpeedWorker:
     def _make_scheduler(self, optimizer):
         t = self.cfg.train
         warmup = math.ceil(t.lr_warmup_ratio * t.total_optimizer_steps)
-        total, kind = t.total_optimizer_steps, t.lr_scheduler
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, warmup, total, kind=kind))
+        total, kind, floor = t.total_optimizer_steps, t.lr_scheduler, t.min_lr_ratio
+        return torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: lr_factor(step, warmup, total, min_ratio=floor, kind=kind)
+        )
 
     @property
     def module(self) -> nn.Module:

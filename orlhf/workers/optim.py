@@ -39,14 +39,14 @@ def make_optimizer(params: list, cfg: ActorConfig | CriticConfig) -> torch.optim
     """`params`: parameters or param groups (decay_groups); a group's weight_decay wins over --l2."""
     kind = optimizer_kind(cfg)
     t = cfg.train
-    betas, decay = tuple(t.adam_betas), t.weight_decay  # --adam_betas, --l2
+    betas, decay, eps = tuple(t.adam_betas), t.weight_decay, t.adam_eps  # --adam_betas, --l2, --actor_adam_eps
     if kind == "DeepSpeedCPUAdam":
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-        return DeepSpeedCPUAdam(params, lr=t.learning_rate, betas=betas, weight_decay=decay, adamw_mode=True)
+        return DeepSpeedCPUAdam(params, lr=t.learning_rate, betas=betas, eps=eps, weight_decay=decay, adamw_mode=True)
     if kind == "FusedAdam":
-        return _fused_adam(params, t.learning_rate, betas, decay)
-    return torch.optim.AdamW(params, lr=t.learning_rate, betas=betas, weight_decay=decay)
+        return _fused_adam(params, t.learning_rate, betas, decay, eps)
+    return torch.optim.AdamW(params, lr=t.learning_rate, betas=betas, eps=eps, weight_decay=decay)
 
 
 def optimizer_kind(cfg: ActorConfig | CriticConfig) -> str:
@@ -64,11 +64,11 @@ def optimizer_kind(cfg: ActorConfig | CriticConfig) -> str:
     return "AdamW"
 
 
-def _fused_adam(params, lr: float, betas: tuple, weight_decay: float) -> torch.optim.Optimizer:
+def _fused_adam(params, lr: float, betas: tuple, weight_decay: float, eps: float = 1e-8) -> torch.optim.Optimizer:
     try:
         from deepspeed.ops.adam import FusedAdam
 
-        return FusedAdam(params, lr=lr, betas=betas, weight_decay=weight_decay, adam_w_mode=True)
+        return FusedAdam(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adam_w_mode=True)
     except Exception as e:  # the op JIT-compiles with nvcc + ninja unless DeepSpeed was built with it
         raise RuntimeError(
             f"--deepspeed_enable_sleep needs DeepSpeed's FusedAdam (ZeRO-3's offload_states moves only its "

@@ -98,7 +98,7 @@ def test_the_table_has_the_144_flags_once_and_knows_each():
     for flag in OPENRLHF_V0101_FLAGS:
         kinds = [flag in ours, flag in ALIASES, flag in NO_EFFECT, flag in UNSUPPORTED]
         assert sum(kinds) == 1, f"--{flag}: exactly one of native/alias/no-effect/unsupported, got {kinds}"
-    assert set(DOTTED.values()) <= set(OPENRLHF_V0101_FLAGS)
+    assert set(DOTTED.values()) <= set(OPENRLHF_V0101_FLAGS) | ours
 
 
 def run(argv, capsys):
@@ -260,3 +260,59 @@ def test_max_len_caps_prompt_plus_response(capsys, no_training):
     assert max_new_tokens(SamplingSpec(max_new_tokens=24), 60) == 24
     code, err = run(["train-ppo", "--max_len", "64"], capsys)
     assert code == 2 and "--max_len 64" in err and "--prompt_max_len" in err
+
+
+PER_ROLE = [  # (OpenRLHF 0.11 name, value, TrainSlice field, expected value)
+    ("max_norm", ["0.5"], "max_norm", 0.5),
+    ("adam.betas", ["0.8", "0.9"], "adam_betas", (0.8, 0.9)),
+    ("adam.eps", ["1e-6"], "adam_eps", 1e-6),
+    ("adam.weight_decay", ["0.01"], "weight_decay", 0.01),
+    ("lr_scheduler", ["linear"], "lr_scheduler", "linear"),
+    ("lr_warmup_ratio", ["0.2"], "lr_warmup_ratio", 0.2),
+    ("min_lr_ratio", ["0.3"], "min_lr_ratio", 0.3),
+]
+
+
+@pytest.mark.parametrize("role", ["actor", "critic"])
+@pytest.mark.parametrize("name, value, field, expected", PER_ROLE, ids=[p[0] for p in PER_ROLE])
+def test_a_per_role_optimizer_flag_reaches_its_role_only(capsys, no_training, role, name, value, field, expected):
+    from orlhf.config.resolve import resolve_demo
+    from orlhf.config.worker_config import worker_config
+
+    code, err = run(
+        ["train-ppo", "--device", "cpu", "--advantage_estimator", "gae", f"--{role}.{name}", *value], capsys
+    )
+    assert code == 0, err
+    (cfg,) = no_training
+    cfg = resolve_demo(cfg)
+    other = "critic" if role == "actor" else "actor"
+    mine, theirs = worker_config(cfg, role).train, worker_config(cfg, other).train
+    assert getattr(mine, field) == expected
+    assert getattr(theirs, field) == getattr(worker_config(resolve_demo(no_training_default(cfg)), other).train, field)
+
+
+def no_training_default(cfg):
+    """The same run without any per-role optimizer flag."""
+    import dataclasses
+
+    from orlhf.config.train_config import RoleOptimConfig
+
+    return dataclasses.replace(cfg, optim=RoleOptimConfig())
+
+
+def test_flat_optimizer_flags_keep_their_meaning_for_both_roles(capsys, no_training):
+    from orlhf.config.resolve import resolve_demo
+    from orlhf.config.worker_config import worker_config
+
+    argv = ["train-ppo", "--device", "cpu", "--advantage_estimator", "gae", "--max_norm", "0.7", "--l2", "0.1"]
+    code, err = run([*argv, "--critic.max_norm", "0.5"], capsys)
+    assert code == 0, err
+    cfg = resolve_demo(no_training[0])
+    actor, critic = worker_config(cfg, "actor").train, worker_config(cfg, "critic").train
+    assert (actor.max_norm, critic.max_norm) == (0.7, 0.5)  # --critic.max_norm alone changes the critic only
+    assert actor.weight_decay == critic.weight_decay == 0.1
+
+
+def test_a_bad_per_role_value_names_its_own_flag(capsys):
+    code, err = run(["train-ppo", "--device", "cpu", "--critic.max_norm", "-1"], capsys)
+    assert code == 2 and "--critic_max_norm must be > 0 (got -1.0)" in err and "--max_norm must" not in err
