@@ -140,6 +140,20 @@ UNSUPPORTED: dict[str, Unsupported] = {
 }
 
 
+# OpenRLHF v0.11's dotted names with no flat v0.10.1 spelling and no orlhf flag: what each does here.
+_MUON = "the Muon optimizer (orlhf trains with AdamW; DeepSpeed's Muon is not wired in yet)"
+_MUON_SETTING = NoEffect(1, "a Muon setting, read only with --actor.optim / --critic.optim muon, which orlhf refuses")
+DOTTED_ONLY: dict[str, "Unsupported | NoEffect"] = {
+    **{f"{role}.optim": Unsupported(1, ("adam",), _MUON) for role in ("actor", "critic")},
+    **{f"{role}.muon.{k}": _MUON_SETTING for role in ("actor", "critic") for k in ("lr", "momentum", "ns_steps")},
+    **{
+        f"{role}.muon.{k}": NoEffect(0, _MUON_SETTING.why)
+        for role in ("actor", "critic")
+        for k in ("nesterov", "no_nesterov")
+    },
+}
+
+
 class CompatError(ValueError):
     def __init__(self, problems: list[str]):
         self.problems = problems
@@ -186,6 +200,13 @@ def translate(argv: list[str], native_arity: dict[str, int]) -> list[str]:
         name, _, inline = tok[2:].partition("=")
         inline = inline if "=" in tok else None
         flat, dotted = _flat(name)
+        if dotted and flat in DOTTED_ONLY:
+            spec = DOTTED_ONLY[flat]
+            values, i = _take(argv, i, inline, spec.nargs)
+            if isinstance(spec, Unsupported) and (spec.default is None or not _same(values, spec.default)):
+                shown = f"--{name}" + "".join(f" {v}" for v in values)
+                problems.append(f"{shown}: orlhf does not support it yet ({spec.what})")
+            continue
         if dotted and "." in flat:
             problems.append(f"--{name} is one of OpenRLHF's newer names; orlhf has no equivalent of it yet")
             i += 1

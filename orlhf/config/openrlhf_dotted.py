@@ -65,6 +65,7 @@ DOTTED: dict[str, str] = {
     "rollout.max_tokens_per_gpu": "rollout_max_tokens_per_gpu",
     "train.max_tokens_per_gpu": "train_max_tokens_per_gpu",
     "ds.load_in_4bit": "load_in_4bit",
+    "ds.experts_implementation": "experts_implementation",
     "ds.lora.rank": "lora_rank",
     "ds.lora.alpha": "lora_alpha",
     "ds.lora.target_modules": "target_modules",

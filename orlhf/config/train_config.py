@@ -118,6 +118,11 @@ class DeepSpeedConfig:
     enable_sleep: bool = opt(
         False, "Offload DeepSpeed states during generation (hybrid mode).", flag="deepspeed_enable_sleep"
     )
+    experts_implementation: Optional[str] = opt(
+        None,
+        "MoE models: how transformers computes the experts (default: transformers' choice).",
+        choices=("eager", "batched_mm", "grouped_mm", "deepgemm"),
+    )
     packing_samples: bool = opt(
         False,
         "Pack each micro-batch's samples into one row without padding (flash-attn varlen on GPUs; a "

@@ -116,6 +116,7 @@ class WorkerConfig:
     # --use_dynamic_batch: forwards grouped by a real-token budget (orlhf/workers/batching.py budget_micro_batches);
     # 0: by count (--micro_rollout_batch_size)
     forward_max_tokens: int = 0
+    experts_implementation: Optional[str] = None  # MoE experts' kernels in transformers (--experts_implementation)
 
     @property
     def trainable(self) -> bool:
@@ -275,6 +276,7 @@ def _common_fields(cfg: TrainConfig, role: str, forward_budget: int) -> dict:
         cpu_threads=ds.train_cpu_threads,
         forward_max_tokens=forward_budget,
         shared_prompt=not ds.no_shared_prompt,
+        experts_implementation=ds.experts_implementation,
     )
 
 

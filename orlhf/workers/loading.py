@@ -68,6 +68,8 @@ def hf_load_kwargs(cfg: WorkerConfig) -> dict:
         "dtype": torch.bfloat16 if cfg.bf16 else torch.float32,
         "attn_implementation": "flash_attention_2" if cfg.flash_attn else "sdpa",
     }
+    if cfg.experts_implementation is not None:  # MoE families (transformers' from_pretrained kwarg)
+        kw["experts_implementation"] = cfg.experts_implementation
     lora = getattr(cfg, "lora", None)
     if lora is not None and lora.load_in_4bit:
         from transformers import BitsAndBytesConfig
