@@ -312,10 +312,14 @@ class LoggingConfig:
     save_steps: int = opt(-1, "Checkpoint every N steps (-1: never).")
     logging_steps: int = opt(1, "Log every N steps.")
     max_ckpt_num: int = opt(3, "Checkpoints to keep.")
-    load_checkpoint: bool = opt(False, "Resume from the newest complete checkpoint in --ckpt_path.")
+    load_checkpoint: bool = opt(
+        False, "Resume from the newest complete checkpoint in --ckpt_path; start fresh when there is none yet."
+    )
     save_hf_ckpt: bool = opt(False, "Also export HF-format model folders with checkpoints.")
     allow_no_checkpoint: bool = opt(
-        False, "With --load_checkpoint: start fresh when --ckpt_path holds no checkpoint (default: an error)."
+        False,
+        "Kept for older orlhf scripts: --load_checkpoint now starts fresh when --ckpt_path holds no checkpoint, as "
+        "in OpenRLHF.",
     )
     save_value_network: bool = opt(False, "Also save the final critic (value head included) in <save_path>/critic.")
     disable_ds_ckpt: bool = opt(

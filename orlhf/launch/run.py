@@ -290,11 +290,12 @@ def write_report(save_path: str) -> None:
 
 
 def find_checkpoint(cfg: TrainConfig, checkpoints):
-    """--load_checkpoint: the newest complete checkpoint (checked against these flags), or None to start fresh.
-    Without it, a --ckpt_path that already holds checkpoints is refused when this run would save there."""
+    """--load_checkpoint: the newest complete checkpoint (checked against these flags), or None to start fresh (there
+    is none yet: said in one line). Without it, a --ckpt_path that already holds checkpoints is refused when this
+    run would save there."""
     from orlhf.config.fingerprint import config_fingerprint
     from orlhf.storage.checkpoint import read_meta
-    from orlhf.storage.checkpoint_format import CheckpointError, check_compatible
+    from orlhf.storage.checkpoint_format import check_compatible
 
     checkpoints.cleanup_stale_tmp()
     saves = cfg.logging.save_steps > 0 or cfg.runtime.stop_after_steps is not None  # (it saves at the stop)
@@ -303,16 +304,8 @@ def find_checkpoint(cfg: TrainConfig, checkpoints):
             checkpoints.check_new_run()
         return None
     path = checkpoints.latest()
-    if path is None:
-        if not cfg.logging.allow_no_checkpoint:
-            raise CheckpointError(
-                f"--load_checkpoint: no complete checkpoint in {checkpoints.root} (--ckpt_path), so there is "
-                "nothing to resume. Check --ckpt_path (it defaults to <save_path>/checkpoints_ppo), or add "
-                "--allow_no_checkpoint to start fresh when there is none."
-            )
-        log.info(
-            "--load_checkpoint: no complete checkpoint in %s, starting fresh (--allow_no_checkpoint)", checkpoints.root
-        )
+    if path is None:  # OpenRLHF's meaning: its scripts always pass the flag, so the first run starts fresh
+        log.info("--load_checkpoint: no checkpoint in %s: starting fresh", checkpoints.root)
         if saves:
             checkpoints.check_new_run()
         return None

@@ -282,3 +282,24 @@ def test_an_edited_reward_file_refuses_the_resume_naming_it(tmp_path):
     (line,) = [x for x in str(err.value).splitlines() if x.startswith("  - ")]  # the only difference
     assert line.startswith("  - --remote_rm_url file contents: checkpoint 'sha256 ") and f"of {reward}'" in line
     assert "this run 'sha256 " in line
+
+
+def test_load_checkpoint_on_a_first_run_starts_fresh_in_one_line(tmp_path, caplog):
+    """OpenRLHF's meaning of --load_checkpoint: its scripts always pass it, so a first run (nothing saved yet) starts
+    fresh; the run says where it looked. A checkpoint there is still checked against the flags."""
+    import logging
+
+    from orlhf.config.flags import build_config
+    from orlhf.launch.run import find_checkpoint
+
+    flags = {"save_path": str(tmp_path / "run"), "load_checkpoint": True, "save_steps": 2}
+    cfg = build_config(flags, set(flags))
+    mgr = CheckpointManager(cfg.logging.checkpoint_dir, 3, run_id="r")
+    with caplog.at_level(logging.INFO, logger="orlhf"):
+        assert find_checkpoint(cfg, mgr) is None
+    assert f"--load_checkpoint: no checkpoint in {mgr.root}: starting fresh" in caplog.text
+    other = build_config({**flags, "seed": 7}, set(flags) | {"seed"})
+    tmp = mgr.begin(2)
+    mgr.commit(tmp, 2, {"fingerprint": json.loads(json.dumps(config_fingerprint(other)))})
+    with pytest.raises(CheckpointError, match="--seed: checkpoint 7, this run 42"):
+        find_checkpoint(cfg, mgr)  # written under other flags: refused, as before
