@@ -15,6 +15,7 @@ torch, ray, deepspeed or vllm: `orlhf --help` must stay fast, and validation run
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -23,6 +24,7 @@ from orlhf.config.option import opt
 from orlhf.config.ppo_config import LR_SCHEDULERS, PPOConfig
 
 SYNC_BACKENDS = ("nccl", "gloo")
+BEST_METRICS = ("reward_mean", "pass@1", "pass@k")
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -343,9 +345,34 @@ class EvalConfig:
     eval_n_samples_per_prompt: int = opt(4, "Samples per eval prompt (k of eval/pass@k).")
     best_metric_key: Optional[str] = opt(
         None,
-        "Keep the checkpoint with the best eval metric in <ckpt_path>/best (never rotated out).",
-        choices=("reward_mean", "pass@1", "pass@k"),
+        "Keep the checkpoint with the best eval metric in <ckpt_path>/best (never rotated out): reward_mean, "
+        "pass@1 or pass@k; OpenRLHF's names work too (eval_default_pass1, '' for its pass@1, none for off).",
+        metavar="METRIC",
     )
+
+    @property
+    def best_metric(self) -> Optional[str]:
+        """--best_metric_key as orlhf names it (reward_mean | pass@1 | pass@k), or None: no best checkpoint (not
+        given, `none`, or OpenRLHF's default '' without an --eval_dataset to pick a metric from). A key it cannot
+        read raises ValueError (validation reports it first)."""
+        key = self.best_metric_key
+        if key is None or key.strip().lower() == "none":
+            return None
+        if key.strip() == "":  # OpenRLHF's default: the first pass1 metric of the evaluation, if there is one
+            return "pass@1" if self.eval_dataset is not None else None
+        name = key.strip().removeprefix("eval/")
+        if name in BEST_METRICS:
+            return name
+        match = re.fullmatch(r"eval_.+_pass(\d+)", name)  # OpenRLHF's eval_<dataset>_pass<k>
+        if match and int(match.group(1)) == 1:
+            return "pass@1"
+        if match and int(match.group(1)) == self.eval_n_samples_per_prompt:
+            return "pass@k"
+        raise ValueError(
+            f"--best_metric_key {key}: not an evaluation metric of this run; use reward_mean, pass@1 or pass@k "
+            f"(k = --eval_n_samples_per_prompt {self.eval_n_samples_per_prompt}), OpenRLHF's eval_<dataset>_pass1 / "
+            f"eval_<dataset>_pass{self.eval_n_samples_per_prompt}, or none"
+        )
 
 
 @dataclass(frozen=True)

@@ -141,8 +141,13 @@ def evaluation(cfg: TrainConfig, out: list[str]) -> None:
         out.append(f"--eval_n_samples_per_prompt must be >= 1 (got {e.eval_n_samples_per_prompt}).")
     if e.eval_temperature < 0:
         out.append(f"--eval_temperature must be >= 0 (0: greedy; got {e.eval_temperature}).")
+    try:
+        e.best_metric
+    except ValueError as err:
+        out.append(f"{err}.")
     if e.eval_dataset is None:
-        for flag, given in (("--eval_steps", e.eval_steps != -1), ("--best_metric_key", e.best_metric_key)):
+        best = (e.best_metric_key or "").strip().lower() not in ("", "none")  # OpenRLHF's default / off: fine
+        for flag, given in (("--eval_steps", e.eval_steps != -1), ("--best_metric_key", best)):
             if given:
                 out.append(f"{flag} needs --eval_dataset (held-out prompts to evaluate on).")
     else:

@@ -328,7 +328,7 @@ def make_evaluator(cfg: TrainConfig, tokenizer):
         cfg.ppo.generate_max_len,
         cfg.ppo.seed,
         e.eval_steps,
-        e.best_metric_key,
+        e.best_metric,
     )
 
 

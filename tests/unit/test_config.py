@@ -625,6 +625,31 @@ def test_eval_rules(prompts):
     assert_fails(["--eval_dataset", "no such file"], eval_dataset="nowhere/at_all.jsonl")
 
 
+@pytest.mark.parametrize(
+    "key, metric",
+    [
+        ("pass@k", "pass@k"),
+        ("eval/reward_mean", "reward_mean"),
+        ("eval_default_pass1", "pass@1"),  # OpenRLHF's README form: eval_<dataset>_pass1
+        ("eval_math_pass2", "pass@k"),  # eval_<dataset>_pass<k>, k = --eval_n_samples_per_prompt
+        ("", "pass@1"),  # OpenRLHF's default: its first pass1 metric
+        ("none", None),  # OpenRLHF's off
+    ],
+)
+def test_best_metric_key_takes_openrlhf_values(prompts, key, metric):
+    cfg = build(eval_dataset=prompts, eval_n_samples_per_prompt=2, best_metric_key=key)
+    assert cfg.eval.best_metric == metric
+
+
+def test_best_metric_key_openrlhf_default_and_off_need_no_eval_dataset():
+    assert build(best_metric_key="").eval.best_metric is None
+    assert build(best_metric_key="none").eval.best_metric is None
+    assert_fails(
+        ["--best_metric_key eval_default_pass3: not an evaluation metric", "pass@1 or pass@k"],
+        best_metric_key="eval_default_pass3",
+    )
+
+
 def test_dynamic_batch_and_freezing_rules():
     assert_fails(["--train_max_tokens_per_gpu must be >= 1"], use_dynamic_batch=True, train_max_tokens_per_gpu=0)
     assert_fails(["--rollout_max_tokens_per_gpu must be >= 1"], rollout_max_tokens_per_gpu=-5)
