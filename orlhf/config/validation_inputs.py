@@ -142,7 +142,7 @@ def evaluation(cfg: TrainConfig, out: list[str]) -> None:
     if e.eval_temperature < 0:
         out.append(f"--eval_temperature must be >= 0 (0: greedy; got {e.eval_temperature}).")
     try:
-        e.best_metric
+        _ = e.best_metric  # raises on a key it cannot read
     except ValueError as err:
         out.append(f"{err}.")
     if e.eval_dataset is None:
