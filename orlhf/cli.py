@@ -345,10 +345,20 @@ def _plan(ctx: typer.Context, **flags: Any) -> None:
             "error: --nodes and --gpus_per_node describe a cluster together: give both or neither.", fg="red", err=True
         )
         raise typer.Exit(2)
-    cfg = parse_or_exit(ctx, flags)
-    from orlhf.launch.plan import ClusterArgs, run_plan
+    from orlhf.config.resolve import validated
+    from orlhf.launch.plan import ClusterArgs, resolve_cluster, run_plan
 
-    sys.exit(run_plan(cfg, ClusterArgs(**{name: flags[name] for name in PLAN_OPTIONS})))
+    args = ClusterArgs(**{name: flags[name] for name in PLAN_OPTIONS})
+    cluster: dict = {}
+
+    def build(values: dict, explicit: set) -> C.TrainConfig:
+        """As train-ppo: parse, the device resolved (here the planned cluster's), validated once."""
+        cfg = F.parse_config(values, explicit)
+        cluster["device"], cluster["nodes"], cluster["where"] = resolve_cluster(cfg, args)
+        return validated(cfg, explicit, cluster["device"])
+
+    cfg = parse_or_exit(ctx, flags, build)
+    sys.exit(run_plan(cfg, args, cluster["nodes"], cluster["where"]))
 
 
 with_train_flags(_plan)

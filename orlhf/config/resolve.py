@@ -29,11 +29,17 @@ def finish_config(flags: dict[str, Any], explicit: frozenset[str] | set[str] = f
 def finish(cfg: TrainConfig, explicit: frozenset[str] | set[str] = frozenset()) -> TrainConfig:
     """A parsed (not yet validated) config -> finished: device resolved, validated once, demo filled in.
     `explicit` (the flags the user gave) lets validation refuse a flag given without the one it needs."""
+    return resolve_demo(validated(cfg, explicit))
+
+
+def validated(cfg: TrainConfig, explicit: frozenset[str] | set[str] = frozenset(), device: Optional[str] = None):
+    """The device resolved (`device`: the one a plan describes, else --device / this machine), then every rule
+    checked against it: what train-ppo and `orlhf plan` both run, in this one order. Raises ConfigError."""
     from orlhf.config.validation import validate
 
-    cfg = resolve_device(cfg)
+    cfg = resolve_device(cfg, device)
     validate(cfg, explicit)
-    return resolve_demo(cfg)
+    return cfg
 
 
 def resolve_device(cfg: TrainConfig, device: Optional[str] = None) -> TrainConfig:

@@ -78,6 +78,15 @@ def resolve_cluster(cfg: TrainConfig, args: ClusterArgs) -> tuple[str, Optional[
     device = want if want != "auto" else _local_device()
     if device == "cpu":
         return device, None, "this machine (a local CPU Ray cluster sized for the layout)"
+    if not _local_device() == "cuda":
+        from orlhf.config.train_config import ConfigError
+
+        raise ConfigError(
+            [
+                "--device cuda: this machine has no CUDA GPU to plan on. Describe the cluster (--nodes N "
+                "--gpus_per_node G, and --gpu_memory_gb), or plan on a running one with --address."
+            ]
+        )
     return device, [_local_gpu_node(args)], "this machine"
 
 
@@ -130,10 +139,12 @@ def _local_cpu_node(layout: Layout, args: ClusterArgs) -> NodeSpec:
 # ---- Report ------------------------------------------------------------------------------------------------
 
 
-def run_plan(cfg: TrainConfig, args: ClusterArgs) -> int:
-    """Print the plan; 0 when it fits, 1 when something cannot be placed or will not fit."""
-    device, nodes, where = resolve_cluster(cfg, args)
-    cfg = resolve_device(cfg, device)  # the described / live cluster's device, not necessarily this machine's
+def run_plan(cfg: TrainConfig, args: ClusterArgs, nodes=None, where: Optional[str] = None) -> int:
+    """Print the plan; 0 when it fits, 1 when something cannot be placed or will not fit. `nodes`, `where`: the
+    cluster resolve_cluster found for `cfg` (the CLI resolves it before validating); looked up here when not given."""
+    if where is None:
+        device, nodes, where = resolve_cluster(cfg, args)
+        cfg = resolve_device(cfg, device)  # the described / live cluster's device, not necessarily this machine's
     layout = plan_layout(cfg)
     nodes = nodes if nodes is not None else [_local_cpu_node(layout, args)]
     try:

@@ -513,3 +513,19 @@ def test_plan_with_lora_places_no_reference_and_says_so(model70b, capsys):
     assert not any(ln.startswith("ref ") for ln in out.splitlines())
     code, out, err = plan([*argv, "--gpu_memory_gb", "141"], capsys)
     assert any(ln.startswith("ref ") for ln in out.splitlines())
+
+
+def test_plan_for_cuda_on_a_machine_without_one_says_what_to_do(capsys):
+    code, out, err = plan(["--device", "cuda"], capsys)
+    assert code == 2 and "Traceback" not in err
+    assert "--device cuda: this machine has no CUDA GPU to plan on. Describe the cluster (--nodes N" in err
+
+
+def test_plan_validates_as_train_ppo_does_against_the_planned_device(capsys):
+    """One validation, after the device is resolved: on this CPU machine the CUDA-only flags are refused as
+    train-ppo refuses them; for a described GPU cluster they are fine."""
+    flags = ["--vllm_sync_backend", "nccl", "--vllm_tensor_parallel_size", "2"]
+    code, out, err = plan(flags, capsys)
+    assert code == 2 and "--vllm_sync_backend nccl needs CUDA GPUs" in err and "--vllm_tensor_parallel_size" in err
+    code, out, err = plan([*flags, "--nodes", "1", "--gpus_per_node", "8", "--gpu_memory_gb", "80"], capsys)
+    assert code == 0, out + err
