@@ -445,6 +445,13 @@ class TrainConfig:
         return self.ppo.init_kl_coef > 0 or self.ppo.use_kl_loss
 
     @property
+    def engines_colocated(self) -> bool:
+        """The vLLM engines share the actor's devices: --colocate_all_models, except with --async_train, where they
+        keep devices of their own so generation overlaps training and only the DeepSpeed models share (OpenRLHF's
+        async mode does the same)."""
+        return self.placement.colocate_all_models and not self.ppo.async_train
+
+    @property
     def reference_from_actor(self) -> bool:
         """With LoRA the reference log-probs come from the actor's ranks (its base weights, adapter off) instead of a
         reference group: the same weights, without a second copy of the model."""
@@ -483,6 +490,6 @@ def engine_gpu_memory_utilization(cfg: "TrainConfig") -> float:
     """--vllm_gpu_memory_utilization as given, else the default for the placement (never a rewrite)."""
     if cfg.vllm.gpu_memory_utilization is not None:
         return cfg.vllm.gpu_memory_utilization
-    if cfg.placement.colocate_all_models:
+    if cfg.engines_colocated:
         return GPU_MEMORY_UTILIZATION_COLOCATED
     return GPU_MEMORY_UTILIZATION_OWN

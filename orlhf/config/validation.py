@@ -190,6 +190,8 @@ def _colocation(cfg: TrainConfig, out: list[str]) -> None:
                 )
         v = cfg.vllm
         actor_gpus = p.world_size("actor")
+        if not cfg.engines_colocated:  # --async_train: the engines keep devices of their own, nothing to match
+            return
         if actor_gpus != v.num_engines * v.tensor_parallel_size:
             out.append(
                 f"--colocate_all_models needs actor GPUs == vllm_num_engines x vllm_tensor_parallel_size "
@@ -202,11 +204,6 @@ def _colocation(cfg: TrainConfig, out: list[str]) -> None:
                 f"--actor_num_gpus_per_node {p.actor_num_gpus_per_node} under --colocate_all_models, so "
                 "each engine sits on one node."
             )
-        if cfg.ppo.async_train:
-            out.append(
-                "--async_train overlaps generation with training, which needs separate devices: it cannot "
-                "run with --colocate_all_models. Drop one of them."
-            )
 
 
 def _vllm(cfg: TrainConfig, out: list[str]) -> None:
@@ -216,6 +213,11 @@ def _vllm(cfg: TrainConfig, out: list[str]) -> None:
         )
     if cfg.vllm.enable_sleep and cfg.ppo.async_train:
         out.append("--vllm_enable_sleep cannot be used with --async_train (the engines generate while training).")
+    if cfg.deepspeed.enable_sleep and cfg.placement.colocate_all_models and cfg.ppo.async_train:
+        out.append(
+            "--deepspeed_enable_sleep frees trainer memory for engines on shared GPUs, but under --async_train the "
+            "engines keep devices of their own (only the DeepSpeed models are colocated): drop it."
+        )
     if cfg.deepspeed.enable_sleep and not cfg.placement.colocate_all_models:
         out.append(
             "--deepspeed_enable_sleep offloads trainer states so engines can use shared GPUs: it needs "

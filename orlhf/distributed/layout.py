@@ -101,7 +101,7 @@ def _pool_members(cfg: TrainConfig, roles: list[str]) -> list[list[str]]:
     """Occupants of each model pool, lead role first (the lead's flags give the pool's shape)."""
     p = cfg.placement
     if p.colocate_all_models:
-        return [roles + [ENGINE]]
+        return [roles + ([ENGINE] if cfg.engines_colocated else [])]
     host = {
         name: spec.colocate_with
         for name, spec in ROLES.items()
@@ -150,7 +150,7 @@ def plan_layout(cfg: TrainConfig) -> Layout:
         for role in members:
             if role in guests:
                 roles[role] = roles[guests[role]]
-    if p.colocate_all_models:
+    if cfg.engines_colocated:
         shared = pools[0]
         sharing = [o for o in shared.occupants if o not in guests]
         engines = tuple(

@@ -138,6 +138,11 @@ def log_skipped_forwards(cfg: TrainConfig) -> None:
             "no reference model: --init_kl_coef 0 without --use_kl_loss puts no KL anywhere%s",
             " (--colocate_actor_ref has nothing to colocate)" if cfg.placement.colocate_actor_ref else "",
         )
+    if cfg.placement.colocate_all_models and not cfg.engines_colocated:
+        log.warning(
+            "--async_train with --colocate_all_models: the DeepSpeed models share the actor's devices, and the vLLM "
+            "engines keep devices of their own, so generation overlaps training (as OpenRLHF's async mode does)"
+        )
     if cfg.single_pass:
         log.info(
             "no old-log-prob forward: one optimizer step per batch (--max_epochs 1), so the PPO ratio is 1 and "
@@ -170,7 +175,7 @@ def start_plan(cfg: TrainConfig) -> tuple[str, ...]:
     with --vllm_enable_sleep, they sleep (weights and KV cache freed) before the trainers allocate: OpenRLHF's
     order. The controller's SleepSwitch starts from that asleep state.
     """
-    if cfg.placement.colocate_all_models and cfg.device == "cuda":
+    if cfg.engines_colocated and cfg.device == "cuda":
         return (
             ("start_engines", "wait_engines")
             + (("sleep_engines",) if cfg.vllm.enable_sleep else ())

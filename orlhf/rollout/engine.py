@@ -75,7 +75,7 @@ def engine_config(cfg) -> EngineConfig:
         kv_cache_gb=v.cpu_kv_cache_gb,
         cpu_threads=v.cpu_threads,
         enable_sleep=v.enable_sleep and device == "cuda",
-        cuda_ipc=cfg.placement.colocate_all_models and device == "cuda",
+        cuda_ipc=cfg.engines_colocated and device == "cuda",
         logprobs_mode=engine_logprobs_mode(cfg.ppo.temperature),
     )
 

