@@ -4,6 +4,9 @@
                       -> queue.put(batch i)
     controller:       queue.get() -> release a slot -> score, train -> sync (takes the lock)
 
+`fill` (optional, --dynamic_filtering): builds each step's batch instead of one generation
+(trainer/dynamic_filtering.py: generate, score, keep the prompts whose samples disagree, refill), under the lock,
+so queued batches are full ones.
 `ahead` (optional): called with each batch's prompts and rollouts as soon as it is generated, outside the lock;
 what it returns travels with the batch. The controller starts the frozen models' forwards there (reference,
 reward model: Scorer.ahead, orlhf/trainer/scoring.py), so they run while the trainers still work on the batch before.
@@ -38,8 +41,9 @@ class RolloutProducer:
         loader,
         queue_size: int,
         ahead: Optional[Callable[[list, list], Any]] = None,
+        fill: Optional[Callable[[Iterator[list], int], Any]] = None,
     ):
-        self.generate, self.loader, self.ahead = generate, loader, ahead
+        self.generate, self.loader, self.ahead, self.fill = generate, loader, ahead, fill
         self.lock = threading.Lock()  # held while generating and while syncing weights
         self._slots = threading.Semaphore(queue_size)
         self._queue: queue.Queue = queue.Queue()
@@ -60,8 +64,9 @@ class RolloutProducer:
                 "rollout producer still in a generation after %.0f s; leaving it to end with the engines", STOP_WAIT_S
             )
 
-    def __iter__(self) -> Iterator[tuple[list, list, float, Any]]:
-        """(prompts, rollouts, generation seconds, ahead's result or None) per batch, in loader order."""
+    def __iter__(self) -> Iterator[tuple[list, list, float, Any, Any]]:
+        """(prompts, rollouts, generation seconds, ahead's result or None, the filled batch or None) per batch, in
+        loader order."""
         while True:
             item = self._queue.get()
             if item is _DONE:
@@ -73,18 +78,37 @@ class RolloutProducer:
 
     def _run(self) -> None:
         try:
-            for i, prompts in enumerate(self.loader, start=self._first_index):
+            for i, batch in enumerate(self._batches(), start=self._first_index):
                 self._slots.acquire()
                 if self._stop.is_set():
                     return
                 with self.lock:
                     t0 = time.perf_counter()
-                    rollouts = self.generate(prompts, i)
+                    prompts, rollouts, filled = self._make(batch, i)
                     seconds = time.perf_counter() - t0
-                if self._stop.is_set():
-                    return
+                if self._stop.is_set() or prompts is None:
+                    break
                 early = self.ahead(prompts, rollouts) if self.ahead is not None else None
-                self._queue.put((prompts, rollouts, seconds, early))
+                self._queue.put((prompts, rollouts, seconds, early, filled))
             self._queue.put(_DONE)
         except BaseException as e:  # surfaced in the controller's thread
             self._queue.put(e)
+
+    def _batches(self) -> Iterator:
+        """The loader's prompt batches; with `fill` (--dynamic_filtering), one shared iterator per step, from which
+        the filter reads as many batches as that step needs."""
+        if self.fill is None:
+            yield from self.loader
+            return
+        source = iter(self.loader)
+        while True:
+            yield source
+
+    def _make(self, batch, i: int) -> tuple:
+        """(prompts, rollouts, filled batch or None) for step i; (None, None, None) when the filter ran out."""
+        if self.fill is None:
+            return batch, self.generate(batch, i), None
+        filled = self.fill(batch, i)
+        if filled is None:
+            return None, None, None
+        return filled.prompts, filled.rollouts, filled

@@ -181,15 +181,21 @@ class Controller:
         """
         from orlhf.trainer.async_producer import RolloutProducer
 
-        producer = RolloutProducer(self.generate, self.loader, self.cfg.ppo.async_queue_size, self.scorer.ahead)
+        fill = self.filter.fill if self.filter is not None else None  # --dynamic_filtering: full batches queued
+        producer = RolloutProducer(
+            self.generate, self.loader, self.cfg.ppo.async_queue_size, self.scorer.ahead, fill=fill
+        )
         self._sync_lock = producer.lock
         with producer, self.progress() as report:
-            for prompts, rollouts, gen_seconds, ahead in producer:
+            for prompts, rollouts, gen_seconds, ahead, filled in producer:
                 if self.should_stop():
                     self.save_at_stop()
                     break
                 self.timings = {"generate": gen_seconds}
-                report(self.learn(prompts, rollouts, ahead=ahead))
+                if filled is None:
+                    report(self.learn(prompts, rollouts, ahead=ahead))
+                else:
+                    report({**self.learn(prompts, rollouts, filled.reward, ahead=ahead), **filled.info})
         return self.history
 
     def learn(

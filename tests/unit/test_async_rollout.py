@@ -34,7 +34,7 @@ class FakeTrainer:
         producer = RolloutProducer(self.generate, [[i] for i in range(batches)], queue_size)
         seen = []
         with producer:
-            for prompts, rollouts, _seconds, _ in producer:
+            for prompts, rollouts, _seconds, _, _filled in producer:
                 seen.append(prompts[0])
                 time.sleep(train_s)  # training overlaps the next generation
                 staleness.append(self.version - rollouts[0].weight_version)
@@ -105,3 +105,24 @@ def test_an_error_or_ctrl_c_mid_generation_stops_within_seconds(error, monkeypat
                 raise error
     assert time.monotonic() - t0 < STOP_WAIT_S + 2
     release.set()  # let the abandoned daemon thread end: its result is dropped, never queued
+
+
+def test_with_a_filter_the_queue_holds_full_batches_and_ends_when_the_filter_runs_out():
+    """--async_train --dynamic_filtering: the producer fills each step's batch through the filter (here: keeps the
+    even prompts, refilling from the loader) and queues only full batches; the run ends when the data runs out."""
+    from types import SimpleNamespace
+
+    def fill(batches, step):
+        kept = []
+        for batch in batches:
+            kept += [p for p in batch if p % 2 == 0]
+            if len(kept) >= 2:
+                return SimpleNamespace(prompts=kept[:2], rollouts=[f"r{p}" for p in kept[:2]], step=step)
+        return None
+
+    loader = [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
+    got = []
+    with RolloutProducer(lambda p, i: None, loader, 1, fill=fill) as producer:
+        for prompts, rollouts, _seconds, _ahead, filled in producer:
+            got.append((prompts, rollouts, filled.step))
+    assert got == [([0, 2], ["r0", "r2"], 0), ([4, 6], ["r4", "r6"], 1)]  # 8 alone cannot fill a third batch
