@@ -7,8 +7,15 @@ With log r = log pi(a|s) - log pi_ref(a|s) for a token a sampled from pi:
 Sign convention: positive log r means the policy is more confident than the reference on that token.
 
 Every estimate is clamped to [-10, 10] after it is computed, as OpenRLHF's compute_approx_kl: at log r = -5, k3
-is exp(5) - 1 - 5 = 142.4 unclamped and 10 here, so one wild token cannot dominate a shaped reward. exp may
-overflow to inf for log r < -88 (float32); the clamp turns that into 10 as well.
+is exp(5) - 1 - 5 = 142.4 unclamped and 10 here, so one wild token cannot dominate a shaped reward. k3 reads log r
+bounded below at -10 (where it is past the cap already), as OpenRLHF 0.11.2: exp(-log r) cannot overflow, so the
+KL loss's gradient there is 0, not 0 * inf = NaN.
+
+Unbiased gradient (--kl_unbiased_gradient, OpenRLHF 0.11.2's --algo.kl.unbiased_gradient; KL as a loss only): the
+value stays the estimator's, the gradient becomes w * log r * grad log pi with w = pi / pi_old (detached, at most
+10), the importance-weighted score-function gradient of KL(pi || ref) on tokens sampled from pi_old. It is the
+gradient of w * (log r)^2 / 2 (k2's pathwise gradient, reweighted), added as a straight-through term, so
+k1/k2/k3 share it and differ only in the value. Unlike the estimate, the gradient is not clamped.
 
 The KL controllers below own the coefficient of the KL penalty in the shaped reward: fixed, or adaptive towards
 a target KL (make_kl_controller picks). Both save and restore through state_dict() for checkpoint resume.
@@ -16,13 +23,22 @@ a target KL (make_kl_controller picks). Both save and restore through state_dict
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 KL_CLAMP = 10.0  # bound on the estimate, not on log r (OpenRLHF's)
+KL_IS_WEIGHT_CLIP = 10.0  # largest pi / pi_old weight of the unbiased gradient (OpenRLHF 0.11.2's)
 
 
-def approx_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
+def approx_kl(
+    log_probs: torch.Tensor,  # (B, A) log pi, with grad when KL is a loss
+    ref_log_probs: torch.Tensor,  # (B, A) log pi_ref
+    estimator: str = "k1",
+    old_log_probs: Optional[torch.Tensor] = None,  # (B, A) log pi_old: the unbiased gradient's weight (None: w = 1)
+    unbiased_gradient: bool = False,
+) -> torch.Tensor:
     """Per-token KL estimate, (B, A) float32. Padding positions are not masked here: mask downstream."""
     log_ratio = log_probs.float() - ref_log_probs.float()
     if estimator == "k1":
@@ -30,10 +46,19 @@ def approx_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: s
     elif estimator == "k2":
         kl = log_ratio.square() / 2
     elif estimator == "k3":
-        kl = torch.exp(-log_ratio) - 1 + log_ratio
+        bounded = log_ratio.clamp(min=-KL_CLAMP)
+        kl = torch.exp(-bounded) - 1 + bounded
     else:
         raise ValueError(f"unknown KL estimator {estimator!r}; expected one of {KL_ESTIMATORS}")
-    return kl.clamp(-KL_CLAMP, KL_CLAMP)
+    kl = kl.clamp(-KL_CLAMP, KL_CLAMP)
+    if not unbiased_gradient:
+        return kl
+    w = 1.0
+    if old_log_probs is not None:
+        w = (log_probs.float() - old_log_probs.float()).exp().clamp(max=KL_IS_WEIGHT_CLIP).detach()
+    surrogate = w * log_ratio.square() / 2
+    # The value is kl's exactly (s - s.detach() is 0), the gradient is surrogate's.
+    return kl.detach() + (surrogate - surrogate.detach())
 
 
 # --- KL coefficient controllers -------------------------------------------------------------------------------

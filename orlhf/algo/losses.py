@@ -6,10 +6,13 @@
                     2507.18071: the geometric mean of the token ratios), broadcast to its tokens
                     loss_t = -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)
                     dual clip (c > 1, Ye et al. 2020), only where A < 0: loss_t = min(loss_t, -c * A)
-    IS correction (--enable_vllm_is_correction, ppo): w = exp(log pi_old - log pi_engine), no gradient
-                    tis           loss_t *= clamp(w, low, high)
-                    icepop        loss_t *= w if low <= w <= high else 0
-                    seq-mask-tis  loss_t *= w if low <= exp(mean_t log w) <= high (per sequence) else 0
+    IS correction (ppo; algo/is_correction.py): w = exp(log pi_old - log pi_engine), no gradient; a statistic s per
+                    unit (a token, or a sequence: the masked mean) is gated to [low, high]
+                    s = w (ratio; per sequence exp(mean_t log w)), or with p = pi_engine(a), q = pi_old(a) of the
+                    sampled token, both clamped to [1e-6, 1 - 1e-6]:
+                        binary_kl  p log(p / q) + (1 - p) log((1 - p) / (1 - q))      tv  |p - q|
+                    mask          loss_t *= w if low <= s <= high else 0     (icepop: token ratio; seq-mask-tis: seq)
+                    clip          loss_t *= clamp(w, low, high)              (tis; token level, ratio gating only)
                     (gspo uses the engine log-probs in its sequence ratio instead: log pi - log pi_engine)
     value:          v_clip = v_old + clip(v - v_old, -eps_v, eps_v)
                     loss_t = 0.5 * max((v - R)^2, (v_clip - R)^2);   eps_v None -> 0.5 * (v - R)^2
@@ -28,10 +31,13 @@ from typing import Optional
 
 import torch
 
+from orlhf.algo.is_correction import IS_CORRECTION_TYPES as IS_CORRECTION_TYPES  # re-exported for the config test
+from orlhf.algo.is_correction import IsCorrection
+
 LOSS_AGG_MODES = ("token_mean", "seq_mean")
 POLICY_LOSS_TYPES = ("ppo", "gspo")
-IS_CORRECTION_TYPES = ("tis", "icepop", "seq-mask-tis")
 LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 4.9e8: finite in float32; OpenRLHF's bound before exp
+PROB_CLAMP = 1e-6  # the divergence gates' probabilities lie in [1e-6, 1 - 1e-6]: binary_kl's logs stay finite
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
@@ -91,7 +97,7 @@ class PolicyLossTerms:
     clipped_low: torch.Tensor  # (B, A) bool: A < 0 and ratio < 1 - eps_low, the clipped branch taken
     clipped_high: torch.Tensor  # (B, A) bool: A > 0 and ratio > 1 + eps_high, the clipped branch taken
     dual_clipped: torch.Tensor  # (B, A) bool: the dual clip's bound taken (A < 0, ratio > c)
-    is_cut: Optional[torch.Tensor] = None  # (B, A) bool: IS weight truncated (tis) or token masked out
+    is_cut: Optional[torch.Tensor] = None  # (B, A) bool: IS weight clipped, or the token's unit masked out
 
 
 def policy_loss_terms(
@@ -104,19 +110,18 @@ def policy_loss_terms(
     dual_clip: Optional[float] = None,
     loss_type: str = "ppo",
     rollout_log_probs: Optional[torch.Tensor] = None,  # (B, A) the engine's log-probs, for IS correction
-    is_type: Optional[str] = None,  # None: no IS correction; else one of IS_CORRECTION_TYPES
-    is_threshold: tuple[float, float] = (0.5, 5.0),
+    is_correction: Optional[IsCorrection] = None,  # None: no IS correction
 ) -> PolicyLossTerms:
     """Per-token clipped surrogate loss (to minimize), with the variants of the module docstring."""
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
-    if is_type is not None and rollout_log_probs is None:
+    if is_correction is not None and rollout_log_probs is None:
         raise ValueError("IS correction needs the engine's log-probs (Experience.rollout_log_probs)")
     mask = action_mask.bool()
     if loss_type == "ppo":
         ratio = (log_probs - old_log_probs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
     elif loss_type == "gspo":
-        base = rollout_log_probs if is_type is not None else old_log_probs
+        base = rollout_log_probs if is_correction is not None else old_log_probs
         seq_log_ratio = masked_mean(log_probs - base, mask, dim=-1).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         ratio = seq_log_ratio.exp().unsqueeze(-1) * mask  # (B, A): the sequence's ratio on each of its tokens
     else:
@@ -133,26 +138,40 @@ def policy_loss_terms(
         objective = torch.where(advantages < 0, torch.max(objective, bound), objective)
     loss = -objective
     is_cut = None
-    if is_type is not None and loss_type == "ppo":
-        loss, is_cut = _is_correct(loss, old_log_probs, rollout_log_probs, mask, is_type, is_threshold)
+    if is_correction is not None and loss_type == "ppo":
+        loss, is_cut = _is_correct(loss, old_log_probs, rollout_log_probs, mask, is_correction)
     return PolicyLossTerms(loss, clipped & (advantages < 0), clipped & (advantages > 0), dual, is_cut)
 
 
-def _is_correct(loss, old_log_probs, rollout_log_probs, mask, is_type, threshold):
-    """Weight each token's loss by the trainer/engine probability ratio (module docstring); no gradient."""
-    low, high = threshold
-    log_w = (old_log_probs - rollout_log_probs).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    w = log_w.exp()
-    inside = (w >= low) & (w <= high)
-    if is_type == "tis":
-        return loss * w.clamp(low, high), ~inside & mask
-    if is_type == "icepop":
-        return loss * w * inside, ~inside & mask
-    if is_type == "seq-mask-tis":
-        seq_w = masked_mean(log_w, mask, dim=-1).exp()  # (B,) geometric mean of the token weights
-        keep = ((seq_w >= low) & (seq_w <= high)).unsqueeze(-1)  # (B, 1)
-        return loss * w * keep, ~keep & mask
-    raise ValueError(f"unknown IS correction {is_type!r}; expected one of {IS_CORRECTION_TYPES}")
+def _is_correct(loss, old_log_probs, rollout_log_probs, mask, spec: IsCorrection):
+    """Weight each token's loss by the gated trainer/engine ratio (module docstring); no gradient.
+    Returns the weighted (B, A) loss and (B, A) bool: where the weight was clipped or the token's unit masked."""
+    low, high = spec.threshold
+    log_w = (old_log_probs - rollout_log_probs).detach()  # (B, A) log(pi_old / pi_engine)
+    w = log_w.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+    seq = spec.level == "seq"
+    if spec.gating == "ratio":
+        stat = masked_mean(log_w, mask, dim=-1).unsqueeze(-1) if seq else log_w  # (B, 1) or (B, A)
+        stat = stat.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+    else:
+        stat = token_divergence(old_log_probs.detach(), rollout_log_probs.detach(), spec.gating)
+        stat = masked_mean(stat, mask, dim=-1).unsqueeze(-1) if seq else stat
+    if spec.mode == "clip":
+        return loss * stat.clamp(low, high), ((stat < low) | (stat > high)) & mask
+    keep = (stat >= low) & (stat <= high)
+    return loss * torch.where(keep, w, torch.zeros_like(w)), ~keep & mask
+
+
+def token_divergence(train_log_probs: torch.Tensor, engine_log_probs: torch.Tensor, kind: str) -> torch.Tensor:
+    """(B, A) divergence between the engine's and the trainer's probability of each sampled token, each read as a
+    two-outcome distribution (the token, or not): binary_kl = KL(engine || trainer), or tv = |p - q|."""
+    p = engine_log_probs.exp().clamp(PROB_CLAMP, 1 - PROB_CLAMP)
+    q = train_log_probs.exp().clamp(PROB_CLAMP, 1 - PROB_CLAMP)
+    if kind == "binary_kl":
+        return p * (p / q).log() + (1 - p) * ((1 - p) / (1 - q)).log()
+    if kind == "tv":
+        return (p - q).abs()
+    raise ValueError(f"unknown divergence {kind!r}; expected binary_kl or tv")
 
 
 def policy_loss(

@@ -158,4 +158,11 @@ DOTTED: dict[str, str] = {
     "critic.min_lr_ratio": "critic_min_lr_ratio",
     "actor.max_norm": "actor_max_norm",
     "critic.max_norm": "critic_max_norm",
+    # OpenRLHF 0.11.2's loss options (config/ppo_config.py). The 0.11.0 names is_correction_enable / _type above stay;
+    # is_correction_threshold keeps its mapping, LOW HIGH (0.11.2's single HIGH: give 0 HIGH).
+    "algo.advantage.is_correction_level": "is_correction_level",
+    "algo.advantage.is_correction_mode": "is_correction_mode",
+    "algo.advantage.is_correction_gating": "is_correction_gating",
+    "actor.loss_agg_mode": "actor_loss_agg_mode",
+    "algo.kl.unbiased_gradient": "kl_unbiased_gradient",
 }

@@ -10,13 +10,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from orlhf.algo.is_correction import DEFAULTS as IS_DEFAULTS
+from orlhf.algo.is_correction import IS_GATINGS, IS_LEVELS, IS_MODES, NAMED
 from orlhf.algo.registry import ESTIMATORS
 from orlhf.config.option import opt
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 LOSS_AGG_MODES = ("token_mean", "seq_mean")
+# OpenRLHF 0.11.2's --actor.loss_agg_mode spellings, read as orlhf's
+OPENRLHF_AGG_MODES = {"token-mean": "token_mean", "seq-mean-token-mean": "seq_mean"}
 POLICY_LOSS_TYPES = ("ppo", "gspo")
-IS_CORRECTION_TYPES = ("tis", "icepop", "seq-mask-tis")
+IS_CORRECTION_TYPES = tuple(NAMED)  # --vllm_is_correction_type (v0.10.1 / v0.11.0)
 LR_SCHEDULERS = ("cosine_with_min_lr", "cosine", "linear", "constant", "constant_with_warmup")
 
 
@@ -43,6 +47,12 @@ class PPOConfig:
     kl_horizon: int = opt(10000, "Horizon of the adaptive KL controller.")
     kl_estimator: str = opt("k1", "KL estimator.", choices=KL_ESTIMATORS)
     use_kl_loss: bool = opt(False, "KL as a loss term instead of a reward penalty.")
+    kl_unbiased_gradient: bool = opt(
+        False,
+        "With --use_kl_loss: keep the estimator's value, backpropagate the unbiased KL gradient "
+        "w * log(pi / pi_ref) * grad log pi, w = pi / pi_old at most 10 (OpenRLHF 0.11.2's "
+        "--algo.kl.unbiased_gradient); k1, k2 and k3 then share one gradient.",
+    )
     advantage_estimator: str = opt("gae", "Advantage estimator.", choices=tuple(ESTIMATORS))
     n_samples_per_prompt: int = opt(1, "Responses sampled per prompt.")
     gamma: float = opt(1.0, "Discount factor.")
@@ -71,9 +81,17 @@ class PPOConfig:
     # ---- losses and their variants (OpenRLHF v0.10-0.11, DAPO, GSPO) ----
     loss_agg_mode: Optional[str] = opt(
         None,
-        "Loss aggregation over an optimizer step: token_mean (each token weighs the same) or seq_mean (each "
-        "sequence's token mean does). Default: seq_mean with --policy_loss_type gspo (as OpenRLHF), else token_mean.",
+        "Loss aggregation over an optimizer step, of the actor's and the critic's losses: token_mean (each token "
+        "weighs the same) or seq_mean (each sequence's token mean does). Default: seq_mean with --policy_loss_type "
+        "gspo (as OpenRLHF), else token_mean.",
         choices=LOSS_AGG_MODES,
+    )
+    actor_loss_agg_mode: Optional[str] = opt(
+        None,
+        "Aggregation of the actor's policy loss alone (OpenRLHF 0.11.2's --actor.loss_agg_mode, whose token-mean / "
+        "seq-mean-token-mean mean token_mean / seq_mean); the KL-loss and entropy terms keep --loss_agg_mode. "
+        "Default: --loss_agg_mode.",
+        choices=LOSS_AGG_MODES + tuple(OPENRLHF_AGG_MODES),
     )
     eps_clip_low_high: Optional[tuple[float, float]] = opt(
         None,
@@ -95,7 +113,28 @@ class PPOConfig:
         choices=IS_CORRECTION_TYPES,
     )
     vllm_is_truncated_threshold: tuple[float, float] = opt(
-        (0.5, 5.0), "IS-correction thresholds LOW HIGH on pi_trainer / pi_engine.", metavar="LOW HIGH"
+        (0.5, 5.0),
+        "IS-correction thresholds LOW HIGH on the gated statistic (pi_trainer / pi_engine, or a divergence: 0 HIGH).",
+        metavar="LOW HIGH",
+    )
+    is_correction_level: Optional[str] = opt(
+        None,
+        "IS correction as OpenRLHF 0.11.2 (--algo.advantage.is_correction_level): off, token (each token is gated) or "
+        "seq (each sequence's mean statistic is; mask mode only). Default: off, or what --enable_vllm_is_correction "
+        "with --vllm_is_correction_type asks for (tis = token clip, icepop = token mask, seq-mask-tis = seq mask).",
+        choices=IS_LEVELS,
+    )
+    is_correction_mode: Optional[str] = opt(
+        None,
+        "mask: a unit outside the thresholds gets weight 0, one inside keeps its tokens' pi_trainer / pi_engine; "
+        "clip: each token's weight is clamped to the thresholds (token level, ratio gating). Default: mask.",
+        choices=IS_MODES,
+    )
+    is_correction_gating: Optional[str] = opt(
+        None,
+        "The gated statistic: ratio (pi_trainer / pi_engine), or binary_kl / tv, a divergence between the engine's "
+        "and the trainer's probability of the sampled token (a trust region: thresholds 0 HIGH). Default: ratio.",
+        choices=IS_GATINGS,
     )
     dynamic_filtering: bool = opt(
         False,
@@ -128,3 +167,21 @@ class PPOConfig:
         choices=LR_SCHEDULERS,
         metavar="NAME",
     )
+
+    def is_correction_choice(self) -> tuple[str, str, str]:
+        """The IS correction's (level, mode, gating), algo/is_correction.py: --vllm_is_correction_type's scheme
+        under --enable_vllm_is_correction, else the --is_correction_* flags with OpenRLHF 0.11.2's defaults (off,
+        mask, ratio). Validation refuses the two spellings asking for different corrections."""
+        if self.enable_vllm_is_correction:
+            return NAMED[self.vllm_is_correction_type]
+        return self.is_correction_given()
+
+    def is_correction_given(self) -> tuple[str, str, str]:
+        """What the --is_correction_* flags alone ask for, 0.11.2's defaults where one is not given."""
+        given = (self.is_correction_level, self.is_correction_mode, self.is_correction_gating)
+        return tuple(g if g is not None else d for g, d in zip(given, IS_DEFAULTS))
+
+    @property
+    def is_correction_enabled(self) -> bool:
+        """An IS correction is on (either spelling): the actor needs the engines' log-probs."""
+        return self.is_correction_choice()[0] != "off"

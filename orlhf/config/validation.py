@@ -35,6 +35,7 @@ def validate(cfg: TrainConfig, explicit: Collection[str] = frozenset()) -> None:
         _device,
         inputs.prompt_mix_and_heads,
         algo.losses,
+        algo.is_correction_and_kl_gradient,
         algo.sampling,
         inputs.evaluation,
         algo.dynamic_batch_and_freezing,

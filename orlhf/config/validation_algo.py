@@ -6,6 +6,7 @@ Each rule appends one message per problem to `out`, naming the flags and the fix
 
 from __future__ import annotations
 
+from orlhf.algo.is_correction import NAMED, refused
 from orlhf.algo.registry import ESTIMATORS
 from orlhf.algo.registry import names as estimator_names
 from orlhf.config.train_config import TrainConfig
@@ -77,6 +78,62 @@ def losses(cfg: TrainConfig, out: list[str]) -> None:
             f"--advantage_estimator {est} is not whitened, so it would do nothing"
             + (f" (for {est} without the /std use --advantage_estimator {spec.std_free})." if spec.std_free else ".")
         )
+
+
+def is_correction_and_kl_gradient(cfg: TrainConfig, out: list[str]) -> None:
+    """OpenRLHF 0.11.2's IS-correction flags (algo/is_correction.py): agreeing with the v0.10.1 spelling when both
+    are given, only the combinations 0.11.2 accepts, none that would do nothing; and the unbiased KL gradient."""
+    ppo = cfg.ppo
+    _is_correction(ppo, out)
+    if ppo.kl_unbiased_gradient and not ppo.use_kl_loss:
+        out.append(
+            "--kl_unbiased_gradient changes the gradient of the KL loss, but without --use_kl_loss the KL is a "
+            "reward penalty (no gradient of its own): add --use_kl_loss or drop --kl_unbiased_gradient."
+        )
+
+
+def _is_correction(ppo, out: list[str]) -> None:
+    new = {"level": ppo.is_correction_level, "mode": ppo.is_correction_mode, "gating": ppo.is_correction_gating}
+    given = {k: v for k, v in new.items() if v is not None}
+    level, mode, gating = ppo.is_correction_choice()
+    if ppo.enable_vllm_is_correction and given and ppo.is_correction_given() != NAMED[ppo.vllm_is_correction_type]:
+        named = dict(zip(("level", "mode", "gating"), NAMED[ppo.vllm_is_correction_type]))
+        shown = " ".join(f"--is_correction_{k} {v}" for k, v in given.items())
+        out.append(
+            f"--enable_vllm_is_correction --vllm_is_correction_type {ppo.vllm_is_correction_type} and {shown} ask "
+            f"for different IS corrections (unset --is_correction_* flags mean OpenRLHF 0.11.2's off / mask / ratio). "
+            "Give one spelling: --vllm_is_correction_type "
+            f"{ppo.vllm_is_correction_type} is " + " ".join(f"--is_correction_{k} {v}" for k, v in named.items()) + "."
+        )
+        return
+    problem = refused(level, mode, gating, ppo.vllm_is_truncated_threshold)
+    if problem and mode == "clip":
+        out.append(
+            f"--is_correction_mode clip clamps each token's ratio: it needs --is_correction_level token and "
+            f"--is_correction_gating ratio (got {level}, {gating}); a sequence's mean or a divergence can only "
+            "mask: use --is_correction_mode mask."
+        )
+    elif problem:
+        lo, hi = _pair(ppo.vllm_is_truncated_threshold)
+        out.append(
+            f"--is_correction_gating {gating} bounds a divergence from above only: give "
+            f"--vllm_is_truncated_threshold 0 HIGH (--algo.advantage.is_correction_threshold 0 HIGH; got {lo} {hi})."
+        )
+    if level == "off":
+        for k in ("mode", "gating"):
+            if k in given:
+                out.append(
+                    f"--is_correction_{k} {given[k]} does nothing without an IS correction: add "
+                    "--is_correction_level token or seq, or drop it."
+                )
+    elif ppo.policy_loss_type == "gspo":
+        for k in ("mode", "gating"):
+            if k in given:
+                out.append(
+                    f"--is_correction_{k} {given[k]} acts on the token-level PPO loss; --policy_loss_type gspo "
+                    "corrects inside its sequence ratio (log pi - log pi_engine) instead, with no mode or gating. "
+                    f"Drop --is_correction_{k} or use --policy_loss_type ppo."
+                )
 
 
 def _optimizer(cfg: TrainConfig, role: str, out: list[str]) -> None:
@@ -158,23 +215,25 @@ def sampling(cfg: TrainConfig, out: list[str]) -> None:
 def given_alone(cfg: TrainConfig, explicit: frozenset[str], out: list[str]) -> None:
     """Flags the user gave that the rest of the command line makes do nothing (they would be silently ignored)."""
     ppo = cfg.ppo
+    is_on = ppo.is_correction_enabled
     needs = [
         ("vllm_is_correction_type", "enable_vllm_is_correction", ppo.enable_vllm_is_correction),
-        ("vllm_is_truncated_threshold", "enable_vllm_is_correction", ppo.enable_vllm_is_correction),
+        ("vllm_is_truncated_threshold", "enable_vllm_is_correction or --is_correction_level token|seq", is_on),
         ("dynamic_filtering_reward_range", "dynamic_filtering", ppo.dynamic_filtering),
         ("overlong_penalty_factor", "overlong_buffer_len", ppo.overlong_buffer_len is not None),
     ]
     for flag, needed, present in needs:
         if flag in explicit and not present:
-            out.append(f"--{flag} does nothing without --{needed}: add --{needed} or drop --{flag}.")
+            add = "add one" if " or " in needed else f"add --{needed}"
+            out.append(f"--{flag} does nothing without --{needed}: {add} or drop --{flag}.")
     if "eps_clip" in explicit and ppo.eps_clip_low_high is not None:
         out.append(
             "--eps_clip and --eps_clip_low_high both set the PPO clip (--eps_clip_low_high LOW HIGH "
             "replaces --eps_clip on both sides): give only one of them."
         )
-    if ppo.policy_loss_type == "gspo" and ppo.enable_vllm_is_correction:
-        # OpenRLHF v0.10.1's GSPO takes the engine log-probs as the base of its sequence ratio and applies no
-        # token weight, so neither the correction type nor its threshold has any effect there.
+    if ppo.policy_loss_type == "gspo" and is_on:
+        # OpenRLHF's GSPO (v0.10.1 to 0.11.2) takes the engine log-probs as the base of its sequence ratio and applies
+        # no token weight, so neither the correction type nor its threshold has any effect there.
         for flag, given in (
             ("vllm_is_correction_type", ppo.vllm_is_correction_type != "tis"),
             ("vllm_is_truncated_threshold", False),
@@ -182,7 +241,7 @@ def given_alone(cfg: TrainConfig, explicit: frozenset[str], out: list[str]) -> N
             if flag in explicit or given:
                 out.append(
                     f"--{flag} {_shown(getattr(ppo, flag))} acts on the token-level PPO loss; "
-                    "--policy_loss_type gspo with --enable_vllm_is_correction corrects inside its sequence "
+                    "--policy_loss_type gspo with an IS correction corrects inside its sequence "
                     f"ratio (log pi - log pi_engine) instead, with no type or threshold. Drop --{flag} or "
                     "use --policy_loss_type ppo."
                 )

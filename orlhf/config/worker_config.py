@@ -21,7 +21,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar, Optional
 
-from orlhf.config.ppo_config import PPOConfig
+from orlhf.algo.is_correction import IsCorrection
+from orlhf.config.ppo_config import OPENRLHF_AGG_MODES, PPOConfig
 from orlhf.config.roles import model_path
 from orlhf.config.roles import role as role_spec
 from orlhf.config.train_config import TrainConfig
@@ -54,17 +55,34 @@ class TrainSlice:
 class PolicyLossSlice:
     """The actor's PPO loss: clipping, IS correction, entropy bonus and the KL loss."""
 
-    loss_agg_mode: str = "token_mean"
+    loss_agg_mode: str = "token_mean"  # the policy term's (--actor_loss_agg_mode, else --loss_agg_mode)
+    kl_entropy_agg_mode: Optional[str] = None  # the KL-loss and entropy terms' (--loss_agg_mode); None: loss_agg_mode
     eps_clip: float = 0.2  # the low side: ratio >= 1 - eps_clip
     eps_clip_high: Optional[float] = None  # the high side; None: eps_clip
     policy_loss_type: str = "ppo"
-    is_correction: Optional[str] = None  # None, or tis | icepop | seq-mask-tis
+    is_level: str = "off"  # IS correction (algo/is_correction.py): off | token | seq
+    is_mode: str = "mask"  # mask | clip
+    is_gating: str = "ratio"  # ratio | binary_kl | tv
     is_threshold: tuple = (0.5, 5.0)
     dual_clip: Optional[float] = None
     entropy_loss_coef: float = 0.0
     use_kl_loss: bool = False
     kl_coef: float = 0.0
     kl_estimator: str = "k1"
+    kl_unbiased_gradient: bool = False
+
+    @property
+    def is_spec(self) -> Optional[IsCorrection]:
+        """The IS correction the loss applies, None when off."""
+        if self.is_level == "off":
+            return None
+        return IsCorrection(self.is_level, self.is_mode, self.is_gating, tuple(self.is_threshold))
+
+    @property
+    def is_correction(self) -> Optional[str]:
+        """Its name (tis, icepop, seq-mask-tis, else level/mode/gating), None when off."""
+        spec = self.is_spec
+        return None if spec is None else spec.name
 
 
 @dataclass(frozen=True)
@@ -189,8 +207,11 @@ def _slice_fields(cls: type, name: str) -> set[str]:
     return {f.name for f in dataclasses.fields(_slice_type(cls, name))}
 
 
-def resolved_loss_agg_mode(ppo: PPOConfig) -> str:
-    """--loss_agg_mode as given, else OpenRLHF's choice: sequence mean for GSPO, token mean otherwise."""
+def resolved_loss_agg_mode(ppo: PPOConfig, policy_term: bool = False) -> str:
+    """--loss_agg_mode as given, else OpenRLHF's choice: sequence mean for GSPO, token mean otherwise. For the
+    actor's policy term (policy_term) --actor_loss_agg_mode comes first, OpenRLHF 0.11.2's spellings read as ours."""
+    if policy_term and ppo.actor_loss_agg_mode is not None:
+        return OPENRLHF_AGG_MODES.get(ppo.actor_loss_agg_mode, ppo.actor_loss_agg_mode)
     if ppo.loss_agg_mode is not None:
         return ppo.loss_agg_mode
     return "seq_mean" if ppo.policy_loss_type == "gspo" else "token_mean"
@@ -296,10 +317,13 @@ def _train_fields(cfg: TrainConfig, role: str, total_optimizer_steps: int, train
 
 
 def _policy_loss(ppo: PPOConfig, agg: str) -> PolicyLossSlice:
-    """The actor's loss slice: --eps_clip_low_high when given, else --eps_clip on both sides."""
+    """The actor's loss slice: --eps_clip_low_high when given, else --eps_clip on both sides; the IS correction
+    in either spelling (PPOConfig.is_correction_choice); `agg` the shared aggregation, for the KL and entropy terms."""
     low, high = ppo.eps_clip_low_high if ppo.eps_clip_low_high is not None else (ppo.eps_clip, ppo.eps_clip)
+    level, mode, gating = ppo.is_correction_choice()
     return PolicyLossSlice(
-        loss_agg_mode=agg,
+        loss_agg_mode=resolved_loss_agg_mode(ppo, policy_term=True),
+        kl_entropy_agg_mode=agg,
         eps_clip=low,
         eps_clip_high=high,
         dual_clip=ppo.dual_clip,
@@ -308,8 +332,11 @@ def _policy_loss(ppo: PPOConfig, agg: str) -> PolicyLossSlice:
         kl_coef=ppo.init_kl_coef,
         kl_estimator=ppo.kl_estimator,
         policy_loss_type=ppo.policy_loss_type,
-        is_correction=ppo.vllm_is_correction_type if ppo.enable_vllm_is_correction else None,
+        is_level=level,
+        is_mode=mode,
+        is_gating=gating,
         is_threshold=tuple(ppo.vllm_is_truncated_threshold),
+        kl_unbiased_gradient=ppo.kl_unbiased_gradient,
     )
 
 

@@ -81,7 +81,7 @@ class ExperienceConfig:
             ppo.overlong_buffer_len,
             ppo.overlong_penalty_factor,
             ppo.stop_properly_penalty_coef,
-            ppo.enable_vllm_is_correction,
+            ppo.is_correction_enabled,
         )
 
 

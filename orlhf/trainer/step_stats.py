@@ -71,7 +71,7 @@ def step_row(info: dict, actor: dict, critic: Optional[dict], fields: dict, ppo)
     }
     if ppo.use_kl_loss:
         row.update(kl_loss=actor["kl_loss"], kl_coef=actor["kl_coef"])  # the coefficient used
-    if ppo.enable_vllm_is_correction:
+    if ppo.is_correction_enabled:
         row["is_cut_frac"] = actor["is_cut_frac"]
     if critic is not None:
         row.update(

@@ -218,7 +218,8 @@ class CriticWorker(DeepSpeedWorker):
         per_token, bound = value_loss_per_token(values, mb.values, mb.returns, self.cfg.loss.value_clip)
         loss = aggregate(per_token, mb.action_mask, self.cfg.loss.loss_agg_mode, norm)
         return loss, {
-            "loss": masked_mean(per_token.detach(), mb.action_mask).item(),
+            # this micro-batch's own aggregate in the optimized mode (`loss` is scaled for DeepSpeed: no figure)
+            "loss": aggregate(per_token.detach(), mb.action_mask, self.cfg.loss.loss_agg_mode).item(),
             "clip_frac": masked_mean(bound.float(), mb.action_mask).item(),
             "values": masked_mean(values.detach(), mb.action_mask).item(),
         }

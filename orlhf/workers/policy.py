@@ -263,13 +263,14 @@ class PolicyWorker(CausalLMWorker):
             lc.dual_clip,
             lc.policy_loss_type,
             mb.rollout_log_probs,
-            lc.is_correction,
-            tuple(lc.is_threshold),
+            lc.is_spec,
         )
         loss = aggregate(terms.loss, mask, lc.loss_agg_mode, norm)
         cut = terms.clipped_low | terms.clipped_high | terms.dual_clipped
+        # Losses are logged as this micro-batch's own aggregate, in the mode they are optimized in (the step's
+        # stats are means over micro-batches); `loss` itself is scaled for DeepSpeed (LossNorm) and is no figure.
         stats = {
-            "loss": loss.item(),
+            "loss": aggregate(terms.loss.detach(), mask, lc.loss_agg_mode).item(),
             "clip_frac": masked_mean(cut.float(), mask).item(),
             "clip_frac_low": masked_mean(terms.clipped_low.float(), mask).item(),
             "clip_frac_high": masked_mean(terms.clipped_high.float(), mask).item(),
@@ -277,20 +278,16 @@ class PolicyWorker(CausalLMWorker):
             **_engine_gap_sums(mb, log_probs),
         }
         if terms.is_cut is not None:
-            stats["is_cut_frac"] = masked_mean(terms.is_cut.float(), mask).item()
+            stats["is_cut_frac"] = _is_cut_share(terms.is_cut, mask, lc.is_level)
+        side_agg = lc.kl_entropy_agg_mode or lc.loss_agg_mode  # the KL-loss and entropy terms'
         # Entropy is logged on every step; it joins the graph only when it is in the loss.
         if lc.entropy_loss_coef > 0:
-            loss = loss - lc.entropy_loss_coef * aggregate(entropy, mask, lc.loss_agg_mode, norm)
+            loss = loss - lc.entropy_loss_coef * aggregate(entropy, mask, side_agg, norm)
         stats["entropy"] = masked_mean(entropy.detach(), mask).item()
         if lc.use_kl_loss:
-            kl = aggregate(
-                approx_kl(log_probs, mb.base_action_log_probs, lc.kl_estimator), mask, lc.loss_agg_mode, norm
-            )
-            loss = loss + kl_coef * kl
-            stats["kl_loss"] = masked_mean(
-                approx_kl(log_probs.detach(), mb.base_action_log_probs, lc.kl_estimator), mask
-            ).item()
-        stats["loss"] = masked_mean(terms.loss.detach(), mask).item()
+            kl = approx_kl(log_probs, mb.base_action_log_probs, lc.kl_estimator, old, lc.kl_unbiased_gradient)
+            loss = loss + kl_coef * aggregate(kl, mask, side_agg, norm)
+            stats["kl_loss"] = aggregate(kl.detach(), mask, side_agg).item()
         return loss, stats
 
     # ---- weight sync: orlhf/trainer/weight_sync.py drives these, workers/weight_send.py does the sending; only rank 0
@@ -406,6 +403,15 @@ def _old_log_probs(mb: Experience, log_probs: torch.Tensor) -> torch.Tensor:
     the weights here are the ones that would have scored it) this forward's own, detached: ratio exactly 1,
     gradient that of log pi, as with a separately recomputed pi_old equal up to float rounding."""
     return mb.action_log_probs if mb.action_log_probs is not None else log_probs.detach()
+
+
+def _is_cut_share(is_cut: torch.Tensor, mask: torch.Tensor, level: str) -> float:
+    """The share of IS-correction units clipped or masked, at their own granularity (OpenRLHF 0.11.2's
+    is_filter_ratio): tokens, or at seq level the sequences with a real token."""
+    if level != "seq":
+        return masked_mean(is_cut.float(), mask).item()
+    real = mask.any(-1)
+    return (is_cut.any(-1) & real).sum().item() / max(int(real.sum().item()), 1)
 
 
 def _engine_gap_sums(mb: Experience, log_probs: torch.Tensor) -> dict[str, float]:

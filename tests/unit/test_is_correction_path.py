@@ -48,30 +48,36 @@ def tiny_model():
     ).eval()
 
 
-def rollouts(engine_logprobs):
-    """2 prompts x 2 samples, 4 response tokens each; engine log-probs as given (4 rows of 4)."""
-    responses = [[5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16], [17, 18, 19, 20]]
-    return [Rollout(i // 2, [1, 2, 3], r, lp, True) for i, (r, lp) in enumerate(zip(responses, engine_logprobs))]
+RESPONSES = [[5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16], [17, 18, 19, 20]]
 
 
-def actor_loss(model, engine_shift):
+def rollouts(engine_logprobs, responses=RESPONSES):
+    """2 prompts x 2 samples, 4 response tokens each unless given; engine log-probs as given (a list per row)."""
+    return [
+        Rollout(i // 2, [1, 2, 3], r, lp[: len(r)], True) for i, (r, lp) in enumerate(zip(responses, engine_logprobs))
+    ]
+
+
+def actor_loss(model, engine_shift, flags=FLAGS, responses=RESPONSES):
     """(loss, stats) of the actor's loss on one experience whose engine log-probs are the trainer's old ones
     plus engine_shift[row] (so pi_old / pi_engine = exp(-shift) on every token of that row)."""
-    cfg = finished(FLAGS)
+    cfg = finished(flags)
     actor = worker_config(cfg, "actor")
-    batch, _ = rollouts_to_batch(rollouts([[0.0] * 4] * 4), pad_id=0)
+    batch, _ = rollouts_to_batch(rollouts([[0.0] * 4] * 4, responses), pad_id=0)
     with torch.no_grad():
-        old = gather_log_probs(action_logits(model, batch, 1.0), batch.sequences[:, -batch.num_actions :])  # (4, 4)
+        old = gather_log_probs(action_logits(model, batch, 1.0), batch.sequences[:, -batch.num_actions :])  # (4, A)
     engine = (old + torch.tensor(engine_shift).unsqueeze(-1)).tolist()
-    batch, engine_lp = rollouts_to_batch(rollouts(engine), pad_id=0)  # the engine's, as the controller gets them
+    batch, engine_lp = rollouts_to_batch(rollouts(engine, responses), pad_id=0)  # as the controller gets them
     scores = torch.tensor([1.0, 0.0, 1.0, 0.0])
-    exp, _ = make_experience(
-        batch, scores, old, None, None, 0.0, ExperienceConfig.from_ppo(cfg.ppo), rollout_log_probs=engine_lp
-    )
+    # The experience keeps the engine's log-probs under either spelling of the correction (the trainer's
+    # ExperienceConfig.from_ppo reads --enable_vllm_is_correction only: test_experience_keeps_them_under_...).
+    exp_cfg = dataclasses.replace(ExperienceConfig.from_ppo(cfg.ppo), keep_rollout_log_probs=True)
+    exp, _ = make_experience(batch, scores, old, None, None, 0.0, exp_cfg, rollout_log_probs=engine_lp)
     assert exp.rollout_log_probs is not None
     mb = trim(exp.index(torch.arange(4)).split([4])[0])  # the trainer's shuffle / split / trim keep them
     worker = SimpleNamespace(cfg=actor, engine=model, shared_prompt_train=False)  # what _loss reads
-    return PolicyWorker._loss(worker, mb, LossNorm(tokens=16.0, seqs=4.0), kl_coef=0.0)
+    tokens = float(exp.action_mask.sum())
+    return PolicyWorker._loss(worker, mb, LossNorm(tokens=tokens, seqs=4.0), kl_coef=0.0)
 
 
 def test_engine_log_probs_weight_the_actor_loss():
@@ -90,6 +96,45 @@ def test_engine_log_probs_weight_the_actor_loss():
     # / 16 = +0.0884 (icepop multiplies by w where it keeps the token).
     loss, stats = actor_loss(model, [0.0, -math.log(1.5), 0.0, 0.0])
     assert loss.item() == pytest.approx(0.5 * 0.5**0.5 / 4, rel=1e-4) and stats["is_cut_frac"] == 0.0
+
+
+# OpenRLHF 0.11.2's spelling of icepop (--algo.advantage.is_correction_level token, mode mask by default)
+FLAGS_0112 = {
+    "advantage_estimator": "group_norm",
+    "n_samples_per_prompt": 2,
+    "is_correction_level": "token",
+    "vllm_is_truncated_threshold": (0.5, 2.0),
+}
+
+
+def test_the_0112_flags_weight_the_actor_loss_as_the_named_scheme():
+    # Row 0 dropped (w = 1/4), row 1 weighted by 1.5: the icepop figures of the test above, under the new flags.
+    model = tiny_model()
+    loss, stats = actor_loss(model, [math.log(4.0), -math.log(1.5), 0.0, 0.0], FLAGS_0112)
+    assert worker_config(finished(FLAGS_0112), "actor").loss.is_correction == "icepop"
+    # -(0 + 4 x 1.5 x (-0.7071) + 4 x (-0.7071) + 4 x 0.7071) / 16 = 1.5 x 0.7071 / 4 = 0.2652
+    assert loss.item() == pytest.approx(1.5 * 0.5**0.5 / 4, rel=1e-4) and stats["is_cut_frac"] == 0.25
+    # seq level with the default mask: row 0's geometric mean 1/4 is outside [0.5, 2]: 1 of 4 sequences cut.
+    _, stats = actor_loss(model, [math.log(4.0), 0.0, 0.0, 0.0], {**FLAGS_0112, "is_correction_level": "seq"})
+    assert stats["is_cut_frac"] == 0.25
+
+
+def test_experience_keeps_the_engine_log_probs_under_the_0112_flags():
+    assert ExperienceConfig.from_ppo(finished(FLAGS_0112).ppo).keep_rollout_log_probs
+
+
+def test_the_logged_policy_loss_is_the_aggregate_optimized():
+    """--actor.loss_agg_mode seq-mean-token-mean: the logged loss is this micro-batch's sequence mean, the mode the
+    loss is optimized in, not a token mean of the terms."""
+    model = tiny_model()
+    flags = {"advantage_estimator": "group_norm", "n_samples_per_prompt": 2}
+    lengths = [[5, 6, 7, 8], [9, 10], [13, 14, 15], [17]]  # 4, 2, 3, 1 tokens: 10
+    # ratio 1, no correction: per-token loss -A, A = +-0.7071 by row (+, -, +, -).
+    # token mean: (-4 + 2 - 3 + 1) x 0.7071 / 10 = -0.2828;  sequence mean: (-1 + 1 - 1 + 1) x 0.7071 / 4 = 0.
+    loss, stats = actor_loss(model, [0.0] * 4, flags, lengths)
+    assert stats["loss"] == pytest.approx(-0.4 * 0.5**0.5, abs=1e-5) and loss.item() == pytest.approx(stats["loss"])
+    loss, stats = actor_loss(model, [0.0] * 4, {**flags, "actor_loss_agg_mode": "seq-mean-token-mean"}, lengths)
+    assert stats["loss"] == pytest.approx(0.0, abs=1e-5) and loss.item() == pytest.approx(0.0, abs=1e-5)
 
 
 def test_without_the_flag_the_engine_log_probs_stay_out_of_the_loss():

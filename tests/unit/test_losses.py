@@ -7,6 +7,7 @@ import torch
 
 from orlhf.algo.kl import approx_kl
 from orlhf.algo.losses import (
+    IsCorrection,
     LossNorm,
     aggregate,
     entropy_from_logits,
@@ -119,6 +120,35 @@ def test_approx_kl_estimators():
         approx_kl(lp, ref, "k4")
 
 
+def test_k3_gradient_past_the_cap_is_zero_not_nan():
+    # log r = -100: exp(100) overflows float32. k3 reads log r bounded below at -10 (e^10 - 1 - 10 > 10, past the
+    # cap already), so the value is 10 and the KL loss's gradient 0, where it was 0 * inf = NaN.
+    lp = torch.tensor([[-100.0, LN(2.0)]], requires_grad=True)
+    approx_kl(lp, torch.zeros(1, 2), "k3").sum().backward()
+    # second token: d/dlp (e^-lr - 1 + lr) = 1 - e^-lr = 1 - 1/2 = 0.5
+    assert lp.grad[0].tolist() == pytest.approx([0.0, 0.5])
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_unbiased_kl_gradient_keeps_the_value_and_weights_the_score(estimator):
+    # pi = 1/2, ref = 1/4, pi_old = 1/4: log r = ln 2, w = pi / pi_old = 2.
+    # Value: the estimator's, unchanged (k1 ln 2, k2 (ln 2)^2 / 2, k3 1/2 - 1 + ln 2).
+    # Gradient: w * log r = 2 ln 2 = 1.386294 for every estimator (plain: k1 1, k2 ln 2, k3 1 - 1/2).
+    lp = torch.tensor([[LN(0.5)]], requires_grad=True)
+    ref, old = t([LN(0.25)]), t([LN(0.25)])
+    kl = approx_kl(lp, ref, estimator, old, unbiased_gradient=True)
+    assert kl.item() == pytest.approx(approx_kl(lp, ref, estimator).item(), abs=1e-7)
+    kl.sum().backward()
+    assert lp.grad.item() == pytest.approx(2 * LN(2.0), abs=1e-6)
+    # w is at most 10: pi_old = pi / e^5 (w = 148.4) -> 10 ln 2 = 6.931472; no pi_old: w = 1 -> ln 2.
+    lp.grad = None
+    approx_kl(lp, ref, estimator, t([LN(0.5) - 5.0]), unbiased_gradient=True).sum().backward()
+    assert lp.grad.item() == pytest.approx(10 * LN(2.0), abs=1e-5)
+    lp.grad = None
+    approx_kl(lp, ref, estimator, None, unbiased_gradient=True).sum().backward()
+    assert lp.grad.item() == pytest.approx(LN(2.0), abs=1e-6)
+
+
 def test_entropy_from_logits():
     # uniform over 4: ln 4 = 1.386294; one-hot-ish (logit 100 vs 0s): ~0
     ent = entropy_from_logits(torch.tensor([[0.0, 0.0, 0.0, 0.0], [100.0, 0.0, 0.0, 0.0]]))
@@ -201,7 +231,15 @@ def test_gspo_uses_one_geometric_mean_ratio_per_sequence():
     # engine log-probs ln 2 on row 1 -> sequence ratio 1 -> loss -1.
     eng = t([0.0, 0.0], [LN(2.0), 0.0])
     terms = policy_loss_terms(
-        lp, torch.zeros(2, 2), adv, mask, 0.2, 0.2, loss_type="gspo", rollout_log_probs=eng, is_type="tis"
+        lp,
+        torch.zeros(2, 2),
+        adv,
+        mask,
+        0.2,
+        0.2,
+        loss_type="gspo",
+        rollout_log_probs=eng,
+        is_correction=IsCorrection.named("tis"),
     )
     assert terms.loss[1, 0].item() == pytest.approx(-1.0, abs=1e-6)
 
@@ -219,8 +257,7 @@ def _is_case(is_type):
         0.2,
         0.2,
         rollout_log_probs=eng,
-        is_type=is_type,
-        is_threshold=(0.5, 5.0),
+        is_correction=IsCorrection.named(is_type, (0.5, 5.0)),
     )
 
 
@@ -250,8 +287,7 @@ def test_vllm_is_correction_tis_icepop_seq_mask():
         0.2,
         0.2,
         rollout_log_probs=eng,
-        is_type="seq-mask-tis",
-        is_threshold=(0.5, 1.5),
+        is_correction=IsCorrection.named("seq-mask-tis", (0.5, 1.5)),
     )
     assert narrow.loss[1].tolist() == [0.0, 0.0, 0.0] and narrow.is_cut.tolist() == [[False] * 3, [True, True, False]]
     with pytest.raises(ValueError, match="engine"):
@@ -262,5 +298,31 @@ def test_vllm_is_correction_tis_icepop_seq_mask():
             torch.ones(1, 1, dtype=torch.bool),
             0.2,
             0.2,
-            is_type="tis",
+            is_correction=IsCorrection.named("tis"),
         )
+
+
+def test_is_correction_gated_by_a_divergence():
+    # ratio 1 (log pi = log pi_old), A = +1: uncorrected per-token loss -1. Trainer / engine probabilities of the
+    # sampled tokens: (0.5, 0.4), (0.2, 0.5), (0.9, 0.9); w = trainer / engine = 1.25, 0.4, 1.
+    #   tv = |engine - trainer| = 0.1, 0.3, 0; with HIGH 0.2 the second token is masked, the others keep w:
+    #   loss = [-1.25, 0, -1]
+    #   binary_kl(engine || trainer) = 0.4 ln(0.4/0.5) + 0.6 ln(0.6/0.5) = 0.020136, 0.5 ln(2.5) + 0.5 ln(0.625) =
+    #   0.223144, 0; with HIGH 0.1: the same cut.
+    #   seq level, tv: the row's mean tv 0.4 / 3 = 0.1333 <= 0.2: nothing masked, loss = -w = [-1.25, -0.4, -1].
+    train, engine = t([LN(0.5), LN(0.2), LN(0.9)]), t([LN(0.4), LN(0.5), LN(0.9)])
+    mask = torch.ones(1, 3, dtype=torch.bool)
+
+    def loss(level, gating, high):
+        spec = IsCorrection(level, "mask", gating, (0.0, high))
+        terms = policy_loss_terms(train, train, torch.ones(1, 3), mask, 0.2, 0.2, None, "ppo", engine, spec)
+        return terms.loss[0].tolist(), terms.is_cut[0].tolist()
+
+    assert loss("token", "tv", 0.2) == (pytest.approx([-1.25, 0.0, -1.0]), [False, True, False])
+    assert loss("token", "binary_kl", 0.1) == (pytest.approx([-1.25, 0.0, -1.0]), [False, True, False])
+    assert loss("seq", "tv", 0.2) == (pytest.approx([-1.25, -0.4, -1.0]), [False] * 3)
+    # 0.11.2's refusals, also on a spec built in code: clip clamps a token ratio only; a divergence has no LOW.
+    with pytest.raises(ValueError, match="clip"):
+        IsCorrection("seq", "clip")
+    with pytest.raises(ValueError, match="upper bound"):
+        IsCorrection("token", "mask", "tv", (0.5, 5.0))
