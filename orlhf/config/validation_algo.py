@@ -205,11 +205,6 @@ def sampling(cfg: TrainConfig, out: list[str]) -> None:
             "--dynamic_filtering scores samples while generating, with a reward function or server: it "
             "cannot use --reward_pretrain; use --remote_rm_url."
         )
-    if ppo.async_train:
-        out.append(
-            "--dynamic_filtering refills a batch before training on it; --async_train generates ahead of "
-            "training. Drop one of them."
-        )
 
 
 def given_alone(cfg: TrainConfig, explicit: frozenset[str], out: list[str]) -> None:
