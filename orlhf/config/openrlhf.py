@@ -117,8 +117,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "use_ds_universal_ckpt": _u(0, None, "DeepSpeed universal checkpoints"),
     "local_rank": _u(1, ("-1",), "the deepspeed launcher (orlhf places ranks with Ray)"),
     "deepcompile": _u(0, None, "DeepSpeed deepcompile"),
-    "enable_ema": _u(0, None, "an EMA copy of the actor"),
-    "ema_beta": _u(1, ("0.992",), "an EMA copy of the actor"),
     "zpg": _u(1, ("1",), "ZeRO++ hierarchical partitioning"),
     "actor_init_on_gpu": _u(0, None, "initialising the actor on the GPU"),
     "use_liger_kernel": _u(0, None, "Liger kernels"),

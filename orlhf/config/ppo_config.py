@@ -74,6 +74,12 @@ class PPOConfig:
         "Critic warm-up: the actor is not trained (and the engines not synced) while the 0-based step "
         "index is <= N, i.e. the first N+1 steps, as OpenRLHF (-1: never frozen).",
     )
+    enable_ema: bool = opt(
+        False,
+        "Keep an exponential moving average of the actor's trained weights (host memory, updated after every "
+        "optimizer step); the final export and --save_hf_ckpt folders hold the average, as OpenRLHF.",
+    )
+    ema_beta: float = opt(0.992, "With --enable_ema: average = beta * average + (1 - beta) * weights, per step.")
     top_p: float = opt(1.0, "Nucleus sampling p.")
     seed: int = opt(42, "Random seed (engines get seed + engine index).")
     async_train: bool = opt(False, "Generate step k+1 while training on step k.")

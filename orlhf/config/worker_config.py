@@ -148,6 +148,7 @@ class ActorConfig(WorkerConfig):
     train: TrainSlice
     loss: PolicyLossSlice = PolicyLossSlice()
     lora: Optional[LoraSlice] = None  # an adapter instead of full fine-tuning; also scores the reference
+    ema_beta: Optional[float] = None  # --enable_ema: the moving average's beta (None: no average kept)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -267,6 +268,7 @@ def worker_config(cfg: TrainConfig, role: str, total_optimizer_steps: int = 1) -
             train=TrainSlice(learning_rate=ppo.actor_learning_rate, **train),
             loss=_policy_loss(ppo, agg),
             lora=lora,
+            ema_beta=ppo.ema_beta if ppo.enable_ema else None,
         )
     return CriticConfig(
         **common,

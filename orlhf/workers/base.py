@@ -242,6 +242,8 @@ class DeepSpeedWorker:
             boundary = self.engine.is_gradient_accumulation_boundary()
             own_norm = self._plain_grad_norm() if boundary else None
             self.engine.step()
+            if boundary:
+                self.after_optimizer_step()
             if boundary and self.engine.was_step_applied():
                 norm_value = self.engine.get_global_grad_norm()
                 norm_value = own_norm if norm_value is None else norm_value
@@ -252,6 +254,9 @@ class DeepSpeedWorker:
         means = {k: v / steps for k, v in sums.items()}
         known = {k: means.pop(k) for k in list(means) if k in TrainStats.__dataclass_fields__}
         return TrainStats(lr=lr, grad_norm=grad_norm, micro_steps=steps, extra=means, **known)
+
+    def after_optimizer_step(self) -> None:
+        """Called on every rank at each accumulation boundary, right after DeepSpeed's step (the actor's EMA)."""
 
     def _train_plan(self, batch: Experience, per_rank: int) -> tuple[list[Experience], list[bool]]:
         """(micro-batches in order, whether each ends its optimizer step): workers/micro_batches.py."""

@@ -36,6 +36,9 @@ def save_worker_checkpoint(worker, folder: str) -> None:
         exclude_frozen_parameters=_has_adapter(worker),  # LoRA: the frozen base comes from --pretrain on resume
     )
     save_state(folder, f"rng_rank{worker.rank}", rng_state())
+    extras = worker.checkpoint_extras() if hasattr(worker, "checkpoint_extras") else None
+    if extras:  # the actor's EMA (workers/ema.py), on rank 0
+        save_state(folder, f"extras_rank{worker.rank}", extras)
     if worker.world_size > 1:
         dist.barrier()
 
@@ -75,6 +78,12 @@ def load_worker_checkpoint(worker, folder: str) -> None:
         raise CheckpointError(f"{folder}: DeepSpeed found no checkpoint under tag {tag!r}")
     engine.micro_steps = int(client.get(_MICRO_STEPS, engine.micro_steps))
     set_rng_state(load_state(folder, f"rng_rank{worker.rank}"))
+    if hasattr(worker, "checkpoint_extras") and worker.checkpoint_extras() is not None:
+        saved = os.path.exists(os.path.join(folder, f"extras_rank{worker.rank}.json"))
+        try:
+            worker.load_checkpoint_extras(load_state(folder, f"extras_rank{worker.rank}") if saved else None)
+        except ValueError as e:
+            raise CheckpointError(f"{folder}: {e}") from e
     log.info(
         "%s rank %d: resumed from %s (optimizer step %d)", worker.cfg.role, worker.rank, folder, engine.global_steps
     )

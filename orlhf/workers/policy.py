@@ -207,6 +207,30 @@ class PolicyWorker(CausalLMWorker):
     """The actor: log-probs for experience making, PPO train steps, full weights for the engines."""
 
     @endpoint
+    def init(self) -> None:
+        """Collective: all ranks call it together. With --enable_ema the average starts from these weights."""
+        super().init()
+        self._ema = None
+        if self.cfg.ema_beta is not None:
+            from orlhf.workers.ema import EmaWeights
+
+            self._ema = EmaWeights(self.module.named_parameters(), self.cfg.ema_beta, self.rank, self.zero3)
+
+    def after_optimizer_step(self) -> None:
+        if self._ema is not None:
+            self._ema.update()
+
+    def checkpoint_extras(self) -> Optional[dict[str, torch.Tensor]]:
+        """What this rank's checkpoint holds besides DeepSpeed's state (workers/checkpoint_io.py): the EMA, rank 0's
+        ({} elsewhere); None without one."""
+        return None if self._ema is None else {f"ema/{n}": t for n, t in self._ema.state().items()}
+
+    def load_checkpoint_extras(self, extras: Optional[dict[str, torch.Tensor]]) -> None:
+        if self._ema is not None:
+            got = None if extras is None else {n.removeprefix("ema/"): t for n, t in extras.items()}
+            self._ema.load(got)
+
+    @endpoint
     def log_probs(self, batch: SequenceBatch) -> torch.Tensor:
         """(B, A) float32 on CPU: log pi of each action token under the current weights."""
         self.engine.eval()  # train_step leaves the engine in train mode
@@ -374,11 +398,14 @@ class PolicyWorker(CausalLMWorker):
         self._save_folder(out_dir, merged=True)
 
     def _save_folder(self, out_dir: str, merged: bool) -> None:
+        """The weights exported are the EMA's with --enable_ema (as OpenRLHF exports its EMA model)."""
         import torch.distributed as dist
 
         state: dict[str, torch.Tensor] = {}
         for group in self.named_full_weights(checkpoint_format=False):  # save_pretrained converts names itself
             state.update({n: t for n, t in group if t is not None})
+        if self.rank == 0 and getattr(self, "_ema", None) is not None:
+            state = self._ema.averaged(state)
         if self.rank == 0:
             os.makedirs(out_dir, exist_ok=True)
             if self.lora is None:
