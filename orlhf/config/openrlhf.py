@@ -103,6 +103,11 @@ ALIASES: dict[str, Alias] = {
 NO_EFFECT: dict[str, NoEffect] = {
     "ptx_coef": NoEffect(1, "OpenRLHF v0.10.1 has no pretraining-data loss either, so the coefficient is unused"),
     "perf": NoEffect(0, "orlhf always records timing/<phase> per step and prints the split at the end"),
+    "disable_fast_tokenizer": NoEffect(
+        0,
+        "OpenRLHF v0.10.1 passes use_fast=False to AutoTokenizer, which transformers 5 (its pinned 5.5.3, and "
+        "orlhf's) ignores: the same tokenizer loads either way",
+    ),
 }
 
 
@@ -113,22 +118,12 @@ def _u(nargs: int, default: Optional[tuple[str, ...]], what: str) -> Unsupported
 UNSUPPORTED: dict[str, Unsupported] = {
     "vllm_sync_with_ray": _u(0, None, "weight sync through Ray's collective library"),
     "partial_rollout": _u(0, None, "partial rollouts"),
-    "max_ckpt_mem": _u(1, ("inf",), "a disk budget for checkpoints (--max_ckpt_num bounds them)"),
     "use_ds_universal_ckpt": _u(0, None, "DeepSpeed universal checkpoints"),
     "local_rank": _u(1, ("-1",), "the deepspeed launcher (orlhf places ranks with Ray)"),
     "deepcompile": _u(0, None, "DeepSpeed deepcompile"),
-    "zpg": _u(1, ("1",), "ZeRO++ hierarchical partitioning"),
     "actor_init_on_gpu": _u(0, None, "initialising the actor on the GPU"),
-    "use_liger_kernel": _u(0, None, "Liger kernels"),
-    "grad_accum_dtype": _u(1, None, "a gradient-accumulation dtype"),
-    "overlap_comm": _u(0, None, "DeepSpeed overlap_comm"),
-    "gradient_checkpointing_use_reentrant": _u(0, None, "reentrant gradient checkpointing"),
-    "disable_fast_tokenizer": _u(0, None, "slow (Python) tokenizers"),
-    "dataloader_num_workers": _u(1, ("0",), "data-loader worker processes (prompts are read in memory)"),
     "ds_tensor_parallel_size": _u(1, ("1",), "DeepSpeed tensor parallelism"),
     "vllm_generate_batch_size": _u(1, None, "a vLLM batch other than --rollout_batch_size"),
-    "full_determinism": _u(0, None, "fully deterministic kernels"),
-    "aux_loss_coef": _u(1, ("0",), "the MoE balancing loss"),
     "ring_attn_size": _u(1, ("1",), "ring attention"),
     "ring_head_stride": _u(1, ("1",), "ring attention"),
     "image_key": _u(1, ("images",), "vision-language models"),

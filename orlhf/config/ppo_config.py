@@ -68,6 +68,11 @@ class PPOConfig:
     )
     reward_clip_range: tuple[float, float] = opt((-10.0, 10.0), "Clip rewards to [LOW HIGH].", metavar="LOW HIGH")
     entropy_loss_coef: float = opt(0.0, "Entropy bonus coefficient.")
+    aux_loss_coef: float = opt(
+        0.0,
+        "Mixture-of-experts models: weight of the router's load-balancing loss in the actor's loss (added per "
+        "micro-batch, as OpenRLHF; 0: off).",
+    )
     temperature: float = opt(1.0, "Sampling temperature.")
     freezing_actor_steps: int = opt(
         -1,

@@ -160,6 +160,36 @@ class DeepSpeedConfig:
         "With --use_dynamic_batch: most real tokens in one scoring forward per rank (default: "
         "--train_max_tokens_per_gpu).",
     )
+    gradient_checkpointing_use_reentrant: bool = opt(
+        False, "With --gradient_checkpointing: torch's reentrant activation checkpointing (default: non-reentrant)."
+    )
+    overlap_comm: bool = opt(
+        False,
+        "Trained models: overlap the gradient reduction with the backward pass, in contiguous gradient buffers "
+        "(DeepSpeed's zero_optimization.overlap_comm; ZeRO-3 overlaps already, this turns it on for ZeRO-1/2).",
+    )
+    grad_accum_dtype: Optional[str] = opt(
+        None,
+        "Trained models: the dtype DeepSpeed accumulates gradients in (data_types.grad_accum_dtype; default: the "
+        "model's, fp32 or bf16 with --bf16). Under ZeRO-0 only the model's own dtype.",
+        choices=("fp32", "bf16", "fp16"),
+    )
+    zpg: int = opt(
+        1,
+        "ZeRO++ hierarchical partitioning: trained models under ZeRO-3 also keep their weights partitioned within "
+        "groups of this many ranks, gathered there in the forward and backward (zero_hpz_partition_size; a group "
+        "larger than the model's ranks is all of them; 1: off).",
+    )
+    full_determinism: bool = opt(
+        False,
+        "Deterministic kernels in every model rank: torch.use_deterministic_algorithms, cuDNN deterministic "
+        "without autotuning, cuBLAS's fixed workspace and flash-attention's deterministic backward (slower).",
+    )
+    use_liger_kernel: bool = opt(
+        False,
+        "Liger's Triton kernels in the actor and the reference (AutoLigerKernelForCausalLM; CUDA only, "
+        "pip install liger-kernel).",
+    )
 
 
 @dataclass(frozen=True)
@@ -289,6 +319,11 @@ class DataConfig:
     reward_timeout_s: float = opt(
         300.0, "Longest wait for one call of a --remote_rm_url .py file's reward_func before the run fails."
     )
+    dataloader_num_workers: int = opt(
+        0,
+        "Accepted for OpenRLHF's scripts; no effect: orlhf reads the prompts into memory once, with no data-loader "
+        "worker processes.",
+    )
 
     @property
     def uses_demo(self) -> bool:
@@ -314,6 +349,12 @@ class LoggingConfig:
     save_steps: int = opt(-1, "Checkpoint every N steps (-1: never).")
     logging_steps: int = opt(1, "Log every N steps.")
     max_ckpt_num: int = opt(3, "Checkpoints to keep.")
+    max_ckpt_mem: Optional[float] = opt(
+        None,
+        "Disk budget for checkpoints in GiB (OpenRLHF's): after each save, the oldest others are deleted while they "
+        "and the best checkpoint take more than this (the newest is never counted nor deleted). Default: none.",
+        metavar="GIB",
+    )
     load_checkpoint: bool = opt(
         False, "Resume from the newest complete checkpoint in --ckpt_path; start fresh when there is none yet."
     )

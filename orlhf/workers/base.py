@@ -37,7 +37,14 @@ from orlhf.config.worker_config import WorkerConfig
 from orlhf.distributed.endpoints import endpoint
 from orlhf.types import Experience, SequenceBatch, TrainStats
 from orlhf.workers.batching import pad_actions, trim
-from orlhf.workers.engine_setup import ds_config, init_distributed, lr_factor, seed_everything, worker_device
+from orlhf.workers.engine_setup import (
+    ds_config,
+    enable_gradient_checkpointing,
+    init_distributed,
+    lr_factor,
+    seed_everything,
+    worker_device,
+)
 from orlhf.workers.hf_names import meta_group, to_checkpoint_names
 from orlhf.workers.loading import hf_zero3_loading
 from orlhf.workers.micro_batches import forward_plan, train_plan
@@ -90,12 +97,12 @@ class DeepSpeedWorker:
         if self.cfg.device == "cpu" and self.cfg.cpu_threads:
             torch.set_num_threads(self.cfg.cpu_threads)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        seed_everything(self.cfg.seed)
+        seed_everything(self.cfg.seed, self.cfg.full_determinism)  # --full_determinism: before any model
         self._ds_config = self.deepspeed_config()
         with hf_zero3_loading(self._ds_config):
             model = self.build_model()
         if self.cfg.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_gradient_checkpointing(model, self.cfg)  # reentrant with --gradient_checkpointing_use_reentrant
         if self.cfg.trainable:
             optimizer = self._make_optimizer(model)
             scheduler = self._make_scheduler(optimizer)

@@ -55,7 +55,11 @@ def skip_shm_comm_build() -> None:
     ds_torch_comm.build_shm_op = lambda: None
 
 
-def seed_everything(seed: int) -> None:
+def seed_everything(seed: int, full_determinism: bool = False) -> None:
+    """Seed python, numpy and torch (every CUDA device too); with --full_determinism, enable_full_determinism() first
+    (where OpenRLHF's strategy calls transformers.enable_full_determinism(seed), which seeds the same way)."""
+    if full_determinism:
+        enable_full_determinism()
     random.seed(seed)
     torch.manual_seed(seed)  # also seeds every CUDA device
     try:
@@ -64,6 +68,32 @@ def seed_everything(seed: int) -> None:
         np.random.seed(seed)
     except ImportError:
         pass
+
+
+# What --full_determinism sets in a rank's environment, before its first cuBLAS call (a worker's init, before any
+# model is loaded): cuBLAS's fixed workspace, which torch's deterministic mode needs for CUDA matmuls (CUDA >= 10.2),
+# and flash-attention's deterministic backward, which transformers reads at each call. transformers' helper, which
+# OpenRLHF calls, also sets CUDA_LAUNCH_BLOCKING=1: that serializes kernel launches and changes no number (torch
+# needed it for determinism before CUDA 10.2 only), so it is left out; its Ascend NPU variables do not apply.
+DETERMINISM_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":16:8", "FLASH_ATTENTION_DETERMINISTIC": "1"}
+
+
+def enable_full_determinism() -> None:
+    """Deterministic kernels in this process (--full_determinism): DETERMINISM_ENV, torch's deterministic
+    algorithms (an op without a deterministic kernel raises instead of running a nondeterministic one), cuDNN's
+    deterministic convolutions without autotuning."""
+    os.environ.update(DETERMINISM_ENV)
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+
+
+def enable_gradient_checkpointing(model, cfg: WorkerConfig) -> None:
+    """--gradient_checkpointing: recompute each layer's activations in the backward, through torch's non-reentrant
+    checkpoint, or its reentrant one with --gradient_checkpointing_use_reentrant (as OpenRLHF passes use_reentrant)."""
+    model.gradient_checkpointing_enable(
+        gradient_checkpointing_kwargs={"use_reentrant": cfg.gradient_checkpointing_use_reentrant}
+    )
 
 
 def lr_factor(
@@ -105,6 +135,7 @@ def ds_config(cfg: WorkerConfig, world_size: int) -> dict:
         zero: dict = {"stage": cfg.zero_stage}
         if t.adam_offload:
             zero["offload_optimizer"] = {"device": "cpu", "pin_memory": cuda}
+        zero.update(_train_zero_knobs(cfg, world_size))
         batch = {
             "train_batch_size": t.train_batch_size,
             "train_micro_batch_size_per_gpu": t.micro_train_batch_size,
@@ -132,10 +163,13 @@ def ds_config(cfg: WorkerConfig, world_size: int) -> dict:
             "gradient_accumulation_steps": 1,
         }
         clip = 1.0  # no optimizer steps: DeepSpeed never clips here (the value frozen roles always had)
+    # --grad_accum_dtype: trained models only, as OpenRLHF's train config (a frozen model accumulates nothing)
+    accum = cfg.grad_accum_dtype if cfg.trainable else None
     return {
         **batch,
         "zero_optimization": zero,
         "bf16": {"enabled": cfg.bf16},
+        **({"data_types": {"grad_accum_dtype": accum}} if accum is not None else {}),
         "gradient_clipping": clip,
         # ZeRO-Offload refuses a client (torch) optimizer unless this is off. With adam_offload we pass
         # DeepSpeedCPUAdam anyway; off, it cannot refuse the torch AdamW of a non-offloaded combination.
@@ -144,6 +178,21 @@ def ds_config(cfg: WorkerConfig, world_size: int) -> dict:
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+
+
+def _train_zero_knobs(cfg: WorkerConfig, world_size: int) -> dict:
+    """A trained model's ZeRO knobs, as OpenRLHF's train config sets them (frozen models get none, as its eval
+    config): --overlap_comm turns on overlap_comm with contiguous gradient buffers; --zpg N the ZeRO++ secondary
+    partition within groups of min(N, world) ranks under ZeRO-3, the only stage that reads it. DeepSpeed clamps the
+    group to the world itself; left out where that is one rank (nothing to partition, and DeepSpeed's group for it is
+    one per process, which a second model in the same process could not create again)."""
+    out: dict = {}
+    if cfg.overlap_comm:
+        out.update(overlap_comm=True, contiguous_gradients=True)
+    hpz = min(cfg.zpg, world_size)
+    if cfg.zero_stage == 3 and hpz > 1:
+        out["zero_hpz_partition_size"] = hpz
+    return out
 
 
 def _log_cpu_param_offload_once() -> None:

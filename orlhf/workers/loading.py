@@ -84,8 +84,28 @@ def hf_load_kwargs(cfg: WorkerConfig) -> dict:
     return kw
 
 
+def model_class(auto_cls, cfg: WorkerConfig):
+    """The class that loads `cfg`'s model: Liger's AutoLigerKernelForCausalLM in place of AutoModelForCausalLM with
+    --use_liger_kernel (as OpenRLHF's Actor: it patches the model type's modules with Liger's Triton kernels, then
+    loads through AutoModelForCausalLM), else `auto_cls` itself. Value-head models load as before (OpenRLHF has no
+    Liger there either; worker_config sets use_liger_kernel for the actor and the reference only)."""
+    if not cfg.use_liger_kernel or auto_cls.__name__ != "AutoModelForCausalLM":
+        return auto_cls
+    if cfg.device != "cuda":
+        raise ValueError("--use_liger_kernel needs CUDA GPUs (Liger's kernels are Triton's); drop it on --device cpu.")
+    try:
+        from liger_kernel.transformers import AutoLigerKernelForCausalLM
+    except ImportError as e:
+        from orlhf.config.validation import LIGER_MISSING
+
+        raise ImportError(LIGER_MISSING) from e
+    return AutoLigerKernelForCausalLM
+
+
 def from_pretrained(auto_cls, path: str, cfg: WorkerConfig, **kwargs):
-    """auto_cls.from_pretrained with our kwargs; falls back to eager attention for models without SDPA."""
+    """auto_cls.from_pretrained with our kwargs (Liger's class with --use_liger_kernel: model_class); falls back to
+    eager attention for models without SDPA."""
+    auto_cls = model_class(auto_cls, cfg)
     kw = {**hf_load_kwargs(cfg), **kwargs}
     try:
         return auto_cls.from_pretrained(path, **kw)

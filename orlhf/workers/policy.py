@@ -172,6 +172,10 @@ class CausalLMWorker(DeepSpeedWorker):
 
     def build_model(self) -> nn.Module:
         model = load_causal_lm(self.cfg)
+        loss = getattr(self.cfg, "loss", None)
+        if loss is not None and loss.aux_loss_coef > 0:  # the actor with --aux_loss_coef: MoE routers' aux loss
+            model.config.output_router_logits = True
+            model.register_forward_hook(self._record_aux_loss)
         lora = getattr(self.cfg, "lora", None)
         if lora is None:
             return model
@@ -179,11 +183,18 @@ class CausalLMWorker(DeepSpeedWorker):
 
         return apply_lora(model, lora)
 
+    def _record_aux_loss(self, module: nn.Module, args, output) -> None:
+        """Forward hook of the transformers model: its last forward's router load-balancing loss (a tensor in the
+        graph), which the actor's loss adds (--aux_loss_coef)."""
+        self.last_aux_loss = getattr(output, "aux_loss", None)
+
     @endpoint
     def init(self) -> None:
-        """Collective: all ranks call it together."""
+        """Collective: all ranks call it together. Not with --aux_loss_coef: the router loss transformers computes
+        needs whole rows in one forward (its padding mask does not fit a forward continued from a prompt's cache)."""
         super().init()
-        self.shared_prompt = shares_prompts(self)
+        aux = getattr(getattr(self.cfg, "loss", None), "aux_loss_coef", 0.0) > 0
+        self.shared_prompt = False if aux else shares_prompts(self)
 
     def score_log_probs(self, batch: SequenceBatch) -> torch.Tensor:
         """(B, A) float32 on CPU: log-probs of each action token (padding positions hold garbage: mask them)."""
@@ -276,6 +287,7 @@ class PolicyWorker(CausalLMWorker):
             log_probs, entropy = action_log_probs_entropy(
                 self.engine, seqs, cfg.temperature, cfg.packing_samples, self.shared_prompt_train
             )
+        aux = getattr(self, "last_aux_loss", None) if lc.aux_loss_coef > 0 else None  # this forward's (MoE)
         old = _old_log_probs(mb, log_probs)
         terms = policy_loss_terms(
             log_probs,
@@ -312,6 +324,9 @@ class PolicyWorker(CausalLMWorker):
             kl = approx_kl(log_probs, mb.base_action_log_probs, lc.kl_estimator, old, lc.kl_unbiased_gradient)
             loss = loss + kl_coef * aggregate(kl, mask, side_agg, norm)
             stats["kl_loss"] = aggregate(kl.detach(), mask, side_agg).item()
+        if aux is not None:  # per micro-batch, unscaled, as OpenRLHF adds output.aux_loss * aux_loss_coef
+            loss = loss + lc.aux_loss_coef * aux
+            stats["aux_loss"] = aux.item()
         return loss, stats
 
     # ---- weight sync: orlhf/trainer/weight_sync.py drives these, workers/weight_send.py does the sending; only rank 0

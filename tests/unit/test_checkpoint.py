@@ -303,3 +303,62 @@ def test_load_checkpoint_on_a_first_run_starts_fresh_in_one_line(tmp_path, caplo
     mgr.commit(tmp, 2, {"fingerprint": json.loads(json.dumps(config_fingerprint(other)))})
     with pytest.raises(CheckpointError, match="--seed: checkpoint 7, this run 42"):
         find_checkpoint(cfg, mgr)  # written under other flags: refused, as before
+
+
+# ---- --max_ckpt_mem: a disk budget, as OpenRLHF applies it ---------------------------------------------------
+
+MIB = 1024**2
+
+
+def _save_mib(mgr: CheckpointManager, step: int, mib: int):
+    tmp = mgr.begin(step)
+    (tmp / "actor").mkdir()
+    (tmp / "actor" / "shard.bin").write_bytes(b"x" * (mib * MIB))
+    return mgr.commit(tmp, step, _meta())
+
+
+def _openrlhf_keeps(sizes_mib: list[int], max_num: int, max_mem_mib: float, best_mib: int = 0) -> list[int]:
+    """OpenRLHF v0.10.1's DeepspeedStrategy.save_ckpt rotation, replayed on sizes: before each save it deletes the
+    oldest regular checkpoint while there are max_num or more, or while everything on disk (a best checkpoint
+    included, never deleted) exceeds max_mem; then saves. Returns the steps left after the last save."""
+    on_disk: list[tuple[int, int]] = []  # (step, MiB), oldest first
+    for step, size in enumerate(sizes_mib, 1):
+        while on_disk and (len(on_disk) - max_num + 1 > 0 or sum(s for _, s in on_disk) + best_mib > max_mem_mib):
+            on_disk.pop(0)
+        on_disk.append((step, size))
+    return [step for step, _ in on_disk]
+
+
+@pytest.mark.parametrize(
+    "sizes, max_num, budget, best",
+    [
+        ([1] * 6, 10, 2.5, 0),  # the budget alone: the newest and two more
+        ([3, 1, 1, 2, 1, 1, 4, 1], 10, 2.5, 0),  # sizes that vary, one over the budget by itself
+        ([1] * 6, 2, 100.5, 0),  # --max_ckpt_num alone
+        ([1, 2, 1, 1, 1], 3, 1.5, 0),  # both: whichever keeps fewer
+        ([1] * 5, 10, 3.5, 2),  # a best checkpoint counts against the budget, and is kept
+    ],
+)
+def test_max_ckpt_mem_keeps_what_openrlhf_keeps(tmp_path, caplog, sizes, max_num, budget, best):
+    mgr = CheckpointManager(tmp_path, max_ckpt_num=max_num, max_ckpt_mem=budget / 1024)  # GiB
+    if best:
+        _save_mib(mgr.best(), 99, best)
+    with caplog.at_level(logging.INFO, logger="orlhf.storage.checkpoint"):
+        for step, size in enumerate(sizes, 1):
+            _save_mib(mgr, step, size)
+            assert mgr.latest().name == f"step_{step:06d}"  # the newest is never deleted
+            kept = sorted(int(p.name.removeprefix("step_")) for p in mgr.complete())
+            assert kept == _openrlhf_keeps(sizes[:step], max_num, budget, best), f"after step {step}"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".trash")]
+    if budget < 100:
+        assert "rotated out (--max_ckpt_mem" in caplog.text
+    if best:
+        assert [p.name for p in mgr.best().complete()] == ["step_000099"]
+
+
+def test_no_budget_keeps_what_max_ckpt_num_keeps(tmp_path):
+    for budget in (None, float("inf")):
+        mgr = CheckpointManager(tmp_path / str(budget), max_ckpt_num=3, max_ckpt_mem=budget)
+        for step in range(1, 6):
+            _save_mib(mgr, step, 1)
+        assert [p.name for p in mgr.complete()] == ["step_000005", "step_000004", "step_000003"]

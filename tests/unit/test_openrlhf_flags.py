@@ -69,6 +69,9 @@ VALUES = {
     "overlong_buffer_len": ["16"],
     "overlong_penalty_factor": ["1.0"],
     "stop_properly_penalty_coef": ["0.5"],
+    "grad_accum_dtype": ["fp32"],
+    "max_ckpt_mem": ["20"],
+    "dataloader_num_workers": ["2"],
 }
 
 
@@ -133,6 +136,14 @@ def test_a_launch_line_with_every_flag_parses(capsys, no_training, dashed, monke
     assert cfg.ppo.vllm_is_correction_type == "icepop" and cfg.ppo.dynamic_filtering
     assert cfg.data.value_head_prefix == "value_head" and cfg.data.prompt_split == "train"  # data and heads
     assert cfg.data.agent_func_path == "/a/agent.py" and cfg.eval.eval_steps == 8  # agent and evaluation
+    ds = cfg.deepspeed  # the DeepSpeed and data knobs (tests/unit/test_openrlhf_knobs.py)
+    assert ds.overlap_comm and ds.gradient_checkpointing_use_reentrant and ds.full_determinism and ds.use_liger_kernel
+    assert (ds.grad_accum_dtype, ds.zpg, cfg.logging.max_ckpt_mem, cfg.data.dataloader_num_workers) == (
+        "fp32",
+        1,
+        20,
+        2,
+    )
 
 
 @pytest.mark.parametrize(
