@@ -134,16 +134,15 @@ UNSUPPORTED: dict[str, Unsupported] = {
 
 
 # OpenRLHF v0.11's dotted names with no flat v0.10.1 spelling and no orlhf flag: what each does here.
-_MUON = "the Muon optimizer (orlhf trains with AdamW; DeepSpeed's Muon is not wired in yet)"
-_MUON_SETTING = NoEffect(1, "a Muon setting, read only with --actor.optim / --critic.optim muon, which orlhf refuses")
+# DeepSpeed 0.19.8's Muon runs 5 Newton-Schulz steps with Nesterov momentum, fixed (OpenRLHF's placeholders too).
+_FIXED = "other Muon Newton-Schulz settings (DeepSpeed 0.19.8's Muon fixes 5 steps with Nesterov momentum)"
 DOTTED_ONLY: dict[str, "Unsupported | NoEffect"] = {
-    **{f"{role}.optim": Unsupported(1, ("adam",), _MUON) for role in ("actor", "critic")},
-    **{f"{role}.muon.{k}": _MUON_SETTING for role in ("actor", "critic") for k in ("lr", "momentum", "ns_steps")},
+    **{f"{role}.muon.ns_steps": Unsupported(1, ("5",), _FIXED) for role in ("actor", "critic")},
     **{
-        f"{role}.muon.{k}": NoEffect(0, _MUON_SETTING.why)
+        f"{role}.muon.nesterov": NoEffect(0, "Nesterov momentum is what Muon runs anyway")
         for role in ("actor", "critic")
-        for k in ("nesterov", "no_nesterov")
     },
+    **{f"{role}.muon.no_nesterov": Unsupported(0, None, _FIXED) for role in ("actor", "critic")},
 }
 
 

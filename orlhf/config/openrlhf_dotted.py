@@ -156,6 +156,12 @@ DOTTED: dict[str, str] = {
     "critic.lr_scheduler": "critic_lr_scheduler",
     "actor.min_lr_ratio": "actor_min_lr_ratio",
     "critic.min_lr_ratio": "critic_min_lr_ratio",
+    "actor.optim": "actor_optim",
+    "critic.optim": "critic_optim",
+    "actor.muon.lr": "actor_muon_lr",
+    "critic.muon.lr": "critic_muon_lr",
+    "actor.muon.momentum": "actor_muon_momentum",
+    "critic.muon.momentum": "critic_muon_momentum",
     "actor.max_norm": "actor_max_norm",
     "critic.max_norm": "critic_max_norm",
     # OpenRLHF 0.11.2's loss options (config/ppo_config.py). The 0.11.0 names is_correction_enable / _type above stay;

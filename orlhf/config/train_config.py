@@ -25,6 +25,7 @@ from orlhf.config.ppo_config import LR_SCHEDULERS, PPOConfig
 
 SYNC_BACKENDS = ("nccl", "gloo")
 BEST_METRICS = ("reward_mean", "pass@1", "pass@k")
+OPTIMS = ("adam", "muon")
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -220,6 +221,17 @@ class RoleOptimConfig:
     critic_lr_warmup_ratio: Optional[float] = opt(None, "The critic's LR warm-up share (default: --lr_warmup_ratio).")
     actor_min_lr_ratio: float = opt(0.1, "The actor's floor of cosine_with_min_lr, as a share of its peak LR.")
     critic_min_lr_ratio: float = opt(0.1, "The critic's floor of cosine_with_min_lr, as a share of its peak LR.")
+    actor_optim: str = opt(
+        "adam",
+        "The actor's optimizer: adam (AdamW), or muon (DeepSpeed's Muon on the 2-D weights, AdamW with the actor's "
+        "learning rate and Adam settings on the rest).",
+        choices=OPTIMS,
+    )
+    critic_optim: str = opt("adam", "The critic's optimizer (as --actor_optim).", choices=OPTIMS)
+    actor_muon_lr: float = opt(0.02, "With --actor_optim muon: the Muon weights' learning rate.")
+    critic_muon_lr: float = opt(0.02, "With --critic_optim muon: the Muon weights' learning rate.")
+    actor_muon_momentum: float = opt(0.95, "With --actor_optim muon: Muon's momentum.")
+    critic_muon_momentum: float = opt(0.95, "With --critic_optim muon: Muon's momentum.")
 
     def of(self, role: str, ppo) -> dict:
         """`role`'s settings with the shared flags (`ppo`: PPOConfig) filling what is unset."""
@@ -236,6 +248,9 @@ class RoleOptimConfig:
             lr_scheduler=pick("lr_scheduler", ppo.lr_scheduler),
             lr_warmup_ratio=pick("lr_warmup_ratio", ppo.lr_warmup_ratio),
             min_lr_ratio=getattr(self, f"{role}_min_lr_ratio"),
+            optim=getattr(self, f"{role}_optim"),
+            muon_lr=getattr(self, f"{role}_muon_lr"),
+            muon_momentum=getattr(self, f"{role}_muon_momentum"),
         )
 
 

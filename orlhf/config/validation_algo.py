@@ -149,8 +149,8 @@ def _optimizer(cfg: TrainConfig, role: str, out: list[str]) -> None:
         if message not in out:
             out.append(message)
 
-    if o["max_norm"] <= 0:
-        add(f"{flag('max_norm', 'max_norm')} must be > 0 (got {o['max_norm']}).")
+    if o["max_norm"] < 0:
+        add(f"{flag('max_norm', 'max_norm')} must be >= 0 (got {o['max_norm']}; 0: no clipping).")
     b1, b2 = _pair(o["adam_betas"])
     if not (0 <= b1 < 1 and 0 <= b2 < 1):
         add(
@@ -171,6 +171,19 @@ def _optimizer(cfg: TrainConfig, role: str, out: list[str]) -> None:
         add(f"--{role}_adam_eps must be > 0 (got {o['adam_eps']}).")
     if not 0 <= o["min_lr_ratio"] <= 1:
         add(f"--{role}_min_lr_ratio must be in [0, 1] (got {o['min_lr_ratio']}).")
+    if o["optim"] == "muon":
+        if o["muon_lr"] <= 0 or not 0 <= o["muon_momentum"] < 1:
+            add(f"--{role}_muon_lr must be > 0 and --{role}_muon_momentum in [0, 1).")
+        if cfg.deepspeed.adam_offload:
+            add(
+                f"--{role}_optim muon with --adam_offload: DeepSpeed 0.19.8's Muon keeps its states on the device; "
+                "drop one of them."
+            )
+        if cfg.deepspeed.enable_sleep and cfg.runtime.device != "cpu":
+            add(
+                f"--{role}_optim muon with --deepspeed_enable_sleep: DeepSpeed's offload_states moves FusedAdam's "
+                "states only; drop one of them."
+            )
 
 
 def sampling(cfg: TrainConfig, out: list[str]) -> None:

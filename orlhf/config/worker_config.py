@@ -44,6 +44,9 @@ class TrainSlice:
     weight_decay: float = 0.0
     lr_scheduler: str = "cosine_with_min_lr"
     min_lr_ratio: float = 0.1  # cosine_with_min_lr's floor, a share of the peak LR
+    optim: str = "adam"  # adam | muon (DeepSpeed's Muon with an auxiliary AdamW: workers/optim.py)
+    muon_lr: float = 0.02
+    muon_momentum: float = 0.95
     adam_offload: bool = False  # Adam states on host
     offload_states: bool = False  # --deepspeed_enable_sleep: ZeRO-3 states leave the GPU in generation
     # --use_dynamic_batch: each optimizer step's samples in micro-batches of at most this many real tokens; 0: by

@@ -143,6 +143,17 @@ def log_skipped_forwards(cfg: TrainConfig) -> None:
             "--async_train with --colocate_all_models: the DeepSpeed models share the actor's devices, and the vLLM "
             "engines keep devices of their own, so generation overlaps training (as OpenRLHF's async mode does)"
         )
+    for role in ("actor", "critic"):
+        o = cfg.optim.of(role, cfg.ppo)
+        if o["optim"] == "muon" and o["max_norm"] > 0 and (role == "actor" or cfg.has_critic):
+            log.warning(
+                "--%s_optim muon with gradient clipping at %g: DeepSpeed clips after Newton-Schulz, against the "
+                "orthogonalized update's norm, which shrinks Muon's step; --%s_max_norm 0 turns clipping off (as "
+                "OpenRLHF advises)",
+                role,
+                o["max_norm"],
+                role,
+            )
     if cfg.single_pass:
         log.info(
             "no old-log-prob forward: one optimizer step per batch (--max_epochs 1), so the PPO ratio is 1 and "

@@ -105,14 +105,22 @@ class DeepSpeedWorker:
             enable_gradient_checkpointing(model, self.cfg)  # reentrant with --gradient_checkpointing_use_reentrant
         if self.cfg.trainable:
             optimizer = self._make_optimizer(model)
-            scheduler = self._make_scheduler(optimizer)
-            self.engine, *_ = deepspeed.initialize(
-                model=model,
-                optimizer=optimizer,
-                lr_scheduler=scheduler,
-                config=self._ds_config,
-                dist_init_required=False,
-            )
+            if optimizer is None:  # Muon: DeepSpeed builds it from its config, over our parameter groups
+                self.engine, *_ = deepspeed.initialize(
+                    model=model,
+                    model_parameters=decay_groups(model.named_parameters(), self.cfg.train.weight_decay),
+                    lr_scheduler=self._make_scheduler,
+                    config=self._ds_config,
+                    dist_init_required=False,
+                )
+            else:
+                self.engine, *_ = deepspeed.initialize(
+                    model=model,
+                    optimizer=optimizer,
+                    lr_scheduler=self._make_scheduler(optimizer),
+                    config=self._ds_config,
+                    dist_init_required=False,
+                )
         else:
             self.engine, *_ = deepspeed.initialize(model=model, config=self._ds_config, dist_init_required=False)
             self.engine.eval()

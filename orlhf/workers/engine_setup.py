@@ -136,6 +136,8 @@ def ds_config(cfg: WorkerConfig, world_size: int) -> dict:
         if t.adam_offload:
             zero["offload_optimizer"] = {"device": "cpu", "pin_memory": cuda}
         zero.update(_train_zero_knobs(cfg, world_size))
+        if t.optim == "muon" and cfg.zero_stage == 3:
+            zero["reduce_scatter"] = False  # DeepSpeed 0.19.8's ZeRO-3 refuses Muon with reduce-scatter
         batch = {
             "train_batch_size": t.train_batch_size,
             "train_micro_batch_size_per_gpu": t.micro_train_batch_size,
@@ -167,6 +169,7 @@ def ds_config(cfg: WorkerConfig, world_size: int) -> dict:
     accum = cfg.grad_accum_dtype if cfg.trainable else None
     return {
         **batch,
+        **({"optimizer": muon_optimizer(cfg.train)} if cfg.trainable and cfg.train.optim == "muon" else {}),
         "zero_optimization": zero,
         "bf16": {"enabled": cfg.bf16},
         **({"data_types": {"grad_accum_dtype": accum}} if accum is not None else {}),
@@ -177,6 +180,25 @@ def ds_config(cfg: WorkerConfig, world_size: int) -> dict:
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
+    }
+
+
+def muon_optimizer(t) -> dict:
+    """--actor_optim muon (OpenRLHF 0.11's --actor.optim muon): DeepSpeed builds its MuonWithAuxAdam from this
+    section. Muon steps the 2-D weights at --actor_muon_lr with --actor_muon_momentum; the auxiliary AdamW steps the
+    rest (embeddings, head, norms, biases) with the role's learning rate, betas and eps; the role's weight decay is
+    the groups' (biases and norm weights exempt, as for Adam). `t`: the role's TrainSlice."""
+    return {
+        "type": "Muon",
+        "params": {
+            "lr": t.muon_lr,
+            "muon_lr": t.muon_lr,
+            "adam_lr": t.learning_rate,
+            "momentum": t.muon_momentum,
+            "betas": list(t.adam_betas),
+            "eps": t.adam_eps,
+            "weight_decay": t.weight_decay,
+        },
     }
 
 

@@ -11,6 +11,8 @@ scale pulls it towards 0, which shrinks the activations rather than regularizing
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from orlhf.config.worker_config import ActorConfig, CriticConfig
@@ -35,9 +37,12 @@ def decay_groups(named_params, weight_decay: float) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
-def make_optimizer(params: list, cfg: ActorConfig | CriticConfig) -> torch.optim.Optimizer:
-    """`params`: parameters or param groups (decay_groups); a group's weight_decay wins over --l2."""
+def make_optimizer(params: list, cfg: ActorConfig | CriticConfig) -> Optional[torch.optim.Optimizer]:
+    """`params`: parameters or param groups (decay_groups); a group's weight_decay wins over --l2. None for Muon:
+    DeepSpeed builds it from its config (engine_setup.muon_optimizer) with these groups."""
     kind = optimizer_kind(cfg)
+    if kind == "Muon":
+        return None
     t = cfg.train
     betas, decay, eps = tuple(t.adam_betas), t.weight_decay, t.adam_eps  # --adam_betas, --l2, --actor_adam_eps
     if kind == "DeepSpeedCPUAdam":
@@ -50,13 +55,16 @@ def make_optimizer(params: list, cfg: ActorConfig | CriticConfig) -> torch.optim
 
 
 def optimizer_kind(cfg: ActorConfig | CriticConfig) -> str:
-    """Which Adam a trained model gets: "DeepSpeedCPUAdam" | "FusedAdam" | "AdamW" (torch).
+    """Which optimizer a trained model gets: "Muon" (--actor_optim muon) | "DeepSpeedCPUAdam" | "FusedAdam" |
+    "AdamW" (torch).
 
     --adam_offload: DeepSpeedCPUAdam (the states live on the host; DeepSpeed's offload_states then leaves them
     alone). --deepspeed_enable_sleep on CUDA: DeepSpeed's FusedAdam, because ZeRO-3's offload_states (DeepSpeed
     0.19.8, stage3.py) asserts the optimizer's class is exactly FusedAdam before moving Adam states. Otherwise
     torch's AdamW, which needs no compiled op (FusedAdam compiles with nvcc on first use).
     """
+    if cfg.train.optim == "muon":
+        return "Muon"
     if cfg.train.adam_offload:
         return "DeepSpeedCPUAdam"
     if cfg.device == "cuda" and cfg.train.offload_states:

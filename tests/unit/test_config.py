@@ -498,7 +498,7 @@ def test_dynamic_filtering_rules(model_dir, prompts):
             ["--vllm_is_correction_type icepop", "--policy_loss_type gspo"],
         ),
         (dict(use_kl_loss=True, kl_target=0.1, init_kl_coef=0.0), ["--kl_target", "--init_kl_coef"]),
-        (dict(max_norm=0.0), ["--max_norm"]),
+        (dict(max_norm=-1.0), ["--max_norm"]),
         (dict(adam_betas=(0.9, 1.0)), ["--adam_betas"]),
         (dict(l2=-0.1), ["--l2"]),
         (dict(lr_scheduler="constant", lr_warmup_ratio=0.1), ["--lr_scheduler constant", "--lr_warmup_ratio"]),

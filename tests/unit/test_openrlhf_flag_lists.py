@@ -59,15 +59,22 @@ def test_every_refusal_and_no_op_says_why():
         assert len(spec.why) > 20
 
 
-def test_muon_is_refused_by_name_and_adam_accepted(capsys, no_training):
+def test_muon_flags_reach_their_role_and_fixed_newton_schulz_settings_are_refused(capsys, no_training):
     from orlhf.cli import main
+    from orlhf.config.resolve import resolve_demo
+    from orlhf.config.worker_config import worker_config
 
+    argv = ["train-ppo", "--device", "cpu", "--advantage_estimator", "gae", "--critic.optim=adam"]
     with pytest.raises(SystemExit) as e:
-        main(
-            ["train-ppo", "--device", "cpu", "--actor.optim", "adam", "--actor.muon.lr", "0.02", "--critic.optim=adam"]
-        )
+        main([*argv, "--actor.optim", "muon", "--actor.muon.lr", "0.03", "--actor.muon.nesterov"])
     assert e.value.code == 0, capsys.readouterr().err
+    cfg = resolve_demo(no_training[0])
+    actor, critic = worker_config(cfg, "actor").train, worker_config(cfg, "critic").train
+    assert (actor.optim, actor.muon_lr, critic.optim) == ("muon", 0.03, "adam")
     with pytest.raises(SystemExit) as e:
-        main(["train-ppo", "--device", "cpu", "--critic.optim", "muon"])
+        main(["train-ppo", "--device", "cpu", "--critic.muon.ns_steps", "6"])
     err = capsys.readouterr().err
-    assert e.value.code == 2 and "--critic.optim muon: orlhf does not support it yet (the Muon optimizer" in err
+    assert e.value.code == 2 and "--critic.muon.ns_steps 6: orlhf does not support it yet (other Muon" in err
+    with pytest.raises(SystemExit) as e:
+        main(["train-ppo", "--device", "cpu", "--actor.optim", "muon", "--adam_offload"])
+    assert e.value.code == 2 and "--actor_optim muon with --adam_offload" in capsys.readouterr().err
