@@ -94,7 +94,8 @@ class PPOConfig:
         None,
         "Loss aggregation over an optimizer step, of the actor's and the critic's losses: token_mean (each token "
         "weighs the same) or seq_mean (each sequence's token mean does). Default: seq_mean with --policy_loss_type "
-        "gspo (as OpenRLHF), else token_mean.",
+        "gspo (as OpenRLHF), else token_mean. Unlike OpenRLHF it also aggregates the KL-loss and entropy terms (which "
+        "OpenRLHF always token-averages), so one mode weighs every term of a sample alike.",
         choices=LOSS_AGG_MODES,
     )
     actor_loss_agg_mode: Optional[str] = opt(

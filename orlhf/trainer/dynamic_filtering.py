@@ -8,7 +8,12 @@
 
 Prompts whose samples all score alike (all right or all wrong) give all-zero group advantages: they cost a
 train step and teach nothing. The scores computed here are the step's scores (the controller does not score
-again). Logged per step: dynamic_filtering_pass_rate (kept / generated prompts, in %, as OpenRLHF) and
+again). Where orlhf differs from OpenRLHF v0.10.1 (samples_generator.py), on purpose:
+- the pass rate is kept / generated prompts in %; OpenRLHF divides its kept samples (n per prompt) by the prompts,
+  which exceeds 100 for n > 1 and is no rate;
+- prompts generated past a full batch, and loader prompts read but not yet generated, stay spare for the next step;
+  OpenRLHF replaces each filtered prompt with the next one as it goes and drops what a full batch did not need.
+Logged per step: dynamic_filtering_pass_rate (kept / generated prompts, in %) and
 dynamic_filtering_generated_per_kept (generated samples per kept sample, >= 1), and reward_generated_mean, the
 mean score of every sample generated (reward_mean is over the kept ones, which filtering biases: it is the
 policy's own reward that reward_generated_mean tracks).
