@@ -123,7 +123,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "deepcompile": _u(0, None, "DeepSpeed deepcompile"),
     "actor_init_on_gpu": _u(0, None, "initialising the actor on the GPU"),
     "ds_tensor_parallel_size": _u(1, ("1",), "DeepSpeed tensor parallelism"),
-    "vllm_generate_batch_size": _u(1, None, "a vLLM batch other than --rollout_batch_size"),
     "ring_attn_size": _u(1, ("1",), "ring attention"),
     "ring_head_stride": _u(1, ("1",), "ring attention"),
     "image_key": _u(1, ("images",), "vision-language models"),

@@ -89,6 +89,11 @@ class PPOConfig:
     seed: int = opt(42, "Random seed (engines get seed + engine index).")
     async_train: bool = opt(False, "Generate step k+1 while training on step k.")
     async_queue_size: int = opt(1, "Rollout batches that may wait between generation and training (async).")
+    vllm_generate_batch_size: Optional[int] = opt(
+        None,
+        "With --async_train: prompts the engines generate in one call, a multiple of --rollout_batch_size "
+        "(over-sampling ahead into the queue, as OpenRLHF; default: --rollout_batch_size).",
+    )
     # ---- losses and their variants (OpenRLHF v0.10-0.11, DAPO, GSPO) ----
     loss_agg_mode: Optional[str] = opt(
         None,

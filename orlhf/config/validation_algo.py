@@ -223,6 +223,24 @@ def sampling(cfg: TrainConfig, out: list[str]) -> None:
 def given_alone(cfg: TrainConfig, explicit: frozenset[str], out: list[str]) -> None:
     """Flags the user gave that the rest of the command line makes do nothing (they would be silently ignored)."""
     ppo = cfg.ppo
+    g = ppo.vllm_generate_batch_size
+    if g is not None and g != ppo.rollout_batch_size:
+        k = g // ppo.rollout_batch_size if ppo.rollout_batch_size > 0 else 0
+        if g < 1 or g % max(ppo.rollout_batch_size, 1) or k < 1:
+            out.append(
+                f"--vllm_generate_batch_size {g} must be a multiple of --rollout_batch_size {ppo.rollout_batch_size} "
+                "(whole steps' batches generated together)."
+            )
+        elif not ppo.async_train or ppo.dynamic_filtering:
+            out.append(
+                f"--vllm_generate_batch_size {g} generates {k} steps' batches ahead into the --async_train queue: add "
+                "--async_train (and no --dynamic_filtering, which fills each step itself), or drop it."
+            )
+        elif ppo.async_queue_size < k:
+            out.append(
+                f"--vllm_generate_batch_size {g} queues {k} batches at once: --async_queue_size must be >= {k} "
+                f"(got {ppo.async_queue_size})."
+            )
     if ppo.aux_loss_coef < 0:
         out.append(f"--aux_loss_coef must be >= 0 (got {ppo.aux_loss_coef}).")
     if not 0 < ppo.ema_beta < 1:

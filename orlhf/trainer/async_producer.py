@@ -7,6 +7,8 @@
 `fill` (optional, --dynamic_filtering): builds each step's batch instead of one generation
 (trainer/dynamic_filtering.py: generate, score, keep the prompts whose samples disagree, refill), under the lock,
 so queued batches are full ones.
+`batches_per_generation` (--vllm_generate_batch_size / --rollout_batch_size): that many loader batches generated in
+one engine call (over-sampling ahead into the queue, as OpenRLHF), then queued one by one.
 `ahead` (optional): called with each batch's prompts and rollouts as soon as it is generated, outside the lock;
 what it returns travels with the batch. The controller starts the frozen models' forwards there (reference,
 reward model: Scorer.ahead, orlhf/trainer/scoring.py), so they run while the trainers still work on the batch before.
@@ -34,6 +36,19 @@ STOP_WAIT_S = 5.0  # how long context exit waits for the producer thread
 log = logging.getLogger(__name__)
 
 
+def split_rollouts(rollouts: list, sizes: list[int]) -> list[list]:
+    """Rollouts of several prompt batches generated together (prompt-major, prompt_index into the joined prompts)
+    -> one list per batch, prompt_index counted within it."""
+    import dataclasses
+
+    out, start = [], 0
+    for n in sizes:
+        part = [r for r in rollouts if start <= r.prompt_index < start + n]
+        out.append([dataclasses.replace(r, prompt_index=r.prompt_index - start) for r in part])
+        start += n
+    return out
+
+
 class RolloutProducer:
     def __init__(
         self,
@@ -42,8 +57,10 @@ class RolloutProducer:
         queue_size: int,
         ahead: Optional[Callable[[list, list], Any]] = None,
         fill: Optional[Callable[[Iterator[list], int], Any]] = None,
+        batches_per_generation: int = 1,
     ):
         self.generate, self.loader, self.ahead, self.fill = generate, loader, ahead, fill
+        self.per_generation = batches_per_generation  # --vllm_generate_batch_size / --rollout_batch_size
         self.lock = threading.Lock()  # held while generating and while syncing weights
         self._slots = threading.Semaphore(queue_size)
         self._queue: queue.Queue = queue.Queue()
@@ -78,6 +95,9 @@ class RolloutProducer:
 
     def _run(self) -> None:
         try:
+            if self.per_generation > 1:
+                self._run_grouped()
+                return
             for i, batch in enumerate(self._batches(), start=self._first_index):
                 self._slots.acquire()
                 if self._stop.is_set():
@@ -93,6 +113,31 @@ class RolloutProducer:
             self._queue.put(_DONE)
         except BaseException as e:  # surfaced in the controller's thread
             self._queue.put(e)
+
+    def _run_grouped(self) -> None:
+        """--vllm_generate_batch_size: several loader batches generated in one call (one weight version, the first
+        batch's sampling seed), then queued one by one; each takes a slot, so the queue must hold them all."""
+        loader = iter(self.loader)
+        index = self._first_index
+        while True:
+            group = [b for _, b in zip(range(self.per_generation), loader)]
+            if not group:
+                break
+            for _ in group:
+                self._slots.acquire()
+            if self._stop.is_set():
+                return
+            with self.lock:
+                t0 = time.perf_counter()
+                rollouts = self.generate([p for b in group for p in b], index)
+                seconds = time.perf_counter() - t0
+            if self._stop.is_set():
+                return
+            for prompts, part in zip(group, split_rollouts(rollouts, [len(b) for b in group])):
+                early = self.ahead(prompts, part) if self.ahead is not None else None
+                self._queue.put((prompts, part, seconds / len(group), early, None))
+            index += len(group)
+        self._queue.put(_DONE)
 
     def _batches(self) -> Iterator:
         """The loader's prompt batches; with `fill` (--dynamic_filtering), one shared iterator per step, from which

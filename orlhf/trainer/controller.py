@@ -182,8 +182,15 @@ class Controller:
         from orlhf.trainer.async_producer import RolloutProducer
 
         fill = self.filter.fill if self.filter is not None else None  # --dynamic_filtering: full batches queued
+        p = self.cfg.ppo
+        per_generation = (p.vllm_generate_batch_size or p.rollout_batch_size) // p.rollout_batch_size
         producer = RolloutProducer(
-            self.generate, self.loader, self.cfg.ppo.async_queue_size, self.scorer.ahead, fill=fill
+            self.generate,
+            self.loader,
+            p.async_queue_size,
+            self.scorer.ahead,
+            fill=fill,
+            batches_per_generation=per_generation,
         )
         self._sync_lock = producer.lock
         with producer, self.progress() as report:

@@ -126,3 +126,24 @@ def test_with_a_filter_the_queue_holds_full_batches_and_ends_when_the_filter_run
         for prompts, rollouts, _seconds, _ahead, filled in producer:
             got.append((prompts, rollouts, filled.step))
     assert got == [([0, 2], ["r0", "r2"], 0), ([4, 6], ["r4", "r6"], 1)]  # 8 alone cannot fill a third batch
+
+
+def test_several_batches_per_generation_are_generated_together_and_queued_one_by_one():
+    """--vllm_generate_batch_size = 2 x --rollout_batch_size: one generate call for two loader batches (the first
+    one's index for its seeds), the rollouts split back per batch with prompt indices counted within it."""
+    from orlhf.types import Rollout
+
+    calls = []
+
+    def generate(prompts, index):
+        calls.append((list(prompts), index))
+        return [Rollout(i, [p], [p, p], [0.0, 0.0], True) for i, p in enumerate(prompts) for _ in range(2)]
+
+    loader = [[10, 11], [12, 13], [14, 15]]
+    got = []
+    with RolloutProducer(generate, loader, 2, batches_per_generation=2) as producer:
+        for prompts, rollouts, _s, _a, _f in producer:
+            got.append((prompts, [(r.prompt_index, r.prompt_ids[0]) for r in rollouts]))
+    assert calls == [([10, 11, 12, 13], 0), ([14, 15], 2)]
+    assert got[1] == ([12, 13], [(0, 12), (0, 12), (1, 13), (1, 13)])
+    assert [p for p, _ in got] == loader

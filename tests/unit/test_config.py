@@ -199,6 +199,14 @@ def test_vllm_sleep_rules():
     assert_fails(["--deepspeed_enable_sleep", "--colocate_all_models"], deepspeed_enable_sleep=True)
 
 
+def test_vllm_generate_batch_size_over_samples_into_the_async_queue_only():
+    ok = dict(async_train=True, async_queue_size=2, rollout_batch_size=32, train_batch_size=32)
+    assert build(vllm_generate_batch_size=64, **ok).ppo.vllm_generate_batch_size == 64
+    assert_fails(["--vllm_generate_batch_size 48 must be a multiple"], vllm_generate_batch_size=48, **ok)
+    assert_fails(["add --async_train"], vllm_generate_batch_size=64, rollout_batch_size=32, train_batch_size=32)
+    assert_fails(["--async_queue_size must be >= 3"], vllm_generate_batch_size=96, **ok)
+
+
 def test_async_train_with_colocate_all_colocates_the_deepspeed_models_only():
     """As OpenRLHF's async mode: the engines keep devices of their own (so their count is free), the DeepSpeed
     models share the actor's; freeing trainer memory for engines (--deepspeed_enable_sleep) then serves nothing."""
