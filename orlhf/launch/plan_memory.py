@@ -55,7 +55,9 @@ class ModelDims:
 
 
 def read_dims(model_dir: str | Path) -> ModelDims:
-    path = Path(model_dir) / "config.json"
+    """The sizes in a model's config.json: a local folder's, or a hub id's (downloaded, or from the local hub cache;
+    only config.json). ValueError naming the fix when there is none to read."""
+    path = _config_json(str(model_dir))
     c = json.loads(path.read_text())
     try:
         heads = c["num_attention_heads"]
@@ -76,6 +78,22 @@ def read_dims(model_dir: str | Path) -> ModelDims:
         raise ValueError(
             f"{path} has no {e}: orlhf plan sizes Llama-style configs (hidden_size, num_hidden_layers, "
             "intermediate_size, vocab_size, num_attention_heads)"
+        ) from None
+
+
+def _config_json(model: str) -> Path:
+    local = Path(model).expanduser() / "config.json"
+    if local.is_file():
+        return local
+    try:
+        from huggingface_hub import hf_hub_download
+
+        return Path(hf_hub_download(model, "config.json"))
+    except Exception as e:  # noqa: BLE001 - no network, no such repo, offline mode: one message for all
+        raise ValueError(
+            f"{model}: no config.json to size it from (not a local folder, and the hub gave none: "
+            f"{type(e).__name__}). Pass a local model folder, or fetch its config first "
+            f"(huggingface-cli download {model} config.json)."
         ) from None
 
 

@@ -537,3 +537,10 @@ def test_plan_validates_as_train_ppo_does_against_the_planned_device(capsys):
     assert code == 2 and "--vllm_sync_backend nccl needs CUDA GPUs" in err and "--vllm_tensor_parallel_size" in err
     code, out, err = plan([*flags, "--nodes", "1", "--gpus_per_node", "8", "--gpu_memory_gb", "80"], capsys)
     assert code == 0, out + err
+
+
+def test_a_model_plan_cannot_size_is_a_message_with_the_fix():
+    """A hub id whose config.json the hub cannot give (offline here): ValueError, which `orlhf plan` prints as one
+    line with exit 2 (validation catches a missing local folder before this)."""
+    with pytest.raises(ValueError, match="no-such-org/no-such-model: no config.json to size it from .*huggingface-cli"):
+        read_dims("no-such-org/no-such-model")
