@@ -355,7 +355,8 @@ def _plan(ctx: typer.Context, **flags: Any) -> None:
         """As train-ppo: parse, the device resolved (here the planned cluster's), validated once."""
         cfg = F.parse_config(values, explicit)
         cluster["device"], cluster["nodes"], cluster["where"] = resolve_cluster(cfg, args)
-        return validated(cfg, explicit, cluster["device"])
+        here = cluster["where"].startswith("this machine")  # a described or live cluster has its own packages
+        return validated(cfg, explicit, cluster["device"], here)
 
     cfg = parse_or_exit(ctx, flags, build)
     sys.exit(run_plan(cfg, args, cluster["nodes"], cluster["where"]))

@@ -89,7 +89,9 @@ def _attn(v: list[str]) -> list[str] | str:
         return ["--flash_attn"]
     if v[0] == "sdpa":
         return []  # orlhf's default attention (eager where a model has no SDPA)
-    return f"--attn_implementation {v[0]}: orlhf runs flash_attention_2 (--flash_attn) or sdpa (the default)"
+    if v[0] == "eager":
+        return ["--eager_attention"]
+    return f"--attn_implementation {v[0]}: orlhf runs flash_attention_2 (--flash_attn), sdpa (the default) or eager"
 
 
 ALIASES: dict[str, Alias] = {
@@ -98,6 +100,9 @@ ALIASES: dict[str, Alias] = {
         "flash_attn", 1, _attn, lambda v: {"flash_attention_2": "true", "sdpa": "false"}.get(v[0])
     ),
     "max_new_tokens": Alias("generate_max_len", 1, lambda v: ["--generate_max_len", v[0]]),
+    # OpenRLHF v0.10.1's own examples/scripts/train_dapo_ray_hybrid_engine.sh spells --enable_vllm_is_correction so
+    # (its argparse refuses it); the flag it means, taken instead of failing the script
+    "vllm_enable_is_correction": Alias("enable_vllm_is_correction", 0, lambda v: ["--enable_vllm_is_correction"]),
 }
 
 NO_EFFECT: dict[str, NoEffect] = {

@@ -32,13 +32,16 @@ def finish(cfg: TrainConfig, explicit: frozenset[str] | set[str] = frozenset()) 
     return resolve_demo(validated(cfg, explicit))
 
 
-def validated(cfg: TrainConfig, explicit: frozenset[str] | set[str] = frozenset(), device: Optional[str] = None):
+def validated(
+    cfg: TrainConfig, explicit: frozenset[str] | set[str] = frozenset(), device: Optional[str] = None, here: bool = True
+):
     """The device resolved (`device`: the one a plan describes, else --device / this machine), then every rule
-    checked against it: what train-ppo and `orlhf plan` both run, in this one order. Raises ConfigError."""
+    checked against it: what train-ppo and `orlhf plan` both run, in this one order. `here`: the run would start on
+    this machine (its packages are checked); False for a plan of another cluster. Raises ConfigError."""
     from orlhf.config.validation import validate
 
     cfg = resolve_device(cfg, device)
-    validate(cfg, explicit)
+    validate(cfg, explicit, local_packages=here)
     return cfg
 
 

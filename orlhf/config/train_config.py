@@ -118,6 +118,9 @@ class DeepSpeedConfig:
     adam_offload: bool = opt(False, "Keep Adam states on the host (ZeRO-Offload).")
     ref_reward_offload: bool = opt(False, "Keep reference/reward parameters on the host between uses.")
     flash_attn: bool = opt(False, "Use flash-attention 2 kernels (CUDA only).")
+    eager_attention: bool = opt(
+        False, "Use transformers' eager attention instead of SDPA (OpenRLHF's --attn_implementation eager)."
+    )
     enable_sleep: bool = opt(
         False, "Offload DeepSpeed states during generation (hybrid mode).", flag="deepspeed_enable_sleep"
     )

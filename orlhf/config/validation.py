@@ -26,9 +26,10 @@ LIGER_MISSING = (
 )
 
 
-def validate(cfg: TrainConfig, explicit: Collection[str] = frozenset()) -> None:
+def validate(cfg: TrainConfig, explicit: Collection[str] = frozenset(), local_packages: bool = True) -> None:
     """`explicit`: the flag names the user gave (the CLI knows them); a flag that only matters next to another
-    one is refused when given without it, while its default never is."""
+    one is refused when given without it, while its default never is. `local_packages`: the run starts on this
+    machine, so packages a flag needs must be importable here (not when `orlhf plan` describes another cluster)."""
     problems: list[str] = []
     for rule in (
         _ranges,
@@ -50,8 +51,24 @@ def validate(cfg: TrainConfig, explicit: Collection[str] = frozenset()) -> None:
         rule(cfg, problems)
     algo.given_alone(cfg, frozenset(explicit), problems)
     _deepspeed_knobs(cfg, frozenset(explicit), problems)
+    if local_packages:
+        _packages_here(cfg, problems)
     if problems:
         raise ConfigError(problems)
+
+
+def _packages_here(cfg: TrainConfig, out: list[str]) -> None:
+    """Packages a GPU flag needs, importable on this machine (where the run starts)."""
+    if cfg.runtime.device == "cpu":
+        return
+    if cfg.deepspeed.flash_attn and importlib.util.find_spec("flash_attn") is None:
+        out.append(
+            "--flash_attn: the flash_attn package is not importable here. It has no wheel on PyPI "
+            "(a source build with nvcc, tens of minutes): `pip install -e .[flash]` or `pip install "
+            "flash-attn --no-build-isolation`; or drop --flash_attn to use SDPA."
+        )
+    if cfg.deepspeed.use_liger_kernel and importlib.util.find_spec("liger_kernel") is None:
+        out.append(LIGER_MISSING)
 
 
 def _ranges(cfg: TrainConfig, out: list[str]) -> None:
@@ -258,18 +275,14 @@ def _batches(cfg: TrainConfig, out: list[str]) -> None:
 
 
 def _device(cfg: TrainConfig, out: list[str]) -> None:
+    if cfg.deepspeed.flash_attn and cfg.deepspeed.eager_attention:
+        out.append("--flash_attn and --eager_attention each pick the attention kernels: give one of them.")
     if cfg.deepspeed.flash_attn and not cfg.deepspeed.bf16:
         out.append(
             "--flash_attn needs --bf16: flash-attention kernels take 16-bit tensors only, and without "
             "--bf16 the models load in float32. Add --bf16, or drop --flash_attn (SDPA)."
         )
     if cfg.runtime.device != "cpu":
-        if cfg.deepspeed.flash_attn and importlib.util.find_spec("flash_attn") is None:
-            out.append(
-                "--flash_attn: the flash_attn package is not importable here. It has no wheel on PyPI "
-                "(a source build with nvcc, tens of minutes): `pip install -e .[flash]` or `pip install "
-                "flash-attn --no-build-isolation`; or drop --flash_attn to use SDPA."
-            )
         return  # "auto" is resolved when the run starts; cuda-only flags are then re-checked there
     if cfg.vllm.sync_backend == "nccl":
         out.append(
@@ -299,8 +312,6 @@ def _deepspeed_knobs(cfg: TrainConfig, explicit: frozenset[str], out: list[str])
         )
     if ds.use_liger_kernel and cfg.runtime.device == "cpu":
         out.append("--use_liger_kernel needs CUDA GPUs (Liger's kernels are Triton's); drop it on --device cpu.")
-    elif ds.use_liger_kernel and importlib.util.find_spec("liger_kernel") is None:
-        out.append(LIGER_MISSING)
     _zero_knobs(cfg, out)
 
 

@@ -129,6 +129,7 @@ class WorkerConfig:
     bf16: bool = False
     gradient_checkpointing: bool = False
     flash_attn: bool = False
+    eager_attention: bool = False  # transformers' eager attention instead of SDPA (--eager_attention)
     seed: int = 42
     micro_forward_batch_size: int = 16  # --micro_rollout_batch_size
     cpu_threads: int = 0  # CPU only: torch threads in this rank's process (0: leave Ray's OMP_NUM_THREADS)
@@ -303,6 +304,7 @@ def _common_fields(cfg: TrainConfig, role: str, forward_budget: int) -> dict:
         bf16=ds.bf16,
         gradient_checkpointing=ds.gradient_checkpointing,
         flash_attn=ds.flash_attn,
+        eager_attention=ds.eager_attention,
         seed=ppo.seed,
         micro_forward_batch_size=ppo.micro_rollout_batch_size,
         trim_padding=not ds.no_trim_padding,

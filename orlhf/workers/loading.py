@@ -66,7 +66,7 @@ def hf_load_kwargs(cfg: WorkerConfig) -> dict:
     bfloat16 (OpenRLHF's BitsAndBytesConfig)."""
     kw = {
         "dtype": torch.bfloat16 if cfg.bf16 else torch.float32,
-        "attn_implementation": "flash_attention_2" if cfg.flash_attn else "sdpa",
+        "attn_implementation": "flash_attention_2" if cfg.flash_attn else "eager" if cfg.eager_attention else "sdpa",
     }
     if cfg.experts_implementation is not None:  # MoE families (transformers' from_pretrained kwarg)
         kw["experts_implementation"] = cfg.experts_implementation

@@ -117,7 +117,7 @@ def test_a_launch_line_with_every_flag_parses(capsys, no_training, dashed, monke
     144 validly (--vllm_enable_sleep excludes --async_train, in OpenRLHF too); test_config.py covers them."""
     import orlhf.config.validation
 
-    monkeypatch.setattr(orlhf.config.validation, "validate", lambda cfg, explicit=(): None)
+    monkeypatch.setattr(orlhf.config.validation, "validate", lambda cfg, explicit=(), local_packages=True: None)
     argv = launch_line()
     assert (
         len({t for t in argv if t.startswith("--")})
@@ -327,3 +327,17 @@ def test_flat_optimizer_flags_keep_their_meaning_for_both_roles(capsys, no_train
 def test_a_bad_per_role_value_names_its_own_flag(capsys):
     code, err = run(["train-ppo", "--device", "cpu", "--critic.max_norm", "-1"], capsys)
     assert code == 2 and "--critic_max_norm must be >= 0 (got -1.0" in err and "--max_norm must" not in err
+
+
+def test_attn_implementation_eager_loads_eager_attention(capsys, no_training):
+    from orlhf.config.resolve import resolve_demo
+    from orlhf.config.worker_config import worker_config
+    from orlhf.workers.loading import hf_load_kwargs
+
+    code, err = run(["train-ppo", "--device", "cpu", "--attn_implementation", "eager"], capsys)
+    assert code == 0, err
+    cfg = resolve_demo(no_training[0])
+    assert cfg.deepspeed.eager_attention and not cfg.deepspeed.flash_attn
+    assert hf_load_kwargs(worker_config(cfg, "actor"))["attn_implementation"] == "eager"
+    code, err = run(["train-ppo", "--device", "cpu", "--attn_implementation", "flex_attention"], capsys)
+    assert code == 2 and "orlhf runs flash_attention_2 (--flash_attn), sdpa (the default) or eager" in err
