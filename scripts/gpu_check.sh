@@ -4,13 +4,23 @@
 #
 #   bash scripts/gpu_check.sh --build-wheels DIR   # on a machine with a package index: DeepSpeed built with
 #                                                  # DS_BUILD_OPS=0 (a few MB, ops JIT-compile on the GPU
-#                                                  # box) plus its small pure/binary deps and pytest, into DIR
+#                                                  # box) plus its small pure/binary deps and pytest, and Ray
+#                                                  # without its Java jar and dashboard web client, into DIR
 #   bash scripts/gpu_check.sh DIR                  # on the GPU machine: install from DIR only, run tests/gpu
+#
+# --build-wheels: GPU_CHECK_PYTHONS (default 3.10 3.11 3.12 3.13) picks the Pythons DeepSpeed's dependencies are
+# fetched for; Ray and the dependencies the GPU image lacks (jsonschema, jsonschema-specifications, referencing,
+# rpds-py, and attrs, which the first and third need) are fetched for Python 3.12 only, the GPU image's. Ray's cp312 manylinux wheel goes through
+# scripts/strip_wheel.py (ray/jars/* and ray/dashboard/client/build/* dropped, RECORD rewritten). It ends by
+# printing DIR's size and fails (exit 1, naming the largest files) if DIR plus the repository's tracked files
+# exceed 64 MiB, what one call to the GPU machine can be handed.
 #
 # The second form makes .gpu-check/venv (it sees the host's torch and transformers through a .pth file, so
 # nothing of the host's environment changes), installs DeepSpeed and whatever of its dependencies the host
 # lacks from DIR (--no-index), then runs pytest on tests/gpu with DS_ACCELERATOR=cuda and prints the GPU, the
 # test summary and the measured figures (JSON lines). FusedAdam compiles on first use: it needs nvcc + ninja.
+# When DIR holds the Ray wheel and the host is Python 3.12, Ray goes into that venv too (its other dependencies
+# from the host), so tests/gpu can import it; this script never starts Ray.
 # PYTHON picks the host interpreter (default python3). Exit status: pytest's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,6 +28,7 @@ ROOT=$(pwd)
 PY=${PYTHON:-python3}
 log() { echo "[gpu_check] $*" >&2; }
 DEEPSPEED=$("$PY" -c "import runpy; print(runpy.run_path('orlhf/versions.py')['DEEPSPEED'])")
+RAY=$("$PY" -c "import runpy; print(runpy.run_path('orlhf/versions.py')['RAY'])")
 # DeepSpeed's requirements (0.19.8) besides torch, numpy, packaging and tqdm (transformers brings those three),
 # and pytest. numpy's wheels alone would not fit what a GPU box can be handed (64 MiB).
 DEPS="einops hjson msgpack ninja psutil py-cpuinfo pydantic pytest pytest-timeout"
@@ -35,7 +46,40 @@ if [ "${1:-}" = --build-wheels ]; then
       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
       -d "$DIR" $DEPS
   done
-  du -sh "$DIR" >&2
+  # Ray for the GPU image's Python only: 79 MB as published, ~45 MB without the Java workers' jar (32 MB) and the
+  # dashboard's built web client, neither of which a Python worker loads.
+  RAY_TMP=$(mktemp -d)
+  trap 'rm -rf "$RAY_TMP"' EXIT
+  log "Ray $RAY for Python 3.12 (manylinux x86_64), stripped of ray/jars and the dashboard client -> $DIR"
+  "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux2014_x86_64 -d "$RAY_TMP" "ray==$RAY"
+  "$PY" scripts/strip_wheel.py "$RAY_TMP"/ray-"$RAY"-*.whl "$DIR" \
+    --drop 'ray/jars/*' --drop 'ray/dashboard/client/build/*' >&2
+  # What Ray needs that the GPU image lacks (click, filelock, msgpack, protobuf, pyyaml, requests, aiosignal and
+  # frozenlist are there); rpds-py is binary.
+  log "Ray's missing dependencies for Python 3.12 -> $DIR"
+  "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d "$DIR" jsonschema jsonschema-specifications referencing rpds-py attrs
+  # What one call to the GPU machine is handed: this folder and the repository's tracked files, 64 MiB at most.
+  "$PY" - "$DIR" <<'PY'
+import os, subprocess, sys
+from pathlib import Path
+LIMIT = 64 * 2**20
+wheels = {p: p.stat().st_size for p in Path(sys.argv[1]).rglob("*") if p.is_file()}
+tracked = subprocess.run(["git", "ls-files", "-z"], capture_output=True, text=True, check=True).stdout.split("\0")
+repo = {Path(f): os.path.getsize(f) for f in tracked if f and os.path.isfile(f)}
+mib = lambda n: f"{n / 2**20:.1f} MiB"
+total = sum(wheels.values()) + sum(repo.values())
+print(f"[gpu_check] {sys.argv[1]}: {mib(sum(wheels.values()))} in {len(wheels)} files; with the repository's "
+      f"tracked files ({mib(sum(repo.values()))}): {mib(total)} of the {mib(LIMIT)} a GPU call can be handed",
+      file=sys.stderr)
+if total > LIMIT:
+    largest = sorted({**wheels, **repo}.items(), key=lambda kv: -kv[1])[:8]
+    print("[gpu_check] too large; the largest files:\n" + "\n".join(f"  {mib(n):>10}  {p}" for p, n in largest),
+          file=sys.stderr)
+    sys.exit(1)
+PY
   exit 0
 fi
 
@@ -67,6 +111,18 @@ fi
 log "installing deepspeed $DEEPSPEED (and what the host lacks of: $DEPS) from $DIR, no index"
 "$PY" -m pip --python "$VENV/bin/python" install -q --disable-pip-version-check --no-index --find-links "$DIR" \
   "deepspeed==$DEEPSPEED" pytest pytest-timeout
+RAY_WHEELS=("$DIR"/ray-"$RAY"-*.whl)
+if [ -e "${RAY_WHEELS[0]}" ]; then
+  TAG=$("$PY" -c "import sys; print(f'cp{sys.version_info[0]}{sys.version_info[1]}')")
+  if [[ "${RAY_WHEELS[*]}" == *-"$TAG"-* ]]; then
+    log "installing ray $RAY (stripped wheel) and what the host lacks of its dependencies from $DIR, no index"
+    # Not fatal: the tests that need Ray skip without it.
+    "$PY" -m pip --python "$VENV/bin/python" install -q --disable-pip-version-check --no-index --find-links "$DIR" \
+      "ray==$RAY" || log "Ray did not install (pip says why above): the tests that need it will skip"
+  else
+    log "not installing Ray: $DIR has it for another Python (${RAY_WHEELS[*]##*/}), the host is $TAG"
+  fi
+fi
 
 REPORT=$ROOT/.gpu-check/report.jsonl
 : >"$REPORT"
