@@ -1,6 +1,7 @@
 """Model workers: plain classes, one per role, usable with or without Ray (a rank actor holds one).
 
-    PolicyWorker     actor: log_probs, train_step (PPO), named_full_weights, state_dict_full, save_hf
+    PolicyWorker     actor: log_probs, train_step (PPO), named_full_weights, state_dict_full, save_hf; with LoRA
+                     (lora.py) also base_log_probs, the reference; with --enable_ema a moving average (ema.py)
     ReferenceWorker  frozen actor copy: log_probs
     CriticWorker     values, train_step (clipped value loss)
     RewardWorker     scores (value head on the last real token)
