@@ -46,7 +46,9 @@ def test_lora_grpo_learns_with_the_guard_and_exports_the_adapter(ray_local, tmp_
     from transformers import AutoModelForCausalLM
 
     save = tmp_path / "run"
-    assert run(save, "--num_episodes", "3", "--lora_save_merged") == 0
+    # 24 steps of 32 prompts x 4 samples: the criterion's 10 + 10 steps, at half the demo's batch
+    short = ["--max_samples", "256", "--rollout_batch_size", "32", "--train_batch_size", "64"]
+    assert run(save, *short, "--num_episodes", "3", "--lora_save_merged") == 0
     got = rows(save)
     rewards = [r["reward_mean"] for r in got]
     assert sum(rewards[-10:]) >= 1.5 * sum(rewards[:10]), [round(x, 3) for x in rewards]

@@ -325,12 +325,18 @@ def test_gradient_checkpointing_runs_torchs_reentrant_checkpoint_only_when_asked
 
 
 @pytest.fixture
-def restore_determinism(monkeypatch):
-    for name in DETERMINISM_ENV:
-        monkeypatch.delenv(name, raising=False)
+def restore_determinism():
+    """The process as it was after the test: seed_everything(full_determinism=True) writes os.environ itself, and
+    processes this one spawns later (the multi-process worker tests) would inherit what it left."""
+    saved = {name: os.environ.pop(name, None) for name in DETERMINISM_ENV}
     state = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic)
     bench = torch.backends.cudnn.benchmark
     yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
     torch.use_deterministic_algorithms(state[0])
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = state[1], bench
 
