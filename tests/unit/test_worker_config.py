@@ -89,7 +89,9 @@ def test_finish_validates_once_against_the_resolved_device(monkeypatch):
     calls = []
     real = validation.validate
     monkeypatch.setattr(
-        validation, "validate", lambda c, explicit=(): calls.append(c.runtime.device) or real(c, explicit)
+        validation,
+        "validate",
+        lambda c, explicit=(), local_packages=True: calls.append(c.runtime.device) or real(c, explicit, local_packages),
     )
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     done = finish.finish_config({"seed": 3}, {"seed"})  # --device auto, the demo
