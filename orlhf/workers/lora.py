@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING, Iterator, Optional
 import torch
 from torch import nn
 
-from orlhf.workers.hf_names import to_checkpoint_names
+from orlhf.workers.base import _LAYER_PREFIX  # parameters of one decoder layer share its prefix
+from orlhf.workers.hf_names import meta_group, to_checkpoint_names
 
 if TYPE_CHECKING:
     from orlhf.config.worker_config import LoraSlice
@@ -38,7 +39,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("orlhf.workers")
 
 ADAPTER = "default"  # peft's name of the one adapter
-_LAYER_PREFIX = re.compile(r"^(.*?\.(?:layers|h|blocks|layer)\.\d+)\.")
 _ADAPTER_PART = re.compile(r"\.lora_(?:A|B)\." + ADAPTER + r"\.")
 
 
@@ -286,13 +286,11 @@ def merged_groups_meta(worker, plan: SyncPlan) -> list[list[tuple[str, str, tupl
 
 
 def _meta(group: list[tuple[str, nn.Parameter]]) -> list[tuple[str, torch.Tensor]]:
-    out = []
-    for n, p in group:
-        if _is_4bit(p):  # packed bytes: the layer's real shape and compute dtype are in its quant state
-            out.append((n, torch.empty(tuple(p.quant_state.shape), dtype=p.quant_state.dtype, device="meta")))
-        else:
-            out.append((n, torch.empty(tuple(getattr(p, "ds_shape", p.shape)), dtype=p.dtype, device="meta")))
-    return out
+    """hf_names.meta_group, with a 4-bit weight's real shape and compute dtype (its quant state) for its bytes."""
+    return [
+        (n, torch.empty(tuple(p.quant_state.shape), dtype=p.quant_state.dtype, device="meta")) if _is_4bit(p) else m
+        for (n, p), m in zip(group, meta_group(group))
+    ]
 
 
 def _is_4bit(p) -> bool:
