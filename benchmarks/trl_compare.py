@@ -13,6 +13,7 @@
         orlhf_1thread  sync with one thread per process (--vllm_cpu_threads 1 --train_cpu_threads 1): no per-phase
                      hand-over of the cores (orlhf/cpu/threads.py)
         orlhf_engines2 sync with --vllm_num_engines 2: generation data-parallel over the cores, one thread each
+        orlhf_trainer  sync with --vllm_num_engines 0: the actor's ranks generate with HF generate, as TRL does
         trl          benchmarks/trl_grpo_runner.py under TRL's python (HF generate; no vLLM on CPU)
       each a subprocess; proctree.TreeSampler notes when each metrics.jsonl row lands and the CPU seconds of the
       whole process tree (Ray and vLLM processes included) at that moment
@@ -51,7 +52,7 @@ from model_presets import PRESETS, preset_model  # noqa: E402  (benchmarks/model
 from proctree import TreeSampler, run_sampled  # noqa: E402  (benchmarks/proctree.py)
 from trl_grpo_runner import add_work_args  # noqa: E402  (the equal work, declared once)
 
-MODES = ("orlhf", "orlhf_async", "trl", "orlhf_1thread", "orlhf_engines2")
+MODES = ("orlhf", "orlhf_async", "trl", "orlhf_1thread", "orlhf_engines2", "orlhf_trainer")
 TRL_VERSION = "1.16.0"
 
 
@@ -350,6 +351,7 @@ def main(argv=None) -> None:
         "orlhf_async": orlhf_cmd(a, True),
         "orlhf_1thread": orlhf_cmd(a, False, ("--vllm_cpu_threads", "1", "--train_cpu_threads", "1")),
         "orlhf_engines2": orlhf_cmd(a, False, ("--vllm_num_engines", "2")),
+        "orlhf_trainer": orlhf_cmd(a, False, ("--vllm_num_engines", "0")),
         **{name: orlhf_cmd(a, False, flags) for name, flags in a.extra_cmds.items()},
     }
     cmds = {m: with_model(c, a) for m, c in cmds.items()}

@@ -10,6 +10,7 @@ token t is predicted from tokens < t, so sequences[:, -A:] are the actions and l
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field, fields, replace
 from typing import Optional, TypeVar
 
@@ -29,6 +30,12 @@ class SamplingSpec:
     n: int = 1  # samples per prompt (--n_samples_per_prompt)
     max_len: Optional[int] = None  # --max_len: prompt + response at most this many tokens
     seed: int = 0  # per-step seed: each request gets a seed derived from (seed, prompt index)
+
+
+def request_seed(seed: int, prompt_index: int) -> int:
+    """A stable per-request seed, so a run is reproducible whatever the engine count or split."""
+    digest = hashlib.sha256(f"{seed}:{prompt_index}".encode()).digest()
+    return int.from_bytes(digest[:4], "little")
 
 
 def max_new_tokens(sampling: SamplingSpec, prompt_len: int) -> int:

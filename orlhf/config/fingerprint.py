@@ -43,7 +43,14 @@ FREE_ON_RESUME: dict[str, str] = {
     ),
     "dataloader_num_workers": "no effect in orlhf (prompts are read into memory), accepted for OpenRLHF's scripts",
     **dict.fromkeys(
-        ("stop_after_steps", "ray_timeout_s", "address", "reward_timeout_s", "max_engine_logprob_gap"),
+        (
+            "stop_after_steps",
+            "ray_timeout_s",
+            "address",
+            "reward_timeout_s",
+            "reward_retries",
+            "max_engine_logprob_gap",
+        ),
         "when to stop or fail",
     ),
     **dict.fromkeys(

@@ -25,6 +25,7 @@ from orlhf.config.ppo_config import PPOConfig
 from orlhf.config.trained_config import LoraConfig, RoleOptimConfig
 
 SYNC_BACKENDS = ("nccl", "gloo")
+ROLLOUT_BACKENDS = ("vllm", "trainer")
 BEST_METRICS = ("reward_mean", "pass@1", "pass@k")
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -61,7 +62,18 @@ class PlacementConfig:
 
 @dataclass(frozen=True)
 class VLLMConfig:
-    num_engines: int = opt(1, "Number of vLLM rollout engines.", flag="vllm_num_engines")
+    num_engines: int = opt(
+        1,
+        "Number of vLLM rollout engines; 0: the actor's ranks generate (--rollout_backend trainer).",
+        flag="vllm_num_engines",
+    )
+    rollout_backend: str = opt(
+        "vllm",
+        "Who generates the rollouts: vllm (engines of their own, weights synced after every update) or trainer (the "
+        "actor's ranks, with transformers' generate on their own weights: no vLLM, no weight sync; for models or "
+        "machines vLLM does not support, and debugging). --vllm_num_engines 0 means trainer.",
+        choices=ROLLOUT_BACKENDS,
+    )
     tensor_parallel_size: int = opt(1, "GPUs per vLLM engine (tensor parallel).", flag="vllm_tensor_parallel_size")
     sync_backend: Optional[str] = opt(
         None,
@@ -239,7 +251,14 @@ class DataConfig:
         choices=("skip", "truncate"),
     )
     reward_timeout_s: float = opt(
-        300.0, "Longest wait for one call of a --remote_rm_url .py file's reward_func before the run fails."
+        300.0,
+        "Longest wait for one batch's rewards from --remote_rm_url before the run stops: one call of a .py file's "
+        "reward_func, or an HTTP request with all its retries.",
+    )
+    reward_retries: int = opt(
+        5,
+        "Retries of an HTTP reward request that fails to connect, times out or gets a 5xx answer, with backoff "
+        "(1, 2, 4... s) within --reward_timeout_s; 0: no retry.",
     )
     dataloader_num_workers: int = opt(
         0,
@@ -411,8 +430,18 @@ class TrainConfig:
     def engines_colocated(self) -> bool:
         """The vLLM engines share the actor's devices: --colocate_all_models, except with --async_train, where they
         keep devices of their own so generation overlaps training and only the DeepSpeed models share (OpenRLHF's
-        async mode does the same)."""
-        return self.placement.colocate_all_models and not self.ppo.async_train
+        async mode does the same). None when the actor's ranks generate."""
+        return self.placement.colocate_all_models and not self.ppo.async_train and not self.rollout_in_trainer
+
+    @property
+    def rollout_in_trainer(self) -> bool:
+        """--rollout_backend trainer (or --vllm_num_engines 0): the actor's ranks generate, no engines run."""
+        return self.vllm.rollout_backend == "trainer" or self.vllm.num_engines == 0
+
+    @property
+    def num_engines(self) -> int:
+        """vLLM engines the run places and starts (none when the actor's ranks generate)."""
+        return 0 if self.rollout_in_trainer else self.vllm.num_engines
 
     @property
     def reference_from_actor(self) -> bool:

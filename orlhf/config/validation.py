@@ -14,6 +14,7 @@ from typing import Collection, Optional
 
 from orlhf.config import validation_algo as algo
 from orlhf.config import validation_inputs as inputs
+from orlhf.config import validation_rollout as rollout
 from orlhf.config.roles import active_roles, trained_roles
 from orlhf.config.train_config import ConfigError, TrainConfig
 
@@ -29,7 +30,8 @@ LIGER_MISSING = (
 def validate(cfg: TrainConfig, explicit: Collection[str] = frozenset(), local_packages: bool = True) -> None:
     """`explicit`: the flag names the user gave (the CLI knows them); a flag that only matters next to another
     one is refused when given without it, while its default never is. `local_packages`: the run starts on this
-    machine, so packages a flag needs must be importable here (not when `orlhf plan` describes another cluster)."""
+    machine, so packages a flag needs must be importable here, and its run and checkpoint folders writable (not
+    when `orlhf plan` describes another cluster)."""
     problems: list[str] = []
     for rule in (
         _ranges,
@@ -39,6 +41,7 @@ def validate(cfg: TrainConfig, explicit: Collection[str] = frozenset(), local_pa
         _vllm,
         _batches,
         inputs.paths,
+        inputs.lengths,
         _device,
         inputs.prompt_mix_and_heads,
         algo.losses,
@@ -50,9 +53,11 @@ def validate(cfg: TrainConfig, explicit: Collection[str] = frozenset(), local_pa
     ):
         rule(cfg, problems)
     algo.given_alone(cfg, frozenset(explicit), problems)
+    rollout.backend(cfg, frozenset(explicit), problems)
     _deepspeed_knobs(cfg, frozenset(explicit), problems)
     if local_packages:
         _packages_here(cfg, problems)
+        inputs.output_folders(cfg, problems)  # the folders of the machine the run starts from
     if problems:
         raise ConfigError(problems)
 
@@ -76,6 +81,8 @@ def _ranges(cfg: TrainConfig, out: list[str]) -> None:
     for flag, value in _counts(cfg).items():
         if value < 1:
             out.append(f"{flag} must be >= 1 (got {value}).")
+    if cfg.vllm.num_engines < 0:
+        out.append(f"--vllm_num_engines must be >= 0 (got {cfg.vllm.num_engines}; 0: the actor's ranks generate).")
     for table in (_length_and_step_bounds, _ppo_bounds, _engine_and_thread_bounds, _input_bounds):
         out.extend(msg for ok, msg in table(cfg) if not ok)
 
@@ -92,7 +99,6 @@ def _counts(cfg: TrainConfig) -> dict[str, int]:
         "--ref_num_gpus_per_node": p.ref_num_gpus_per_node,
         "--reward_num_nodes": p.reward_num_nodes,
         "--reward_num_gpus_per_node": p.reward_num_gpus_per_node,
-        "--vllm_num_engines": v.num_engines,
         "--vllm_tensor_parallel_size": v.tensor_parallel_size,
         "--num_episodes": ppo.num_episodes,
         "--rollout_batch_size": ppo.rollout_batch_size,
@@ -180,6 +186,7 @@ def _input_bounds(cfg: TrainConfig) -> list[Bound]:
             "--allow_no_checkpoint only applies with --load_checkpoint; add --load_checkpoint or drop it.",
         ),
         (cfg.data.reward_timeout_s > 0, f"--reward_timeout_s must be > 0 (got {cfg.data.reward_timeout_s})."),
+        (cfg.data.reward_retries >= 0, f"--reward_retries must be >= 0 (got {cfg.data.reward_retries}; 0: no retry)."),
     ]
 
 

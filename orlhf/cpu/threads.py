@@ -3,7 +3,8 @@
     Controller.timed(phase) --> PhaseThreads.before(phase)          (CpuTuning.phases: --device cpu only)
         score      the ranks that score: actor (old log-probs), ref, critic, reward   cores // processes working
         train      actor (+ critic) ranks                                              (at least 1 each)
-        generate   the engines, set once at their start (engine_threads): cores // engines in sync mode
+        generate   the engines, set once at their start (engine_threads): cores // engines in sync mode; with
+                   --rollout_backend trainer the actor's ranks, handed over like the other phases
     CpuGroup.set_cpu_threads(n) stores n for that role's worker in its rank processes (cpu/hosting.py); every later
     call of it applies n on the thread that runs the work (cpu/rank_actor.py).
 
@@ -81,7 +82,7 @@ def engine_threads(cfg, cores: Optional[int] = None) -> int:
         return v.cpu_threads
     if cfg.ppo.async_train:
         return 0
-    return share(cores or machine_cores(), v.num_engines * v.tensor_parallel_size)
+    return share(cores or machine_cores(), max(1, cfg.num_engines) * v.tensor_parallel_size)
 
 
 def threads_as_ray_set() -> None:
@@ -127,17 +128,22 @@ class PhaseThreads:
         scoring = ([models.actor] if actor_scores else []) + [models.ref, models.critic, models.reward]
         training = [models.actor, models.critic]
         phases = {"score": [g for g in scoring if g is not None], "train": [g for g in training if g is not None]}
+        if cfg.rollout_in_trainer:  # the actor's ranks generate: the cores are theirs in that phase
+            phases["generate"] = [models.actor]
         # --train_cpu_threads N: sent like a hand-over (init() set it on one of a rank's pool threads only)
         n = cfg.deepspeed.train_cpu_threads
         fixed = {id(g): n for g in phases["score"] + phases["train"]} if n else {}
         if cfg.ppo.async_train:  # generation runs beside training all the time: only the fixed counts are sent
             phases = {phase: [g for g in gs if id(g) in fixed] for phase, gs in phases.items()}
         plan = cls(phases, cores or machine_cores(), fixed)
+        if cfg.rollout_in_trainer:
+            log.info("CPU threads per phase (%d cores): %s", plan.cores, plan.describe())
+            return plan
         engines = engine_threads(cfg, plan.cores)
         log.info(
             "CPU threads per phase (%d cores): generate: %d engine(s) %s; %s",
             plan.cores,
-            cfg.vllm.num_engines,
+            cfg.num_engines,
             engines or "as Ray sets",
             plan.describe(),
         )

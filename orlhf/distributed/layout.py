@@ -154,11 +154,11 @@ def plan_layout(cfg: TrainConfig) -> Layout:
         shared = pools[0]
         sharing = [o for o in shared.occupants if o not in guests]
         engines = tuple(
-            _slots(shared, range(i * tp, (i + 1) * tp), _share(len(sharing))) for i in range(cfg.vllm.num_engines)
+            _slots(shared, range(i * tp, (i + 1) * tp), _share(len(sharing))) for i in range(cfg.num_engines)
         )
     else:
         engine_pools = [
-            Pool(f"{ENGINE}{i}", 1, tp, "--vllm_tensor_parallel_size", None) for i in range(cfg.vllm.num_engines)
+            Pool(f"{ENGINE}{i}", 1, tp, "--vllm_tensor_parallel_size", None) for i in range(cfg.num_engines)
         ]
         pools.extend(engine_pools)
         engines = tuple(_slots(ep, range(tp), 1.0) for ep in engine_pools)

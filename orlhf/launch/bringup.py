@@ -41,7 +41,7 @@ def launch_engines(cfg: TrainConfig, placed, stack: ExitStack, tuning: Optional[
 
     engines = EngineGroup(
         engine_config(cfg),
-        [placed.engine_bundles(i) for i in range(cfg.vllm.num_engines)],
+        [placed.engine_bundles(i) for i in range(cfg.num_engines)],
         timeout_s=cfg.runtime.ray_timeout_s,
         wait=False,
         tuning=tuning or tuning_for(cfg),
@@ -58,23 +58,27 @@ def start_models(
     clock=None,
     engines=None,
     tuning: Optional[Tuning] = None,
+    tokenizer=None,
 ):
     """Engines and model groups on their bundles, started together; each is shut down when `stack` closes.
 
+    --rollout_backend trainer: no engines; the actor's ranks generate (trainer/actor_rollout.py, which needs the
+    `tokenizer`'s pad and EOS ids) and stand in for the engines and the weight sync.
     `engines`: already launched (launch_engines), else launched here. Engines start first without waiting
     (vLLM's start-up is the longest); the model groups are built as `tuning` says (Tuning.model_groups; tuning_for
     unless given), then all groups init() together, then the engines are awaited. `clock`
     (startup.StartupClock) gets a mark after each of these phases."""
     from orlhf.rollout.engine import EngineActor
+    from orlhf.trainer.actor_rollout import ActorRollout
     from orlhf.trainer.controller import Models
     from orlhf.trainer.weight_sync import make_weight_sync
     from orlhf.workers.base import DeepSpeedWorker
 
     tuning = tuning or tuning_for(cfg)
     plan = start_plan(cfg)
-    if engines is None:
+    if "start_engines" in plan and engines is None:
         engines = launch_engines(cfg, placed, stack, tuning)
-    if plan.index("wait_engines") < plan.index("start_models"):
+    if "wait_engines" in plan and plan.index("wait_engines") < plan.index("start_models"):
         log.info(
             "vllm engines: %d, pids %s (started before the trainers share their GPUs)",
             len(engines),
@@ -82,6 +86,13 @@ def start_models(
         )
     if "sleep_engines" in plan:
         engines.call(EngineActor.sleep).get()
+    if cfg.rollout_in_trainer:
+        if tokenizer is None:
+            raise ValueError("--rollout_backend trainer: start_models needs the run's tokenizer (pad and EOS ids)")
+        log.info(
+            "rollouts: generated in the actor's ranks with transformers' generate (--rollout_backend trainer): no "
+            "vLLM engine, no weight sync; the sync guard compares the sampler's log-probs with the training forward's"
+        )
     log_skipped_forwards(cfg)
     log_zero_stages(cfg)
     mark = clock.mark if clock is not None else (lambda phase: None)
@@ -90,11 +101,15 @@ def start_models(
     for call in [g.call(DeepSpeedWorker.init) for g in groups.values()]:
         call.get()
     mark("groups init")
-    if plan.index("wait_engines") > plan.index("start_models"):
-        log.info("vllm engines: %d, pids %s", len(engines), engines.wait_ready())
-    mark("engines ready")
-    sync = make_weight_sync(cfg, groups["actor"], engines)
-    mark("weight sync group")
+    if cfg.rollout_in_trainer:  # the actor's ranks stand in for the engines and their weight sync
+        engines = sync = ActorRollout(groups["actor"], tokenizer.pad_token_id, tokenizer.eos_token_id)
+        stack.callback(engines.shutdown)
+    else:
+        if plan.index("wait_engines") > plan.index("start_models"):
+            log.info("vllm engines: %d, pids %s", len(engines), engines.wait_ready())
+        mark("engines ready")
+        sync = make_weight_sync(cfg, groups["actor"], engines)
+        mark("weight sync group")
     return Models(
         actor=groups["actor"],
         ref=groups.get("ref"),
@@ -138,7 +153,7 @@ def log_skipped_forwards(cfg: TrainConfig) -> None:
             "no reference model: --init_kl_coef 0 without --use_kl_loss puts no KL anywhere%s",
             " (--colocate_actor_ref has nothing to colocate)" if cfg.placement.colocate_actor_ref else "",
         )
-    if cfg.placement.colocate_all_models and not cfg.engines_colocated:
+    if cfg.placement.colocate_all_models and cfg.ppo.async_train:
         log.warning(
             "--async_train with --colocate_all_models: the DeepSpeed models share the actor's devices, and the vLLM "
             "engines keep devices of their own, so generation overlaps training (as OpenRLHF's async mode does)"
@@ -185,7 +200,10 @@ def start_plan(cfg: TrainConfig) -> tuple[str, ...]:
     Colocated on GPUs: the engines first, alone on the GPUs, so vLLM's memory profile sees only itself; then,
     with --vllm_enable_sleep, they sleep (weights and KV cache freed) before the trainers allocate: OpenRLHF's
     order. The controller's SleepSwitch starts from that asleep state.
+    --rollout_backend trainer: the model groups only.
     """
+    if cfg.rollout_in_trainer:
+        return ("start_models",)
     if cfg.engines_colocated and cfg.device == "cuda":
         return (
             ("start_engines", "wait_engines")

@@ -47,6 +47,7 @@ from orlhf.launch.plan_memory import (
     engine_memory,
     role_dims,
     role_memory,
+    trainer_generation_memory,
 )
 
 
@@ -263,10 +264,15 @@ def memory_section(
         for role, slots in layout.roles.items()
     }
     known = [n.gpu_memory_gb for n in nodes if n.gpu_memory_gb]
-    eng = engine_memory(cfg, dims["actor"], layout.device, min(known) if known else None)
     per = "GPU GiB/rank" if layout.device == "cuda" else "GiB/rank"
     rows = [[m.who, _count(m.params), m.ranks, _gib(m.device_gib), _gib(m.host_gib), m.formula] for m in mems.values()]
-    rows.append([f"{ENGINE} (each)", _count(eng.params), f"TP {eng.ranks}", _gib(eng.device_gib), "0", eng.formula])
+    if cfg.rollout_in_trainer:  # no engine: the actor's ranks generate, on top of their own states
+        actor_stage = zero_stage_of(cfg.deepspeed, "actor", len(layout.roles["actor"]), layout.device)
+        eng = trainer_generation_memory(cfg, dims["actor"], len(layout.roles["actor"]), actor_stage)
+        rows.append(["generate (actor)", _count(eng.params), eng.ranks, _gib(eng.device_gib), "0", eng.formula])
+    else:
+        eng = engine_memory(cfg, dims["actor"], layout.device, min(known) if known else None)
+        rows.append([f"{ENGINE} (each)", _count(eng.params), f"TP {eng.ranks}", _gib(eng.device_gib), "0", eng.formula])
     held = "model states and DeepSpeed's reduce bucket" if layout.device == "cuda" else "model states"
     stages = ", ".join(
         f"{role} {zero_stage_of(cfg.deepspeed, role, len(slots), layout.device)}"
@@ -286,7 +292,8 @@ def memory_section(
 
 def _pool_load(cfg: TrainConfig, occupants: tuple[str, ...], mems: dict[str, Memory], eng: Memory, attr: str) -> float:
     trainers = sum(getattr(mems[r], attr) for r in occupants if r in mems)
-    engine = getattr(eng, attr) if any(o.startswith(ENGINE) for o in occupants) else 0.0
+    generates = "actor" in occupants if cfg.rollout_in_trainer else any(o.startswith(ENGINE) for o in occupants)
+    engine = getattr(eng, attr) if generates else 0.0
     return device_peak(cfg, trainers, engine) if attr == "device_gib" else trainers + engine
 
 
@@ -319,7 +326,7 @@ def _device_sums(
             problems.append(f"{pool.name} needs {need:.1f} GiB per GPU, more than {cap:g}")
         rows.append([pool.name, _gib(need), "?" if cap is None else f"{cap:g}", status])
     weights = actor_dims.dtype_bytes * eng.params / eng.ranks / GIB
-    if weights > eng.device_gib:  # NaN (unknown GPU memory) compares False: no claim
+    if not cfg.rollout_in_trainer and weights > eng.device_gib:  # NaN (unknown GPU memory) compares False: no claim
         problems.append(
             f"vLLM weights take {weights:.1f} GiB per GPU, more than its {eng.device_gib:.1f} GiB budget: "
             "raise --vllm_tensor_parallel_size or --vllm_gpu_memory_utilization"

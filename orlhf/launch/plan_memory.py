@@ -226,7 +226,22 @@ def engine_memory(cfg: TrainConfig, dims: ModelDims, device: str, gpu_memory_gb:
     return Memory(ENGINE, params, tp, budget, 0.0, f"{util:g} x GPU; weights {dims.dtype_bytes}P/{tp} = {weights:.1f}")
 
 
+def trainer_generation_memory(cfg: TrainConfig, dims: ModelDims, ranks: int, stage: int) -> Memory:
+    """--rollout_backend trainer: what an actor rank adds while it generates: the whole model gathered for generate
+    (ZeRO-3 over several ranks; otherwise the rank holds it already) and the KV cache of its share of the batch."""
+    p, params = cfg.ppo, count_params(dims)
+    width = 2 if cfg.deepspeed.bf16 else 4
+    rows = -(-p.rollout_batch_size // ranks) * p.n_samples_per_prompt
+    tokens = p.prompt_max_len + p.generate_max_len
+    kv = rows * tokens * 2 * dims.layers * dims.kv_heads * dims.head_dim * width / GIB
+    gathered = width * params / GIB if stage == 3 and ranks > 1 else 0.0
+    formula = f"KV {rows} seq x {tokens} tok" + (f" + gathered {width}P" if gathered else "")
+    return Memory("generate", params, ranks, kv + gathered, 0.0, formula)
+
+
 def device_peak(cfg: TrainConfig, trainers: float, engine: float) -> float:
+    if cfg.rollout_in_trainer:  # the actor's ranks generate: their generation memory comes on top of their states
+        return trainers + engine
     if not engine or not trainers:
         return trainers + engine
     generation = engine + (0.0 if cfg.deepspeed.enable_sleep else trainers)

@@ -18,7 +18,6 @@ distributed/tuning.py). On GPUs an engine with TP > 1 uses vLLM's Ray executor o
 
 from __future__ import annotations
 
-import hashlib
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -33,7 +32,7 @@ from orlhf.distributed.placement import EngineBundles
 from orlhf.distributed.tuning import Tuning
 from orlhf.rollout.worker_ext import WeightSyncExtension
 from orlhf.storage.logs import LOG_DIR_ENV, redirect_output
-from orlhf.types import Rollout, SamplingSpec, max_new_tokens
+from orlhf.types import Rollout, SamplingSpec, max_new_tokens, request_seed
 
 EXTENSION = f"{WeightSyncExtension.__module__}.{WeightSyncExtension.__qualname__}"
 ROLE = "vllm engine"
@@ -122,12 +121,6 @@ def engine_env(cfg: EngineConfig, bundle_indices: Optional[Sequence[int]], share
         env["VLLM_RAY_BUNDLE_INDICES"] = ",".join(map(str, bundle_indices))
         env["VLLM_RAY_PER_WORKER_GPUS"] = repr(float(share))
     return env
-
-
-def request_seed(seed: int, prompt_index: int) -> int:
-    """A stable per-request seed, so a run is reproducible whatever the engine count or split."""
-    digest = hashlib.sha256(f"{seed}:{prompt_index}".encode()).digest()
-    return int.from_bytes(digest[:4], "little")
 
 
 def sampled_logprobs(logprobs) -> list[float]:
@@ -364,6 +357,10 @@ class EngineGroup:
         refs = [self._engines[i].generate.remote(c, sampling) for i, c in busy]
         parts = wait_all(refs, [i for i, _ in busy], ROLE, "generate", self.timeout_s)
         return [r for part in parts for r in part]
+
+    def generate_turns(self, index: int, requests: list):
+        """Agents' turns on engine `index` (EngineActor.generate_tokens) -> a concurrent.futures.Future."""
+        return self.call_rank(index, EngineActor.generate_tokens, requests).future()
 
     # ---- calls (method references, orlhf/distributed/endpoints.py): the same API as cluster.ActorGroup ----
     def call(self, fn: Callable, *args, **kwargs) -> GroupCall:

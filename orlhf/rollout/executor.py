@@ -155,12 +155,8 @@ class AgentRunner:
         self.path, self.engines, self.tokenizer, self.max_length = str(path), engines, tokenizer, max_length
         self.timeout_s = timeout_s
         self.executor = load_agent_executor(self.path)
-        # call(engine index, requests) -> concurrent Future; the real engines by default (tests may pass a fake).
-        if call is None:
-            from orlhf.rollout.engine import EngineActor
-
-            call = lambda i, reqs: engines.call_rank(i, EngineActor.generate_tokens, reqs).future()  # noqa: E731
-        self.call = call
+        # call(engine index, requests) -> concurrent Future; the run's engines by default (tests may pass a fake).
+        self.call = call or engines.generate_turns
         self.num_engines = len(engines) if engines is not None else 1
 
     def generate(self, prompts: list, sampling) -> list[Rollout]:

@@ -1,6 +1,7 @@
 """Hybrid mode (--colocate_all_models): who holds the shared devices' memory in each phase.
 
-    before_generate   trainers offload their ZeRO-3 states (--deepspeed_enable_sleep); engines wake their KV cache
+    before_generate   trainers offload their ZeRO-3 states (--deepspeed_enable_sleep; not the actor when it generates
+                      the rollouts itself, --rollout_backend trainer); engines wake their KV cache
     after_generate    engines sleep (free weights + KV cache; --vllm_enable_sleep); trainers reload their states
     before_sync       engines wake their weights only, so the sync has somewhere to write
     (the engines start asleep under --vllm_enable_sleep: the first wake-up, sync or generate, takes the weights)
@@ -25,6 +26,7 @@ class SleepSwitch:
         asked = cfg.vllm.enable_sleep or cfg.deepspeed.enable_sleep
         self.vllm = cfg.vllm.enable_sleep and on_gpu
         self.deepspeed = cfg.deepspeed.enable_sleep and on_gpu
+        self.actor_generates = cfg.rollout_in_trainer  # its states stay: the generation runs on them
         # bringup.start_plan puts the engines to sleep before the trainers start: the first generation must
         # wake their weights too, not only the KV cache.
         self.weights_asleep = self.vllm
@@ -43,7 +45,9 @@ class SleepSwitch:
         return EngineActor
 
     def _trained(self) -> list:
-        return [g for g in (self.m.actor, self.m.critic) if g is not None]
+        """The trained groups that sleep while rollouts are generated (not the actor when it generates them)."""
+        actor = None if self.actor_generates else self.m.actor
+        return [g for g in (actor, self.m.critic) if g is not None]
 
     def before_generate(self) -> None:
         if self.deepspeed:

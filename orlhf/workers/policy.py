@@ -32,7 +32,8 @@ from orlhf.algo.logprobs import token_log_probs, token_log_probs_entropy, window
 from orlhf.algo.losses import LossNorm, aggregate, entropy_from_logits, masked_mean, policy_loss_terms
 from orlhf.config.worker_config import WorkerConfig
 from orlhf.distributed.endpoints import endpoint
-from orlhf.types import Experience, SequenceBatch, TrainStats
+from orlhf.types import Experience, Rollout, SamplingSpec, SequenceBatch, TrainStats
+from orlhf.workers import generation
 from orlhf.workers.base import DeepSpeedWorker, position_ids_from
 from orlhf.workers.batching import pack
 from orlhf.workers.loading import from_pretrained
@@ -262,6 +263,17 @@ class PolicyWorker(CausalLMWorker):
         """(B, 2, A): [:, 0] log_probs (current weights), [:, 1] base_log_probs (adapter off), in one call so the two
         forwards never run at once on a rank (a rank actor runs two calls at a time)."""
         return torch.stack([self.log_probs(batch), self.base_log_probs(batch)], dim=1)
+
+    @endpoint
+    def generate(self, prompts: list, spec: SamplingSpec, pad_id: int, eos_id: Optional[int]) -> list[Rollout]:
+        """--rollout_backend trainer: spec.n rollouts of each (prompt index, ids), sampled on this rank's weights
+        (workers/generation.py). Collective under ZeRO-3: every rank calls, with or without prompts."""
+        return generation.rollouts(self, prompts, spec, pad_id, eos_id)
+
+    @endpoint
+    def generate_tokens(self, requests: list, pad_id: int, eos_id: Optional[int]) -> list[tuple]:
+        """--rollout_backend trainer with agents: (ids, SamplingParams) -> (new ids, log-probs, finish reason)."""
+        return generation.turns(self, requests, pad_id, eos_id)
 
     @endpoint
     def train_step(self, batch: Experience, kl_coef: Optional[float] = None) -> TrainStats:

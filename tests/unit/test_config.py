@@ -283,7 +283,7 @@ def test_paths_must_exist(tmp_path, prompts, reward_py, monkeypatch):
         ({"top_p": 0.0}, "--top_p must be in (0, 1]"),
         ({"reward_clip_range": (5.0, -5.0)}, "--reward_clip_range LOW HIGH needs LOW < HIGH"),
         ({"vllm_gpu_memory_utilization": 1.5}, "--vllm_gpu_memory_utilization must be in (0, 1]"),
-        ({"vllm_num_engines": 0}, "--vllm_num_engines must be >= 1"),
+        ({"vllm_num_engines": -1}, "--vllm_num_engines must be >= 0"),
         ({"actor_num_nodes": 0}, "--actor_num_nodes must be >= 1"),
         ({"num_episodes": 0}, "--num_episodes must be >= 1"),
         ({"max_samples": 0}, "--max_samples must be >= 1"),

@@ -1,14 +1,11 @@
 """The DeepSpeed-Chat-style baseline's own pieces (benchmarks/): it runs without Ray or vLLM (the lent GPU machines
-have neither), its generator cuts each row at the prompt's own token limit as vLLM does, and it refuses the
-flags it cannot honour. The end-to-end run is tests/e2e/test_benchmarks_smoke.py."""
+have neither) and it refuses the flags it cannot honour (its generation is orlhf's in-trainer backend:
+tests/unit/test_generation.py). The end-to-end run is tests/e2e/test_benchmarks_smoke.py."""
 
 import os
 import subprocess
 import sys
 from pathlib import Path
-
-import pytest
-import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -31,30 +28,6 @@ def test_baseline_and_controller_import_without_ray_or_vllm():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().endswith("orlhf.trainer.controller")
-
-
-def test_rollouts_are_cut_at_each_prompts_limit_then_after_eos():
-    from hybrid_worker import to_rollouts
-
-    from orlhf.types import SamplingSpec
-
-    eos, P = 9, 4
-    prompts = [(0, [1, 2, 3, 4]), (1, [5, 6])]  # lengths 4 and 2; left-padded to P = 4
-    sequences = torch.tensor(
-        [
-            [1, 2, 3, 4, 7, 7, 7, 7, 7, 7],  # prompt 0: no EOS
-            [0, 0, 5, 6, 7, 9, 0, 0, 0, 0],
-        ]
-    )  # prompt 1: EOS at its 2nd token
-    logprobs = torch.arange(12, dtype=torch.float32).reshape(2, 6) * -0.1
-    spec = SamplingSpec(max_new_tokens=6, max_len=8, n=1)  # prompt 0 may add 4 tokens, prompt 1 six
-    first, second = to_rollouts(prompts, sequences, logprobs, P, spec, eos)
-    assert first.response_ids == [7, 7, 7, 7] and not first.finished and len(first.logprobs) == 4
-    assert second.response_ids == [7, 9] and second.finished
-    assert second.logprobs == pytest.approx([-0.6, -0.7])
-    # Without --max_len every row may run to --generate_max_len.
-    first, _ = to_rollouts(prompts, sequences, logprobs, P, SamplingSpec(max_new_tokens=6), eos)
-    assert first.response_ids == [7] * 6
 
 
 def test_baseline_refuses_flags_it_cannot_honour(tmp_path):

@@ -1,0 +1,49 @@
+"""The rules of --rollout_backend trainer (--vllm_num_engines 0): the actor's ranks generate, so the flags that set
+up vLLM engines have nothing to act on, and generation cannot overlap the actor's training."""
+
+from __future__ import annotations
+
+from orlhf.config.train_config import TrainConfig
+
+# Flags that configure the engines only: given with the trainer backend they would be silently ignored.
+ENGINE_FLAGS = (
+    "vllm_tensor_parallel_size",
+    "vllm_sync_backend",
+    "vllm_gpu_memory_utilization",
+    "enable_prefix_caching",
+    "enforce_eager",
+    "vllm_enable_sleep",
+    "vllm_cpu_kv_cache_gb",
+    "vllm_cpu_threads",
+    "vllm_sync_bucket_mb",
+    "vllm_generate_batch_size",
+)
+
+
+def backend(cfg: TrainConfig, explicit: frozenset[str], out: list[str]) -> None:
+    v = cfg.vllm
+    if v.rollout_backend == "trainer" and "vllm_num_engines" in explicit and v.num_engines > 0:
+        out.append(
+            f"--rollout_backend trainer generates in the actor's ranks, but --vllm_num_engines {v.num_engines} "
+            "asks for vLLM engines: give one of them."
+        )
+    if v.rollout_backend == "vllm" and "rollout_backend" in explicit and v.num_engines == 0:
+        out.append(
+            "--rollout_backend vllm needs --vllm_num_engines >= 1 (0 means the actor's ranks generate: "
+            "--rollout_backend trainer)."
+        )
+    if not cfg.rollout_in_trainer:
+        return
+    how = "--vllm_num_engines 0" if v.num_engines == 0 else "--rollout_backend trainer"
+    given = [f"--{f}" for f in ENGINE_FLAGS if f in explicit]
+    if given:
+        out.append(
+            f"{' '.join(given)}: set{'s' if len(given) == 1 else ''} up vLLM engines, and with {how} the actor's "
+            f"ranks generate (no engine runs): drop {'it' if len(given) == 1 else 'them'}, or use vLLM engines "
+            "(--vllm_num_engines N)."
+        )
+    if cfg.ppo.async_train:
+        out.append(
+            f"--async_train overlaps generation with training on other devices, and with {how} the actor's ranks "
+            "both generate and train, one after the other: drop --async_train, or use vLLM engines."
+        )

@@ -1,0 +1,59 @@
+"""--rollout_backend trainer (--vllm_num_engines 0): the actor's ranks generate, and this object stands where the vLLM
+engines and their weight sync stand (Models.engines and Models.sync), answering the calls the controller, the
+executors and the evaluator make of them.
+
+    generate(prompts, sampling)      prompts split contiguously over the actor's ranks (PolicyWorker.generate,
+                                     workers/generation.py); rollouts back in prompt order, tagged with the version
+    generate_turns(0, requests)      agents' turns (PolicyWorker.generate_tokens) -> a concurrent Future
+    sync(version)                    nothing to move: the ranks that train are the ones that generate; the version
+                                     tag moves, so rollouts say which update sampled them, as with engines
+
+Invariants: a call reaches every actor rank (ZeRO-3's gather is collective), and one call runs at a time (the
+controller's phases are sequential; agents' turns come through one EngineClient). Samples do not depend on the
+actor's rank count (each request has its own seeded stream), so runs with different splits sample alike.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Optional
+
+from orlhf.types import Rollout, SamplingSpec
+from orlhf.workers import PolicyWorker
+
+
+class ActorRollout:
+    def __init__(self, actor, pad_id: int, eos_id: Optional[int]):
+        self.actor, self.pad_id, self.eos_id = actor, pad_id, eos_id
+        self.weight_version = 0
+        self._turns = ThreadPoolExecutor(1, thread_name_prefix="orlhf-actor-turns")
+
+    def __len__(self) -> int:
+        return 1  # one "engine": the actor's ranks together
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingSpec) -> list[Rollout]:
+        """All rollouts, ordered by prompt then sample."""
+        call = self.actor.call_sharded(
+            PolicyWorker.generate, list(enumerate(prompts)), sampling, self.pad_id, self.eos_id
+        )
+        rollouts = [r for part in call.get() for r in part][: len(prompts) * sampling.n]  # shard pads the last rank
+        for r in rollouts:
+            r.weight_version = self.weight_version
+        return rollouts
+
+    def generate_turns(self, index: int, requests: list) -> Future:
+        """One batch of agents' turns: (ids, SamplingParams) -> (new ids, log-probs, finish reason, version)."""
+
+        def run() -> list[tuple]:
+            call = self.actor.call_sharded(PolicyWorker.generate_tokens, list(requests), self.pad_id, self.eos_id)
+            out = [t for part in call.get() for t in part][: len(requests)]
+            return [(*t, self.weight_version) for t in out]
+
+        return self._turns.submit(run)
+
+    def sync(self, version: int) -> float:
+        self.weight_version = version
+        return 0.0
+
+    def shutdown(self) -> None:
+        self._turns.shutdown(wait=False)
