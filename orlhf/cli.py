@@ -139,6 +139,8 @@ USER_ERRORS = (
     ("orlhf.inputs.head_files", "HeadError"),
     ("orlhf.rollout.agent", "AgentError"),
     ("orlhf.trainer.sync_guard", "EngineMismatchError"),
+    ("orlhf.trainer.step_stats", "NonFiniteError"),
+    ("orlhf.launch.export", "ExportError"),
 )
 
 
@@ -168,21 +170,31 @@ def make_demo(
     seed: int = typer.Option(0, help="Seed for the random weights and the prompts."),
 ) -> None:
     """Write the built-in tiny demo (model + tokenizer, prompts.jsonl, reward_func.py) into OUT_DIR."""
+    from orlhf.config.validation_inputs import folder_problem
     from orlhf.demo.builder import make_demo as build
 
+    problem = folder_problem(str(out_dir)) or folder_problem(str(out_dir / "model"))
+    if problem:
+        typer.secho(
+            f"error: {out_dir}: {problem}; pass a folder you can write in (created if missing).", fg="red", err=True
+        )
+        raise typer.Exit(2)
     paths = build(out_dir, seed=seed)
     typer.echo(
         f"model:   {paths.model}\nprompts: {paths.prompts}\nreward:  {paths.reward_fn}\n"
         f"agent:   {paths.agent_fn} (multi-turn)"
     )
-    typer.echo(
-        f"train on it: orlhf train-ppo --pretrain {paths.model} --prompt_data {paths.prompts} "
-        f"--input_key prompt --label_key label --remote_rm_url {paths.reward_fn}"
-    )
-    typer.echo(
-        f"or multi-turn: orlhf train-ppo --pretrain {paths.model} --prompt_data {paths.prompts} "
-        f"--input_key prompt --label_key label --agent_func_path {paths.agent_fn} --generate_max_len 8"
-    )
+    # With --pretrain the demo's preset is not applied (config/flags.py): the commands spell it out, so they fit
+    # the demo model's positions and learn as `orlhf train-ppo` alone does.
+    demo = f"orlhf train-ppo --pretrain {paths.model} --prompt_data {paths.prompts}"
+    typer.echo(f"train on it: {demo} {demo_preset_flags()} --remote_rm_url {paths.reward_fn}")
+    typer.echo(f"or multi-turn: {demo} {demo_preset_flags(generate_max_len=8)} --agent_func_path {paths.agent_fn}")
+
+
+def demo_preset_flags(**overrides: Any) -> str:
+    """config/flags.py's DEMO_PRESET (with `overrides`) as command-line flags, a switch bare."""
+    preset = {**F.DEMO_PRESET, **overrides}
+    return " ".join(f"--{k}" if v is True else f"--{k} {v}" for k, v in preset.items() if v is not False)
 
 
 @app.command("report")

@@ -1,7 +1,8 @@
-"""The rules of config/validation.py about what a run reads: models, prompts, the reward source, eval data.
+"""The rules of config/validation.py about what a run reads and writes: models, prompts, the reward source, eval
+data, the lengths the actor's positions allow, the run and checkpoint folders.
 
 Each rule appends one message per problem to `out`, naming the flags and the fix; none reads more than a path's
-existence or a folder's config.json.
+existence, its permissions or a folder's config.json.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 from orlhf.config.train_config import TrainConfig
+from orlhf.inputs.model_files import max_positions, read_config
 
 # "org/name" on the HF hub; allowed for model paths when the hub is reachable (HF_HUB_OFFLINE unset).
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -155,3 +157,71 @@ def evaluation(cfg: TrainConfig, out: list[str]) -> None:
         offline = _offline()
         if not path.exists() and (offline or not _HUB_ID.match(e.eval_dataset)):
             out.append(f"--eval_dataset {e.eval_dataset}: no such file or folder.")
+
+
+def lengths(cfg: TrainConfig, out: list[str]) -> None:
+    """--prompt_max_len + --generate_max_len, capped by --max_len (the engines' max_model_len: rollout/engine.py's
+    engine_config), against the positions in the actor's config.json (inputs/model_files.max_positions): vLLM
+    refuses a longer max_model_len in the engine's init, after the whole start-up. VLLM_ALLOW_LONG_MAX_MODEL_LEN=1
+    makes vLLM take it (positions past the model's are garbage or NaN), and this rule with it."""
+    if os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0").strip().lower() in ("1", "true"):
+        return
+    p, d = cfg.ppo, cfg.data
+    if d.uses_demo:
+        from orlhf.demo.builder import MAX_POSITIONS
+
+        limit, key, model = MAX_POSITIONS, "max_position_embeddings", "the built-in demo model"
+    else:
+        config = read_config(d.pretrain)
+        found = max_positions(config) if config is not None else None
+        if found is None:  # a hub id, or no key to read: vLLM takes the length it is given
+            return
+        (limit, key), model = found, f"--pretrain {d.pretrain}"
+    pair = p.prompt_max_len + p.generate_max_len
+    if min(pair, p.max_len or pair) <= limit:
+        return
+    where = f"past the {limit} positions of {model} ({key} in its config.json)"
+    if p.max_len is not None and p.max_len < pair:
+        also = " and --prompt_max_len below it" if p.prompt_max_len >= limit else ""
+        out.append(f"--max_len {p.max_len} is {where}: lower --max_len to {limit} or less{also}.")
+        return
+    prompt = p.prompt_max_len if p.prompt_max_len <= limit // 2 else max(1, p.prompt_max_len * limit // pair)
+    out.append(
+        f"--prompt_max_len {p.prompt_max_len} + --generate_max_len {p.generate_max_len} = {pair} tokens is {where}: "
+        f"lower them to add up to {limit} or less, e.g. --prompt_max_len {prompt} --generate_max_len {limit - prompt}."
+    )
+
+
+def output_folders(cfg: TrainConfig, out: list[str]) -> None:
+    """--save_path and the checkpoint folder (--ckpt_path, else <save_path>/checkpoints_ppo): folders this run can
+    create and write in, checked on the machine the run starts from (the run locks them first thing)."""
+    lg = cfg.logging
+    problem = folder_problem(lg.save_path)
+    if problem:
+        out.append(f"--save_path {lg.save_path}: {problem}; pass a folder you can write in (created if missing).")
+    elif lg.ckpt_path is None:
+        problem = folder_problem(lg.checkpoint_dir)
+        if problem:
+            out.append(f"--save_path {lg.save_path}: its checkpoint folder {problem}; move it or pass --ckpt_path.")
+    if lg.ckpt_path is not None:
+        problem = folder_problem(lg.ckpt_path)
+        if problem:
+            out.append(f"--ckpt_path {lg.ckpt_path}: {problem}; pass a folder you can write in (created if missing).")
+
+
+def folder_problem(folder: str) -> Optional[str]:
+    """Why `folder` cannot be a folder this process creates (parents included) and writes in, else None: it, or
+    the nearest of its parents that exists, is not a folder, or is not writable. Creates nothing."""
+    path = Path(folder).expanduser().absolute()
+    nearest = path
+    while not (nearest.exists() or nearest.is_symlink()) and nearest != nearest.parent:
+        nearest = nearest.parent
+    if not nearest.is_dir():
+        if nearest == path:
+            return f"{path} is a file, not a folder"
+        return f"{nearest} is a file, so no folder can be made in it"
+    if not os.access(nearest, os.W_OK | os.X_OK):
+        if nearest == path:
+            return f"{path} is not writable here (read-only)"
+        return f"{nearest}, where it would be made, is not writable here (read-only)"
+    return None

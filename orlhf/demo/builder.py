@@ -34,6 +34,7 @@ from pathlib import Path
 DEMO_VERSION = "2"  # bump when the recipe below changes: it names the cache folder, so old caches are not reused
 DEMO_LABEL = "colors"  # every prompt asks for colors: one target keeps the task learnable in minutes
 NUM_PROMPTS = 512
+MAX_POSITIONS = 512  # the model's max_position_embeddings: a prompt + response must fit (config/validation_inputs.py)
 VOCAB_SIZE = 1024  # an upper bound: 256 bytes + 4 specials + merges; the corpus runs out of merges at ~965
 SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<unk>"]  # ids 0..3, in this order
 # "user: ...\nassistant:" - plain words the tokenizer knows, so templated prompts stay short.
@@ -124,7 +125,7 @@ def _build_tokenizer(rng: random.Random):
         eos_token="</s>",
         pad_token="<pad>",
         unk_token="<unk>",
-        model_max_length=512,
+        model_max_length=MAX_POSITIONS,
         chat_template=CHAT_TEMPLATE,
     )
 
@@ -139,7 +140,7 @@ def _build_model(tokenizer, seed: int):
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=4,
-        max_position_embeddings=512,
+        max_position_embeddings=MAX_POSITIONS,
         vocab_size=len(tokenizer),
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,

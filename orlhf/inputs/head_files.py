@@ -26,9 +26,10 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 from pathlib import Path
 from typing import Optional
+
+from orlhf.inputs.model_files import safetensors_header
 
 log = logging.getLogger(__name__)
 
@@ -126,19 +127,7 @@ def tensor_shapes(folder: str) -> dict[str, tuple[tuple[int, ...], Path]]:
 
 
 def _safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """The safetensors format: an 8-byte little-endian header length, then a JSON header
-    {name: {"dtype", "shape", "data_offsets"}, "__metadata__": {...}}."""
-    total = os.path.getsize(path)
-    with open(path, "rb") as f:
-        size = int.from_bytes(f.read(8), "little")
-        if not 2 <= size <= total - 8:
-            raise ValueError(f"header length {size} does not fit the file ({total} bytes)")
-        header = json.loads(f.read(size))
-    tensors = {name: entry for name, entry in header.items() if name != "__metadata__"}
-    end = max((entry["data_offsets"][1] for entry in tensors.values()), default=0)
-    if end > total - 8 - size:  # a truncated download
-        raise ValueError(f"the tensors end at byte {8 + size + end}, past the file's {total} bytes")
-    return {name: tuple(entry["shape"]) for name, entry in tensors.items()}
+    return {name: tuple(entry["shape"]) for name, entry in safetensors_header(path).items()}
 
 
 # ---- the head ----

@@ -19,6 +19,8 @@ NaN reward silently poisons every advantage of the step. A source may answer Ope
 A python file's reward_func runs in this process, in a daemon thread with a deadline (--reward_timeout_s): a
 stuck function fails the run with a RewardError naming the file instead of hanging it. The stuck call cannot be
 killed; until it returns, no other call of that reward_func starts (RewardBusy), as it need not be thread-safe.
+What it prints goes to the run's logs/reward_func.log, not the terminal (user_output.py).
+An HTTP server gets the same deadline for each batch, all its retries (--reward_retries) together (HttpReward).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -35,6 +38,7 @@ from typing import Any, Optional, Protocol, runtime_checkable
 import torch
 
 from orlhf.inputs.user_files import NotImportable, import_failure, import_file, user_frames
+from orlhf.inputs.user_output import captured_output
 
 logger = logging.getLogger(__name__)
 
@@ -93,13 +97,16 @@ class RewardSource(Protocol):
         ...
 
 
-def make_reward_source(remote_rm_url: str, timeout_s: float = 300.0) -> RewardSource:
-    """--remote_rm_url -> its source: http(s)://host:port/path -> HttpReward, path/to/file.py -> FunctionReward
-    (timeout_s: --reward_timeout_s, the deadline of one reward_func call)."""
+def make_reward_source(
+    remote_rm_url: str, timeout_s: float = 300.0, retries: int = 5, output_log: str | os.PathLike | None = None
+) -> RewardSource:
+    """--remote_rm_url -> its source: http(s)://host:port/path -> HttpReward, path/to/file.py -> FunctionReward.
+    timeout_s: --reward_timeout_s, the deadline of one reward_func call or of one HTTP request with its retries;
+    retries: --reward_retries (HTTP); output_log: where a reward_func's prints go (None: the terminal)."""
     if remote_rm_url.startswith(("http://", "https://")):
-        return HttpReward(remote_rm_url)
+        return HttpReward(remote_rm_url, timeout_s=timeout_s, retries=retries)
     if remote_rm_url.endswith(".py"):
-        return FunctionReward(remote_rm_url, timeout_s=timeout_s)
+        return FunctionReward(remote_rm_url, timeout_s=timeout_s, output_log=output_log)
     raise RewardError(
         f"--remote_rm_url {remote_rm_url}: expected an http(s)://host:port/path URL or a .py file defining reward_func."
     )
@@ -124,7 +131,7 @@ def to_result(out: Any, n: int, source: str) -> RewardResult:
             f"{source} returned a dict without 'rewards' (keys: {sorted(map(str, out))}); "
             "return {'rewards': [...]} or the rewards themselves."
         )
-    rewards = _to_vector(out["rewards"], n, source)
+    rewards = _to_vector(out["rewards"], n, f"{source} ['rewards']")
     scores = rewards if out.get("scores") is None else _to_vector(out["scores"], n, f"{source} ['scores']")
     extra = out.get("extra_logs") or {}
     if not isinstance(extra, dict):
@@ -185,10 +192,14 @@ def _check_batch(queries: list[str], prompts: list[str], labels: list) -> list:
 
 
 class FunctionReward:
-    """reward_func(queries, prompts, labels) from a .py file, run in this process (see orlhf/demo/reward.py)."""
+    """reward_func(queries, prompts, labels) from a .py file, run in this process (see orlhf/demo/reward.py).
 
-    def __init__(self, path: str | os.PathLike, timeout_s: float = 300.0):
-        self.path, self.timeout_s = str(Path(path).expanduser()), timeout_s
+    What it prints goes to `output_log` (the run's logs/reward_func.log; user_output.py), and each call that printed
+    says how many lines in one terminal line; None leaves its output on the terminal (--verbose, `orlhf serve-rm`).
+    """
+
+    def __init__(self, path: str | os.PathLike, timeout_s: float = 300.0, output_log: str | os.PathLike | None = None):
+        self.path, self.timeout_s, self.output_log = str(Path(path).expanduser()), timeout_s, output_log
         self._func = _load_reward_func(self.path)
         self._abandoned: Optional[threading.Thread] = None  # a call past its deadline (it may still run)
 
@@ -212,10 +223,13 @@ class FunctionReward:
         box: dict[str, Any] = {}
 
         def run() -> None:
-            try:
-                box["out"] = self._func(*args)
-            except BaseException as e:  # noqa: BLE001 (re-raised below, in the caller's thread)
-                box["error"] = e
+            with captured_output(self.output_log) as printed:
+                try:
+                    box["out"] = self._func(*args)
+                except BaseException as e:  # noqa: BLE001 (re-raised below, in the caller's thread)
+                    box["error"] = e
+            if printed.lines:
+                logger.info("reward_func printed %d line(s) -> %s", printed.lines, printed.path)
 
         worker = threading.Thread(target=run, name="orlhf-reward-func", daemon=True)
         worker.start()
@@ -230,16 +244,19 @@ class FunctionReward:
             )
         e = box.get("error")
         if e is not None:
-            if not isinstance(e, Exception):
-                raise e  # KeyboardInterrupt, SystemExit: not the user's bug to report
+            if isinstance(e, KeyboardInterrupt):
+                raise e  # an interrupt still interrupts the run
+            # sys.exit() in reward_func would otherwise end the run with its code and no word: it is the function's
+            # error like any other.
+            what = f"called sys.exit({e.code!r})" if isinstance(e, SystemExit) else f"raised {type(e).__name__}: {e}"
             raise RewardError(
-                f"{self.path}: reward_func raised {type(e).__name__}: {e}\n"
-                f"{user_frames(e, self.path)}\nFix reward_func in {self.path}."
+                f"{self.path}: reward_func {what}\n{user_frames(e, self.path)}\nFix reward_func in {self.path}."
             ) from e
         return box.get("out")
 
     def __reduce__(self):
-        # Sent to a Ray actor by path, and imported again there: a module loaded from a file does not pickle.
+        # Sent to a Ray actor by path, and imported again there: a module loaded from a file does not pickle. The
+        # output log stays behind: an actor's own output already goes to its log file.
         return (FunctionReward, (self.path, self.timeout_s))
 
 
@@ -274,13 +291,18 @@ def _load_reward_func(path: str):
 class HttpReward:
     """POSTs {"query", "prompts", "labels"} (OpenRLHF's remote RM format); accepts {"rewards": [...]} or a list.
 
-    Connection errors, timeouts and 5xx answers are retried `retries` times (so 1 + retries attempts) after
-    backoff_s, 2*backoff_s, 4*backoff_s...: a reward server restarting should not kill a long run. 4xx answers are
-    not retried (the request itself is wrong). The bearer token comes from `token`, else $ORLHF_RM_TOKEN.
+    One batch gets `timeout_s` (--reward_timeout_s) for all its attempts together: connection errors, timeouts and
+    5xx answers are retried up to `retries` times (--reward_retries; 0: one attempt), after backoff_s, 2*backoff_s,
+    4*backoff_s... (at most MAX_BACKOFF_S), while the deadline allows; a reward server restarting should not kill a
+    long run, and one that never answers stops it within the deadline, naming the URL and the last error. 4xx and
+    malformed answers are not retried (the request or the server is wrong): one line naming what is wrong. The
+    bearer token comes from `token`, else $ORLHF_RM_TOKEN.
     """
 
+    MAX_BACKOFF_S = 30.0
+
     def __init__(
-        self, url: str, timeout_s: float = 30.0, retries: int = 3, backoff_s: float = 1.0, token: str | None = None
+        self, url: str, timeout_s: float = 300.0, retries: int = 5, backoff_s: float = 1.0, token: str | None = None
     ):
         self.url, self.timeout_s, self.retries, self.backoff_s = url, timeout_s, retries, backoff_s
         self.token = token if token is not None else os.environ.get(TOKEN_ENV)
@@ -305,22 +327,38 @@ class HttpReward:
         headers = {"Content-Type": "application/json"}
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
-        attempts, last = 1 + self.retries, ""
-        for attempt in range(attempts):
-            if attempt:
-                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+        deadline = time.monotonic() + self.timeout_s
+        attempts, last = 0, ""
+        while True:
+            left = max(deadline - time.monotonic(), 1e-3)  # each attempt waits at most for what the deadline leaves
             try:
-                resp = requests.post(self.url, data=body.encode(), headers=headers, timeout=self.timeout_s)
+                resp = requests.post(self.url, data=body.encode(), headers=headers, timeout=left)
             except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError) as e:
-                last = f"{type(e).__name__}: {e}"
+                last = _error_text(e)
             else:
                 if resp.status_code < 500:
                     return self._answer(resp)
-                last = f"HTTP {resp.status_code}: {resp.text[:200]}"
-            logger.warning("reward server %s, attempt %d/%d failed: %s", self.url, attempt + 1, attempts, last)
+                last = f"HTTP {resp.status_code}: {_one_line(resp.text, 200)}"
+            attempts += 1
+            wait = min(self.backoff_s * 2 ** (attempts - 1), self.MAX_BACKOFF_S)
+            if attempts > self.retries or time.monotonic() + wait >= deadline:
+                break
+            logger.warning(
+                "reward server %s: attempt %d of %d failed (%s); retrying in %g s",
+                self.url,
+                attempts,
+                1 + self.retries,
+                last,
+                wait,
+            )
+            time.sleep(wait)
+        why = (
+            f"no answer after {attempts} attempt(s) (--reward_retries {self.retries})"
+            if attempts > self.retries
+            else f"no answer within {self.timeout_s:g} s (--reward_timeout_s, {attempts} attempt(s))"
+        )
         raise RewardError(
-            f"--remote_rm_url {self.url}: no answer after {attempts} attempts (timeout "
-            f"{self.timeout_s:g} s each); last error: {last}. Check that the reward server is running "
+            f"--remote_rm_url {self.url}: {why}; last error: {last}. Check that the reward server is running "
             "and reachable from here, or fix --remote_rm_url."
         )
 
@@ -331,11 +369,27 @@ class HttpReward:
                 if resp.status_code in (401, 403)
                 else 'check that the server takes OpenRLHF\'s {"query", "prompts", "labels"} JSON'
             )
-            raise RewardError(f"--remote_rm_url {self.url}: HTTP {resp.status_code}: {resp.text[:300]}; {hint}.")
+            raise RewardError(
+                f"--remote_rm_url {self.url}: HTTP {resp.status_code}: {_one_line(resp.text, 300)}; {hint}."
+            )
         try:
             return resp.json()
-        except ValueError:
+        except ValueError as e:
             raise RewardError(
-                f"--remote_rm_url {self.url}: the answer is not JSON ({resp.text[:200]!r}); the "
-                'server must answer {"rewards": [...]} or a JSON list.'
+                f"--remote_rm_url {self.url}: the answer is not JSON ({_one_line(str(e), 100)}: "
+                f'{resp.text[:200]!r}); the server must answer {{"rewards": [...]}} or a JSON list.'
             ) from None
+
+
+def _one_line(text: str, limit: int) -> str:
+    """A server's text (an HTML error page, say) as one line of at most `limit` characters."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _error_text(e: Exception) -> str:
+    """A requests error in one line: its type and the OS's reason when there is one ("[Errno 111] Connection
+    refused"), not urllib3's nested reprs."""
+    text = str(e)
+    errno = re.search(r"\[Errno -?\d+\][^'\")\]]*", text)
+    return f"{type(e).__name__}: {_one_line(errno.group(0) if errno else text, 200)}"

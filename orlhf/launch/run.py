@@ -1,10 +1,12 @@
 """What `orlhf train-ppo` runs once its flags are a finished TrainConfig (config/resolve.py: validated, the device and
 the demo's paths resolved).
 
-    lock the run and checkpoint folders (runlock: a second run on them exits here) -> file pre-flight -> prompts
-    (in a thread) while Ray connects -> pre-flight + placement groups -> start engines (async) and model groups
+    lock the run and checkpoint folders (runlock: a second run on them exits here) -> file pre-flight (weight files,
+    value heads, agent file) -> prompts, reward file, eval data (in a thread) while Ray connects, their errors raised
+    before anything is placed -> pre-flight + placement groups -> start engines (async) and model groups
     (colocated on GPUs: engines ready -> engines asleep -> model groups; launch/bringup.py) -> init all -> weight-sync
-    group -> Controller.fit() -> export the final actor, and critic (atomic, launch/export.py)
+    group -> Controller.fit() (SIGINT / SIGTERM: the step ends and is saved, no export: launch/stop_signals.py)
+    -> export the final actor, and critic (atomic; failed: a checkpoint keeps the weights, launch/export.py)
     -> draw the reward curve (best effort) -> tear everything down (also on errors and Ctrl-C)
 """
 
@@ -24,6 +26,7 @@ from orlhf.config.roles import model_path
 from orlhf.config.train_config import TrainConfig
 from orlhf.distributed.ray_start import connect_ray
 from orlhf.launch.bringup import launch_engines, start_models, tuning_for
+from orlhf.launch.stop_signals import report_stop, stop_on_signals
 
 log = logging.getLogger("orlhf")
 
@@ -68,38 +71,45 @@ def run_locked(cfg: TrainConfig, run_id: str, clock) -> int:
         if connect_ray(cfg, local_num_cpus(layout), cpu_slots_needed(layout), tuning):
             stack.callback(ray.shutdown)
         clock.mark("ray")
+        # What the run reads (prompts, the reward file, eval data, the checkpoint to resume) fails here, before any
+        # placement group, engine or model starts: its thread has mostly finished while Ray started.
+        checkpoints, tokenizer, loader, evaluator, resume_from, resume_step, run_id, reward = reading.result()
+        clock.mark("prompts")
         from orlhf.distributed.placement import create_placement_groups, remove_placement_groups
 
         placed = create_placement_groups(layout, cfg.runtime.ray_timeout_s)
         stack.callback(remove_placement_groups, placed)
         t0 = time.monotonic()
-        # The engines' start is the longest (vLLM's import, then LLM()); it needs only the flags and its bundles,
-        # so it begins before this thread waits for the inputs.
-        engines = launch_engines(cfg, placed, stack, tuning)
+        # The engines' start is the longest (vLLM's import, then LLM()): it begins before the model groups'.
+        engines = None if cfg.rollout_in_trainer else launch_engines(cfg, placed, stack, tuning)
         clock.mark("placement")
-        checkpoints, tokenizer, loader, evaluator, resume_from, resume_step, run_id = reading.result()
-        clock.mark("prompts")
-        models = start_models(cfg, placed, optimizer_steps(cfg, loader), stack, clock, engines, tuning)
+        steps = optimizer_steps(cfg, loader)
+        models = start_models(cfg, placed, steps, stack, clock, engines, tuning, tokenizer)
         log.info(
             "%d model group(s) and %d engine(s) ready in %.1f s",
             len(models.groups()),
-            len(models.engines),
+            cfg.num_engines,
             time.monotonic() - t0,
         )
         metrics = make_metrics(cfg, resume_step, run_id)
-        controller = make_controller(cfg, models, loader, tokenizer, metrics, checkpoints, evaluator, resume_from)
+        controller = make_controller(
+            cfg, models, loader, tokenizer, metrics, checkpoints, evaluator, resume_from, reward
+        )
         clock.mark("controller")
         gc.freeze()
         gc.enable()
         log.info("%s", clock.report())
         clock.save(Path(cfg.logging.save_path) / "startup.json")
         try:
-            history = controller.fit()
+            with stop_on_signals(controller):  # SIGINT / SIGTERM: stop at the step's end, saved (stop_signals.py)
+                history = controller.fit()
         finally:
             metrics.close(plot=False)
-        finish_run(cfg, models, metrics, history, run_id)
+        if controller.stop_signal is None:
+            finish_run(cfg, models, metrics, history, run_id, controller)
+    code = 0 if controller.stop_signal is None else report_stop(controller)
     run_logs.close()
-    return 0
+    return code
 
 
 def optimizer_steps(cfg: TrainConfig, loader) -> int:
@@ -109,8 +119,9 @@ def optimizer_steps(cfg: TrainConfig, loader) -> int:
     return loader.total_steps * p.max_epochs * (samples_per_step // p.train_batch_size)
 
 
-def make_controller(cfg: TrainConfig, models, loader, tokenizer, metrics, checkpoints, evaluator, resume_from):
-    """The Controller of this run (after resume_point: the run's id), resumed from `resume_from` when given."""
+def make_controller(cfg: TrainConfig, models, loader, tokenizer, metrics, checkpoints, evaluator, resume_from, reward):
+    """The Controller of this run (after resume_point: the run's id), resumed from `resume_from` when given.
+    `reward`: make_reward's source, None when the reward-model group scores."""
     from orlhf.trainer.controller import Controller
 
     controller = Controller(
@@ -119,7 +130,7 @@ def make_controller(cfg: TrainConfig, models, loader, tokenizer, metrics, checkp
         loader,
         tokenizer,
         metrics,
-        reward_source=make_reward(cfg),
+        reward_source=reward,
         checkpoints=checkpoints,
         evaluator=evaluator,
         best_checkpoints=checkpoints.best(),
@@ -130,9 +141,10 @@ def make_controller(cfg: TrainConfig, models, loader, tokenizer, metrics, checkp
 
 
 def read_inputs(cfg: TrainConfig, run_id: str, run_logs) -> tuple:
-    """Tokenizer, prompts, eval prompts, resume point: in a thread while Ray starts (run_locked; the tokenizer's
-    import of transformers and torch is most of it); their errors are raised once Ray is up, and Ray is shut down.
-    Returns (checkpoints, tokenizer, loader, evaluator, resume_from, resume_step, run_id)."""
+    """Tokenizer, prompts, eval prompts, the reward file, resume point: in a thread while Ray starts (run_locked;
+    the tokenizer's import of transformers and torch is most of it); their errors are raised once Ray is up, before
+    anything is placed, and Ray is shut down.
+    Returns (checkpoints, tokenizer, loader, evaluator, resume_from, resume_step, run_id, reward source or None)."""
     run_logs.route_transformers()  # first: it imports transformers, before anything here can log through it
     from orlhf.inputs.prompt_loader import PromptLoader
     from orlhf.inputs.tokenizer import load_tokenizer
@@ -145,7 +157,8 @@ def read_inputs(cfg: TrainConfig, run_id: str, run_logs) -> tuple:
     tokenizer = load_tokenizer(cfg.data.pretrain)
     loader = PromptLoader(load_prompts(cfg, tokenizer), p.rollout_batch_size, p.num_episodes, p.seed)
     evaluator = make_evaluator(cfg, tokenizer)  # eval data problems fail here, before any model starts
-    return (checkpoints, tokenizer, loader, evaluator) + resume_point(cfg, checkpoints, run_id)
+    reward = make_reward(cfg)  # a reward file that does not import, or defines no reward_func, fails here
+    return (checkpoints, tokenizer, loader, evaluator) + resume_point(cfg, checkpoints, run_id) + (reward,)
 
 
 def check_lora_targets(cfg: TrainConfig) -> None:
@@ -192,8 +205,10 @@ def make_metrics(cfg: TrainConfig, resume_step, run_id: str):
 
 
 def preflight(cfg: TrainConfig, run_logs=None) -> None:
-    """Checks that read files before Ray starts, so a wrong agent file or value head fails in a second.
+    """Checks that read files before Ray starts, so a truncated weight file, a wrong agent file or value head fails in
+    a second.
     `run_logs` (logs.RunLogs) routes transformers' logging first when they may import it."""
+    check_weight_files(cfg)  # every model folder's safetensors headers and sizes: milliseconds
     check_value_heads(cfg)  # config.json and tensor headers only: milliseconds (head_files.check_head)
     check_moe_for_aux_loss(cfg, run_logs)
     if cfg.deepspeed.packing_samples and not cfg.deepspeed.flash_attn:
@@ -209,6 +224,26 @@ def preflight(cfg: TrainConfig, run_logs=None) -> None:
         from orlhf.rollout.executor import load_agent_executor
 
         load_agent_executor(cfg.data.agent_func_path)
+
+
+def check_weight_files(cfg: TrainConfig) -> None:
+    """The safetensors files of every model folder the run loads (inputs/model_files.py: headers and sizes, no
+    tensor read): a truncated or missing shard is a ConfigError (exit 2) naming the flag and the file, where a
+    rank or an engine would fail in its init, after the start-up, without naming it."""
+    from orlhf.config.roles import active_roles
+    from orlhf.config.train_config import ConfigError
+    from orlhf.inputs.model_files import weight_file_problem
+
+    d, problems = cfg.data, []
+    loaded = {model_path(cfg, role) for role in active_roles(cfg)}
+    flags = {d.critic_pretrain: "--critic_pretrain", d.reward_pretrain: "--reward_pretrain", d.pretrain: "--pretrain"}
+    for folder, flag in flags.items():  # a folder given to two flags is read once
+        readable = folder in loaded and folder is not None and Path(folder).expanduser().is_dir()
+        problem = weight_file_problem(folder) if readable else None
+        if problem:
+            problems.append(f"{flag} {folder}: {problem}; re-save or re-download the model folder.")
+    if problems:
+        raise ConfigError(problems)
 
 
 def check_moe_for_aux_loss(cfg: TrainConfig, run_logs=None) -> None:
@@ -246,19 +281,26 @@ def resume_point(cfg: TrainConfig, checkpoints, run_id: str):
     return resume_from, int(meta["step"]), run_id
 
 
-def finish_run(cfg: TrainConfig, models, metrics, history: list[dict], run_id: str) -> None:
+def finish_run(cfg: TrainConfig, models, metrics, history: list[dict], run_id: str, controller) -> None:
     """The run's outputs, models first (atomic export, then the critic), then the best-effort figures: a plotting
-    failure costs a figure, never a model."""
-    from orlhf.launch.export import export_actor, export_model
+    failure costs a figure, never a model. A failed export keeps the weights in a checkpoint first, then stops with
+    one line saying where (export.export_failed)."""
+    from orlhf.launch.export import export_actor, export_failed, export_model
     from orlhf.workers import CriticWorker, PolicyWorker
 
     save = Path(cfg.logging.save_path)
-    out = export_actor(models.actor, save / "actor", run_id)  # with LoRA: the adapter, PEFT's format
-    if cfg.lora.lora_save_merged:
-        merged = export_model(models.actor, PolicyWorker.save_hf_merged, save / "actor_merged", run_id)
-        log.info("the actor with its adapter merged in: %s (a plain HF folder)", merged)
-    if cfg.logging.save_value_network and models.critic is not None:
-        export_model(models.critic, CriticWorker.save_value_network, save / "critic", run_id)
+    target = save / "actor"
+    try:
+        out = export_actor(models.actor, target, run_id)  # with LoRA: the adapter, PEFT's format
+        if cfg.lora.lora_save_merged:
+            target = save / "actor_merged"
+            merged = export_model(models.actor, PolicyWorker.save_hf_merged, target, run_id)
+            log.info("the actor with its adapter merged in: %s (a plain HF folder)", merged)
+        if cfg.logging.save_value_network and models.critic is not None:
+            target = save / "critic"
+            export_model(models.critic, CriticWorker.save_value_network, target, run_id)
+    except Exception as e:
+        raise export_failed(e, target, controller) from None
     png = metrics.plot()
     log.info(
         "done: %d steps; final actor in %s; metrics in %s%s",
@@ -359,8 +401,12 @@ def make_reward(cfg: TrainConfig):
     if cfg.data.remote_rm_url is None:
         return None  # the reward-model group scores
     from orlhf.inputs.rewards import make_reward_source
+    from orlhf.storage.logs import worker_log_path
 
-    return make_reward_source(cfg.data.remote_rm_url, timeout_s=cfg.data.reward_timeout_s)
+    d = cfg.data
+    return make_reward_source(
+        d.remote_rm_url, d.reward_timeout_s, d.reward_retries, output_log=worker_log_path("reward_func")
+    )
 
 
 def summarize(history: list[dict]) -> None:

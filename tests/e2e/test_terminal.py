@@ -58,15 +58,19 @@ def test_a_demo_run_shows_only_orlhf_lines_and_a_whole_bar(demo_cli_run):
 
 
 def test_a_rank_error_reaches_the_terminal_whole(tmp_path):
+    from safetensors.torch import load_file, save_file
+
     from orlhf.demo.builder import ensure_demo
 
     demo = ensure_demo()
     broken = tmp_path / "broken"
     shutil.copytree(demo.model, broken)
-    for f in broken.glob("*.safetensors"):
-        f.write_bytes(b"not a safetensors file")
-    # No critic and no reference (reinforce, no KL): the driver's pre-flight of value heads reads no weights (it
-    # names a corrupt file itself, test below), so the actor rank meets the broken file in its init().
+    [weights] = broken.glob("*.safetensors")
+    state = load_file(weights)
+    state["lm_head.weight"] = state["lm_head.weight"].t().contiguous()  # a whole file, one tensor the wrong shape
+    save_file(state, weights, metadata={"format": "pt"})
+    # The driver's pre-flight reads headers and sizes only (a truncated file fails there, tests/unit/
+    # test_preflight_inputs.py), so the actor rank meets the wrong shape in its init().
     res, save = run_cli(
         tmp_path,
         "--pretrain",
@@ -83,10 +87,14 @@ def test_a_rank_error_reaches_the_terminal_whole(tmp_path):
         "reinforce",
         "--init_kl_coef",
         "0",
+        "--prompt_max_len",
+        "64",
+        "--generate_max_len",
+        "24",
         timeout=600,
     )
     assert res.returncode == 1, res.stderr[-3000:]
     err = res.stderr
     assert re.search(r"actor rank 0 failed in init\(\)", err), err[-3000:]
-    assert re.search(r'File ".*", line \d+', err) and "safetensor" in err.lower()  # the rank's traceback frames
+    assert re.search(r'File ".*", line \d+', err) and "mismatch" in err.lower()  # the rank's traceback frames
     assert str(save / "logs") in err

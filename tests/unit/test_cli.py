@@ -99,6 +99,12 @@ def test_invalid_combination_exits_2_naming_flags_without_traceback(capsys):
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize("flag", ["--reward_retries", "--reward_timeout_s"])
+def test_negative_reward_retries_or_deadline_exit_2_naming_the_flag(flag, capsys):
+    code, _, err = run(["train-ppo", flag, "-1"], capsys)
+    assert code == 2 and f"{flag} must be" in err and "Traceback" not in err
+
+
 def test_bad_choice_and_bad_type_exit_2(capsys):
     assert run(["train-ppo", "--zero_stage", "5"], capsys)[0] == 2
     assert run(["train-ppo", "--kl_estimator", "k9"], capsys)[0] == 2
