@@ -8,6 +8,10 @@ previous model or the new one, whole, never a mix or a half-written folder.
 transformers' save_pretrained deletes the old shards before writing the new ones, so exporting in place loses
 the model on a kill or a full disk mid-write. Leftover `.tmp-actor-*` folders of dead runs are removed at the
 next export (only those whose owner is gone: runlock.owner_gone).
+
+A failed export (a full disk: NoSpaceError) leaves the trained weights only in the ranks' memory, so the run keeps
+them before it stops (export_failed): a checkpoint of the last step, from which `--load_checkpoint` exports again
+without training; the one-line ExportError says where they are, or that nothing could be written.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import shutil
 import uuid
 from pathlib import Path
 
+from orlhf.storage.checkpoint_format import step_dir_name
+from orlhf.storage.disk_space import NoSpaceError, no_space_error
 from orlhf.storage.runlock import OWNER_NAME, write_owner
 from orlhf.storage.tmp_folders import fsync_dir, fsync_tree, remove_stale
 from orlhf.workers.policy import PolicyWorker
@@ -37,16 +43,74 @@ def export_actor(actor_group, out: str | os.PathLike, run_id: str = "") -> Path:
 
 def export_model(group, save, out: str | os.PathLike, run_id: str = "") -> Path:
     """`group.call(save, folder)` (a collective writing one model folder, e.g. CriticWorker.save_value_network)
-    into `out`, atomically, as the actor's export. Returns `out`."""
-    out = Path(out).expanduser().absolute()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_exports(out)
-    tmp = out.parent / f"{_TMP}{out.name}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    write_owner(tmp, run_id)
-    group.call(save, str(tmp)).get()
-    publish(tmp, out)
+    into `out`, atomically, as the actor's export. Returns `out`. A failed export removes its temp folder (the
+    previous model at `out` stays) and raises; a full disk as NoSpaceError, measured before that removal."""
+    out, tmp = Path(out).expanduser().absolute(), None
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_exports(out)
+        tmp = out.parent / f"{_TMP}{out.name}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        write_owner(tmp, run_id)
+        group.call(save, str(tmp)).get()
+        publish(tmp, out)
+    except Exception as e:
+        full = no_space_error(e, out.parent)  # (tmp lives there: the same filesystem)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if full is not None:
+            raise full from e
+        raise
     return out
+
+
+class ExportError(RuntimeError):
+    """The final export failed; the one-line message says where the trained weights are kept, or that nothing
+    could keep them, and how to export again."""
+
+
+def export_failed(error: Exception, out: Path, controller) -> ExportError:
+    """The error for an export to `out` that raised `error`, after keeping the trained weights: a checkpoint of the
+    last step (the one already saved, else one saved now into --ckpt_path), from which a run with
+    --load_checkpoint and nothing left to train only exports."""
+    from orlhf.trainer.run_state import foreign_checkpoint, save_run
+
+    why = str(error) if isinstance(error, NoSpaceError) else f"{type(error).__name__}: {first_line(error)}"
+    step, mgr = controller.step_index, controller.checkpoints
+    kept, not_kept = None, "no --ckpt_path"
+    if mgr is not None:
+        newest, other = mgr.latest(), foreign_checkpoint(mgr)
+        if newest is not None and newest.name == step_dir_name(step) and newest != other:
+            kept = newest  # saved at this step already (--save_steps, the stop)
+        elif other is not None:  # saving among them would mix two runs' checkpoints
+            not_kept = f"{mgr.root} holds another run's checkpoints"
+        else:
+            try:
+                kept = save_run(controller, mgr)
+            except Exception as e:  # noqa: BLE001 - reported in the line below
+                not_kept = str(e) if isinstance(e, NoSpaceError) else f"{type(e).__name__}: {first_line(e)}"
+    fix = f"free space on {out.parent}" if isinstance(error, NoSpaceError) else "fix that"
+    if kept is not None and controller.cfg.logging.disable_ds_ckpt:  # no training state: the HF folder is the model
+        return ExportError(
+            f"could not export to {out}: {why}. The trained actor of step {step} is kept as an HF folder in "
+            f"{kept / 'hf' / 'actor'}: {fix} and copy it (or choose another --save_path next time)."
+        )
+    if kept is not None:
+        return ExportError(
+            f"could not export to {out}: {why}. The trained weights of step {step} are kept in the checkpoint "
+            f"{kept}: {fix} (or choose another --save_path) and run the same command with "
+            f"--load_checkpoint --ckpt_path {mgr.root}, which has no step left to train and only exports."
+        )
+    return ExportError(
+        f"could not export to {out}: {why}; nor save a checkpoint instead ({not_kept}). Nothing kept the trained "
+        f"weights: {fix} (or choose another --save_path and --ckpt_path) and train again; --save_steps keeps "
+        "checkpoints along the way."
+    )
+
+
+def first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else ""
 
 
 def publish(tmp: Path, out: Path) -> None:

@@ -32,6 +32,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -40,12 +41,13 @@ from orlhf.algo.kl import make_kl_controller
 from orlhf.config.train_config import TrainConfig
 from orlhf.distributed.tuning import Tuning
 from orlhf.rollout.executor import agent_metrics, make_executor
+from orlhf.storage.disk_space import NoSpaceError
 from orlhf.storage.metrics import MetricsLogger
 from orlhf.trainer.dynamic_filtering import DynamicFilter
 from orlhf.trainer.experience import ExperienceConfig, make_experience, rollouts_to_batch
 from orlhf.trainer.hybrid_memory import SleepSwitch
 from orlhf.trainer.scoring import ScoredAhead, Scorer
-from orlhf.trainer.step_stats import FROZEN_ACTOR_STATS, engine_gap, mean_stats, step_row
+from orlhf.trainer.step_stats import FROZEN_ACTOR_STATS, StepCheck, engine_gap, mean_stats, step_row
 from orlhf.trainer.sync_guard import SyncGuard
 from orlhf.types import Experience, Rollout, SamplingSpec
 from orlhf.workers import CriticWorker, PolicyWorker
@@ -118,6 +120,8 @@ class Controller:
         )
         self.guard = SyncGuard.from_config(cfg)  # --max_engine_logprob_gap (orlhf/trainer/sync_guard.py)
         self.guard.announce()  # where it does not look, said once now
+        self.numbers = StepCheck(p.actor_learning_rate, p.critic_learning_rate)  # NaN / inf stop the run
+        self.stop_signal: Optional[str] = None  # "SIGTERM" / "SIGINT": stop at the next step boundary and save
         self.phases = models.tuning.phases(cfg, models)  # told as each phase starts (timed)
         self._first_step = 0  # step_index when this invocation started (resume)
         self._saved_step: Optional[int] = None  # step of this invocation's newest checkpoint
@@ -221,6 +225,7 @@ class Controller:
             reward, old_lp, ref_lp, values = self.scorer.score(batch, rollouts, prompts, reward, ahead)
         if old_lp is not None:  # stop before training on another policy's samples
             gap = engine_gap(engine_log_probs, old_lp, batch.action_mask)
+            self.numbers.before_train(self.step_index + 1, gap)
             self.guard.check(gap, self.step_index + 1, staleness)
         with self.timed("make_experience"):
             truncated = torch.tensor([not r.finished for r in rollouts])
@@ -229,9 +234,12 @@ class Controller:
             actor_stats, critic_stats = self.train(exp, info["kl_coef"])
         if old_lp is None and not self.actor_frozen:  # single pass: the actor measured the gap in its training
             gap = engine_gap(engine_log_probs, None, batch.action_mask, actor_stats)  # forward; stop after it
-            self.guard.check(gap, self.step_index + 1, staleness)
         elif old_lp is None:
             gap = float("nan")  # nothing measured it: the frozen actor made no forward
+        # before the sync: nothing non-finite reaches the engines, a checkpoint or the export
+        self.numbers.after_train(self.step_index + 1, None if self.actor_frozen else actor_stats, critic_stats, gap)
+        if old_lp is None and not self.actor_frozen:
+            self.guard.check(gap, self.step_index + 1, staleness)
         with self.timed("sync"):
             if not self.actor_frozen:  # a frozen actor's weights are the engines' already
                 self.sync_weights()
@@ -289,23 +297,33 @@ class Controller:
     def should_stop(self) -> bool:
         """--stop_after_steps: end this invocation early, on a step boundary, keeping the full run's schedule."""
         n = self.cfg.runtime.stop_after_steps
-        return n is not None and self.step_index - self._first_step >= n
+        return self.stop_signal is not None or (n is not None and self.step_index - self._first_step >= n)
 
     def save_at_stop(self) -> None:
-        """--stop_after_steps ended this invocation: save where it stopped (unless that step is saved already),
-        so the later --load_checkpoint continues from here, not from the last --save_steps multiple."""
-        if self.checkpoints is not None and self._saved_step != self.step_index:
+        """--stop_after_steps or a stop signal ended this invocation: save where it stopped (unless that step is
+        saved already), so the later --load_checkpoint continues from here, not from the last --save_steps multiple
+        (a signal's exceptions: run_state.may_save_at_stop)."""
+        from orlhf.trainer.run_state import may_save_at_stop
+
+        if self.checkpoints is not None and self._saved_step != self.step_index and may_save_at_stop(self):
             self.save_checkpoint()
 
-    def save_checkpoint(self, mgr=None) -> None:
-        """Every trained group's DeepSpeed state + the controller's, into a temp folder renamed into place."""
-        from orlhf.trainer.run_state import save_run
+    def save_checkpoint(self, mgr=None) -> Optional[Path]:
+        """Every trained group's DeepSpeed state + the controller's, into a temp folder renamed into place. Returns
+        its folder, or None when the disk was full: the run goes on, the newest good checkpoint stays, the next save
+        tries again (said in one line)."""
+        from orlhf.trainer.run_state import save_run, skipped_save
 
         t0, mgr = time.perf_counter(), mgr or self.checkpoints
-        path = save_run(self, mgr)
+        try:
+            path = save_run(self, mgr)
+        except NoSpaceError as e:
+            log.warning("%s", skipped_save(e, mgr, self.step_index))
+            return None
         if mgr is self.checkpoints:  # the best-eval copy is not the rotation's save of this step
             self._saved_step = self.step_index
         log.info("checkpoint %s (%.1f s)", path, time.perf_counter() - t0)
+        return path
 
     def resume(self, path) -> None:
         """Load a checkpoint written by save_checkpoint (groups already init()-ed), then re-sync the engines,

@@ -6,26 +6,50 @@
         -> mgr.commit (atomic rename; meta.json with the config fingerprint)
     restore_run(ctl, path): the groups load their state, then the controller's (the engines are re-synced by
         the caller)
+A save that fails removes its temp folder once no rank writes there any more; a full disk raises NoSpaceError
+(storage/disk_space.py), on which the controller keeps training (skipped_save says so) and saves at the next step.
 The folder format and its atomic commit are storage/checkpoint.py's; this module only says what goes in.
 """
 
 from __future__ import annotations
 
+import logging
+import shutil
 from pathlib import Path
+from typing import Optional
 
 from orlhf.config.fingerprint import config_fingerprint
-from orlhf.storage.checkpoint import load_controller_state, rng_state, save_controller_state, set_rng_state
+from orlhf.storage.checkpoint import load_controller_state, read_meta, rng_state, save_controller_state, set_rng_state
+from orlhf.storage.disk_space import NoSpaceError, no_space_error
 from orlhf.workers import PolicyWorker
 from orlhf.workers.base import DeepSpeedWorker
 
+log = logging.getLogger(__name__)
+
 
 def save_run(ctl, mgr) -> Path:
-    """Write step ctl.step_index into `mgr` (the rotation's or the best-eval manager); returns its folder."""
-    step, hf_only = ctl.step_index, ctl.cfg.logging.disable_ds_ckpt  # hf_only: no DeepSpeed state, no resume
-    tmp = mgr.begin(step)
+    """Write step ctl.step_index into `mgr` (the rotation's or the best-eval manager); returns its folder.
+
+    A failed save removes its temp folder (once every rank's call has returned: none still writes there) and raises;
+    a full disk as storage.disk_space.NoSpaceError, measured before that removal frees the space again. The
+    checkpoints already there are untouched (rotation follows the commit)."""
+    step, tmp = ctl.step_index, None
+    try:
+        tmp = mgr.begin(step)
+        return _write_run(ctl, mgr, tmp, step)
+    except Exception as e:
+        full = no_space_error(e, mgr.root)  # (tmp lives there: the same filesystem)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if full is not None:
+            raise full from e
+        raise
+
+
+def _write_run(ctl, mgr, tmp: Path, step: int) -> Path:
+    hf_only = ctl.cfg.logging.disable_ds_ckpt  # no DeepSpeed state, no resume
     trained = [] if hf_only else ctl.m.trained()
-    for call in [g.call(DeepSpeedWorker.save_checkpoint, str(tmp / role)) for role, g in trained]:
-        call.get()
+    wait_all([g.call(DeepSpeedWorker.save_checkpoint, str(tmp / role)) for role, g in trained])
     if ctl.cfg.logging.save_hf_ckpt or hf_only:  # after: both are collectives on the actor ranks, never interleaved
         ctl.m.actor.call(PolicyWorker.save_hf, str(tmp / "hf" / "actor")).get()
     spe = ctl.loader.steps_per_episode  # loader position of the consumed batches (async reads ahead)
@@ -53,6 +77,47 @@ def save_run(ctl, mgr) -> Path:
             **({"resumable": False} if hf_only else {}),
         },
     )
+
+
+def skipped_save(error: NoSpaceError, mgr, step: int) -> str:
+    """The line for a save the full disk refused (the run goes on)."""
+    kept = mgr.latest()
+    return (
+        f"{error}: the checkpoint of step {step} was not saved "
+        f"({f'the newest is still {kept}' if kept else 'none saved yet'}); the run goes on and the next save tries "
+        "again. Free space there or pass another --ckpt_path."
+    )
+
+
+def foreign_checkpoint(mgr) -> Optional[Path]:
+    """The newest complete checkpoint in `mgr`'s folder that another run (another run id) wrote, or None."""
+    return next((p for p in mgr.complete() if read_meta(p).get("run_id") != mgr.run_id), None)
+
+
+def may_save_at_stop(ctl) -> bool:
+    """Whether a stop saves: always at --stop_after_steps; at a stop signal not before the first step of this
+    invocation (nothing new), nor into a --ckpt_path holding another run's checkpoints (a run that saves nothing
+    otherwise was not refused such a folder at its start, launch/run.py find_checkpoint; said in one line)."""
+    if ctl.stop_signal is None:
+        return True
+    if ctl.step_index == ctl._first_step:
+        return False
+    other = foreign_checkpoint(ctl.checkpoints)
+    if other is not None:
+        log.warning("no checkpoint at the stop: %s holds another run's checkpoint %s", other.parent, other)
+    return other is None
+
+
+def wait_all(calls: list) -> None:
+    """Wait for every call, then raise the first failure: a failed rank must not leave the others still writing."""
+    errors = []
+    for call in calls:
+        try:
+            call.get()
+        except Exception as e:  # noqa: BLE001 - raised below, once nothing is in flight
+            errors.append(e)
+    if errors:
+        raise errors[0]
 
 
 def restore_run(ctl, path: Path) -> None:

@@ -3,6 +3,14 @@
     mean_stats([TrainStats per rank and micro-step])  -> {field: mean}, plus the `extra` keys every rank reported
     engine_gap(engine_lp, old_lp, action_mask, actor)  -> mean |engine log-prob - trainer log-prob| per action token
     step_row(info, actor, critic, fields, ppo)          -> the step's metrics row (metrics.jsonl), in its order
+    StepCheck: before_train(step, gap), after_train(step, actor, critic, gap)
+                                                        -> NonFiniteError on a NaN / infinite loss, gradient norm
+                                                           or gap; one warning when the updates stalled
+
+A diverged update (a learning rate far too large) shows as NaN or infinite losses, gradient norms or engine gaps;
+averaged, logged (metrics.jsonl writes null) and compared (NaN > threshold is false) they would pass unnoticed while
+the weights are pushed to the engines, checkpointed and exported. The controller checks them before the score's
+numbers reach training and before the update reaches the engines, so nothing non-finite goes any further.
 
 The engine gap is how far the vLLM engines' sampling log-probs are from the policy being trained (trainer/sync_guard.py
 stops a run whose engines diverge). With an old-log-prob forward it is measured here; on a single pass
@@ -12,12 +20,16 @@ reports sums and token counts, averaged alike over ranks and micro-batches, so t
 
 from __future__ import annotations
 
-from dataclasses import fields
+import logging
+import math
+from dataclasses import dataclass, fields
 from typing import Optional
 
 import torch
 
 from orlhf.types import TrainStats
+
+log = logging.getLogger(__name__)
 
 # The actor's metrics on a --freezing_actor_steps step: no training, so none (NaN: metrics.jsonl writes null).
 FROZEN_ACTOR_STATS: dict[str, float] = {
@@ -81,3 +93,80 @@ def step_row(info: dict, actor: dict, critic: Optional[dict], fields: dict, ppo)
             critic_grad_norm=critic["grad_norm"],
         )
     return row
+
+
+def stalled(actor: dict) -> bool:
+    """A gradient of exactly 0 under a loss that is not 0, with tokens left unclipped: after too large an update the
+    policy saturates (its gradient vanishes, or overflows and DeepSpeed skips the step) and learns nothing more. A
+    healthy step with nothing to learn (every advantage 0, e.g. GRPO groups of equal rewards) has a loss of 0, and a
+    step whose every token is clipped has clip_frac 1: neither is this. grad_norm is the last optimizer step's and
+    the loss a mean over all of them, so a last mini-batch of zero advantages can pass once: StepCheck warns only
+    when two steps in a row stall."""
+    return actor["grad_norm"] == 0.0 and actor["loss"] != 0.0 and actor["clip_frac"] < 1.0
+
+
+class NonFiniteError(RuntimeError):
+    """A loss, gradient norm or engine gap is NaN or infinite: the run stops before those weights go anywhere."""
+
+
+@dataclass
+class StepCheck:
+    """Stops a run whose numbers left the finite (module docstring); warns once when the actor's updates stalled
+    (`stalled`). The learning rates name the fix."""
+
+    actor_lr: float
+    critic_lr: float
+    warned_stall: bool = False
+    stalled_last: bool = False  # the previous step's actor stalled
+
+    def before_train(self, step: int, gap: float) -> None:
+        """`gap` measured against the actor's old log-probs, before anything trains on this batch."""
+        if not math.isfinite(gap):
+            raise NonFiniteError(
+                self.explain(
+                    step,
+                    {"engine_logprob_gap": gap},
+                    "before training (the actor's log-probs of the samples are not finite)",
+                )
+            )
+
+    def after_train(self, step: int, actor: Optional[dict], critic: Optional[dict], gap: float) -> None:
+        """After the train phase, before the sync. actor: its mean stats, None when it sat out (frozen: its stats
+        and gap are NaN by design)."""
+        values = {}
+        if actor is not None:
+            values = {
+                "policy_loss": actor["loss"],
+                "actor_grad_norm": actor["grad_norm"],
+                "entropy": actor["entropy"],
+                "kl_loss": actor["kl_loss"],
+                "engine_logprob_gap": gap,
+            }
+        if critic is not None:
+            values.update(value_loss=critic["loss"], critic_grad_norm=critic["grad_norm"])
+        bad = {k: v for k, v in values.items() if not math.isfinite(v)}
+        if bad:
+            raise NonFiniteError(self.explain(step, bad, "in training"))
+        was, self.stalled_last = self.stalled_last, actor is not None and stalled(actor)
+        if was and self.stalled_last and not self.warned_stall:  # twice in a row: one step may have nothing to learn
+            self.warned_stall = True
+            log.warning(
+                "step %d: the actor's gradient norm is exactly 0 while its loss is not (%.3g), as on the step "
+                "before: its updates vanish "
+                "(or overflow and are skipped), so the policy no longer learns; the updates were too large: train "
+                "again with a lower --actor_learning_rate (now %g)",
+                step,
+                actor["loss"],
+                self.actor_lr,
+            )
+
+    def explain(self, step: int, bad: dict[str, float], when: str) -> str:
+        shown = ", ".join(f"{k} {v}" for k, v in bad.items())
+        critic = [k for k in bad if k.startswith(("value", "critic"))]
+        lrs = ([] if len(critic) == len(bad) else [f"--actor_learning_rate (now {self.actor_lr:g})"]) + (
+            [f"--critic_learning_rate (now {self.critic_lr:g})"] if critic else []
+        )
+        return (
+            f"step {step}: {shown} {when}: the updates diverged, so the run stops before these weights reach the "
+            f"engines, a checkpoint or the export. Train again with a lower {' and '.join(lrs)}."
+        )

@@ -98,7 +98,7 @@ class SyncGuard:
         """
         if self.threshold is None or staleness != 0 or not self.comparable:
             return False
-        if gap > self.threshold:
+        if not gap <= self.threshold:  # not `gap > threshold`: NaN compares false both ways and must not pass
             raise EngineMismatchError(explain(gap, step, self.threshold, self.bf16))
         return True
 

@@ -1,6 +1,7 @@
-"""Faults in a real run (a subprocess with its own local Ray): a killed rank, a killed engine, Ctrl-C.
+"""Faults in a real run (a subprocess with its own local Ray): a killed rank, a killed engine, Ctrl-C, SIGTERM, a
+diverged update.
 
-Each must stop the run within 60 s with an error naming the role and rank, and leave no process behind: every
+Each must stop the run within 60 s with a line naming what happened, and leave no process behind: every
 descendant of the run (raylet, GCS, rank actors, engines) is recorded while it runs and must be gone after.
 """
 
@@ -106,12 +107,61 @@ def test_killed_process_stops_the_run_naming_it(tmp_path, pid_line, error):
     assert re.search(error, text), text[-2000:]
 
 
-def test_ctrl_c_stops_cleanly(tmp_path):
+def test_a_signal_saves_the_step_and_stops_cleanly(tmp_path):
+    """A scheduler's SIGTERM (before: Ray's C++ stack dump, no checkpoint, no orlhf line), handled as Ctrl-C is
+    (launch/stop_signals.py; tests/unit/test_stop_signals.py for SIGINT): the step in progress ends, is saved, and
+    one line says what was kept and how to resume."""
+    sig = signal.SIGTERM
     proc, log = start_run(tmp_path)
     first_step_logged(tmp_path, proc, log)
     tree = descendants(proc)
     t0 = time.monotonic()
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     text = assert_stops_clean(proc, tree, t0, log)
-    assert proc.returncode == 130, text[-2000:]
-    assert "interrupted" in text
+    assert proc.returncode == 128 + sig, text[-2000:]
+    m = re.search(
+        rf"interrupted by {sig.name} after step (\d+): checkpoint (\S+) kept; run the same command with "
+        r"--load_checkpoint to continue from it",
+        text,
+    )
+    assert m, text[-2000:]
+    assert Path(m.group(2)).name == f"step_{int(m.group(1)):06d}" and (Path(m.group(2)) / "meta.json").exists()
+
+
+def test_a_diverged_run_stops_before_its_weights_go_anywhere(tmp_path):
+    """--actor_learning_rate 1e30: losses, KL and the engine gap went NaN from step 2, metrics.jsonl wrote null,
+    and the run ended rc 0 exporting weights of ~5e29. Now step 2 stops it with one line, and nothing is exported."""
+    save = tmp_path / "run"
+    res = subprocess.run(
+        [
+            ORLHF,
+            "train-ppo",
+            "--device",
+            "cpu",
+            "--num_episodes",
+            "1",
+            "--actor_learning_rate",
+            "1e30",
+            "--save_steps",
+            "1",
+            "--vllm_num_engines",
+            "0",  # the check is the driver's: the actor's ranks generate, no engine start-up to wait for
+            "--save_path",
+            str(save),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    last = res.stderr.strip().splitlines()[-1]
+    assert res.returncode == 1, res.stderr[-3000:]
+    assert re.fullmatch(
+        r"error: step 2: .*nan.* the updates diverged, so the run stops before these weights reach "
+        r"the engines, a checkpoint or the export\. Train again with a lower --actor_learning_rate "
+        r"\(now 1e\+30\)\.",
+        last,
+    ), res.stderr[-3000:]
+    assert "Traceback" not in res.stderr
+    assert not (save / "actor").exists()
+    saved = sorted(p.name for p in (save / "checkpoints_ppo").glob("step_*"))
+    assert saved == ["step_000001"]  # step 1's, whose numbers were finite; never step 2's

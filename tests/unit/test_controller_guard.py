@@ -26,12 +26,13 @@ class Done:
 
 
 class Actor:
-    """Answers the loop's calls; records their names. Its log-probs are ACTOR_LP on every token."""
+    """Answers the loop's calls; records their names. Its log-probs are ACTOR_LP on every token; `trained`: the
+    TrainStats fields its train steps report (a diverged update's NaN loss), in the order of its steps."""
 
     world_size = 1
 
-    def __init__(self, log):
-        self.log = log
+    def __init__(self, log, trained=()):
+        self.log, self.trained = log, list(trained)
 
     def call_sharded(self, method, batch, *args):
         self.log.append(method.__name__)
@@ -39,12 +40,13 @@ class Actor:
             return Done(torch.full(batch.action_mask.shape, ACTOR_LP))
         # train_step on a single pass: the actor measured the gap in its training forward (sum, token count)
         tokens = float(batch.action_mask.sum())
+        stats = {"loss": 0.0, "grad_norm": 0.5, "entropy": 1.0, **(self.trained.pop(0) if self.trained else {})}
         return Done(
             [
                 TrainStats(
-                    loss=0.0,
                     lr=0.0,
                     extra={"engine_gap_sum": abs(ENGINE_LP - ACTOR_LP) * tokens, "engine_gap_tokens": tokens},
+                    **stats,
                 )
             ]
         )
@@ -91,10 +93,10 @@ class Loader:
         return iter([[Prompt(0), Prompt(1)], [Prompt(2), Prompt(3)]])
 
 
-def make(tmp_path, **flags):
+def make(tmp_path, trained=(), **flags):
     cfg = build_config({"save_path": str(tmp_path), **flags}, set(flags))
     log = []
-    models = Models(actor=Actor(log), ref=None, engines=Engines(), sync=Sync(log))
+    models = Models(actor=Actor(log, trained), ref=None, engines=Engines(), sync=Sync(log))
     ctl = Controller(cfg, models, Loader(), Tokenizer(), metrics=None, reward_source=Rewards())
     return cfg, ctl, log
 
@@ -150,3 +152,80 @@ def test_a_healthy_gap_trains_and_syncs(tmp_path):
     ctl.fit()
     assert log == ["log_probs", "train_step", "sync"] * 2
     assert [round(r["engine_logprob_gap"], 6) for r in ctl.history] == [0.5, 0.5]
+
+
+def test_a_nan_loss_stops_the_run_before_the_update_reaches_the_engines(tmp_path, capsys):
+    """A diverged update (--actor_learning_rate 1e30 on the demo) trained on with NaN losses, logged null, and
+    exported its weights; now the step that trains to a NaN stops the run with one line, before the sync."""
+    cfg, ctl, log = make(
+        tmp_path,
+        trained=[{}, {"loss": float("nan"), "entropy": float("nan"), "grad_norm": 0.0}],
+        rollout_batch_size=2,
+        train_batch_size=2,
+        micro_train_batch_size=1,
+        init_kl_coef=0.0,
+        advantage_estimator="reinforce",
+        max_engine_logprob_gap=0.6,
+        actor_learning_rate=1e30,
+    )
+    ctl.metrics = type("M", (), {"log": lambda *a: None})()
+
+    def train(_cfg):
+        ctl.fit()
+        return 0
+
+    assert run_reporting_errors(train, cfg) == 1
+    assert log == ["train_step", "sync", "train_step"]  # step 2's NaN weights never reach the engines
+    assert len(ctl.history) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after the progress bar
+    assert err == (
+        "error: step 2: policy_loss nan, entropy nan in training: the updates diverged, so the run stops before these "
+        "weights reach the engines, a checkpoint or the export. Train again with a lower --actor_learning_rate "
+        "(now 1e+30)."
+    )
+
+
+def test_non_finite_log_probs_stop_before_training(tmp_path):
+    import pytest
+
+    from orlhf.trainer.step_stats import NonFiniteError
+
+    global ACTOR_LP
+    _, ctl, log = make(tmp_path, rollout_batch_size=2, train_batch_size=2, micro_train_batch_size=1, init_kl_coef=0.01)
+    saved, ACTOR_LP = ACTOR_LP, float("nan")
+    try:
+        with pytest.raises(NonFiniteError, match=r"step 1: engine_logprob_gap nan before training \(the actor's"):
+            ctl.fit()
+    finally:
+        ACTOR_LP = saved
+    assert log == ["log_probs"]
+
+
+def test_stalled_updates_are_warned_about_once(tmp_path, caplog):
+    """--actor_learning_rate 1e3 on the demo: from step 2 on the gradient norm is exactly 0 under a loss that is not
+    (the saturated policy learns nothing more) and the run went on silently. A step of zero advantages (loss 0) is
+    no stall; one stalled step alone is not warned about (a last mini-batch may have had nothing to learn)."""
+    import logging
+
+    stalled = {"grad_norm": 0.0, "loss": -2.8e-7}
+    _, ctl, log = make(
+        tmp_path,
+        trained=[stalled, {"grad_norm": 0.0, "loss": 0.0}, stalled, stalled, stalled],
+        rollout_batch_size=2,
+        train_batch_size=2,
+        micro_train_batch_size=1,
+        init_kl_coef=0.0,
+        advantage_estimator="reinforce",
+        max_engine_logprob_gap=0.6,
+    )
+    ctl.loader = type("L", (), {"total_steps": 5, "__iter__": lambda self: iter([[Prompt(0), Prompt(1)]] * 5)})()
+    ctl.metrics = type("M", (), {"log": lambda *a: None})()
+    with caplog.at_level(logging.WARNING):
+        ctl.fit()
+    warned = [r.getMessage() for r in caplog.records if "exactly 0" in r.getMessage()]
+    assert warned == [
+        "step 4: the actor's gradient norm is exactly 0 while its loss is not (-2.8e-07), as on the step before: its "
+        "updates vanish (or overflow and are skipped), so the policy no longer learns; the updates were too large: "
+        "train again with a lower --actor_learning_rate (now 0.0005)"
+    ]
+    assert log == ["train_step", "sync"] * 5  # a warning, not a stop

@@ -203,21 +203,24 @@ def test_save_value_network_exports_the_critic_atomically(tmp_path):
     from types import SimpleNamespace
 
     from orlhf.config.flags import build_config
+    from orlhf.launch.export import ExportError
     from orlhf.launch.run import finish_run
 
     cfg = build_config({"save_path": str(tmp_path), "save_value_network": True}, {"save_value_network"})
     metrics = SimpleNamespace(plot=lambda: None, path=tmp_path / "metrics.jsonl")
     critic = FakeCriticGroup(b"c1" * 100)
-    finish_run(cfg, SimpleNamespace(actor=FakeActorGroup(b"a1"), critic=critic), metrics, [], "r1")
+    ctl = SimpleNamespace(step_index=3, checkpoints=None, cfg=cfg)  # what export_failed reads (no --ckpt_path)
+    finish_run(cfg, SimpleNamespace(actor=FakeActorGroup(b"a1"), critic=critic), metrics, [], "r1", ctl)
     assert critic.dirs[0].name.startswith(".tmp-critic-")  # written aside, then swapped in
     assert (tmp_path / "critic" / "model.safetensors").read_bytes() == b"c1" * 100
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(ExportError, match="could not export to .*critic: no space left on "):
         finish_run(
             cfg,
             SimpleNamespace(actor=FakeActorGroup(b"a2"), critic=FakeCriticGroup(b"c2" * 100, fail=True)),
             metrics,
             [],
             "r2",
+            ctl,
         )
     assert (tmp_path / "critic" / "model.safetensors").read_bytes() == b"c1" * 100  # still the whole previous one
     assert (tmp_path / "actor" / "model.safetensors").read_bytes() == b"a2"

@@ -94,3 +94,9 @@ def test_engines_report_after_temperature_log_probs_off_temperature_1():
     assert engine_logprobs_mode(0.7) == "processed_logprobs"  # log_softmax(logits / 0.7), the actor's at T 0.7
     cfg = build_config({"temperature": 0.7, "device": "cpu"}, explicit={"temperature", "device"})
     assert engine_config(cfg).logprobs_mode == "processed_logprobs"
+
+
+def test_a_nan_gap_never_passes():
+    """NaN compares false both ways: `gap > threshold` let a diverged run's NaN gap through."""
+    with pytest.raises(EngineMismatchError):
+        SyncGuard(threshold=1e-3).check(float("nan"), step=2, staleness=0)
