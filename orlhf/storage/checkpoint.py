@@ -4,7 +4,8 @@ The pure side (names, meta.json's format, the compatibility check, the state enc
 
     <ckpt_path>/
       step_000010/                 a complete checkpoint: it only ever appears by one os.rename, meta.json inside
-        meta.json                  written last: format, step, time, orlhf version, run id, ranks per role, fingerprint
+        meta.json                  written last: format, step, time, orlhf version, run id, ranks per role, fingerprint,
+                                   every file's size (a step folder whose file is missing or truncated is skipped)
         controller.json            driver state as plain JSON (step, loader, KL, reward norm, python/numpy RNG)
         controller.safetensors     its tensors (torch RNG states), referenced from controller.json
         actor/                     the actor group's DeepSpeed checkpoint (DeepSpeedWorker.save_checkpoint):
@@ -29,7 +30,8 @@ The pure side (names, meta.json's format, the compatibility check, the state enc
 
 Invariants
 - A `step_*` folder with a readable meta.json is complete: everything else is written and fsynced first, then
-  meta.json, then one rename. A crash at any point leaves either the previous checkpoints or a `.tmp-*`/`.trash-*`
+  meta.json (with every file's size), then one rename. A file deleted or truncated later (a full disk, a hand
+  copy) makes the folder incomplete again: latest() says which file and falls back to the previous checkpoint. A crash at any point leaves either the previous checkpoints or a `.tmp-*`/`.trash-*`
   folder that latest() never returns. Deletion renames to `.trash-*` first, so a half-deleted checkpoint is
   never mistaken for a complete one.
 - The manager deletes only folders named `step_<digits>` or `.tmp-step_*` / `.trash-step_*` in ckpt_path.
@@ -62,10 +64,11 @@ from orlhf.storage.checkpoint_format import (
     CheckpointError,
     decode_state,
     encode_state,
+    files_problem,
     meta_problem,
     step_dir_name,
 )
-from orlhf.storage.runlock import write_owner
+from orlhf.storage.runlock import OWNER_NAME, write_owner
 from orlhf.storage.tmp_folders import fsync_dir, fsync_tree, remove_stale
 
 log = logging.getLogger(__name__)
@@ -128,6 +131,7 @@ class CheckpointManager:
             "run_id": self.run_id,
         }
         fsync_tree(tmp)
+        full["files"] = file_sizes(tmp)  # checked before a resume loads anything (files_problem)
         _write_json_durable(tmp / META, full)
         final = self.root / step_dir_name(step)
         old = self._trash(final) if final.exists() else None
@@ -239,6 +243,17 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
         raise CheckpointError(f"{path}: no readable {META} ({e}); it is not a complete orlhf checkpoint") from e
 
 
+def file_sizes(folder: Path) -> dict[str, int]:
+    """{path relative to `folder`: bytes} of every file a checkpoint holds (not meta.json, not the writer's record)."""
+    sizes = {}
+    for sub, _dirs, files in os.walk(folder):
+        for name in files:
+            rel = (Path(sub) / name).relative_to(folder).as_posix()
+            if rel not in (META, OWNER_NAME):
+                sizes[rel] = os.path.getsize(Path(sub) / name)
+    return sizes
+
+
 def _meta_problem(path: Path, step: int) -> Optional[str]:
     try:
         meta = json.loads((path / META).read_text())
@@ -246,7 +261,14 @@ def _meta_problem(path: Path, step: int) -> Optional[str]:
         return f"no {META} (not a complete orlhf checkpoint)"
     except (OSError, ValueError) as e:
         return f"unreadable {META} ({e})"
-    return meta_problem(meta, step)
+    return meta_problem(meta, step) or files_problem(meta, lambda name: _size(path / name))
+
+
+def _size(path: Path) -> Optional[int]:
+    try:
+        return path.stat().st_size if path.is_file() else None
+    except OSError:
+        return None
 
 
 def _check_ranks_wrote(folder: Path, role: str, ranks: int) -> None:

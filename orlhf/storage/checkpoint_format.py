@@ -3,8 +3,9 @@ encoding of driver/rank state as JSON + tensors. No file or Ray access here (sto
 
     <ckpt_path>/step_000010/           step_dir_name(step); STEP_DIR recognises it
     <ckpt_path>/.tmp-step_.../         TMP_PREFIX: a save in progress; TRASH_PREFIX: a rotation in progress
-    meta.json (META)                   {"format": FORMAT_VERSION, "step", "fingerprint", "roles", ...}
+    meta.json (META)                   {"format": FORMAT_VERSION, "step", "fingerprint", "roles", "files", ...}
         meta_problem(meta, step)       why a step folder's meta does not make it a complete checkpoint
+        files_problem(meta, size_of)   which file of "files" ({path: bytes when saved}) is missing or truncated
         check_compatible(meta, fp)     every setting that differs between the checkpoint and this run
     state --encode_state--> JSON doc + {key: tensor} --decode_state--> state   (loading never unpickles code)
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -35,6 +36,23 @@ def meta_problem(meta: Any, step: int) -> Optional[str]:
     """Why a parsed meta.json does not describe a complete checkpoint of `step` (None: it does)."""
     if not isinstance(meta, dict) or meta.get("step") != step:
         return f"{META} does not describe step {step}"
+    return None
+
+
+def files_problem(meta: dict[str, Any], size_of: Callable[[str], Optional[int]]) -> Optional[str]:
+    """Why the files meta.json lists ({relative path: bytes when saved}) are not all there whole (None: they are),
+    `size_of(path)` giving a file's size now (None: missing). Checked before anything loads, so a truncated or
+    deleted file is named here instead of failing deep in DeepSpeed or torch. Checkpoints of an orlhf that did not
+    record sizes have no "files": nothing to check."""
+    files = meta.get("files")
+    if not isinstance(files, dict):
+        return None
+    for name, saved in sorted(files.items()):
+        now = size_of(name)
+        if now is None:
+            return f"{name} is missing ({saved} bytes when saved): not a complete checkpoint"
+        if now != saved:
+            return f"{name} has {now} bytes, {saved} when saved (truncated or overwritten): not a complete checkpoint"
     return None
 
 

@@ -5,6 +5,8 @@
     <save_path>/logs/driver.log         every library's log records and Python warnings in the driver process
     <save_path>/logs/<role>-<rank>.log  a model rank's stdout and stderr (DeepSpeed, torch, gloo, C++ prints)
     <save_path>/logs/vllm-<index>.log   a vLLM engine's (its engine-core processes inherit the file)
+    <save_path>/logs/reward_func.log    what a --remote_rm_url .py file's reward_func prints (the terminal gets one
+                                        line per call that printed: how many lines, and this file)
 
 The driver sets ORLHF_LOG_DIR; each rank and engine actor calls redirect_output() first thing, which points its
 file descriptors 1 and 2 at its log file, so Ray has nothing to forward and the bar is never torn. --verbose turns
@@ -78,7 +80,7 @@ class RunLogs:
             return "logs: all output on this terminal (--verbose)"
         return (
             f"logs: {self.log_dir}/ (driver.log; <role>-<rank>.log per model rank; vllm-<i>.log per engine; "
-            "--verbose shows them here)"
+            "reward_func.log; --verbose shows them here)"
         )
 
     def route_transformers(self) -> None:
@@ -166,7 +168,8 @@ def _to_terminal(h: logging.Handler) -> bool:
 
 
 def worker_log_path(name: str) -> Optional[Path]:
-    """Where the process called `name` ("actor-0", "vllm-1") writes, or None when output is not redirected."""
+    """Where the process called `name` ("actor-0", "vllm-1"), or the user code called `name` ("reward_func"),
+    writes; None when output is not redirected (--verbose)."""
     d = os.environ.get(LOG_DIR_ENV)
     return Path(d) / f"{name}.log" if d else None
 

@@ -69,6 +69,36 @@ def test_latest_skips_unfinished_and_incomplete_folders(tmp_path, caplog):
     assert (tmp_path / "step_000030").exists()  # incomplete step_ folders are reported, never deleted
 
 
+@pytest.mark.parametrize("damage", ["truncate", "delete"])
+def test_a_truncated_or_missing_file_in_the_newest_falls_back_to_the_previous_naming_it(tmp_path, caplog, damage):
+    mgr = CheckpointManager(tmp_path, max_ckpt_num=5)
+    older = _save(mgr, 2, roles={"actor": 1})
+    newest = _save(mgr, 4, roles={"actor": 1})
+    assert read_meta(newest)["files"] == {"actor/shard.bin": 10, "actor/rng_rank0.json": 2}  # not meta/owner
+    shard = newest / "actor" / "shard.bin"
+    if damage == "truncate":  # a full disk, an interrupted copy
+        shard.write_bytes(b"x" * 4)
+    else:
+        shard.unlink()
+    with caplog.at_level(logging.WARNING, logger="orlhf.storage.checkpoint"):
+        assert mgr.latest() == older
+    problem = "has 4 bytes, 10 when saved (truncated" if damage == "truncate" else "is missing (10 bytes when saved)"
+    assert f"ignoring {newest}: actor/shard.bin {problem}" in caplog.text
+    assert newest.exists()  # reported, never deleted
+    _save(mgr, 4, roles={"actor": 1})  # the resumed run saves that step again: it replaces the broken one
+    assert mgr.latest() == newest and (newest / "actor" / "shard.bin").stat().st_size == 10
+
+
+def test_checkpoints_without_recorded_sizes_stay_loadable(tmp_path):
+    mgr = CheckpointManager(tmp_path, max_ckpt_num=5)
+    old = _save(mgr, 3)
+    meta = read_meta(old)
+    del meta["files"]  # as an orlhf before file sizes wrote it
+    (old / "meta.json").write_text(json.dumps(meta))
+    (old / "actor" / "shard.bin").write_bytes(b"x")
+    assert mgr.latest() == old
+
+
 def test_rotation_keeps_the_newest_n_and_touches_nothing_else(tmp_path):
     mgr = CheckpointManager(tmp_path, max_ckpt_num=2)
     (tmp_path / "notes.txt").write_text("mine")

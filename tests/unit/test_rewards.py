@@ -1,8 +1,10 @@
 """Reward sources: a python reward file and an HTTP reward server, and the errors that name what went wrong."""
 
 import json
+import logging
 import pickle
 import socket
+import sys
 import textwrap
 import threading
 import time
@@ -21,6 +23,7 @@ from orlhf.inputs.rewards import (
     make_reward_source,
     to_rewards,
 )
+from orlhf.inputs.user_output import ThreadRouter, captured_output
 
 QUERIES = ["say colors: red blue", "say colors: cat dog"]
 PROMPTS = ["say colors:", "say colors:"]
@@ -201,6 +204,72 @@ def test_no_call_starts_while_a_timed_out_call_still_runs(tmp_path):
     assert source.score(QUERIES, PROMPTS, LABELS).tolist() == [1.0, 1.0]
 
 
+def test_what_reward_func_prints_goes_to_the_log_file_with_a_count_on_the_terminal(tmp_path, capsys, caplog):
+    path = reward_file(
+        tmp_path,
+        """
+        import sys
+        def reward_func(queries, prompts, labels):
+            for i in range(1000):
+                print("scoring", i)
+            sys.stderr.write("a warning of its own\\n")
+            sys.stdout.write("no newline at the end")
+            return [1.0] * len(queries)
+    """,
+    )
+    log = tmp_path / "logs" / "reward_func.log"
+    source = make_reward_source(path, output_log=log)
+    with caplog.at_level(logging.INFO, logger="orlhf"):
+        assert source.score(QUERIES, PROMPTS, LABELS).tolist() == [1.0, 1.0]
+        assert source.score(QUERIES, PROMPTS, LABELS).tolist() == [1.0, 1.0]
+    out, err = capsys.readouterr()
+    assert out == "" and err == ""  # none of it on the terminal
+    text = log.read_text()
+    assert text.count("scoring 999\n") == 2 and "a warning of its own\n" in text and text.count("\n") == 2004
+    assert "no newline at the end\nscoring 0\n" in text  # each call's output starts a line
+    lines = [r.getMessage() for r in caplog.records if "printed" in r.getMessage()]
+    assert lines == [f"reward_func printed 1002 line(s) -> {log}"] * 2
+    assert not isinstance(sys.stdout, ThreadRouter) and not isinstance(sys.stderr, ThreadRouter)  # put back
+
+
+def test_only_the_capturing_thread_is_routed(tmp_path, capsys):
+    """orlhf's own lines (the progress bar, the log) printed by other threads meanwhile stay on the terminal."""
+    inside, done = threading.Event(), threading.Event()
+
+    def user_code():
+        with captured_output(tmp_path / "user.log") as printed:
+            print("from user code")
+            inside.set()
+            done.wait(5)
+        assert printed.lines == 1
+
+    worker = threading.Thread(target=user_code)
+    worker.start()
+    assert inside.wait(5)
+    print("from orlhf")
+    done.set()
+    worker.join(5)
+    assert capsys.readouterr().out == "from orlhf\n"
+    assert (tmp_path / "user.log").read_text() == "from user code\n"
+    with captured_output(None) as printed:  # no log folder (--verbose): the terminal keeps it
+        print("shown")
+    assert printed.lines == 0 and capsys.readouterr().out == "shown\n"
+
+
+def test_the_run_builds_its_reward_source_from_the_flags(tmp_path, monkeypatch):
+    from orlhf.config.flags import build_config
+    from orlhf.launch.run import make_reward
+
+    flags = {"remote_rm_url": "http://127.0.0.1:1/score", "reward_timeout_s": 7.0, "reward_retries": 0}
+    source = make_reward(build_config(flags, set(flags)))
+    assert isinstance(source, HttpReward) and (source.timeout_s, source.retries) == (7.0, 0)
+    monkeypatch.setenv("ORLHF_LOG_DIR", str(tmp_path))
+    flags = {"remote_rm_url": str(ensure_demo().reward_fn), "reward_timeout_s": 9.0}
+    source = make_reward(build_config(flags, set(flags)))
+    assert isinstance(source, FunctionReward) and source.timeout_s == 9.0
+    assert source.output_log == tmp_path / "reward_func.log"
+
+
 def test_to_rewards_lists_at_most_ten_bad_indices():
     with pytest.raises(RewardError, match=r"12 non-finite .* indices \[0, 1, 2, 3, 4, 5, 6, 7, 8, 9\] \.\.\."):
         to_rewards(torch.full((12,), float("nan")), 12, "src")
@@ -216,7 +285,8 @@ def test_make_reward_source_rejects_other_values():
 
 
 class RewardServer:
-    """A tiny HTTP reward server on 127.0.0.1 (random port). `behave(n, body)` -> (status, answer) per request n."""
+    """A tiny HTTP reward server on 127.0.0.1 (random port). `behave(n, body)` -> (status, answer) per request n:
+    answer as JSON, or bytes sent as they are; None closes the connection without an answer."""
 
     def __init__(self, behave):
         server = self
@@ -225,8 +295,11 @@ class RewardServer:
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 server.requests.append((body, self.headers.get("Authorization")))
-                status, answer = behave(len(server.requests), body)
-                data = json.dumps(answer).encode()
+                reply = behave(len(server.requests), body)
+                if reply is None:
+                    return  # no answer: the server closes the connection
+                status, answer = reply
+                data = answer if isinstance(answer, bytes) else json.dumps(answer).encode()
                 try:
                     self.send_response(status)
                     self.send_header("Content-Type", "application/json")
@@ -298,16 +371,64 @@ def test_http_reward_server_down_retries_then_names_the_url():
         HttpReward(url, retries=2, backoff_s=0.01, timeout_s=2).score(QUERIES, PROMPTS, LABELS)
     assert time.monotonic() - start < 5
     msg = str(e.value)
-    assert f"--remote_rm_url {url}: no answer after 3 attempts" in msg and "ConnectionError" in msg
+    assert f"--remote_rm_url {url}: no answer after 3 attempt(s) (--reward_retries 2)" in msg
+    assert "last error: ConnectionError: [Errno 111] Connection refused" in msg and "\n" not in msg
     assert "Check that the reward server is running" in msg
 
 
-def test_http_reward_slow_server_times_out(serve):
-    server = serve(lambda n, body: (time.sleep(1.5), length_rewards(n, body))[1])
+def test_http_reward_server_dropping_its_first_two_connections_still_scores(serve):
+    server = serve(lambda n, body: None if n <= 2 else length_rewards(n, body))
+    rewards = HttpReward(server.url, timeout_s=10, retries=2, backoff_s=0.01).score(QUERIES, PROMPTS, LABELS)
+    assert len(server.requests) == 3 and rewards.tolist() == [float(len(q)) for q in QUERIES]
+
+
+def test_http_reward_server_that_never_answers_stops_within_the_deadline(serve):
+    """--reward_timeout_s bounds a batch's request with all its retries (--reward_retries), as the flags set it."""
+    release = threading.Event()
+    server = serve(lambda n, body: (release.wait(10), length_rewards(n, body))[1])
+    source = make_reward_source(server.url, timeout_s=1.0, retries=5)
     start = time.monotonic()
-    with pytest.raises(RewardError, match=r"no answer after 2 attempts \(timeout 0.2 s each\).*ReadTimeout"):
-        HttpReward(server.url, timeout_s=0.2, retries=1, backoff_s=0.01).score(QUERIES, PROMPTS, LABELS)
-    assert time.monotonic() - start < 1.5 and len(server.requests) == 2
+    try:
+        with pytest.raises(RewardError) as e:
+            source.score(QUERIES, PROMPTS, LABELS)
+    finally:
+        release.set()
+    assert time.monotonic() - start < 2.5
+    msg = str(e.value)
+    assert msg.startswith(f"--remote_rm_url {server.url}: no answer within 1 s (--reward_timeout_s, 1 attempt(s))")
+    assert "last error: ReadTimeout" in msg and "\n" not in msg
+
+
+def test_http_reward_retries_until_the_deadline_then_names_the_last_error(serve):
+    server = serve(lambda n, body: (503, {"error": "busy: retry later"}))
+    start = time.monotonic()
+    with pytest.raises(
+        RewardError,
+        match=r"no answer within 0.5 s \(--reward_timeout_s, \d attempt\(s\)\); last "
+        r"error: HTTP 503: \{\"error\": \"busy: retry later\"\}",
+    ):
+        HttpReward(server.url, timeout_s=0.5, retries=100, backoff_s=0.05).score(QUERIES, PROMPTS, LABELS)
+    assert time.monotonic() - start < 1.5 and 2 <= len(server.requests) < 10
+
+
+@pytest.mark.parametrize(
+    "answer, problem",
+    [
+        (b'{"rewards": [1.0, ', r"the answer is not JSON \(.*\): '\{\"rewards\": \[1\.0, '\)"),
+        ({"reward": [1.0, 2.0]}, r"returned a dict without 'rewards' \(keys: \['reward'\]\)"),
+        ({"rewards": ["high", "low"]}, r"\['rewards'\] returned non-numeric rewards"),
+        (
+            {"rewards": [1.0, 2.0], "scores": None, "extra_logs": {"acc": [1]}},
+            r"\['extra_logs'\]\['acc'\] returned shape",
+        ),
+        (b"<html>\n<body>oops</body>\n</html>", r"the answer is not JSON"),
+    ],
+)
+def test_http_reward_malformed_answers_are_one_line_naming_the_field(serve, answer, problem):
+    server = serve(lambda n, body: (200, answer))
+    with pytest.raises(RewardError, match=f"^--remote_rm_url {server.url}.*{problem}") as e:
+        HttpReward(server.url, backoff_s=0.01).score(QUERIES, PROMPTS, LABELS)
+    assert "\n" not in str(e.value) and len(server.requests) == 1  # the server's fault: no retry
 
 
 def test_http_reward_client_errors_are_not_retried(serve):
@@ -319,7 +440,9 @@ def test_http_reward_client_errors_are_not_retried(serve):
 
 def test_http_reward_bad_answers_are_checked_like_files(serve):
     server = serve(lambda n, body: (200, {"rewards": [1.0]}))
-    with pytest.raises(RewardError, match=r"--remote_rm_url http://127\.0\.0\.1:\d+/score returned shape \(1,\)"):
+    with pytest.raises(
+        RewardError, match=r"--remote_rm_url http://127\.0\.0\.1:\d+/score \['rewards'\] returned shape \(1,\)"
+    ):
         HttpReward(server.url).score(QUERIES, PROMPTS, LABELS)
 
 
