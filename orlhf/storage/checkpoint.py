@@ -31,8 +31,9 @@ The pure side (names, meta.json's format, the compatibility check, the state enc
 Invariants
 - A `step_*` folder with a readable meta.json is complete: everything else is written and fsynced first, then
   meta.json (with every file's size), then one rename. A file deleted or truncated later (a full disk, a hand
-  copy) makes the folder incomplete again: latest() says which file and falls back to the previous checkpoint. A crash at any point leaves either the previous checkpoints or a `.tmp-*`/`.trash-*`
-  folder that latest() never returns. Deletion renames to `.trash-*` first, so a half-deleted checkpoint is
+  copy) makes the folder incomplete again: latest() says which file and falls back to the previous checkpoint.
+  A crash at any point leaves either the previous checkpoints or a `.tmp-*`/`.trash-*` folder that latest() never
+  returns. Deletion renames to `.trash-*` first, so a half-deleted checkpoint is
   never mistaken for a complete one.
 - The manager deletes only folders named `step_<digits>` or `.tmp-step_*` / `.trash-step_*` in ckpt_path.
 - --ckpt_path must be storage every node sees (one shared filesystem): ranks write, the driver renames.
