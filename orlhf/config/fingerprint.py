@@ -84,6 +84,7 @@ FREE_ON_RESUME: dict[str, str] = {
             "enforce_eager",
             "enable_prefix_caching",
             "packing_samples",
+            "logprobs_chunk_mb",
             "no_trim_padding",
             "no_shared_prompt",
             "flash_attn",

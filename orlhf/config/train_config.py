@@ -146,6 +146,12 @@ class DeepSpeedConfig:
         "Pack each micro-batch's samples into one row without padding (flash-attn varlen on GPUs; a "
         "block-diagonal mask under SDPA).",
     )
+    logprobs_chunk_mb: float = opt(
+        256.0,
+        "Log-probs and entropy from the LM head a chunk of tokens at a time, each chunk's float32 logits about this "
+        "many MiB, where a micro-batch's whole logits would be larger (long responses, large vocabularies); 0: "
+        "always the whole logits.",
+    )
     train_cpu_threads: int = opt(
         0,
         "CPU only: torch threads per model rank (0: handed over per phase: the cores shared among the ranks "

@@ -160,6 +160,10 @@ def _engine_and_thread_bounds(cfg: TrainConfig) -> list[Bound]:
             v.cpu_kv_cache_gb is None or v.cpu_kv_cache_gb > 0,
             f"--vllm_cpu_kv_cache_gb must be > 0 (got {v.cpu_kv_cache_gb}).",
         ),
+        (
+            cfg.deepspeed.logprobs_chunk_mb >= 0,
+            f"--logprobs_chunk_mb must be >= 0 (0: whole logits; got {cfg.deepspeed.logprobs_chunk_mb}).",
+        ),
         (threads >= 0, f"--train_cpu_threads must be >= 0 (0: as many as each rank's CPU slots; got {threads})."),
         (
             v.cpu_threads >= 0,

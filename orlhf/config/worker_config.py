@@ -135,6 +135,7 @@ class WorkerConfig:
     cpu_threads: int = 0  # CPU only: torch threads in this rank's process (0: leave Ray's OMP_NUM_THREADS)
     trim_padding: bool = True  # cut each micro-batch to its real length (not --no_trim_padding)
     packing_samples: bool = False  # one row of real tokens per micro-batch (--packing_samples)
+    logprobs_chunk_mb: float = 256.0  # causal LMs: log-probs a chunk of tokens at a time (--logprobs_chunk_mb)
     shared_prompt: bool = True  # causal LMs: each distinct prompt run once per forward (not --no_shared_prompt)
     # --use_dynamic_batch: forwards grouped by a real-token budget (orlhf/workers/batching.py budget_micro_batches);
     # 0: by count (--micro_rollout_batch_size)
@@ -309,6 +310,7 @@ def _common_fields(cfg: TrainConfig, role: str, forward_budget: int) -> dict:
         micro_forward_batch_size=ppo.micro_rollout_batch_size,
         trim_padding=not ds.no_trim_padding,
         packing_samples=ds.packing_samples,
+        logprobs_chunk_mb=ds.logprobs_chunk_mb,
         cpu_threads=ds.train_cpu_threads,
         forward_max_tokens=forward_budget,
         shared_prompt=not ds.no_shared_prompt,

@@ -36,6 +36,7 @@ from orlhf.types import Experience, Rollout, SamplingSpec, SequenceBatch, TrainS
 from orlhf.workers import generation
 from orlhf.workers.base import DeepSpeedWorker, position_ids_from
 from orlhf.workers.batching import pack
+from orlhf.workers.lm_head import chunked_head, head_log_probs, hidden_states_out
 from orlhf.workers.loading import from_pretrained
 from orlhf.workers.shared_prompt import shared_prompt_forward, worker_shares_prompts
 
@@ -133,20 +134,53 @@ def gather_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor
 
 
 def action_log_probs(
-    model: nn.Module, batch: SequenceBatch, temperature: float, packed: bool = False, shared: bool = False
+    model: nn.Module,
+    batch: SequenceBatch,
+    temperature: float,
+    packed: bool = False,
+    shared: bool = False,
+    chunk_mb: float = 0.0,
 ) -> torch.Tensor:
-    """(B, A) log pi of the action tokens, through token_log_probs' one-pass backward."""
+    """(B, A) log pi of the action tokens, through token_log_probs' one-pass backward (or a chunk of tokens at a
+    time: chunked_action_log_probs)."""
+    chunked = chunked_action_log_probs(model, batch, temperature, packed, shared, chunk_mb)
+    if chunked is not None:
+        return chunked[0]
     logits, offset = model_logits(model, batch, packed, shared)
     return token_log_probs(logits, batch.sequences[:, -batch.num_actions :], offset, temperature)
 
 
 def action_log_probs_entropy(
-    model: nn.Module, batch: SequenceBatch, temperature: float, packed: bool = False, shared: bool = False
+    model: nn.Module,
+    batch: SequenceBatch,
+    temperature: float,
+    packed: bool = False,
+    shared: bool = False,
+    chunk_mb: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """((B, A) log pi of the action tokens as action_log_probs, (B, A) entropy of each action position's
     distribution, detached: for the log, from the softmax the log-probs' backward keeps anyway)."""
+    chunked = chunked_action_log_probs(model, batch, temperature, packed, shared, chunk_mb)
+    if chunked is not None:
+        return chunked[0], chunked[1].detach()
     logits, offset = model_logits(model, batch, packed, shared)
     return token_log_probs_entropy(logits, batch.sequences[:, -batch.num_actions :], offset, temperature)
+
+
+def chunked_action_log_probs(
+    model: nn.Module, batch: SequenceBatch, temperature: float, packed: bool, shared: bool, chunk_mb: float
+) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """((B, A) log-probs, (B, A) entropy), both in the graph, from the last hidden states and the LM head a chunk
+    of tokens at a time (workers/lm_head.py), when the micro-batch's whole logits would exceed --logprobs_chunk_mb;
+    None: the whole logits (small batches or vocabularies, models that change the logits after the head)."""
+    found = chunked_head(model, batch.sequences.shape[0] * batch.num_actions, chunk_mb)
+    if found is None:
+        return None
+    head, rows = found
+    with hidden_states_out(head):
+        hidden, offset = model_logits(model, batch, packed, shared)  # every path's slicing, on hidden states
+    a = batch.num_actions
+    return head_log_probs(head, hidden[:, offset : offset + a], batch.sequences[:, -a:], temperature, rows)
 
 
 def _accepts_logits_to_keep(model: nn.Module) -> bool:
@@ -201,7 +235,10 @@ class CausalLMWorker(DeepSpeedWorker):
         """(B, A) float32 on CPU: log-probs of each action token (padding positions hold garbage: mask them)."""
 
         def fn(mb: SequenceBatch) -> torch.Tensor:
-            return action_log_probs(self.engine, mb, self.cfg.temperature, self.cfg.packing_samples, self.shared_prompt)
+            c = self.cfg
+            return action_log_probs(
+                self.engine, mb, c.temperature, c.packing_samples, self.shared_prompt, c.logprobs_chunk_mb
+            )
 
         return self.forward_micro_batches(batch, fn)
 
@@ -291,14 +328,16 @@ class PolicyWorker(CausalLMWorker):
     def _loss(self, mb: Experience, norm: LossNorm, kl_coef: float) -> tuple[torch.Tensor, dict]:
         cfg, lc, mask = self.cfg, self.cfg.loss, mb.action_mask
         seqs = mb.as_sequence_batch()
-        if lc.entropy_loss_coef > 0:  # entropy joins the graph: (b, A, V) logits / temperature with grad
-            logits = action_logits(self.engine, seqs, cfg.temperature, cfg.packing_samples, self.shared_prompt_train)
+        how = (cfg.temperature, cfg.packing_samples, self.shared_prompt_train)
+        chunked = chunked_action_log_probs(self.engine, seqs, *how, cfg.logprobs_chunk_mb)
+        if chunked is not None:  # the entropy is in the graph either way; detached below when only logged
+            log_probs, entropy = chunked if lc.entropy_loss_coef > 0 else (chunked[0], chunked[1].detach())
+        elif lc.entropy_loss_coef > 0:  # entropy joins the graph: (b, A, V) logits / temperature with grad
+            logits = action_logits(self.engine, seqs, *how)
             log_probs = gather_log_probs(logits, mb.sequences[:, -mb.num_actions :])  # (b, A)
             entropy = entropy_from_logits(logits)  # (b, A), in the graph
         else:  # entropy is only logged: detached, from the log-probs' own softmax
-            log_probs, entropy = action_log_probs_entropy(
-                self.engine, seqs, cfg.temperature, cfg.packing_samples, self.shared_prompt_train
-            )
+            log_probs, entropy = action_log_probs_entropy(self.engine, seqs, *how)
         aux = getattr(self, "last_aux_loss", None) if lc.aux_loss_coef > 0 else None  # this forward's (MoE)
         old = _old_log_probs(mb, log_probs)
         terms = policy_loss_terms(
