@@ -67,6 +67,8 @@ def test_the_working_ranks_get_the_cores_on_one_compute_thread(ray_local):
             vllm=SimpleNamespace(cpu_threads=0, num_engines=1, tensor_parallel_size=1),
             single_pass=True,
             reference_from_actor=False,
+            rollout_in_trainer=False,
+            num_engines=1,
         )
         threads = PhaseThreads.from_config(cfg, models, cores=4)
         threads.before("train")
