@@ -50,6 +50,7 @@ FREE_ON_RESUME: dict[str, str] = {
             "reward_timeout_s",
             "reward_retries",
             "max_engine_logprob_gap",
+            "max_engine_restarts",
         ),
         "when to stop or fail",
     ),

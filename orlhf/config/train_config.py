@@ -115,6 +115,12 @@ class VLLMConfig:
         "per token (a broken weight sync). Default: 1e-3 on CPU (3e-3 with --bf16), 2e-2 on GPUs; 0 or negative: off.",
         flag="max_engine_logprob_gap",
     )
+    max_engine_restarts: int = opt(
+        3,
+        "vLLM engines that die or miss the --ray_timeout_s deadline of a generate, replaced in place over the whole "
+        "run (a new engine on the same GPUs, loaded with the current weights; the lost part of the batch generated "
+        "again with the same seeds) before the run stops naming the engine. 0: stop at the first.",
+    )
 
 
 @dataclass(frozen=True)

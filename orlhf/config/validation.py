@@ -171,6 +171,10 @@ def _engine_and_thread_bounds(cfg: TrainConfig) -> list[Bound]:
         ),
         (v.sync_bucket_mb > 0, f"--vllm_sync_bucket_mb must be > 0 (got {v.sync_bucket_mb})."),
         (
+            v.max_engine_restarts >= 0,
+            f"--max_engine_restarts must be >= 0 (got {v.max_engine_restarts}; 0: a lost engine stops the run).",
+        ),
+        (
             rt.stop_after_steps is None or rt.stop_after_steps >= 1,
             f"--stop_after_steps must be >= 1 (got {rt.stop_after_steps}).",
         ),

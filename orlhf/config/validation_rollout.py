@@ -17,6 +17,7 @@ ENGINE_FLAGS = (
     "vllm_cpu_threads",
     "vllm_sync_bucket_mb",
     "vllm_generate_batch_size",
+    "max_engine_restarts",
 )
 
 

@@ -8,6 +8,7 @@
     group.call_sharded(PolicyWorker.log_probs, batch)    batch split over ranks -> GroupCall; .get_cat() gathers
     group.call_rank(0, PolicyWorker.sync_address)        one rank
     wait_calls(call_a, call_b)                           several calls (of any groups) waited on together
+    settle(call, timeout_s)                              each member waited on alone: results, lost, failed
     spawn_groups(roles, spawn, stack)                    several groups started at once, each shut down with stack
 
 Calls name the method by reference (orlhf/distributed/endpoints.py): it must be an @endpoint of the group's worker
@@ -49,7 +50,7 @@ class RankError(RuntimeError):
     `host`: the role whose rank processes ran the call, when another role's (its log is that role's)."""
 
     def __init__(self, role: str, rank: int, method: str, detail: str, died: bool = False, host: Optional[str] = None):
-        self.role, self.rank, self.method = role, rank, method
+        self.role, self.rank, self.method, self.died = role, rank, method, died  # died: the process is gone
         detail = re.sub(r"\x1b\[[0-9;]*m", "", detail)  # Ray colours its task names
         path = worker_log_path(log_name(host or role, rank))
         if path is not None:
@@ -129,6 +130,26 @@ class GroupCall:
 def wait_all(refs: list, ranks: list, role: str, method: str, timeout_s: float, host: Optional[str] = None) -> list:
     """ray.get for refs from several ranks, failing fast on the first error and after timeout_s."""
     return _wait(refs, [(role, r, method, host) for r in ranks], f"{role}: {method}()", timeout_s)
+
+
+def settle(call: GroupCall, timeout_s: float) -> tuple[dict, dict, dict]:
+    """Wait for each member of `call` on its own, by one deadline, where wait_all stops at the first failure:
+    (results, lost, failed), each keyed by member. lost: the member died (RankError.died) or had not answered by the
+    deadline (TimeoutError); failed: it raised (RankError). For callers that go on without some members
+    (trainer/engine_restart.py replaces lost engines)."""
+    deadline = time.monotonic() + timeout_s
+    results: dict = {}
+    lost: dict = {}
+    failed: dict = {}
+    for ref, member in zip(call.refs, call.ranks):
+        left = max(1.0, deadline - time.monotonic())  # one that finished meanwhile is still collected
+        try:
+            results[member] = wait_all([ref], [member], call.role, call.method, left, call.host)[0]
+        except RankError as e:
+            (lost if e.died else failed)[member] = e
+        except TimeoutError as e:
+            lost[member] = e
+    return results, lost, failed
 
 
 def wait_calls(*calls: GroupCall, timeout_s: Optional[float] = None) -> list[list]:

@@ -1,7 +1,9 @@
 """vLLM rollout engines as Ray actors, and the group that splits prompts across them.
 
     EngineGroup(cfg, slots)                       N engines, each on its own bundles (TP bundles on one node)
-      .generate(prompts, sampling) -> [Rollout]   prompts split contiguously, results back in prompt order
+      .generate(prompts, sampling) -> [Rollout]   prompts split contiguously, results back in prompt order; an
+                                                  engine lost meanwhile goes to .on_lost, then its chunk again
+      .replace(i)                                 engine i killed and started again on its own bundles
       .call(EngineActor.reset_prefix_cache)       every engine -> GroupCall (.get() waits), as ActorGroup.call
       .call(WeightSyncExtension.orlhf_ipc_begin)  an extension method: runs on every vLLM worker of each engine
       .call_rank(i, EngineActor.generate_tokens, requests)   one engine
@@ -14,6 +16,11 @@ On CPU each engine runs vLLM in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0): a mu
 fastest generation on this stack, at the cost of owning its process (a Ray actor is exactly that); its threads,
 sampler and KV cache size come from the platform's tuning, an argument of each engine actor (Tuning.engine_start,
 distributed/tuning.py). On GPUs an engine with TP > 1 uses vLLM's Ray executor on the placement group's bundles.
+
+A lost engine (its process died, or its generate missed the --ray_timeout_s deadline) stops the run with its name,
+unless the trainer set `on_lost` (trainer/engine_restart.py): that replaces it and loads the current weights, and
+generate sends the lost engine's chunk again, the same requests with the same seeds (types.request_seed), while
+the chunks the other engines finished are kept.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orlhf.config.train_config import engine_gpu_memory_utilization
 from orlhf.distributed.endpoints import check_exports, endpoint, method_name
-from orlhf.distributed.groups import GroupCall, wait_all
+from orlhf.distributed.groups import GroupCall, settle, wait_all
 from orlhf.distributed.placement import EngineBundles
 from orlhf.distributed.tuning import Tuning
 from orlhf.rollout.worker_ext import WeightSyncExtension
@@ -315,7 +322,10 @@ class EngineGroup:
         wait: bool = True,
         tuning: Optional[Tuning] = None,
     ):
-        self.cfg, self.timeout_s, self.tuning = cfg, timeout_s, tuning or Tuning()
+        self.cfg, self.timeout_s, self.tuning, self._slots = cfg, timeout_s, tuning or Tuning(), list(slots)
+        # on_lost(lost, where): {engine index: its RankError or TimeoutError} lost in `where` ("generate"); replaces
+        # them (self.replace) and loads the current weights, or raises. None: a lost engine stops the run.
+        self.on_lost: Optional[Callable[[dict, str], None]] = None
         check_exports(ROLE, EngineActor, WeightSyncExtension)  # before any engine starts
         self._engines = [self._spawn(i, engine_slots) for i, engine_slots in enumerate(slots)]
         self._started = [e.pid.remote() for e in self._engines]
@@ -349,14 +359,39 @@ class EngineGroup:
         return len(self._engines)
 
     def generate(self, prompts: list[list[int]], sampling: SamplingSpec) -> list[Rollout]:
-        """All rollouts, ordered by prompt then sample. Prompts are split contiguously over the engines."""
+        """All rollouts, ordered by prompt then sample. Prompts are split contiguously over the engines; the chunk
+        of an engine lost meanwhile is generated again once on_lost has replaced it (the others' are kept)."""
         indexed = list(enumerate(prompts))
-        per = -(-len(indexed) // len(self._engines))
-        chunks = [indexed[i * per : (i + 1) * per] for i in range(len(self._engines))]
-        busy = [(i, c) for i, c in enumerate(chunks) if c]
-        refs = [self._engines[i].generate.remote(c, sampling) for i, c in busy]
-        parts = wait_all(refs, [i for i, _ in busy], ROLE, "generate", self.timeout_s)
-        return [r for part in parts for r in part]
+        pending = {i: indexed[c.start : c.stop] for i, c in enumerate(contiguous_chunks(len(prompts), len(self)))}
+        pending = {i: chunk for i, chunk in pending.items() if chunk}
+        parts: dict[int, list[Rollout]] = {}
+        while pending:
+            refs = [self._engines[i].generate.remote(chunk, sampling) for i, chunk in pending.items()]
+            call = GroupCall(ROLE, "generate", refs, list(pending), self.timeout_s)
+            results, lost, failed = settle(call, self.timeout_s)
+            if failed:  # the engine raised: not a loss a new engine would cure
+                raise next(iter(failed.values()))
+            parts.update(results)
+            if lost and self.on_lost is None:
+                raise next(iter(lost.values()))
+            if lost:
+                self.on_lost(lost, "generate")
+            pending = {i: pending[i] for i in lost}
+        return [r for i in sorted(parts) for r in parts[i]]
+
+    def replace(self, index: int) -> int:
+        """Kill engine `index` (dead or hung) and start a new one on its bundles, with its index (its seed); waits
+        until the model is loaded. Returns the new engine's pid. Its weights are the model folder's until a sync."""
+        ray.kill(self._engines[index], no_restart=True)
+        self._engines[index] = self._spawn(index, self._slots[index])
+        self._started[index] = self._engines[index].pid.remote()
+        return wait_all([self._started[index]], [index], ROLE, "start", self.timeout_s)[0]
+
+    def dead(self, timeout_s: float = 10.0) -> dict[int, Exception]:
+        """{engine index: its error} of the engines whose process is gone (a health check; one busy with a long
+        call is not counted)."""
+        call = GroupCall(ROLE, "pid", [e.pid.remote() for e in self._engines], list(range(len(self))), timeout_s)
+        return {i: e for i, e in settle(call, timeout_s)[1].items() if getattr(e, "died", False)}
 
     def generate_turns(self, index: int, requests: list):
         """Agents' turns on engine `index` (EngineActor.generate_tokens) -> a concurrent.futures.Future."""
@@ -387,13 +422,19 @@ class EngineGroup:
         CUDA IPC; it can be passed to another Ray actor. Shutting it down is the full group's job."""
         sub = object.__new__(EngineGroup)
         sub.cfg, sub.timeout_s, sub.tuning, sub._started = self.cfg, self.timeout_s, self.tuning, []
-        sub._engines = [self._engines[i] for i in indices]
+        sub._engines, sub._slots, sub.on_lost = [self._engines[i] for i in indices], [], None
         return sub
 
     def shutdown(self) -> None:
         for e in self._engines:
             ray.kill(e, no_restart=True)
         self._engines = []
+
+
+def contiguous_chunks(n: int, engines: int) -> list[range]:
+    """Engine i's prompt indices of a batch of n: ceil(n / engines) each, the last ones shorter or empty."""
+    per = -(-n // engines)
+    return [range(min(i * per, n), min((i + 1) * per, n)) for i in range(engines)]
 
 
 def _defined_in(cls: type, fn: Callable) -> bool:

@@ -41,8 +41,10 @@ class WeightSyncExtension:
     def orlhf_init_sync_group(
         self, host: str, port: int, rank_offset: int, world_size: int, backend: str, timeout_s: float = 300.0
     ) -> int:
-        """Join the trainer -> engines group as rank `rank_offset + tp rank`. Returns that rank."""
+        """Join the trainer -> engines group as rank `rank_offset + tp rank`. Returns that rank. A worker already in a
+        group (a fresh one is built after an engine was replaced: trainer/weight_sync.py) leaves it first."""
         rank = rank_offset + self.rank
+        self._orlhf_comm = None
         if backend == "nccl":
             from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
             from vllm.distributed.utils import StatelessProcessGroup
@@ -156,10 +158,21 @@ class WeightSyncExtension:
     def _orlhf_reload(self, weights) -> None:
         """vLLM's in-place reload of (checkpoint name, tensor) pairs, with the fix-ups for what it leaves stale
         (tied heads, pre-packed MoE experts: rollout/reload_fixes.py). Every load path goes through here."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
         from orlhf.rollout.reload_fixes import modules_left_out, refreshed_after_reload
 
         with refreshed_after_reload(self.model_runner.get_model()), modules_left_out():
-            self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+            try:
+                self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+            except Exception:
+                # A receive cut short (the trainer's end of the group closed when another engine was lost) leaves
+                # vLLM's layerwise reload open, layers half-loaded: close it, so that the next sync, a whole reload,
+                # starts clean. The weights are wrong until then; the controller syncs before this engine serves.
+                with set_current_vllm_config(self.vllm_config):
+                    finalize_layerwise_reload(self.model_runner.get_model(), self.model_config)
+                raise
 
     def _orlhf_broadcast(self, t: torch.Tensor) -> None:
         if self._orlhf_backend == "nccl":

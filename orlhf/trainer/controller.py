@@ -44,6 +44,7 @@ from orlhf.rollout.executor import agent_metrics, make_executor
 from orlhf.storage.disk_space import NoSpaceError
 from orlhf.storage.metrics import MetricsLogger
 from orlhf.trainer.dynamic_filtering import DynamicFilter
+from orlhf.trainer.engine_restart import EngineRestarts
 from orlhf.trainer.experience import ExperienceConfig, make_experience, rollouts_to_batch
 from orlhf.trainer.hybrid_memory import SleepSwitch
 from orlhf.trainer.scoring import ScoredAhead, Scorer
@@ -118,6 +119,8 @@ class Controller:
             cfg.ppo.prompt_max_len + cfg.ppo.generate_max_len,
             cfg.runtime.ray_timeout_s,
         )
+        # --max_engine_restarts: a lost engine replaced in place, at the step in progress and the current weights
+        self.restarts = EngineRestarts.for_run(cfg, models, lambda: (self.step_index + 1, self.weight_version))
         self.guard = SyncGuard.from_config(cfg)  # --max_engine_logprob_gap (orlhf/trainer/sync_guard.py)
         self.guard.announce()  # where it does not look, said once now
         self.numbers = StepCheck(p.actor_learning_rate, p.critic_learning_rate)  # NaN / inf stop the run
@@ -254,6 +257,7 @@ class Controller:
             "samples": len(rollouts),
             "samples_per_s": len(rollouts) / seconds,
             "step_s": seconds,
+            "engine_restarts": self.restarts.count,  # engines replaced so far (trainer/engine_restart.py)
             **reward.log_row(),
             **{f"timing/{k}": v for k, v in self.timings.items()},
             **agent_metrics(rollouts),
@@ -358,7 +362,7 @@ class Controller:
             n=p.n_samples_per_prompt,
             seed=p.seed * 1_000_003 + batch_index,
         )
-        return self.executor.generate(prompts, sampling)
+        return self.restarts.generate(self.executor.generate, prompts, sampling)  # agents: a lost engine named
 
     def make_experience(
         self, batch, scores, old_lp, ref_lp, values, truncated=None, engine_log_probs=None
@@ -418,7 +422,7 @@ class Controller:
         with self._sync_lock:  # async mode: waits for the generation in flight; sync mode: uncontended
             self.sleep.before_sync()
             self.weight_version += 1
-            self.m.sync.sync(self.weight_version)
+            self.restarts.sync(self.weight_version)  # an engine lost in it is replaced (trainer/engine_restart.py)
 
     # ---- helpers ----------------------------------------------------------------------------------------------
     @contextmanager

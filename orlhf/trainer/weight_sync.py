@@ -11,6 +11,8 @@ API (ActorGroup.call / EngineGroup.call: orlhf/distributed/endpoints.py).
       1. engines: orlhf_receive_weights(metas, buckets)  (started first; each engine worker blocks in broadcast)
       2. actor ranks: send_weights(n tensors)            (all ranks gather each ZeRO-3 layer; rank 0 broadcasts)
       3. wait for both together, then engines: reset_prefix_cache, set_weight_version(version)
+    WeightSync.lost_engines()   after a failed sync: both sides' calls ended, the engines that died in it named
+    WeightSync.reconnect()      a fresh group for every engine (after one was replaced: trainer/engine_restart.py)
 
 Invariants:
 - Called after the actor's optimizer step has returned on every rank and before the next generate: the
@@ -35,16 +37,21 @@ Invariants:
   engine worker picks its own GPU's); the engine copies them and synchronizes before returning, and the layer is
   freed only after every engine of the step loaded it (a barrier). Per layer, so the extra memory is one layer;
   one layerwise reload spans the whole sync (begin, one load per layer, finish).
+- A group cannot take a new member, so a replaced engine gets a fresh group of all engines (reconnect): rank 0
+  drops its end of the old one first, which ends any engine worker still waiting in it (gloo fails its pending
+  receives once the peer is gone). IpcWeightSync has no group but each actor rank holds its engine's handle:
+  it is not restartable (trainer/engine_restart.py stops the run naming it).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from typing import Optional
 
 import torch
 
-from orlhf.distributed.groups import wait_calls
+from orlhf.distributed.groups import settle, wait_calls
 from orlhf.rollout.engine import EngineActor
 from orlhf.rollout.worker_ext import WeightSyncExtension as Ext
 from orlhf.workers.policy import PolicyWorker
@@ -86,7 +93,9 @@ def _nbytes(meta: Meta) -> int:
 
 
 class WeightSync:
-    """Sets up the broadcast group once, then pushes the actor's weights into every engine per update."""
+    """Sets up the broadcast group, then pushes the actor's weights into every engine per update."""
+
+    restartable = True  # an engine can be replaced under it (reconnect)
 
     def __init__(self, actor, engines, backend: str, bucket_mb: float = 256.0, timeout_s: float = 600.0):
         """timeout_s (--ray_timeout_s) bounds each wait here (Ray) and how long the group's members wait for each
@@ -94,6 +103,14 @@ class WeightSync:
         self.actor, self.engines, self.backend, self.timeout_s = actor, engines, backend, timeout_s
         groups = plan_sync(actor, engines, timeout_s)
         self.metas, self.buckets = plan_buckets(groups, int(bucket_mb * 2**20))
+        self._failed: Optional[tuple] = None  # (engines' call, actor's call) of the last sync, when it failed
+        self.reconnect()
+
+    def reconnect(self) -> None:
+        """A fresh group of actor rank 0 and every engine worker, on a new port: at start, and after an engine was
+        replaced. Rank 0 drops the old group first (PolicyWorker.init_weight_sender), which ends any engine worker
+        still waiting in it; each engine worker drops its own end as it joins the new one."""
+        actor, engines, backend, timeout_s = self.actor, self.engines, self.backend, self.timeout_s
         tp = engines.cfg.tensor_parallel_size
         world = 1 + len(engines) * tp
         host, port = actor.call_rank(0, PolicyWorker.sync_address).get(timeout_s)[0]
@@ -118,17 +135,37 @@ class WeightSync:
         t0 = time.perf_counter()
         # Both sides at once, waited together: each blocks in the broadcast until the other is there, and if
         # one side fails the other is stuck, so the first error ends the wait.
-        wait_calls(
+        calls = (
             self.engines.call(Ext.orlhf_receive_weights, self.metas, self.buckets),
             self.actor.call(PolicyWorker.send_weights, len(self.metas)),
-            timeout_s=self.timeout_s,
         )
+        try:
+            wait_calls(*calls, timeout_s=self.timeout_s)
+        except Exception:
+            self._failed = calls  # lost_engines() ends them and reads which engines died
+            raise
         finish(self.engines, version)
         return time.perf_counter() - t0
+
+    def lost_engines(self) -> dict[int, Exception]:
+        """After a failed sync: {engine index: its error} of the engines that died in it or did not finish it
+        (empty: the failure was not an engine's). Waits for the actor ranks' side to end (a broadcast to a dead
+        peer fails at once), then has rank 0 drop its end of the group, which ends the engines' receives; the
+        group is unusable afterwards until reconnect()."""
+        if self._failed is None:
+            return {}
+        receive, send = self._failed
+        self._failed = None
+        if settle(send, self.timeout_s)[1]:  # an actor rank died or hangs: not an engine's loss
+            return {}
+        self.actor.call_rank(0, PolicyWorker.close_weight_sender).get(self.timeout_s)
+        return settle(receive, self.timeout_s)[1]
 
 
 class IpcWeightSync:
     """--colocate_all_models on GPUs: no broadcast, CUDA IPC handles on each shared GPU."""
+
+    restartable = False  # each actor rank holds its engine's handle (init_ipc_sync): a lost engine stops the run
 
     def __init__(self, actor, engines, timeout_s: float = 600.0):
         self.actor, self.engines, self.timeout_s = actor, engines, timeout_s

@@ -425,7 +425,13 @@ class PolicyWorker(CausalLMWorker):
         (--ray_timeout_s)."""
         from orlhf.workers.weight_send import WeightSender
 
+        self._sender = None  # a fresh group replaces the old one (an engine was replaced): its end is dropped first
         self._sender = WeightSender(host, port, world_size, backend, self.device, timeout_s) if self.rank == 0 else None
+
+    @endpoint
+    def close_weight_sender(self) -> None:
+        """Drop rank 0's end of the group after a failed sync, so the engine workers still waiting in it fail out."""
+        self._sender = None
 
     @endpoint
     def send_weights(self, expected: int) -> int:

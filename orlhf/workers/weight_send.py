@@ -49,15 +49,23 @@ def send_groups(
 ) -> int:
     """Walk the worker's gathered groups (all ranks must) and broadcast them from rank 0 (sender not None).
 
-    Returns the number of tensors broadcast (0 on ranks > 0).
+    Returns the number of tensors broadcast (0 on ranks > 0). A broadcast that fails (an engine died) stops the
+    broadcasting, not the walk: the other ranks gather each group with this one (a collective), and would wait
+    for it forever. Raised after the walk, as its message only, so nothing keeps the failed group alive.
     """
-    sent = 0
+    sent, failed = 0, None
     for group in groups:
         if sender is None:
             continue
         for _, t in group:
-            sender.broadcast(t)
+            if failed is None:
+                try:
+                    sender.broadcast(t)
+                except RuntimeError as e:
+                    failed = str(e)
             sent += 1
+    if failed is not None:
+        raise RuntimeError(f"the weight broadcast to the engines failed: {failed}")
     if sender is not None and sent != expected:
         raise RuntimeError(
             f"sent {sent} tensors but the engines expect {expected}: the parameter list changed "

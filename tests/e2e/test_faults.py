@@ -2,9 +2,12 @@
 diverged update.
 
 Each must stop the run within 60 s with a line naming what happened, and leave no process behind: every
-descendant of the run (raylet, GCS, rank actors, engines) is recorded while it runs and must be gone after.
+descendant of the run (raylet, GCS, rank actors, engines) is recorded while it runs and must be gone after. Except
+a killed engine under --max_engine_restarts (default 3): it is replaced in place and the run goes on, with the
+metrics of a run nothing happened to.
 """
 
+import json
 import os
 import re
 import signal
@@ -26,10 +29,12 @@ def _default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def start_run(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
-    log = tmp_path / "run.log"
+def start_run(
+    tmp_path: Path, flags: tuple = ("--num_episodes", "50"), name: str = "run"
+) -> tuple[subprocess.Popen, Path]:
+    log = tmp_path / f"{name}.log"
     proc = subprocess.Popen(
-        [ORLHF, "train-ppo", "--num_episodes", "50", "--device", "cpu", "--save_path", str(tmp_path / "run")],
+        [ORLHF, "train-ppo", *flags, "--device", "cpu", "--save_path", str(tmp_path / name)],
         stdout=open(log, "w"),
         stderr=subprocess.STDOUT,
         start_new_session=True,
@@ -82,7 +87,7 @@ def first_step_logged(tmp_path: Path, proc, log) -> None:
 
 
 @pytest.mark.parametrize(
-    "pid_line, error",
+    "pid_line, error, flags",
     [
         # the reference and the demo's critic run in the actor's process (CPU): their calls may be the ones that meet
         # the death first
@@ -90,13 +95,15 @@ def first_step_logged(tmp_path: Path, proc, log) -> None:
             r"actor: 1 rank\(s\), pids \[(\d+)\]",
             r"error: (actor rank 0 failed in \w+\(\)|"
             r"(ref|critic) rank 0 failed in \w+\(\) \(in actor rank 0's process\))",
-        ),
-        (r"vllm engines: 1, pids \[(\d+)\]", r"error: (vllm engine|weight sync).* 0 failed"),
+            (),
+        )
+        # a lost engine is replaced (test_a_killed_engine_is_replaced...); with --max_engine_restarts 0 it stops the
+        # run by name as a rank does (tests/unit/test_engine_restart.py)
     ],
-    ids=["actor_rank", "vllm_engine"],
+    ids=["actor_rank"],
 )
-def test_killed_process_stops_the_run_naming_it(tmp_path, pid_line, error):
-    proc, log = start_run(tmp_path)
+def test_killed_process_stops_the_run_naming_it(tmp_path, pid_line, error, flags):
+    proc, log = start_run(tmp_path, ("--num_episodes", "50", *flags))
     pid = int(wait_for(log, pid_line, proc).group(1))
     first_step_logged(tmp_path, proc, log)
     tree = descendants(proc)
@@ -165,3 +172,53 @@ def test_a_diverged_run_stops_before_its_weights_go_anywhere(tmp_path):
     assert not (save / "actor").exists()
     saved = sorted(p.name for p in (save / "checkpoints_ppo").glob("step_*"))
     assert saved == ["step_000001"]  # step 1's, whose numbers were finite; never step 2's
+
+
+# 4 steps of 32 prompts
+RESTART_FLAGS = (
+    "--max_samples",
+    "128",
+    "--rollout_batch_size",
+    "32",
+    "--train_batch_size",
+    "32",
+    "--num_episodes",
+    "1",
+)
+
+
+def test_a_killed_engine_is_replaced_and_the_run_equals_an_undisturbed_one(tmp_path):
+    """kill -9 the engine as step 3 starts (step 2's row just written): a new engine on its bundles, a fresh weight
+    sync group, the current weights loaded, step 3's prompts generated again with their seeds. Before: the run
+    stopped naming the engine. Now it ends normally, each step logged once, and its numbers are those of the same run
+    undisturbed (sync mode: seeded throughout), the engine gap within the sync guard after the restart."""
+    clean, clean_log = start_run(tmp_path, RESTART_FLAGS, "clean")
+    assert clean.wait(timeout=600) == 0, clean_log.read_text()[-3000:]
+
+    proc, log = start_run(tmp_path, RESTART_FLAGS, "killed")
+    pid = int(wait_for(log, r"vllm engines: 1, pids \[(\d+)\]", proc).group(1))
+    metrics = tmp_path / "killed" / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    t_kill = time.monotonic()
+    while len(metrics.read_text().splitlines()) < 3 and proc.poll() is None:
+        time.sleep(0.2)
+    kill_to_step = time.monotonic() - t_kill
+    assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
+    text = log.read_text()
+    m = re.search(r"step 3: vllm engine 0 died during (generate|the weight sync); replacing it", text)
+    assert m, text[-3000:]
+    took = re.search(r"step 3: vllm engine 0 replaced in ([\d.]+) s \(pid (\d+)\)", text)
+    assert took and int(took.group(2)) != pid, text[-3000:]
+    print(f"engine lost during {m.group(1)}; replaced in {took.group(1)} s; kill to step 3's row: {kill_to_step:.1f} s")
+
+    killed = [json.loads(line) for line in metrics.read_text().splitlines()]
+    undisturbed = [json.loads(line) for line in (tmp_path / "clean" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in killed] == [1, 2, 3, 4] == [r["step"] for r in undisturbed]
+    assert [r["engine_restarts"] for r in killed] == [0, 0, 1, 1]
+    assert all(r["engine_logprob_gap"] < 1e-3 for r in killed[2:]), [r["engine_logprob_gap"] for r in killed]
+    for key in ("reward_mean", "kl", "policy_loss"):
+        assert [r[key] for r in killed] == [r[key] for r in undisturbed], key

@@ -1,0 +1,149 @@
+"""--max_engine_restarts: a vLLM engine that dies, or misses the deadline of a generate, is replaced in place and the
+step goes on.
+
+    found lost                                    by
+      generate: an engine's chunk died or gave    EngineGroup.generate (rollout/engine.py) -> on_lost = recover
+        no answer within --ray_timeout_s
+      weight sync: the broadcast failed, and an   EngineRestarts.sync -> WeightSync.lost_engines (both sides' calls
+        engine died in it                           ended, the dead engines named)
+    EngineRestarts.recover(lost, where)
+      1. may it? past --max_engine_restarts, or where no engine is replaced (--async_train, CUDA IPC sync, NCCL
+         during a sync): one line, then the engine's own error stops the run, as with --max_engine_restarts 0
+      2. each lost engine killed and started again on its own bundles, with its own index and seed; awaited
+      3. a fresh weight-sync group of every engine (WeightSync.reconnect: a group cannot take a new member)
+      4. the current weights (the controller's weight_version) synced into every engine before any serves
+    then generate sends the lost engines' chunks again: the same requests, seeded per prompt index
+    (types.request_seed), on engines with the same weights, so a sync-mode run's metrics equal an undisturbed run's.
+
+Not covered, each stopping the run as before with one line saying why: --async_train (the producer generates
+while the actor trains, so the current weights are not at hand), agents' turns (--agent_func_path: an episode holds
+its engine across turns), and CUDA IPC sync (each actor rank holds its engine's handle). The count is the run's
+(this invocation's), shown as `engine_restarts` in every metrics row.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Optional
+
+log = logging.getLogger(__name__)
+
+
+def lost_reason(error: BaseException, timeout_s: float) -> str:
+    """How an engine was lost, from its error: its process died (RankError.died), or it gave no answer in time."""
+    return "died" if getattr(error, "died", False) else f"gave no answer within {timeout_s:.0f} s (--ray_timeout_s)"
+
+
+class EngineRestarts:
+    """Replaces lost engines (module docstring). `progress()` -> (the step in progress, the current weight version),
+    read when an engine is lost. `why_not`: where engines are never replaced, why (one line says so on a loss);
+    `sync_why_not`: the same for an engine lost during a weight sync. `agents`: rollouts are agents' episodes."""
+
+    def __init__(
+        self,
+        engines,
+        sync,
+        limit: int,
+        progress: Callable[[], tuple[int, int]],
+        why_not: Optional[str] = None,
+        sync_why_not: Optional[str] = None,
+        agents: bool = False,
+    ):
+        self.engines, self.sync_, self.limit, self.progress = engines, sync, limit, progress
+        self.why_not, self.sync_why_not, self.agents = why_not, sync_why_not, agents
+        self.hooked = False  # the engines call recover when they lose one (EngineGroup.on_lost)
+        self.count = 0  # engines replaced so far
+
+    @classmethod
+    def for_run(cls, cfg, models, progress: Callable[[], tuple[int, int]]) -> "EngineRestarts":
+        """The run's restarts, hooked into its engines (EngineGroup.on_lost). Engines that cannot be replaced (the
+        actor's ranks generating; stand-ins in tests and benchmarks) are left unhooked."""
+        why_not = None
+        if cfg.ppo.async_train:
+            why_not = "--async_train generates while the actor trains; engines are replaced in sync mode only"
+        elif not getattr(models.sync, "restartable", False):
+            name = type(models.sync).__name__
+            why_not = f"{name} (CUDA IPC weight sync, --colocate_all_models on GPUs) is not restartable"
+        sync_why_not = None
+        if cfg.vllm.sync_backend == "nccl":
+            sync_why_not = "an engine lost during an NCCL weight sync may leave the actor's stream waiting on it"
+        restarts = cls(
+            models.engines,
+            models.sync,
+            cfg.vllm.max_engine_restarts,
+            progress,
+            why_not,
+            sync_why_not,
+            agents=bool(cfg.data.agent_func_path),
+        )
+        if hasattr(models.engines, "on_lost") and hasattr(models.engines, "replace"):
+            models.engines.on_lost, restarts.hooked = restarts.recover, True
+        return restarts
+
+    def recover(self, lost: dict, where: str, why_not: Optional[str] = None) -> None:
+        """`lost`: {engine index: its error} lost in `where`. Replace them and load the current weights, or raise
+        the first one's error (the run stops naming the engine, as it did before restarts)."""
+        step, version = self.progress()
+        timeout_s = getattr(self.engines, "timeout_s", 0.0)
+        what = "; ".join(f"vllm engine {i} {lost_reason(e, timeout_s)}" for i, e in sorted(lost.items()))
+        why_not = self.why_not or why_not
+        if why_not is None and self.count + len(lost) > self.limit:
+            why_not = f"--max_engine_restarts {self.limit}" + (f", {self.count} used" if self.limit else "")
+        if why_not is not None:
+            log.error("step %d: %s during %s; not replaced: %s", step, what, where, why_not)
+            raise lost[min(lost)]
+        log.warning(
+            "step %d: %s during %s; replacing it on its bundles (engine restart %d of --max_engine_restarts %d)",
+            step,
+            what,
+            where,
+            self.count + len(lost),
+            self.limit,
+        )
+        t0 = time.perf_counter()
+        pids = {i: self.engines.replace(i) for i in sorted(lost)}
+        self.sync_.reconnect()
+        self.sync_.sync(version)
+        self.count += len(lost)
+        log.warning(
+            "step %d: %s replaced in %.1f s (pid %s) and loaded with weight version %d; %s",
+            step,
+            ", ".join(f"vllm engine {i}" for i in pids),
+            time.perf_counter() - t0,
+            ", ".join(map(str, pids.values())),
+            version,
+            "its prompts are generated again" if where == "generate" else "the step goes on",
+        )
+
+    def sync(self, version: int) -> None:
+        """The controller's weight sync. An engine that died in it is replaced (recover, which syncs again); with a
+        sync that cannot say which (CUDA IPC), a health check names the dead engine before the run stops."""
+        try:
+            self.sync_.sync(version)
+        except Exception:
+            if not self.hooked:
+                raise
+            lost = self.sync_.lost_engines() if hasattr(self.sync_, "lost_engines") else self.engines.dead()
+            if not lost:
+                raise
+            self.recover(lost, "the weight sync", self.sync_why_not)
+
+    def generate(self, fn: Callable, *args):
+        """The executor's generate. Agents' episodes (--agent_func_path) do not replace an engine that dies under
+        them (an episode holds its engine across turns): a health check names it in one line before its error stops
+        the run."""
+        if not (self.agents and self.hooked):
+            return fn(*args)
+        try:
+            return fn(*args)
+        except Exception:
+            dead = self.engines.dead()
+            if dead:
+                what = "; ".join(f"vllm engine {i} died" for i in sorted(dead))
+                log.error(
+                    "step %d: %s during agent episodes; not replaced: an episode holds its engine across turns",
+                    self.progress()[0],
+                    what,
+                )
+            raise
