@@ -72,7 +72,7 @@ def one(tokens: int, mode: str, phase: str, device: str, bf16: bool, repeats: in
     """Runs in its own process: one (tokens, mode, phase)."""
     import torch
 
-    from orlhf.workers.policy import action_log_probs, action_log_probs_entropy
+    from orlhf.workers.causal_lm import action_log_probs, action_log_probs_entropy
 
     model, b = build(device, bf16), batch(tokens, device)
     chunk = chunk_mb if mode == "chunked" else 0.0

@@ -91,7 +91,7 @@ def engine_config(cfg) -> EngineConfig:
 def engine_logprobs_mode(temperature: float) -> str:
     """The log-probs the engines report for sampled tokens. vLLM's default, raw_logprobs, is log_softmax(logits):
     at --temperature 1 exactly what the actor computes. At another temperature the actor scores log_softmax(logits
-    / temperature) (workers/policy.py), so the engines report processed_logprobs, the distribution they sample
+    / temperature) (workers/causal_lm.py), so the engines report processed_logprobs, the distribution they sample
     from after temperature, as OpenRLHF asks for its IS correction. (Processed also means after top-p: below
     --top_p 1 they are the truncated distribution's, which the actor does not compute, and the sync guard does not
     compare them; trainer/sync_guard.py. And after logits processors such as min_tokens, which orlhf's requests do

@@ -9,8 +9,9 @@
 Construct with the role's WorkerConfig, then call init() on all ranks at once (see base.py).
 """
 
+from orlhf.workers.causal_lm import ReferenceWorker
 from orlhf.workers.critic import CriticWorker
-from orlhf.workers.policy import PolicyWorker, ReferenceWorker
+from orlhf.workers.policy import PolicyWorker
 from orlhf.workers.scorer import RewardWorker
 
 __all__ = ["PolicyWorker", "ReferenceWorker", "CriticWorker", "RewardWorker"]

@@ -4,7 +4,7 @@
 
 The last real token comes from attention_mask (responses are right-padded), not from pad_token_id as in HF's
 XForSequenceClassification.forward, which picks the wrong token when pad == eos. The reference model lives in
-policy.py (ReferenceWorker): it is a causal LM like the actor.
+causal_lm.py (ReferenceWorker): it is a causal LM like the actor.
 """
 
 from __future__ import annotations

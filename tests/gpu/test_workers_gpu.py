@@ -65,7 +65,7 @@ def to_cuda(batch):
 
 
 def hf_log_probs(model, batch, packed: bool = False) -> torch.Tensor:
-    from orlhf.workers.policy import action_logits, gather_log_probs
+    from orlhf.workers.causal_lm import action_logits, gather_log_probs
 
     b = to_cuda(batch)
     with torch.no_grad():
@@ -87,7 +87,7 @@ def masked_mean_abs(x: torch.Tensor, mask: torch.Tensor) -> float:
 @gpu
 def test_zero3_bf16_train_step_matches_plain_hf(dist_env, lm_path):
     from orlhf.algo.losses import policy_loss
-    from orlhf.workers.policy import action_logits, gather_log_probs
+    from orlhf.workers.causal_lm import action_logits, gather_log_probs
 
     exp = experience(lm_path)
     mask = exp.action_mask
@@ -181,7 +181,7 @@ def test_packing_matches_padded(lm_path, attn):
 def test_shared_prompt_forward_matches_whole_rows(lm_path, attn):
     """Each distinct prompt run once (workers/shared_prompt.py) on GPU kernels: SDPA, and flash-attn 2 whose
     varlen path meets a query shorter than its keys (the response columns over the prompt's cache)."""
-    from orlhf.workers.policy import action_logits, gather_log_probs
+    from orlhf.workers.causal_lm import action_logits, gather_log_probs
     from orlhf.workers.shared_prompt import prompt_groups
 
     dtype = torch.bfloat16 if attn == "flash_attention_2" else torch.float32

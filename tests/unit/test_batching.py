@@ -6,7 +6,7 @@ import torch
 
 from orlhf.types import Experience, SequenceBatch
 from orlhf.workers.batching import pack, pad_actions, real_lengths, sort_by_length, trim
-from orlhf.workers.policy import action_logits, gather_log_probs
+from orlhf.workers.causal_lm import action_logits, gather_log_probs
 
 PAD, V = 0, 64
 

@@ -92,7 +92,7 @@ def _batch(vocab: int):
 
 @pytest.mark.parametrize("path", ["plain", "shared", "packed"])
 def test_a_models_log_probs_entropy_and_gradients_equal_the_whole_logits(path):
-    from orlhf.workers.policy import action_log_probs_entropy, chunked_action_log_probs
+    from orlhf.workers.causal_lm import action_log_probs_entropy, chunked_action_log_probs
 
     model, batch = _llama(300), _batch(300)
     how = dict(packed=path == "packed", shared=path == "shared")

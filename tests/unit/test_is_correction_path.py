@@ -17,7 +17,8 @@ from orlhf.config.worker_config import worker_config
 from orlhf.trainer.experience import ExperienceConfig, make_experience, rollouts_to_batch
 from orlhf.types import Rollout
 from orlhf.workers.batching import trim
-from orlhf.workers.policy import PolicyWorker, action_logits, gather_log_probs
+from orlhf.workers.causal_lm import action_logits, gather_log_probs
+from orlhf.workers.policy import PolicyWorker
 
 FLAGS = {
     "advantage_estimator": "group_norm",

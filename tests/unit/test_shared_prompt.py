@@ -10,7 +10,7 @@ import torch
 
 from orlhf.types import SequenceBatch
 from orlhf.workers.batching import sort_by_length
-from orlhf.workers.policy import action_logits, model_logits
+from orlhf.workers.causal_lm import action_logits, model_logits
 from orlhf.workers.shared_prompt import prompt_groups, prompt_major_order, same_as_plain
 
 V, PAD = 48, 0
@@ -167,7 +167,7 @@ def test_value_model_outputs_through_the_last_column_equal_whole_rows(lm):
 def test_no_cache_means_no_shared_forward_and_the_check_says_no(lm):
     """transformers trains without a cache under gradient checkpointing: the shared forward then reports that it
     did not run (None), so the start-up check refuses it instead of passing on the plain forward's numbers."""
-    from orlhf.workers.policy import shared_action_logits
+    from orlhf.workers.causal_lm import shared_action_logits
 
     batch = _grpo_batch()
     assert shared_action_logits(lm, batch) is not None

@@ -95,7 +95,7 @@ def _rank_main(rank: int, world: int, port: int, path: str, exp: Experience, out
 
 
 def _recording_log_probs(worker, seen: list):
-    from orlhf.workers.policy import action_logits, gather_log_probs
+    from orlhf.workers.causal_lm import action_logits, gather_log_probs
 
     def fn(mb):
         seen.append(_lengths(mb))
