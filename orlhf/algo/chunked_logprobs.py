@@ -8,9 +8,10 @@
                   dx = g_lp * (onehot(token) - p) + g_H * (-p * (log p + H)),  then / T,
                   dh_c = dx @ W,  dW += dx^T @ h_c  (dW summed over chunks in float32)
 
-Peak memory of this part: a few (C, V) float32 tensors, whatever N is, against the whole (N, V) logits and the
-softmax the unchunked backward keeps (algo/logprobs.py). Values: the same dot products, so log-probs and entropy
-match the unchunked path to float rounding; the gradient of the weight is summed chunk by chunk in float32.
+Peak memory of this part: two (C, V) float32 buffers (the rest is computed in place), whatever N is, against the
+whole (N, V) logits and the softmax the unchunked backward keeps (algo/logprobs.py). Values: the same dot products,
+so log-probs and entropy match the unchunked path to float rounding; the weight's gradient is summed chunk by chunk
+in float32.
 Entropy is differentiable here (an --entropy_loss_coef loss term) as well as logged.
 """
 
@@ -47,11 +48,13 @@ class _Chunked(torch.autograd.Function):
         lse = hidden.new_empty(n, dtype=torch.float32)
         ent = hidden.new_empty(n, dtype=torch.float32)
         for s in range(0, n, rows):
-            x = _logits(hidden[s : s + rows], weight, temperature)
-            lse[s : s + rows] = torch.logsumexp(x, dim=-1)
-            lp[s : s + rows] = x.gather(-1, tokens[s : s + rows, None]).squeeze(-1) - lse[s : s + rows]
-            log_p = x - lse[s : s + rows, None]
-            ent[s : s + rows] = -(log_p.exp() * log_p).sum(-1)
+            log_p = _logits(hidden[s : s + rows], weight, temperature)  # (C, V) x, made log p in place below
+            lse[s : s + rows] = torch.logsumexp(log_p, dim=-1)
+            log_p -= lse[s : s + rows, None]
+            lp[s : s + rows] = log_p.gather(-1, tokens[s : s + rows, None]).squeeze(-1)
+            p_log_p = log_p.exp()
+            p_log_p *= log_p
+            ent[s : s + rows] = -p_log_p.sum(-1)
         ctx.save_for_backward(hidden, weight, tokens, lse, ent)
         ctx.temperature, ctx.rows = temperature, rows
         ctx.set_materialize_grads(False)  # an output nobody differentiates gives None, and costs nothing
@@ -65,18 +68,25 @@ class _Chunked(torch.autograd.Function):
         grad_w = (
             torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
         )
-        for s in range(0, hidden.shape[0], rows):
+        for s in range(0, hidden.shape[0], rows):  # two (C, V) float32 buffers a chunk: log p, then p = dx
             h = hidden[s : s + rows]
-            log_p = _logits(h, weight, t) - lse[s : s + rows, None]  # (C, V)
-            p = log_p.exp()
-            dx = torch.zeros_like(p)
-            if g_lp is not None:
-                dx = (-g_lp[s : s + rows, None]) * p
+            log_p = _logits(h, weight, t)
+            log_p -= lse[s : s + rows, None]
+            dx = log_p.exp()  # p
+            if g_ent is not None:  # d(entropy)/dx = -p * (log p + H): built in log_p's buffer
+                log_p += ent[s : s + rows, None]
+                log_p *= dx
+                log_p *= -g_ent[s : s + rows, None]
+            if g_lp is not None:  # d(log p[token])/dx = onehot(token) - p
+                dx *= -g_lp[s : s + rows, None]
                 dx.scatter_add_(-1, tokens[s : s + rows, None], g_lp[s : s + rows, None])
+            else:
+                dx.zero_()
             if g_ent is not None:
-                dx -= g_ent[s : s + rows, None] * p * (log_p + ent[s : s + rows, None])
+                dx += log_p
+            del log_p
             if t != 1.0:
-                dx = dx / t
+                dx /= t
             dx = dx.to(weight.dtype)
             if grad_h is not None:
                 grad_h[s : s + rows] = (dx @ weight).to(hidden.dtype)
