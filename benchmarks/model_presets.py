@@ -4,7 +4,9 @@
     every other preset is a random-init Llama (seed 0) with the demo's tokenizer, built once into
     <orlhf cache>/bench/models/llama-h<hidden>-l<layers>-... ($ORLHF_CACHE moves it) and reused after that
     build_model(out, hidden, layers, max_len, ...) -> a random Llama of any size under <out>/models (what
-    ppo_throughput.py --hidden/--layers and bench_padding.py --hidden build)
+    ppo_throughput.py --hidden/--layers, bench_padding.py --hidden and bench_train_mfu.py build)
+    large_vocab_model(out, vocab, ...) -> a small random Llama with a vocabulary of `vocab` tokens (Qwen's 151,936
+    by default): the demo's tokenizer with filler words added (bench_large_vocab_run.py)
     crossover(rows, ratio_key) -> the smallest preset from which vLLM stays ahead of HF (bench_generation --sweep)
 
 Sizes: the demo's vocabulary is 965 tokens, so embeddings and LM head are a small share; the decoder layers carry
@@ -74,9 +76,10 @@ def _llama_config(tok, hidden: int, layers: int, intermediate: int, heads: int, 
     )
 
 
-def _save_random_llama(path: Path, cfg, tok) -> None:
+def _save_random_llama(path: Path, cfg, tok, init_device: str = "cpu") -> None:
     """Random init (seed 0) -> <path>, written to a temporary folder first so that a crash or a second process
-    building the same model never leaves a half-written folder behind."""
+    building the same model never leaves a half-written folder behind. `init_device` "cuda": initialized on the GPU
+    (seconds instead of minutes for a billion parameters; other random values than a CPU build, same shapes)."""
     import torch
     from transformers import LlamaForCausalLM
     from transformers.utils import logging as hf_logging
@@ -85,7 +88,8 @@ def _save_random_llama(path: Path, cfg, tok) -> None:
     tmp = path.parent / f".{path.name}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg)
+    with torch.device(init_device):
+        model = LlamaForCausalLM(cfg)
     gen = model.generation_config
     gen.bos_token_id, gen.eos_token_id, gen.pad_token_id = tok.bos_token_id, tok.eos_token_id, tok.pad_token_id
     model.save_pretrained(tmp)
@@ -100,10 +104,17 @@ def _save_random_llama(path: Path, cfg, tok) -> None:
 
 
 def build_model(
-    out: Path, hidden: int, layers: int, max_len: int, intermediate: Optional[int] = None, heads: Optional[int] = None
+    out: Path,
+    hidden: int,
+    layers: int,
+    max_len: int,
+    intermediate: Optional[int] = None,
+    heads: Optional[int] = None,
+    init_device: str = "cpu",
 ) -> Path:
     """A random Llama of the given size with the demo's tokenizer, cached under <out>/models. Intermediate size
-    and heads default to 2 x hidden and one head per 32 (hidden <= 256) or 64 dimensions."""
+    and heads default to 2 x hidden and one head per 32 (hidden <= 256) or 64 dimensions. `init_device`: where a
+    model not yet cached is initialized (_save_random_llama)."""
     from transformers import AutoTokenizer
 
     from orlhf.demo.builder import ensure_demo
@@ -120,7 +131,55 @@ def build_model(
     if not (path / "config.json").exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         tok = AutoTokenizer.from_pretrained(ensure_demo().model)
-        _save_random_llama(path, _llama_config(tok, hidden, layers, inter, nheads, max_pos), tok)
+        _save_random_llama(path, _llama_config(tok, hidden, layers, inter, nheads, max_pos), tok, init_device)
+    return path
+
+
+QWEN_VOCAB = 151_936  # Qwen2/2.5/3's vocabulary (embedding rows), what large-vocabulary runs are sized on
+
+
+def filler_tokenizer(folder: Path, vocab: int):
+    """The demo's tokenizer grown to `vocab` ids: the ids past its own are filler words "Ġ<fillerN>" (a leading
+    space in the byte-level alphabet, so a sampled filler decodes to " <fillerN>", one more word that is not a
+    color) in the BPE vocabulary without merges: encoding never produces them, so the demo's prompts encode as
+    before, and any id a model samples decodes. Saved into `folder`; returns the loaded tokenizer."""
+    from transformers import AutoTokenizer
+
+    from orlhf.demo.builder import ensure_demo
+
+    demo = ensure_demo().model
+    spec = json.loads((demo / "tokenizer.json").read_text())
+    table = spec["model"]["vocab"]
+    taken = set(table.values()) | {t["id"] for t in spec["added_tokens"]}
+    if len(taken) > vocab:
+        raise ValueError(f"the demo's tokenizer has {len(taken)} ids already, more than the {vocab} asked for")
+    for i in (i for i in range(vocab) if i not in taken):
+        table[f"Ġ<filler{i}>"] = i
+    folder.mkdir(parents=True, exist_ok=True)
+    for f in demo.iterdir():
+        if f.name.startswith("tokenizer") or f.name.endswith(".jinja"):
+            shutil.copyfile(f, folder / f.name)
+    (folder / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False))
+    tok = AutoTokenizer.from_pretrained(folder)
+    if len(tok) != vocab:
+        raise ValueError(f"{folder}: the grown tokenizer has {len(tok)} ids, not {vocab}")
+    return tok
+
+
+def large_vocab_model(out: Path, vocab: int = QWEN_VOCAB, hidden: int = 64, layers: int = 2, max_len: int = 1024):
+    """A random Llama with a `vocab`-token vocabulary (filler_tokenizer) and a small body, cached under
+    <out>/models: where the LM head and the logits, not the decoder, set a run's memory. Hidden 64, 2 layers and
+    Qwen's vocabulary: ~19.5M parameters, 19.4M of them embeddings and LM head."""
+    heads = max(1, hidden // (32 if hidden <= 256 else 64))
+    max_pos = max(512, max_len)
+    path = Path(out) / "models" / f"llama-h{hidden}-l{layers}-v{vocab}-p{max_pos}"
+    if not (path / "config.json").exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tok = filler_tokenizer(path.parent / f".{path.name}.tok{os.getpid()}", vocab)
+        try:
+            _save_random_llama(path, _llama_config(tok, hidden, layers, 2 * hidden, heads, max_pos), tok)
+        finally:
+            shutil.rmtree(path.parent / f".{path.name}.tok{os.getpid()}", ignore_errors=True)
     return path
 
 

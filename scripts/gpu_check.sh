@@ -21,7 +21,8 @@
 # test summary and the measured figures (JSON lines). FusedAdam compiles on first use: it needs nvcc + ninja.
 # When DIR holds the Ray wheel and the host is Python 3.12, Ray goes into that venv too (its other dependencies
 # from the host), so tests/gpu can import it; this script never starts Ray.
-# PYTHON picks the host interpreter (default python3). Exit status: pytest's.
+# Then benchmarks/bench_train_mfu.py measures the actor's train step (tokens/s, MFU, peak memory against the plan).
+# PYTHON picks the host interpreter (default python3). Exit status: pytest's, else the benchmark's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -130,8 +131,24 @@ set +e
 DS_ACCELERATOR=cuda HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false ORLHF_GPU_REPORT=$REPORT PYTHONPATH=$ROOT \
   "$VENV/bin/python" -m pytest tests/gpu -v -rA -p no:cacheprovider "${@:2}"
 rc=$?
+# The actor's train step on random 0.4B and 1B Llamas: tokens/s, MFU, peak memory against `orlhf plan`, top kernels
+# (benchmarks/bench_train_mfu.py; a tiny model on CPU under GPU_CHECK_ALLOW_CPU=1 without a GPU).
+# GPU_CHECK_MFU_ARGS replaces its arguments; "skip" leaves it out.
+MFU_ARGS="--sizes 0.4b,1b --micro_batch 8 --seq_len 1024 --warmup 1 --steps 3"
+"$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" ||
+  MFU_ARGS="--device cpu --sizes tiny --micro_batch 2 --seq_len 32 --warmup 0 --steps 1"
+MFU_ARGS=${GPU_CHECK_MFU_ARGS:-$MFU_ARGS}
+if [ "$MFU_ARGS" != skip ]; then
+  log "bench_train_mfu.py $MFU_ARGS"
+  # shellcheck disable=SC2086
+  HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false ORLHF_GPU_REPORT=$REPORT PYTHONPATH=$ROOT \
+    "$VENV/bin/python" benchmarks/bench_train_mfu.py $MFU_ARGS --out "$ROOT/.gpu-check/train_mfu.json"
+  mfu_rc=$?
+  [ $rc -ne 0 ] || rc=$mfu_rc
+  log "bench_train_mfu exit status $mfu_rc (its JSON: .gpu-check/train_mfu.json)"
+fi
 set -e
 log "measured figures ($REPORT):"
 cat "$REPORT" >&2
-log "pytest exit status $rc"
+log "exit status $rc (pytest's, else the benchmark's)"
 exit $rc
