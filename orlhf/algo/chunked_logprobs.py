@@ -26,12 +26,18 @@ def chunk_rows(vocab: int, chunk_mb: float) -> int:
 
 
 def chunked_log_probs_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, temperature: float, rows: int
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    tokens: torch.Tensor,
+    temperature: float,
+    rows: int,
+    entropy: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden (..., H), weight (V, H), tokens (...) -> (log p(token) (...), entropy (...)), float32, both
-    differentiable in hidden and weight."""
+    differentiable in hidden and weight. entropy=False: not computed (zeros), as a scoring forward needs none."""
     shape = tokens.shape
-    lp, ent = _Chunked.apply(hidden.reshape(-1, hidden.shape[-1]), weight, tokens.reshape(-1), temperature, rows)
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    lp, ent = _Chunked.apply(flat, weight, tokens.reshape(-1), temperature, rows, entropy)
     return lp.view(shape), ent.view(shape)
 
 
@@ -42,21 +48,22 @@ def _logits(h: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.
 
 class _Chunked(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, tokens, temperature, rows):
+    def forward(ctx, hidden, weight, tokens, temperature, rows, with_entropy):
         n = hidden.shape[0]
         lp = hidden.new_empty(n, dtype=torch.float32)
         lse = hidden.new_empty(n, dtype=torch.float32)
-        ent = hidden.new_empty(n, dtype=torch.float32)
+        ent = hidden.new_zeros(n, dtype=torch.float32)
         for s in range(0, n, rows):
             log_p = _logits(hidden[s : s + rows], weight, temperature)  # (C, V) x, made log p in place below
             lse[s : s + rows] = torch.logsumexp(log_p, dim=-1)
             log_p -= lse[s : s + rows, None]
             lp[s : s + rows] = log_p.gather(-1, tokens[s : s + rows, None]).squeeze(-1)
-            p_log_p = log_p.exp()
-            p_log_p *= log_p
-            ent[s : s + rows] = -p_log_p.sum(-1)
+            if with_entropy:
+                p_log_p = log_p.exp()
+                p_log_p *= log_p
+                ent[s : s + rows] = -p_log_p.sum(-1)
         ctx.save_for_backward(hidden, weight, tokens, lse, ent)
-        ctx.temperature, ctx.rows = temperature, rows
+        ctx.temperature, ctx.rows, ctx.with_entropy = temperature, rows, with_entropy
         ctx.set_materialize_grads(False)  # an output nobody differentiates gives None, and costs nothing
         return lp, ent
 
@@ -73,6 +80,8 @@ class _Chunked(torch.autograd.Function):
             log_p = _logits(h, weight, t)
             log_p -= lse[s : s + rows, None]
             dx = log_p.exp()  # p
+            if not ctx.with_entropy:
+                g_ent = None
             if g_ent is not None:  # d(entropy)/dx = -p * (log p + H): built in log_p's buffer
                 log_p += ent[s : s + rows, None]
                 log_p *= dx
@@ -92,4 +101,4 @@ class _Chunked(torch.autograd.Function):
                 grad_h[s : s + rows] = (dx @ weight).to(hidden.dtype)
             if grad_w is not None:
                 grad_w += (dx.t() @ h.to(weight.dtype)).float()
-        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None

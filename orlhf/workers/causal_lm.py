@@ -131,7 +131,7 @@ def action_log_probs(
 ) -> torch.Tensor:
     """(B, A) log pi of the action tokens, through token_log_probs' one-pass backward (or a chunk of tokens at a
     time: chunked_action_log_probs)."""
-    chunked = chunked_action_log_probs(model, batch, temperature, packed, shared, chunk_mb)
+    chunked = chunked_action_log_probs(model, batch, temperature, packed, shared, chunk_mb, entropy=False)
     if chunked is not None:
         return chunked[0]
     logits, offset = model_logits(model, batch, packed, shared)
@@ -156,7 +156,13 @@ def action_log_probs_entropy(
 
 
 def chunked_action_log_probs(
-    model: nn.Module, batch: SequenceBatch, temperature: float, packed: bool, shared: bool, chunk_mb: float
+    model: nn.Module,
+    batch: SequenceBatch,
+    temperature: float,
+    packed: bool,
+    shared: bool,
+    chunk_mb: float,
+    entropy: bool = True,
 ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """((B, A) log-probs, (B, A) entropy), both in the graph, from the last hidden states and the LM head a chunk
     of tokens at a time (workers/lm_head.py), when the micro-batch's whole logits would exceed --logprobs_chunk_mb;
@@ -168,7 +174,7 @@ def chunked_action_log_probs(
     with hidden_states_out(head):
         hidden, offset = model_logits(model, batch, packed, shared)  # every path's slicing, on hidden states
     a = batch.num_actions
-    return head_log_probs(head, hidden[:, offset : offset + a], batch.sequences[:, -a:], temperature, rows)
+    return head_log_probs(head, hidden[:, offset : offset + a], batch.sequences[:, -a:], temperature, rows, entropy)
 
 
 def _accepts_logits_to_keep(model: nn.Module) -> bool:

@@ -65,9 +65,9 @@ def hidden_states_out(head: nn.Module):
 
 
 def head_log_probs(
-    head: nn.Linear, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float, rows: int
+    head: nn.Linear, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float, rows: int, entropy: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden (B, A, H) of the positions that predict tokens (B, A) -> (log-probs, entropy) (B, A) float32, both in
-    the graph, through the head's own call (ZeRO-3 gathers its weight for it)."""
-    with _forward_as(head, lambda h: chunked_log_probs_entropy(h, head.weight, tokens, temperature, rows)):
+    the graph, through the head's own call (ZeRO-3 gathers its weight for it). entropy=False: zeros, not computed."""
+    with _forward_as(head, lambda h: chunked_log_probs_entropy(h, head.weight, tokens, temperature, rows, entropy)):
         return head(hidden)

@@ -37,6 +37,10 @@ def test_values_and_gradients_equal_the_whole_logits_path(rows, temperature):
     gh2, gw2 = torch.autograd.grad((lp * a).sum(), (hidden, weight))
     gh2_ref, gw2_ref = torch.autograd.grad((lp_ref * a).sum(), (hidden, weight))
     assert (gh2 - gh2_ref).abs().max() < 1e-5 and (gw2 - gw2_ref).abs().max() < 1e-5
+    # a scoring forward asks for no entropy: the same log-probs and gradients, the entropy left at 0
+    lp3, ent3 = chunked_log_probs_entropy(hidden, weight, tokens, temperature, rows, entropy=False)
+    gh3, gw3 = torch.autograd.grad((lp3 * a).sum(), (hidden, weight))
+    assert torch.equal(lp3, lp) and not ent3.any() and torch.equal(gh3, gh2) and torch.equal(gw3, gw2)
 
 
 def test_bf16_weights_give_float32_results_within_bf16_rounding():
