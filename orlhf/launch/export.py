@@ -26,7 +26,7 @@ import uuid
 from pathlib import Path
 
 from orlhf.storage.checkpoint_format import step_dir_name
-from orlhf.storage.disk_space import NoSpaceError, no_space_error
+from orlhf.storage.disk_space import NoSpaceError, cleanup_after_failed_write
 from orlhf.storage.runlock import OWNER_NAME, write_owner
 from orlhf.storage.tmp_folders import fsync_dir, fsync_tree, remove_stale
 from orlhf.workers.policy import PolicyWorker
@@ -55,12 +55,7 @@ def export_model(group, save, out: str | os.PathLike, run_id: str = "") -> Path:
         group.call(save, str(tmp)).get()
         publish(tmp, out)
     except Exception as e:
-        full = no_space_error(e, out.parent)  # (tmp lives there: the same filesystem)
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-        if full is not None:
-            raise full from e
-        raise
+        cleanup_after_failed_write(e, out.parent, tmp)  # (tmp lives there: the same filesystem)
     return out
 
 

@@ -81,3 +81,16 @@ def human_bytes(n: float) -> str:
         if n < 1024 or unit == "GiB":
             break
     return f"{n:.1f} {unit}"
+
+
+def cleanup_after_failed_write(error: BaseException, path: str | os.PathLike, tmp) -> None:
+    """After a write into `tmp` (a temp folder under `path`, or None) raised `error`: remove `tmp`, and raise a
+    NoSpaceError from `error` when the disk was full (checked before the removal frees space), else `error`."""
+    import shutil
+
+    full = no_space_error(error, path)
+    if tmp is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if full is not None:
+        raise full from error
+    raise error

@@ -14,13 +14,12 @@ The folder format and its atomic commit are storage/checkpoint.py's; this module
 from __future__ import annotations
 
 import logging
-import shutil
 from pathlib import Path
 from typing import Optional
 
 from orlhf.config.fingerprint import config_fingerprint
 from orlhf.storage.checkpoint import load_controller_state, read_meta, rng_state, save_controller_state, set_rng_state
-from orlhf.storage.disk_space import NoSpaceError, no_space_error
+from orlhf.storage.disk_space import NoSpaceError, cleanup_after_failed_write
 from orlhf.workers import PolicyWorker
 from orlhf.workers.base import DeepSpeedWorker
 
@@ -38,12 +37,7 @@ def save_run(ctl, mgr) -> Path:
         tmp = mgr.begin(step)
         return _write_run(ctl, mgr, tmp, step)
     except Exception as e:
-        full = no_space_error(e, mgr.root)  # (tmp lives there: the same filesystem)
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-        if full is not None:
-            raise full from e
-        raise
+        cleanup_after_failed_write(e, mgr.root, tmp)  # (tmp lives there: the same filesystem)
 
 
 def _write_run(ctl, mgr, tmp: Path, step: int) -> Path:
