@@ -51,6 +51,7 @@ FREE_ON_RESUME: dict[str, str] = {
             "reward_retries",
             "max_engine_logprob_gap",
             "max_engine_restarts",
+            "max_restarts",
         ),
         "when to stop or fail",
     ),

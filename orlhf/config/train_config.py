@@ -220,6 +220,13 @@ class RuntimeConfig:
         "End this invocation after N steps, saving a checkpoint there (schedule unchanged; resume later "
         "with --load_checkpoint).",
     )
+    max_restarts: int = opt(
+        2,
+        "A lost process of the run (a trainer rank, or an engine --max_engine_restarts does not replace: its process "
+        "died) restarts the run's groups and engines from the newest complete checkpoint of this run, or from the "
+        "start without one, up to N times over the run; the steps after that checkpoint are trained again and logged "
+        "once. 0: stop at the first, naming it.",
+    )
 
 
 # The sections, in --help order: (attribute on TrainConfig, class, help panel).

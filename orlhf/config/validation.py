@@ -175,6 +175,10 @@ def _engine_and_thread_bounds(cfg: TrainConfig) -> list[Bound]:
             f"--max_engine_restarts must be >= 0 (got {v.max_engine_restarts}; 0: a lost engine stops the run).",
         ),
         (
+            rt.max_restarts >= 0,
+            f"--max_restarts must be >= 0 (got {rt.max_restarts}; 0: a lost rank or engine stops the run).",
+        ),
+        (
             rt.stop_after_steps is None or rt.stop_after_steps >= 1,
             f"--stop_after_steps must be >= 1 (got {rt.stop_after_steps}).",
         ),

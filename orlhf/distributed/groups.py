@@ -51,6 +51,7 @@ class RankError(RuntimeError):
 
     def __init__(self, role: str, rank: int, method: str, detail: str, died: bool = False, host: Optional[str] = None):
         self.role, self.rank, self.method, self.died = role, rank, method, died  # died: the process is gone
+        self.host = host
         detail = re.sub(r"\x1b\[[0-9;]*m", "", detail)  # Ray colours its task names
         path = worker_log_path(log_name(host or role, rank))
         if path is not None:
@@ -217,6 +218,13 @@ class Calls:
 
     def call_rank(self, rank: int, fn: Callable, *args, **kwargs) -> GroupCall:
         return self._submit(method_name(self.role, self.worker_cls, fn), [rank], [args], kwargs)
+
+    def dead(self, timeout_s: float = 10.0) -> dict[int, Exception]:
+        """{rank: its error} of the ranks whose process is gone (a health check; a rank busy with a long call, or
+        stuck in a collective with a dead peer, still answers: its actor runs calls side by side)."""
+        actors = getattr(self, "actors", [])
+        call = GroupCall(self.role, "pid", [a.pid.remote() for a in actors], list(range(len(actors))), timeout_s)
+        return {r: e for r, e in settle(call, timeout_s)[1].items() if getattr(e, "died", False)}
 
     def call_sharded(self, fn: Callable, batch: Any, *args, **kwargs) -> GroupCall:
         """Split `batch` (a types.py dataclass with .split, or a list) over the ranks in contiguous chunks;

@@ -95,13 +95,17 @@ def scheduling_options(rb: RankBundle, device: str) -> dict[str, Any]:
     }
 
 
-def create_placement_groups(layout: Layout, timeout_s: float, settle_s: float = 5.0) -> PlacedLayout:
+def create_placement_groups(
+    layout: Layout, timeout_s: float, settle_s: float = 5.0, wait_for_nodes: bool = False
+) -> PlacedLayout:
     """Pre-flight on the live cluster, then one STRICT_PACK placement group per node-group, ready within
     timeout_s. When the layout fits the cluster's total but not what is free, the free view is re-read for up to
-    settle_s (resources just released take a moment to show) before PlacementError."""
+    settle_s (resources just released take a moment to show) before PlacementError. `wait_for_nodes`: also when it
+    does not fit the total (a restart after a lost node: the node, or another, may join within settle_s); the
+    PlacementError then shows the per-node table of what is missing."""
     from ray.util.placement_group import placement_group
 
-    placed, nodes = _wait_for_fit(layout, settle_s)
+    placed, nodes = _wait_for_fit(layout, settle_s, wait_for_nodes)
     token = uuid.uuid4().hex[:6]  # placement group names must be unique in the cluster
     groups: dict[GroupKey, Any] = {}
     try:
@@ -119,14 +123,16 @@ def create_placement_groups(layout: Layout, timeout_s: float, settle_s: float = 
     return PlacedLayout(layout, {k: groups[k] for k in layout.group_keys()})
 
 
-def _wait_for_fit(layout: Layout, settle_s: float) -> tuple[dict[GroupKey, int], list[NodeSpec]]:
+def _wait_for_fit(
+    layout: Layout, settle_s: float, wait_for_nodes: bool = False
+) -> tuple[dict[GroupKey, int], list[NodeSpec]]:
     deadline = time.monotonic() + settle_s
     while True:
         nodes = live_nodes()
         try:
             return check_fits(layout, nodes), nodes
         except PlacementError:
-            if not fits_in_total(layout, nodes) or time.monotonic() > deadline:
+            if not (wait_for_nodes or fits_in_total(layout, nodes)) or time.monotonic() > deadline:
                 raise
             time.sleep(0.5)
 

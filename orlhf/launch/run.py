@@ -8,6 +8,8 @@ the demo's paths resolved).
     group -> Controller.fit() (SIGINT / SIGTERM: the step ends and is saved, no export: launch/stop_signals.py)
     -> export the final actor, and critic (atomic; failed: a checkpoint keeps the weights, launch/export.py)
     -> draw the reward curve (best effort) -> tear everything down (also on errors and Ctrl-C)
+A process lost on the way (a rank or an engine whose process died) tears down the placement groups and everything on
+them and starts them again from the run's newest checkpoint, up to --max_restarts times (launch/restart.py).
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Optional
 
 from orlhf.config.redact import public_config
 from orlhf.config.roles import model_path
@@ -73,43 +77,88 @@ def run_locked(cfg: TrainConfig, run_id: str, clock) -> int:
         clock.mark("ray")
         # What the run reads (prompts, the reward file, eval data, the checkpoint to resume) fails here, before any
         # placement group, engine or model starts: its thread has mostly finished while Ray started.
-        checkpoints, tokenizer, loader, evaluator, resume_from, resume_step, run_id, reward = reading.result()
+        run = reading.result()
         clock.mark("prompts")
-        from orlhf.distributed.placement import create_placement_groups, remove_placement_groups
+        from orlhf.launch.restart import Attempt, RunRestarts
 
-        placed = create_placement_groups(layout, cfg.runtime.ray_timeout_s)
-        stack.callback(remove_placement_groups, placed)
-        t0 = time.monotonic()
-        # The engines' start is the longest (vLLM's import, then LLM()): it begins before the model groups'.
-        engines = None if cfg.rollout_in_trainer else launch_engines(cfg, placed, stack, tuning)
-        clock.mark("placement")
-        steps = optimizer_steps(cfg, loader)
-        models = start_models(cfg, placed, steps, stack, clock, engines, tuning, tokenizer)
-        log.info(
-            "%d model group(s) and %d engine(s) ready in %.1f s",
-            len(models.groups()),
-            cfg.num_engines,
-            time.monotonic() - t0,
-        )
-        metrics = make_metrics(cfg, resume_step, run_id)
-        controller = make_controller(
-            cfg, models, loader, tokenizer, metrics, checkpoints, evaluator, resume_from, reward
-        )
-        clock.mark("controller")
-        gc.freeze()
-        gc.enable()
-        log.info("%s", clock.report())
-        clock.save(Path(cfg.logging.save_path) / "startup.json")
-        try:
-            with stop_on_signals(controller):  # SIGINT / SIGTERM: stop at the step's end, saved (stop_signals.py)
-                history = controller.fit()
-        finally:
-            metrics.close(plot=False)
-        if controller.stop_signal is None:
-            finish_run(cfg, models, metrics, history, run_id, controller)
-    code = 0 if controller.stop_signal is None else report_stop(controller)
+        restarts = RunRestarts(cfg.runtime.max_restarts, cfg.logging.save_path, run.run_id, run.resume_from is not None)
+        attempt = Attempt(run.resume_from, run.resume_step, first_step=run.resume_step or 0)
+        while True:  # --max_restarts: a lost process starts the groups again from the newest checkpoint (restart.py)
+            with ExitStack() as held:  # the attempt's placement groups, engines and groups, torn down on leaving
+                try:
+                    code = run_attempt(cfg, layout, tuning, run, attempt, held, clock)
+                    break
+                except Exception as e:
+                    if not restarts.may_restart(e, attempt):  # (its health check needs the processes still up)
+                        raise
+            attempt = restarts.next_attempt(attempt, run.checkpoints)
     run_logs.close()
     return code
+
+
+def run_attempt(cfg: TrainConfig, layout, tuning, run, attempt, held: ExitStack, clock) -> int:
+    """One start of the run's groups (restart.Attempt: the first, or one after a lost process): placement groups,
+    engines and model groups (each torn down when `held` closes), the controller resumed at the attempt's checkpoint,
+    fit, and the outputs. Returns the exit code."""
+    from orlhf.distributed.placement import create_placement_groups
+
+    first = attempt.number == 0
+    clock = clock if first else None  # the start-up clock times the first start only
+    mark = clock.mark if clock is not None else (lambda phase: None)
+    wait = {} if first else {"settle_s": cfg.runtime.ray_timeout_s, "wait_for_nodes": True}  # a lost node's
+    placed = create_placement_groups(layout, cfg.runtime.ray_timeout_s, **wait)
+    held.callback(remove_placement, placed)
+    t0 = time.monotonic()
+    # The engines' start is the longest (vLLM's import, then LLM()): it begins before the model groups'.
+    engines = attempt.engines = None if cfg.rollout_in_trainer else launch_engines(cfg, placed, held, tuning)
+    mark("placement")
+    loader = new_loader(cfg, run.prompts)
+    steps = optimizer_steps(cfg, loader)
+    models = attempt.models = start_models(cfg, placed, steps, held, clock, engines, tuning, run.tokenizer)
+    log.info(
+        "%d model group(s) and %d engine(s) ready in %.1f s",
+        len(models.groups()),
+        cfg.num_engines,
+        time.monotonic() - t0,
+    )
+    if run.evaluator is not None:
+        run.evaluator.best = None  # the checkpoint's, when resuming (run_state.restore_run)
+    metrics = make_metrics(cfg, attempt.resume_step, run.run_id)
+    controller = attempt.controller = make_controller(
+        cfg, models, loader, run.tokenizer, metrics, run.checkpoints, run.evaluator, attempt.resume_from, run.reward
+    )
+    controller.run_restarts = attempt.number
+    controller.first_step = attempt.first_step  # --stop_after_steps counts from the invocation's first step
+    mark("controller")
+    if not gc.isenabled():  # the first attempt to get here (run_locked disabled it for the start-up)
+        gc.freeze()
+        gc.enable()
+    if clock is not None:
+        log.info("%s", clock.report())
+        clock.save(Path(cfg.logging.save_path) / "startup.json")
+    try:
+        with stop_on_signals(controller):  # SIGINT / SIGTERM: stop at the step's end, saved (stop_signals.py)
+            controller.fit()
+    finally:
+        metrics.close(plot=False)
+    if controller.stop_signal is not None:
+        return report_stop(controller)
+    finish_run(cfg, models, metrics, attempt.history(), run.run_id, controller)
+    return 0
+
+
+def remove_placement(placed) -> None:
+    from orlhf.distributed.placement import remove_placement_groups
+
+    remove_placement_groups(placed)
+
+
+def new_loader(cfg: TrainConfig, prompts: list):
+    """The prompt loader of an attempt, at the run's start (a resume sets its position: run_state.restore_run)."""
+    from orlhf.inputs.prompt_loader import PromptLoader
+
+    p = cfg.ppo
+    return PromptLoader(prompts, p.rollout_batch_size, p.num_episodes, p.seed)
 
 
 def optimizer_steps(cfg: TrainConfig, loader) -> int:
@@ -140,25 +189,38 @@ def make_controller(cfg: TrainConfig, models, loader, tokenizer, metrics, checkp
     return controller
 
 
-def read_inputs(cfg: TrainConfig, run_id: str, run_logs) -> tuple:
+@dataclass
+class RunInputs:
+    """What a run reads before anything starts (read_inputs), kept across restarts (launch/restart.py)."""
+
+    checkpoints: Any
+    tokenizer: Any
+    prompts: list
+    evaluator: Any
+    resume_from: Optional[Path]
+    resume_step: Optional[int]
+    run_id: str
+    reward: Any  # make_reward's source, None when the reward-model group scores
+
+
+def read_inputs(cfg: TrainConfig, run_id: str, run_logs) -> RunInputs:
     """Tokenizer, prompts, eval prompts, the reward file, resume point: in a thread while Ray starts (run_locked;
     the tokenizer's import of transformers and torch is most of it); their errors are raised once Ray is up, before
-    anything is placed, and Ray is shut down.
-    Returns (checkpoints, tokenizer, loader, evaluator, resume_from, resume_step, run_id, reward source or None)."""
+    anything is placed, and Ray is shut down."""
     run_logs.route_transformers()  # first: it imports transformers, before anything here can log through it
-    from orlhf.inputs.prompt_loader import PromptLoader
     from orlhf.inputs.tokenizer import load_tokenizer
     from orlhf.storage.checkpoint import CheckpointManager
 
-    p = cfg.ppo
     check_lora_targets(cfg)
     lg = cfg.logging
     checkpoints = CheckpointManager(lg.checkpoint_dir, lg.max_ckpt_num, run_id, max_ckpt_mem=lg.max_ckpt_mem)
     tokenizer = load_tokenizer(cfg.data.pretrain)
-    loader = PromptLoader(load_prompts(cfg, tokenizer), p.rollout_batch_size, p.num_episodes, p.seed)
+    prompts = load_prompts(cfg, tokenizer)
+    new_loader(cfg, prompts)  # its problems (too few prompts for a batch) fail here, before any model starts
     evaluator = make_evaluator(cfg, tokenizer)  # eval data problems fail here, before any model starts
     reward = make_reward(cfg)  # a reward file that does not import, or defines no reward_func, fails here
-    return (checkpoints, tokenizer, loader, evaluator) + resume_point(cfg, checkpoints, run_id) + (reward,)
+    resume_from, resume_step, run_id = resume_point(cfg, checkpoints, run_id)
+    return RunInputs(checkpoints, tokenizer, prompts, evaluator, resume_from, resume_step, run_id, reward)
 
 
 def check_lora_targets(cfg: TrainConfig) -> None:

@@ -126,7 +126,8 @@ class Controller:
         self.numbers = StepCheck(p.actor_learning_rate, p.critic_learning_rate)  # NaN / inf stop the run
         self.stop_signal: Optional[str] = None  # "SIGTERM" / "SIGINT": stop at the next step boundary and save
         self.phases = models.tuning.phases(cfg, models)  # told as each phase starts (timed)
-        self._first_step = 0  # step_index when this invocation started (resume)
+        self.first_step = 0  # step_index when this invocation started (resume; kept by a --max_restarts restart)
+        self.run_restarts = 0  # --max_restarts restarts of this invocation before this controller (launch/restart.py)
         self._saved_step: Optional[int] = None  # step of this invocation's newest checkpoint
         self._sync_lock = threading.Lock()
         self._last_step_end = time.perf_counter()
@@ -258,6 +259,7 @@ class Controller:
             "samples_per_s": len(rollouts) / seconds,
             "step_s": seconds,
             "engine_restarts": self.restarts.count,  # engines replaced so far (trainer/engine_restart.py)
+            "run_restarts": self.run_restarts,  # groups started again after a lost process (launch/restart.py)
             **reward.log_row(),
             **{f"timing/{k}": v for k, v in self.timings.items()},
             **agent_metrics(rollouts),
@@ -301,7 +303,7 @@ class Controller:
     def should_stop(self) -> bool:
         """--stop_after_steps: end this invocation early, on a step boundary, keeping the full run's schedule."""
         n = self.cfg.runtime.stop_after_steps
-        return self.stop_signal is not None or (n is not None and self.step_index - self._first_step >= n)
+        return self.stop_signal is not None or (n is not None and self.step_index - self.first_step >= n)
 
     def save_at_stop(self) -> None:
         """--stop_after_steps or a stop signal ended this invocation: save where it stopped (unless that step is
@@ -335,7 +337,7 @@ class Controller:
         from orlhf.trainer.run_state import restore_run
 
         restore_run(self, path)
-        self._first_step = self._saved_step = self.step_index
+        self.first_step = self._saved_step = self.step_index
         self.m.sync.sync(self.weight_version)
         log.info("resumed from %s at step %d (weight version %d)", path, self.step_index, self.weight_version)
 

@@ -17,8 +17,10 @@ step goes on.
 
 Not covered, each stopping the run as before with one line saying why: --async_train (the producer generates
 while the actor trains, so the current weights are not at hand), agents' turns (--agent_func_path: an episode holds
-its engine across turns), and CUDA IPC sync (each actor rank holds its engine's handle). The count is the run's
-(this invocation's), shown as `engine_restarts` in every metrics row.
+its engine across turns), and CUDA IPC sync (each actor rank holds its engine's handle); there a lost engine's
+process may still restart the whole run from its checkpoint (--max_restarts, launch/restart.py). The count is the
+run's (kept in checkpoints, so a resume goes on with the budget left), shown as `engine_restarts` in every metrics
+row.
 """
 
 from __future__ import annotations

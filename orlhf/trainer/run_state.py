@@ -60,6 +60,7 @@ def _write_run(ctl, mgr, tmp: Path, step: int) -> Path:
             "reward_norm": ctl.scorer.reward_norm.state_dict() if ctl.scorer.reward_norm else None,
             "rng": rng_state(),
             "best_eval": ctl.evaluator.best if ctl.evaluator else None,
+            "engine_restarts": ctl.restarts.count,  # the budget of --max_engine_restarts is the whole run's
         },
     )
     return mgr.commit(
@@ -94,7 +95,7 @@ def may_save_at_stop(ctl) -> bool:
     otherwise was not refused such a folder at its start, launch/run.py find_checkpoint; said in one line)."""
     if ctl.stop_signal is None:
         return True
-    if ctl.step_index == ctl._first_step:
+    if ctl.step_index == ctl.first_step:
         return False
     other = foreign_checkpoint(ctl.checkpoints)
     if other is not None:
@@ -127,3 +128,4 @@ def restore_run(ctl, path: Path) -> None:
     set_rng_state(state["rng"])
     if ctl.evaluator is not None:
         ctl.evaluator.best = state.get("best_eval")
+    ctl.restarts.count = state.get("engine_restarts", 0)

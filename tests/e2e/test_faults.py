@@ -3,7 +3,8 @@ diverged update.
 
 Each must stop the run within 60 s with a line naming what happened, and leave no process behind: every
 descendant of the run (raylet, GCS, rank actors, engines) is recorded while it runs and must be gone after. Except
-a killed engine under --max_engine_restarts (default 3): it is replaced in place and the run goes on, with the
+a killed engine under --max_engine_restarts (default 3): it is replaced in place and the run goes on; and a killed
+rank under --max_restarts (default 2): the run starts its groups again from its newest checkpoint. Both end with the
 metrics of a run nothing happened to.
 """
 
@@ -103,7 +104,8 @@ def first_step_logged(tmp_path: Path, proc, log) -> None:
     ids=["actor_rank"],
 )
 def test_killed_process_stops_the_run_naming_it(tmp_path, pid_line, error, flags):
-    proc, log = start_run(tmp_path, ("--num_episodes", "50", *flags))
+    """--max_restarts 0: a lost process stops the run (with restarts left it restarts: the test below)."""
+    proc, log = start_run(tmp_path, ("--num_episodes", "50", "--max_restarts", "0", *flags))
     pid = int(wait_for(log, pid_line, proc).group(1))
     first_step_logged(tmp_path, proc, log)
     tree = descendants(proc)
@@ -112,6 +114,7 @@ def test_killed_process_stops_the_run_naming_it(tmp_path, pid_line, error, flags
     text = assert_stops_clean(proc, tree, t0, log)
     assert proc.returncode == 1
     assert re.search(error, text), text[-2000:]
+    assert re.search(r"actor rank 0 lost at step \d+; not restarted: --max_restarts 0", text), text[-2000:]
 
 
 def test_a_signal_saves_the_step_and_stops_cleanly(tmp_path):
@@ -174,7 +177,7 @@ def test_a_diverged_run_stops_before_its_weights_go_anywhere(tmp_path):
     assert saved == ["step_000001"]  # step 1's, whose numbers were finite; never step 2's
 
 
-# 4 steps of 32 prompts
+# 4 steps of 32 prompts, a checkpoint every 2
 RESTART_FLAGS = (
     "--max_samples",
     "128",
@@ -184,25 +187,39 @@ RESTART_FLAGS = (
     "32",
     "--num_episodes",
     "1",
+    "--save_steps",
+    "2",
 )
 
 
-def test_a_killed_engine_is_replaced_and_the_run_equals_an_undisturbed_one(tmp_path):
+@pytest.fixture(scope="module")
+def undisturbed(tmp_path_factory) -> list[dict]:
+    """The metrics rows of a RESTART_FLAGS run nothing happens to (sync mode, seeded: every step reproducible)."""
+    tmp = tmp_path_factory.mktemp("undisturbed")
+    clean, clean_log = start_run(tmp, RESTART_FLAGS, "clean")
+    assert clean.wait(timeout=600) == 0, clean_log.read_text()[-3000:]
+    return [json.loads(line) for line in (tmp / "clean" / "metrics.jsonl").read_text().splitlines()]
+
+
+def kill_after_rows(proc, log: Path, metrics: Path, rows: int, pid: int) -> float:
+    """kill -9 `pid` as soon as metrics.jsonl has `rows` rows (the next step just began); returns the time."""
+    deadline = time.monotonic() + 240
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= rows):
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    return time.monotonic()
+
+
+def test_a_killed_engine_is_replaced_and_the_run_equals_an_undisturbed_one(tmp_path, undisturbed):
     """kill -9 the engine as step 3 starts (step 2's row just written): a new engine on its bundles, a fresh weight
     sync group, the current weights loaded, step 3's prompts generated again with their seeds. Before: the run
     stopped naming the engine. Now it ends normally, each step logged once, and its numbers are those of the same run
     undisturbed (sync mode: seeded throughout), the engine gap within the sync guard after the restart."""
-    clean, clean_log = start_run(tmp_path, RESTART_FLAGS, "clean")
-    assert clean.wait(timeout=600) == 0, clean_log.read_text()[-3000:]
-
     proc, log = start_run(tmp_path, RESTART_FLAGS, "killed")
     pid = int(wait_for(log, r"vllm engines: 1, pids \[(\d+)\]", proc).group(1))
     metrics = tmp_path / "killed" / "metrics.jsonl"
-    deadline = time.monotonic() + 240
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
-        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-        time.sleep(0.05)
-    os.kill(pid, signal.SIGKILL)
+    kill_after_rows(proc, log, metrics, 2, pid)
     t_kill = time.monotonic()
     while len(metrics.read_text().splitlines()) < 3 and proc.poll() is None:
         time.sleep(0.2)
@@ -216,9 +233,37 @@ def test_a_killed_engine_is_replaced_and_the_run_equals_an_undisturbed_one(tmp_p
     print(f"engine lost during {m.group(1)}; replaced in {took.group(1)} s; kill to step 3's row: {kill_to_step:.1f} s")
 
     killed = [json.loads(line) for line in metrics.read_text().splitlines()]
-    undisturbed = [json.loads(line) for line in (tmp_path / "clean" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in killed] == [1, 2, 3, 4] == [r["step"] for r in undisturbed]
     assert [r["engine_restarts"] for r in killed] == [0, 0, 1, 1]
     assert all(r["engine_logprob_gap"] < 1e-3 for r in killed[2:]), [r["engine_logprob_gap"] for r in killed]
     for key in ("reward_mean", "kl", "policy_loss"):
         assert [r[key] for r in killed] == [r[key] for r in undisturbed], key
+
+
+def test_a_killed_trainer_rank_restarts_the_run_from_its_checkpoint(tmp_path, undisturbed):
+    """kill -9 the actor's rank as step 4 starts, with a checkpoint every 2 steps and --max_restarts 1. Before: the
+    run stopped naming the rank. Now every group and engine is started again, step 2's checkpoint resumed, steps 3
+    and 4 trained again: the run ends normally, each step logged once, its numbers those of the same run undisturbed;
+    the log and restarts.jsonl say what was lost at which step and where it resumed."""
+    proc, log = start_run(tmp_path, (*RESTART_FLAGS, "--max_restarts", "1"), "killed")
+    pid = int(wait_for(log, r"actor: 1 rank\(s\), pids \[(\d+)\]", proc).group(1))
+    save = tmp_path / "killed"
+    kill_after_rows(proc, log, save / "metrics.jsonl", 3, pid)
+    assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
+    text = log.read_text()
+    assert re.search(
+        r"actor rank 0 lost at step 4 \(.*\); restarting the run's groups \(restart 1 of --max_restarts 1\)", text
+    ), text[-3000:]
+    assert re.search(r"restart 1: resuming from \S+step_000002 \(step 2\)", text), text[-3000:]
+    pids = re.findall(r"actor: 1 rank\(s\), pids \[(\d+)\]", text)
+    assert len(pids) == 2 and int(pids[1]) != pid, pids
+
+    rows = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["run_restarts"] for r in rows] == [0, 0, 1, 1]
+    for key in ("reward_mean", "kl", "policy_loss"):
+        assert [r[key] for r in rows] == [r[key] for r in undisturbed], key
+    (record,) = [json.loads(line) for line in (save / "restarts.jsonl").read_text().splitlines()]
+    assert record["lost"] == ["actor rank 0"] and record["step"] == 4 and record["at"] == 2, record
+    assert record["resumed_from"].endswith("step_000002")
+    assert (save / "actor" / "config.json").exists()

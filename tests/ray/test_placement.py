@@ -270,3 +270,33 @@ def test_plan_against_the_live_cluster_creates_nothing(cluster, capsys):
     node_ids = {n["NodeID"][:8] for n in ray.nodes()}
     assert any(node_id in out for node_id in node_ids)
     assert len(placement_group_table()) == before
+
+
+def test_a_restart_after_a_lost_node_waits_for_its_resources_then_names_what_is_missing(cluster):
+    """The placement of a restart (launch/restart.py: --max_restarts after a lost node) waits up to its deadline for
+    the lost resources to come back, where a first start fails at once; when they do not, the error is the table of
+    what is missing. Last in the module: it removes a node (and adds one back)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    layout = layout_of(
+        cfg_of(actor_num_gpus_per_node=4, ref_num_gpus_per_node=4, critic_num_gpus_per_node=2, vllm_num_engines=2),
+        "cuda",
+    )  # 12 GPUs: all three nodes
+    cluster.remove_node(cluster.list_all_nodes()[-1])
+    deadline = time.monotonic() + 30
+    while sum(n["Resources"].get("GPU", 0) for n in ray.nodes() if n["Alive"]) > 8 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    start = time.monotonic()
+    with pytest.raises(L.PlacementError, match=r"(?s)not placed:.*needs 12 GPUs in all, the cluster has 8"):
+        P.create_placement_groups(layout, timeout_s=30, settle_s=2, wait_for_nodes=True)
+    assert 2 <= time.monotonic() - start < 15  # waited for the node, then gave up with the table
+    with ThreadPoolExecutor(1) as pool:  # the restart's placement waits while the node comes back
+        waiting = pool.submit(P.create_placement_groups, layout, timeout_s=60, settle_s=60, wait_for_nodes=True)
+        time.sleep(1.0)
+        assert not waiting.done()
+        cluster.add_node(**{k: v for k, v in NODE.items() if k != "include_dashboard"})
+        result = waiting.result(timeout=90)
+    try:
+        assert len({result.node_of(key) for key in result.groups}) == 3
+    finally:
+        P.remove_placement_groups(result)
