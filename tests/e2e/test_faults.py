@@ -177,10 +177,10 @@ def test_a_diverged_run_stops_before_its_weights_go_anywhere(tmp_path):
     assert saved == ["step_000001"]  # step 1's, whose numbers were finite; never step 2's
 
 
-# 4 steps of 32 prompts, a checkpoint every 2
+# 6 steps of 32 prompts, a checkpoint every 2
 RESTART_FLAGS = (
     "--max_samples",
-    "128",
+    "192",
     "--rollout_batch_size",
     "32",
     "--train_batch_size",
@@ -190,15 +190,6 @@ RESTART_FLAGS = (
     "--save_steps",
     "2",
 )
-
-
-@pytest.fixture(scope="module")
-def undisturbed(tmp_path_factory) -> list[dict]:
-    """The metrics rows of a RESTART_FLAGS run nothing happens to (sync mode, seeded: every step reproducible)."""
-    tmp = tmp_path_factory.mktemp("undisturbed")
-    clean, clean_log = start_run(tmp, RESTART_FLAGS, "clean")
-    assert clean.wait(timeout=600) == 0, clean_log.read_text()[-3000:]
-    return [json.loads(line) for line in (tmp / "clean" / "metrics.jsonl").read_text().splitlines()]
 
 
 def kill_after_rows(proc, log: Path, metrics: Path, rows: int, pid: int) -> float:
@@ -211,59 +202,49 @@ def kill_after_rows(proc, log: Path, metrics: Path, rows: int, pid: int) -> floa
     return time.monotonic()
 
 
-def test_a_killed_engine_is_replaced_and_the_run_equals_an_undisturbed_one(tmp_path, undisturbed):
-    """kill -9 the engine as step 3 starts (step 2's row just written): a new engine on its bundles, a fresh weight
-    sync group, the current weights loaded, step 3's prompts generated again with their seeds. Before: the run
-    stopped naming the engine. Now it ends normally, each step logged once, and its numbers are those of the same run
-    undisturbed (sync mode: seeded throughout), the engine gap within the sync guard after the restart."""
-    proc, log = start_run(tmp_path, RESTART_FLAGS, "killed")
-    pid = int(wait_for(log, r"vllm engines: 1, pids \[(\d+)\]", proc).group(1))
-    metrics = tmp_path / "killed" / "metrics.jsonl"
-    kill_after_rows(proc, log, metrics, 2, pid)
-    t_kill = time.monotonic()
-    while len(metrics.read_text().splitlines()) < 3 and proc.poll() is None:
+def test_a_killed_engine_is_replaced_and_a_killed_rank_restarts_the_run_as_if_nothing_happened(tmp_path):
+    """One run, two faults. kill -9 the engine as step 3 starts (step 2's row just written): a new engine on its
+    bundles, a fresh weight-sync group, the current weights loaded, step 3's prompts generated again with their seeds.
+    Then kill -9 the actor's rank as step 6 starts (--max_restarts 1): every group and engine is started again, step
+    4's checkpoint resumed, steps 5 and 6 trained again. Before, each stopped the run naming what was lost. Now it
+    ends normally, each step logged once, its numbers those of the same run undisturbed (sync mode: seeded
+    throughout), the engine gap within the sync guard after the replacement; the log and restarts.jsonl say what was
+    lost at which step and where the run resumed; the engine restart is kept in the checkpoint."""
+    clean, clean_log = start_run(tmp_path, RESTART_FLAGS, "clean")
+    assert clean.wait(timeout=600) == 0, clean_log.read_text()[-3000:]
+    undisturbed = [json.loads(line) for line in (tmp_path / "clean" / "metrics.jsonl").read_text().splitlines()]
+
+    proc, log = start_run(tmp_path, (*RESTART_FLAGS, "--max_restarts", "1"), "killed")
+    engine = int(wait_for(log, r"vllm engines: 1, pids \[(\d+)\]", proc).group(1))
+    actor = int(wait_for(log, r"actor: 1 rank\(s\), pids \[(\d+)\]", proc).group(1))
+    save = tmp_path / "killed"
+    t_kill = kill_after_rows(proc, log, save / "metrics.jsonl", 2, engine)
+    while len((save / "metrics.jsonl").read_text().splitlines()) < 3 and proc.poll() is None:
         time.sleep(0.2)
     kill_to_step = time.monotonic() - t_kill
+    kill_after_rows(proc, log, save / "metrics.jsonl", 5, actor)
     assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
     text = log.read_text()
     m = re.search(r"step 3: vllm engine 0 died during (generate|the weight sync); replacing it", text)
     assert m, text[-3000:]
     took = re.search(r"step 3: vllm engine 0 replaced in ([\d.]+) s \(pid (\d+)\)", text)
-    assert took and int(took.group(2)) != pid, text[-3000:]
+    assert took and int(took.group(2)) != engine, text[-3000:]
     print(f"engine lost during {m.group(1)}; replaced in {took.group(1)} s; kill to step 3's row: {kill_to_step:.1f} s")
-
-    killed = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [r["step"] for r in killed] == [1, 2, 3, 4] == [r["step"] for r in undisturbed]
-    assert [r["engine_restarts"] for r in killed] == [0, 0, 1, 1]
-    assert all(r["engine_logprob_gap"] < 1e-3 for r in killed[2:]), [r["engine_logprob_gap"] for r in killed]
-    for key in ("reward_mean", "kl", "policy_loss"):
-        assert [r[key] for r in killed] == [r[key] for r in undisturbed], key
-
-
-def test_a_killed_trainer_rank_restarts_the_run_from_its_checkpoint(tmp_path, undisturbed):
-    """kill -9 the actor's rank as step 4 starts, with a checkpoint every 2 steps and --max_restarts 1. Before: the
-    run stopped naming the rank. Now every group and engine is started again, step 2's checkpoint resumed, steps 3
-    and 4 trained again: the run ends normally, each step logged once, its numbers those of the same run undisturbed;
-    the log and restarts.jsonl say what was lost at which step and where it resumed."""
-    proc, log = start_run(tmp_path, (*RESTART_FLAGS, "--max_restarts", "1"), "killed")
-    pid = int(wait_for(log, r"actor: 1 rank\(s\), pids \[(\d+)\]", proc).group(1))
-    save = tmp_path / "killed"
-    kill_after_rows(proc, log, save / "metrics.jsonl", 3, pid)
-    assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
-    text = log.read_text()
     assert re.search(
-        r"actor rank 0 lost at step 4 \(.*\); restarting the run's groups \(restart 1 of --max_restarts 1\)", text
+        r"actor rank 0 lost at step 6 \(.*\); restarting the run's groups \(restart 1 of --max_restarts 1\)", text
     ), text[-3000:]
-    assert re.search(r"restart 1: resuming from \S+step_000002 \(step 2\)", text), text[-3000:]
+    assert re.search(r"restart 1: resuming from \S+step_000004 \(step 4\)", text), text[-3000:]
     pids = re.findall(r"actor: 1 rank\(s\), pids \[(\d+)\]", text)
-    assert len(pids) == 2 and int(pids[1]) != pid, pids
+    assert len(pids) == 2 and int(pids[1]) != actor, pids
 
     rows = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    assert [r["run_restarts"] for r in rows] == [0, 0, 1, 1]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6] == [r["step"] for r in undisturbed]
+    assert [r["engine_restarts"] for r in rows] == [0, 0, 1, 1, 1, 1]  # step 4's checkpoint kept the count
+    assert [r["run_restarts"] for r in rows] == [0, 0, 0, 0, 1, 1]
+    assert all(r["engine_logprob_gap"] < 1e-3 for r in rows[2:]), [r["engine_logprob_gap"] for r in rows]
     for key in ("reward_mean", "kl", "policy_loss"):
         assert [r[key] for r in rows] == [r[key] for r in undisturbed], key
     (record,) = [json.loads(line) for line in (save / "restarts.jsonl").read_text().splitlines()]
-    assert record["lost"] == ["actor rank 0"] and record["step"] == 4 and record["at"] == 2, record
-    assert record["resumed_from"].endswith("step_000002")
+    assert record["lost"] == ["actor rank 0"] and record["step"] == 6 and record["at"] == 4, record
+    assert record["resumed_from"].endswith("step_000004")
     assert (save / "actor" / "config.json").exists()
