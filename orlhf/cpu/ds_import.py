@@ -5,11 +5,13 @@ DeepSpeed 0.19.8 imports deepspeed.runtime.zero.muon.muon_optimizer whenever it 
 check whether the optimizer is its MuonWithAuxAdam. Importing that module applies torch.compile to three Muon
 functions (original_muon.py, `@compiler.compile()`), and torch.compile's wrapper imports torch._inductor's
 compiler (compile_fx, lowering, select_algorithm) in every training rank process, for functions only a Muon
-optimizer calls. orlhf never configures Muon (workers/optim.py builds Adam), so nothing calls them.
+optimizer calls (--actor_optim / --critic_optim muon). On CPU, inductor compiling them costs minutes of C++ builds
+(one per shape) against milliseconds of eager Newton-Schulz on these ranks' matrices, so CPU ranks run them eager:
+the same math.
 
 load_muon_uncompiled() imports the module once with torch.compile standing aside (the decorator returns the plain
 function), before DeepSpeed does: the classes are DeepSpeed's own (its isinstance checks are unchanged), only the
-three never-called functions stay uncompiled. Applied only to the DeepSpeed version it was checked against; any
+three Muon functions stay uncompiled. Applied only to the DeepSpeed version it was checked against; any
 other version loads the module as it is. load_deepspeed() imports the rest of DeepSpeed first, so that only the
 Muon modules load while torch.compile stands aside (CpuRankActor calls it before the worker's init()).
 """
