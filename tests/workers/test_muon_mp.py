@@ -17,10 +17,7 @@ V = 128
 
 def _rank_main(rank: int, world: int, port: int, path: str, stage: int, out: str) -> None:
     from orlhf.config.worker_config import role_config
-    from orlhf.cpu.ds_import import load_deepspeed
     from orlhf.workers import PolicyWorker
-
-    load_deepspeed()  # as a CPU run's rank actor does (CpuRankActor): Newton-Schulz eager, not compiled by inductor
 
     w = PolicyWorker(
         role_config(
