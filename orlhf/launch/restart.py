@@ -99,11 +99,13 @@ class RunRestarts:
             log.error("%s lost %s; not restarted: --max_restarts %d%s", ", ".join(gone), where, self.limit, used)
             return False
         self.count += 1
+        seen = f"its process died in {error.role} {error.method}()" if getattr(error, "died", False) else None
+        why = seen or f"found dead after: {_first_line(error)}"  # a peer's error reached the driver first
         log.warning(
             "%s lost %s (%s); restarting the run's groups (restart %d of --max_restarts %d)",
             ", ".join(gone),
             where,
-            _first_line(error),
+            why,
             self.count,
             self.limit,
         )

@@ -63,11 +63,14 @@ def test_restarts_are_bounded_and_each_says_what_was_lost(tmp_path, caplog):
     lost = Attempt(models=Models([Group("actor", dead=[0])]), controller=Ctl(3, []))
     assert restarts.may_restart(RuntimeError("gloo: connection closed"), lost)
     assert (
-        "actor rank 0 lost at step 4 (gloo: connection closed); restarting the run's groups (restart 1 of "
-        "--max_restarts 1)" in caplog.text
+        "actor rank 0 lost at step 4 (found dead after: gloo: connection closed); restarting the run's groups "
+        "(restart 1 of --max_restarts 1)" in caplog.text
     )
     assert not restarts.may_restart(RuntimeError("again"), lost)
     assert "actor rank 0 lost at step 4; not restarted: --max_restarts 1, 1 used" in caplog.text
+    died = RankError("critic", 0, "values", "the rank actor died", died=True, host="actor")
+    assert RunRestarts(1, str(tmp_path), "run-a").may_restart(died, lost)
+    assert "actor rank 0 lost at step 4 (its process died in critic values()); restarting" in caplog.text
     assert not RunRestarts(0, str(tmp_path), "run-a").may_restart(RuntimeError("x"), lost)
     assert "not restarted: --max_restarts 0" in caplog.text
 
