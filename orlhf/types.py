@@ -32,6 +32,29 @@ class SamplingSpec:
     seed: int = 0  # per-step seed: each request gets a seed derived from (seed, prompt index)
 
 
+@dataclass
+class TurnParams:
+    """An agent turn's sampling parameters where no vLLM engine samples (--rollout_backend trainer): the fields of
+    vLLM's SamplingParams that agents read and set, with its defaults, so an agent written for vLLM runs unchanged on
+    a machine without vLLM. What the trainer's sampler cannot honour (stop strings, top_k, min_p, min_tokens) is
+    refused by name when a turn asks for it (workers/generation.py check_turn_params)."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    max_tokens: Optional[int] = 16
+    min_tokens: int = 0
+    stop: Optional[list] = None
+    stop_token_ids: Optional[list] = None
+    logprobs: Optional[int] = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    detokenize: bool = True
+
+
 def request_seed(seed: int, prompt_index: int) -> int:
     """A stable per-request seed, so a run is reproducible whatever the engine count or split."""
     digest = hashlib.sha256(f"{seed}:{prompt_index}".encode()).digest()

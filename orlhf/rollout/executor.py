@@ -164,8 +164,7 @@ class AgentRunner:
         return asyncio.run(self._run(prompts, sampling))
 
     async def _run(self, prompts: list, sampling) -> list[Rollout]:
-        from vllm import SamplingParams
-
+        SamplingParams = turn_params_class(self.engines)
         clients = [EngineClient(lambda reqs, i=i: self.call(i, reqs)) for i in range(self.num_engines)]
         servers = [asyncio.create_task(c.serve()) for c in clients]
         jobs = [
@@ -324,6 +323,17 @@ def agent_metrics(rollouts: list[Rollout]) -> dict[str, float]:
         vals = [r.extra_logs[k] for r in rollouts if k in r.extra_logs]
         out[f"agent/{k}"] = sum(vals) / len(vals)
     return out
+
+
+def turn_params_class(engines) -> type:
+    """The class of the sampling parameters agents get: vLLM's SamplingParams for vLLM engines; orlhf's TurnParams
+    (its fields) where the engines say they take those (trainer/actor_rollout.py: the actor's ranks sample), so agents
+    run on machines without vLLM."""
+    if getattr(engines, "turn_params", None) is not None:
+        return engines.turn_params
+    from vllm import SamplingParams
+
+    return SamplingParams
 
 
 def make_executor(agent_func_path: Optional[str], engines, tokenizer, max_length: int, timeout_s: float = 600.0):

@@ -18,11 +18,13 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional
 
-from orlhf.types import Rollout, SamplingSpec
+from orlhf.types import Rollout, SamplingSpec, TurnParams
 from orlhf.workers import PolicyWorker
 
 
 class ActorRollout:
+    turn_params = TurnParams  # agents' sampling parameters: vLLM's fields, without vLLM (rollout/executor.py)
+
     def __init__(self, actor, pad_id: int, eos_id: Optional[int]):
         self.actor, self.pad_id, self.eos_id = actor, pad_id, eos_id
         self.weight_version = 0

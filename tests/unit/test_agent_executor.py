@@ -5,6 +5,7 @@ tokenizer is one token per character, so expected token sequences can be written
 """
 
 import concurrent.futures
+import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -234,3 +235,30 @@ def test_dynamic_filtering_keeps_groups_by_the_agents_scores_and_trains_on_their
     assert filled.reward.rewards.tolist() == [0.5, 0.5]  # two turns of 0.25, summed: what PPO trains on
     assert sorted(filled.reward.scores.tolist()) == [0.0, 1.0]
     assert filled.info["dynamic_filtering_pass_rate"] == 100.0 / 3
+
+
+def test_agents_run_without_vllm_where_the_actor_samples(tmp_path, monkeypatch):
+    """--rollout_backend trainer: agents get orlhf's TurnParams (vLLM's fields) and never import vLLM, so a machine
+    without vLLM runs them (before: `from vllm import SamplingParams` in every batch of episodes)."""
+    from orlhf.trainer.actor_rollout import ActorRollout
+    from orlhf.types import TurnParams
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError from here on
+    engine = FakeEngine()
+
+    class Actor:  # what the executor reads of the actor's rollout (trainer/actor_rollout.py)
+        turn_params = ActorRollout.turn_params
+
+        def __len__(self):
+            return 1
+
+    runner = AgentRunner(write_agent(tmp_path), engines=Actor(), tokenizer=CharTokenizer(), max_length=20, call=engine)
+    (r,) = runner.generate(prompts(["x"]), SamplingSpec(temperature=1.0, max_new_tokens=3, n=1, seed=5))
+    assert r.response_ids == [ord(c) for c in "redokredok"]
+    assert engine.calls[0][0][1:] == (3, engine.calls[0][0][2]) and engine.calls[0][0][2] is not None  # seeded
+    assert ActorRollout.turn_params is TurnParams
+    vllm_runner = AgentRunner(
+        write_agent(tmp_path), engines=None, tokenizer=CharTokenizer(), max_length=20, call=engine
+    )
+    with pytest.raises(ImportError):  # vLLM's engines: vLLM's SamplingParams, as before
+        vllm_runner.generate(prompts(["x"]), SamplingSpec(max_new_tokens=3, seed=5))
