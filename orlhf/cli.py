@@ -141,6 +141,7 @@ USER_ERRORS = (
     ("orlhf.trainer.sync_guard", "EngineMismatchError"),
     ("orlhf.trainer.step_stats", "NonFiniteError"),
     ("orlhf.launch.export", "ExportError"),
+    ("orlhf.distributed.ray_start", "RayJoinError"),
 )
 
 
@@ -342,7 +343,12 @@ PLAN_OPTIONS = {
     ),
     "gpu_memory_gb": (
         Optional[float],
-        typer.Option(None, "--gpu_memory_gb", help="GiB per GPU (Ray does not report it).", rich_help_panel=PLAN_PANEL),
+        typer.Option(
+            None,
+            "--gpu_memory_gb",
+            help="GiB per GPU (on a live cluster, when not given: read with nvidia-smi on each node).",
+            rich_help_panel=PLAN_PANEL,
+        ),
     ),
     "host_memory_gb": (
         Optional[float],
@@ -370,7 +376,13 @@ def _plan(ctx: typer.Context, **flags: Any) -> None:
         here = cluster["where"].startswith("this machine")  # a described or live cluster has its own packages
         return validated(cfg, explicit, cluster["device"], here)
 
-    cfg = parse_or_exit(ctx, flags, build)
+    try:
+        cfg = parse_or_exit(ctx, flags, build)
+    except Exception as e:  # noqa: BLE001 - a cluster that refused to be read (--address): one line, exit 2
+        if not is_user_error(e):
+            raise
+        typer.secho(f"error: {e}", fg="red", err=True)
+        raise typer.Exit(2) from None
     sys.exit(run_plan(cfg, args, cluster["nodes"], cluster["where"]))
 
 

@@ -14,6 +14,7 @@ Ray is imported inside the functions: importing this module stays cheap.
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -24,17 +25,21 @@ from orlhf.distributed.layout import GroupKey, Layout, NodeSpec, PlacementError,
 # ---- The live cluster --------------------------------------------------------------------------------------
 
 
-def live_nodes(gpu_memory_gb: Optional[float] = None) -> list[NodeSpec]:
-    """The alive nodes of the connected Ray cluster, with what is free on each now. Ray reports no GPU memory:
-    pass it if known. Host memory is Ray's schedulable `memory` resource (a part of the RAM)."""
+def live_nodes(gpu_memory_gb: Optional[float] = None, read_gpu_memory: bool = False) -> list[NodeSpec]:
+    """The alive nodes of the connected Ray cluster, with what is free on each now. Ray reports no GPU memory: it is
+    `gpu_memory_gb` when given, else with `read_gpu_memory` what nvidia-smi reports on each GPU node
+    (gpu_memory_per_node: a task per node, so only `orlhf plan` asks), else None (unknown). Host memory is Ray's
+    schedulable `memory` resource (a part of the RAM)."""
     import ray
     from ray._private import state  # DeveloperAPI; ray.nodes() only has totals
 
     free = state.available_resources_per_node()
+    alive = [n for n in ray.nodes() if n["Alive"]]
+    measured: dict[str, float] = {}
+    if gpu_memory_gb is None and read_gpu_memory:
+        measured = gpu_memory_per_node([n["NodeID"] for n in alive if n["Resources"].get("GPU", 0.0) > 0])
     out = []
-    for n in ray.nodes():
-        if not n["Alive"]:
-            continue
+    for n in alive:
         tot, now = n["Resources"], free.get(n["NodeID"], {})
         out.append(
             NodeSpec(
@@ -42,7 +47,7 @@ def live_nodes(gpu_memory_gb: Optional[float] = None) -> list[NodeSpec]:
                 n["NodeManagerAddress"],
                 now.get("GPU", 0.0),
                 now.get("CPU", 0.0),
-                gpu_memory_gb,
+                gpu_memory_gb if gpu_memory_gb is not None else measured.get(n["NodeID"]),
                 tot.get("memory", 0.0) / 2**30,
                 tot.get("GPU", 0.0),
                 tot.get("CPU", 0.0),
@@ -50,6 +55,61 @@ def live_nodes(gpu_memory_gb: Optional[float] = None) -> list[NodeSpec]:
             )
         )
     return out
+
+
+GPU_MEMORY_QUERY = ("nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits")  # MiB, one line a GPU
+
+
+def gpu_memory_per_node(node_ids: list[str], timeout_s: float = 15.0) -> dict[str, float]:
+    """GiB of the smallest GPU on each of `node_ids`, from GPU_MEMORY_QUERY run on the node by a task pinned there.
+    nvidia-smi lists every GPU of the node whatever CUDA_VISIBLE_DEVICES says, so the task asks for no GPU (and no
+    CPU): it runs on a node whose GPUs are all taken too. A node where it fails (no nvidia-smi, a ROCm node, no answer
+    within `timeout_s`) is left out: its GPU memory stays unknown."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    def query(command: tuple[str, ...]) -> Optional[str]:  # nested: pickled by value, nodes need no orlhf for it
+        import subprocess
+
+        try:
+            return subprocess.run(command, capture_output=True, text=True, timeout=5, check=True).stdout
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    if not node_ids:
+        return {}
+    task = ray.remote(num_cpus=0, num_gpus=0, max_retries=0)(query)
+    refs = {
+        node: task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(
+            GPU_MEMORY_QUERY
+        )
+        for node in node_ids
+    }
+    ready, late = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+    for ref in late:
+        ray.cancel(ref, force=True)
+    out = {}
+    for node, ref in refs.items():
+        try:
+            gib = smallest_gpu_gib(ray.get(ref)) if ref in ready else None
+        except ray.exceptions.RayError:  # the node went away meanwhile
+            gib = None
+        if gib is not None:
+            out[node] = gib
+    return out
+
+
+def smallest_gpu_gib(memory_total: Optional[str]) -> Optional[float]:
+    """GPU_MEMORY_QUERY's output (MiB, one line a GPU) -> the smallest GPU in GiB, rounded down to 0.1 so that plan
+    never claims more than there is; None when it holds no figure ("[N/A]", nothing)."""
+    mib = []
+    for line in (memory_total or "").splitlines():
+        try:
+            mib.append(float(line.strip()))
+        except ValueError:
+            continue
+    mib = [m for m in mib if m > 0]
+    return math.floor(min(mib) / 1024 * 10) / 10 if mib else None
 
 
 class RankBundle(NamedTuple):

@@ -1,7 +1,8 @@
 """`orlhf plan`: where every role would run and how much memory each device needs, before anything starts.
 
-    train-ppo flags -> TrainConfig -> cluster: live (--address: reads ray.nodes(); starts no model, creates no
-                                                      placement group)
+    train-ppo flags -> TrainConfig -> cluster: live (--address: reads ray.nodes(), and each GPU node's GPU memory
+                                                      with nvidia-smi in a task there; starts no model, creates
+                                                      no placement group)
                                              | described (--nodes N --gpus_per_node G [--gpu_memory_gb M])
                                              | this machine (neither)
         -> plan_layout + simulate (distributed/placement.py) -> model sizes (config.json) -> memory per device
@@ -37,6 +38,7 @@ from orlhf.distributed.layout import (
     simulate,
 )
 from orlhf.distributed.placement import live_nodes
+from orlhf.distributed.ray_start import join_cluster
 from orlhf.launch.plan_memory import (
     GIB,
     Memory,
@@ -100,9 +102,9 @@ def _live(address: str, args: ClusterArgs) -> list[NodeSpec]:
 
     own = not ray.is_initialized()  # already connected (a driver, a test): read that cluster, leave it be
     if own:
-        ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+        join_cluster(address, log_to_driver=False, logging_level="ERROR")
     try:
-        nodes = live_nodes(args.gpu_memory_gb)
+        nodes = live_nodes(args.gpu_memory_gb, read_gpu_memory=True)  # --gpu_memory_gb, else nvidia-smi's
     finally:
         if own:
             ray.shutdown()
