@@ -4,7 +4,8 @@ Deny by default: every flag of config/train_config.py is in the fingerprint unle
 with the reason it cannot change the numbers (where outputs go, how fast or in how much memory the same math runs).
 So a flag added later is checked on resume until someone argues it free. Resuming with a fingerprinted flag changed
 is refused with the list of differences (checkpoint.check_compatible): it would silently continue another run,
-or rebuild the LR schedule from other --num_episodes / --max_epochs / --lr_warmup_ratio values.
+or rebuild the LR schedule from other --num_episodes / --max_epochs / --lr_warmup_ratio values. A flag argued free
+later is ignored in older checkpoints' fingerprints too, so they stay resumable.
 
 Python files the run executes (a --remote_rm_url reward_func file, an --agent_func_path file) are fingerprinted by
 their contents too (sha256, read at each save and at the resume): the same path with an edited reward function is
@@ -103,6 +104,17 @@ FREE_ON_RESUME: dict[str, str] = {
         ),
         "memory, speed and placement of the same computation",
     ),
+    # A trained role's rank count and ZeRO stage change where its state lives, not the math (the global batch is
+    # --train_batch_size whatever the ranks; ZeRO partitions the same fp32 Adam). What its DeepSpeed files can be
+    # loaded into is read from the checkpoint itself and checked before they load (storage/ds_layout.py): another
+    # stage is refused by name, another rank count needs --use_ds_universal_ckpt.
+    **dict.fromkeys(
+        ("actor_num_nodes", "actor_num_gpus_per_node", "critic_num_nodes", "critic_num_gpus_per_node", "zero_stage"),
+        "placement of the same computation; the checkpoint's own layout is checked when it loads",
+    ),
+    # How a checkpoint is read, not what the run computes: a run saved without it resumes with it (that is its use),
+    # and a checkpoint saved after a universal resume is an ordinary one at the new rank count.
+    "use_ds_universal_ckpt": "how a checkpoint is read",
 }
 # Flags naming files or folders: compared as absolute paths, so `./data.jsonl` and its full path match.
 _PATH_FLAGS = ("pretrain", "reward_pretrain", "critic_pretrain", "prompt_data", "remote_rm_url")

@@ -123,7 +123,6 @@ def _u(nargs: int, default: Optional[tuple[str, ...]], what: str) -> Unsupported
 UNSUPPORTED: dict[str, Unsupported] = {
     "vllm_sync_with_ray": _u(0, None, "weight sync through Ray's collective library"),
     "partial_rollout": _u(0, None, "partial rollouts"),
-    "use_ds_universal_ckpt": _u(0, None, "DeepSpeed universal checkpoints"),
     "local_rank": _u(1, ("-1",), "the deepspeed launcher (orlhf places ranks with Ray)"),
     "deepcompile": _u(0, None, "DeepSpeed deepcompile"),
     "actor_init_on_gpu": _u(0, None, "initialising the actor on the GPU"),

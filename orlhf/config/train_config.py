@@ -151,6 +151,13 @@ class LoggingConfig:
     load_checkpoint: bool = opt(
         False, "Resume from the newest complete checkpoint in --ckpt_path; start fresh when there is none yet."
     )
+    use_ds_universal_ckpt: bool = opt(
+        False,
+        "With --load_checkpoint: resume a checkpoint whose actor/critic trained on another number of ranks. orlhf "
+        "converts that role's DeepSpeed state to DeepSpeed's universal format itself (into "
+        "<checkpoint>/<role>_universal, kept for later resumes) and loads it; OpenRLHF only loads one converted by "
+        "hand with ds_to_universal.py. The same rank count loads as saved.",
+    )
     save_hf_ckpt: bool = opt(False, "Also export HF-format model folders with checkpoints.")
     allow_no_checkpoint: bool = opt(
         False,

@@ -52,6 +52,9 @@ class TrainSlice:
     # --use_dynamic_batch: each optimizer step's samples in micro-batches of at most this many real tokens; 0: by
     # count (micro_train_batch_size)
     max_tokens: int = 0
+    # --use_ds_universal_ckpt: a checkpoint of another rank count is converted to DeepSpeed's universal format and
+    # loaded (workers/universal_ckpt.py); False: refused by name
+    universal_ckpt: bool = False
 
 
 @dataclass(frozen=True)
@@ -335,6 +338,7 @@ def _train_fields(cfg: TrainConfig, role: str, total_optimizer_steps: int, train
         train_batch_size=ppo.train_batch_size,
         micro_train_batch_size=ppo.micro_train_batch_size,
         max_tokens=train_budget,
+        universal_ckpt=cfg.logging.use_ds_universal_ckpt,
         **cfg.optim.of(role, ppo),
     )
 

@@ -437,6 +437,9 @@ def find_checkpoint(cfg: TrainConfig, checkpoints):
             checkpoints.check_new_run()
         return None
     check_compatible(read_meta(path), config_fingerprint(cfg), path)
+    from orlhf.storage.ds_layout import check_resume
+
+    check_resume(path, cfg)  # each trained role's saved rank count and ZeRO stage against this run's (exit 2)
     return path
 
 

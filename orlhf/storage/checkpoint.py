@@ -13,6 +13,8 @@ The pure side (names, meta.json's format, the compatibility check, the state enc
           rng_rank<r>.json|.safetensors   each rank's RNG states
           zero_to_fp32.py          DeepSpeed's offline consolidation script (python zero_to_fp32.py actor out)
         critic/                    the same for the critic (every trained role of config/roles.py has its folder)
+        actor_universal/           added by a resume on another rank count (--use_ds_universal_ckpt): the actor's
+                                   state in DeepSpeed's universal format (workers/universal_ckpt.py; not in "files")
         hf/actor/                  with --save_hf_ckpt: HF folder (safetensors) that transformers and vLLM load
                                    (--disable_ds_ckpt: only this and controller state; meta "resumable": false)
       .tmp-step_000020-1a2b3c4d/   a save in progress, or one that crashed: never read; owner.json inside names its
@@ -25,7 +27,7 @@ The pure side (names, meta.json's format, the compatibility check, the state enc
     save:   tmp = mgr.begin(step) -> every trained group: save_checkpoint(tmp/<role>) (collective per group)
             -> driver: save_controller_state(tmp, state) -> mgr.commit(tmp, step, meta)
     resume: path = mgr.latest() (None: start fresh) -> checkpoint_format.check_compatible(read_meta(path),
-            fingerprint.config_fingerprint(cfg))
+            fingerprint.config_fingerprint(cfg)) -> ds_layout.check_resume(path, cfg) (ranks and ZeRO stages)
             -> every trained group, right after init: load_checkpoint(path/<role>) -> load_controller_state(path)
 
 Invariants
@@ -140,7 +142,7 @@ class CheckpointManager:
         fsync_dir(self.root)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-        log.info("checkpoint saved: %s", final)
+        log.debug("checkpoint saved: %s", final)  # the controller says it, with the time it took
         self.rotate()
         return final
 
@@ -376,10 +378,12 @@ def deepspeed_safe_globals() -> list:
     return [ZeroStageEnum, LossScaler, fragment_address]
 
 
-def safe_torch_load(path: str | os.PathLike, map_location=None) -> Any:
-    """torch.load(weights_only=True) with DeepSpeed's state classes allowed for this call only."""
+def safe_torch_load(path: str | os.PathLike, map_location=None, mmap: bool = False, load=None) -> Any:
+    """torch.load(weights_only=True) with DeepSpeed's state classes allowed for this call only. mmap: tensors are
+    mapped from the file, not read (to look at a big file's plain values). load: the torch.load to call (where
+    torch.load itself is replaced, workers/universal_ckpt.py)."""
     with torch.serialization.safe_globals(deepspeed_safe_globals()):
-        return torch.load(path, map_location=map_location, weights_only=True)
+        return (load or torch.load)(path, map_location=map_location, weights_only=True, mmap=mmap)
 
 
 # ---- durability ------------------------------------------------------------------------------------------------

@@ -73,11 +73,14 @@ def check_compatible(meta: dict[str, Any], fingerprint: dict[str, Any], path: st
             "DeepSpeed state, so no run can resume from it. Start fresh (another --ckpt_path, or "
             "leave out --load_checkpoint), or save resumable checkpoints without --disable_ds_ckpt."
         )
+    from orlhf.config.fingerprint import FREE_ON_RESUME
+
     saved = meta.get("fingerprint") or {}
     missing = object()
+    free = {f"--{flag}" for flag in FREE_ON_RESUME}  # recorded by an older orlhf, argued free since
     diffs = [
         (k, saved.get(k, missing), fingerprint.get(k, missing))
-        for k in sorted({*saved, *fingerprint})
+        for k in sorted({*saved, *fingerprint} - free)
         if saved.get(k, missing) != fingerprint.get(k, missing)
     ]
     if diffs:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import re
 
 log = logging.getLogger(__name__)
 _MICRO_STEPS = "orlhf_micro_steps"  # DeepSpeed does not save engine.micro_steps; kept in its client_state
@@ -48,44 +47,53 @@ def load_worker_checkpoint(worker, folder: str) -> None:
     loads into the freshly partitioned model). Parameters, optimizer states, LR scheduler, DeepSpeed's step
     counters and this rank's RNG come back, so training continues as if never stopped.
 
+    A checkpoint of another rank count (--use_ds_universal_ckpt) is converted to DeepSpeed's universal format and
+    loaded from there (workers/universal_ckpt.py); storage/ds_layout.py says when, and refuses what cannot load,
+    on every rank before any collective. Ranks the checkpoint had no RNG state for keep their seeded one.
     Reads with torch.load(weights_only=True) only (see _engine_for_checkpoints).
     """
     from orlhf.storage.checkpoint import load_state, set_rng_state
     from orlhf.storage.checkpoint_format import CheckpointError
+    from orlhf.storage.ds_layout import UNIVERSAL, load_plan, read_layout
 
-    ranks = (
-        len([f for f in os.listdir(folder) if re.fullmatch(r"rng_rank\d+\.json", f)]) if os.path.isdir(folder) else 0
-    )
-    if ranks != worker.world_size:
-        raise CheckpointError(
-            f"{folder}: written by {ranks} {worker.cfg.role} ranks, this group has "
-            f"{worker.world_size}; resume with the same number of {worker.cfg.role} GPUs/ranks"
-        )
-    try:
-        with open(os.path.join(folder, "latest")) as f:
-            tag = f.read().strip()
-    except OSError as e:
-        raise CheckpointError(f"{folder}: no DeepSpeed checkpoint here ({e})") from e
+    layout = read_layout(folder)
+    train = getattr(worker.cfg, "train", None)
+    universal = bool(train and train.universal_ckpt)
+    plan = load_plan(worker.cfg.role, layout, worker.world_size, worker.zero_stage, universal, folder)
     engine = _engine_for_checkpoints(worker)
-    path, client = engine.load_checkpoint(
-        folder,
-        tag=tag,
-        load_module_strict=not _has_adapter(worker),  # LoRA: the adapter's tensors only; the base is --pretrain's
-        load_optimizer_states=True,
-        load_lr_scheduler_states=True,
-    )
+    strict = not _has_adapter(worker)  # LoRA: the adapter's tensors only; the base is --pretrain's
+    if plan == UNIVERSAL:
+        from orlhf.workers.universal_ckpt import load_universal, universal_folder
+
+        source = universal_folder(folder, layout.tag, worker.rank, worker.world_size)
+        path, client = load_universal(engine, source, layout.tag, strict)
+    else:
+        path, client = engine.load_checkpoint(
+            folder, tag=layout.tag, load_module_strict=strict, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
     if path is None:  # DeepSpeed only warns when it finds nothing; a resume must not go on from scratch
-        raise CheckpointError(f"{folder}: DeepSpeed found no checkpoint under tag {tag!r}")
+        raise CheckpointError(f"{folder}: DeepSpeed found no checkpoint under tag {layout.tag!r}")
     engine.micro_steps = int(client.get(_MICRO_STEPS, engine.micro_steps))
-    set_rng_state(load_state(folder, f"rng_rank{worker.rank}"))
+    if layout.ranks != worker.world_size:
+        # DeepSpeed steps the optimizer where (micro_steps + 1) % gas == 0, and the saved count is whole steps of the
+        # old rank count's micro-batches: whole steps of this one's keep the boundaries where they belong
+        engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
+    if worker.rank < layout.ranks:
+        set_rng_state(load_state(folder, f"rng_rank{worker.rank}"))
     if hasattr(worker, "checkpoint_extras") and worker.checkpoint_extras() is not None:
         saved = os.path.exists(os.path.join(folder, f"extras_rank{worker.rank}.json"))
         try:
             worker.load_checkpoint_extras(load_state(folder, f"extras_rank{worker.rank}") if saved else None)
         except ValueError as e:
             raise CheckpointError(f"{folder}: {e}") from e
+    moved = "" if layout.ranks == worker.world_size else f", saved by {layout.ranks} ranks ({plan})"
     log.info(
-        "%s rank %d: resumed from %s (optimizer step %d)", worker.cfg.role, worker.rank, folder, engine.global_steps
+        "%s rank %d: resumed from %s (optimizer step %d%s)",
+        worker.cfg.role,
+        worker.rank,
+        folder,
+        engine.global_steps,
+        moved,
     )
 
 

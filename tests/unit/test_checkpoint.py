@@ -175,9 +175,9 @@ def test_fingerprint_mismatch_lists_every_field_with_both_values(tmp_path):
         check_compatible(meta, config_fingerprint(other), path="/ck/step_000010")
     msg = str(err.value)
     assert "/ck/step_000010" in msg and "another --ckpt_path" in msg and "checkpoint's values" in msg
+    # --zero_stage and the trained roles' rank counts are not listed: the checkpoint's own DeepSpeed layout is checked
+    # when it loads (tests/unit/test_ds_layout.py)
     expected = [
-        "--zero_stage: checkpoint None, this run 2",  # None: the default (3, or 2/0 at one rank)
-        "--actor_num_gpus_per_node: checkpoint 1, this run 4",
         "--advantage_estimator: checkpoint 'gae', this run 'group_norm'",
         "--n_samples_per_prompt: checkpoint 1, this run 4",
         "--actor_learning_rate: checkpoint 1e-06, this run 1.0",
@@ -193,6 +193,18 @@ def test_fingerprint_mismatch_lists_every_field_with_both_values(tmp_path):
             {"format": 1, "fingerprint": {k: v for k, v in meta["fingerprint"].items() if k != "--seed"}},
             config_fingerprint(base),
         )
+
+
+def test_flags_argued_free_later_are_ignored_in_older_fingerprints():
+    # An orlhf that fingerprinted the rank counts and --zero_stage wrote these; they must still resume.
+    now = config_fingerprint(TrainConfig())
+    assert "--actor_num_gpus_per_node" not in now and "--zero_stage" not in now
+    old = {**now, "--actor_num_gpus_per_node": 2, "--critic_num_nodes": 1, "--zero_stage": None}
+    check_compatible({"format": 1, "fingerprint": old}, now)  # no raise
+    with_flag = dataclasses.replace(
+        TrainConfig(), logging=dataclasses.replace(TrainConfig().logging, use_ds_universal_ckpt=True)
+    )
+    check_compatible({"format": 1, "fingerprint": old}, config_fingerprint(with_flag))  # how it is read: free too
 
 
 # Flags that change the trajectory, so the fingerprint must hold them; each refuses a resume when changed.
@@ -292,11 +304,15 @@ def test_save_state_refuses_what_it_cannot_store_safely(tmp_path):
         load_controller_state(tmp_path)
 
 
-def test_an_edited_reward_file_refuses_the_resume_naming_it(tmp_path):
+def test_an_edited_reward_file_refuses_the_resume_naming_it(tmp_path, monkeypatch):
     """The reward_func file's contents are part of the fingerprint (not only its path): the resume lookup
     (entry.find_checkpoint) takes the checkpoint while the file is unchanged, and refuses it once edited."""
+    import orlhf.storage.ds_layout
     from orlhf.config.flags import build_config
     from orlhf.launch.run import find_checkpoint
+
+    # this checkpoint holds no DeepSpeed state: only the flags are compared (ds_layout's checks: test_ds_layout.py)
+    monkeypatch.setattr(orlhf.storage.ds_layout, "check_resume", lambda path, cfg: {})
 
     reward = tmp_path / "my_reward.py"
     reward.write_text("def reward_func(queries, prompts, labels):\n    return [1.0] * len(queries)\n")

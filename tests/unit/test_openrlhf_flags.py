@@ -136,6 +136,7 @@ def test_a_launch_line_with_every_flag_parses(capsys, no_training, dashed, monke
     assert cfg.ppo.vllm_is_correction_type == "icepop" and cfg.ppo.dynamic_filtering
     assert cfg.data.value_head_prefix == "value_head" and cfg.data.prompt_split == "train"  # data and heads
     assert cfg.data.agent_func_path == "/a/agent.py" and cfg.eval.eval_steps == 8  # agent and evaluation
+    assert cfg.logging.use_ds_universal_ckpt  # implemented: tests/workers/test_universal_ckpt_mp.py
     ds = cfg.deepspeed  # the DeepSpeed and data knobs (tests/unit/test_openrlhf_knobs.py)
     assert ds.overlap_comm and ds.gradient_checkpointing_use_reentrant and ds.full_determinism and ds.use_liger_kernel
     assert (ds.grad_accum_dtype, ds.zpg, cfg.logging.max_ckpt_mem, cfg.data.dataloader_num_workers) == (
@@ -151,7 +152,6 @@ def test_a_launch_line_with_every_flag_parses(capsys, no_training, dashed, monke
     [
         (["--ring_attn_size", "2"], "--ring_attn_size"),
         (["--load_in_4bit"], "--load_in_4bit"),  # without --lora_rank (and on CPU)
-        (["--use_ds_universal_ckpt"], "--use_ds_universal_ckpt"),
         (["--param_dtype", "fp16"], "--param_dtype fp16"),
         (["--ds.ring_attn_size", "4"], "--ring_attn_size"),
         (["--actor.muon.no_nesterov"], "--actor.muon.no_nesterov"),
@@ -226,10 +226,12 @@ def test_dotted_names_reach_the_same_options(capsys, no_training, tmp_path):
         "--logger.wandb.key",
         "--vllm.enforce_eager",
         "--ckpt.output_dir=/tmp/o",
+        "--ds.use_universal_ckpt",
     ]
     code, err = run(["train-ppo", *argv], capsys)
     assert code == 0, err
     (cfg,) = no_training
+    assert cfg.logging.use_ds_universal_ckpt
     assert cfg.data.pretrain == str(tmp_path / "p") and cfg.ppo.advantage_estimator == "group_norm"
     assert cfg.data.remote_rm_url == "http://rm:5000/get_reward"
     assert cfg.ppo.n_samples_per_prompt == 4 and cfg.deepspeed.bf16 and cfg.ppo.generate_max_len == 32
