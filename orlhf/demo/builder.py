@@ -102,32 +102,38 @@ def _corpus(words: list[str], rng: random.Random, lines: int = 4000) -> list[str
     return out
 
 
-def _build_tokenizer(rng: random.Random):
+def byte_level_bpe(corpus: list[str], vocab_size: int, special_tokens: list[str], max_positions: int, chat_template):
+    """A byte-level BPE tokenizer trained on `corpus`, with <s> </s> <pad> <unk> (the text and VLM demos').
+
+    ByteLevel on both sides: any text encodes (all 256 bytes are in the vocabulary) and decode(encode(t)) == t. No
+    bos is added on encode: a prompt's tokens decode back to the prompt string exactly, which is what reward
+    functions rely on to split a query into prompt and response."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    # ByteLevel on both sides: any text encodes (all 256 bytes are in the vocabulary) and decode(encode(t)) == t.
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
-        special_tokens=SPECIAL_TOKENS,
+        vocab_size=vocab_size,
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(demo_words(), rng), trainer=trainer)
-    # No bos is added on encode: the prompt's tokens decode back to the prompt string exactly, which is what
-    # reward functions rely on to split a query into prompt and response.
+    tok.train_from_iterator(corpus, trainer=trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token="<s>",
         eos_token="</s>",
         pad_token="<pad>",
         unk_token="<unk>",
-        model_max_length=MAX_POSITIONS,
-        chat_template=CHAT_TEMPLATE,
+        model_max_length=max_positions,
+        chat_template=chat_template,
     )
+
+
+def _build_tokenizer(rng: random.Random):
+    return byte_level_bpe(_corpus(demo_words(), rng), VOCAB_SIZE, SPECIAL_TOKENS, MAX_POSITIONS, CHAT_TEMPLATE)
 
 
 def _build_model(tokenizer, seed: int):

@@ -133,30 +133,10 @@ def _corpus(rng: random.Random, lines: int = 3000) -> list[str]:
 
 
 def build_tokenizer(rng: random.Random):
-    """A byte-level BPE tokenizer as the text demo's (orlhf/demo/builder.py), with the image token."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    """A byte-level BPE tokenizer as the text demo's (orlhf/demo/builder.py), with Idefics3's image tokens."""
+    from orlhf.demo.builder import byte_level_bpe
 
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_corpus(rng), trainer=trainer)
-    # No bos is added on encode: a prompt's tokens decode back to the prompt string exactly.
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<s>",
-        eos_token="</s>",
-        pad_token="<pad>",
-        unk_token="<unk>",
-        model_max_length=MAX_POSITIONS,
-        chat_template=CHAT_TEMPLATE,
-    )
+    return byte_level_bpe(_corpus(rng), VOCAB_SIZE, SPECIAL_TOKENS, MAX_POSITIONS, CHAT_TEMPLATE)
 
 
 def build_processor(tokenizer):
