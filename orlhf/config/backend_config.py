@@ -33,6 +33,13 @@ class VLLMConfig:
         flag="vllm_sync_backend",
         choices=SYNC_BACKENDS,
     )
+    sync_with_ray: bool = opt(
+        False,
+        "Weight sync through Ray's collective library (ray.util.collective: NCCL via cupy on GPUs, gloo on CPU) "
+        "instead of a torch/vLLM process group, as OpenRLHF's flag. No effect under --colocate_all_models on GPUs, "
+        "where CUDA IPC moves the weights.",
+        flag="vllm_sync_with_ray",
+    )
     gpu_memory_utilization: Optional[float] = opt(
         None,
         "Share of each engine GPU's memory vLLM may take (default: 0.9 on the engines' own GPUs, 0.5 under "

@@ -84,6 +84,7 @@ FREE_ON_RESUME: dict[str, str] = {
             "train_cpu_threads",
             "vllm_sync_bucket_mb",
             "vllm_sync_backend",
+            "vllm_sync_with_ray",
             "enforce_eager",
             "enable_prefix_caching",
             "packing_samples",

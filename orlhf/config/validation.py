@@ -74,6 +74,15 @@ def _packages_here(cfg: TrainConfig, out: list[str]) -> None:
         )
     if cfg.deepspeed.use_liger_kernel and importlib.util.find_spec("liger_kernel") is None:
         out.append(LIGER_MISSING)
+    v = cfg.vllm
+    nccl = cfg.runtime.device == "cuda" and v.sync_backend in (None, "nccl")  # None: nccl, the GPU default
+    ray_nccl = v.sync_with_ray and nccl and not cfg.engines_colocated and not cfg.rollout_in_trainer
+    if ray_nccl and importlib.util.find_spec("cupy") is None:
+        out.append(
+            "--vllm_sync_with_ray: Ray's NCCL backend runs on cupy, which is not importable here; install the cupy "
+            "wheel of your CUDA (`pip install cupy-cuda12x`), or drop --vllm_sync_with_ray (orlhf's own NCCL group "
+            "needs no cupy)."
+        )
 
 
 def _ranges(cfg: TrainConfig, out: list[str]) -> None:

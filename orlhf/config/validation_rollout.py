@@ -9,6 +9,7 @@ from orlhf.config.train_config import TrainConfig
 ENGINE_FLAGS = (
     "vllm_tensor_parallel_size",
     "vllm_sync_backend",
+    "vllm_sync_with_ray",
     "vllm_gpu_memory_utilization",
     "enable_prefix_caching",
     "enforce_eager",

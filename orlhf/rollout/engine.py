@@ -63,6 +63,7 @@ class EngineConfig:
     cpu_threads: int = 0  # CPU only: torch threads, --vllm_cpu_threads (0: as the CPU tuning shares the cores)
     enable_sleep: bool = False  # GPU only (--vllm_enable_sleep): vLLM's sleep mode, for hybrid placement
     cuda_ipc: bool = False  # GPU + --colocate_all_models: weights arrive as CUDA IPC handles (trainer/weight_sync.py)
+    ray_sync: bool = False  # GPU + --vllm_sync_with_ray: the engine core in this process (engine_env)
     logprobs_mode: str = "raw_logprobs"  # vLLM's: what the sampled tokens' log-probs are (engine_logprobs_mode)
 
 
@@ -84,6 +85,7 @@ def engine_config(cfg) -> EngineConfig:
         cpu_threads=v.cpu_threads,
         enable_sleep=v.enable_sleep and device == "cuda",
         cuda_ipc=cfg.engines_colocated and device == "cuda",
+        ray_sync=v.sync_with_ray and device == "cuda" and not cfg.engines_colocated,
         logprobs_mode=engine_logprobs_mode(cfg.ppo.temperature),
     )
 
@@ -110,7 +112,10 @@ def engine_env(cfg: EngineConfig, bundle_indices: Optional[Sequence[int]], share
     """Environment an engine actor sets before it builds vLLM's LLM (vLLM reads these at start-up).
 
     - CPU, and --full_determinism on GPUs (as OpenRLHF): the engine core in this process
-      (VLLM_ENABLE_V1_MULTIPROCESSING=0).
+      (VLLM_ENABLE_V1_MULTIPROCESSING=0). So too with --vllm_sync_with_ray on GPUs: ray.util.collective runs only in
+      Ray workers, which the engine-core subprocess is not (with TP 1 it holds the vLLM worker; with TP > 1 it
+      starts the Ray executor's workers from a Ray connection of its own, where the group's named actors are not
+      found).
     - CUDA IPC sync: collective_rpc arguments cross to the engine-core process through vLLM's msgpack encoder,
       which refuses the rebuild functions inside CUDA IPC handles unless VLLM_ALLOW_INSECURE_SERIALIZATION=1.
     - TP > 1 on GPUs: vLLM's Ray executor puts its TP workers on our bundles (VLLM_RAY_BUNDLE_INDICES), each
@@ -118,7 +123,7 @@ def engine_env(cfg: EngineConfig, bundle_indices: Optional[Sequence[int]], share
       each GPU, so a worker asks for the engine's share of its slot, else it would wait forever.
     """
     env: dict[str, str] = {}
-    if cfg.device == "cpu" or cfg.full_determinism:  # --full_determinism: as OpenRLHF (vLLM's reproducibility example)
+    if cfg.device == "cpu" or cfg.full_determinism or cfg.ray_sync:  # --full_determinism: as OpenRLHF (vLLM's example)
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if cfg.device == "cpu":
         return env

@@ -15,7 +15,8 @@ one sync is ONE reload_weights call fed by a generator that yields tensors as th
 soon as its last tensor is in. (One call per bucket also worked, but every call warned once per layer it did not hold
 and redid its whole-model set-up.) Buckets are the receive-ahead unit: under gloo, bucket k+1's broadcasts are posted
 (gloo runs them on its own threads) before bucket k is handed to vLLM, so the wire overlaps the reload; at most two
-buckets are held at once.
+buckets are held at once. With --vllm_sync_with_ray the group is a Ray collective group
+(distributed/ray_collective.py) whose broadcast returns only once a tensor is in, so nothing is received ahead there.
 
 CUDA IPC (colocated on GPUs) cannot be one generator: a layer's handles exist only for one collective_rpc call.
 Its sync is orlhf_ipc_begin (vLLM's initialize_layerwise_reload), then one orlhf_load_ipc per layer group
@@ -39,13 +40,28 @@ _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16)}
 class WeightSyncExtension:
     @endpoint
     def orlhf_init_sync_group(
-        self, host: str, port: int, rank_offset: int, world_size: int, backend: str, timeout_s: float = 300.0
+        self,
+        host: Optional[str],
+        port: Optional[int],
+        rank_offset: int,
+        world_size: int,
+        backend: str,
+        timeout_s: float = 300.0,
+        ray_group: Optional[str] = None,
     ) -> int:
-        """Join the trainer -> engines group as rank `rank_offset + tp rank`. Returns that rank. A worker already in a
-        group (a fresh one is built after an engine was replaced: trainer/weight_sync.py) leaves it first."""
+        """Join the trainer -> engines group as rank `rank_offset + tp rank`: a stateless group whose store the trainer
+        hosts at host:port, or the Ray collective group `ray_group` (--vllm_sync_with_ray: host and port unused,
+        distributed/ray_collective.py). Returns that rank. A worker already in a group (a fresh one is built after an
+        engine was replaced: trainer/weight_sync.py) leaves it first."""
         rank = rank_offset + self.rank
-        self._orlhf_comm = None
-        if backend == "nccl":
+        self._orlhf_leave()
+        self._orlhf_backend = backend
+        if ray_group is not None:
+            from orlhf.distributed.ray_collective import join
+
+            join(ray_group, rank, world_size, backend, self.device, timeout_s)
+            self._orlhf_ray_group = ray_group
+        elif backend == "nccl":
             from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
             from vllm.distributed.utils import StatelessProcessGroup
 
@@ -58,8 +74,16 @@ class WeightSyncExtension:
             self._orlhf_comm = ProcessGroupGloo(
                 PrefixStore("orlhf-sync", store), rank, world_size, timedelta(seconds=timeout_s)
             )
-        self._orlhf_backend = backend
         return rank
+
+    def _orlhf_leave(self) -> None:
+        """Drop this worker's end of its current group, if any (a Ray group is held by Ray until left)."""
+        group = getattr(self, "_orlhf_ray_group", None)
+        if group is not None:
+            from orlhf.distributed.ray_collective import leave
+
+            leave(group)
+        self._orlhf_comm, self._orlhf_ray_group = None, None
 
     @endpoint
     def orlhf_packed_modules(self) -> Optional[dict[str, list[str]]]:
@@ -85,9 +109,10 @@ class WeightSyncExtension:
 
     def _orlhf_stream(self, metas: list[tuple[str, str, tuple]], buckets: list[list[int]], loaded: list[int]):
         """Yield (name, tensor in the model dtype) in the sender's order; bucket k+1 is received while vLLM
-        loads bucket k (gloo only: NCCL broadcasts are already asynchronous on the stream)."""
+        loads bucket k (gloo only: NCCL broadcasts are already asynchronous on the stream; a Ray group's broadcast
+        returns once the tensor is in, so there each tensor is received as vLLM asks for it)."""
         model_dtype = self.model_config.dtype
-        ahead = 1 if self._orlhf_backend == "gloo" else 0
+        ahead = 1 if self._orlhf_backend == "gloo" and self._orlhf_ray_group is None else 0
         posted = deque(self._orlhf_post(metas, b) for b in buckets[:ahead])
         for k in range(len(buckets)):
             if k + ahead < len(buckets):
@@ -104,7 +129,7 @@ class WeightSyncExtension:
         for i in bucket:
             name, dtype, shape = metas[i]
             t = torch.empty(tuple(shape), dtype=_DTYPES[dtype], device=self.device)
-            if self._orlhf_backend == "nccl":
+            if self._orlhf_ray_group is not None or self._orlhf_backend == "nccl":
                 self._orlhf_broadcast(t)
                 out.append((name, t, None))
             else:
@@ -175,7 +200,11 @@ class WeightSyncExtension:
                 raise
 
     def _orlhf_broadcast(self, t: torch.Tensor) -> None:
-        if self._orlhf_backend == "nccl":
+        if self._orlhf_ray_group is not None:
+            from orlhf.distributed.ray_collective import broadcast
+
+            broadcast(t, self._orlhf_ray_group)
+        elif self._orlhf_backend == "nccl":
             self._orlhf_comm.broadcast(t, src=0, stream=torch.cuda.current_stream())
         else:
             self._orlhf_comm.broadcast(t, 0).wait()

@@ -31,22 +31,25 @@ Invariants:
   runtime tensors split back per expert), on every path; engines load them through one reload wrapper that
   refreshes what vLLM's reload leaves stale (rollout/reload_fixes.py: tied heads, pre-packed MoE experts).
 - Backend: gloo on CPU (a stateless TCPStore + ProcessGroupGloo next to DeepSpeed's default group), NCCL on
-  GPUs (vLLM's PyNcclCommunicator over a StatelessProcessGroup). Colocated on one GPU (--colocate_all_models),
-  CUDA IPC handles replace the broadcast (IpcWeightSync): engine e's TP workers share GPUs with actor ranks
-  [e*TP, (e+1)*TP), so each rank hands handles to its own gathered copy of each layer, keyed by GPU UUID (each
-  engine worker picks its own GPU's); the engine copies them and synchronizes before returning, and the layer is
-  freed only after every engine of the step loaded it (a barrier). Per layer, so the extra memory is one layer;
-  one layerwise reload spans the whole sync (begin, one load per layer, finish).
-- A group cannot take a new member, so a replaced engine gets a fresh group of all engines (reconnect): rank 0
-  drops its end of the old one first, which ends any engine worker still waiting in it (gloo fails its pending
-  receives once the peer is gone). IpcWeightSync has no group but each actor rank holds its engine's handle:
-  it is not restartable (trainer/engine_restart.py stops the run naming it).
+  GPUs (vLLM's PyNcclCommunicator over a StatelessProcessGroup). With --vllm_sync_with_ray (OpenRLHF's flag) the
+  group is a Ray collective group instead (distributed/ray_collective.py: Ray's NCCL, or a gloo backend orlhf
+  registers with Ray), met by name through Ray, with the same buckets and loading path.
+- Colocated on one GPU (--colocate_all_models), CUDA IPC handles replace the broadcast (IpcWeightSync): engine e's
+  TP workers share GPUs with actor ranks [e*TP, (e+1)*TP), so each rank hands handles to its own gathered copy of
+  each layer, keyed by GPU UUID (each engine worker picks its own GPU's); the engine copies them and synchronizes
+  before returning, and the layer is freed only after every engine of the step loaded it (a barrier). Per layer, so
+  the extra memory is one layer; one layerwise reload spans the whole sync (begin, one load per layer, finish).
+- A group cannot take a new member, so a replaced engine gets a fresh group of all engines (reconnect; a Ray group
+  under a fresh name): rank 0 drops its end of the old one first, which ends any engine worker still waiting in it
+  (gloo fails its pending receives once the peer is gone). IpcWeightSync has no group but each actor rank holds its
+  engine's handle: it is not restartable (trainer/engine_restart.py stops the run naming it).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+import uuid
 from typing import Optional
 
 import torch
@@ -97,35 +100,47 @@ class WeightSync:
 
     restartable = True  # an engine can be replaced under it (reconnect)
 
-    def __init__(self, actor, engines, backend: str, bucket_mb: float = 256.0, timeout_s: float = 600.0):
+    def __init__(
+        self, actor, engines, backend: str, bucket_mb: float = 256.0, timeout_s: float = 600.0, with_ray: bool = False
+    ):
         """timeout_s (--ray_timeout_s) bounds each wait here (Ray) and how long the group's members wait for each
-        other to join (the TCPStore rank 0 hosts)."""
+        other to join (the TCPStore rank 0 hosts). with_ray (--vllm_sync_with_ray): a Ray collective group."""
         self.actor, self.engines, self.backend, self.timeout_s = actor, engines, backend, timeout_s
+        self.with_ray, self.group_name = with_ray, None  # the Ray group's name, fresh for every group
+        self._run_tag = uuid.uuid4().hex[:8]  # Ray groups of two runs on one cluster never share a name
+        self._groups = 0
         groups = plan_sync(actor, engines, timeout_s)
         self.metas, self.buckets = plan_buckets(groups, int(bucket_mb * 2**20))
         self._failed: Optional[tuple] = None  # (engines' call, actor's call) of the last sync, when it failed
         self.reconnect()
 
     def reconnect(self) -> None:
-        """A fresh group of actor rank 0 and every engine worker, on a new port: at start, and after an engine was
-        replaced. Rank 0 drops the old group first (PolicyWorker.init_weight_sender), which ends any engine worker
-        still waiting in it; each engine worker drops its own end as it joins the new one."""
+        """A fresh group of actor rank 0 and every engine worker, on a new port (a Ray group: under a new name): at
+        start, and after an engine was replaced. Rank 0 drops the old group first (PolicyWorker.init_weight_sender),
+        which ends any engine worker still waiting in it; each engine worker drops its own end as it joins the new
+        one."""
         actor, engines, backend, timeout_s = self.actor, self.engines, self.backend, self.timeout_s
         tp = engines.cfg.tensor_parallel_size
         world = 1 + len(engines) * tp
-        host, port = actor.call_rank(0, PolicyWorker.sync_address).get(timeout_s)[0]
+        self._groups += 1
+        if self.with_ray:  # the members meet through Ray by the group's name
+            host, port = None, None
+            self.group_name = f"orlhf-weight-sync-{self._run_tag}-{self._groups}"
+        else:
+            host, port = actor.call_rank(0, PolicyWorker.sync_address).get(timeout_s)[0]
         # actor rank 0 is the group's rank 0 (it hosts the store); engine e's TP workers are ranks 1 + e*tp ..
-        host_store = actor.call_rank(0, PolicyWorker.init_weight_sender, host, port, world, backend, timeout_s)
+        args = (world, backend, timeout_s, self.group_name)
+        host_store = actor.call_rank(0, PolicyWorker.init_weight_sender, host, port, *args)
         joins = [
-            engines.call_rank(e, Ext.orlhf_init_sync_group, host, port, 1 + e * tp, world, backend, timeout_s)
-            for e in range(len(engines))
+            engines.call_rank(e, Ext.orlhf_init_sync_group, host, port, 1 + e * tp, *args) for e in range(len(engines))
         ]
         wait_calls(host_store, *joins, timeout_s=timeout_s)
         log.info(
-            "weight sync: %s group of %d (1 trainer + %d engine workers), %d tensors in %d buckets",
+            "weight sync: %s group of %d (1 trainer + %d engine workers)%s, %d tensors in %d buckets",
             backend,
             world,
             world - 1,
+            f" through ray.util.collective ({self.group_name})" if self.with_ray else "",
             len(self.metas),
             len(self.buckets),
         )
@@ -207,7 +222,12 @@ def finish(engines, version: int) -> None:
 
 
 def make_weight_sync(cfg, actor, engines):
-    """CUDA IPC when every engine shares its GPUs with actor ranks, else a broadcast group (NCCL | gloo)."""
+    """CUDA IPC when every engine shares its GPUs with actor ranks, else a broadcast group (NCCL | gloo), through
+    Ray's collective library with --vllm_sync_with_ray."""
+    v = cfg.vllm
     if cfg.engines_colocated and cfg.runtime.device == "cuda":
+        if v.sync_with_ray:  # as OpenRLHF, whose CUDA IPC path sets up no group either
+            log.warning("--vllm_sync_with_ray: no broadcast group to set up, CUDA IPC moves the weights on shared GPUs")
         return IpcWeightSync(actor, engines, cfg.runtime.ray_timeout_s)
-    return WeightSync(actor, engines, cfg.vllm.sync_backend, cfg.vllm.sync_bucket_mb, cfg.runtime.ray_timeout_s)
+    timeout_s = cfg.runtime.ray_timeout_s
+    return WeightSync(actor, engines, v.sync_backend, v.sync_bucket_mb, timeout_s, with_ray=v.sync_with_ray)

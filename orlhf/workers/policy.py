@@ -201,18 +201,29 @@ class PolicyWorker(CausalLMWorker):
         return ray.util.get_node_ip_address(), free_port()
 
     @endpoint
-    def init_weight_sender(self, host: str, port: int, world_size: int, backend: str, timeout_s: float = 300.0) -> None:
-        """Rank 0 hosts the group's store and joins as rank 0; timeout_s: how long the store waits for every member
-        (--ray_timeout_s)."""
+    def init_weight_sender(
+        self,
+        host: Optional[str],
+        port: Optional[int],
+        world_size: int,
+        backend: str,
+        timeout_s: float = 300.0,
+        ray_group: Optional[str] = None,
+    ) -> None:
+        """Rank 0 hosts the group's store and joins as rank 0 (or joins the Ray collective group `ray_group`:
+        --vllm_sync_with_ray); timeout_s: how long it waits for every member (--ray_timeout_s)."""
         from orlhf.workers.weight_send import WeightSender
 
-        self._sender = None  # a fresh group replaces the old one (an engine was replaced): its end is dropped first
-        self._sender = WeightSender(host, port, world_size, backend, self.device, timeout_s) if self.rank == 0 else None
+        self.close_weight_sender()  # a fresh group replaces the old one (an engine was replaced): its end goes first
+        if self.rank == 0:
+            self._sender = WeightSender(host, port, world_size, backend, self.device, timeout_s, ray_group)
 
     @endpoint
     def close_weight_sender(self) -> None:
         """Drop rank 0's end of the group after a failed sync, so the engine workers still waiting in it fail out."""
-        self._sender = None
+        sender, self._sender = getattr(self, "_sender", None), None
+        if sender is not None:
+            sender.close()
 
     @endpoint
     def send_weights(self, expected: int) -> int:

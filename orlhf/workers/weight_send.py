@@ -1,7 +1,9 @@
 """The trainer ranks' side of a weight sync: runs inside the actor's rank processes (PolicyWorker).
 
-    broadcast (NCCL | gloo):  rank 0 owns a WeightSender (its end of the trainer -> engines group); every rank
-                              walks the gathered ZeRO-3 groups (send_groups: a collective), rank 0 broadcasts
+    broadcast (NCCL | gloo):  rank 0 owns a WeightSender (its end of the trainer -> engines group: a stateless
+                              torch/vLLM group, or with --vllm_sync_with_ray a Ray collective group,
+                              distributed/ray_collective.py); every rank walks the gathered ZeRO-3 groups
+                              (send_groups: a collective), rank 0 broadcasts
     CUDA IPC (colocated GPU): send_ipc: every rank gathers each group and makes IPC handles of its own copy;
                               the first rank of each TP group has its engine load them
 
@@ -21,10 +23,23 @@ class WeightSender:
     """Lives in actor rank 0's process: owns its end of the trainer -> engines group and broadcasts."""
 
     def __init__(
-        self, host: str, port: int, world_size: int, backend: str, device: torch.device, timeout_s: float = 300.0
+        self,
+        host: Optional[str],
+        port: Optional[int],
+        world_size: int,
+        backend: str,
+        device: torch.device,
+        timeout_s: float = 300.0,
+        ray_group: Optional[str] = None,
     ):
-        self.backend, self.device = backend, device
-        if backend == "nccl":
+        """ray_group: join that Ray collective group (--vllm_sync_with_ray; host and port unused); else host the
+        group's store at host:port."""
+        self.backend, self.device, self.ray_group, self.comm = backend, device, ray_group, None
+        if ray_group is not None:
+            from orlhf.distributed.ray_collective import join
+
+            join(ray_group, 0, world_size, backend, device, timeout_s)
+        elif backend == "nccl":
             from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
             from vllm.distributed.utils import StatelessProcessGroup
 
@@ -38,10 +53,24 @@ class WeightSender:
 
     def broadcast(self, t: torch.Tensor) -> None:
         t = t.contiguous()
-        if self.backend == "nccl":
+        if self.ray_group is not None:
+            from orlhf.distributed.ray_collective import broadcast
+
+            broadcast(t.to(self.device) if self.backend == "nccl" else t, self.ray_group)
+        elif self.backend == "nccl":
             self.comm.broadcast(t.to(self.device), src=0, stream=torch.cuda.current_stream())
         else:
             self.comm.broadcast(t, 0).wait()
+
+    def close(self) -> None:
+        """Drop this end of the group; the engine workers still waiting in it fail out. A stateless group goes with
+        its last reference; a Ray group is held by Ray's group manager until left."""
+        if self.ray_group is not None:
+            from orlhf.distributed.ray_collective import leave
+
+            leave(self.ray_group)
+            self.ray_group = None
+        self.comm = None
 
 
 def send_groups(

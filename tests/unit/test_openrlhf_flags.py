@@ -137,6 +137,7 @@ def test_a_launch_line_with_every_flag_parses(capsys, no_training, dashed, monke
     assert cfg.data.value_head_prefix == "value_head" and cfg.data.prompt_split == "train"  # data and heads
     assert cfg.data.agent_func_path == "/a/agent.py" and cfg.eval.eval_steps == 8  # agent and evaluation
     assert cfg.logging.use_ds_universal_ckpt  # implemented: tests/workers/test_universal_ckpt_mp.py
+    assert cfg.vllm.sync_with_ray  # implemented: tests/vllm/test_engines.py, tests/unit/test_sync_with_ray.py
     ds = cfg.deepspeed  # the DeepSpeed and data knobs (tests/unit/test_openrlhf_knobs.py)
     assert ds.overlap_comm and ds.gradient_checkpointing_use_reentrant and ds.full_determinism and ds.use_liger_kernel
     assert (ds.grad_accum_dtype, ds.zpg, cfg.logging.max_ckpt_mem, cfg.data.dataloader_num_workers) == (

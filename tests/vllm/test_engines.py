@@ -1,6 +1,6 @@
 """vLLM engines on CPU with real weight sync from a 2-rank ZeRO-3 actor (one set of engines per module).
 
-actor (2 ranks, ZeRO-3) --train_step--> --WeightSync (gloo)--> 2 engines --> log-probs == trainer's
+actor (2 ranks, ZeRO-3) --train_step--> --WeightSync (gloo | ray.util.collective)--> 2 engines: log-probs == trainer's
 """
 
 import dataclasses
@@ -162,6 +162,47 @@ def test_sync_after_train_step_gives_trainer_log_probs(rig, tmp_path):
         assert got == want
     finally:
         fresh.shutdown()
+
+
+def test_sync_through_ray_collective_gives_trainer_log_probs_and_reconnects_under_a_new_name(rig):
+    """--vllm_sync_with_ray: the same bucket plan and loading path, the broadcasts through ray.util.collective (a gloo
+    group met through Ray); reconnect() (engine replacement) builds a fresh group under a fresh name."""
+    import ray
+
+    cfg, engines, actor, sync, tok = rig
+    rollouts = engines.generate(prompts(tok, 8), SamplingSpec(max_new_tokens=6, seed=2))
+    batch, _ = rollouts_to_batch(rollouts, tok.pad_token_id)
+    ray_sync = WeightSync(actor, engines, backend="gloo", bucket_mb=0.5, timeout_s=120, with_ray=True)
+    assert len(ray_sync.buckets) > 1
+    first = ray_sync.group_name
+    ray_sync.reconnect()
+    assert ray_sync.group_name != first
+
+    def joined(worker, name):  # run in each engine's vLLM worker
+        return ray.util.collective.is_group_initialized(name)
+
+    assert engines.call(EngineActor.collective_rpc, joined, (ray_sync.group_name,)).get() == [[True], [True]]
+    assert engines.call(EngineActor.collective_rpc, joined, (first,)).get() == [[False], [False]]  # left
+
+    old = actor.call_sharded(PolicyWorker.log_probs, batch).get_cat()
+    adv = torch.randn(batch.action_mask.shape, generator=torch.Generator().manual_seed(1))
+    actor.call_sharded(
+        PolicyWorker.train_step,
+        Experience(batch.sequences, batch.attention_mask, batch.action_mask, action_log_probs=old, advantages=adv),
+    ).get()
+    new = actor.call_sharded(PolicyWorker.log_probs, batch).get_cat()
+    assert (new - old)[batch.action_mask].abs().max() > 1e-4, "the train step did not move the policy"
+    try:
+        ray_sync.sync(version=2)
+        seqs = [r.prompt_ids + r.response_ids for r in rollouts]
+        for engine_lp in engines.call(EngineActor.sequence_logprobs, seqs).get(timeout_s=120):
+            for i, r in enumerate(rollouts):
+                n = len(r.response_ids)
+                got = torch.tensor(engine_lp[i][-n:])
+                assert (got - new[i, :n]).abs().max() <= 1e-3, (i, got, new[i, :n])
+    finally:
+        sync.reconnect()  # the module's own gloo group again; every member leaves the Ray group first
+    assert engines.call(EngineActor.collective_rpc, joined, (ray_sync.group_name,)).get() == [[False], [False]]
 
 
 def test_dead_engine_is_named_and_leaves_no_process(rig):
