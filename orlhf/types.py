@@ -61,6 +61,25 @@ def request_seed(seed: int, prompt_index: int) -> int:
     return int.from_bytes(digest[:4], "little")
 
 
+def continuation_seed(prompt_seed: int, sample: int, segment: int) -> int:
+    """The seed of one sample's continuation (--partial_rollout, rollout/partial.py): from its prompt's request_seed,
+    its number among the prompt's samples and the segment it starts, so no two continuations share a stream."""
+    digest = hashlib.sha256(f"{prompt_seed}:{sample}:{segment}".encode()).digest()
+    return int.from_bytes(digest[:4], "little")
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One engine request with its own length and seed: `n` samples after `ids` (a prompt, or with
+    --partial_rollout a prompt and the response so far). The rollouts come back with prompt_index = `key`."""
+
+    key: int  # the caller's row key
+    ids: list[int]  # (P,) token ids to continue
+    n: int
+    max_tokens: int
+    seed: int
+
+
 def max_new_tokens(sampling: SamplingSpec, prompt_len: int) -> int:
     """--generate_max_len, and with --max_len at most what is left after this prompt (validation keeps it >= 1)."""
     if sampling.max_len is None:
@@ -78,13 +97,16 @@ class Rollout:
     logprobs: list[float]  # (R,) the engine's log-prob of each generated token (diagnostics, off-policy checks)
     finished: bool  # True when the response ended with EOS, False when cut at --generate_max_len
     engine: int = 0  # which engine generated it
-    weight_version: int = 0  # actor weight version the engine held
+    weight_version: int = 0  # actor weight version the engine held (with token_versions: the oldest token's)
     # Multi-turn agents (--agent_func_path; orlhf/rollout/executor.py). response_ids then holds every token after
     # the prompt: the model's turns and the environment's feedback between them.
     action_mask: Optional[list[int]] = None  # (R,) 1 on the model's own tokens, 0 on feedback; None: all are
     reward: Optional[float] = None  # the agent's reward for the episode (its turns' rewards summed)
     score: Optional[float] = None  # the agent's `scores` (for filtering and pass@k; defaults to reward)
     extra_logs: dict = field(default_factory=dict)  # the agent's last extra_logs, floats, logged as agent/<key>
+    # (R,) --partial_rollout: the weight version each response token was sampled with (a sample continued across a
+    # weight sync holds two or more); None when the whole response came from one engine call
+    token_versions: Optional[list[int]] = None
 
 
 class Rows:

@@ -121,7 +121,6 @@ def _u(nargs: int, default: Optional[tuple[str, ...]], what: str) -> Unsupported
 
 
 UNSUPPORTED: dict[str, Unsupported] = {
-    "partial_rollout": _u(0, None, "partial rollouts"),
     "local_rank": _u(1, ("-1",), "the deepspeed launcher (orlhf places ranks with Ray)"),
     "deepcompile": _u(0, None, "DeepSpeed deepcompile"),
     "actor_init_on_gpu": _u(0, None, "initialising the actor on the GPU"),

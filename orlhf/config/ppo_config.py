@@ -21,6 +21,9 @@ LOSS_AGG_MODES = ("token_mean", "seq_mean")
 OPENRLHF_AGG_MODES = {"token-mean": "token_mean", "seq-mean-token-mean": "seq_mean"}
 POLICY_LOSS_TYPES = ("ppo", "gspo")
 IS_CORRECTION_TYPES = tuple(NAMED)  # --vllm_is_correction_type (v0.10.1 / v0.11.0)
+# --partial_rollout_tokens' default: the larger of this and --generate_max_len / PARTIAL_ROLLOUT_SEGMENTS
+# (benchmarks/bench_partial_rollout.py measures what a cut costs)
+PARTIAL_ROLLOUT_TOKENS, PARTIAL_ROLLOUT_SEGMENTS = 256, 8
 LR_SCHEDULERS = ("cosine_with_min_lr", "cosine", "linear", "constant", "constant_with_warmup")
 
 
@@ -93,6 +96,22 @@ class PPOConfig:
         None,
         "With --async_train: prompts the engines generate in one call, a multiple of --rollout_batch_size "
         "(over-sampling ahead into the queue, as OpenRLHF; default: --rollout_batch_size).",
+    )
+    partial_rollout: bool = opt(
+        False,
+        "With --async_train: a weight sync no longer waits for the batch in generation. The engines generate in "
+        "segments of at most --partial_rollout_tokens new tokens per sample; at a sync the unfinished samples go on "
+        "under the new weights, so a sample may hold tokens of two weight versions (each token keeps its own "
+        "log-prob and version; staleness counts its oldest). Time can be won with --async_queue_size >= 2 only (with "
+        "1 the batch in generation is the one trained next). Not reproducible step for step: where syncs fall "
+        "depends on timing (OpenRLHF's --partial_rollout / --train.partial_rollout_enable).",
+    )
+    partial_rollout_tokens: Optional[int] = opt(
+        None,
+        "With --partial_rollout: most new tokens per sample in one engine call, so the longest a weight sync "
+        "waits for; each further segment reads its prompt and response so far again. Default: the larger of "
+        f"{PARTIAL_ROLLOUT_TOKENS} and --generate_max_len / {PARTIAL_ROLLOUT_SEGMENTS} (so a long response is cut "
+        f"at most {PARTIAL_ROLLOUT_SEGMENTS - 1} times).",
     )
     # ---- losses and their variants (OpenRLHF v0.10-0.11, DAPO, GSPO) ----
     loss_agg_mode: Optional[str] = opt(
@@ -197,6 +216,13 @@ class PPOConfig:
         """What the --is_correction_* flags alone ask for, 0.11.2's defaults where one is not given."""
         given = (self.is_correction_level, self.is_correction_mode, self.is_correction_gating)
         return tuple(g if g is not None else d for g, d in zip(given, IS_DEFAULTS))
+
+    @property
+    def partial_rollout_segment(self) -> int:
+        """--partial_rollout: the most new tokens per sample in one engine call (its flag, else the default)."""
+        if self.partial_rollout_tokens is not None:
+            return self.partial_rollout_tokens
+        return max(PARTIAL_ROLLOUT_TOKENS, -(-self.generate_max_len // PARTIAL_ROLLOUT_SEGMENTS))
 
     @property
     def is_correction_enabled(self) -> bool:

@@ -54,6 +54,7 @@ def validate(cfg: TrainConfig, explicit: Collection[str] = frozenset(), local_pa
         rule(cfg, problems)
     algo.given_alone(cfg, frozenset(explicit), problems)
     rollout.backend(cfg, frozenset(explicit), problems)
+    rollout.partial(cfg, frozenset(explicit), problems)
     _deepspeed_knobs(cfg, frozenset(explicit), problems)
     if local_packages:
         _packages_here(cfg, problems)

@@ -1,5 +1,6 @@
-"""The rules of --rollout_backend trainer (--vllm_num_engines 0): the actor's ranks generate, so the flags that set
-up vLLM engines have nothing to act on, and generation cannot overlap the actor's training."""
+"""How rollouts are generated: the rules of --rollout_backend trainer (--vllm_num_engines 0: the actor's ranks
+generate, so the flags that set up vLLM engines have nothing to act on, and generation cannot overlap the actor's
+training), and of --partial_rollout (rollout/partial.py)."""
 
 from __future__ import annotations
 
@@ -48,4 +49,32 @@ def backend(cfg: TrainConfig, explicit: frozenset[str], out: list[str]) -> None:
         out.append(
             f"--async_train overlaps generation with training on other devices, and with {how} the actor's ranks "
             "both generate and train, one after the other: drop --async_train, or use vLLM engines."
+        )
+
+
+def partial(cfg: TrainConfig, explicit: frozenset[str], out: list[str]) -> None:
+    """--partial_rollout lets weight syncs in between the segments of a generation that runs beside training."""
+    ppo = cfg.ppo
+    tokens = ppo.partial_rollout_tokens
+    if tokens is not None and tokens < 1:
+        out.append(f"--partial_rollout_tokens must be >= 1 (got {tokens}).")
+    if not ppo.partial_rollout:
+        if "partial_rollout_tokens" in explicit:
+            out.append("--partial_rollout_tokens does nothing without --partial_rollout: add it or drop the count.")
+        return
+    if cfg.rollout_in_trainer:
+        how = "--vllm_num_engines 0" if cfg.vllm.num_engines == 0 else "--rollout_backend trainer"
+        out.append(
+            f"--partial_rollout lets weight syncs into the vLLM engines' generation, and with {how} the actor's ranks "
+            "generate between their training steps (no engine, no sync to let in): drop --partial_rollout."
+        )
+    elif not ppo.async_train:
+        out.append(
+            "--partial_rollout requires --async_train (as OpenRLHF): only there does a weight sync wait for a "
+            "generation in flight. Add --async_train or drop --partial_rollout."
+        )
+    if cfg.data.agent_func_path:
+        out.append(
+            "--partial_rollout with --agent_func_path: an agent episode alternates engine turns with its "
+            "environment, and orlhf cuts only single-turn generations into segments: drop one of the two."
         )

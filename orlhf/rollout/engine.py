@@ -3,6 +3,8 @@
     EngineGroup(cfg, slots)                       N engines, each on its own bundles (TP bundles on one node)
       .generate(prompts, sampling) -> [Rollout]   prompts split contiguously, results back in prompt order; an
                                                   engine lost meanwhile goes to .on_lost, then its chunk again
+      .generate_requests({engine: requests}, sampling)  requests with their own lengths and seeds, on the engines
+                                                  named (--partial_rollout's continuations, rollout/partial.py)
       .replace(i)                                 engine i killed and started again on its own bundles
       .call(EngineActor.reset_prefix_cache)       every engine -> GroupCall (.get() waits), as ActorGroup.call
       .call(WeightSyncExtension.orlhf_ipc_begin)  an extension method: runs on every vLLM worker of each engine
@@ -39,7 +41,7 @@ from orlhf.distributed.placement import EngineBundles
 from orlhf.distributed.tuning import Tuning
 from orlhf.rollout.worker_ext import WeightSyncExtension
 from orlhf.storage.logs import LOG_DIR_ENV, redirect_output
-from orlhf.types import Rollout, SamplingSpec, max_new_tokens, request_seed
+from orlhf.types import GenerationRequest, Rollout, SamplingSpec, max_new_tokens, request_seed
 
 EXTENSION = f"{WeightSyncExtension.__module__}.{WeightSyncExtension.__qualname__}"
 ROLE = "vllm engine"
@@ -211,6 +213,17 @@ class EngineActor:
     @endpoint
     def generate(self, prompts: list[tuple[int, list[int]]], sampling: SamplingSpec) -> list[Rollout]:
         """prompts: (prompt_index, token ids). Returns sampling.n rollouts per prompt, in the given order."""
+        requests = [
+            GenerationRequest(i, ids, sampling.n, max_new_tokens(sampling, len(ids)), request_seed(sampling.seed, i))
+            for i, ids in prompts
+        ]
+        return self.generate_requests(requests, sampling)
+
+    @endpoint
+    def generate_requests(self, requests: list[GenerationRequest], sampling: SamplingSpec) -> list[Rollout]:
+        """Each request's n rollouts, in the given order, with its own length and seed (--partial_rollout's
+        continuations; rollout/partial.py); temperature and top_p from `sampling`. A rollout's prompt_ids are the
+        request's ids, its prompt_index the request's key."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -219,28 +232,28 @@ class EngineActor:
         # log-probs in flat lists instead of a {token: Logprob} dict per token; the same floats (sampled_logprobs).
         params = [
             SamplingParams(
-                n=sampling.n,
+                n=r.n,
                 temperature=sampling.temperature,
                 top_p=sampling.top_p,
-                max_tokens=max_new_tokens(sampling, len(ids)),
+                max_tokens=r.max_tokens,
                 logprobs=0,
                 detokenize=False,
                 flat_logprobs=True,
-                seed=request_seed(sampling.seed, i),
+                seed=r.seed,
             )
-            for i, ids in prompts
+            for r in requests
         ]
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for _, ids in prompts], params, use_tqdm=False)
+        prompts = [TokensPrompt(prompt_token_ids=list(r.ids)) for r in requests]
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
         rollouts = []
-        for (index, ids), out in zip(prompts, outs):
+        for r, out in zip(requests, outs):
             for c in out.outputs:
-                lps = sampled_logprobs(c.logprobs)
                 rollouts.append(
                     Rollout(
-                        prompt_index=index,
-                        prompt_ids=list(ids),
+                        prompt_index=r.key,
+                        prompt_ids=list(r.ids),
                         response_ids=list(c.token_ids),
-                        logprobs=lps,
+                        logprobs=sampled_logprobs(c.logprobs),
                         finished=c.finish_reason == "stop",
                         engine=self.index,
                         weight_version=self.weight_version,
@@ -367,11 +380,20 @@ class EngineGroup:
         """All rollouts, ordered by prompt then sample. Prompts are split contiguously over the engines; the chunk
         of an engine lost meanwhile is generated again once on_lost has replaced it (the others' are kept)."""
         indexed = list(enumerate(prompts))
-        pending = {i: indexed[c.start : c.stop] for i, c in enumerate(contiguous_chunks(len(prompts), len(self)))}
-        pending = {i: chunk for i, chunk in pending.items() if chunk}
+        chunks = {i: indexed[c.start : c.stop] for i, c in enumerate(contiguous_chunks(len(prompts), len(self)))}
+        return self._on_engines(EngineActor.generate, chunks, sampling)
+
+    def generate_requests(self, per_engine: dict[int, list[GenerationRequest]], sampling: SamplingSpec) -> list:
+        """Requests on the engines named (EngineActor.generate_requests): {engine index: its requests} -> their
+        rollouts, by engine then request; a lost engine's requests as generate's chunks."""
+        return self._on_engines(EngineActor.generate_requests, per_engine, sampling)
+
+    def _on_engines(self, fn: Callable, chunks: dict[int, list], sampling: SamplingSpec) -> list[Rollout]:
+        pending = {i: chunk for i, chunk in chunks.items() if chunk}
+        name = method_name(ROLE, EngineActor, fn)
         parts: dict[int, list[Rollout]] = {}
         while pending:
-            refs = [self._engines[i].generate.remote(chunk, sampling) for i, chunk in pending.items()]
+            refs = [getattr(self._engines[i], name).remote(chunk, sampling) for i, chunk in pending.items()]
             call = GroupCall(ROLE, "generate", refs, list(pending), self.timeout_s)
             results, lost, failed = settle(call, self.timeout_s)
             if failed:  # the engine raised: not a loss a new engine would cure

@@ -13,10 +13,16 @@ one engine call (over-sampling ahead into the queue, as OpenRLHF), then queued o
 what it returns travels with the batch. The controller starts the frozen models' forwards there (reference,
 reward model: Scorer.ahead, orlhf/trainer/scoring.py), so they run while the trainers still work on the batch before.
 
+`gate` (SyncGate): the lock a generation and a weight sync share. With --partial_rollout the engines generate in
+segments (rollout/partial.py), and between two segments the producer lets a waiting sync take the lock
+(SyncGate.yield_to_sync): a sync then waits for one segment, not for the longest response of the batch.
+
 Invariants:
 - At most `queue_size` batches are generated and not yet taken by the trainer (a semaphore of queue_size
-  slots, released when the controller takes a batch); so rollouts are at most queue_size versions stale.
-- A weight sync holds `lock`, which the producer holds while generating: weights never change mid-generation.
+  slots, released when the controller takes a batch); so rollouts are at most queue_size versions stale (with
+  --partial_rollout: their oldest tokens).
+- A weight sync holds the gate's lock, which the producer holds while generating: weights never change within an
+  engine call (with --partial_rollout they may change between two segments of a batch).
 - An exception in the producer is re-raised in the controller's thread at the next get; stopping the
   producer (context exit: the end, an error or Ctrl-C) returns within STOP_WAIT_S. A generation in flight
   cannot be interrupted from here: the thread (a daemon) is left to end when the engines are shut down, which
@@ -29,11 +35,57 @@ import logging
 import queue
 import threading
 import time
+from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional
 
 _DONE = object()
 STOP_WAIT_S = 5.0  # how long context exit waits for the producer thread
 log = logging.getLogger(__name__)
+
+
+class SyncGate:
+    """The lock shared by generation (the producer) and weight syncs (the controller), and a sync's request to
+    take it between two segments of a generation (--partial_rollout)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._waiting = 0  # syncs asking for the lock
+        self.yielded_s = 0.0  # seconds the producer spent letting syncs run (not generation time)
+        self.yields = 0
+
+    @contextmanager
+    def sync(self) -> Iterator[None]:
+        """The controller's side: hold the lock for a weight sync; a generator between segments lets go of it."""
+        with self._cond:
+            self._waiting += 1
+        try:
+            self.lock.acquire()
+        finally:
+            with self._cond:
+                self._waiting -= 1
+                self._cond.notify_all()
+        try:
+            yield
+        finally:
+            self.lock.release()
+
+    def yield_to_sync(self) -> bool:
+        """The producer's side, holding the lock between two segments: when a sync is waiting, let it run, then
+        take the lock back. Returns whether a sync ran."""
+        with self._cond:
+            if not self._waiting:
+                return False
+        t0 = time.perf_counter()
+        self.lock.release()
+        try:
+            with self._cond:  # the sync has the lock once it stops waiting
+                self._cond.wait_for(lambda: self._waiting == 0)
+        finally:
+            self.lock.acquire()  # after the sync
+        self.yielded_s += time.perf_counter() - t0
+        self.yields += 1
+        return True
 
 
 def split_rollouts(rollouts: list, sizes: list[int]) -> list[list]:
@@ -61,7 +113,8 @@ class RolloutProducer:
     ):
         self.generate, self.loader, self.ahead, self.fill = generate, loader, ahead, fill
         self.per_generation = batches_per_generation  # --vllm_generate_batch_size / --rollout_batch_size
-        self.lock = threading.Lock()  # held while generating and while syncing weights
+        self.gate = SyncGate()
+        self.lock = self.gate.lock  # held while generating and while syncing weights
         self._slots = threading.Semaphore(queue_size)
         self._queue: queue.Queue = queue.Queue()
         self._stop = threading.Event()
@@ -103,9 +156,9 @@ class RolloutProducer:
                 if self._stop.is_set():
                     return
                 with self.lock:
-                    t0 = time.perf_counter()
+                    t0, yielded = time.perf_counter(), self.gate.yielded_s
                     prompts, rollouts, filled = self._make(batch, i)
-                    seconds = time.perf_counter() - t0
+                    seconds = time.perf_counter() - t0 - (self.gate.yielded_s - yielded)  # syncs let through: not ours
                 if self._stop.is_set() or prompts is None:
                     break
                 early = self.ahead(prompts, rollouts) if self.ahead is not None else None
@@ -128,9 +181,9 @@ class RolloutProducer:
             if self._stop.is_set():
                 return
             with self.lock:
-                t0 = time.perf_counter()
+                t0, yielded = time.perf_counter(), self.gate.yielded_s
                 rollouts = self.generate([p for b in group for p in b], index)
-                seconds = time.perf_counter() - t0
+                seconds = time.perf_counter() - t0 - (self.gate.yielded_s - yielded)
             if self._stop.is_set():
                 return
             for prompts, part in zip(group, split_rollouts(rollouts, [len(b) for b in group])):

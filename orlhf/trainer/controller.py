@@ -20,7 +20,9 @@
 
 Invariants: weights are synced after the optimizer steps of a step and before the next generation, so every
 rollout of step k+1 comes from weight_version k+1. Async mode (fit_async) relaxes this: generation runs ahead
-by at most --async_queue_size batches, and a sync never overlaps a generation (the producer's lock).
+by at most --async_queue_size batches, and a sync never overlaps an engine call (the producer's lock); with
+--partial_rollout a sync lands between two segments of a generation, whose samples then hold tokens of two weight
+versions (rollout/partial.py).
 Each phase is timed (`timing/<phase>` seconds in metrics.jsonl) and announced to the platform's tuning as it starts
 (Tuning.phases, distributed/tuning.py: on CPU the cores go to the processes working in it).
 """
@@ -28,7 +30,6 @@ Each phase is timed (`timing/<phase>` seconds in metrics.jsonl) and announced to
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -41,8 +42,10 @@ from orlhf.algo.kl import make_kl_controller
 from orlhf.config.train_config import TrainConfig
 from orlhf.distributed.tuning import Tuning
 from orlhf.rollout.executor import agent_metrics, make_executor
+from orlhf.rollout.partial import PartialGenerator, version_stats
 from orlhf.storage.disk_space import NoSpaceError
 from orlhf.storage.metrics import MetricsLogger
+from orlhf.trainer.async_producer import SyncGate
 from orlhf.trainer.dynamic_filtering import DynamicFilter
 from orlhf.trainer.engine_restart import EngineRestarts
 from orlhf.trainer.experience import ExperienceConfig, make_experience, rollouts_to_batch
@@ -129,7 +132,9 @@ class Controller:
         self.first_step = 0  # step_index when this invocation started (resume; kept by a --max_restarts restart)
         self.run_restarts = 0  # --max_restarts restarts of this invocation before this controller (launch/restart.py)
         self._saved_step: Optional[int] = None  # step of this invocation's newest checkpoint
-        self._sync_lock = threading.Lock()
+        self._sync_gate = SyncGate()  # async mode: the producer's, shared with its generations
+        # --partial_rollout: the batch in segments, a waiting sync let through between two (fit_async sets `between`)
+        self.partial = PartialGenerator(models.engines, p.partial_rollout_segment) if p.partial_rollout else None
         self._last_step_end = time.perf_counter()
         self.filter = (
             DynamicFilter(
@@ -200,7 +205,9 @@ class Controller:
             fill=fill,
             batches_per_generation=per_generation,
         )
-        self._sync_lock = producer.lock
+        self._sync_gate = producer.gate
+        if self.partial is not None:
+            self.partial.between = producer.gate.yield_to_sync
         with producer, self.progress() as report:
             for prompts, rollouts, gen_seconds, ahead, filled in producer:
                 if self.should_stop():
@@ -225,6 +232,7 @@ class Controller:
             batch, engine_log_probs = rollouts_to_batch(rollouts, self.tok.pad_token_id)
         gen_version = min(r.weight_version for r in rollouts)
         staleness = self.weight_version - gen_version  # trainer version these rollouts are trained at
+        partial = version_stats(rollouts, self.weight_version) if self.partial is not None else {}
         with self.timed("score"):
             reward, old_lp, ref_lp, values = self.scorer.score(batch, rollouts, prompts, reward, ahead)
         if old_lp is not None:  # stop before training on another policy's samples
@@ -254,6 +262,7 @@ class Controller:
             "weight_version": self.weight_version,
             "generation_weight_version": gen_version,
             "staleness": staleness,
+            **partial,  # --partial_rollout: per-token staleness, share of samples that crossed a sync
             "engine_logprob_gap": gap,
             "samples": len(rollouts),
             "samples_per_s": len(rollouts) / seconds,
@@ -364,7 +373,8 @@ class Controller:
             n=p.n_samples_per_prompt,
             seed=p.seed * 1_000_003 + batch_index,
         )
-        return self.restarts.generate(self.executor.generate, prompts, sampling)  # agents: a lost engine named
+        generate = self.partial.generate if self.partial is not None else self.executor.generate
+        return self.restarts.generate(generate, prompts, sampling)  # agents: a lost engine named
 
     def make_experience(
         self, batch, scores, old_lp, ref_lp, values, truncated=None, engine_log_probs=None
@@ -421,7 +431,7 @@ class Controller:
         return self.step_index <= self.cfg.ppo.freezing_actor_steps
 
     def sync_weights(self) -> None:
-        with self._sync_lock:  # async mode: waits for the generation in flight; sync mode: uncontended
+        with self._sync_gate.sync():  # async: waits for the engine call in flight (a segment with --partial_rollout)
             self.sleep.before_sync()
             self.weight_version += 1
             self.restarts.sync(self.weight_version)  # an engine lost in it is replaced (trainer/engine_restart.py)

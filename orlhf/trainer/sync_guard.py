@@ -8,7 +8,8 @@ bounds that mean; past it the run stops.
 
 The comparison is meaningful only where both sides score the same policy the same way, so it is skipped when
 - rollouts are stale (async mode: they came from older weights than the actor holds now; the actor cannot score
-  them under the weights that generated them, so only batches generated with the current weights are checked), or
+  them under the weights that generated them, so only batches generated with the current weights are checked; with
+  --partial_rollout a sample's staleness is its oldest token's, so a batch that crossed a sync is never checked), or
 - --temperature is not 1 and --top_p is below 1: the engines then report log-probs of the top-p-truncated
   distribution (vLLM's processed_logprobs, rollout/engine.py engine_logprobs_mode), the actor of the full one.
   At --temperature 1 the engines report raw log-probs and at --top_p 1 processed ones: both the actor's.

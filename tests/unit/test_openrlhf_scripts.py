@@ -2,7 +2,7 @@
 that runs it, and of the README's train_ppo_ray commands, at v0.10.1 (flat names) and v0.11.0 (dotted names).
 
 Each is accepted and fits the cluster it describes (exit 0), or it uses a feature orlhf refuses by name (ring
-attention, vision-language models, partial rollouts): exit 2, and the error names exactly those flags. The argument
+attention, vision-language models): exit 2, and the error names exactly those flags. The argument
 lists are data (tests/data/openrlhf_scripts/<tag>/, extracted by scripts/openrlhf_script_args.py; each file's first
 line is the command that made it and what it substituted). Here only what cannot be reached offline is replaced:
 hub models by local folders holding a config.json of the same family and size, hub datasets by a local jsonl with
@@ -132,8 +132,6 @@ REFUSED = {
     "--data.max_images_per_prompt": "0",
     "--freeze_visual_encoder": None,
     "--actor.freeze_visual_encoder": None,
-    "--partial_rollout": None,
-    "--train.partial_rollout_enable": None,
 }
 
 # Commands that fail for another reason than a refused feature: a finding each, kept visible here. name ->
