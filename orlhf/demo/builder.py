@@ -137,7 +137,6 @@ def _build_tokenizer(rng: random.Random):
 
 
 def _build_model(tokenizer, seed: int):
-    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -154,10 +153,17 @@ def _build_model(tokenizer, seed: int):
         tie_word_embeddings=False,
         dtype="float32",
     )
-    with torch.random.fork_rng(devices=[]):  # seed the init without disturbing the caller's RNG
+    return seeded_model(LlamaForCausalLM, config, seed, tokenizer)
+
+
+def seeded_model(model_cls, config, seed: int, tokenizer):
+    """`model_cls(config)` randomly initialised from `seed` (the caller's RNG untouched), with the tokenizer's
+    special ids in its generation_config (HF generate reads them there, not from config)."""
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
-    # HF generate reads these from generation_config, not from config.
+        model = model_cls(config)
     gen = model.generation_config
     gen.bos_token_id, gen.eos_token_id, gen.pad_token_id = (
         tokenizer.bos_token_id,

@@ -155,7 +155,6 @@ def build_processor(tokenizer):
 
 def build_model(tokenizer, seed: int):
     """A random Idefics3: a 2-block vision tower, the pixel-shuffle connector, a 2-layer Llama (the text demo's)."""
-    import torch
     from transformers import Idefics3Config, Idefics3ForConditionalGeneration
 
     config = Idefics3Config(
@@ -187,17 +186,9 @@ def build_model(tokenizer, seed: int):
         tie_word_embeddings=False,
         dtype="float32",
     )
-    with torch.random.fork_rng(devices=[]):  # seed the init without disturbing the caller's RNG
-        torch.manual_seed(seed)
-        model = Idefics3ForConditionalGeneration(config)
-    # HF generate reads these from generation_config, not from config.
-    gen = model.generation_config
-    gen.bos_token_id, gen.eos_token_id, gen.pad_token_id = (
-        tokenizer.bos_token_id,
-        tokenizer.eos_token_id,
-        tokenizer.pad_token_id,
-    )
-    return model
+    from orlhf.demo.builder import seeded_model
+
+    return seeded_model(Idefics3ForConditionalGeneration, config, seed, tokenizer)
 
 
 def draw(colour: str, shape: str, rng: random.Random):
