@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 from orlhf.config.redact import public_config
-from orlhf.config.roles import model_path
 from orlhf.config.train_config import TrainConfig
 from orlhf.distributed.ray_start import connect_ray
 from orlhf.launch.bringup import launch_engines, start_models, tuning_for
+from orlhf.launch.preflight import check_lora_targets, check_moe_for_aux_loss, preflight  # noqa: F401 - preflight and check_moe_for_aux_loss: tests import them here
 from orlhf.launch.stop_signals import report_stop, stop_on_signals
 
 log = logging.getLogger("orlhf")
@@ -223,30 +223,6 @@ def read_inputs(cfg: TrainConfig, run_id: str, run_logs) -> RunInputs:
     return RunInputs(checkpoints, tokenizer, prompts, evaluator, resume_from, resume_step, run_id, reward)
 
 
-def check_lora_targets(cfg: TrainConfig) -> None:
-    """--target_modules against the actor's (and the critic's) model, built on the meta device: a name that matches
-    no Linear layer is a ConfigError (exit 2) listing the model's, before any rank loads it."""
-    if not cfg.lora.enabled:
-        return
-    from orlhf.config.roles import active_roles
-    from orlhf.config.train_config import ConfigError
-    from orlhf.workers.lora import LoraTargetError, check_folder_targets
-
-    for role in ("actor", "critic"):
-        if role in active_roles(cfg):
-            try:
-                check_folder_targets(model_path(cfg, role), cfg.lora.targets, causal_lm=role == "actor")
-            except LoraTargetError as e:
-                raise ConfigError([f"{e} ({role}: {model_path(cfg, role)})"]) from None
-    log.info(
-        "LoRA rank %d on %s: the reference is the actor's base weights (adapter off), no reference group%s; "
-        "engines get the adapted modules merged after every update",
-        cfg.lora.lora_rank,
-        cfg.lora.target_modules,
-        " (--colocate_actor_ref has nothing to colocate)" if cfg.placement.colocate_actor_ref else "",
-    )
-
-
 def make_metrics(cfg: TrainConfig, resume_step, run_id: str):
     """The run's metrics.jsonl (and W&B / TensorBoard when asked), continuing after `resume_step` when resuming."""
     from orlhf.storage.metrics import MetricsLogger
@@ -264,69 +240,6 @@ def make_metrics(cfg: TrainConfig, resume_step, run_id: str):
         wandb_org=lg.wandb_org,
         wandb_group=lg.wandb_group,
     )
-
-
-def preflight(cfg: TrainConfig, run_logs=None) -> None:
-    """Checks that read files before Ray starts, so a truncated weight file, a wrong agent file or value head fails in
-    a second.
-    `run_logs` (logs.RunLogs) routes transformers' logging first when they may import it."""
-    check_weight_files(cfg)  # every model folder's safetensors headers and sizes: milliseconds
-    check_value_heads(cfg)  # config.json and tensor headers only: milliseconds (head_files.check_head)
-    check_moe_for_aux_loss(cfg, run_logs)
-    if cfg.deepspeed.packing_samples and not cfg.deepspeed.flash_attn:
-        log.warning(
-            "--packing_samples without --flash_attn: attention runs over each packed row with a "
-            "block-diagonal mask, whose cost grows with the square of the row (benchmarks/bench_padding.py "
-            "compares it with the default trimmed micro-batches); packing pays with flash-attn's varlen kernels "
-            "on GPUs"
-        )
-    if run_logs is not None and cfg.data.agent_func_path:
-        run_logs.route_transformers()  # an agent file may import transformers here
-    if cfg.data.agent_func_path:  # an agent file that does not import or defines no AgentExecutor
-        from orlhf.rollout.executor import load_agent_executor
-
-        load_agent_executor(cfg.data.agent_func_path)
-
-
-def check_weight_files(cfg: TrainConfig) -> None:
-    """The safetensors files of every model folder the run loads (inputs/model_files.py: headers and sizes, no
-    tensor read): a truncated or missing shard is a ConfigError (exit 2) naming the flag and the file, where a
-    rank or an engine would fail in its init, after the start-up, without naming it."""
-    from orlhf.config.roles import active_roles
-    from orlhf.config.train_config import ConfigError
-    from orlhf.inputs.model_files import weight_file_problem
-
-    d, problems = cfg.data, []
-    loaded = {model_path(cfg, role) for role in active_roles(cfg)}
-    flags = {d.critic_pretrain: "--critic_pretrain", d.reward_pretrain: "--reward_pretrain", d.pretrain: "--pretrain"}
-    for folder, flag in flags.items():  # a folder given to two flags is read once
-        readable = folder in loaded and folder is not None and Path(folder).expanduser().is_dir()
-        problem = weight_file_problem(folder) if readable else None
-        if problem:
-            problems.append(f"{flag} {folder}: {problem}; re-save or re-download the model folder.")
-    if problems:
-        raise ConfigError(problems)
-
-
-def check_moe_for_aux_loss(cfg: TrainConfig, run_logs=None) -> None:
-    """--aux_loss_coef needs a mixture-of-experts actor (its transformers config has output_router_logits): a
-    ConfigError (exit 2) otherwise, where OpenRLHF would fail at the first train step."""
-    if cfg.ppo.aux_loss_coef <= 0:
-        return
-    if run_logs is not None:
-        run_logs.route_transformers()  # before transformers is imported here
-    from transformers import AutoConfig
-
-    from orlhf.config.train_config import ConfigError
-
-    config = AutoConfig.from_pretrained(cfg.data.pretrain)
-    if not hasattr(config.get_text_config(), "output_router_logits"):
-        raise ConfigError(
-            [
-                f"--aux_loss_coef {cfg.ppo.aux_loss_coef}: {cfg.data.pretrain} ({config.model_type}) is not a "
-                "mixture-of-experts model, so there is no router loss; drop the flag."
-            ]
-        )
 
 
 def resume_point(cfg: TrainConfig, checkpoints, run_id: str):
@@ -388,20 +301,6 @@ def load_prompts(cfg: TrainConfig, tokenizer) -> list:
     prompts, stats = format_prompts(rows, tokenizer, d, p.prompt_max_len)
     log.info("%s", stats.summary())  # the summary starts with "prompts: " itself
     return prompts
-
-
-def check_value_heads(cfg: TrainConfig) -> None:
-    """The reward model's and critic's value heads, checked from their files before Ray starts (a wrong
-    --value_head_prefix fails in a second, not after the start-up); the workers load the same way."""
-    if not (cfg.has_reward_model or cfg.has_critic):
-        return
-    from orlhf.inputs.head_files import check_head
-
-    d = cfg.data
-    if cfg.has_reward_model:
-        check_head(d.reward_pretrain, d.value_head_prefix, required=True)
-    if cfg.has_critic:
-        check_head(model_path(cfg, "critic"), d.value_head_prefix, required=False)
 
 
 def write_report(save_path: str) -> None:
