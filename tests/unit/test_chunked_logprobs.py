@@ -125,3 +125,54 @@ def test_the_whole_logits_stay_where_chunks_would_not_save_memory_or_the_model_c
     assert chunked_head(model, 24, 300 * 4 * 5 / 2**20) == (model.lm_head, 5)
     model.config.final_logit_softcapping = 30.0  # Gemma 2's soft-capping after the head
     assert chunked_head(model, 24, 300 * 4 * 5 / 2**20) is None
+
+
+# ---- memory: one chunk's buffer, not several ------------------------------------------------------------------------
+
+_PEAK_SCRIPT = """
+import sys
+from pathlib import Path
+
+import torch
+
+from orlhf.algo.chunked_logprobs import chunked_log_probs_entropy
+
+
+def rss(key):
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(key + ":")) * 1024
+
+
+torch.manual_seed(0)
+V, H, N, rows = 131072, 16, 256, 128  # a chunk: 128 rows of float32 logits, 64 MiB; 2 chunks
+hidden, weight = torch.randn(N, H).requires_grad_(), (0.1 * torch.randn(V, H)).requires_grad_()
+tokens = torch.randint(0, V, (N,))
+peaks = []
+for _ in range(2):  # the second round: what the first left in the heap is reused, not counted
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    before = rss("VmRSS")
+    lp, ent = chunked_log_probs_entropy(hidden, weight, tokens, 0.9, rows)
+    peaks.append(rss("VmHWM") - before)
+    Path("/proc/self/clear_refs").write_text("5")
+    before = rss("VmRSS")
+    (lp.sum() + ent.sum()).backward()
+    peaks.append(rss("VmHWM") - before)
+    hidden.grad = weight.grad = None
+print(max(peaks[2:]) / 2**20)
+"""
+
+
+def test_a_chunk_holds_one_buffer_of_its_logits_not_several():
+    """The forward (entropy included) and the backward hold one (C, V) float32 buffer, reused by every chunk, and
+    slices of one: under 1.5 chunks above the RSS before them (several whole chunks at once before)."""
+    import os
+    import subprocess
+    import sys
+
+    if not os.access("/proc/self/clear_refs", os.W_OK):
+        pytest.skip("needs Linux's /proc/self/clear_refs to reset the peak RSS")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run(
+        [sys.executable, "-c", _PEAK_SCRIPT], capture_output=True, text=True, cwd=root, check=True, timeout=300
+    )
+    peak_mib = float(out.stdout.strip().splitlines()[-1])
+    assert peak_mib < 1.5 * 64, f"chunked log-probs peaked {peak_mib:.0f} MiB above their start: chunks of 64 MiB"

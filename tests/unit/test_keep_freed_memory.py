@@ -1,4 +1,5 @@
-"""cpu/memory.keep_freed_memory: freed 6 MB tensors come back from the heap, not as fresh pages.
+"""cpu/memory.keep_freed_memory: freed 6 MB tensors come back from the heap, not as fresh pages; release_freed_memory
+gives what it kept back to the OS.
 
 Both cases start by holding glibc's starting mmap threshold (128 KiB) fixed, and keep_freed_memory must undo
 that. Left alone, glibc raises the threshold after the first freed mmapped block and may then keep or trim the
@@ -42,3 +43,35 @@ def test_freed_blocks_are_reused_without_page_faults():
     plain, keep = _faults("plain"), _faults("keep")
     assert plain > 50_000, plain  # the pattern does reproduce the faults
     assert keep < plain / 20, (keep, plain)
+
+
+RELEASE_CHILD = """
+import ctypes
+from orlhf.cpu.memory import keep_freed_memory, release_freed_memory
+
+def rss_mib():
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS:")) // 1024
+
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+assert keep_freed_memory()
+start = rss_mib()
+blocks = [libc.malloc(8 << 20) for _ in range(32)]  # 256 MiB in heap blocks, written: resident
+for b in blocks:
+    ctypes.memset(b, 1, 8 << 20)
+for b in blocks:
+    libc.free(ctypes.c_void_p(b))
+kept = rss_mib() - start
+assert release_freed_memory()
+print(kept, rss_mib() - start)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc_trim")
+def test_release_gives_the_kept_memory_back_when_a_call_ends():
+    """What keep_freed_memory keeps stays resident after it is freed; release_freed_memory (after every rank call)
+    gives it back to the OS."""
+    out = subprocess.run([sys.executable, "-c", RELEASE_CHILD], capture_output=True, text=True, check=True).stdout
+    kept, released = map(int, out.strip().splitlines()[-1].split())
+    assert kept > 200, kept  # freed, still resident: kept for reuse
+    assert released < 50, released
