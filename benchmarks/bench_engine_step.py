@@ -39,7 +39,7 @@ def demo_setup(num_prompts: int):
     from orlhf.inputs.tokenizer import load_tokenizer
     from orlhf.launch.bringup import tuning_for
     from orlhf.launch.run import load_prompts
-    from orlhf.rollout.engine import engine_config
+    from orlhf.rollout.engine_config import engine_config
     from orlhf.types import SamplingSpec
 
     flags = {"advantage_estimator": "group_norm", "n_samples_per_prompt": 4, "use_kl_loss": True, "max_samples": 128}

@@ -86,7 +86,8 @@ def segments_child(args) -> None:
     from orlhf.inputs.tokenizer import load_tokenizer
     from orlhf.launch.bringup import tuning_for
     from orlhf.launch.run import load_prompts
-    from orlhf.rollout.engine import EngineActor, engine_config
+    from orlhf.rollout.engine import EngineActor
+    from orlhf.rollout.engine_config import engine_config
     from orlhf.rollout.partial import PartialGenerator
     from orlhf.types import SamplingSpec
 

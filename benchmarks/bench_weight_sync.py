@@ -273,7 +273,8 @@ def run(args) -> dict:
     from orlhf.distributed.groups import ActorGroup
     from orlhf.distributed.placement import EngineBundles, RankBundle
     from orlhf.launch.bringup import tuning_for
-    from orlhf.rollout.engine import EngineActor, EngineGroup, engine_config
+    from orlhf.rollout.engine import EngineActor, EngineGroup
+    from orlhf.rollout.engine_config import engine_config
     from orlhf.trainer.weight_sync import WeightSync, _nbytes
 
     tmp = Path(tempfile.mkdtemp(prefix="orlhf-bench-ws-"))

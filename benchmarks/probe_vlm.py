@@ -48,7 +48,8 @@ def hf_logprobs(model, input_ids: list[int], images: dict, n_response: int) -> l
 def start_engine(model_dir: Path, max_model_len: int):
     """One vLLM engine with the arguments orlhf's CPU engine actor gives it, and images allowed."""
     from orlhf.cpu.tuning import CpuTuning
-    from orlhf.rollout.engine import EXTENSION, EngineConfig
+    from orlhf.rollout.engine import EXTENSION
+    from orlhf.rollout.engine_config import EngineConfig
 
     cfg = EngineConfig(model_path=str(model_dir), device="cpu", max_model_len=max_model_len, dtype="float32")
 

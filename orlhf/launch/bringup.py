@@ -37,7 +37,8 @@ def tuning_for(cfg: TrainConfig) -> Tuning:
 def launch_engines(cfg: TrainConfig, placed, stack: ExitStack, tuning: Optional[Tuning] = None):
     """The engines' actors on their bundles, started without waiting for them (EngineGroup.wait_ready waits);
     shut down when `stack` closes. `tuning`: tuning_for(cfg) unless given."""
-    from orlhf.rollout.engine import EngineGroup, engine_config
+    from orlhf.rollout.engine import EngineGroup
+    from orlhf.rollout.engine_config import engine_config
 
     engines = EngineGroup(
         engine_config(cfg),

@@ -309,7 +309,7 @@ def test_padding_and_thread_flags_reach_the_workers_and_engines():
     from dataclasses import replace
 
     from orlhf.config.worker_config import worker_config
-    from orlhf.rollout.engine import engine_config
+    from orlhf.rollout.engine_config import engine_config
 
     cfg = build(no_trim_padding=True, packing_samples=True, train_cpu_threads=2, vllm_cpu_threads=3, device="cpu")
     cfg = replace(cfg, data=replace(cfg.data, pretrain="model"))  # as finish.resolve_demo fills it in

@@ -22,7 +22,7 @@ import orlhf.distributed.groups, orlhf.distributed.ray_start, orlhf.distributed.
 import orlhf.workers, orlhf.workers.base, orlhf.workers.engine_setup
 from orlhf.config.flags import build_config
 from orlhf.launch.bringup import tuning_for
-from orlhf.rollout.engine import engine_config
+from orlhf.rollout.engine_config import engine_config
 
 cfg = build_config({"device": "cuda"}, {"device"})
 tuning = pickle.loads(pickle.dumps(tuning_for(cfg)))  # as an engine actor receives it

@@ -73,7 +73,7 @@ def test_gpu_memory_utilization_defaults_by_placement_and_keeps_explicit_values(
 
 
 def test_engine_config_on_gpus_is_16_bit_and_shares_the_gpu_when_colocated():
-    from orlhf.rollout.engine import engine_config
+    from orlhf.rollout.engine_config import engine_config
 
     cfg = with_model(build(device="cuda", colocate_all_models=True))
     e = engine_config(resolve_device(cfg, "cuda"))
@@ -85,7 +85,7 @@ def test_engine_config_on_gpus_is_16_bit_and_shares_the_gpu_when_colocated():
 
 
 def test_engine_env_for_colocated_tp_asks_ray_for_the_slot_share_only():
-    from orlhf.rollout.engine import EngineConfig, engine_env
+    from orlhf.rollout.engine_config import EngineConfig, engine_env
 
     tp2 = EngineConfig(model_path="m", device="cuda", tensor_parallel_size=2, cuda_ipc=True)
     env = engine_env(tp2, [2, 3], 0.33)

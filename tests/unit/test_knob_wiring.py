@@ -4,7 +4,7 @@ engine core on GPUs, as OpenRLHF)."""
 import dataclasses
 
 from orlhf.config.flags import parse_config
-from orlhf.rollout.engine import EngineConfig, engine_config, engine_env
+from orlhf.rollout.engine_config import EngineConfig, engine_config, engine_env
 
 
 def test_full_determinism_runs_gpu_engines_in_process():

@@ -88,7 +88,7 @@ def test_the_controller_announces_at_construction(caplog, tmp_path):
 
 def test_engines_report_after_temperature_log_probs_off_temperature_1():
     """What the guard compares at --temperature != 1 (the engine side is run in tests/vllm/test_model_families.py)."""
-    from orlhf.rollout.engine import engine_config, engine_logprobs_mode
+    from orlhf.rollout.engine_config import engine_config, engine_logprobs_mode
 
     assert engine_logprobs_mode(1.0) == "raw_logprobs"  # vLLM's default: log_softmax(logits), the actor's at T 1
     assert engine_logprobs_mode(0.7) == "processed_logprobs"  # log_softmax(logits / 0.7), the actor's at T 0.7

@@ -52,7 +52,7 @@ def test_refused_by_name_where_no_engine_runs(capsys):
 
 def test_gpu_engines_run_their_core_in_the_engine_actor_only_for_a_ray_group():
     """ray.util.collective joins only from a Ray worker: the vLLM worker must live in the engine actor's process."""
-    from orlhf.rollout.engine import engine_config, engine_env
+    from orlhf.rollout.engine_config import engine_config, engine_env
 
     def env(**flags):
         cfg = build(device="cuda", vllm_sync_backend="gloo", **flags)  # gloo: no cupy needed here

@@ -207,7 +207,8 @@ class EngineSide:
     def load(self, path: str, bf16: bool = False, temperature: float = 1.0) -> None:
         from vllm import LLM
 
-        from orlhf.rollout.engine import EXTENSION, engine_dtype, engine_logprobs_mode
+        from orlhf.rollout.engine import EXTENSION
+        from orlhf.rollout.engine_config import engine_dtype, engine_logprobs_mode
 
         self.llm = LLM(
             model=path,

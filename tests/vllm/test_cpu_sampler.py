@@ -80,7 +80,8 @@ import json, os, sys
 os.environ["OMP_NUM_THREADS"] = "1"
 from orlhf.config.resolve import finish_config
 from orlhf.cpu import engine_sampler as cpu_sampler
-from orlhf.rollout.engine import EngineActor, engine_config
+from orlhf.rollout.engine import EngineActor
+from orlhf.rollout.engine_config import engine_config
 from orlhf.types import SamplingSpec
 from transformers import AutoTokenizer
 
