@@ -159,7 +159,7 @@ app.command(
     "Flags use OpenRLHF's names; --flag_name and --flag-name both work. Without --pretrain it trains the "
     "built-in tiny demo. OpenRLHF v0.10.1 launch lines carry over: --param_dtype bf16, --attn_implementation, "
     "--max_new_tokens and its newer dotted names (--actor.model_name_or_path, --algo.advantage.estimator) are "
-    "read as the flags below; a flag for a feature orlhf lacks (ring attention, vision-language models, ...) "
+    "read as the flags below; a flag for a feature orlhf lacks (ring attention, deepcompile, ...) "
     "exits 2 naming it.",
     context_settings={"token_normalize_func": _normalize_flag},
 )(_train_ppo)
@@ -169,10 +169,12 @@ app.command(
 def make_demo(
     out_dir: Path = typer.Argument(..., help="Folder to write the demo model, prompts and reward function into."),
     seed: int = typer.Option(0, help="Seed for the random weights and the prompts."),
+    vlm: bool = typer.Option(
+        False, "--vlm", help="The vision-language demo instead: a tiny Idefics3, image prompts, a colour reward."
+    ),
 ) -> None:
     """Write the built-in tiny demo (model + tokenizer, prompts.jsonl, reward_func.py) into OUT_DIR."""
     from orlhf.config.validation_inputs import folder_problem
-    from orlhf.demo.builder import make_demo as build
 
     problem = folder_problem(str(out_dir)) or folder_problem(str(out_dir / "model"))
     if problem:
@@ -180,6 +182,15 @@ def make_demo(
             f"error: {out_dir}: {problem}; pass a folder you can write in (created if missing).", fg="red", err=True
         )
         raise typer.Exit(2)
+    if vlm:
+        from orlhf.demo.vlm import make_vlm_demo, train_command
+
+        vlm_paths = make_vlm_demo(out_dir, seed=seed)
+        typer.echo(f"model:   {vlm_paths.model}\nimages:  {vlm_paths.images}\nprompts: {vlm_paths.prompts}")
+        typer.echo(f"reward:  {vlm_paths.reward_fn}\ntrain on it: {train_command(vlm_paths)}")
+        return
+    from orlhf.demo.builder import make_demo as build
+
     paths = build(out_dir, seed=seed)
     typer.echo(
         f"model:   {paths.model}\nprompts: {paths.prompts}\nreward:  {paths.reward_fn}\n"

@@ -30,6 +30,10 @@ class SamplingSpec:
     n: int = 1  # samples per prompt (--n_samples_per_prompt)
     max_len: Optional[int] = None  # --max_len: prompt + response at most this many tokens
     seed: int = 0  # per-step seed: each request gets a seed derived from (seed, prompt index)
+    # token ids a response must not contain, kept out by a logit bias of -100 in the engines (vision-language models:
+    # the image placeholder ids, which the trainer's forward would replace with image features). The engines'
+    # log-probs are taken before the bias, so they stay the policy's own.
+    banned_token_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -78,6 +82,7 @@ class GenerationRequest:
     n: int
     max_tokens: int
     seed: int
+    images: tuple = ()  # vision-language prompts: the prompt's images as encoded files (bytes), in prompt order
 
 
 def max_new_tokens(sampling: SamplingSpec, prompt_len: int) -> int:
@@ -107,14 +112,65 @@ class Rollout:
     # (R,) --partial_rollout: the weight version each response token was sampled with (a sample continued across a
     # weight sync holds two or more); None when the whole response came from one engine call
     token_versions: Optional[list[int]] = None
+    # vision-language prompts: the prompt's image tensors from the model's processor (pixel_values, ...), set by the
+    # executor in the driver and shared by the prompt's samples; None for a text prompt
+    vision: Optional[dict] = None
+
+
+class VisionRows:
+    """Per-row vision inputs of a batch (vision-language models, --max_images_per_prompt > 0): for each row, the
+    model processor's tensors for its prompt's images (pixel_values, and what the family adds: pixel_attention_mask,
+    image_grid_thw, ...), or None for a row without images. Rows sharing a prompt share its dict (no copy).
+    A forward gets them merged: each key's tensors concatenated along dim 0 over the rows that have images, which
+    is how the processors batch them (one leading row per prompt, or one per image patch group)."""
+
+    def __init__(self, rows: list[Optional[dict[str, torch.Tensor]]]):
+        self.rows = list(rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __repr__(self) -> str:
+        return f"VisionRows({sum(r is not None for r in self.rows)} of {len(self.rows)} rows with images)"
+
+    def split(self, sizes: list[int]) -> list["VisionRows"]:
+        out, start = [], 0
+        for n in sizes:
+            out.append(VisionRows(self.rows[start : start + n]))
+            start += n
+        return out
+
+    def index(self, idx: torch.Tensor) -> "VisionRows":
+        return VisionRows([self.rows[i] for i in idx.tolist()])
+
+    @staticmethod
+    def cat(parts: list["VisionRows"]) -> "VisionRows":
+        return VisionRows([r for p in parts for r in p.rows])
+
+    def merged(self, device: Optional[torch.device] = None) -> dict[str, torch.Tensor]:
+        """{key: the rows' tensors concatenated along dim 0} over the rows with images ({} when none has any)."""
+        present = [r for r in self.rows if r is not None]
+        if not present:
+            return {}
+        return {k: torch.cat(_same_image_count([r[k] for r in present]), dim=0).to(device) for k in present[0]}
+
+
+def _same_image_count(parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per-prompt tensors laid out (1, images, ...) (Idefics3's pixel_values and pixel_attention_mask) padded with
+    all-zero images to the most images any prompt has, as the processor pads a batch itself (the model skips
+    all-zero images); tensors of any other layout unchanged."""
+    if len(parts) < 2 or any(p.dim() < 3 or p.shape[0] != 1 for p in parts):
+        return parts
+    n = max(p.shape[1] for p in parts)
+    return [p if p.shape[1] == n else torch.cat([p, p.new_zeros(1, n - p.shape[1], *p.shape[2:])], 1) for p in parts]
 
 
 class Rows:
     """Row-wise operations of a batch dataclass (SequenceBatch, Experience) over its tensor fields, batch dim 0.
 
-    Tensor fields are split, indexed and concatenated by row; None fields stay None in every part; other fields
-    (weight_version) are carried over as they are (cat: the first part's). Sequence-length dims must already
-    agree across cat's parts (pad before merging).
+    Tensor fields (and VisionRows fields) are split, indexed and concatenated by row; None fields stay None in every
+    part; other fields (weight_version) are carried over as they are (cat: the first part's). Sequence-length dims
+    must already agree across cat's parts (pad before merging).
     """
 
     sequences: torch.Tensor
@@ -130,22 +186,33 @@ class Rows:
     def split(self: R, sizes: list[int]) -> list[R]:
         """Split along the batch dim into chunks of the given sizes (order kept)."""
         chunks = {name: torch.split(v, sizes, dim=0) for name, v in self._tensors().items()}
+        chunks.update({name: v.split(sizes) for name, v in self._vision().items()})
         return [replace(self, **{name: c[i] for name, c in chunks.items()}) for i in range(len(sizes))]
 
     def index(self: R, idx: torch.Tensor) -> R:
         """Rows `idx` (B',) of every tensor field, e.g. a shuffle before splitting into train batches."""
-        return replace(self, **{name: v[idx] for name, v in self._tensors().items()})
+        rows = {name: v[idx] for name, v in self._tensors().items()}
+        rows.update({name: v.index(idx) for name, v in self._vision().items()})
+        return replace(self, **rows)
 
     @classmethod
     def cat(cls: type[R], parts: list[R]) -> R:
         """The parts' rows, in order."""
         first = parts[0]
-        return replace(
-            first, **{name: torch.cat([getattr(p, name) for p in parts], dim=0) for name in first._tensors()}
-        )
+        rows = {name: torch.cat([getattr(p, name) for p in parts], dim=0) for name in first._tensors()}
+        rows.update({name: VisionRows.cat([getattr(p, name) for p in parts]) for name in first._vision()})
+        return replace(first, **rows)
 
     def _tensors(self) -> dict[str, torch.Tensor]:
         return {f.name: v for f in fields(self) if isinstance(v := getattr(self, f.name), torch.Tensor)}
+
+    def _vision(self) -> dict[str, VisionRows]:
+        return {f.name: v for f in fields(self) if isinstance(v := getattr(self, f.name), VisionRows)}
+
+    def vision_inputs(self) -> dict[str, torch.Tensor]:
+        """The model's vision keyword arguments for this batch's rows ({} for a text batch), on its device."""
+        vision = getattr(self, "vision", None)
+        return {} if vision is None else vision.merged(self.sequences.device)
 
 
 @dataclass
@@ -155,6 +222,7 @@ class SequenceBatch(Rows):
     sequences: torch.Tensor  # (B, T) long: prompt left-padded, response right-padded
     attention_mask: torch.Tensor  # (B, T) long/bool: 1 on real tokens
     action_mask: torch.Tensor  # (B, A) bool: 1 on real response tokens (incl. EOS)
+    vision: Optional[VisionRows] = None  # (B,) vision-language models: each row's image tensors (VisionRows)
 
 
 @dataclass
@@ -176,9 +244,10 @@ class Experience(Rows):
     # reports the engine/trainer mismatch, engine_logprob_gap, from its training forward).
     rollout_log_probs: Optional[torch.Tensor] = None
     weight_version: int = 0  # actor weight version the engines generated with (async staleness bookkeeping)
+    vision: Optional[VisionRows] = None  # (B,) vision-language models: each row's image tensors (VisionRows)
 
     def as_sequence_batch(self) -> SequenceBatch:
-        return SequenceBatch(self.sequences, self.attention_mask, self.action_mask)
+        return SequenceBatch(self.sequences, self.attention_mask, self.action_mask, self.vision)
 
 
 @dataclass

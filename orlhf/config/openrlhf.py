@@ -127,9 +127,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "ds_tensor_parallel_size": _u(1, ("1",), "DeepSpeed tensor parallelism"),
     "ring_attn_size": _u(1, ("1",), "ring attention"),
     "ring_head_stride": _u(1, ("1",), "ring attention"),
-    "image_key": _u(1, ("images",), "vision-language models"),
-    "max_images_per_prompt": _u(1, ("0",), "vision-language models"),
-    "freeze_visual_encoder": _u(0, None, "vision-language models"),
     "use_ms": _u(0, None, "ModelScope downloads"),
 }
 

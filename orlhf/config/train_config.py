@@ -97,6 +97,15 @@ class DataConfig:
     apply_chat_template: bool = opt(False, "Wrap prompts with the tokenizer's chat template.")
     input_template: Optional[str] = opt(None, "Template with one {} for the prompt, e.g. 'Q: {}\\nA:'.")
     max_samples: Optional[int] = opt(None, "Use at most this many prompts.")
+    image_key: str = opt(
+        "images", "Field of a row's images (vision-language models): file paths, or encoded bytes in parquet."
+    )
+    max_images_per_prompt: int = opt(
+        0, "Images a prompt may have; > 0 trains a vision-language model on image prompts (0: text only)."
+    )
+    freeze_visual_encoder: bool = opt(
+        False, "Vision-language models: train the language model only (the vision tower and projector frozen)."
+    )
     prompt_overflow: str = opt(
         "skip",
         "Prompts longer than --prompt_max_len: skip them or truncate (keep the end).",

@@ -4,7 +4,8 @@ Each rule appends one message that names the flags involved and says what to do.
 problems together (fix them in one go, not one per run) and never rewrites a value: a config that passes is run
 exactly as given. Rules that need the live cluster (does a TP engine fit on one node?) live in
 distributed/placement.py's pre-flight; this module only sees the flags. Here: the ranges of single values and the
-placement rules; config/validation_inputs.py: what a run reads; config/validation_algo.py: the algorithm's rules.
+placement rules; config/validation_inputs.py: what a run reads; config/validation_algo.py: the algorithm's rules;
+config/validation_vision.py: vision-language runs.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Collection, Optional
 from orlhf.config import validation_algo as algo
 from orlhf.config import validation_inputs as inputs
 from orlhf.config import validation_rollout as rollout
+from orlhf.config import validation_vision as vision
 from orlhf.config.roles import active_roles, trained_roles
 from orlhf.config.train_config import ConfigError, TrainConfig
 
@@ -55,6 +57,7 @@ def validate(cfg: TrainConfig, explicit: Collection[str] = frozenset(), local_pa
     algo.given_alone(cfg, frozenset(explicit), problems)
     rollout.backend(cfg, frozenset(explicit), problems)
     rollout.partial(cfg, frozenset(explicit), problems)
+    vision.vision(cfg, frozenset(explicit), problems)
     _deepspeed_knobs(cfg, frozenset(explicit), problems)
     if local_packages:
         _packages_here(cfg, problems)

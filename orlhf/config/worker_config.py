@@ -147,6 +147,8 @@ class WorkerConfig:
     gradient_checkpointing_use_reentrant: bool = False  # torch's reentrant checkpointing (with gradient_checkpointing)
     full_determinism: bool = False  # deterministic kernels in this rank's process (engine_setup.seed_everything)
     use_liger_kernel: bool = False  # Liger's kernels: causal LMs (actor, reference) only, as OpenRLHF (loading.py)
+    vision: bool = False  # image prompts (--max_images_per_prompt > 0): forwards take the batch's image tensors
+    freeze_visual_encoder: bool = False  # trained VLMs: only the language model and LM head train (loading.py)
     # Trained roles' DeepSpeed knobs (engine_setup.ds_config; frozen roles ignore them, as OpenRLHF's eval config):
     overlap_comm: bool = False  # zero_optimization.overlap_comm + contiguous_gradients
     grad_accum_dtype: Optional[str] = None  # data_types.grad_accum_dtype: fp32 | bf16 | fp16; None: the model's
@@ -321,6 +323,8 @@ def _common_fields(cfg: TrainConfig, role: str, forward_budget: int) -> dict:
         gradient_checkpointing_use_reentrant=ds.gradient_checkpointing_use_reentrant,
         full_determinism=ds.full_determinism,
         use_liger_kernel=ds.use_liger_kernel and not role_spec(role).value_head,
+        vision=cfg.data.max_images_per_prompt > 0,
+        freeze_visual_encoder=cfg.data.freeze_visual_encoder and role_spec(role).trains,
         overlap_comm=ds.overlap_comm,
         grad_accum_dtype=ds.grad_accum_dtype,
         zpg=ds.zpg,

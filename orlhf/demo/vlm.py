@@ -90,6 +90,28 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}"
 )
 _MANIFEST = "vlm_demo.json"
+# The flags `orlhf make-demo --vlm` prints to train on the demo (train_command): OpenRLHF's VLM row keys, one image a
+# prompt, a critic-free estimator over groups of samples (vision-language runs have no critic), and sizes for a
+# CPU like the text demo's preset (config/flags.py). A prompt is IMAGE_TOKENS + 16 ids, well inside MAX_POSITIONS.
+VLM_DEMO_FLAGS: dict[str, object] = {
+    "input_key": "prompt",
+    "label_key": "label",
+    "image_key": "images",
+    "max_images_per_prompt": 1,
+    "apply_chat_template": True,
+    "advantage_estimator": "group_norm",
+    "n_samples_per_prompt": 4,
+    "prompt_max_len": 64,
+    "generate_max_len": 16,
+    "rollout_batch_size": 32,
+    "train_batch_size": 64,
+    "micro_train_batch_size": 16,
+    "micro_rollout_batch_size": 32,
+    "actor_learning_rate": 5e-4,
+    "lr_warmup_ratio": 0.0,
+    "num_episodes": 4,
+    "enforce_eager": True,
+}
 
 
 @dataclass(frozen=True)
@@ -248,3 +270,10 @@ def make_vlm_demo(out_dir: Path, seed: int = 0) -> VlmDemoPaths:
     shutil.copyfile(Path(__file__).with_name("vlm_reward.py"), paths.reward_fn)
     (paths.root / _MANIFEST).write_text(json.dumps({"version": VLM_DEMO_VERSION, "seed": seed}) + "\n")
     return paths
+
+
+def train_command(paths: VlmDemoPaths) -> str:
+    """The `orlhf train-ppo` command line that trains on the demo at `paths` (VLM_DEMO_FLAGS)."""
+    flags = " ".join(f"--{k}" if v is True else f"--{k} {v}" for k, v in VLM_DEMO_FLAGS.items())
+    inputs = f"--pretrain {paths.model} --prompt_data {paths.prompts}"
+    return f"orlhf train-ppo {inputs} {flags} --remote_rm_url {paths.reward_fn}"

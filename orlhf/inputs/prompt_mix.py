@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 
-from orlhf.inputs.prompts import DataError, load_prompt_rows
+from orlhf.inputs.prompts import DataError, PromptRows, load_prompt_rows
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ def load_prompt_mix(
     label_key: str | None,
     max_samples: int | None,
     seed: int,
-) -> list[dict]:
+) -> PromptRows:
     """Rows of every --prompt_data source (each read by load_prompt_rows, at most max_samples each), then
     concatenated in the given order, or mixed by --prompt_data_probs (interleave_order, seeded by --seed);
     at most max_samples rows in all, as OpenRLHF's blending_datasets and its caller.
@@ -117,10 +117,10 @@ def load_prompt_mix(
     weights = parse_probs(probs, sources) if probs is not None else None
     tables = [load_prompt_rows(src, input_key, label_key, max_samples, split=split) for src in sources]
     if weights is None:
-        rows = [row for table in tables for row in table]
+        rows = PromptRows.concat(tables)
     else:
         order = interleave_order([len(t) for t in tables], weights, seed, limit=max_samples)
-        rows = [tables[src][i] for src, i in order]
+        rows = PromptRows([tables[src][i] for src, i in order], [tables[src].origins[i] for src, i in order])
     if len(sources) > 1:
         logger.info(
             "prompt data: %s -> %d rows %s",
@@ -128,4 +128,4 @@ def load_prompt_mix(
             len(rows),
             f"mixed by --prompt_data_probs {probs}" if weights else "concatenated",
         )
-    return rows[:max_samples] if max_samples is not None else rows
+    return rows.head(max_samples)

@@ -15,22 +15,49 @@ Invariants:
   with several --prompt_data sources, the row's position in the mixed list (inputs/prompt_mix.py).
 - The loader's order depends only on (seed, episode): a run resumed from PromptLoader.state_dict() yields the
   same batches an uninterrupted run would have.
+- load_prompt_rows returns PromptRows: each row with its origin (the file and its line or row), kept through the mix,
+  so an error found while formatting (a row's image) still names the file and line.
 Messages use 1-based positions ("line 17" for JSONL, "row 17" otherwise), as editors and `sed -n 17p` do.
+
+Vision-language models (--max_images_per_prompt > 0, a processor given): a row's images (--image_key) are read as
+encoded files (inputs/images.py), the chat template may hold {"type": "image"} items, and each image prompt gets two
+tokenizations: `engine_ids` (one placeholder per image, what vLLM expands itself) and `ids` (the processor's
+expansion, what the trainers score, counted against --prompt_max_len).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 FORMATS = ".jsonl, .json, .parquet, a folder written by datasets' save_to_disk, or a hub dataset id (online)"
 SUFFIXES = (".jsonl", ".json", ".parquet")
 
+logger = logging.getLogger(__name__)
+
 
 class DataError(ValueError):
     """The prompt data or tokenizer cannot be used; the message names the file/flag and the fix."""
+
+
+class PromptRows(list):
+    """Rows (dicts) of prompt sources, each with its origin: (where, folder). `where` names it in messages
+    ("data/p.jsonl line 3"); `folder` is where a relative image path is also looked up (the data file's folder,
+    a saved dataset's folder; None for a hub dataset). A plain list of rows works wherever PromptRows does."""
+
+    def __init__(self, rows=(), origins=()):
+        super().__init__(rows)
+        self.origins: list[tuple[str, Optional[Path]]] = list(origins)
+
+    @classmethod
+    def concat(cls, parts: list[PromptRows]) -> PromptRows:
+        return cls([r for p in parts for r in p], [o for p in parts for o in p.origins])
+
+    def head(self, n: Optional[int]) -> PromptRows:
+        return self if n is None else PromptRows(self[:n], self.origins[:n])
 
 
 # ---- Reading rows ----
@@ -38,7 +65,7 @@ class DataError(ValueError):
 
 def load_prompt_rows(
     path: str, input_key: str, label_key: str | None, max_samples: int | None, split: str = "train"
-) -> list[dict]:
+) -> PromptRows:
     """The first `max_samples` rows of `path` (all if None), each checked to hold `input_key` (and `label_key`).
     `split` picks the split of a saved DatasetDict or a hub dataset (files have none).
 
@@ -70,7 +97,9 @@ def load_prompt_rows(
             f"{path}: every prompt in field {input_key!r} (--input_key) is empty; "
             "is --input_key the field that holds the prompt text?"
         )
-    return rows
+    local = Path(path).expanduser()
+    folder = local if local.is_dir() else local.parent if local.is_file() else None
+    return PromptRows(rows, [(f"{path} {loc}", folder) for loc in locs])
 
 
 def _read_rows(path: Path, given: str, max_samples: int | None, split: str = "train") -> tuple[list[Any], list[str]]:
@@ -212,6 +241,12 @@ class Prompt:
     ids: list[int]  # its tokens, at most --prompt_max_len
     label: Any | None  # the --label_key value, None without --label_key
     index: int  # 0-based row index in the file
+    # Vision-language models (--max_images_per_prompt > 0): the row's images (--image_key) as encoded files (bytes),
+    # in prompt order; () for a text prompt. `ids` are then the processor's (each image placeholder expanded to the
+    # image's tokens: what the trainers score), `engine_ids` the template's tokens with one placeholder per image
+    # (what a vLLM engine is given: it expands them itself). None: the engines get `ids`.
+    images: tuple = ()
+    engine_ids: list[int] | None = None
 
 
 @dataclass
@@ -229,9 +264,17 @@ class PromptStats:
         )
 
 
-def format_prompts(rows: list[dict], tokenizer, data, prompt_max_len: int) -> tuple[list[Prompt], PromptStats]:
+def format_prompts(
+    rows: list[dict], tokenizer, data, prompt_max_len: int, processor=None
+) -> tuple[list[Prompt], PromptStats]:
     """build_prompts with a run's data flags (config's DataConfig: input_key, label_key, apply_chat_template,
-    input_template, prompt_overflow): training and evaluation prompts are formatted the one same way."""
+    input_template, prompt_overflow, image_key, max_images_per_prompt): training and evaluation prompts are
+    formatted the one same way. With --max_images_per_prompt > 0, `processor` is --pretrain's (loaded here when
+    not given: inputs/images.load_processor)."""
+    if data.max_images_per_prompt > 0 and processor is None:
+        from orlhf.inputs.images import load_processor
+
+        processor = load_processor(data.pretrain)
     return build_prompts(
         rows,
         tokenizer,
@@ -241,6 +284,9 @@ def format_prompts(rows: list[dict], tokenizer, data, prompt_max_len: int) -> tu
         data.input_template,
         prompt_max_len,
         data.prompt_overflow,
+        processor=processor if data.max_images_per_prompt > 0 else None,
+        image_key=data.image_key,
+        max_images=data.max_images_per_prompt,
     )
 
 
@@ -253,29 +299,61 @@ def build_prompts(
     input_template: str | None,
     prompt_max_len: int,
     overflow: str = "skip",
+    processor=None,
+    image_key: str = "images",
+    max_images: int = 0,
 ) -> tuple[list[Prompt], PromptStats]:
     """Format and tokenize rows. Longer than prompt_max_len tokens: "skip" drops the prompt; "truncate" keeps its
     last tokens (the question's end, next to where the answer starts, matters most), plus a leading BOS if any.
+
+    With a processor (a vision-language model: max_images > 0), each row's images (field image_key, at most
+    max_images) are read, the chat template is the processor's, and an image prompt's ids are the processor's
+    expansion (module docstring); "truncate" is refused (a cut would separate image tokens from their image).
     """
     if overflow not in ("skip", "truncate"):
         raise ValueError(f"overflow must be 'skip' or 'truncate', got {overflow!r}")
+    vision = processor is not None
+    if vision and overflow == "truncate":
+        raise DataError(
+            "--prompt_overflow truncate with vision-language prompts (--max_images_per_prompt > 0): a cut prompt "
+            "loses its image tokens' alignment; use --prompt_overflow skip (the default) or raise --prompt_max_len."
+        )
     if apply_chat_template and input_template:
         raise DataError(
             "--input_template and --apply_chat_template are both given; choose one way to format "
             "prompts (OpenRLHF would ignore --input_template silently)."
         )
-    if apply_chat_template and not getattr(tokenizer, "chat_template", None):
+    # A vision-language model's processor holds the chat template that places images; else the tokenizer's.
+    templater = processor if vision and getattr(processor, "chat_template", None) else tokenizer
+    if apply_chat_template and not getattr(templater, "chat_template", None):
         raise DataError(
             f"--apply_chat_template: the tokenizer of {getattr(tokenizer, 'name_or_path', '?')} has "
             "no chat template; drop --apply_chat_template (use --input_template) or use a chat model."
         )
+    if not vision:
+        _warn_unused_images(rows, image_key)
     kept = [(i, row) for i, row in enumerate(rows) if not _is_empty(row[input_key])]
-    texts = [_format(row[input_key], i, input_key, tokenizer, apply_chat_template, input_template) for i, row in kept]
+    from orlhf.inputs.chat_format import PromptFormat
+
+    fmt = PromptFormat(input_key, templater, apply_chat_template, input_template, vision)
+    texts = [fmt(row[input_key], i) for i, row in kept]
     # Chat templates already contain the model's special tokens; plain text gets them from the tokenizer (BOS).
-    all_ids = tokenizer(texts, add_special_tokens=not apply_chat_template)["input_ids"] if texts else []
+    special = not apply_chat_template
+    if vision:
+        from orlhf.inputs.images import image_prompt_ids, row_images
+
+        origins = getattr(rows, "origins", None) or [(f"row {i + 1}", None) for i in range(len(rows))]
+        encoded = []
+        for (i, row), text in zip(kept, texts):
+            where, folder = origins[i]
+            images = row_images(row, image_key, max_images, where, folder)
+            encoded.append((*image_prompt_ids(processor, tokenizer, text, images, where, special), images))
+    else:
+        all_ids = tokenizer(texts, add_special_tokens=special)["input_ids"] if texts else []
+        encoded = [(ids, None, ()) for ids in all_ids]
     stats = PromptStats(total=len(rows), used=0, skipped_empty=len(rows) - len(kept), skipped_too_long=0, truncated=0)
     prompts = []
-    for (i, row), text, ids in zip(kept, texts, all_ids):
+    for (i, row), text, (ids, engine_ids, images) in zip(kept, texts, encoded):
         if len(ids) > prompt_max_len:
             if overflow == "skip":
                 stats.skipped_too_long += 1
@@ -283,46 +361,25 @@ def build_prompts(
             ids = _keep_end(ids, prompt_max_len, tokenizer.bos_token_id)
             text = tokenizer.decode(ids)
             stats.truncated += 1
-        prompts.append(Prompt(text=text, ids=list(ids), label=row[label_key] if label_key else None, index=i))
+        label = row[label_key] if label_key else None
+        prompts.append(Prompt(text, list(ids), label, i, images=images, engine_ids=engine_ids))
     stats.used = len(prompts)
     if not prompts:
-        raise DataError(
-            f"no prompts left: {stats.summary()}. Raise --prompt_max_len (now {prompt_max_len}) or "
-            "use --prompt_overflow truncate."
-        )
+        also = "" if vision else " or use --prompt_overflow truncate"
+        raise DataError(f"no prompts left: {stats.summary()}. Raise --prompt_max_len (now {prompt_max_len}){also}.")
     return prompts, stats
 
 
-def _format(value: Any, index: int, key: str, tokenizer, apply_chat_template: bool, input_template: str | None) -> str:
-    if apply_chat_template:
-        # A row may hold a whole conversation ([{"role", "content"}, ...]), as OpenRLHF allows.
-        messages = value if isinstance(value, list) else [{"role": "user", "content": str(value)}]
-        _check_messages(messages, index, key)
-        try:
-            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as e:  # jinja2 errors of the model's own template: name the row, not the template line
-            raise DataError(
-                f"row {index + 1}: the chat template failed on this conversation "
-                f"({type(e).__name__}: {e}); check its roles and contents."
-            ) from None
-    if not isinstance(value, str):
-        raise DataError(
-            f"row {index + 1}: the prompt ({key!r}, --input_key) is a list of chat messages, which "
-            "needs --apply_chat_template."
+def _warn_unused_images(rows: list[dict], image_key: str) -> None:
+    """A text run over rows that hold images: said once (the images are not used), not silently dropped."""
+    n = sum(1 for row in rows if isinstance(row, dict) and not _is_empty(row.get(image_key)))
+    if n:
+        logger.warning(
+            "%d prompt rows have images in %r (--image_key), which this text run does not use; "
+            "--max_images_per_prompt N trains a vision-language model on them",
+            n,
+            image_key,
         )
-    return input_template.format(value) if input_template else value
-
-
-def _check_messages(messages: list, index: int, key: str) -> None:
-    """A conversation is a list of {"role": str, "content": str}; anything else fails inside Jinja, unreadably."""
-    for j, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            got = sorted(m) if isinstance(m, dict) else type(m).__name__
-            raise DataError(
-                f"row {index + 1}: message {j + 1} of the conversation in {key!r} (--input_key) needs "
-                f'"role" and "content" strings, got {got}; fix that row, e.g. '
-                '{"role": "user", "content": "..."}.'
-            )
 
 
 def _keep_end(ids: list[int], max_len: int, bos_id: int | None) -> list[int]:

@@ -58,7 +58,9 @@ def read_dims(model_dir: str | Path) -> ModelDims:
     """The sizes in a model's config.json: a local folder's, or a hub id's (downloaded, or from the local hub cache;
     only config.json). ValueError naming the fix when there is none to read."""
     path = _config_json(str(model_dir))
-    c = json.loads(path.read_text())
+    top = json.loads(path.read_text())
+    # A vision-language model: its language model's sizes (text_config); the vision encoder is not counted.
+    c = {**top, **top["text_config"]} if isinstance(top.get("text_config"), dict) else top
     try:
         heads = c["num_attention_heads"]
         dtype = c.get("torch_dtype") or c.get("dtype") or "bfloat16"
@@ -71,7 +73,7 @@ def read_dims(model_dir: str | Path) -> ModelDims:
             heads,
             c.get("num_key_value_heads") or heads,
             c.get("head_dim") or c["hidden_size"] // heads,
-            bool(c.get("tie_word_embeddings", False)),
+            bool(top.get("tie_word_embeddings", c.get("tie_word_embeddings", False))),
             4 if dtype == "float32" else 2,
         )
     except KeyError as e:

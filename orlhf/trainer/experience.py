@@ -17,7 +17,7 @@ from orlhf.algo.advantages import compute_advantages
 from orlhf.algo.kl import approx_kl
 from orlhf.algo.losses import masked_mean
 from orlhf.algo.rewards import group_baseline, overlong_penalty, shape_rewards, stop_properly_penalty
-from orlhf.types import Experience, Rollout, SequenceBatch
+from orlhf.types import Experience, Rollout, SequenceBatch, VisionRows
 
 
 def rollouts_to_batch(rollouts: list[Rollout], pad_id: int) -> tuple[SequenceBatch, torch.Tensor]:
@@ -45,7 +45,8 @@ def rollouts_to_batch(rollouts: list[Rollout], pad_id: int) -> tuple[SequenceBat
             attn[i, P : P + n] = 1
             action_mask[i, :n] = True if r.action_mask is None else torch.tensor(r.action_mask[:n]).bool()
             logprobs[i, :n] = torch.tensor(r.logprobs[:n], dtype=torch.float32)
-    return SequenceBatch(seq, attn, action_mask), logprobs
+    vision = VisionRows([r.vision for r in rollouts]) if any(r.vision is not None for r in rollouts) else None
+    return SequenceBatch(seq, attn, action_mask, vision), logprobs
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,7 @@ def make_experience(
         weight_version=weight_version,
         # engine log-probs: for IS correction, and for the engine gap on a single pass
         rollout_log_probs=rollout_log_probs if cfg.keep_rollout_log_probs or old_log_probs is None else None,
+        vision=batch.vision,
     )
     lengths = mask.sum(-1).clamp(min=1).float()
     info = {

@@ -196,11 +196,7 @@ class DeepSpeedWorker:
         rows = batch.index(order) if order is not None else batch
         parts = rows.split(sizes) if sizes else []
         n_calls = self._max_over_ranks(len(parts)) if self.zero3 else len(parts)
-        # A one-row dummy with this batch's shapes: used for padding calls and to shape an empty result.
-        t, a = batch.sequences.shape[1], batch.num_actions
-        dummy = SequenceBatch(
-            batch.sequences.new_zeros(1, t), batch.attention_mask.new_ones(1, t), batch.action_mask.new_ones(1, a)
-        )
+        dummy = _dummy_row(batch)
         outs = []
         for i in range(max(n_calls, 1)):
             real = i < len(parts)
@@ -308,16 +304,24 @@ class DeepSpeedWorker:
 
     # ---- full weights ----
 
-    def _param_groups(self) -> list[list[tuple[str, nn.Parameter]]]:
-        """Parameters grouped by transformer block; everything outside the blocks in one group, first."""
+    def _param_groups(self, trained_only: bool = False) -> list[list[tuple[str, nn.Parameter]]]:
+        """Parameters grouped by transformer block; everything outside the blocks in one group, first.
+        trained_only: without the frozen ones (requires_grad False: --freeze_visual_encoder's vision tower)."""
         groups: dict[str, list] = {"": []}
         for name, p in self.module.named_parameters():
+            if trained_only and not p.requires_grad:
+                continue
             match = _LAYER_PREFIX.match(name)
             groups.setdefault(match.group(1) if match else "", []).append((name, p))
         return [g for g in groups.values() if g]
 
     def named_full_weights(
-        self, to_cpu: bool = True, copy: bool = True, all_ranks: bool = False, checkpoint_format: bool = True
+        self,
+        to_cpu: bool = True,
+        copy: bool = True,
+        all_ranks: bool = False,
+        checkpoint_format: bool = True,
+        trained_only: bool = False,
     ) -> Iterator[list[tuple[str, Optional[torch.Tensor]]]]:
         """Yield the full weights one group at a time: a group is whole transformer blocks' worth of
         (hf_name, tensor) (one block per group, plus one group of embeddings / final norm / head).
@@ -330,12 +334,13 @@ class DeepSpeedWorker:
         all_ranks=True gives every rank the full tensors (CUDA IPC sync: each GPU serves its own engine).
         checkpoint_format (default): names and tensors as a checkpoint on disk has them, which is what engines
         load (workers/hf_names.py: fused runtime tensors split back per expert); False: the module's
-        own names (what save_pretrained takes, as it converts itself).
+        own names (what save_pretrained takes, as it converts itself). trained_only: the parameters that train
+        (weight syncs with --freeze_visual_encoder: the engines loaded the frozen ones from the same folder).
         """
         import deepspeed
 
         convert = functools.partial(to_checkpoint_names, self.module)
-        for group in self._param_groups():
+        for group in self._param_groups(trained_only):
             params = [p for _, p in group]
             ctx = deepspeed.zero.GatheredParameters(params) if self.zero3 else nullcontext()
             with ctx:
@@ -346,11 +351,12 @@ class DeepSpeedWorker:
                     names = convert(meta_group(group)) if checkpoint_format else group
                     yield [(n, None) for n, _ in names]
 
-    def checkpoint_groups_meta(self) -> list[list[tuple[str, str, tuple]]]:
-        """(name, dtype, full shape) per group, exactly as named_full_weights() yields them. Local, no gather."""
+    def checkpoint_groups_meta(self, trained_only: bool = False) -> list[list[tuple[str, str, tuple]]]:
+        """(name, dtype, full shape) per group, exactly as named_full_weights(trained_only=...) yields them. Local,
+        no gather."""
         return [
             [(n, str(t.dtype), tuple(t.shape)) for n, t in to_checkpoint_names(self.module, meta_group(g))]
-            for g in self._param_groups()
+            for g in self._param_groups(trained_only)
         ]
 
     @endpoint
@@ -396,6 +402,18 @@ class DeepSpeedWorker:
         from orlhf.workers.checkpoint_io import load_worker_checkpoint
 
         load_worker_checkpoint(self, folder)
+
+
+def _dummy_row(batch: SequenceBatch) -> SequenceBatch:
+    """A one-row batch with `batch`'s shapes, for padding forwards under ZeRO-3 and to shape an empty result.
+    With image prompts it is the batch's first row, images and all, so a padding forward runs the vision tower
+    too: ZeRO-3 gathers its parameters in every rank's forward alike."""
+    if batch.vision is not None and len(batch) > 0:
+        return batch.index(torch.tensor([0]))
+    t, a = batch.sequences.shape[1], batch.num_actions
+    return SequenceBatch(
+        batch.sequences.new_zeros(1, t), batch.attention_mask.new_ones(1, t), batch.action_mask.new_ones(1, a)
+    )
 
 
 def persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

@@ -9,12 +9,17 @@ Both score the same thing, log pi(a_t | s_<t) for the last A tokens of each sequ
 
 where rows share a prompt (n samples per prompt) the model runs each distinct prompt once and only the response
 columns per row, the same logits (workers/shared_prompt.py; checked per worker at init, --no_shared_prompt: off).
+
+A vision-language model (image prompts, --max_images_per_prompt) takes the batch's image tensors with every forward
+(batch.vision_inputs(): pixel_values etc. merged over the micro-batch's rows); its batches run the plain forward,
+never the shared-prompt one (the prefix pass would need the images) nor packed (refused by validation).
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import logging
 from typing import Optional
 
 import torch
@@ -27,15 +32,22 @@ from orlhf.types import SequenceBatch
 from orlhf.workers.base import DeepSpeedWorker, position_ids_from
 from orlhf.workers.batching import pack
 from orlhf.workers.lm_head import chunked_head, head_log_probs, hidden_states_out
-from orlhf.workers.loading import from_pretrained
+from orlhf.workers.loading import causal_lm_class, freeze_visual_encoder, from_pretrained
 from orlhf.workers.shared_prompt import shared_prompt_forward, worker_shares_prompts
+
+log = logging.getLogger("orlhf.workers")
 
 
 def load_causal_lm(cfg: WorkerConfig) -> nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    model = from_pretrained(AutoModelForCausalLM, cfg.model_path, cfg)
+    """The model with its LM head (a vision-language model's through AutoModelForImageTextToText); with
+    --freeze_visual_encoder only its language model and head left trainable."""
+    model = from_pretrained(causal_lm_class(cfg), cfg.model_path, cfg)
     model.config.use_cache = False  # training and scoring never reuse a KV cache
+    if cfg.freeze_visual_encoder:
+        frozen = freeze_visual_encoder(model)
+        log.info(
+            "%s: --freeze_visual_encoder: %d parameter tensors frozen (vision tower, projector)", cfg.role, len(frozen)
+        )
     return model
 
 
@@ -56,16 +68,21 @@ def model_logits(
     """(logits (B, L, V) as the model returns them, offset): the action tokens' logits are [:, offset:offset + A].
     Left unsliced so that token_log_probs' backward writes the whole gradient at once (orlhf/algo/logprobs.py).
 
-    shared: run each distinct prompt once for all rows that share it (workers/shared_prompt.py), when some do."""
+    shared: run each distinct prompt once for all rows that share it (workers/shared_prompt.py), when some do.
+    Image prompts: the batch's image tensors go with the ids, always through the plain forward."""
+    vision = batch.vision_inputs()  # {} for text prompts
+    assert not (packed and vision), "--packing_samples with image prompts: validation refuses it"
     if packed:
         return _packed_action_logits(model, batch), 0
     num_actions = batch.num_actions
     keep = _accepts_logits_to_keep(model)
     position_ids = position_ids_from(batch.attention_mask)
-    logits = shared_action_logits(model, batch, position_ids, keep) if shared else None
+    logits = shared_action_logits(model, batch, position_ids, keep) if shared and not vision else None
     if logits is not None:
         return logits, 0
-    kwargs = {}
+    kwargs = dict(vision)
+    if vision and _mrope(model):
+        position_ids = None  # M-RoPE: the model computes its 3-D positions from the ids, the images and the mask
     if keep:  # the LM head then runs on A+1 positions only, not all T
         kwargs["logits_to_keep"] = num_actions + 1
     out = model(
@@ -189,6 +206,23 @@ def _forward_takes_logits_to_keep(cls: type) -> bool:
     return "logits_to_keep" in inspect.signature(cls.forward).parameters
 
 
+def _mrope(model: nn.Module) -> bool:
+    """Whether the model's rotary positions are multimodal (M-RoPE: Qwen2-VL and its successors, GLM-4V), which it
+    derives itself from the ids, the image grids and the mask: a mrope_section in the text config's rope_scaling /
+    rope_parameters, or a get_rope_index of its own (Qwen2-VL's modeling falls back to a default section without
+    one). 1-D RoPE families (Idefics3's Llama) take the left-padding-aware positions given. Qwen2-VL does not load
+    on the CPU install (no torchvision, docs/vlm.md), so this branch runs on GPU machines only."""
+    hf = getattr(model, "module", model)  # a DeepSpeedEngine
+    if any(hasattr(m, "get_rope_index") for m in (hf, getattr(hf, "model", None))):
+        return True
+    config = getattr(hf, "config", None)
+    if config is None:
+        return False
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    ropes = [getattr(c, k, None) for c in (config, text) for k in ("rope_scaling", "rope_parameters")]
+    return any(isinstance(rope, dict) and "mrope_section" in rope for rope in ropes)
+
+
 def shares_prompts(worker: DeepSpeedWorker) -> bool:
     """Whether this causal-LM worker runs each distinct prompt once per forward (workers/shared_prompt.py)."""
     return worker_shares_prompts(
@@ -219,11 +253,13 @@ class CausalLMWorker(DeepSpeedWorker):
 
     @endpoint
     def init(self) -> None:
-        """Collective: all ranks call it together. Not with --aux_loss_coef: the router loss transformers computes
-        needs whole rows in one forward (its padding mask does not fit a forward continued from a prompt's cache)."""
+        """Collective: all ranks call it together. Shared-prompt forwards not with --aux_loss_coef: the router loss
+        transformers computes needs whole rows in one forward (its padding mask does not fit a forward continued
+        from a prompt's cache); nor for image prompts."""
         super().init()
         aux = getattr(getattr(self.cfg, "loss", None), "aux_loss_coef", 0.0) > 0
-        self.shared_prompt = False if aux else shares_prompts(self)
+        # image prompts run the plain forward (model_logits), so a vision model is not checked for it
+        self.shared_prompt = False if aux or self.cfg.vision else shares_prompts(self)
 
     def score_log_probs(self, batch: SequenceBatch) -> torch.Tensor:
         """(B, A) float32 on CPU: log-probs of each action token (padding positions hold garbage: mask them)."""

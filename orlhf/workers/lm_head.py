@@ -11,6 +11,8 @@ logits.
 
 Only for a plain nn.Linear head without bias whose logits the model uses as they come out (no soft-capping or
 scaling after the head, no MoE router loss riding on the forward's output); other models keep the whole logits.
+A vision-language model's head is its top-level output embeddings (lm_head) and its language model's last hidden
+states reach it the same way.
 """
 
 from __future__ import annotations
@@ -35,9 +37,13 @@ def chunked_head(model: nn.Module, tokens: int, chunk_mb: float) -> Optional[tup
     hf = getattr(model, "module", model)  # a DeepSpeedEngine
     hf = hf.get_base_model() if hasattr(hf, "get_base_model") else hf  # peft
     config = getattr(hf, "config", None)
-    if config is None or any(getattr(config, k, None) not in (None, 1.0) for k in _AFTER_HEAD):
+    if config is None:
         return None
-    if getattr(config, "output_router_logits", False):
+    # a vision-language model's text settings sit in its text config (Gemma 3's soft-capping)
+    configs = (config, config.get_text_config()) if hasattr(config, "get_text_config") else (config,)
+    if any(getattr(c, k, None) not in (None, 1.0) for c in configs for k in _AFTER_HEAD):
+        return None
+    if any(getattr(c, "output_router_logits", False) for c in configs):
         return None
     head = hf.get_output_embeddings() if hasattr(hf, "get_output_embeddings") else None
     if type(head) is not nn.Linear or head.bias is not None:  # a LoRA-adapted head is a peft layer: whole logits

@@ -1,7 +1,11 @@
 """Loading an HF model for a worker: dtype and attention kernels, partitioned at load under ZeRO-3.
 
 with hf_zero3_loading(ds_config):                 transformers builds the model inside deepspeed.zero.Init
-    model = from_pretrained(AutoModelForCausalLM, path, cfg)    (each rank holds only its shard)
+    model = from_pretrained(causal_lm_class(cfg), path, cfg)    (each rank holds only its shard)
+
+A vision-language model (config.json has a vision_config) loads through AutoModelForImageTextToText, the rest
+through AutoModelForCausalLM. --freeze_visual_encoder then leaves only its language model and LM head trainable
+(freeze_visual_encoder), before DeepSpeed builds the optimizer from the parameters that still need gradients.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ import logging
 from contextlib import contextmanager
 
 import torch
+from torch import nn
 
 from orlhf.config.worker_config import WorkerConfig
 
@@ -114,3 +119,56 @@ def from_pretrained(auto_cls, path: str, cfg: WorkerConfig, **kwargs):
             raise
         log.warning("%s does not support SDPA attention; using eager", path)
         return auto_cls.from_pretrained(path, **{**kw, "attn_implementation": "eager"})
+
+
+def is_vision_language(config) -> bool:
+    """Whether an HF config is a vision-language model's (it carries a vision tower's config)."""
+    return getattr(config, "vision_config", None) is not None
+
+
+def causal_lm_class(cfg: WorkerConfig):
+    """The auto class that loads cfg's model with its LM head: AutoModelForImageTextToText for a vision-language
+    model, AutoModelForCausalLM otherwise. Image prompts (cfg.vision) need the former."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    vlm = is_vision_language(AutoConfig.from_pretrained(cfg.model_path))
+    if cfg.vision and not vlm:
+        raise ValueError(
+            f"--max_images_per_prompt > 0 needs a vision-language model, but {cfg.model_path}/config.json has no "
+            "vision_config; pass such a model to --pretrain or drop --max_images_per_prompt."
+        )
+    return AutoModelForImageTextToText if vlm else AutoModelForCausalLM
+
+
+def language_parts(model: nn.Module) -> list[nn.Module]:
+    """A vision-language model's language model and LM head: what --freeze_visual_encoder leaves trainable.
+
+    The language model is what transformers' get_decoder() finds (Idefics3: model.text_model, Qwen2-VL:
+    model.language_model), else the module named language_model or text_model; the head is the output
+    embeddings (the top-level model's lm_head)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if decoder is None or decoder is model or decoder is getattr(model, "base_model", None):
+        names = ("language_model", "text_model")
+        decoder = next((m for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in names), None)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if decoder is None or head is None:
+        raise ValueError(
+            f"--freeze_visual_encoder: no language model or LM head found in {type(model).__name__}; "
+            "drop the flag to train the whole model."
+        )
+    return [decoder, head]
+
+
+def freeze_visual_encoder(model: nn.Module) -> list[str]:
+    """requires_grad=False on every parameter outside the language model and the LM head (the vision tower and
+    the projector); returns their names. The optimizer then holds no state for them and weight syncs skip them."""
+    keep = {id(p) for part in language_parts(model) for p in part.parameters()}
+    frozen = [(n, p) for n, p in model.named_parameters() if id(p) not in keep]
+    if not keep or not frozen:  # a decoder that is the whole model would freeze nothing, silently
+        raise ValueError(
+            f"--freeze_visual_encoder: {type(model).__name__}'s language model holds all its parameters or none; "
+            "drop the flag to train the whole model."
+        )
+    for _, p in frozen:
+        p.requires_grad_(False)
+    return [n for n, _ in frozen]

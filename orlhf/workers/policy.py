@@ -29,6 +29,7 @@ from orlhf.workers.causal_lm import (
     chunked_action_log_probs,
     gather_log_probs,
 )
+from orlhf.workers.loading import is_vision_language
 
 log = logging.getLogger("orlhf.workers")
 
@@ -168,9 +169,11 @@ class PolicyWorker(CausalLMWorker):
     def weight_groups_meta(self, packed: Optional[dict] = None) -> list[list[tuple[str, str, tuple]]]:
         """(checkpoint name, dtype, full shape) per group, in the order sync_groups yields them. Local: no gather.
         Every rank calls it before the first sync: with LoRA it fixes what a sync sends (the adapted modules and
-        the ones the engine fuses with them; `packed`: the engine model's packed_modules_mapping, workers/lora.py)."""
+        the ones the engine fuses with them; `packed`: the engine model's packed_modules_mapping, workers/lora.py).
+        With --freeze_visual_encoder the frozen parameters are left out: the engines loaded them from the same
+        folder and they never change."""
         if self.lora is None:
-            return self.checkpoint_groups_meta()
+            return self.checkpoint_groups_meta(trained_only=self.cfg.freeze_visual_encoder)
         from orlhf.workers.lora import merged_groups_meta, sync_plan
 
         self._sync_plan = sync_plan(self.module, packed)
@@ -181,10 +184,12 @@ class PolicyWorker(CausalLMWorker):
         return self.cfg.lora
 
     def sync_groups(self, to_cpu: bool, copy: bool, all_ranks: bool = False):
-        """What the engines load, one group of whole layers at a time (named_full_weights' contract): every weight,
-        or with LoRA the adapted modules merged (workers/lora.py; weight_groups_meta chose them)."""
+        """What the engines load, one group of whole layers at a time (named_full_weights' contract): every weight
+        (but the frozen ones with --freeze_visual_encoder), or with LoRA the adapted modules merged
+        (workers/lora.py; weight_groups_meta chose them)."""
         if self.lora is None:
-            return self.named_full_weights(to_cpu=to_cpu, copy=copy, all_ranks=all_ranks)
+            trained_only = self.cfg.freeze_visual_encoder
+            return self.named_full_weights(to_cpu=to_cpu, copy=copy, all_ranks=all_ranks, trained_only=trained_only)
         from orlhf.workers.lora import merged_groups
 
         if getattr(self, "_sync_plan", None) is None:
@@ -249,8 +254,9 @@ class PolicyWorker(CausalLMWorker):
 
     @endpoint
     def save_hf(self, out_dir: str) -> None:
-        """Write an HF folder (weights in the module dtype, config, tokenizer) that transformers and vLLM load; with
-        LoRA the adapter in PEFT's format (loads with PeftModel.from_pretrained on the base model).
+        """Write an HF folder (weights in the module dtype, config, tokenizer; a vision-language model's whole
+        processor) that transformers and vLLM load; with LoRA the adapter in PEFT's format (loads with
+        PeftModel.from_pretrained on the base model).
 
         Collective under ZeRO-3 (all ranks call it); rank 0 writes; returns on every rank after the write.
         """
@@ -284,7 +290,9 @@ class PolicyWorker(CausalLMWorker):
                     )
                 else:
                     lora.save_adapter(self.module, state, out_dir)
-            _copy_tokenizer(self.cfg.model_path, out_dir)
+            _copy_tokenizer(
+                self.cfg.model_path, out_dir, vision=is_vision_language(getattr(self.module, "config", None))
+            )
         if self.world_size > 1:
             dist.barrier()
 
@@ -314,13 +322,16 @@ def _engine_gap_sums(mb: Experience, log_probs: torch.Tensor) -> dict[str, float
     return {"engine_gap_sum": gap.item(), "engine_gap_tokens": float(mask.sum().item())}
 
 
-def _copy_tokenizer(src: str, out_dir: str) -> Optional[str]:
-    from transformers import AutoTokenizer
+def _copy_tokenizer(src: str, out_dir: str, vision: bool = False) -> Optional[str]:
+    """The tokenizer's files from `src` into `out_dir`; vision: the whole processor's (image processor settings,
+    chat template, tokenizer), so AutoProcessor.from_pretrained(out_dir) gives what the run used."""
+    from transformers import AutoProcessor, AutoTokenizer
 
+    what = "processor" if vision else "tokenizer"
     try:
-        tokenizer = AutoTokenizer.from_pretrained(src)
+        tokenizer = (AutoProcessor if vision else AutoTokenizer).from_pretrained(src)
     except (OSError, ValueError) as e:  # a weights-only folder: the export is still a loadable model
-        log.warning("no tokenizer in %s (%s); %s gets weights and config only", src, e, out_dir)
+        log.warning("no %s in %s (%s); %s gets weights and config only", what, src, e, out_dir)
         return None
     tokenizer.save_pretrained(out_dir)
     return out_dir

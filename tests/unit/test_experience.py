@@ -88,7 +88,9 @@ def test_engine_gap_from_the_actor_sums_is_the_token_mean():
 
 def test_split_index_cat_move_tensor_rows_and_carry_none_and_plain_fields():
     batch = _batch()
-    exp = Experience(*vars(batch).values(), None, _lp(1), returns=_lp(2), weight_version=3)
+    exp = Experience(
+        batch.sequences, batch.attention_mask, batch.action_mask, None, _lp(1), returns=_lp(2), weight_version=3
+    )
     parts = exp.split([1, 3])
     assert [len(p) for p in parts] == [1, 3] and parts[1].num_actions == A
     assert all(p.action_log_probs is None and p.values is None and p.weight_version == 3 for p in parts)

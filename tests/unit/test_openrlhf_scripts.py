@@ -2,7 +2,7 @@
 that runs it, and of the README's train_ppo_ray commands, at v0.10.1 (flat names) and v0.11.0 (dotted names).
 
 Each is accepted and fits the cluster it describes (exit 0), or it uses a feature orlhf refuses by name (ring
-attention, vision-language models): exit 2, and the error names exactly those flags. The argument
+attention): exit 2, and the error names exactly those flags. The argument
 lists are data (tests/data/openrlhf_scripts/<tag>/, extracted by scripts/openrlhf_script_args.py; each file's first
 line is the command that made it and what it substituted). Here only what cannot be reached offline is replaced:
 hub models by local folders holding a config.json of the same family and size, hub datasets by a local jsonl with
@@ -68,8 +68,8 @@ QWEN3_4B = {  # Qwen/Qwen3-4B-Thinking-2507
     "tie_word_embeddings": True,
     "torch_dtype": "bfloat16",
 }
-# Qwen/Qwen3.5-2B: a vision-language model (a language model in text_config beside a vision encoder). Its command
-# is refused by name before any model is read, so these sizes (of its ~2B class) are never used to plan.
+# Qwen/Qwen3.5-2B: a vision-language model (a language model in text_config beside a vision encoder); orlhf plan
+# sizes its language model (text_config).
 QWEN35_2B_VLM = {
     "architectures": ["Qwen3_5ForConditionalGeneration"],
     "model_type": "qwen3_5",
@@ -126,12 +126,6 @@ REFUSED = {
     "--ds.ring_attn_size": "1",
     "--ring_head_stride": "1",
     "--ds.ring_attn_head_stride": "1",
-    "--image_key": "images",
-    "--data.image_key": "images",
-    "--max_images_per_prompt": "0",
-    "--data.max_images_per_prompt": "0",
-    "--freeze_visual_encoder": None,
-    "--actor.freeze_visual_encoder": None,
 }
 
 # Commands that fail for another reason than a refused feature: a finding each, kept visible here. name ->
