@@ -182,6 +182,7 @@ def make_demo(
             f"error: {out_dir}: {problem}; pass a folder you can write in (created if missing).", fg="red", err=True
         )
         raise typer.Exit(2)
+    _quiet_model_saving()
     if vlm:
         from orlhf.demo.vlm import make_vlm_demo, train_command
 
@@ -201,6 +202,17 @@ def make_demo(
     demo = f"orlhf train-ppo --pretrain {paths.model} --prompt_data {paths.prompts}"
     typer.echo(f"train on it: {demo} {demo_preset_flags()} --remote_rm_url {paths.reward_fn}")
     typer.echo(f"or multi-turn: {demo} {demo_preset_flags(generate_max_len=8)} --agent_func_path {paths.agent_fn}")
+
+
+def _quiet_model_saving() -> None:
+    """The terminal shows make-demo's own lines only: no per-shard progress bar from transformers' save_pretrained,
+    and no accelerator guess from DeepSpeed, which transformers imports while saving (make-demo builds on the CPU)."""
+    import os
+
+    from transformers.utils import logging as hf_logging
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    hf_logging.disable_progress_bar()
 
 
 def demo_preset_flags(**overrides: Any) -> str:

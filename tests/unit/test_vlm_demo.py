@@ -98,3 +98,22 @@ def test_reward_refuses_labels_that_are_not_colours():
         reward_func(["x red"], ["x"], ["colors"])
     with pytest.raises(ValueError, match="one label"):
         reward_func(["x red"], ["x"], None)
+
+
+def test_make_demo_terminal_shows_only_its_own_lines(tmp_path):
+    """No library chatter on the terminal: no save_pretrained progress bar, no DeepSpeed accelerator guess."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    res = subprocess.run(
+        [sys.executable, "-m", "orlhf.cli", "make-demo", "--vlm", str(tmp_path / "d")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**env, "HF_HUB_OFFLINE": "1"},
+    )
+    assert res.returncode == 0, res.stderr
+    lines = (res.stdout + res.stderr).splitlines()
+    assert [line.split(":")[0] for line in lines] == ["model", "images", "prompts", "reward", "train on it"], lines
