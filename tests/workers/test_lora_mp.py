@@ -1,6 +1,7 @@
 """A LoRA actor on real process groups (gloo, two ranks, no Ray), ZeRO-2 and ZeRO-3: its optimizer steps equal a
 plain peft model stepped by torch's AdamW on the whole batch, and its adapter-off log-probs equal a separate frozen
-ReferenceWorker's on the same folder (the reference a LoRA run scores without a second copy of the model).
+ReferenceWorker's on the same folder (the reference a LoRA run scores without a second copy of the model); a new
+actor that loads the checkpoint saved after step 1 makes step 2 bit-equal to the uninterrupted one (LoRA's resume).
 
 Each rank runs two PPO steps with ratio 1 (no old log-probs: the single-pass path), so the loss is the token mean of
 -advantage * log pi over the global batch, and writes the adapter before and after, and both log-probs. The parent
@@ -32,30 +33,36 @@ def _rank_main(rank: int, world: int, port: int, path: str, stage: int, out: str
     from orlhf.workers import PolicyWorker, ReferenceWorker
 
     common = dict(model_path=path, device="cpu", zero_stage=stage, micro_forward_batch_size=4)
-    actor = PolicyWorker(
-        role_config(
-            "actor",
-            **common,
-            learning_rate=LR,
-            train_batch_size=B,
-            micro_train_batch_size=2,
-            total_optimizer_steps=2,
-            lr_scheduler="constant",  # the plain AdamW below steps at a constant LR
-            lora=LoraSlice(rank=4, alpha=8),
-        )
+    actor_cfg = role_config(
+        "actor",
+        **common,
+        learning_rate=LR,
+        train_batch_size=B,
+        micro_train_batch_size=2,
+        total_optimizer_steps=2,
+        lr_scheduler="constant",  # the plain AdamW below steps at a constant LR
+        lora=LoraSlice(rank=4, alpha=8),
     )
+    actor = PolicyWorker(actor_cfg)
     actor.init()
     ref = ReferenceWorker(role_config("ref", **common))
     ref.init()
     share = _experience().index(torch.arange(rank, B, world))  # this rank's rows
     before = actor.state_dict_full()
-    for _ in range(2):
-        actor.train_step(share)
+    ckpt = os.path.join(out, "ckpt")
+    actor.train_step(share)
+    actor.save_checkpoint(ckpt)  # the adapter and its Adam state after step 1
+    actor.train_step(share)
     after = actor.state_dict_full()
     batch = share.as_sequence_batch()
     result = {"base": actor.base_log_probs(batch), "ref": ref.log_probs(batch), "rows": list(range(rank, B, world))}
+    resumed = PolicyWorker(actor_cfg)  # a new process's actor: the base weights from the folder, then the checkpoint
+    resumed.init()
+    resumed.load_checkpoint(ckpt)
+    resumed.train_step(share)
+    resumed = resumed.state_dict_full()
     if rank == 0:
-        result.update(before=before, after=after)
+        result.update(before=before, after=after, resumed=resumed)
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))
 
 
@@ -104,3 +111,6 @@ def test_lora_steps_equal_plain_peft_adamw_and_adapter_off_is_the_reference(mode
     assert all(torch.equal(r0["after"][k], r0["before"][k]) for k in frozen)  # the base weights never move
     for r in (r0, r1):  # adapter off == a separate frozen reference, on every rank's rows
         assert (r["base"] - r["ref"]).abs().max().item() < 1e-5
+    # step 2 from step 1's checkpoint, in a fresh actor, equals the uninterrupted step 2 bit for bit
+    assert r0["resumed"].keys() == r0["after"].keys()
+    assert all(torch.equal(r0["resumed"][k], r0["after"][k]) for k in r0["after"])
