@@ -107,7 +107,7 @@ VLM_DEMO_FLAGS: dict[str, object] = {
     "train_batch_size": 64,
     "micro_train_batch_size": 16,
     "micro_rollout_batch_size": 32,
-    "actor_learning_rate": 5e-4,
+    "actor_learning_rate": 2e-3,
     "lr_warmup_ratio": 0.0,
     "num_episodes": 4,
     "enforce_eager": True,

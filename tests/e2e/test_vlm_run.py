@@ -40,7 +40,7 @@ def run(demo, save: Path, *flags: str) -> int:
     args += ["--advantage_estimator", "group_norm", "--n_samples_per_prompt", "4", "--use_kl_loss"]
     args += ["--max_samples", "128", "--rollout_batch_size", "32", "--train_batch_size", "64"]
     args += ["--micro_train_batch_size", "16", "--micro_rollout_batch_size", "32", "--num_episodes", "3"]
-    args += ["--prompt_max_len", "64", "--generate_max_len", "16", "--actor_learning_rate", "5e-4"]
+    args += ["--prompt_max_len", "64", "--generate_max_len", "16", "--actor_learning_rate", "2e-3"]
     args += ["--lr_warmup_ratio", "0", "--save_steps", "8", "--seed", "7"]
     with pytest.raises(SystemExit) as exit_:
         main([*args, *flags])
