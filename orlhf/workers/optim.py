@@ -1,8 +1,12 @@
 """The optimizer of a trained model (actor, critic), chosen by device and offload flags.
 
-    --adam_offload                      DeepSpeedCPUAdam   (Adam states on the host, stepped by the CPU op)
+    --adam_offload on CUDA              DeepSpeedCPUAdam   (Adam states on the host, stepped by the CPU op)
     --deepspeed_enable_sleep on CUDA    FusedAdam          (ZeRO-3's offload_states moves only its states)
     otherwise                           torch AdamW        (no compiled op needed)
+
+On a CPU device --adam_offload keeps DeepSpeed's offload layout (its host copy of the fp32 master weights and Adam
+states) with torch's AdamW: the states are on the host either way, and DeepSpeedCPUAdam's C++ op would first be
+built by ninja in each new environment, a minute or more of compiling for no change in where anything lives.
 
 --l2 (weight decay) applies to the weight matrices only: biases and norm weights are in a group without decay
 (decay_groups; OpenRLHF's get_optimizer_grouped_parameters, matched by name the same way). Decaying a norm's
@@ -58,14 +62,15 @@ def optimizer_kind(cfg: ActorConfig | CriticConfig) -> str:
     """Which optimizer a trained model gets: "Muon" (--actor_optim muon) | "DeepSpeedCPUAdam" | "FusedAdam" |
     "AdamW" (torch).
 
-    --adam_offload: DeepSpeedCPUAdam (the states live on the host; DeepSpeed's offload_states then leaves them
-    alone). --deepspeed_enable_sleep on CUDA: DeepSpeed's FusedAdam, because ZeRO-3's offload_states (DeepSpeed
-    0.19.8, stage3.py) asserts the optimizer's class is exactly FusedAdam before moving Adam states. Otherwise
-    torch's AdamW, which needs no compiled op (FusedAdam compiles with nvcc on first use).
+    --adam_offload on CUDA: DeepSpeedCPUAdam (the states live on the host; DeepSpeed's offload_states then leaves
+    them alone); on CPU torch's AdamW (module docstring). --deepspeed_enable_sleep on CUDA: DeepSpeed's FusedAdam,
+    because ZeRO-3's offload_states (DeepSpeed 0.19.8, stage3.py) asserts the optimizer's class is exactly
+    FusedAdam before moving Adam states. Otherwise torch's AdamW, which needs no compiled op (FusedAdam compiles
+    with nvcc on first use).
     """
     if cfg.train.optim == "muon":
         return "Muon"
-    if cfg.train.adam_offload:
+    if cfg.train.adam_offload and cfg.device == "cuda":
         return "DeepSpeedCPUAdam"
     if cfg.device == "cuda" and cfg.train.offload_states:
         return "FusedAdam"

@@ -174,6 +174,7 @@ def test_offloading_states_on_cuda_uses_fused_adam():
     assert optimizer_kind(worker_config(resolve_device(cfg, "cpu"), "actor")) == "AdamW"  # nothing to offload on CPU
     offload = with_model(build(colocate_all_models=True, deepspeed_enable_sleep=True, adam_offload=True))
     assert optimizer_kind(worker_config(resolve_device(offload, "cuda"), "actor")) == "DeepSpeedCPUAdam"
+    assert optimizer_kind(worker_config(resolve_device(offload, "cpu"), "actor")) == "AdamW"  # no C++ op to build
     assert optimizer_kind(worker_config(resolve_device(with_model(build()), "cuda"), "actor")) == "AdamW"
 
 
