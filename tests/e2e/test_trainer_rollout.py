@@ -1,9 +1,10 @@
 """`orlhf train-ppo --vllm_num_engines 0` (--rollout_backend trainer) end to end on the built-in demo: real Ray and
 DeepSpeed, no vLLM engine; the actor's ranks generate (workers/generation.py, trainer/actor_rollout.py).
 
-1. GRPO on the demo learns: last 10 steps' mean reward >= 1.5 x the first 10's,
-   the sampler's log-probs within 1e-5 of the training forward's at every step (the sync guard on), no engine
-   started, the export loads in transformers.
+1. GRPO on the demo, DAPO-style (clip-higher, dynamic filtering, soft overlong penalty) with GSPO's sequence-level
+   ratio, learns: last 10 steps' mean generated reward >= 1.5 x the first 10's, the sampler's log-probs within 1e-5
+   of the training forward's at every step (the sync guard on), no engine started, the export loads in
+   transformers. (The algorithm's checks ride on this run: they do not depend on which backend generates.)
 2. Multi-turn agents on two ZeRO-3 actor ranks (the whole model gathered for generate, the batch split over the
    ranks, agents' turns batched through one client): a run stopped after 2 steps and resumed equals an
    uninterrupted one, metric for metric and weight for weight.
@@ -33,19 +34,29 @@ def rows(save: Path) -> list[dict]:
     return [json.loads(line) for line in open(save / "metrics.jsonl")]
 
 
-def test_the_demo_learns_with_the_actor_generating(ray_local, tmp_path):
+def test_the_demo_learns_with_the_actor_generating_dapo_style(ray_local, tmp_path):
     from transformers import AutoModelForCausalLM
 
     save = tmp_path / "run"
-    # 24 steps of 32 prompts x 4 samples: the criterion's 10 + 10 steps, at half the demo's batch
+    # up to 24 steps of 32 prompts x 4 samples (dynamic filtering's refills read more prompts a step), at half the
+    # demo's batch; DAPO's recipe with GSPO's sequence-level ratio: clip-higher, dynamic filtering, the soft
+    # overlong penalty
     grpo = ["--advantage_estimator", "group_norm", "--n_samples_per_prompt", "4", "--actor_learning_rate", "2e-3"]
     short = ["--max_samples", "256", "--rollout_batch_size", "32", "--train_batch_size", "64", "--num_episodes", "3"]
-    assert run(save, *grpo, *short) == 0
+    dapo = ["--policy_loss_type", "gspo", "--eps_clip_low_high", "0.2", "0.28", "--dynamic_filtering"]
+    dapo += ["--overlong_buffer_len", "4", "--overlong_penalty_factor", "0.1"]
+    assert run(save, *grpo, *short, *dapo) == 0
     got = rows(save)
-    rewards = [r["reward_mean"] for r in got]
-    assert len(got) == 24 and sum(rewards[-10:]) >= 1.5 * sum(rewards[:10]), [round(x, 3) for x in rewards]
+    assert len(got) >= 20, len(got)
+    assert "value_loss" not in got[0]  # group_norm: no critic
+    keys = {"dynamic_filtering_pass_rate", "clip_frac_low", "clip_frac_high", "entropy", "overlong_penalized_share"}
+    assert keys <= set(got[0]), set(got[0])
+    assert all(0 < r["dynamic_filtering_pass_rate"] <= 100 for r in got)
+    # reward_mean is over the kept samples, which filtering biases; the policy's own reward is over all generated.
+    rewards = [r["reward_generated_mean"] for r in got]
+    assert sum(rewards[-10:]) >= 1.5 * sum(rewards[:10]), [round(x, 3) for x in rewards]
     assert max(r["engine_logprob_gap"] for r in got) < 1e-5  # sampled from exactly the policy that trains
-    assert [r["weight_version"] for r in got] == list(range(1, 25))
+    assert [r["weight_version"] for r in got] == list(range(1, len(got) + 1))
     driver = (save / "logs" / "driver.log").read_text()
     assert "rollouts: generated in the actor's ranks" in driver and "vllm engines:" not in driver
     assert not list((save / "logs").glob("vllm-*.log"))
