@@ -1,4 +1,4 @@
-"""orlhf against TRL's GRPOTrainer at equal work on the demo, interleaved, in one invocation.
+"""orlhf against TRL's GRPOTrainer at equal work on the demo, interleaved, in one invocation; on CPU or one GPU.
 
     TRL: installed by this script into its own virtualenv (<cache>/trl-venv-<version>; orlhf's stays clean):
          python -m venv, pip install torch==<orlhf's torch> (same build: CPU wheel on CPU), then trl==<version>
@@ -24,9 +24,22 @@
     -> a table, and one final JSON line: every mode's figures and ratio_vs_trl (samples/s over TRL's), with the
        per-repeat ratios (each run over the TRL run of its repeat) and their median, ratio_vs_trl_paired
 
+    --device cuda: both sides on the one GPU in bf16 (orlhf --bf16: bf16 weights, fp32 master weights in DeepSpeed;
+         TRL bf16=True: fp32 weights under bf16 autocast), the 0.4b model by default (a random Llama, hidden 1536
+         x 16 layers, built on the GPU: bench_train_mfu.py's 0.4b), modes orlhf_trainer and trl by default (no vLLM
+         needed), TRL from --trl_python (default: this python; the GPU machine has no package index, so
+         scripts/gpu_check.sh installs the carried trl, datasets, dill and multiprocess wheels beside orlhf's)
+    --profile: after the timed repeats, one more run of each mode with every phase call under the torch profiler
+         (trl_grpo_runner.PhaseProfile; orlhf's rank processes load the wrappers through a sitecustomize.py on
+         their PYTHONPATH): per mode, GPU seconds (the CUDA kernels' summed time; null on CPU) and wall seconds
+         per step of each phase (TRL: generate_score, train; orlhf: generate, score, train, and generate_score =
+         generate + score). The profiled run's speed is not counted.
+
 Reproduce (2-core CPU box; about 1.5 min a run at the default 12 steps, so ~14 min with 3 repeats of 3 modes):
     .venv/bin/python benchmarks/trl_compare.py --repeats 3
     .venv/bin/python benchmarks/trl_compare.py --kl 0 --repeats 3               # the no-KL row
+On one GPU (scripts/gpu_check.sh runs a short one after tests/gpu):
+    python benchmarks/trl_compare.py --device cuda --repeats 2 --profile
 Speed figures from a machine shared with other jobs are only comparable within one invocation (see load_avg).
 """
 
@@ -50,10 +63,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from model_presets import PRESETS, preset_model  # noqa: E402  (benchmarks/model_presets.py)
 from proctree import TreeSampler, run_sampled  # noqa: E402  (benchmarks/proctree.py)
-from trl_grpo_runner import add_work_args  # noqa: E402  (the equal work, declared once)
+from trl_grpo_runner import PROFILE_ENV, add_work_args, phase_profile, rank_profiler_hook  # noqa: E402
 
 MODES = ("orlhf", "orlhf_async", "trl", "orlhf_1thread", "orlhf_engines2", "orlhf_trainer")
+GPU_MODES = ("orlhf_trainer", "trl")  # --device cuda's default: the modes that need no vLLM
 TRL_VERSION = "1.16.0"
+SIZES = {"0.4b": (1536, 16)}  # hidden, layers: random Llamas beyond model_presets.PRESETS (bench_train_mfu.py's)
 
 
 # ---- TRL's own virtualenv ------------------------------------------------------------------------------------
@@ -95,7 +110,8 @@ def orlhf_cmd(a, asynchronous: bool, extra: tuple = ()) -> list[str]:
         "orlhf.cli",
         "train-ppo",
         "--device",
-        "cpu",
+        a.device,
+        *(["--bf16"] if a.device == "cuda" else []),
         "--max_samples",
         str(a.max_samples),
         "--num_episodes",
@@ -139,6 +155,7 @@ def with_model(cmd: list[str], a) -> list[str]:
     if a.model_preset == "demo":
         return cmd
     from orlhf.config.flags import DEMO_PRESET
+    from orlhf.config.validation_rollout import ENGINE_FLAGS
     from orlhf.demo.builder import ensure_demo
 
     demo = ensure_demo()
@@ -149,9 +166,12 @@ def with_model(cmd: list[str], a) -> list[str]:
         **DEMO_PRESET,
     }
     given = {x for x in cmd if x.startswith("--")}
+    # With the actor's ranks generating, an engine-only value given explicitly is refused (the demo preset
+    # applies it only to engines), so the preset's engine values are left out there.
+    no_engine = "--vllm_num_engines" in cmd and cmd[cmd.index("--vllm_num_engines") + 1] == "0"
     added = []
     for k, v in values.items():
-        if f"--{k}" in given or v is False:
+        if f"--{k}" in given or v is False or (no_engine and k in ENGINE_FLAGS):
             continue
         added += [f"--{k}"] if v is True else [f"--{k}", str(v)]
     return [*cmd, *added]
@@ -159,6 +179,11 @@ def with_model(cmd: list[str], a) -> list[str]:
 
 def model_folder(a) -> Path:
     """The model both sides train: the demo's, or a preset's (built once; room for the demo's 64 + new tokens)."""
+    if a.model_preset in SIZES:
+        from model_presets import bench_cache, build_model
+
+        init = "cuda" if a.device == "cuda" else "cpu"
+        return build_model(bench_cache(), *SIZES[a.model_preset], 64 + a.new_tokens, init_device=init)
     return preset_model(a.model_preset, max_len=64 + a.new_tokens)
 
 
@@ -191,13 +216,17 @@ def trl_cmd(a, python: Path) -> list[str]:
         str(a.lr),
         "--beta",
         str(a.kl),
+        "--device",
+        a.device,
     ]
 
 
 # ---- one run --------------------------------------------------------------------------------------------------
 
 
-def run_once(cmd: list[str], save: Path, warmup: int, timeout: float, trl_threads: int = 0) -> dict:
+def run_once(
+    cmd: list[str], save: Path, warmup: int, timeout: float, trl_threads: int = 0, profile: bool = False
+) -> dict:
     shutil.rmtree(save, ignore_errors=True)
     save.mkdir(parents=True)
     is_trl = "trl_grpo_runner.py" in " ".join(cmd)
@@ -207,7 +236,12 @@ def run_once(cmd: list[str], save: Path, warmup: int, timeout: float, trl_thread
     if is_trl and trl_threads:
         env["OMP_NUM_THREADS"] = str(trl_threads)
     if not is_trl:
-        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        paths = [str(ROOT), env.get("PYTHONPATH", "")]
+        if profile:  # orlhf's processes (the driver and Ray's workers inherit it) load the phase wrappers
+            paths.insert(0, str(rank_profiler_hook(save / "profile_hook")))
+        env["PYTHONPATH"] = os.pathsep.join(paths).rstrip(os.pathsep)
+    if profile:
+        env[PROFILE_ENV] = str(save / "profile.jsonl")
     launched, steal0 = time.monotonic(), steal_seconds()
     rc, sampler = run_sampled(cmd, ROOT, save / "run.log", env, timeout, marker=None if is_trl else "startup.json")
     if rc != 0:
@@ -222,6 +256,8 @@ def run_once(cmd: list[str], save: Path, warmup: int, timeout: float, trl_thread
         result["startup_phases"] = json.loads((save / "startup.json").read_text())["phases_s"]
     if sampler.cpu_at_marker:  # CPU seconds each process group spent before step 1 (where start-up's CPU goes)
         result["startup_cpu_s"] = {g: round(v, 2) for g, v in sorted(sampler.cpu_at_marker.items())}
+    if profile:
+        result["profile"] = phase_profile(save / "profile.jsonl", len(rows))
     return result
 
 
@@ -290,15 +326,20 @@ def parse_args(argv=None):
     from orlhf.demo.builder import default_cache_dir
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--modes", default=",".join(MODES), help=f"comma list of {MODES}")
+    ap.add_argument(
+        "--modes", default=None, help=f"comma list of {MODES} (default: all on cpu, {','.join(GPU_MODES)} on cuda)"
+    )
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="both sides' device (cuda: bf16)")
+    ap.add_argument("--profile", action="store_true", help="one more run per mode, each phase under the torch profiler")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--warmup", type=int, default=2, help="steps not measured at the start of each run")
     add_work_args(ap)
     ap.add_argument(
         "--model_preset",
-        choices=tuple(PRESETS),
-        default="demo",
-        help="the model both sides train (benchmarks/model_presets.py; e.g. medium: ~20M params)",
+        choices=(*PRESETS, *SIZES),
+        default=None,
+        help="the model both sides train (benchmarks/model_presets.py; e.g. medium: ~20M params; 0.4b: 380M); "
+        "default demo on cpu, 0.4b on cuda",
     )
     ap.add_argument("--kl", type=float, default=0.01, help="KL coefficient (TRL beta); 0: no reference model")
     ap.add_argument("--orlhf_flags", default="", help="extra train-ppo flags for the orlhf modes")
@@ -319,10 +360,20 @@ def parse_args(argv=None):
     ap.add_argument("--trl_version", default=TRL_VERSION)
     ap.add_argument("--trl_venv", type=Path, default=None, help="default: <orlhf cache>/trl-venv-<version>")
     ap.add_argument("--no_install", action="store_true", help="fail instead of installing TRL's virtualenv")
+    ap.add_argument(
+        "--trl_python",
+        type=Path,
+        default=None,
+        help="a python that imports trl already, used as it is (default on cuda: this python; on cpu: the venv)",
+    )
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "trl_compare")
     a = ap.parse_args(argv)
-    a.modes = [m for m in a.modes.split(",") if m]
+    cuda = a.device == "cuda"
+    a.modes = [m for m in (a.modes or ",".join(GPU_MODES if cuda else MODES)).split(",") if m]
+    a.model_preset = a.model_preset or ("0.4b" if cuda else "demo")
+    if cuda and a.trl_python is None:
+        a.trl_python = Path(sys.executable)
     bad = [m for m in a.modes if m not in MODES]
     if bad:
         ap.error(f"--modes: unknown {bad}; choose from {MODES}")
@@ -345,7 +396,11 @@ def parse_args(argv=None):
 
 def main(argv=None) -> None:
     a = parse_args(argv)
-    python = trl_python(a.trl_venv, a.trl_version, install=not a.no_install) if "trl" in a.modes else None
+    python = None
+    if "trl" in a.modes:
+        python = a.trl_python or trl_python(a.trl_venv, a.trl_version, install=not a.no_install)
+        if a.trl_python and subprocess.run([str(python), "-c", "import trl"], capture_output=True).returncode:
+            raise SystemExit(f"--trl_python {python}: it cannot import trl; install trl there or leave out trl mode")
     cmds = {
         "orlhf": orlhf_cmd(a, False),
         "orlhf_async": orlhf_cmd(a, True),
@@ -364,13 +419,20 @@ def main(argv=None) -> None:
             runs[mode].append(run_once(cmds[mode], a.out / f"{mode}-r{rep}", a.warmup, a.timeout, a.trl_threads))
     result = {m: median_of(rs) for m, rs in runs.items()}
     add_ratios(result, runs)
+    for mode in modes if a.profile else ():
+        print(f"profiled run: {mode} ...", flush=True)
+        run = run_once(cmds[mode], a.out / f"{mode}-profile", a.warmup, a.timeout, a.trl_threads, profile=True)
+        result[mode]["profile"] = run.get("profile", {"error": run.get("error")})
     print_table(result)
+    report_line(a, result)
     print(
         json.dumps(
             {
                 "modes": result,
                 "runs": runs,
                 "kl": a.kl,
+                "device": a.device,
+                "gpu": gpu_name() if a.device == "cuda" else None,
                 "model_preset": a.model_preset,
                 "model": str(model_folder(a)),
                 "trl_version": a.trl_version,
@@ -381,6 +443,32 @@ def main(argv=None) -> None:
             }
         )
     )
+
+
+def report_line(a, result: dict) -> None:
+    """A short line for $ORLHF_GPU_REPORT (scripts/gpu_check.sh prints that file): each mode's samples/s, ratio to
+    TRL and profile."""
+    path = os.environ.get("ORLHF_GPU_REPORT")
+    if not path:
+        return
+    keep = ("samples_per_s", "ratio_vs_trl", "ratio_vs_trl_paired", "step_s", "startup_s", "phases", "profile", "error")
+    line = {
+        "test": "trl_compare",
+        "device": a.device,
+        "gpu": gpu_name() if a.device == "cuda" else None,
+        "model_preset": a.model_preset,
+        "steps": a.max_samples // a.prompts_per_step * a.episodes,
+        "warmup": a.warmup,
+        "modes": {m: {k: r[k] for k in keep if k in r} for m, r in result.items()},
+    }
+    with open(path, "a") as f:
+        f.write(json.dumps(line) + "\n")
+
+
+def gpu_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0)
 
 
 def add_ratios(result: dict, runs: dict[str, list[dict]]) -> None:
@@ -424,6 +512,9 @@ def print_table(result: dict) -> None:
                 + ", ".join(f"{x:.2f}x" for x in r["ratios_per_repeat"])
                 + f" (median {r['ratio_vs_trl_paired']:.2f}x)"
             )
+        for phase, f in (r.get("profile") or {}).items():
+            if isinstance(f, dict):
+                print(f"{m} profiled, per step: {phase} GPU {f['gpu_s']} s, wall {f['wall_s']} s, {f['calls']} calls")
         if r.get("cpu_s_per_step_by_group"):
             print(
                 f"{m} CPU s per step by process group: "

@@ -21,8 +21,11 @@
 # test summary and the measured figures (JSON lines). FusedAdam compiles on first use: it needs nvcc + ninja.
 # When DIR holds the Ray wheel and the host is Python 3.12, Ray goes into that venv too (its other dependencies
 # from the host), so tests/gpu can import it; this script never starts Ray.
-# Then benchmarks/bench_train_mfu.py measures the actor's train step (tokens/s, MFU, peak memory against the plan).
-# PYTHON picks the host interpreter (default python3). Exit status: pytest's, else the benchmark's.
+# Then benchmarks/bench_train_mfu.py measures the actor's train step (tokens/s, MFU, peak memory against the plan),
+# and benchmarks/trl_compare.py --device cuda runs a short orlhf (--vllm_num_engines 0) against TRL's GRPOTrainer
+# (trl, datasets, dill and multiprocess come from DIR too, for each GPU_CHECK_PYTHONS from 3.11; the rest of
+# their dependencies from the host: without them the comparison is left out, saying why).
+# PYTHON picks the host interpreter (default python3). Exit status: pytest's, else the benchmarks'.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -33,6 +36,10 @@ RAY=$("$PY" -c "import runpy; print(runpy.run_path('orlhf/versions.py')['RAY'])"
 # DeepSpeed's requirements (0.19.8) besides torch, numpy, packaging and tqdm (transformers brings those three),
 # and pytest. numpy's wheels alone would not fit what a GPU box can be handed (64 MiB).
 DEPS="einops hjson msgpack ninja psutil py-cpuinfo pydantic pytest pytest-timeout"
+# benchmarks/trl_compare.py's TRL side: what TRL needs that the GPU image lacks, at the versions TRL's CPU virtualenv
+# runs with (the image has accelerate, pyarrow, pandas, xxhash, fsspec and huggingface-hub).
+TRL=$(sed -n 's/^TRL_VERSION = "\(.*\)"$/\1/p' benchmarks/trl_compare.py)
+TRL_DEPS="trl==$TRL datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19"
 
 if [ "${1:-}" = --build-wheels ]; then
   DIR=${2:?usage: gpu_check.sh --build-wheels DIR}
@@ -46,6 +53,12 @@ if [ "${1:-}" = --build-wheels ]; then
     "$PY" -m pip download -q --only-binary=:all: --python-version "$v" --implementation cp \
       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
       -d "$DIR" $DEPS
+    [ "$(printf '%s\n' 3.11 "$v" | sort -V | head -n1)" = 3.11 ] || continue  # TRL 1.16 needs Python >= 3.11
+    log "TRL $TRL and what it needs beyond the GPU image, for Python $v"
+    # shellcheck disable=SC2086
+    "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$v" --implementation cp \
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+      -d "$DIR" $TRL_DEPS
   done
   # Ray for the GPU image's Python only: 79 MB as published, ~45 MB without the Java workers' jar (32 MB) and the
   # dashboard's built web client, neither of which a Python worker loads.
@@ -125,6 +138,13 @@ if [ -e "${RAY_WHEELS[0]}" ]; then
   fi
 fi
 
+if ls "$DIR"/trl-"$TRL"-*.whl >/dev/null 2>&1; then
+  log "installing $TRL_DEPS from $DIR, no index (their other dependencies from the host)"
+  # shellcheck disable=SC2086
+  "$PY" -m pip --python "$VENV/bin/python" install -q --disable-pip-version-check --no-index --find-links "$DIR" \
+    $TRL_DEPS || log "TRL did not install (pip says why above): the TRL comparison will be left out"
+fi
+
 REPORT=$ROOT/.gpu-check/report.jsonl
 : >"$REPORT"
 set +e
@@ -147,8 +167,28 @@ if [ "$MFU_ARGS" != skip ]; then
   [ $rc -ne 0 ] || rc=$mfu_rc
   log "bench_train_mfu exit status $mfu_rc (its JSON: .gpu-check/train_mfu.json)"
 fi
+# orlhf train-ppo --vllm_num_engines 0 against TRL's GRPOTrainer on the same 0.4B model, prompts, reward and batch,
+# bf16, 4 steps each (1 not measured); --profile adds a profiled run of each with per-phase GPU seconds.
+# GPU_CHECK_TRL_ARGS replaces the arguments; "skip" leaves it out. Without a GPU: the demo model on CPU.
+TRL_ARGS="--device cuda --repeats 1 --max_samples 256 --episodes 1 --warmup 1 --timeout 420"
+"$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" ||
+  TRL_ARGS="--device cpu --modes orlhf_trainer,trl --trl_python $VENV/bin/python --max_samples 192 --episodes 1"
+TRL_ARGS=${GPU_CHECK_TRL_ARGS:-$TRL_ARGS}
+if [ "$TRL_ARGS" != skip ] && ! "$VENV/bin/python" -c "import trl" 2>/dev/null; then
+  log "TRL comparison left out: trl does not import in $VENV (make DIR with this script's --build-wheels)"
+elif [ "$TRL_ARGS" != skip ]; then
+  log "trl_compare.py $TRL_ARGS"
+  # shellcheck disable=SC2086
+  HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false ORLHF_GPU_REPORT=$REPORT PYTHONPATH=$ROOT \
+    "$VENV/bin/python" benchmarks/trl_compare.py $TRL_ARGS --out "$ROOT/.gpu-check/trl_compare" \
+    >"$ROOT/.gpu-check/trl_compare.log" 2>&1
+  trl_rc=$?
+  tail -n 12 "$ROOT/.gpu-check/trl_compare.log" | cut -c1-400 >&2
+  [ $rc -ne 0 ] || rc=$trl_rc
+  log "trl_compare exit status $trl_rc (its output: .gpu-check/trl_compare.log)"
+fi
 set -e
 log "measured figures ($REPORT):"
 cat "$REPORT" >&2
-log "exit status $rc (pytest's, else the benchmark's)"
+log "exit status $rc (pytest's, else the benchmarks')"
 exit $rc

@@ -61,3 +61,78 @@ def gpu_report(name: str, record: dict) -> None:
     if out:
         with open(out, "a") as f:
             f.write(line + "\n")
+
+
+# ---- whole `orlhf train-ppo` runs (test_cli_gpu.py) ----------------------------------------------------------
+
+
+def terminal_lines(text: str) -> tuple[list[str], list[str]]:
+    """(lines besides the progress bar, bar frames): tests/e2e/test_terminal.py's split. tqdm redraws its bar
+    after a carriage return."""
+    other, bar = [], []
+    for line in text.split("\n"):
+        for seg in line.split("\r"):
+            if seg.strip():
+                (bar if seg.startswith("ppo:") else other).append(seg)
+    return other, bar
+
+
+class GpuMemoryPoller:
+    """The most memory nvidia-smi reports in use on GPU 0 while the `with` block runs (MiB, every process on the
+    GPU: the ranks are Ray workers, out of this process's reach). None where nvidia-smi is absent (CPU runs)."""
+
+    def __init__(self, interval_s: float = 0.5):
+        self.interval_s, self.peak_mib = interval_s, None
+
+    def _read(self):
+        import subprocess
+
+        try:
+            out = subprocess.run(
+                ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "--id=0"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout
+            return float(out.strip().splitlines()[0])
+        except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+            return None
+
+    def _loop(self):
+        while not self._stop.wait(self.interval_s):
+            used = self._read()
+            if used is not None:
+                self.peak_mib = max(self.peak_mib or 0.0, used)
+
+    def __enter__(self):
+        import shutil
+        import threading
+
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True) if shutil.which("nvidia-smi") else None
+        if self._thread:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self._thread:
+            self._thread.join()
+
+
+def plan_gib(text: str) -> dict[str, float]:
+    """{pool: GiB needed per GPU} from `orlhf plan`'s "per GPU" table (launch/plan.py's _device_sums)."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("per GPU")), None)
+    if start is None:
+        return {}
+    out = {}
+    for line in lines[start + 2 :]:  # past the title and the table's header
+        cells = line.split()
+        if len(cells) < 4:
+            break
+        try:
+            out[cells[0]] = float(cells[1])
+        except ValueError:
+            break
+    return out
