@@ -1,5 +1,6 @@
 """Helpers of the one-GPU tests: a tiny local Llama, a batch with padding, the report of measured figures."""
 
+import importlib.metadata
 import json
 import os
 from pathlib import Path
@@ -136,3 +137,13 @@ def plan_gib(text: str) -> dict[str, float]:
         except ValueError:
             break
     return out
+
+
+def installed(dist: str) -> bool:
+    """By the installed distribution, not importlib.util.find_spec: tests/ is on pytest's sys.path, so where Ray
+    is absent find_spec("ray") finds the tests/ray folder as a namespace package (seen on the GPU machine)."""
+    try:
+        importlib.metadata.version(dist)
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False

@@ -29,7 +29,6 @@ model, fp32) to check this file itself. Not marked `gpu` (the root conftest skip
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import os
 import statistics
@@ -40,7 +39,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from gpu_helpers import GpuMemoryPoller, gpu_report, plan_gib, terminal_lines
+from gpu_helpers import GpuMemoryPoller, gpu_report, installed, plan_gib, terminal_lines
 
 ROOT = Path(__file__).resolve().parents[2]
 CUDA = torch.cuda.is_available()
@@ -48,20 +47,12 @@ ON_CPU = os.environ.get("ORLHF_GPU_CLI_ON_CPU") == "1"
 DEVICE = "cuda" if CUDA else "cpu"
 
 
-def _installed(dist: str) -> bool:
-    try:
-        importlib.metadata.version(dist)
-        return True
-    except importlib.metadata.PackageNotFoundError:
-        return False
-
-
 pytestmark = [
     pytest.mark.e2e,
     pytest.mark.ray,
     pytest.mark.skipif(not (CUDA or ON_CPU), reason="needs a CUDA GPU (ORLHF_GPU_CLI_ON_CPU=1 runs it on CPU)"),
-    pytest.mark.skipif(not _installed("ray"), reason="needs Ray (scripts/gpu_check.sh installs its stripped wheel)"),
-    pytest.mark.skipif(not _installed("deepspeed"), reason="needs DeepSpeed"),
+    pytest.mark.skipif(not installed("ray"), reason="needs Ray (scripts/gpu_check.sh installs its stripped wheel)"),
+    pytest.mark.skipif(not installed("deepspeed"), reason="needs DeepSpeed"),
 ]
 
 STEPS = 8  # 256 prompts / 32 a step, one episode; steps are cheap next to a run's start-up

@@ -8,28 +8,16 @@ trainer's (both bfloat16 here, as engines on GPUs always are: mean gap <= 0.02),
 process imported orlhf.cpu (a GPU run takes the plain tuning: distributed/tuning.py).
 """
 
-import importlib.metadata
-
 import pytest
 import torch
-
-
-def _installed(dist: str) -> bool:
-    """By the installed distribution, not importlib.util.find_spec: tests/ is on pytest's sys.path, so where Ray
-    is absent find_spec("ray") finds the tests/ray folder as a namespace package (seen on the GPU machine)."""
-    try:
-        importlib.metadata.version(dist)
-        return True
-    except importlib.metadata.PackageNotFoundError:
-        return False
-
+from gpu_helpers import installed
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.ray,
     pytest.mark.vllm,
     pytest.mark.skipif(
-        not (_installed("ray") and _installed("vllm")),
+        not (installed("ray") and installed("vllm")),
         reason="needs ray and the CUDA build of vLLM (pip install -e .[gpu])",
     ),
 ]
