@@ -169,7 +169,7 @@ def ds_config(cfg: WorkerConfig, world_size: int) -> dict:
     accum = cfg.grad_accum_dtype if cfg.trainable else None
     return {
         **batch,
-        **({"optimizer": muon_optimizer(cfg.train)} if cfg.trainable and cfg.train.optim == "muon" else {}),
+        **({"optimizer": muon_optimizer(cfg.train, cfg.device)} if cfg.trainable and cfg.train.optim == "muon" else {}),
         "zero_optimization": zero,
         "bf16": {"enabled": cfg.bf16},
         **({"data_types": {"grad_accum_dtype": accum}} if accum is not None else {}),
@@ -183,23 +183,24 @@ def ds_config(cfg: WorkerConfig, world_size: int) -> dict:
     }
 
 
-def muon_optimizer(t) -> dict:
+def muon_optimizer(t, device: str = "cuda") -> dict:
     """--actor_optim muon (OpenRLHF 0.11's --actor.optim muon): DeepSpeed builds its MuonWithAuxAdam from this
     section. Muon steps the 2-D weights at --actor_muon_lr with --actor_muon_momentum; the auxiliary AdamW steps the
     rest (embeddings, head, norms, biases) with the role's learning rate, betas and eps; the role's weight decay is
-    the groups' (biases and norm weights exempt, as for Adam). `t`: the role's TrainSlice."""
-    return {
-        "type": "Muon",
-        "params": {
-            "lr": t.muon_lr,
-            "muon_lr": t.muon_lr,
-            "adam_lr": t.learning_rate,
-            "momentum": t.muon_momentum,
-            "betas": list(t.adam_betas),
-            "eps": t.adam_eps,
-            "weight_decay": t.weight_decay,
-        },
+    the groups' (biases and norm weights exempt, as for Adam). `t`: the role's TrainSlice.
+
+    On a CPU device the auxiliary AdamW is torch's (DeepSpeed's torch_adam): DeepSpeed's default there, FusedAdam,
+    is a C++ op that ninja builds in every new environment before the first step (a minute or more on CPU)."""
+    params = {
+        "lr": t.muon_lr,
+        "muon_lr": t.muon_lr,
+        "adam_lr": t.learning_rate,
+        "momentum": t.muon_momentum,
+        "betas": list(t.adam_betas),
+        "eps": t.adam_eps,
+        "weight_decay": t.weight_decay,
     }
+    return {"type": "Muon", "params": {**params, "torch_adam": True} if device == "cpu" else params}
 
 
 def _train_zero_knobs(cfg: WorkerConfig, world_size: int) -> dict:
