@@ -37,6 +37,7 @@ from orlhf.distributed.endpoints import check_exports, endpoint, method_name
 from orlhf.distributed.groups import GroupCall, settle, wait_all
 from orlhf.distributed.placement import EngineBundles
 from orlhf.distributed.tuning import Tuning
+from orlhf.inputs.images import open_images
 from orlhf.rollout.engine_config import EngineConfig, engine_env
 from orlhf.rollout.worker_ext import WeightSyncExtension
 from orlhf.storage.logs import LOG_DIR_ENV, redirect_output
@@ -163,7 +164,7 @@ class EngineActor:
         prompts = [TokensPrompt(prompt_token_ids=list(r.ids)) for r in requests]
         for prompt, r in zip(prompts, requests):
             if r.images:  # vLLM's multimodal input: it expands each placeholder in the ids to the image's tokens
-                prompt["multi_modal_data"] = {"image": decode_images(r.images)}
+                prompt["multi_modal_data"] = {"image": open_images(r.images)}
         outs = self.llm.generate(prompts, params, use_tqdm=False)
         rollouts = []
         for r, out in zip(requests, outs):
@@ -387,15 +388,6 @@ class EngineGroup:
         for e in self._engines:
             ray.kill(e, no_restart=True)
         self._engines = []
-
-
-def decode_images(images: tuple) -> list:
-    """PIL images (RGB) from encoded image files, as vLLM's multimodal input takes them."""
-    import io
-
-    from PIL import Image
-
-    return [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
 
 
 def contiguous_chunks(n: int, engines: int) -> list[range]:
