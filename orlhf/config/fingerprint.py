@@ -47,6 +47,7 @@ FREE_ON_RESUME: dict[str, str] = {
         (
             "stop_after_steps",
             "ray_timeout_s",
+            "hang_timeout_s",
             "address",
             "reward_timeout_s",
             "reward_retries",

@@ -230,6 +230,13 @@ class RuntimeConfig:
     device: str = opt("auto", "cuda (NCCL) or cpu (gloo); auto: cuda when a GPU is visible.", choices=DEVICES)
     address: Optional[str] = opt(None, "Ray cluster address (default: the job's cluster, else a new local one).")
     ray_timeout_s: float = opt(600.0, "Longest wait on any Ray call or placement group before failing.")
+    hang_timeout_s: float = opt(
+        60.0,
+        "A rank or engine whose process gives no answer to a health check for this long while one of its calls runs "
+        "is hung and counted lost (replaced under --max_engine_restarts, a run restart under --max_restarts). The "
+        "check runs beside every call, so a long step or a slow collective is not hung; a call that never ends in a "
+        "live process is --ray_timeout_s's.",
+    )
     verbose: bool = opt(False, "Show every library's and worker's output here (default: in <save_path>/logs/).")
     stop_after_steps: Optional[int] = opt(
         None,

@@ -196,6 +196,7 @@ def _engine_and_thread_bounds(cfg: TrainConfig) -> list[Bound]:
             f"--stop_after_steps must be >= 1 (got {rt.stop_after_steps}).",
         ),
         (rt.ray_timeout_s > 0, f"--ray_timeout_s must be > 0 (got {rt.ray_timeout_s})."),
+        (rt.hang_timeout_s > 0, f"--hang_timeout_s must be > 0 (got {rt.hang_timeout_s})."),
     ]
 
 

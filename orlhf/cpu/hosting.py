@@ -71,6 +71,7 @@ class CpuGroup(Calls):
         self.base, self.role = base, role or base.role
         self.worker_cls = worker_cls or base.worker_cls
         self.world_size, self.timeout_s, self.actors = base.world_size, base.timeout_s, base.actors
+        self.hang_s = base.hang_s
         self.guests, self.host_group = tuple(guests), host  # guests: the roles it has room for (a host only)
         self.host_role = host.role if host is not None else None
         self.turns: Optional[Turns] = None  # a host's, from its first guest on; a guest reads its host's
@@ -103,7 +104,8 @@ class CpuGroup(Calls):
                     self.actors[r].call_as.remote(self.role, name, turns.take(r), *a, **kwargs)
                     for r, a in zip(ranks, args)
                 ]
-        return GroupCall(self.role, name, refs, ranks, self.timeout_s, host=self.host_role)
+        actors = [self.actors[r] for r in ranks]
+        return GroupCall(self.role, name, refs, ranks, self.timeout_s, host=self.host_role, **self._health(actors))
 
     def call_sharded(self, fn: Callable, batch: Any, *args, **kwargs) -> GroupCall:
         """As ActorGroup.call_sharded; a `beside` method on a one-rank host runs beside its call in flight
@@ -112,9 +114,13 @@ class CpuGroup(Calls):
         if name not in self.beside or self.world_size != 1:
             return super().call_sharded(fn, batch, *args, **kwargs)
         ref = self.actors[0].call_beside.remote(self.role, name, batch, *args, **kwargs)
-        out = GroupCall(self.role, name, [ref], [0], self.timeout_s, host=self.host_role)
+        out = GroupCall(self.role, name, [ref], [0], self.timeout_s, host=self.host_role, **self._health(self.actors))
         out.n_out = len(batch)
         return out
+
+    def _health(self, actors: list) -> dict:
+        """GroupCall's health-check arguments (distributed/heartbeat.py) for calls on `actors`."""
+        return {"actors": actors, "hang_s": self.hang_s}
 
     def set_cpu_threads(self, n: int) -> None:
         """Every rank runs this role's next calls with n torch threads (per phase: cpu/threads.py)."""

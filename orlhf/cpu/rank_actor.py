@@ -34,6 +34,7 @@ from orlhf.cpu.ds_import import load_deepspeed
 from orlhf.cpu.memory import keep_freed_memory, release_freed_memory
 from orlhf.cpu.threads import apply_threads, threads_as_ray_set
 from orlhf.distributed.groups import free_port, log_name
+from orlhf.distributed.heartbeat import HEALTH, HEALTH_GROUPS
 from orlhf.storage.logs import redirect_output
 
 
@@ -60,7 +61,7 @@ def set_rng_states(states: tuple) -> None:
     torch.set_rng_state(states[2])
 
 
-@ray.remote
+@ray.remote(concurrency_groups=HEALTH_GROUPS)
 class CpuRankActor:
     """Holds this rank's workers keyed by role: its own (`role`) and guests; runs their methods by name in the
     driver's order. No logic of its own beyond the invariants of the module docstring."""
@@ -178,5 +179,7 @@ class CpuRankActor:
     def set_cpu_threads(self, n: int, role: Optional[str] = None) -> None:
         self.cpu_threads[role or self.role] = n
 
+    @ray.method(concurrency_group=HEALTH)
     def pid(self) -> int:
+        """Also the health check (distributed/heartbeat.py): its own thread, beside every call and turn."""
         return os.getpid()

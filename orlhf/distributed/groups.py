@@ -39,6 +39,7 @@ import ray
 import torch
 
 from orlhf.distributed.endpoints import check_exports, method_name
+from orlhf.distributed.heartbeat import HEALTH, HEALTH_GROUPS, Heartbeat
 from orlhf.distributed.placement import RankBundle, scheduling_options
 from orlhf.storage.logs import LOG_DIR_ENV, redirect_output, tail, worker_log_path
 
@@ -47,15 +48,25 @@ log = logging.getLogger(__name__)
 
 class RankError(RuntimeError):
     """A rank actor raised or died. `role`, `rank` and `method` say where; the message holds the traceback.
-    `host`: the role whose rank processes ran the call, when another role's (its log is that role's)."""
+    `host`: the role whose rank processes ran the call, when another role's (its log is that role's). `hung`: its
+    process stopped answering health checks (distributed/heartbeat.py); it counts as gone (`died`) too."""
 
-    def __init__(self, role: str, rank: int, method: str, detail: str, died: bool = False, host: Optional[str] = None):
-        self.role, self.rank, self.method, self.died = role, rank, method, died  # died: the process is gone
-        self.host = host
+    def __init__(
+        self,
+        role: str,
+        rank: int,
+        method: str,
+        detail: str,
+        died: bool = False,
+        host: Optional[str] = None,
+        hung: bool = False,
+    ):
+        self.role, self.rank, self.method, self.died = role, rank, method, died or hung  # died: the process is gone
+        self.host, self.hung = host, hung
         detail = re.sub(r"\x1b\[[0-9;]*m", "", detail)  # Ray colours its task names
         path = worker_log_path(log_name(host or role, rank))
         if path is not None:
-            last = tail(path) if died else ""  # no traceback travelled: show what the process printed last
+            last = tail(path) if self.died else ""  # no traceback travelled: show what the process printed last
             detail += f"\nlast lines of {path}:\n{last}" if last else f"\nits full output: {path}"
         where = f" (in {host} rank {rank}'s process)" if host else ""
         super().__init__(f"{role} rank {rank} failed in {method}(){where}:\n{detail}")
@@ -72,7 +83,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@ray.remote
+@ray.remote(concurrency_groups=HEALTH_GROUPS)
 class RankActor:
     """Holds one rank's worker and runs its methods by name, on Ray's pool threads; no logic of its own. A
     platform may give a group another actor class with these remote methods (distributed/tuning.py)."""
@@ -93,12 +104,15 @@ class RankActor:
     def call(self, method: str, *args, **kwargs) -> Any:
         return getattr(self.worker, method)(*args, **kwargs)
 
+    @ray.method(concurrency_group=HEALTH)
     def pid(self) -> int:
+        """Also the health check (distributed/heartbeat.py): its own thread, beside any call."""
         return os.getpid()
 
 
 class GroupCall:
-    """Remote calls in flight on some members of a group (ranks or engines); .get() waits for all of them."""
+    """Remote calls in flight on some members of a group (ranks or engines); .get() waits for all of them.
+    `actors`: the actor of each member (health-checked while waiting when `hang_s` is set: heartbeat.py)."""
 
     def __init__(
         self,
@@ -109,13 +123,22 @@ class GroupCall:
         timeout_s: float,
         n_out: Optional[int] = None,
         host: Optional[str] = None,
+        actors: Optional[list] = None,
+        hang_s: Optional[float] = None,
     ):
         self.role, self.method, self.refs, self.ranks, self.n_out = role, method, refs, ranks, n_out
         self.timeout_s, self.host = timeout_s, host  # host: the role whose rank processes run these calls
+        self.actors, self.hang_s = actors if hang_s else None, hang_s
 
     def get(self, timeout_s: Optional[float] = None) -> list:
-        """Results in member order; a failure or a timeout raises naming the role, method and member."""
-        return wait_all(self.refs, self.ranks, self.role, self.method, timeout_s or self.timeout_s, self.host)
+        """Results in member order; a failure, a hung process or a timeout raises naming the role, method and
+        member."""
+        where = [(self.role, r, self.method, self.host) for r in self.ranks]
+        what = f"{self.role}: {self.method}()"
+        return _wait(self.refs, where, what, timeout_s or self.timeout_s, self._heartbeat(self.actors))
+
+    def _heartbeat(self, actors: Optional[list]) -> Optional[Heartbeat]:
+        return Heartbeat(actors, self.hang_s) if actors and self.hang_s else None
 
     def future(self):
         """A concurrent.futures.Future of a one-member call (asyncio code waits on it: rollout/executor.py)."""
@@ -136,21 +159,35 @@ def wait_all(refs: list, ranks: list, role: str, method: str, timeout_s: float, 
 def settle(call: GroupCall, timeout_s: float) -> tuple[dict, dict, dict]:
     """Wait for each member of `call` on its own, by one deadline, where wait_all stops at the first failure:
     (results, lost, failed), each keyed by member. lost: the member died (RankError.died) or had not answered by the
-    deadline (TimeoutError); failed: it raised (RankError). For callers that go on without some members
-    (trainer/engine_restart.py replaces lost engines)."""
+    deadline (TimeoutError) or stopped answering health checks (RankError.hung); failed: it raised (RankError). For
+    callers that go on without some members (trainer/engine_restart.py replaces lost engines)."""
     deadline = time.monotonic() + timeout_s
     results: dict = {}
     lost: dict = {}
     failed: dict = {}
-    for ref, member in zip(call.refs, call.ranks):
+    for k, (ref, member) in enumerate(zip(call.refs, call.ranks)):
         left = max(1.0, deadline - time.monotonic())  # one that finished meanwhile is still collected
+        where = [(call.role, member, call.method, call.host)]
+        beat = call._heartbeat([call.actors[k]] if call.actors else None)
         try:
-            results[member] = wait_all([ref], [member], call.role, call.method, left, call.host)[0]
+            results[member] = _wait([ref], where, f"{call.role}: {call.method}()", left, beat)[0]
         except RankError as e:
             (lost if e.died else failed)[member] = e
         except TimeoutError as e:
             lost[member] = e
     return results, lost, failed
+
+
+def health_check(call: GroupCall, timeout_s: float) -> dict:
+    """{member: RankError} of the members of a pid() `call` that are gone: their process died, or gave no answer
+    within timeout_s (hung: pid() runs beside any call, heartbeat.HEALTH)."""
+    gone = {}
+    for member, e in settle(call, timeout_s)[1].items():
+        if not isinstance(e, RankError):
+            detail = f"its process gave no answer to a health check within {timeout_s:.0f} s: hung"
+            e = RankError(call.role, member, call.method, detail, host=call.host, hung=True)
+        gone[member] = e
+    return gone
 
 
 def wait_calls(*calls: GroupCall, timeout_s: Optional[float] = None) -> list[list]:
@@ -160,7 +197,10 @@ def wait_calls(*calls: GroupCall, timeout_s: Optional[float] = None) -> list[lis
     refs = [r for c in calls for r in c.refs]
     where = [(c.role, k, c.method, c.host) for c in calls for k in c.ranks]
     what = " + ".join(f"{c.role}: {c.method}()" for c in calls)
-    flat = _wait(refs, where, what, timeout_s or max(c.timeout_s for c in calls))
+    actors = [a for c in calls for a in (c.actors or [None] * len(c.refs))]
+    hang_s = min((c.hang_s for c in calls if c.actors), default=None)
+    beat = Heartbeat(actors, hang_s) if hang_s else None
+    flat = _wait(refs, where, what, timeout_s or max(c.timeout_s for c in calls), beat)
     out, i = [], 0
     for c in calls:
         out.append(flat[i : i + len(c.refs)])
@@ -168,13 +208,25 @@ def wait_calls(*calls: GroupCall, timeout_s: Optional[float] = None) -> list[lis
     return out
 
 
-def _wait(refs: list, where: list[tuple[str, Any, str, Optional[str]]], what: str, timeout_s: float) -> list:
-    """where[i] = (role, rank, method, host or None) of refs[i], for the error of the first one that fails or
-    times out."""
+def _wait(
+    refs: list,
+    where: list[tuple[str, Any, str, Optional[str]]],
+    what: str,
+    timeout_s: float,
+    beat: Optional[Heartbeat] = None,
+) -> list:
+    """where[i] = (role, rank, method, host or None) of refs[i], for the error of the first one that fails, times
+    out, or (with `beat`) runs on a process that stopped answering health checks."""
     index = {ref: i for i, ref in enumerate(refs)}
     results: list[Any] = [None] * len(refs)
     pending, deadline = list(refs), time.monotonic() + timeout_s
+    poll_s = beat.every_s if beat is not None else 5.0
     while pending:
+        hung = beat.hung([index[r] for r in pending]) if beat is not None else None
+        if hung is not None:
+            role, rank, method, host = where[hung[0]]
+            detail = f"its process gave no answer to a health check for {hung[1]:.0f} s (--hang_timeout_s): hung"
+            raise RankError(role, rank, method, detail, host=host, hung=True)
         left = deadline - time.monotonic()
         if left <= 0:
             several = len({w[0] for w in where}) > 1  # name the group of each rank when there are several
@@ -186,7 +238,7 @@ def _wait(refs: list, where: list[tuple[str, Any, str, Optional[str]]], what: st
                 f"{what} did not finish on rank(s) {still} within {timeout_s:.0f} s "
                 "(raise --ray_timeout_s if the work is just slow)"
             )
-        done, pending = ray.wait(pending, num_returns=1, timeout=min(left, 5.0))
+        done, pending = ray.wait(pending, num_returns=1, timeout=min(left, poll_s))
         for ref in done:
             i = index[ref]
             role, rank, method, host = where[i]
@@ -220,11 +272,11 @@ class Calls:
         return self._submit(method_name(self.role, self.worker_cls, fn), [rank], [args], kwargs)
 
     def dead(self, timeout_s: float = 10.0) -> dict[int, Exception]:
-        """{rank: its error} of the ranks whose process is gone (a health check; a rank busy with a long call, or
-        stuck in a collective with a dead peer, still answers: its actor runs calls side by side)."""
+        """{rank: its error} of the ranks whose process is gone: died, or hung (a health check; a rank busy with a
+        long call, or stuck in a collective with a dead peer, still answers: pid() has a thread of its own)."""
         actors = getattr(self, "actors", [])
         call = GroupCall(self.role, "pid", [a.pid.remote() for a in actors], list(range(len(actors))), timeout_s)
-        return {r: e for r, e in settle(call, timeout_s)[1].items() if getattr(e, "died", False)}
+        return health_check(call, timeout_s)
 
     def call_sharded(self, fn: Callable, batch: Any, *args, **kwargs) -> GroupCall:
         """Split `batch` (a types.py dataclass with .split, or a list) over the ranks in contiguous chunks;
@@ -240,7 +292,8 @@ class ActorGroup(Calls):
     """N rank actors of one role (actor, critic, ref, reward) running `worker_cls(cfg)` each.
 
     `actor_cls`: the rank actors' Ray class (RankActor's remote methods), `concurrency` the calls each runs at
-    once: both as the platform's tuning asks (distributed/tuning.py)."""
+    once: both as the platform's tuning asks (distributed/tuning.py). `hang_s`: a rank whose process gives no answer
+    to health checks this long during a call is hung (distributed/heartbeat.py)."""
 
     def __init__(
         self,
@@ -255,8 +308,10 @@ class ActorGroup(Calls):
         env: Optional[dict[str, str]] = None,
         actor_cls: Any = RankActor,
         concurrency: int = 2,
+        hang_s: Optional[float] = None,
     ):
         self.role, self.world_size, self.timeout_s, self.worker_cls = role, len(slots), timeout_s, worker_cls
+        self.hang_s = hang_s  # --hang_timeout_s: calls health-check their ranks (heartbeat.py); None: not
         check_exports(role, worker_cls)  # before any process starts
         base_env = {"DS_ACCELERATOR": device, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
         if LOG_DIR_ENV in os.environ:  # ranks write their output to <save_path>/logs (storage/logs.py)
@@ -291,7 +346,8 @@ class ActorGroup(Calls):
     def _submit(self, name: str, ranks: list[int], args: list[tuple], kwargs: dict) -> GroupCall:
         """Start `name` on `ranks` (args[i] for ranks[i])."""
         refs = [self.actors[r].call.remote(name, *a, **kwargs) for r, a in zip(ranks, args)]
-        return GroupCall(self.role, name, refs, ranks, self.timeout_s)
+        actors = [self.actors[r] for r in ranks]
+        return GroupCall(self.role, name, refs, ranks, self.timeout_s, actors=actors, hang_s=self.hang_s)
 
     def pids(self) -> list[int]:
         ranks = list(range(self.world_size))

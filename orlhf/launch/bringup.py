@@ -46,6 +46,7 @@ def launch_engines(cfg: TrainConfig, placed, stack: ExitStack, tuning: Optional[
         timeout_s=cfg.runtime.ray_timeout_s,
         wait=False,
         tuning=tuning or tuning_for(cfg),
+        hang_s=cfg.runtime.hang_timeout_s,
     )
     stack.callback(engines.shutdown)
     return engines
@@ -141,6 +142,7 @@ def model_groups(cfg: TrainConfig, placed, optimizer_steps: int, stack: ExitStac
             device=cfg.device,
             gpus_per_node=getattr(cfg.placement, f"{role}_num_gpus_per_node"),
             timeout_s=cfg.runtime.ray_timeout_s,
+            hang_s=cfg.runtime.hang_timeout_s,
             **options,
         )
 

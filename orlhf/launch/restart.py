@@ -3,8 +3,9 @@
     run_locked (launch/run.py), once Ray is up and the inputs are read:
       attempt: placement groups -> engines + model groups -> controller (resumed) -> fit -> export
       a failure -> RunRestarts.lost(error, attempt), while the attempt's processes are still up:
-          the processes gone: the error's own (a RankError whose process died) and a health check of every
-          group and engine the attempt started (a peer's error can reach the driver before the dead rank's)
+          the processes gone: the error's own (a RankError whose process died or hung: distributed/heartbeat.py)
+          and a health check of every group and engine the attempt started (a peer's error can reach the driver
+          before the dead rank's)
       none gone (a bug, bad data, NaN losses, a timeout of live processes): the error stops the run as before
       gone, with restarts left: one line naming them and the step, the attempt torn down (its processes killed,
           its placement groups removed), then RunRestarts.next_attempt: the newest complete checkpoint of this run,
@@ -99,7 +100,8 @@ class RunRestarts:
             log.error("%s lost %s; not restarted: --max_restarts %d%s", ", ".join(gone), where, self.limit, used)
             return False
         self.count += 1
-        seen = f"its process died in {error.role} {error.method}()" if getattr(error, "died", False) else None
+        how = "stopped answering health checks" if getattr(error, "hung", False) else "died"
+        seen = f"its process {how} in {error.role} {error.method}()" if getattr(error, "died", False) else None
         why = seen or f"found dead after: {_first_line(error)}"  # a peer's error reached the driver first
         log.warning(
             "%s lost %s (%s); restarting the run's groups (restart %d of --max_restarts %d)",

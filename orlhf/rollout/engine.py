@@ -34,7 +34,8 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orlhf.distributed.endpoints import check_exports, endpoint, method_name
-from orlhf.distributed.groups import GroupCall, settle, wait_all
+from orlhf.distributed.groups import GroupCall, health_check, settle, wait_all
+from orlhf.distributed.heartbeat import HEALTH, HEALTH_GROUPS, on_one_thread
 from orlhf.distributed.placement import EngineBundles
 from orlhf.distributed.tuning import Tuning
 from orlhf.inputs.images import open_images
@@ -247,11 +248,14 @@ class EngineActor:
         self.weight_version = version
 
     @endpoint
+    @ray.method(concurrency_group=HEALTH)
     def pid(self) -> int:
+        """Also the health check (distributed/heartbeat.py): its own thread, beside a generate or a sync."""
         return os.getpid()
 
 
-RemoteEngine = ray.remote(EngineActor)
+# vLLM's work on one thread of the actor's own, as before its calls ran on Ray's threads (distributed/heartbeat.py)
+RemoteEngine = ray.remote(concurrency_groups=HEALTH_GROUPS)(on_one_thread(EngineActor))
 
 
 class EngineGroup:
@@ -265,8 +269,10 @@ class EngineGroup:
         timeout_s: float = 600.0,
         wait: bool = True,
         tuning: Optional[Tuning] = None,
+        hang_s: Optional[float] = None,
     ):
         self.cfg, self.timeout_s, self.tuning, self._slots = cfg, timeout_s, tuning or Tuning(), list(slots)
+        self.hang_s = hang_s  # --hang_timeout_s: calls health-check their engines (distributed/heartbeat.py)
         # on_lost(lost, where): {engine index: its RankError or TimeoutError} lost in `where` ("generate"); replaces
         # them (self.replace) and loads the current weights, or raises. None: a lost engine stops the run.
         self.on_lost: Optional[Callable[[dict, str], None]] = None
@@ -326,7 +332,8 @@ class EngineGroup:
         parts: dict[int, list[Rollout]] = {}
         while pending:
             refs = [getattr(self._engines[i], name).remote(chunk, sampling) for i, chunk in pending.items()]
-            call = GroupCall(ROLE, "generate", refs, list(pending), self.timeout_s)
+            actors = [self._engines[i] for i in pending]
+            call = GroupCall(ROLE, "generate", refs, list(pending), self.timeout_s, actors=actors, hang_s=self.hang_s)
             results, lost, failed = settle(call, self.timeout_s)
             if failed:  # the engine raised: not a loss a new engine would cure
                 raise next(iter(failed.values()))
@@ -338,19 +345,24 @@ class EngineGroup:
             pending = {i: pending[i] for i in lost}
         return [r for i in sorted(parts) for r in parts[i]]
 
+    def kill(self, index: int) -> None:
+        """Kill engine `index`'s process (a hung one: its calls then fail as a dead engine's); replace() starts a
+        new one."""
+        ray.kill(self._engines[index], no_restart=True)
+
     def replace(self, index: int) -> int:
         """Kill engine `index` (dead or hung) and start a new one on its bundles, with its index (its seed); waits
         until the model is loaded. Returns the new engine's pid. Its weights are the model folder's until a sync."""
-        ray.kill(self._engines[index], no_restart=True)
+        self.kill(index)
         self._engines[index] = self._spawn(index, self._slots[index])
         self._started[index] = self._engines[index].pid.remote()
         return wait_all([self._started[index]], [index], ROLE, "start", self.timeout_s)[0]
 
     def dead(self, timeout_s: float = 10.0) -> dict[int, Exception]:
-        """{engine index: its error} of the engines whose process is gone (a health check; one busy with a long
-        call is not counted)."""
+        """{engine index: its error} of the engines whose process is gone: died, or hung (a health check; one busy
+        with a long call still answers: pid() has a thread of its own)."""
         call = GroupCall(ROLE, "pid", [e.pid.remote() for e in self._engines], list(range(len(self))), timeout_s)
-        return {i: e for i, e in settle(call, timeout_s)[1].items() if getattr(e, "died", False)}
+        return health_check(call, timeout_s)
 
     def generate_turns(self, index: int, requests: list):
         """Agents' turns on engine `index` (EngineActor.generate_tokens) -> a concurrent.futures.Future."""
@@ -374,13 +386,15 @@ class EngineGroup:
             refs = [self._engines[i].collective_rpc.remote(name, args, kwargs) for i in indices]
         else:
             refs = [getattr(self._engines[i], name).remote(*args, **kwargs) for i in indices]
-        return GroupCall(ROLE, name, refs, indices, self.timeout_s)
+        actors = [self._engines[i] for i in indices]
+        return GroupCall(ROLE, name, refs, indices, self.timeout_s, actors=actors, hang_s=self.hang_s)
 
     def subset(self, indices: Sequence[int]) -> "EngineGroup":
         """A group of some of these engines (the same actors), e.g. the one engine an actor rank feeds over
         CUDA IPC; it can be passed to another Ray actor. Shutting it down is the full group's job."""
         sub = object.__new__(EngineGroup)
         sub.cfg, sub.timeout_s, sub.tuning, sub._started = self.cfg, self.timeout_s, self.tuning, []
+        sub.hang_s = self.hang_s
         sub._engines, sub._slots, sub.on_lost = [self._engines[i] for i in indices], [], None
         return sub
 

@@ -2,8 +2,9 @@
 step goes on.
 
     found lost                                    by
-      generate: an engine's chunk died or gave    EngineGroup.generate (rollout/engine.py) -> on_lost = recover
-        no answer within --ray_timeout_s
+      generate: an engine's chunk died, its       EngineGroup.generate (rollout/engine.py) -> on_lost = recover
+        process hung (--hang_timeout_s), or it
+        gave no answer within --ray_timeout_s
       weight sync: the broadcast failed, and an   EngineRestarts.sync -> WeightSync.lost_engines (both sides' calls
         engine died in it                           ended, the dead engines named)
     EngineRestarts.recover(lost, where)
@@ -33,7 +34,10 @@ log = logging.getLogger(__name__)
 
 
 def lost_reason(error: BaseException, timeout_s: float) -> str:
-    """How an engine was lost, from its error: its process died (RankError.died), or it gave no answer in time."""
+    """How an engine was lost, from its error: its process stopped answering health checks (RankError.hung), died
+    (RankError.died), or its call gave no answer in time."""
+    if getattr(error, "hung", False):
+        return "stopped answering health checks (--hang_timeout_s)"
     return "died" if getattr(error, "died", False) else f"gave no answer within {timeout_s:.0f} s (--ray_timeout_s)"
 
 
@@ -123,9 +127,11 @@ class EngineRestarts:
         sync that cannot say which (CUDA IPC), a health check names the dead engine before the run stops."""
         try:
             self.sync_.sync(version)
-        except Exception:
+        except Exception as e:
             if not self.hooked:
                 raise
+            if getattr(e, "hung", False) and getattr(e, "role", "").startswith("vllm"):
+                self.engines.kill(e.rank)  # its receive would never end: killed, the actor's broadcast fails at once
             lost = self.sync_.lost_engines() if hasattr(self.sync_, "lost_engines") else self.engines.dead()
             if not lost:
                 raise

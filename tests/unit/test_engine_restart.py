@@ -36,6 +36,9 @@ class Engines:
     def dead(self) -> dict:
         return {}
 
+    def kill(self, index: int) -> None:
+        self.log.append(("kill", index))
+
 
 class Sync:
     """A WeightSync stand-in: `fail` sync calls raise first; lost_engines says which engines died in them."""
@@ -52,7 +55,9 @@ class Sync:
         self.log.append(("sync", version))
         if self.fail:
             self.fail -= 1
-            raise RuntimeError("actor rank 0 failed in send_weights()")
+            raise self.error
+
+    error = RuntimeError("actor rank 0 failed in send_weights()")
 
     def lost_engines(self) -> dict:
         self.log.append(("lost_engines",))
@@ -141,6 +146,21 @@ def test_an_engine_lost_in_a_weight_sync_is_replaced_and_the_sync_done_again():
     r.sync(5)
     assert log == [("sync", 5), ("lost_engines",), ("replace", 0), ("reconnect",), ("sync", 5)]
     assert r.count == 1
+
+
+def test_an_engine_hung_in_a_weight_sync_is_killed_first_then_replaced(caplog):
+    """Its receive would never end, and the actor's broadcast to it might not either: killed, the sync's failure
+    is a dead engine's (lost_engines names it) and the replacement follows."""
+    from orlhf.distributed.groups import RankError
+
+    hung = RankError("vllm engine", 0, "orlhf_receive_weights", "no answer to a health check", hung=True)
+    sync = Sync([], fail=1, lost={0: hung})
+    sync.error = hung
+    r, _, log = restarts(sync=sync, version=5)
+    with caplog.at_level(logging.WARNING, "orlhf"):
+        r.sync(5)
+    assert log == [("sync", 5), ("kill", 0), ("lost_engines",), ("replace", 0), ("reconnect",), ("sync", 5)]
+    assert "vllm engine 0 stopped answering health checks (--hang_timeout_s) during the weight sync" in caplog.text
 
 
 def test_a_sync_failure_no_engine_caused_is_raised_as_it_was():

@@ -71,6 +71,10 @@ def test_restarts_are_bounded_and_each_says_what_was_lost(tmp_path, caplog):
     died = RankError("critic", 0, "values", "the rank actor died", died=True, host="actor")
     assert RunRestarts(1, str(tmp_path), "run-a").may_restart(died, lost)
     assert "actor rank 0 lost at step 4 (its process died in critic values()); restarting" in caplog.text
+    hung = RankError("actor", 0, "train", "no answer to a health check for 60 s (--hang_timeout_s): hung", hung=True)
+    assert gone_processes(hung, Attempt(models=Models([Group("actor")]))) == ["actor rank 0"]  # a hung one is gone
+    assert RunRestarts(1, str(tmp_path), "run-a").may_restart(hung, lost)
+    assert "actor rank 0 lost at step 4 (its process stopped answering health checks in actor train()); " in caplog.text
     assert not RunRestarts(0, str(tmp_path), "run-a").may_restart(RuntimeError("x"), lost)
     assert "not restarted: --max_restarts 0" in caplog.text
 
