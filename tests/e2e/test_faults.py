@@ -192,29 +192,32 @@ RESTART_FLAGS = (
 )
 
 
-def kill_after_rows(proc, log: Path, metrics: Path, rows: int, pid: int) -> float:
-    """kill -9 `pid` as soon as metrics.jsonl has `rows` rows (the next step just began); returns the time."""
+def kill_after_rows(proc, log: Path, metrics: Path, rows: int, pid: int, sig=signal.SIGKILL) -> float:
+    """kill -9 `pid` (or send it `sig`) as soon as metrics.jsonl has `rows` rows (the next step just began); returns
+    the time."""
     deadline = time.monotonic() + 240
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= rows):
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
         time.sleep(0.05)
-    os.kill(pid, signal.SIGKILL)
+    os.kill(pid, sig)
     return time.monotonic()
 
 
-def test_a_killed_engine_is_replaced_and_a_killed_rank_restarts_the_run_as_if_nothing_happened(tmp_path):
-    """One run, two faults. kill -9 the engine as step 3 starts (step 2's row just written): a new engine on its
+def test_a_killed_or_hung_engine_is_replaced_and_a_killed_rank_restarts_the_run_as_if_nothing_happened(tmp_path):
+    """One run, three faults. kill -9 the engine as step 3 starts (step 2's row just written): a new engine on its
     bundles, a fresh weight-sync group, the current weights loaded, step 3's prompts generated again with their seeds.
-    Then kill -9 the actor's rank as step 6 starts (--max_restarts 1): every group and engine is started again, step
-    4's checkpoint resumed, steps 5 and 6 trained again. Before, each stopped the run naming what was lost. Now it
-    ends normally, each step logged once, its numbers those of the same run undisturbed (sync mode: seeded
+    SIGSTOP that new engine as step 4 starts: alive but silent, its health checks go unanswered for --hang_timeout_s
+    (distributed/heartbeat.py; before, its generate waited the whole --ray_timeout_s), so it is killed and replaced
+    the same way. Then kill -9 the actor's rank as step 6 starts (--max_restarts 1): every group and engine is started
+    again, step 4's checkpoint resumed, steps 5 and 6 trained again. Before, each stopped the run naming what was
+    lost. Now it ends normally, each step logged once, its numbers those of the same run undisturbed (sync mode: seeded
     throughout), the engine gap within the sync guard after the replacement; the log and restarts.jsonl say what was
     lost at which step and where the run resumed; the engine restart is kept in the checkpoint."""
     clean, clean_log = start_run(tmp_path, RESTART_FLAGS, "clean")
     assert clean.wait(timeout=600) == 0, clean_log.read_text()[-3000:]
     undisturbed = [json.loads(line) for line in (tmp_path / "clean" / "metrics.jsonl").read_text().splitlines()]
 
-    proc, log = start_run(tmp_path, (*RESTART_FLAGS, "--max_restarts", "1"), "killed")
+    proc, log = start_run(tmp_path, (*RESTART_FLAGS, "--max_restarts", "1", "--hang_timeout_s", "10"), "killed")
     engine = int(wait_for(log, r"vllm engines: 1, pids \[(\d+)\]", proc).group(1))
     actor = int(wait_for(log, r"actor: 1 rank\(s\), pids \[(\d+)\]", proc).group(1))
     save = tmp_path / "killed"
@@ -222,6 +225,11 @@ def test_a_killed_engine_is_replaced_and_a_killed_rank_restarts_the_run_as_if_no
     while len((save / "metrics.jsonl").read_text().splitlines()) < 3 and proc.poll() is None:
         time.sleep(0.2)
     kill_to_step = time.monotonic() - t_kill
+    second = int(wait_for(log, r"step 3: vllm engine 0 replaced in [\d.]+ s \(pid (\d+)\)", proc).group(1))
+    t_stop = kill_after_rows(proc, log, save / "metrics.jsonl", 3, second, signal.SIGSTOP)
+    while len((save / "metrics.jsonl").read_text().splitlines()) < 4 and proc.poll() is None:
+        time.sleep(0.2)
+    stop_to_step = time.monotonic() - t_stop
     kill_after_rows(proc, log, save / "metrics.jsonl", 5, actor)
     assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
     text = log.read_text()
@@ -230,6 +238,16 @@ def test_a_killed_engine_is_replaced_and_a_killed_rank_restarts_the_run_as_if_no
     took = re.search(r"step 3: vllm engine 0 replaced in ([\d.]+) s \(pid (\d+)\)", text)
     assert took and int(took.group(2)) != engine, text[-3000:]
     print(f"engine lost during {m.group(1)}; replaced in {took.group(1)} s; kill to step 3's row: {kill_to_step:.1f} s")
+    hung = re.search(
+        r"step 4: vllm engine 0 stopped answering health checks \(--hang_timeout_s\) during (generate|the weight "
+        r"sync); replacing it",
+        text,
+    )
+    assert hung, text[-3000:]
+    third = re.search(r"step 4: vllm engine 0 replaced in ([\d.]+) s \(pid (\d+)\)", text)
+    assert third and int(third.group(2)) not in (engine, second), text[-3000:]
+    print(f"engine hung during {hung.group(1)}; replaced in {third.group(1)} s; ", end="")
+    print(f"SIGSTOP to step 4's row: {stop_to_step:.1f} s")
     assert re.search(
         r"actor rank 0 lost at step 6 \(.*\); restarting the run's groups \(restart 1 of --max_restarts 1\)", text
     ), text[-3000:]
@@ -239,7 +257,7 @@ def test_a_killed_engine_is_replaced_and_a_killed_rank_restarts_the_run_as_if_no
 
     rows = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6] == [r["step"] for r in undisturbed]
-    assert [r["engine_restarts"] for r in rows] == [0, 0, 1, 1, 1, 1]  # step 4's checkpoint kept the count
+    assert [r["engine_restarts"] for r in rows] == [0, 0, 1, 2, 2, 2]  # step 4's checkpoint kept the count
     assert [r["run_restarts"] for r in rows] == [0, 0, 0, 0, 1, 1]
     assert all(r["engine_logprob_gap"] < 1e-3 for r in rows[2:]), [r["engine_logprob_gap"] for r in rows]
     for key in ("reward_mean", "kl", "policy_loss"):
