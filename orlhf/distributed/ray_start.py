@@ -29,6 +29,8 @@ def connect_ray(cfg: TrainConfig, num_cpus: int, processes: int = 0, tuning: Opt
     # Workers' output goes to <save_path>/logs unless --verbose (storage/logs.py); Ray's own driver-side records then go
     # to driver.log through the root logger instead of Ray's terminal handler.
     quiet = dict(log_to_driver=cfg.runtime.verbose, configure_logging=cfg.runtime.verbose)
+    if not cfg.runtime.verbose:
+        route_cluster_messages()
     if address:
         join_cluster(address, cfg.runtime.verbose, **quiet)
         return False
@@ -39,6 +41,20 @@ def connect_ray(cfg: TrainConfig, num_cpus: int, processes: int = 0, tuning: Opt
     with local_cluster_without(no_monitor=True, include_log_monitor=False), no_dashboard_head():
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **quiet, **options)
     return True
+
+
+def route_cluster_messages() -> None:
+    """What Ray's cluster publishes to this driver (a worker that died, a node that was lost, each with tens of lines
+    of its raylet's log) goes to driver.log, not the terminal: Ray's driver prints it to stdout whatever log_to_driver
+    says (ray 2.60's worker.listen_error_messages -> print_to_stdstream, also across the bar). orlhf's own line names
+    what was lost and what the run does about it."""
+    import ray._private.worker as ray_worker
+
+    def to_log(data: dict, ignore_prefix: bool = False) -> None:
+        for line in data.get("lines", []):
+            logging.getLogger("ray").warning("(%s) %s", data.get("pid"), line)
+
+    ray_worker.print_to_stdstream = to_log
 
 
 @contextmanager

@@ -233,6 +233,8 @@ def test_a_killed_or_hung_engine_is_replaced_and_a_killed_rank_restarts_the_run_
     kill_after_rows(proc, log, save / "metrics.jsonl", 5, actor)
     assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
     text = log.read_text()
+    assert "(raylet)" not in text and "A worker died" not in text  # Ray's notices of the deaths: in driver.log
+    assert "A worker died or was killed" in (save / "logs" / "driver.log").read_text()
     m = re.search(r"step 3: vllm engine 0 died during (generate|the weight sync); replacing it", text)
     assert m, text[-3000:]
     took = re.search(r"step 3: vllm engine 0 replaced in ([\d.]+) s \(pid (\d+)\)", text)
