@@ -14,6 +14,7 @@ Ray is imported inside the functions: importing this module stays cheap.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 import uuid
@@ -187,13 +188,23 @@ def _wait_for_fit(
     layout: Layout, settle_s: float, wait_for_nodes: bool = False
 ) -> tuple[dict[GroupKey, int], list[NodeSpec]]:
     deadline = time.monotonic() + settle_s
+    said = False
     while True:
         nodes = live_nodes()
         try:
             return check_fits(layout, nodes), nodes
         except PlacementError:
-            if not (wait_for_nodes or fits_in_total(layout, nodes)) or time.monotonic() > deadline:
+            short = not fits_in_total(layout, nodes)
+            if not (wait_for_nodes or not short) or time.monotonic() > deadline:
                 raise
+            if short and not said:  # a restart after a lost node: say what the run is waiting for
+                logging.getLogger("orlhf").warning(
+                    "the cluster has no room for the run's groups now (%d live node(s)): waiting up to %.0f s for a "
+                    "node to join (--ray_timeout_s)",
+                    len(nodes),
+                    settle_s,
+                )
+                said = True
             time.sleep(0.5)
 
 
@@ -208,6 +219,21 @@ def _wait_ready(groups: dict[GroupKey, Any], timeout_s: float) -> None:
             f"placement groups not ready after {timeout_s:g}s: {waited}. Ray waits forever for "
             "resources that never free up; see `ray status` for who holds them."
         )
+
+
+def wait_placed(pg: Any, timeout_s: float) -> None:
+    """Wait until placement group `pg` is placed (Ray moves a lost node's bundles to a node with room, once it has
+    noticed the loss); PlacementError after timeout_s."""
+    from ray.util import placement_group_table
+
+    deadline = time.monotonic() + timeout_s
+    while placement_group_table(pg).get("state") != "CREATED":
+        if time.monotonic() > deadline:
+            raise PlacementError(
+                f"placement group {placement_group_table(pg).get('name')} not placed again within {timeout_s:g} s "
+                "after a lost node; see `ray status` for the cluster's nodes"
+            )
+        time.sleep(0.5)
 
 
 def _bundle_text(pg: Any) -> str:

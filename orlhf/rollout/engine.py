@@ -27,16 +27,18 @@ the chunks the other engines finished are kept.
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from typing import Any, Callable, Optional, Sequence
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orlhf.distributed.endpoints import check_exports, endpoint, method_name
-from orlhf.distributed.groups import GroupCall, health_check, settle, wait_all
+from orlhf.distributed.groups import GroupCall, RankError, health_check, settle, wait_all
 from orlhf.distributed.heartbeat import HEALTH, HEALTH_GROUPS, on_one_thread
-from orlhf.distributed.placement import EngineBundles
+from orlhf.distributed.placement import EngineBundles, wait_placed
 from orlhf.distributed.tuning import Tuning
 from orlhf.inputs.images import open_images
 from orlhf.rollout.engine_config import EngineConfig, engine_env
@@ -46,6 +48,9 @@ from orlhf.types import GenerationRequest, Rollout, SamplingSpec, max_new_tokens
 
 EXTENSION = f"{WeightSyncExtension.__module__}.{WeightSyncExtension.__qualname__}"
 ROLE = "vllm engine"
+START_TRIES = 4  # starts of a replacement engine whose process dies while starting (replace)
+RESTART_WAIT_S = 5  # x the try: the waits before starting it again (5, 10, 15 s: a lost node is noticed meanwhile)
+log = logging.getLogger(__name__)
 
 
 def sampled_logprobs(logprobs) -> list[float]:
@@ -352,11 +357,33 @@ class EngineGroup:
 
     def replace(self, index: int) -> int:
         """Kill engine `index` (dead or hung) and start a new one on its bundles, with its index (its seed); waits
-        until the model is loaded. Returns the new engine's pid. Its weights are the model folder's until a sync."""
+        until the model is loaded. Returns the new engine's pid. Its weights are the model folder's until a sync.
+        A new engine whose process dies while starting is started again (up to START_TRIES in all), once its
+        placement group is placed: a lost node's bundles move to another node only after Ray has noticed the loss
+        (seconds), and an engine sent to the lost node before that dies with it."""
         self.kill(index)
-        self._engines[index] = self._spawn(index, self._slots[index])
-        self._started[index] = self._engines[index].pid.remote()
-        return wait_all([self._started[index]], [index], ROLE, "start", self.timeout_s)[0]
+        slot, deadline = self._slots[index], time.monotonic() + self.timeout_s
+        for attempt in range(1, START_TRIES + 1):
+            if slot.placement_group is not None:
+                wait_placed(slot.placement_group, max(1.0, deadline - time.monotonic()))
+            self._engines[index] = self._spawn(index, slot)
+            self._started[index] = self._engines[index].pid.remote()
+            try:
+                return wait_all([self._started[index]], [index], ROLE, "start", max(1.0, deadline - time.monotonic()))[
+                    0
+                ]
+            except RankError as e:
+                if not e.died or attempt == START_TRIES:
+                    raise
+                log.warning(
+                    "vllm engine %d died while starting (%s); starting it again in %d s (try %d of %d)",
+                    index,
+                    str(e).splitlines()[1][:200] if len(str(e).splitlines()) > 1 else e,
+                    RESTART_WAIT_S * attempt,
+                    attempt + 1,
+                    START_TRIES,
+                )
+                time.sleep(RESTART_WAIT_S * attempt)
 
     def dead(self, timeout_s: float = 10.0) -> dict[int, Exception]:
         """{engine index: its error} of the engines whose process is gone: died, or hung (a health check; one busy
