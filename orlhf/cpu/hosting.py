@@ -71,7 +71,7 @@ class CpuGroup(Calls):
         self.base, self.role = base, role or base.role
         self.worker_cls = worker_cls or base.worker_cls
         self.world_size, self.timeout_s, self.actors = base.world_size, base.timeout_s, base.actors
-        self.hang_s = base.hang_s
+        self.hang_s = getattr(base, "hang_s", None)  # None: no health checks (heartbeat.py)
         self.guests, self.host_group = tuple(guests), host  # guests: the roles it has room for (a host only)
         self.host_role = host.role if host is not None else None
         self.turns: Optional[Turns] = None  # a host's, from its first guest on; a guest reads its host's
