@@ -369,16 +369,16 @@ class EngineGroup:
             self._engines[index] = self._spawn(index, slot)
             self._started[index] = self._engines[index].pid.remote()
             try:
-                return wait_all([self._started[index]], [index], ROLE, "start", max(1.0, deadline - time.monotonic()))[
-                    0
-                ]
+                left = max(1.0, deadline - time.monotonic())
+                return wait_all([self._started[index]], [index], ROLE, "start", left)[0]
             except RankError as e:
                 if not e.died or attempt == START_TRIES:
                     raise
+                why = str(e).splitlines()[1:2] or [type(e).__name__]  # the line after "... failed in start():"
                 log.warning(
                     "vllm engine %d died while starting (%s); starting it again in %d s (try %d of %d)",
                     index,
-                    str(e).splitlines()[1][:200] if len(str(e).splitlines()) > 1 else e,
+                    why[0][:200],
                     RESTART_WAIT_S * attempt,
                     attempt + 1,
                     START_TRIES,
