@@ -105,7 +105,8 @@ def first_step_logged(tmp_path: Path, proc, log) -> None:
 )
 def test_killed_process_stops_the_run_naming_it(tmp_path, pid_line, error, flags):
     """--max_restarts 0: a lost process stops the run (with restarts left it restarts: the test below)."""
-    proc, log = start_run(tmp_path, ("--num_episodes", "50", "--max_restarts", "0", *flags))
+    # no engine to start: the actor's ranks generate (the stop is the same with engines; they are the run below)
+    proc, log = start_run(tmp_path, ("--num_episodes", "50", "--max_restarts", "0", "--vllm_num_engines", "0", *flags))
     pid = int(wait_for(log, pid_line, proc).group(1))
     first_step_logged(tmp_path, proc, log)
     tree = descendants(proc)
@@ -122,7 +123,7 @@ def test_a_signal_saves_the_step_and_stops_cleanly(tmp_path):
     (launch/stop_signals.py; tests/unit/test_stop_signals.py for SIGINT): the step in progress ends, is saved, and
     one line says what was kept and how to resume."""
     sig = signal.SIGTERM
-    proc, log = start_run(tmp_path)
+    proc, log = start_run(tmp_path, ("--num_episodes", "50", "--vllm_num_engines", "0"))  # no engine start-up
     first_step_logged(tmp_path, proc, log)
     tree = descendants(proc)
     t0 = time.monotonic()
@@ -230,8 +231,12 @@ def test_a_killed_or_hung_engine_is_replaced_and_a_killed_rank_restarts_the_run_
     while len((save / "metrics.jsonl").read_text().splitlines()) < 4 and proc.poll() is None:
         time.sleep(0.2)
     stop_to_step = time.monotonic() - t_stop
-    kill_after_rows(proc, log, save / "metrics.jsonl", 5, actor)
+    t_actor = kill_after_rows(proc, log, save / "metrics.jsonl", 5, actor)
+    while len((save / "metrics.jsonl").read_text().splitlines()) < 6 and proc.poll() is None:
+        time.sleep(0.2)  # step 5's row is cut and written again, then step 6's
+    actor_to_step = time.monotonic() - t_actor
     assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
+    print(f"actor rank killed -> step 6's row: {actor_to_step:.1f} s")
     text = log.read_text()
     assert "(raylet)" not in text and "A worker died" not in text  # Ray's notices of the deaths: in driver.log
     assert "A worker died or was killed" in (save / "logs" / "driver.log").read_text()

@@ -17,25 +17,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.e2e.test_faults import descendants, start_run, wait_for
+from tests.e2e.test_faults import RESTART_FLAGS, descendants, start_run, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray, pytest.mark.vllm]
-FLAGS = (
-    "--max_samples",
-    "192",
-    "--rollout_batch_size",
-    "32",
-    "--train_batch_size",
-    "32",
-    "--num_episodes",
-    "1",
-    "--save_steps",
-    "2",
-    "--max_restarts",
-    "1",
-    "--ray_timeout_s",
-    "180",
-)
+FLAGS = (*RESTART_FLAGS, "--max_restarts", "1", "--ray_timeout_s", "180")  # 6 steps, a checkpoint every 2
 # node deaths noticed within ~8 s (Ray's default is 15 s); not faster: a loaded 2-core box must not lose live nodes
 SYSTEM = {"health_check_period_ms": 2000, "health_check_failure_threshold": 4}
 
