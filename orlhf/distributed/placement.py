@@ -194,8 +194,8 @@ def _wait_for_fit(
         try:
             return check_fits(layout, nodes), nodes
         except PlacementError:
-            short = not fits_in_total(layout, nodes)
-            if not (wait_for_nodes or not short) or time.monotonic() > deadline:
+            short = not fits_in_total(layout, nodes)  # not even on an empty cluster: a node is missing
+            if (short and not wait_for_nodes) or time.monotonic() > deadline:
                 raise
             if short and not said:  # a restart after a lost node: say what the run is waiting for
                 logging.getLogger("orlhf").warning(
