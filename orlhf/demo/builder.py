@@ -198,36 +198,41 @@ def make_demo(out_dir: Path, seed: int = 0) -> DemoPaths:
     return paths
 
 
-def _is_complete(root: Path) -> bool:
-    return (root / _MANIFEST).is_file()
-
-
 def ensure_demo(cache_dir: Path | None = None) -> DemoPaths:
     """The cached demo at <cache>/demo-v{DEMO_VERSION}, built on first use. Safe to call from many processes."""
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    final = cache / f"demo-v{DEMO_VERSION}"
-    if _is_complete(final):  # fast path: no lock, no heavy imports
-        return DemoPaths.under(final)
+    return DemoPaths.under(cached_build(cache, f"demo-v{DEMO_VERSION}", _MANIFEST, make_demo))
+
+
+def cached_build(cache: Path, name: str, manifest: str, build) -> Path:
+    """<cache>/<name>, built by `build(folder)` on first use; complete once `manifest` is in it.
+
+    Never returns a half-built folder: the first caller builds into a temp sibling under a file lock and renames
+    it into place; the others wait at the lock, then take its folder. A cached folder is returned without the
+    lock (and without importing anything heavy)."""
+    final = cache / name
+    if (final / manifest).is_file():  # fast path: no lock, no heavy imports
+        return final
     cache.mkdir(parents=True, exist_ok=True)
-    with open(cache / f"demo-v{DEMO_VERSION}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # the first caller builds; the others wait here, then take its folder
-        if _is_complete(final):
-            return DemoPaths.under(final)
+    with open(cache / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (final / manifest).is_file():
+            return final
         if final.exists():  # only a renamed (complete) build should ever be here
-            raise RuntimeError(f"{final} exists but has no {_MANIFEST}: it was modified by hand; delete it and rerun")
+            raise RuntimeError(f"{final} exists but has no {manifest}: it was modified by hand; delete it and rerun")
         # Temp folders left by crashed builds are garbage; the age check spares a build running on another host
         # that shares this cache over a filesystem where flock does not reach.
-        for stale in cache.glob(f".demo-v{DEMO_VERSION}.tmp*"):
+        for stale in cache.glob(f".{name}.tmp*"):
             if time.time() - stale.stat().st_mtime > 600:
                 shutil.rmtree(stale, ignore_errors=True)
-        tmp = cache / f".demo-v{DEMO_VERSION}.tmp{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp = cache / f".{name}.tmp{os.getpid()}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()  # not mkdtemp: its 0700 mode would stick to the final folder; this respects the umask
         try:
-            make_demo(tmp)
+            build(tmp)
             os.rename(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
-            if _is_complete(final):  # lost a rename race to a process the lock did not see (e.g. another host)
-                return DemoPaths.under(final)
+            if (final / manifest).is_file():  # lost a rename race to a process the lock did not see (another host)
+                return final
             raise
-    return DemoPaths.under(final)
+    return final
