@@ -64,6 +64,7 @@ FREE_ON_RESUME: dict[str, str] = {
             "eval_steps",
             "eval_temperature",
             "eval_n_samples_per_prompt",
+            "eval_before_train",
             "best_metric_key",
         ),
         "evaluation reads the weights, never changes them",

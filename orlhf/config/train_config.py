@@ -193,6 +193,9 @@ class EvalConfig:
     eval_steps: int = opt(-1, "Evaluate every N steps (-1: only after the last step, when --eval_dataset is set).")
     eval_temperature: float = opt(0.6, "Sampling temperature for evaluation.")
     eval_n_samples_per_prompt: int = opt(4, "Samples per eval prompt (k of eval/pass@k).")
+    eval_before_train: bool = opt(
+        False, "Evaluate once before the first step too (logged as step 0): where the eval curve starts."
+    )
     best_metric_key: Optional[str] = opt(
         None,
         "Keep the checkpoint with the best eval metric in <ckpt_path>/best (never rotated out): reward_mean, "

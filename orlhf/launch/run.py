@@ -388,6 +388,7 @@ def make_evaluator(cfg: TrainConfig, tokenizer):
         cfg.ppo.seed,
         e.eval_steps,
         e.best_metric,
+        before_train=e.eval_before_train,
     )
 
 

@@ -2,11 +2,11 @@
 
     <save_path>/metrics.jsonl (one row per step, storage/metrics.py) --> report.png (3 x 3 panels) + report.html
 
-Panels: reward (mean and a smoothed line), KL to the reference, policy and value losses, entropy, samples/s,
-where each step's time went (timing/<phase>, stacked), staleness (async: how many weight versions behind the
-rollouts were), the engine/trainer log-prob gap (a weight-sync or numerics check: near 0 when the engines sample
-from the trainer's weights), and response length. A metric the run did not record says so in its panel.
-The run writes the report at its end (launch/run.py); this module imports only matplotlib.
+Panels: reward (mean and a smoothed line; held-out pass@1 where the run evaluated), KL to the reference, policy
+and value losses, entropy, samples/s, where each step's time went (timing/<phase>, stacked), staleness (async: how
+many weight versions behind the rollouts were), the engine/trainer log-prob gap (a weight-sync or numerics check:
+near 0 when the engines sample from the trainer's weights), and response length. A metric the run did not record says
+so in its panel. The run writes the report at its end (launch/run.py); this module imports only matplotlib.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Optional
 from orlhf.storage.metrics import read_metrics
 
 PANELS = (  # (title, [(metric key, label)], y label)
-    ("reward", [("reward_mean", "mean")], "reward"),
+    ("reward", [("reward_mean", "mean"), ("eval/pass@1", "held-out pass@1 (--eval_dataset)")], "reward"),
     ("KL to the reference", [("kl", "kl (per token)")], "kl"),
     ("losses", [("policy_loss", "policy"), ("value_loss", "value")], "loss"),
     ("entropy", [("entropy", "policy entropy")], "nats / token"),

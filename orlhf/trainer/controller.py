@@ -283,6 +283,8 @@ class Controller:
         from tqdm import tqdm
 
         total = self.loader.total_steps
+        if self.evaluator is not None and self.evaluator.before_train and self.step_index == 0:
+            self.metrics.log(0, self.evaluate())  # where the eval curve starts: the weights before any update
         bar = tqdm(total=total, initial=self.step_index, desc="ppo", unit="step", dynamic_ncols=True)
         self._last_step_end = time.perf_counter()
 

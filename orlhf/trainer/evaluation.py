@@ -1,6 +1,7 @@
 """Evaluation during training (--eval_dataset) and the best checkpoint (--best_metric_key).
 
-    every --eval_steps steps and after the last one (controller, after the step's weight sync):
+    every --eval_steps steps and after the last one (controller, after the step's weight sync), and before the
+    first step with --eval_before_train (logged as step 0):
       held-out prompts --executor (same engines, current weights; --eval_temperature,
                                    --eval_n_samples_per_prompt samples each)--> rollouts
       --score (the agent's rewards, the reward function / HTTP server, or the reward-model group)--> scores
@@ -67,8 +68,10 @@ class Evaluator:
         seed: int,
         every: int,
         best_metric_key: Optional[str] = None,
+        before_train: bool = False,
     ):
         self.prompts, self.n, self.every = prompts, n_samples, every
+        self.before_train = before_train  # --eval_before_train: once before step 1 too (a fresh run, not a resume)
         self.spec = dict(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, n=n_samples)
         self.seed = seed
         self.best_key = metric_name(best_metric_key, n_samples) if best_metric_key else None

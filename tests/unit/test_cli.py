@@ -23,7 +23,7 @@ kl_estimator use_kl_loss advantage_estimator n_samples_per_prompt gamma lambd ep
 normalize_reward reward_clip_range entropy_loss_coef temperature top_p seed async_train async_queue_size
 use_wandb wandb_project wandb_run_name use_tensorboard save_path ckpt_path save_steps logging_steps
 max_ckpt_num load_checkpoint save_hf_ckpt agent_func_path eval_dataset eval_split eval_steps eval_temperature
-eval_n_samples_per_prompt best_metric_key
+eval_n_samples_per_prompt eval_before_train best_metric_key
 """.split()
 PANELS = ["Placement", "vLLM engines", "DeepSpeed", "Models and data", "PPO", "Logging and checkpoints", "Evaluation"]
 

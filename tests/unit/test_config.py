@@ -637,6 +637,8 @@ def test_eval_rules(prompts):
     assert (cfg.eval.eval_steps, cfg.eval.eval_n_samples_per_prompt, cfg.eval.best_metric_key) == (5, 2, "pass@k")
     assert_fails(["--eval_steps", "needs --eval_dataset"], eval_steps=5)
     assert_fails(["--best_metric_key", "needs --eval_dataset"], best_metric_key="pass@1")
+    assert_fails(["--eval_before_train", "needs --eval_dataset"], eval_before_train=True)
+    assert build(eval_dataset=prompts, eval_before_train=True).eval.eval_before_train
     assert_fails(["--eval_steps must be -1"], eval_dataset=prompts, eval_steps=0)
     assert_fails(["--eval_n_samples_per_prompt must be >= 1"], eval_dataset=prompts, eval_n_samples_per_prompt=0)
     assert_fails(["--eval_dataset", "no such file"], eval_dataset="nowhere/at_all.jsonl")
