@@ -115,14 +115,15 @@ def write_report(save_path: str | Path) -> tuple[Path, Path]:
     rows = [r for r in read_metrics(metrics) if "step" in r]
     if not rows:
         raise ValueError(f"{metrics}: no steps logged yet")
-    png = draw(rows, save / "report.png", f"orlhf run {save.resolve().name}: {len(rows)} steps")
+    steps = sum(1 for r in rows if r["step"] > 0)  # step 0: --eval_before_train's evaluation, no training
+    png = draw(rows, save / "report.png", f"orlhf run {save.resolve().name}: {steps} steps")
     page = save / "report.html"
     page.write_text(
         "<!doctype html><meta charset='utf-8'><title>orlhf report</title>"
         "<style>body{font-family:sans-serif;margin:2em}td,th{padding:2px 12px;text-align:right}"
         "td:first-child{text-align:left}</style>"
         f"<h1>orlhf run: {html.escape(str(save.resolve()))}</h1>"
-        f"<p>{len(rows)} steps logged in <code>metrics.jsonl</code>; terminal-free output in "
+        f"<p>{steps} steps logged in <code>metrics.jsonl</code>; terminal-free output in "
         f"<code>logs/</code>.</p><img src='{png.name}' style='max-width:100%'>"
         f"<h2>first and last step</h2>{_table(rows)}"
         f"<h2>config</h2><pre>{html.escape(_config(save) or 'not recorded')}</pre>"

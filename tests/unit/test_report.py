@@ -38,6 +38,17 @@ def test_report_writes_png_and_html(tmp_path):
     assert len(PANELS) == 9
 
 
+def test_an_evaluation_before_training_is_step_0_not_a_step(tmp_path):
+    write_metrics(tmp_path, steps=3)
+    before = {"step": 0, "eval/pass@1": 0.1, "eval/reward_mean": 0.1, "timing/eval": 2.0}
+    rows = (tmp_path / "metrics.jsonl").read_text()
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(before) + "\n" + rows.replace("}\n", ', "eval/pass@1": 0.5}\n'))
+    _, page = write_report(tmp_path)
+    text = page.read_text()
+    assert "<p>3 steps logged" in text and "step 0</th><th>step 3" in text
+    assert "<td>eval/pass@1</td><td>0.1</td><td>0.5</td>" in text  # before training and after, side by side
+
+
 def test_missing_metric_is_said_not_drawn_wrong(tmp_path):
     write_metrics(tmp_path, value_loss=None, entropy=None)  # a critic-free run without entropy logging
     png, _ = write_report(tmp_path)
