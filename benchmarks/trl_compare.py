@@ -38,6 +38,9 @@
 Reproduce (2-core CPU box; about 1.5 min a run at the default 12 steps, so ~14 min with 3 repeats of 3 modes):
     .venv/bin/python benchmarks/trl_compare.py --repeats 3
     .venv/bin/python benchmarks/trl_compare.py --kl 0 --repeats 3               # the no-KL row
+The real model (SmolLM2-135M-Instruct, its addition task, chat template; compute dominates, minutes a run):
+    .venv/bin/python benchmarks/trl_compare.py --model_preset smollm2 --modes orlhf,trl --repeats 2 \
+        --prompts_per_step 16 --micro_batch 16 --max_samples 96 --episodes 1 --lr 1e-6
 On one GPU (scripts/gpu_check.sh runs a short one after tests/gpu):
     python benchmarks/trl_compare.py --device cuda --repeats 2 --profile
 Speed figures from a machine shared with other jobs are only comparable within one invocation (see load_avg).
@@ -147,6 +150,27 @@ def orlhf_cmd(a, asynchronous: bool, extra: tuple = ()) -> list[str]:
     ]
 
 
+REAL = "smollm2"  # --model_preset: the real model and its addition task (orlhf make-demo --real)
+
+
+def real_demo(a):
+    """The real-model demo's files (demo/arith.py), written once under --out: model, train prompts, reward."""
+    from orlhf.demo.arith import RealDemoPaths, make_real_demo
+
+    paths = RealDemoPaths.under((a.out / "real-demo").resolve())
+    return paths if paths.reward_fn.is_file() else make_real_demo(paths.root)
+
+
+def with_real_model(cmd: list[str], a) -> list[str]:
+    """An orlhf command on the real model's addition task, as `orlhf make-demo --real` prints it (chat template,
+    question/answer keys); the engines in eager mode unless the command has none."""
+    demo = real_demo(a)
+    no_engine = "--vllm_num_engines" in cmd and cmd[cmd.index("--vllm_num_engines") + 1] == "0"
+    data = ["--pretrain", str(demo.model), "--prompt_data", str(demo.train), "--remote_rm_url", str(demo.reward_fn)]
+    data += ["--input_key", "question", "--label_key", "answer", "--apply_chat_template", "--prompt_max_len", "128"]
+    return [*cmd, *data, *([] if no_engine else ["--enforce_eager"])]
+
+
 def with_model(cmd: list[str], a) -> list[str]:
     """An orlhf command on --model_preset's folder. For the demo nothing is added: train-ppo without --pretrain
     runs the demo's model, prompts, reward and preset values. With --pretrain it applies none of them, so the
@@ -154,6 +178,8 @@ def with_model(cmd: list[str], a) -> list[str]:
     as on the demo, another model)."""
     if a.model_preset == "demo":
         return cmd
+    if a.model_preset == REAL:
+        return with_real_model(cmd, a)
     from orlhf.config.flags import DEMO_PRESET
     from orlhf.config.validation_rollout import ENGINE_FLAGS
     from orlhf.demo.builder import ensure_demo
@@ -179,6 +205,8 @@ def with_model(cmd: list[str], a) -> list[str]:
 
 def model_folder(a) -> Path:
     """The model both sides train: the demo's, or a preset's (built once; room for the demo's 64 + new tokens)."""
+    if a.model_preset == REAL:
+        return real_demo(a).model
     if a.model_preset in SIZES:
         from model_presets import bench_cache, build_model
 
@@ -190,16 +218,20 @@ def model_folder(a) -> Path:
 def trl_cmd(a, python: Path) -> list[str]:
     from orlhf.demo.builder import ensure_demo
 
-    demo = ensure_demo()
+    if a.model_preset == REAL:
+        demo = real_demo(a)
+        data = [str(demo.train), "--reward", str(demo.reward_fn), "--input_key", "question", "--label_key", "answer"]
+        data.append("--chat_template")
+    else:
+        demo = ensure_demo()
+        data = [str(demo.prompts), "--reward", str(demo.reward_fn)]
     return [
         str(python),
         str(ROOT / "benchmarks" / "trl_grpo_runner.py"),
         "--model",
         str(model_folder(a)),
         "--prompts",
-        str(demo.prompts),
-        "--reward",
-        str(demo.reward_fn),
+        *data,
         "--max_samples",
         str(a.max_samples),
         "--episodes",
@@ -336,10 +368,11 @@ def parse_args(argv=None):
     add_work_args(ap)
     ap.add_argument(
         "--model_preset",
-        choices=(*PRESETS, *SIZES),
+        choices=(*PRESETS, *SIZES, REAL),
         default=None,
-        help="the model both sides train (benchmarks/model_presets.py; e.g. medium: ~20M params; 0.4b: 380M); "
-        "default demo on cpu, 0.4b on cuda",
+        help="the model both sides train (benchmarks/model_presets.py; e.g. medium: ~20M params; 0.4b: 380M; "
+        f"{REAL}: SmolLM2-135M-Instruct on its addition task, `orlhf make-demo --real`); default demo on cpu, "
+        "0.4b on cuda",
     )
     ap.add_argument("--kl", type=float, default=0.01, help="KL coefficient (TRL beta); 0: no reference model")
     ap.add_argument("--orlhf_flags", default="", help="extra train-ppo flags for the orlhf modes")

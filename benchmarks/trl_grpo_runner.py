@@ -209,6 +209,9 @@ def main() -> None:
     ap.add_argument("--beta", type=float, default=0.01)
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--input_key", default="prompt")
+    ap.add_argument("--label_key", default="label")
+    ap.add_argument("--chat_template", action="store_true", help="wrap each prompt in the model's chat template")
     args = ap.parse_args()
     cuda = args.device == "cuda"
 
@@ -217,7 +220,13 @@ def main() -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     rows = [json.loads(line) for line in open(args.prompts) if line.strip()][: args.max_samples]
-    data = Dataset.from_list([{"prompt": r["prompt"], "label": r.get("label", "")} for r in rows])
+    prompts = [r[args.input_key] for r in rows]
+    if args.chat_template:  # the same templated text orlhf's --apply_chat_template gives its engines
+        tok = AutoTokenizer.from_pretrained(args.model)
+        chat = [[{"role": "user", "content": p}] for p in prompts]
+        prompts = [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in chat]
+    labels = [str(r.get(args.label_key, "")) for r in rows]
+    data = Dataset.from_list([{"prompt": p, "label": label} for p, label in zip(prompts, labels)])
     samples = args.prompts_per_step * args.samples_per_prompt
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
