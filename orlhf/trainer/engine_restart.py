@@ -130,11 +130,14 @@ class EngineRestarts:
         except Exception as e:
             if not self.hooked:
                 raise
-            if getattr(e, "hung", False) and getattr(e, "role", "").startswith("vllm"):
+            hung = getattr(e, "hung", False) and getattr(e, "role", "").startswith("vllm")
+            if hung:
                 self.engines.kill(e.rank)  # its receive would never end: killed, the actor's broadcast fails at once
             lost = self.sync_.lost_engines() if hasattr(self.sync_, "lost_engines") else self.engines.dead()
             if not lost:
                 raise
+            if hung and e.rank in lost:
+                lost[e.rank] = e  # it hung and was killed for it: say so, not that it died
             self.recover(lost, "the weight sync", self.sync_why_not)
 
     def generate(self, fn: Callable, *args):

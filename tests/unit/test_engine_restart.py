@@ -150,11 +150,12 @@ def test_an_engine_lost_in_a_weight_sync_is_replaced_and_the_sync_done_again():
 
 def test_an_engine_hung_in_a_weight_sync_is_killed_first_then_replaced(caplog):
     """Its receive would never end, and the actor's broadcast to it might not either: killed, the sync's failure
-    is a dead engine's (lost_engines names it) and the replacement follows."""
+    is a dead engine's (lost_engines names it) and the replacement follows. The line says it hung: its receive's
+    error after the kill is a death's."""
     from orlhf.distributed.groups import RankError
 
     hung = RankError("vllm engine", 0, "orlhf_receive_weights", "no answer to a health check", hung=True)
-    sync = Sync([], fail=1, lost={0: hung})
+    sync = Sync([], fail=1, lost={0: Lost("vllm engine rank 0 failed in orlhf_receive_weights(): died")})
     sync.error = hung
     r, _, log = restarts(sync=sync, version=5)
     with caplog.at_level(logging.WARNING, "orlhf"):
