@@ -149,8 +149,8 @@ def evaluation(cfg: TrainConfig, out: list[str]) -> None:
         out.append(f"{err}.")
     if e.eval_dataset is None:
         best = (e.best_metric_key or "").strip().lower() not in ("", "none")  # OpenRLHF's default / off: fine
-        given_flags = (("--eval_steps", e.eval_steps != -1), ("--best_metric_key", best))
-        for flag, given in given_flags + (("--eval_before_train", e.eval_before_train),):
+        given_flags = ("--eval_steps", e.eval_steps != -1), ("--best_metric_key", best)
+        for flag, given in (*given_flags, ("--eval_before_train", e.eval_before_train)):
             if given:
                 out.append(f"{flag} needs --eval_dataset (held-out prompts to evaluate on).")
     else:

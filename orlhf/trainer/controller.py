@@ -284,7 +284,8 @@ class Controller:
 
         total = self.loader.total_steps
         if self.evaluator is not None and self.evaluator.before_train and self.step_index == 0:
-            self.metrics.log(0, self.evaluate())  # where the eval curve starts: the weights before any update
+            # where the eval curve starts: the weights before any update (a baseline, not a best checkpoint)
+            self.metrics.log(0, self.evaluate(keep_best=False))
         bar = tqdm(total=total, initial=self.step_index, desc="ppo", unit="step", dynamic_ncols=True)
         self._last_step_end = time.perf_counter()
 
@@ -354,13 +355,13 @@ class Controller:
         self.m.sync.sync(self.weight_version)
         log.info("resumed from %s at step %d (weight version %d)", path, self.step_index, self.weight_version)
 
-    def evaluate(self) -> dict[str, float]:
+    def evaluate(self, keep_best: bool = True) -> dict[str, float]:
         """Held-out prompts on the current weights (orlhf/trainer/evaluation.py); the best checkpoint when it
-        improved."""
+        improved (keep_best)."""
         self.sleep.before_generate()
         metrics = self.evaluator.run(self.step_index, self.executor.generate, self.scorer.eval_scores)
         self.sleep.after_generate()
-        if self.evaluator.improved(metrics) and self.best_checkpoints is not None:
+        if keep_best and self.evaluator.improved(metrics) and self.best_checkpoints is not None:
             log.info("best %s so far: %.4f at step %d", self.evaluator.best_key, self.evaluator.best, self.step_index)
             self.save_checkpoint(self.best_checkpoints)
         return metrics
