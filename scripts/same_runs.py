@@ -7,7 +7,8 @@ after it and comparing their metrics.jsonl row by row, every field but wall-cloc
     python scripts/same_runs.py compare DIR_A DIR_B # IDENTICAL or the first differing field per run; exit 1 if any
 
 Runs (the built-in demo, CPU): the default PPO (GAE: actor, critic, reference), GRPO with a KL loss and four
-samples per prompt, and the default with --async_train.
+samples per prompt, the default with --async_train, and the default generating in the actor's ranks
+(--rollout_backend trainer).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ RUNS = {
     "gae": [],
     "grpo_kl": ["--advantage_estimator", "group_norm", "--use_kl_loss", "--n_samples_per_prompt", "4"],
     "async": ["--async_train"],
+    "in_trainer": ["--rollout_backend", "trainer"],
 }
 
 
