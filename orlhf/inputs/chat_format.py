@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from orlhf.inputs.prompts import DataError
+from orlhf.inputs.errors import DataError
 
 
 @dataclass(frozen=True)

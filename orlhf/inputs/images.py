@@ -23,7 +23,7 @@ import io
 from pathlib import Path
 from typing import Any, Optional
 
-from orlhf.inputs.prompts import DataError
+from orlhf.inputs.errors import DataError
 
 # Keys of a processor's output that are not image tensors: the prompt's tokens and what is built from them (a
 # forward rebuilds them for the whole sequence, prompt and response).

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from orlhf.inputs.prompts import DataError, Prompt
+from orlhf.inputs.errors import DataError
+from orlhf.inputs.prompts import Prompt
 
 
 class PromptLoader:

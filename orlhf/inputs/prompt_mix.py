@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import logging
 
-from orlhf.inputs.prompts import DataError, PromptRows, load_prompt_rows
+from orlhf.inputs.errors import DataError
+from orlhf.inputs.prompts import PromptRows, load_prompt_rows
 
 logger = logging.getLogger(__name__)
 

@@ -33,14 +33,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from orlhf.inputs.chat_format import PromptFormat
+from orlhf.inputs.errors import DataError
+from orlhf.inputs.images import image_prompt_ids, load_processor, row_images
+
 FORMATS = ".jsonl, .json, .parquet, a folder written by datasets' save_to_disk, or a hub dataset id (online)"
 SUFFIXES = (".jsonl", ".json", ".parquet")
 
 logger = logging.getLogger(__name__)
-
-
-class DataError(ValueError):
-    """The prompt data or tokenizer cannot be used; the message names the file/flag and the fix."""
 
 
 class PromptRows(list):
@@ -272,8 +272,6 @@ def format_prompts(
     formatted the one same way. With --max_images_per_prompt > 0, `processor` is --pretrain's (loaded here when
     not given: inputs/images.load_processor)."""
     if data.max_images_per_prompt > 0 and processor is None:
-        from orlhf.inputs.images import load_processor
-
         processor = load_processor(data.pretrain)
     return build_prompts(
         rows,
@@ -333,15 +331,11 @@ def build_prompts(
     if not vision:
         _warn_unused_images(rows, image_key)
     kept = [(i, row) for i, row in enumerate(rows) if not _is_empty(row[input_key])]
-    from orlhf.inputs.chat_format import PromptFormat
-
     fmt = PromptFormat(input_key, templater, apply_chat_template, input_template, vision)
     texts = [fmt(row[input_key], i) for i, row in kept]
     # Chat templates already contain the model's special tokens; plain text gets them from the tokenizer (BOS).
     special = not apply_chat_template
     if vision:
-        from orlhf.inputs.images import image_prompt_ids, row_images
-
         origins = getattr(rows, "origins", None) or [(f"row {i + 1}", None) for i in range(len(rows))]
         encoded = []
         for (i, row), text in zip(kept, texts):

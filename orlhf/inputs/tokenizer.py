@@ -11,7 +11,7 @@ import json
 import logging
 from pathlib import Path
 
-from orlhf.inputs.prompts import DataError
+from orlhf.inputs.errors import DataError
 
 logger = logging.getLogger(__name__)
 

@@ -8,8 +8,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 
 from orlhf.demo.builder import ensure_demo
+from orlhf.inputs.errors import DataError
 from orlhf.inputs.prompt_loader import PromptLoader
-from orlhf.inputs.prompts import DataError, Prompt, build_prompts, load_prompt_rows
+from orlhf.inputs.prompts import Prompt, build_prompts, load_prompt_rows
 from orlhf.inputs.tokenizer import load_tokenizer
 
 ROWS = [{"q": f"say colors: red {i}", "a": f"label{i}"} for i in range(5)]

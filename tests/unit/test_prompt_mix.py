@@ -8,8 +8,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 
 from orlhf.config.flags import build_config
+from orlhf.inputs.errors import DataError
 from orlhf.inputs.prompt_mix import interleave_order, load_prompt_mix, parse_probs, split_sources
-from orlhf.inputs.prompts import DataError
 
 
 def write_jsonl(path, name, n):
