@@ -308,26 +308,10 @@ def build_prompts(
     max_images) are read, the chat template is the processor's, and an image prompt's ids are the processor's
     expansion (module docstring); "truncate" is refused (a cut would separate image tokens from their image).
     """
-    if overflow not in ("skip", "truncate"):
-        raise ValueError(f"overflow must be 'skip' or 'truncate', got {overflow!r}")
     vision = processor is not None
-    if vision and overflow == "truncate":
-        raise DataError(
-            "--prompt_overflow truncate with vision-language prompts (--max_images_per_prompt > 0): a cut prompt "
-            "loses its image tokens' alignment; use --prompt_overflow skip (the default) or raise --prompt_max_len."
-        )
-    if apply_chat_template and input_template:
-        raise DataError(
-            "--input_template and --apply_chat_template are both given; choose one way to format "
-            "prompts (OpenRLHF would ignore --input_template silently)."
-        )
     # A vision-language model's processor holds the chat template that places images; else the tokenizer's.
     templater = processor if vision and getattr(processor, "chat_template", None) else tokenizer
-    if apply_chat_template and not getattr(templater, "chat_template", None):
-        raise DataError(
-            f"--apply_chat_template: the tokenizer of {getattr(tokenizer, 'name_or_path', '?')} has "
-            "no chat template; drop --apply_chat_template (use --input_template) or use a chat model."
-        )
+    _check_format_flags(overflow, vision, apply_chat_template, input_template, templater, tokenizer)
     if not vision:
         _warn_unused_images(rows, image_key)
     kept = [(i, row) for i, row in enumerate(rows) if not _is_empty(row[input_key])]
@@ -336,12 +320,7 @@ def build_prompts(
     # Chat templates already contain the model's special tokens; plain text gets them from the tokenizer (BOS).
     special = not apply_chat_template
     if vision:
-        origins = getattr(rows, "origins", None) or [(f"row {i + 1}", None) for i in range(len(rows))]
-        encoded = []
-        for (i, row), text in zip(kept, texts):
-            where, folder = origins[i]
-            images = row_images(row, image_key, max_images, where, folder)
-            encoded.append((*image_prompt_ids(processor, tokenizer, text, images, where, special), images))
+        encoded = _encode_images(rows, kept, texts, processor, tokenizer, image_key, max_images, special)
     else:
         all_ids = tokenizer(texts, add_special_tokens=special)["input_ids"] if texts else []
         encoded = [(ids, None, ()) for ids in all_ids]
@@ -362,6 +341,43 @@ def build_prompts(
         also = "" if vision else " or use --prompt_overflow truncate"
         raise DataError(f"no prompts left: {stats.summary()}. Raise --prompt_max_len (now {prompt_max_len}){also}.")
     return prompts, stats
+
+
+def _check_format_flags(
+    overflow: str, vision: bool, apply_chat_template: bool, input_template: str | None, templater, tokenizer
+) -> None:
+    """The formatting flags that cannot work together or with this model, refused before any row is read."""
+    if overflow not in ("skip", "truncate"):
+        raise ValueError(f"overflow must be 'skip' or 'truncate', got {overflow!r}")
+    if vision and overflow == "truncate":
+        raise DataError(
+            "--prompt_overflow truncate with vision-language prompts (--max_images_per_prompt > 0): a cut prompt "
+            "loses its image tokens' alignment; use --prompt_overflow skip (the default) or raise --prompt_max_len."
+        )
+    if apply_chat_template and input_template:
+        raise DataError(
+            "--input_template and --apply_chat_template are both given; choose one way to format "
+            "prompts (OpenRLHF would ignore --input_template silently)."
+        )
+    if apply_chat_template and not getattr(templater, "chat_template", None):
+        raise DataError(
+            f"--apply_chat_template: the tokenizer of {getattr(tokenizer, 'name_or_path', '?')} has "
+            "no chat template; drop --apply_chat_template (use --input_template) or use a chat model."
+        )
+
+
+def _encode_images(
+    rows: list[dict], kept: list, texts: list[str], processor, tokenizer, image_key: str, max_images: int, special
+) -> list[tuple[list[int], list[int], tuple]]:
+    """(ids, engine_ids, images) per kept row of a vision-language run: the row's images read (naming the row's
+    file and line on an error) and the prompt tokenized twice (module docstring)."""
+    origins = getattr(rows, "origins", None) or [(f"row {i + 1}", None) for i in range(len(rows))]
+    encoded = []
+    for (i, row), text in zip(kept, texts):
+        where, folder = origins[i]
+        images = row_images(row, image_key, max_images, where, folder)
+        encoded.append((*image_prompt_ids(processor, tokenizer, text, images, where, special), images))
+    return encoded
 
 
 def _warn_unused_images(rows: list[dict], image_key: str) -> None:
