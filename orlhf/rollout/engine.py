@@ -416,6 +416,19 @@ class EngineGroup:
         actors = [self._engines[i] for i in indices]
         return GroupCall(ROLE, name, refs, indices, self.timeout_s, actors=actors, hang_s=self.hang_s)
 
+    # ---- CUDA IPC weight hand-over (IpcWeightSync): called by an actor rank on its one engine's subset ----
+    def ipc_begin(self) -> None:
+        """Open one layerwise reload on every vLLM worker (workers/weight_send.py: send_ipc)."""
+        self.call(WeightSyncExtension.orlhf_ipc_begin).get()
+
+    def load_ipc(self, names: list[str], handles: dict) -> None:
+        """Load one parameter group from CUDA IPC handles keyed by GPU UUID; returns once copied."""
+        self.call(WeightSyncExtension.orlhf_load_ipc, names, handles).get()
+
+    def ipc_finish(self) -> None:
+        """Close the reload opened by ipc_begin."""
+        self.call(WeightSyncExtension.orlhf_ipc_finish).get()
+
     def subset(self, indices: Sequence[int]) -> "EngineGroup":
         """A group of some of these engines (the same actors), e.g. the one engine an actor rank feeds over
         CUDA IPC; it can be passed to another Ray actor. Shutting it down is the full group's job."""

@@ -144,11 +144,11 @@ def send_ipc(worker, engine, tp: int) -> int:
     """
     import torch.distributed as dist
 
-    from orlhf.rollout.worker_ext import WeightSyncExtension as Ext
-
-    leader = worker.rank % tp == 0  # `engine`: an EngineGroup of this rank's one engine (EngineGroup.subset)
+    # `engine`: an EngineGroup of this rank's one engine (EngineGroup.subset); its ipc_* methods call the engine's
+    # vLLM workers (rollout/worker_ext.py), so this layer needs no import of the rollout layer above it
+    leader = worker.rank % tp == 0
     if leader:
-        engine.call(Ext.orlhf_ipc_begin).get()
+        engine.ipc_begin()
     uuid = device_uuid(worker.device)
     sent = 0
     for group in worker.sync_groups(to_cpu=False, copy=True, all_ranks=True):
@@ -156,9 +156,9 @@ def send_ipc(worker, engine, tp: int) -> int:
         dist.all_gather_object(gathered, make_ipc_handles(group, uuid))
         if leader:
             merged = merge_handles(gathered[worker.rank : worker.rank + tp])
-            engine.call(Ext.orlhf_load_ipc, [n for n, _ in group], merged).get()
+            engine.load_ipc([n for n, _ in group], merged)
         dist.barrier()
         sent += len(group)
     if leader:
-        engine.call(Ext.orlhf_ipc_finish).get()
+        engine.ipc_finish()
     return sent

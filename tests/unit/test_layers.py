@@ -19,8 +19,8 @@ LAYERS = [
     ("config",),  # flags -> frozen TrainConfig
     ("storage",),  # the run folder
     ("distributed",),  # Ray plumbing
-    ("rollout",),  # engines and executors
     ("workers",),  # DeepSpeed model workers
+    ("rollout",),  # rollout backends (vLLM engines, the actor's ranks), their weight sync, executors
     ("trainer",),  # the controller and its phases
     ("cpu",),  # CPU-only tuning, plugged in by launch/ through distributed/tuning.py
     ("launch",),  # one run top to bottom, plan
