@@ -37,7 +37,7 @@ from orlhf.config.worker_config import WorkerConfig
 from orlhf.distributed.endpoints import endpoint
 from orlhf.types import Experience, SequenceBatch, TrainStats
 from orlhf.workers.batching import pad_actions, trim
-from orlhf.workers.engine_setup import (
+from orlhf.workers.deepspeed_setup import (
     ds_config,
     enable_gradient_checkpointing,
     init_distributed,

@@ -43,7 +43,7 @@ def decay_groups(named_params, weight_decay: float) -> list[dict]:
 
 def make_optimizer(params: list, cfg: ActorConfig | CriticConfig) -> Optional[torch.optim.Optimizer]:
     """`params`: parameters or param groups (decay_groups); a group's weight_decay wins over --l2. None for Muon:
-    DeepSpeed builds it from its config (engine_setup.muon_optimizer) with these groups."""
+    DeepSpeed builds it from its config (deepspeed_setup.muon_optimizer) with these groups."""
     kind = optimizer_kind(cfg)
     if kind == "Muon":
         return None

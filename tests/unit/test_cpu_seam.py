@@ -16,10 +16,10 @@ from contextlib import ExitStack
 from types import SimpleNamespace
 
 import orlhf.cli, orlhf.launch.run, orlhf.launch.bringup, orlhf.launch.export, orlhf.launch.plan
-import orlhf.trainer.controller, orlhf.trainer.scoring, orlhf.trainer.weight_sync, orlhf.trainer.async_producer
+import orlhf.trainer.controller, orlhf.trainer.scoring, orlhf.rollout.weight_sync, orlhf.trainer.async_producer
 import orlhf.rollout.engine, orlhf.rollout.executor, orlhf.rollout.worker_ext
 import orlhf.distributed.groups, orlhf.distributed.ray_start, orlhf.distributed.layout, orlhf.distributed.tuning
-import orlhf.workers, orlhf.workers.base, orlhf.workers.engine_setup
+import orlhf.workers, orlhf.workers.base, orlhf.workers.deepspeed_setup
 from orlhf.config.flags import build_config
 from orlhf.launch.bringup import tuning_for
 from orlhf.rollout.engine_config import engine_config

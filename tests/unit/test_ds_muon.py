@@ -15,7 +15,7 @@ os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2], RANK="0", WO
                   DS_ACCELERATOR="cpu")
 import torch
 from orlhf.cpu import ds_import as ds_muon
-from orlhf.workers.engine_setup import init_distributed
+from orlhf.workers.deepspeed_setup import init_distributed
 if sys.argv[1] == "plain":
     ds_muon.CHECKED_VERSIONS = ()  # as on an unchecked DeepSpeed: the module loads as DeepSpeed imports it
 ds_muon.load_deepspeed()  # as CpuRankActor does before a worker's init()

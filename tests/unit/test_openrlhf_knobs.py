@@ -17,7 +17,7 @@ from orlhf.config.openrlhf import NO_EFFECT, UNSUPPORTED
 from orlhf.config.train_config import ConfigError
 from orlhf.config.validation import validate
 from orlhf.config.worker_config import role_config, worker_config
-from orlhf.workers.engine_setup import DETERMINISM_ENV, ds_config, enable_gradient_checkpointing, seed_everything
+from orlhf.workers.deepspeed_setup import DETERMINISM_ENV, ds_config, enable_gradient_checkpointing, seed_everything
 
 KNOBS = (
     "gradient_checkpointing_use_reentrant",
@@ -230,7 +230,7 @@ os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WO
                   DS_ACCELERATOR="cpu")
 import torch
 from orlhf.config.worker_config import role_config
-from orlhf.workers.engine_setup import ds_config, init_distributed
+from orlhf.workers.deepspeed_setup import ds_config, init_distributed
 init_distributed("cpu")
 import deepspeed
 torch.manual_seed(0)

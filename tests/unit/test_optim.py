@@ -66,7 +66,7 @@ def test_muon_on_cpu_steps_its_adam_half_with_torchs_adamw():
     """No C++ op to build on CPU: DeepSpeed's torch_adam there; on GPUs its default (FusedAdam)."""
     from types import SimpleNamespace
 
-    from orlhf.workers.engine_setup import muon_optimizer
+    from orlhf.workers.deepspeed_setup import muon_optimizer
 
     t = SimpleNamespace(muon_lr=0.02, learning_rate=1e-3, muon_momentum=0.95, adam_betas=(0.9, 0.95), adam_eps=1e-8)
     t.weight_decay = 0.0

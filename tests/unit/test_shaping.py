@@ -8,7 +8,7 @@ from orlhf.algo.rewards import keep_groups, overlong_penalty, stop_properly_pena
 from orlhf.inputs.rewards import RewardResult
 from orlhf.trainer.dynamic_filtering import DynamicFilter
 from orlhf.types import Rollout
-from orlhf.workers.engine_setup import lr_factor
+from orlhf.workers.deepspeed_setup import lr_factor
 
 
 def test_overlong_penalty_is_linear_in_the_buffer():

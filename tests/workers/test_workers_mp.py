@@ -299,7 +299,7 @@ def _max_diff(a: dict, b: dict) -> float:
 
 
 def test_ds_config_batch_sizes_and_frozen_stage():
-    from orlhf.workers.engine_setup import ds_config
+    from orlhf.workers.deepspeed_setup import ds_config
 
     c = ds_config(_cfg("actor", "x", train_batch_size=16, micro_train_batch_size=2, adam_offload=True), world_size=2)
     assert (c["train_batch_size"], c["train_micro_batch_size_per_gpu"], c["gradient_accumulation_steps"]) == (16, 2, 4)
@@ -312,7 +312,7 @@ def test_ds_config_batch_sizes_and_frozen_stage():
 
 
 def test_lr_schedule_warms_up_then_decays_to_ten_percent():
-    from orlhf.workers.engine_setup import lr_factor
+    from orlhf.workers.deepspeed_setup import lr_factor
 
     # warm-up 4 steps: 1/4, 2/4, 3/4, 4/4; then cosine over the remaining 10 - 4 = 6 steps down to 0.1:
     # step 7 is halfway: 0.1 + 0.9 * 0.5 * (1 + cos(pi / 2)) = 0.55; step 10 and later: 0.1
