@@ -122,49 +122,7 @@ def lr_factor(
 
 def ds_config(cfg: WorkerConfig, world_size: int) -> dict:
     """The DeepSpeed config dict for this worker's slice."""
-    cuda = cfg.device == "cuda"
-    if cfg.trainable:
-        t = cfg.train
-        per_step = t.micro_train_batch_size * world_size
-        if t.train_batch_size <= 0 or t.train_batch_size % per_step:
-            raise ValueError(
-                f"{cfg.role}: train_batch_size {t.train_batch_size} must be a positive multiple of "
-                f"micro_train_batch_size {t.micro_train_batch_size} x world size {world_size} = {per_step}; "
-                f"change --train_batch_size or --micro_train_batch_size"
-            )
-        zero: dict = {"stage": cfg.zero_stage}
-        if t.adam_offload:
-            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": cuda}
-        zero.update(_train_zero_knobs(cfg, world_size))
-        if t.optim == "muon" and cfg.zero_stage == 3:
-            zero["reduce_scatter"] = False  # DeepSpeed 0.19.8's ZeRO-3 refuses Muon with reduce-scatter
-        batch = {
-            "train_batch_size": t.train_batch_size,
-            "train_micro_batch_size_per_gpu": t.micro_train_batch_size,
-            "gradient_accumulation_steps": t.train_batch_size // per_step,
-        }
-        clip = t.max_norm
-        if t.max_tokens:  # --use_dynamic_batch: the worker marks each step's last micro-batch itself
-            batch = {
-                "train_batch_size": world_size,
-                "train_micro_batch_size_per_gpu": 1,
-                "gradient_accumulation_steps": 1,
-            }
-    else:
-        stage = 3 if cfg.zero_stage == 3 else 0
-        zero = {"stage": stage}
-        if cfg.param_offload and stage == 3:
-            if cuda:
-                zero["offload_param"] = {"device": "cpu", "pin_memory": True}
-            else:
-                _log_cpu_param_offload_once()
-        mb = cfg.micro_forward_batch_size
-        batch = {
-            "train_batch_size": mb * world_size,
-            "train_micro_batch_size_per_gpu": mb,
-            "gradient_accumulation_steps": 1,
-        }
-        clip = 1.0  # no optimizer steps: DeepSpeed never clips here (the value frozen roles always had)
+    zero, batch, clip = _train_sections(cfg, world_size) if cfg.trainable else _frozen_sections(cfg, world_size)
     # --grad_accum_dtype: trained models only, as OpenRLHF's train config (a frozen model accumulates nothing)
     accum = cfg.grad_accum_dtype if cfg.trainable else None
     return {
@@ -181,6 +139,52 @@ def ds_config(cfg: WorkerConfig, world_size: int) -> dict:
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+
+
+def _train_sections(cfg: WorkerConfig, world_size: int) -> tuple[dict, dict, float]:
+    """A trained model's (zero_optimization, batch sizes, gradient clipping): its optimizer's ZeRO knobs and the
+    accumulation that makes --train_batch_size from micro-batches across ranks."""
+    t = cfg.train
+    per_step = t.micro_train_batch_size * world_size
+    if t.train_batch_size <= 0 or t.train_batch_size % per_step:
+        raise ValueError(
+            f"{cfg.role}: train_batch_size {t.train_batch_size} must be a positive multiple of "
+            f"micro_train_batch_size {t.micro_train_batch_size} x world size {world_size} = {per_step}; "
+            f"change --train_batch_size or --micro_train_batch_size"
+        )
+    zero: dict = {"stage": cfg.zero_stage}
+    if t.adam_offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": cfg.device == "cuda"}
+    zero.update(_train_zero_knobs(cfg, world_size))
+    if t.optim == "muon" and cfg.zero_stage == 3:
+        zero["reduce_scatter"] = False  # DeepSpeed 0.19.8's ZeRO-3 refuses Muon with reduce-scatter
+    batch = {
+        "train_batch_size": t.train_batch_size,
+        "train_micro_batch_size_per_gpu": t.micro_train_batch_size,
+        "gradient_accumulation_steps": t.train_batch_size // per_step,
+    }
+    if t.max_tokens:  # --use_dynamic_batch: the worker marks each step's last micro-batch itself
+        batch = {"train_batch_size": world_size, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1}
+    return zero, batch, t.max_norm
+
+
+def _frozen_sections(cfg: WorkerConfig, world_size: int) -> tuple[dict, dict, float]:
+    """A frozen (forward-only) model's (zero_optimization, batch sizes, gradient clipping): ZeRO-3 or none, its
+    parameters offloaded with --ref_reward_offload on CUDA, one forward micro-batch per step."""
+    stage = 3 if cfg.zero_stage == 3 else 0
+    zero: dict = {"stage": stage}
+    if cfg.param_offload and stage == 3:
+        if cfg.device == "cuda":
+            zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+        else:
+            _log_cpu_param_offload_once()
+    mb = cfg.micro_forward_batch_size
+    batch = {
+        "train_batch_size": mb * world_size,
+        "train_micro_batch_size_per_gpu": mb,
+        "gradient_accumulation_steps": 1,
+    }
+    return zero, batch, 1.0  # no optimizer steps: DeepSpeed never clips here (the value frozen roles always had)
 
 
 def muon_optimizer(t, device: str = "cuda") -> dict:
