@@ -1,4 +1,5 @@
-"""One DeepSpeed model on one rank: process group, engine construction, micro-batched forward, full weights.
+"""One DeepSpeed model on one rank: process group, engine construction, micro-batched forward, full weights (gathered
+in workers/full_weights.py).
 
 A worker is a plain object (no Ray): `Worker(cfg)` in a process whose env has MASTER_ADDR, MASTER_PORT, RANK,
 WORLD_SIZE and LOCAL_RANK, then `init()` on every rank at once. A Ray rank actor holds one and calls its methods.
@@ -22,11 +23,8 @@ Invariants
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
-import re
-from contextlib import nullcontext
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -45,15 +43,12 @@ from orlhf.workers.deepspeed_setup import (
     seed_everything,
     worker_device,
 )
-from orlhf.workers.hf_names import meta_group, to_checkpoint_names
+from orlhf.workers.full_weights import full_weight_groups, groups_meta, persistent_buffers
 from orlhf.workers.loading import hf_zero3_loading
 from orlhf.workers.micro_batches import forward_plan, train_plan
 from orlhf.workers.optim import decay_groups, make_optimizer
 
 log = logging.getLogger("orlhf.workers")
-
-# Parameters of one transformer block share a "<...>.layers.<i>." prefix (Llama, Qwen, Mistral; GPT-2 uses "h").
-_LAYER_PREFIX = re.compile(r"^(.*?\.(?:layers|h|blocks|layer)\.\d+)\.")
 
 
 def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -304,17 +299,6 @@ class DeepSpeedWorker:
 
     # ---- full weights ----
 
-    def _param_groups(self, trained_only: bool = False) -> list[list[tuple[str, nn.Parameter]]]:
-        """Parameters grouped by transformer block; everything outside the blocks in one group, first.
-        trained_only: without the frozen ones (requires_grad False: --freeze_visual_encoder's vision tower)."""
-        groups: dict[str, list] = {"": []}
-        for name, p in self.module.named_parameters():
-            if trained_only and not p.requires_grad:
-                continue
-            match = _LAYER_PREFIX.match(name)
-            groups.setdefault(match.group(1) if match else "", []).append((name, p))
-        return [g for g in groups.values() if g]
-
     def named_full_weights(
         self,
         to_cpu: bool = True,
@@ -323,41 +307,14 @@ class DeepSpeedWorker:
         checkpoint_format: bool = True,
         trained_only: bool = False,
     ) -> Iterator[list[tuple[str, Optional[torch.Tensor]]]]:
-        """Yield the full weights one group at a time: a group is whole transformer blocks' worth of
-        (hf_name, tensor) (one block per group, plus one group of embeddings / final norm / head).
-
-        Collective under ZeRO-3: every rank must iterate to the end (each group is gathered with
-        GatheredParameters). Rank 0 gets detached copies in the module's dtype (on CPU unless to_cpu=False);
-        other ranks get the same names with None tensors. Without ZeRO-3 every rank holds full weights, but the
-        contract is the same (None off rank 0) so callers need no branch. copy=False yields the live (gathered)
-        tensors, valid only until the generator resumes: for senders that use them at once (weight sync).
-        all_ranks=True gives every rank the full tensors (CUDA IPC sync: each GPU serves its own engine).
-        checkpoint_format (default): names and tensors as a checkpoint on disk has them, which is what engines
-        load (workers/hf_names.py: fused runtime tensors split back per expert); False: the module's
-        own names (what save_pretrained takes, as it converts itself). trained_only: the parameters that train
-        (weight syncs with --freeze_visual_encoder: the engines loaded the frozen ones from the same folder).
-        """
-        import deepspeed
-
-        convert = functools.partial(to_checkpoint_names, self.module)
-        for group in self._param_groups(trained_only):
-            params = [p for _, p in group]
-            ctx = deepspeed.zero.GatheredParameters(params) if self.zero3 else nullcontext()
-            with ctx:
-                if self.rank == 0 or all_ranks:
-                    full = [(n, p.data.detach().to("cpu" if to_cpu else p.device, copy=copy)) for n, p in group]
-                    yield convert(full) if checkpoint_format else full
-                else:
-                    names = convert(meta_group(group)) if checkpoint_format else group
-                    yield [(n, None) for n, _ in names]
+        """The full weights, one group of whole transformer blocks at a time. Collective under ZeRO-3; None tensors
+        off rank 0 unless all_ranks (the contract and the flags: full_weights.full_weight_groups)."""
+        return full_weight_groups(self, to_cpu, copy, all_ranks, checkpoint_format, trained_only)
 
     def checkpoint_groups_meta(self, trained_only: bool = False) -> list[list[tuple[str, str, tuple]]]:
         """(name, dtype, full shape) per group, exactly as named_full_weights(trained_only=...) yields them. Local,
         no gather."""
-        return [
-            [(n, str(t.dtype), tuple(t.shape)) for n, t in to_checkpoint_names(self.module, meta_group(g))]
-            for g in self._param_groups(trained_only)
-        ]
+        return groups_meta(self.module, trained_only)
 
     @endpoint
     def state_dict_full(self) -> Optional[dict[str, torch.Tensor]]:
@@ -414,11 +371,3 @@ def _dummy_row(batch: SequenceBatch) -> SequenceBatch:
     return SequenceBatch(
         batch.sequences.new_zeros(1, t), batch.attention_mask.new_ones(1, t), batch.action_mask.new_ones(1, a)
     )
-
-
-def persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, buffer) for buffers that belong in a state dict (not torch's non-persistent ones)."""
-    for mod_name, mod in module.named_modules():
-        for name, buf in mod.named_buffers(recurse=False):
-            if buf is not None and name not in mod._non_persistent_buffers_set:
-                yield (f"{mod_name}.{name}" if mod_name else name), buf

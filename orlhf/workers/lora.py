@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Iterator, Optional
 import torch
 from torch import nn
 
-from orlhf.workers.base import _LAYER_PREFIX  # parameters of one decoder layer share its prefix
+from orlhf.workers.full_weights import LAYER_PREFIX  # parameters of one decoder layer share its prefix
 from orlhf.workers.hf_names import meta_group, to_checkpoint_names
 
 if TYPE_CHECKING:
@@ -243,10 +243,10 @@ def sync_plan(model: nn.Module, packed: Optional[dict[str, list[str]]]) -> SyncP
             owned.update(f"{name}.lora_{ab}.{ADAPTER}.weight" for ab in "AB")
         else:
             owned.update(f"{name}.{p}" for p, _ in modules[name].named_parameters(recurse=False))
-    layers_with_adapter = {m.group(1) for n in adapted if (m := _LAYER_PREFIX.match(n + "."))}
+    layers_with_adapter = {m.group(1) for n in adapted if (m := LAYER_PREFIX.match(n + "."))}
     groups: dict[str, list] = {}
     for name, p in model.named_parameters():
-        match = _LAYER_PREFIX.match(name)
+        match = LAYER_PREFIX.match(name)
         layer = match.group(1) if match else ""
         if name in owned or (packed is None and layer in layers_with_adapter):
             groups.setdefault(layer, []).append((name, p))
