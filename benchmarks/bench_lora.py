@@ -109,7 +109,7 @@ def child(preset: str, mode: str, rank: int, warmup: int, repeats: int, threads:
     from orlhf.config.resolve import finish_config
     from orlhf.config.worker_config import worker_config
     from orlhf.cpu.rank_actor import tune_rank_process
-    from orlhf.trainer.weight_sync import _nbytes
+    from orlhf.rollout.weight_sync import _nbytes
     from orlhf.workers import PolicyWorker
 
     flags = flags_for(preset, mode, rank)

@@ -240,7 +240,7 @@ def instrumented_sync(sync, version: int) -> dict:
     """WeightSync.sync()'s calls in its order, with the timed entry points in place of the plain ones."""
     from orlhf.distributed.groups import wait_calls
     from orlhf.rollout.engine import EngineActor
-    from orlhf.trainer.weight_sync import finish
+    from orlhf.rollout.weight_sync import finish
 
     t0 = time.perf_counter()
     receive = sync.engines.call(EngineActor.collective_rpc, engine_timed_receive, (sync.metas, sync.buckets))
@@ -273,9 +273,10 @@ def run(args) -> dict:
     from orlhf.distributed.groups import ActorGroup
     from orlhf.distributed.placement import EngineBundles, RankBundle
     from orlhf.launch.bringup import tuning_for
-    from orlhf.rollout.engine import EngineActor, EngineGroup
+    from orlhf.rollout.engine import EngineActor
     from orlhf.rollout.engine_config import engine_config
-    from orlhf.trainer.weight_sync import WeightSync, _nbytes
+    from orlhf.rollout.engine_group import EngineGroup
+    from orlhf.rollout.weight_sync import WeightSync, _nbytes
 
     tmp = Path(tempfile.mkdtemp(prefix="orlhf-bench-ws-"))
     try:

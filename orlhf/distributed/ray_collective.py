@@ -16,7 +16,7 @@ a ProcessGroupGloo over a TCPStore there, outside the default group.
 
 Every call needs a Ray worker process (ray.util.collective refuses any other): the actor ranks are Ray actors, and
 the engines' vLLM workers are Ray workers when the engine core runs in the engine actor's process (rollout/engine.py).
-A group name is used once: a fresh group gets a fresh name (trainer/weight_sync.py), so no member can meet a stale
+A group name is used once: a fresh group gets a fresh name (rollout/weight_sync.py), so no member can meet a stale
 address or a group Ray still holds.
 """
 

@@ -37,8 +37,8 @@ def tuning_for(cfg: TrainConfig) -> Tuning:
 def launch_engines(cfg: TrainConfig, placed, stack: ExitStack, tuning: Optional[Tuning] = None):
     """The engines' actors on their bundles, started without waiting for them (EngineGroup.wait_ready waits);
     shut down when `stack` closes. `tuning`: tuning_for(cfg) unless given."""
-    from orlhf.rollout.engine import EngineGroup
     from orlhf.rollout.engine_config import engine_config
+    from orlhf.rollout.engine_group import EngineGroup
 
     engines = EngineGroup(
         engine_config(cfg),
@@ -64,16 +64,16 @@ def start_models(
 ):
     """Engines and model groups on their bundles, started together; each is shut down when `stack` closes.
 
-    --rollout_backend trainer: no engines; the actor's ranks generate (trainer/actor_rollout.py, which needs the
+    --rollout_backend trainer: no engines; the actor's ranks generate (rollout/actor_rollout.py, which needs the
     `tokenizer`'s pad and EOS ids) and stand in for the engines and the weight sync.
     `engines`: already launched (launch_engines), else launched here. Engines start first without waiting
     (vLLM's start-up is the longest); the model groups are built as `tuning` says (Tuning.model_groups; tuning_for
     unless given), then all groups init() together, then the engines are awaited. `clock`
     (startup.StartupClock) gets a mark after each of these phases."""
+    from orlhf.rollout.actor_rollout import ActorRollout
     from orlhf.rollout.engine import EngineActor
-    from orlhf.trainer.actor_rollout import ActorRollout
+    from orlhf.rollout.weight_sync import make_weight_sync
     from orlhf.trainer.controller import Models
-    from orlhf.trainer.weight_sync import make_weight_sync
     from orlhf.workers.base import DeepSpeedWorker
 
     tuning = tuning or tuning_for(cfg)

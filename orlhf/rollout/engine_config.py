@@ -26,7 +26,7 @@ class EngineConfig:
     kv_cache_gb: Optional[float] = None  # CPU only: KV cache GiB; None: sized to the engine's need (CPU tuning)
     cpu_threads: int = 0  # CPU only: torch threads, --vllm_cpu_threads (0: as the CPU tuning shares the cores)
     enable_sleep: bool = False  # GPU only (--vllm_enable_sleep): vLLM's sleep mode, for hybrid placement
-    cuda_ipc: bool = False  # GPU + --colocate_all_models: weights arrive as CUDA IPC handles (trainer/weight_sync.py)
+    cuda_ipc: bool = False  # GPU + --colocate_all_models: weights arrive as CUDA IPC handles (rollout/weight_sync.py)
     ray_sync: bool = False  # GPU + --vllm_sync_with_ray: the engine core in this process (engine_env)
     logprobs_mode: str = "raw_logprobs"  # vLLM's: what the sampled tokens' log-probs are (engine_logprobs_mode)
     max_images_per_prompt: int = 0  # > 0: a vision-language model's engine, taking this many images a prompt

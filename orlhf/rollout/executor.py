@@ -348,7 +348,7 @@ def agent_metrics(rollouts: list[Rollout]) -> dict[str, float]:
 
 def turn_params_class(engines) -> type:
     """The class of the sampling parameters agents get: vLLM's SamplingParams for vLLM engines; orlhf's TurnParams
-    (its fields) where the engines say they take those (trainer/actor_rollout.py: the actor's ranks sample), so agents
+    (its fields) where the engines say they take those (rollout/actor_rollout.py: the actor's ranks sample), so agents
     run on machines without vLLM."""
     if getattr(engines, "turn_params", None) is not None:
         return engines.turn_params

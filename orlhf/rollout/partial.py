@@ -11,7 +11,7 @@ S is --partial_rollout_tokens. Invariants: every token keeps the log-prob and th
 (Rollout.token_versions; Rollout.weight_version is the oldest of them, so staleness and the sync guard see a mixed
 sample as stale); a sample that stopped is never sent again; rollouts come back in the batch's order (prompt, then
 sample). A continuation prefills its whole prefix again: after a sync the engines' prefix cache is empty
-(trainer/weight_sync.py), so the new tokens are sampled from the new weights given the prefix, with no KV cache left
+(rollout/weight_sync.py), so the new tokens are sampled from the new weights given the prefix, with no KV cache left
 from the old ones (OpenRLHF's vLLM pause/resume keeps the old cache instead). Where the syncs fall depends on timing,
 so a run is not reproducible step for step.
 """

@@ -1,7 +1,7 @@
 """A vLLM worker extension: receives the trainer's weights and loads them in place.
 
-The engines' side of a weight sync (the driver's side is orlhf/trainer/weight_sync.py, the trainer ranks' side
-orlhf/workers/weight_send.py). Its @endpoint methods are called through EngineGroup.call (rollout/engine.py),
+The engines' side of a weight sync (the driver's side is orlhf/rollout/weight_sync.py, the trainer ranks' side
+orlhf/workers/weight_send.py). Its @endpoint methods are called through EngineGroup.call (rollout/engine_group.py),
 which runs them on every vLLM worker of each engine (collective_rpc).
 
 vLLM instantiates this as a mixin of its Worker (`worker_extension_cls`), so `self` is the worker: it has
@@ -52,7 +52,7 @@ class WeightSyncExtension:
         """Join the trainer -> engines group as rank `rank_offset + tp rank`: a stateless group whose store the trainer
         hosts at host:port, or the Ray collective group `ray_group` (--vllm_sync_with_ray: host and port unused,
         distributed/ray_collective.py). Returns that rank. A worker already in a group (a fresh one is built after an
-        engine was replaced: trainer/weight_sync.py) leaves it first."""
+        engine was replaced: rollout/weight_sync.py) leaves it first."""
         rank = rank_offset + self.rank
         self._orlhf_leave()
         self._orlhf_backend = backend

@@ -13,7 +13,7 @@
       make_experience  driver: KL, group baseline, KL-shaped rewards, advantages and returns (algo/)
       train            actor and critic train_step at the same time (non-blocking calls, gathered after);
                        --freezing_actor_steps N: the critic alone while the step index (0-based) is <= N
-      sync_weights     actor -> engines (trainer/weight_sync.py); weight_version += 1; before the next generate
+      sync_weights     actor -> engines (rollout/weight_sync.py); weight_version += 1; before the next generate
                        (skipped after a frozen-actor step: the engines already hold those weights)
       evaluate         every --eval_steps steps and after the last: held-out prompts on the new weights
                        (trainer/evaluation.py; no training state touched), the best checkpoint kept apart
@@ -61,8 +61,8 @@ from orlhf.workers.shared_prompt import prompt_major_order
 if TYPE_CHECKING:  # annotations only: the loop itself imports no Ray (benchmarks/hybrid_engine_baseline.py runs it
     # on SPMD ranks without Ray, with groups of its own that answer the same calls)
     from orlhf.distributed.groups import ActorGroup
-    from orlhf.rollout.engine import EngineGroup
-    from orlhf.trainer.weight_sync import WeightSync
+    from orlhf.rollout.engine_group import EngineGroup
+    from orlhf.rollout.weight_sync import WeightSync
 
 log = logging.getLogger(__name__)
 

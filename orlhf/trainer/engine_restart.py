@@ -2,7 +2,7 @@
 step goes on.
 
     found lost                                    by
-      generate: an engine's chunk died, its       EngineGroup.generate (rollout/engine.py) -> on_lost = recover
+      generate: an engine's chunk died, its       EngineGroup.generate (rollout/engine_group.py) -> on_lost = recover
         process hung (--hang_timeout_s), or it
         gave no answer within --ray_timeout_s
       weight sync: the broadcast failed, and an   EngineRestarts.sync -> WeightSync.lost_engines (both sides' calls

@@ -162,7 +162,7 @@ class PolicyWorker(CausalLMWorker):
             stats["aux_loss"] = aux.item()
         return loss, stats
 
-    # ---- weight sync: orlhf/trainer/weight_sync.py drives these, workers/weight_send.py does the sending; only rank 0
+    # ---- weight sync: orlhf/rollout/weight_sync.py drives these, workers/weight_send.py does the sending; only rank 0
     # talks to the engines (broadcast) ----
 
     @endpoint

@@ -7,7 +7,7 @@
     CUDA IPC (colocated GPU): send_ipc: every rank gathers each group and makes IPC handles of its own copy;
                               the first rank of each TP group has its engine load them
 
-The driver's side (set-up, order, waits) is orlhf/trainer/weight_sync.py; the engines' side is rollout/worker_ext.py.
+The driver's side (set-up, order, waits) is orlhf/rollout/weight_sync.py; the engines' side is rollout/worker_ext.py.
 The store timeout (`timeout_s`) bounds how long rank 0 waits for the engine workers to join.
 """
 

@@ -1,5 +1,5 @@
 """`orlhf train-ppo --vllm_num_engines 0` (--rollout_backend trainer) end to end on the built-in demo: real Ray and
-DeepSpeed, no vLLM engine; the actor's ranks generate (workers/generation.py, trainer/actor_rollout.py).
+DeepSpeed, no vLLM engine; the actor's ranks generate (workers/generation.py, rollout/actor_rollout.py).
 
 1. GRPO on the demo, DAPO-style (clip-higher, dynamic filtering, soft overlong penalty) with GSPO's sequence-level
    ratio, learns: last 10 steps' mean generated reward >= 1.5 x the first 10's, the sampler's log-probs within 1e-5

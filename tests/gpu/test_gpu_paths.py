@@ -35,9 +35,9 @@ def _rig(tmp_path, **flags):
     from orlhf.distributed.layout import plan_layout
     from orlhf.distributed.placement import create_placement_groups
     from orlhf.launch.bringup import tuning_for
-    from orlhf.rollout.engine import EngineGroup
     from orlhf.rollout.engine_config import engine_config
-    from orlhf.trainer.weight_sync import make_weight_sync
+    from orlhf.rollout.engine_group import EngineGroup
+    from orlhf.rollout.weight_sync import make_weight_sync
     from orlhf.workers import PolicyWorker
 
     if not ray.is_initialized():

@@ -240,13 +240,13 @@ def test_dynamic_filtering_keeps_groups_by_the_agents_scores_and_trains_on_their
 def test_agents_run_without_vllm_where_the_actor_samples(tmp_path, monkeypatch):
     """--rollout_backend trainer: agents get orlhf's TurnParams (vLLM's fields) and never import vLLM, so a machine
     without vLLM runs them (before: `from vllm import SamplingParams` in every batch of episodes)."""
-    from orlhf.trainer.actor_rollout import ActorRollout
+    from orlhf.rollout.actor_rollout import ActorRollout
     from orlhf.types import TurnParams
 
     monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError from here on
     engine = FakeEngine()
 
-    class Actor:  # what the executor reads of the actor's rollout (trainer/actor_rollout.py)
+    class Actor:  # what the executor reads of the actor's rollout (rollout/actor_rollout.py)
         turn_params = ActorRollout.turn_params
 
         def __len__(self):

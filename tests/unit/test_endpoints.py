@@ -72,7 +72,7 @@ def test_a_group_of_a_class_that_exports_nothing_or_a_name_twice_is_refused_at_b
 def test_the_groups_refuse_a_bad_reference_before_sending_anything():
     """The real group classes, without Ray: the check runs before any actor handle is touched."""
     from orlhf.distributed.groups import ActorGroup
-    from orlhf.rollout.engine import EngineGroup
+    from orlhf.rollout.engine_group import EngineGroup
 
     group = object.__new__(ActorGroup)
     group.role, group.worker_cls, group.world_size, group.actors = "critic", CriticWorker, 2, None

@@ -8,7 +8,7 @@ import pytest
 
 from orlhf.cli import main
 from orlhf.config.flags import parse_config
-from orlhf.rollout.engine import contiguous_chunks
+from orlhf.rollout.engine_group import contiguous_chunks
 from orlhf.trainer.engine_restart import EngineRestarts
 from orlhf.workers.weight_send import send_groups
 

@@ -66,7 +66,7 @@ def test_gpu_engines_run_their_core_in_the_engine_actor_only_for_a_ray_group():
 
 def test_cuda_ipc_ignores_the_flag_with_a_line(monkeypatch, caplog):
     """As OpenRLHF, whose CUDA IPC path sets up no group either; said, not silent."""
-    from orlhf.trainer import weight_sync
+    from orlhf.rollout import weight_sync
 
     monkeypatch.setattr(weight_sync, "IpcWeightSync", lambda actor, engines, timeout_s: "ipc")
     cfg = build(device="cuda", vllm_sync_with_ray=True, colocate_all_models=True)

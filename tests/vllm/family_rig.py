@@ -362,7 +362,7 @@ class Rig:
         self.start("trainer", "load", path, bf16, temperature, 1e-2, zero_stage, lora_rank)
         self.start("engine", "load", path, bf16, temperature)
         self.wait("trainer"), self.wait("engine")
-        from orlhf.trainer.weight_sync import plan_buckets
+        from orlhf.rollout.weight_sync import plan_buckets
 
         packed = self.call("engine", "packed")
         self.metas, self.buckets = plan_buckets(self.call("trainer", "metas", packed), 256 * 2**20)

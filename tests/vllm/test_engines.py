@@ -16,10 +16,11 @@ from orlhf.cpu.tuning import CpuTuning
 from orlhf.distributed.groups import ActorGroup, RankError
 from orlhf.distributed.layout import plan_layout
 from orlhf.distributed.placement import EngineBundles, create_placement_groups, remove_placement_groups
-from orlhf.rollout.engine import EngineActor, EngineGroup, SamplingSpec
+from orlhf.rollout.engine import EngineActor, SamplingSpec
 from orlhf.rollout.engine_config import engine_config
+from orlhf.rollout.engine_group import EngineGroup
+from orlhf.rollout.weight_sync import WeightSync
 from orlhf.trainer.experience import rollouts_to_batch
-from orlhf.trainer.weight_sync import WeightSync
 from orlhf.types import Experience
 from orlhf.workers import PolicyWorker
 

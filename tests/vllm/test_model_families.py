@@ -135,7 +135,7 @@ def test_engine_log_probs_at_temperature_are_the_actors(rig):
 
 
 def _bytes(metas) -> int:
-    from orlhf.trainer.weight_sync import _nbytes
+    from orlhf.rollout.weight_sync import _nbytes
 
     return sum(_nbytes(m) for m in metas)
 
