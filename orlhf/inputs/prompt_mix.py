@@ -1,11 +1,11 @@
 """Several prompt sources, as OpenRLHF's blending_datasets takes them: --prompt_data a,b [--prompt_data_probs].
 
-    --prompt_data "a,b" --split_sources--> [a, b] --data.load_prompt_rows (each, --prompt_split, --max_samples)
+    --prompt_data "a,b" --split_sources--> [a, b] --prompts.load_prompt_rows (each, --prompt_split, --max_samples)
         no --prompt_data_probs:   a's rows then b's rows (concatenated)
         --prompt_data_probs p,q:  rows drawn source by source (interleave_order), until every source was used up
-    --> at most --max_samples rows in all --> data.build_prompts
+    --> at most --max_samples rows in all --> prompts.build_prompts
 
-One source without --prompt_data_probs reads exactly as data.load_prompt_rows does. The mix depends only on
+One source without --prompt_data_probs reads exactly as prompts.load_prompt_rows does. The mix depends only on
 (the sources' lengths, the probabilities, --seed), so a resumed run rebuilds the same list.
 """
 

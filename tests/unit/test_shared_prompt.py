@@ -78,7 +78,7 @@ def lm():
         initializer_range=0.5,
     )  # large weights: logits that differ clearly between positions
     model = LlamaForCausalLM(cfg).eval()
-    model.config.use_cache = False  # as workers load it (policy.load_causal_lm)
+    model.config.use_cache = False  # as workers load it (causal_lm.load_causal_lm)
     return model
 
 

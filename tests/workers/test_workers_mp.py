@@ -168,7 +168,7 @@ def _ws2(rank: int, out: dict, paths: dict, exp: Experience) -> None:
     out["after"] = actor.state_dict_full()
     _timed(out, "train_step_2", lambda: actor.train_step(half))
     out["rss_mb_actor"] = _rss_mb()
-    out["shared_prompt"] = actor.shared_prompt  # ZeRO-3 over 2 ranks: off (see policy.shares_prompts)
+    out["shared_prompt"] = actor.shared_prompt  # ZeRO-3 over 2 ranks: off (see causal_lm.shares_prompts)
     out["saved"] = actor.state_dict_full()
     actor.save_hf(str(paths["root"] / "export"))
 
