@@ -8,9 +8,10 @@
 #                                                  # without its Java jar and dashboard web client, into DIR
 #   bash scripts/gpu_check.sh DIR                  # on the GPU machine: install from DIR only, run tests/gpu
 #
-# --build-wheels: GPU_CHECK_PYTHONS (default 3.10 3.11 3.12 3.13) picks the Pythons DeepSpeed's dependencies are
-# fetched for; Ray and the dependencies the GPU image lacks (jsonschema, jsonschema-specifications, referencing,
-# rpds-py, and attrs, which the first and third need) are fetched for Python 3.12 only, the GPU image's. Ray's cp312 manylinux wheel goes through
+# --build-wheels: every wheel is for Python 3.12 (cp312, or pure Python), the GPU image's only Python: a wheel for
+# another Python would be carried and never installed. DeepSpeed's dependencies, TRL's, Ray and the dependencies of
+# Ray's the GPU image lacks (jsonschema, jsonschema-specifications, referencing, rpds-py, and attrs, which the first
+# and third need). Ray's cp312 manylinux wheel goes through
 # scripts/strip_wheel.py (ray/jars/* and ray/dashboard/client/build/* dropped, RECORD rewritten). It ends by
 # printing DIR's size and fails (exit 1, naming the largest files) if DIR plus the repository's tracked files
 # exceed 64 MiB, what one call to the GPU machine can be handed.
@@ -23,8 +24,8 @@
 # from the host), so tests/gpu can import it; this script never starts Ray.
 # Then benchmarks/bench_train_mfu.py measures the actor's train step (tokens/s, MFU, peak memory against the plan),
 # and benchmarks/trl_compare.py --device cuda runs a short orlhf (--vllm_num_engines 0) against TRL's GRPOTrainer
-# (trl, datasets, dill and multiprocess come from DIR too, for each GPU_CHECK_PYTHONS from 3.11; the rest of
-# their dependencies from the host: without them the comparison is left out, saying why).
+# (trl, datasets, dill and multiprocess come from DIR too; the rest of their dependencies from the host: without
+# them the comparison is left out, saying why).
 # PYTHON picks the host interpreter (default python3). Exit status: pytest's, else the benchmarks'.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -40,41 +41,36 @@ DEPS="einops hjson msgpack ninja psutil py-cpuinfo pydantic pytest pytest-timeou
 # runs with (the image has accelerate, pyarrow, pandas, xxhash, fsspec and huggingface-hub).
 TRL=$(sed -n 's/^TRL_VERSION = "\(.*\)"$/\1/p' benchmarks/trl_compare.py)
 TRL_DEPS="trl==$TRL datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19"
+# The GPU image's Python: what --build-wheels fetches every wheel for.
+GPU_PYTHON=3.12
+WHEEL_FOR=(--only-binary=:all: --python-version "$GPU_PYTHON" --implementation cp
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
 
 if [ "${1:-}" = --build-wheels ]; then
   DIR=${2:?usage: gpu_check.sh --build-wheels DIR}
   mkdir -p "$DIR"
   log "DeepSpeed $DEEPSPEED wheel with no prebuilt ops -> $DIR"
   DS_BUILD_OPS=0 "$PY" -m pip wheel -q --no-deps -w "$DIR" "deepspeed==$DEEPSPEED"
-  # Binary deps (pydantic-core, msgpack, ninja, psutil, numpy) for the Pythons a CUDA box is likely to have.
-  for v in ${GPU_CHECK_PYTHONS:-3.10 3.11 3.12 3.13}; do
-    log "dependencies for Python $v (manylinux x86_64)"
-    # shellcheck disable=SC2086
-    "$PY" -m pip download -q --only-binary=:all: --python-version "$v" --implementation cp \
-      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-      -d "$DIR" $DEPS
-    [ "$(printf '%s\n' 3.11 "$v" | sort -V | head -n1)" = 3.11 ] || continue  # TRL 1.16 needs Python >= 3.11
-    log "TRL $TRL and what it needs beyond the GPU image, for Python $v"
-    # shellcheck disable=SC2086
-    "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$v" --implementation cp \
-      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-      -d "$DIR" $TRL_DEPS
-  done
+  # Binary deps (pydantic-core, msgpack, ninja, psutil) as cp312 wheels.
+  log "dependencies for Python $GPU_PYTHON (manylinux x86_64)"
+  # shellcheck disable=SC2086
+  "$PY" -m pip download -q "${WHEEL_FOR[@]}" -d "$DIR" $DEPS
+  log "TRL $TRL and what it needs beyond the GPU image, for Python $GPU_PYTHON"
+  # shellcheck disable=SC2086
+  "$PY" -m pip download -q --no-deps "${WHEEL_FOR[@]}" -d "$DIR" $TRL_DEPS
   # Ray for the GPU image's Python only: 79 MB as published, ~45 MB without the Java workers' jar (32 MB) and the
   # dashboard's built web client, neither of which a Python worker loads.
   RAY_TMP=$(mktemp -d)
   trap 'rm -rf "$RAY_TMP"' EXIT
-  log "Ray $RAY for Python 3.12 (manylinux x86_64), stripped of ray/jars and the dashboard client -> $DIR"
-  "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux2014_x86_64 -d "$RAY_TMP" "ray==$RAY"
+  log "Ray $RAY for Python $GPU_PYTHON (manylinux x86_64), stripped of ray/jars and the dashboard client -> $DIR"
+  "$PY" -m pip download -q --no-deps "${WHEEL_FOR[@]}" -d "$RAY_TMP" "ray==$RAY"
   "$PY" scripts/strip_wheel.py "$RAY_TMP"/ray-"$RAY"-*.whl "$DIR" \
     --drop 'ray/jars/*' --drop 'ray/dashboard/client/build/*' >&2
   # What Ray needs that the GPU image lacks (click, filelock, msgpack, protobuf, pyyaml, requests, aiosignal and
   # frozenlist are there); rpds-py is binary.
-  log "Ray's missing dependencies for Python 3.12 -> $DIR"
-  "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    -d "$DIR" jsonschema jsonschema-specifications referencing rpds-py attrs
+  log "Ray's missing dependencies for Python $GPU_PYTHON -> $DIR"
+  "$PY" -m pip download -q --no-deps "${WHEEL_FOR[@]}" -d "$DIR" jsonschema jsonschema-specifications referencing \
+    rpds-py attrs
   # What one call to the GPU machine is handed: this folder and the repository's tracked files, 64 MiB at most.
   "$PY" - "$DIR" <<'PY'
 import os, subprocess, sys
@@ -122,6 +118,9 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -c "import site; print('import site; ' + '; '.join(f'site.addsitedir({d!r})' for d in
             site.getsitepackages() + [site.getusersitepackages()]))" >"$VSITE/_orlhf_host_sites.pth"
 fi
+HOST_PYTHON=$("$PY" -c "import sys; print('%d.%d' % sys.version_info[:2])")
+[ "$HOST_PYTHON" = "$GPU_PYTHON" ] ||
+  log "$DIR holds wheels for Python $GPU_PYTHON (the GPU image's); this host is $HOST_PYTHON: what it lacks may not install"
 log "installing deepspeed $DEEPSPEED (and what the host lacks of: $DEPS) from $DIR, no index"
 "$PY" -m pip --python "$VENV/bin/python" install -q --disable-pip-version-check --no-index --find-links "$DIR" \
   "deepspeed==$DEEPSPEED" pytest pytest-timeout
