@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import random
 import shutil
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -187,8 +189,9 @@ def make_demo(out_dir: Path, seed: int = 0) -> DemoPaths:
     paths.model.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
     tokenizer = _build_tokenizer(rng)
-    tokenizer.save_pretrained(paths.model)
-    _build_model(tokenizer, seed).save_pretrained(paths.model, safe_serialization=True)
+    with quiet_save():
+        tokenizer.save_pretrained(paths.model)
+        _build_model(tokenizer, seed).save_pretrained(paths.model, safe_serialization=True)
     with open(paths.prompts, "w") as f:
         for row in _prompt_rows(rng):
             f.write(json.dumps(row) + "\n")
@@ -196,6 +199,31 @@ def make_demo(out_dir: Path, seed: int = 0) -> DemoPaths:
     shutil.copyfile(Path(__file__).with_name("agent.py"), paths.agent_fn)
     (paths.root / _MANIFEST).write_text(json.dumps({"version": DEMO_VERSION, "seed": seed}) + "\n")
     return paths
+
+
+@contextmanager
+def quiet_save():
+    """No library output while a demo model is written: transformers' shard-writing progress bar off, and DeepSpeed's
+    import-time notices dropped (accelerate imports DeepSpeed inside save_pretrained to unwrap the model, and on a
+    machine without a GPU DeepSpeed warns that it falls back to the CPU). The demo is built before a run's logs
+    exist, so anything printed here would land on the user's terminal, and none of it concerns the files written.
+    Both are restored after: DeepSpeed logs as usual once imported."""
+    import transformers.utils.logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    deepspeed_log = logging.getLogger("DeepSpeed")  # the logger DeepSpeed sets up at import, writing to stdout
+
+    def errors_only(record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR
+
+    deepspeed_log.addFilter(errors_only)
+    try:
+        yield
+    finally:
+        deepspeed_log.removeFilter(errors_only)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def ensure_demo(cache_dir: Path | None = None) -> DemoPaths:

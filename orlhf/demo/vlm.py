@@ -258,7 +258,9 @@ def make_vlm_demo(out_dir: Path, seed: int = 0) -> VlmDemoPaths:
     paths.images.mkdir(exist_ok=True)
     rng = random.Random(seed)
     tokenizer = build_tokenizer(rng)
-    with _quiet_transformers():
+    from orlhf.demo.builder import quiet_save
+
+    with _quiet_transformers(), quiet_save():
         build_processor(tokenizer).save_pretrained(paths.model)
         build_model(tokenizer, seed).save_pretrained(paths.model, safe_serialization=True)
     with open(paths.prompts, "w") as f:

@@ -124,6 +124,34 @@ def test_ensure_demo_concurrent_callers_share_one_build(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == [f"demo-v{DEMO_VERSION}"]
 
 
+def test_building_the_demo_prints_nothing(tmp_path):
+    """`orlhf train-ppo` without --pretrain builds the demo before the run's logs exist: the build itself must print
+    nothing (no shard-writing bar from save_pretrained, no accelerator guess from DeepSpeed, which accelerate imports
+    while saving). A fresh interpreter, as a first run has: DeepSpeed not yet imported, bars on."""
+    env = {k: v for k, v in os.environ.items() if k not in ("DS_ACCELERATOR", "HF_HUB_DISABLE_PROGRESS_BARS")}
+    code = "import sys; from orlhf.demo.builder import ensure_demo; ensure_demo(sys.argv[1])"
+    res = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert res.returncode == 0, res.stderr
+    assert (res.stdout, res.stderr) == ("", "")
+
+
+def test_quiet_save_restores_the_bars_and_deepspeed_logging():
+    import logging
+
+    import transformers.utils.logging as hf_logging
+
+    from orlhf.demo.builder import quiet_save
+
+    hf_logging.enable_progress_bar()
+    with quiet_save():
+        assert not hf_logging.is_progress_bar_enabled()
+        assert logging.getLogger("DeepSpeed").filters
+    assert hf_logging.is_progress_bar_enabled()
+    assert not logging.getLogger("DeepSpeed").filters
+
+
 # --- the reward -------------------------------------------------------------------------------------------------
 
 
