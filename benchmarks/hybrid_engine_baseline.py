@@ -64,6 +64,7 @@ from orlhf import cli  # noqa: E402
 from orlhf.config import train_config as C  # noqa: E402
 from orlhf.config.worker_config import worker_config  # noqa: E402
 from orlhf.distributed.endpoints import method_name  # noqa: E402
+from orlhf.rollout.backend import RolloutBackend  # noqa: E402
 from orlhf.trainer.controller import Controller, Models  # noqa: E402
 
 log = logging.getLogger("hybrid")
@@ -157,31 +158,46 @@ class LocalGroup:
         return LocalCall(self.ranks, self._run(fn, *args, **kwargs))
 
 
-class HybridGenerator:
-    """The controller's `engines`: the trained actor generates this rank's share of the prompts (HF generate in
-    its own engine), and the ranks exchange rollouts, so every rank holds the whole batch in prompt order."""
+class HybridGenerator(RolloutBackend):
+    """The controller's rollout backend (orlhf/rollout/backend.py): the trained actor generates this rank's share of
+    the prompts (HF generate in its own engine), and the ranks exchange rollouts, so every rank holds the whole batch
+    in prompt order. Built by hand on each SPMD rank, never through start_plan/connect."""
+
+    kind = "hybrid"
 
     def __init__(self, actor, ranks: Ranks, pad_id: int, eos_id: int):
         self.actor, self.ranks, self.pad_id, self.eos_id = actor, ranks, pad_id, eos_id
-        self.weight_version = 0  # the actor's: moved by HybridSync after each train step
+        self.weight_version = 0  # the actor's: moved by load_weights after each train step
 
-    def generate(self, prompts: list[list[int]], sampling) -> list:
+    @classmethod
+    def start_plan(cls, cfg) -> tuple[str, ...]:
+        return ("start_models",)
+
+    @classmethod
+    def connect(cls, cfg, launched, actor, tokenizer, stack, mark):
+        raise NotImplementedError("built on each rank by build()")
+
+    def __len__(self) -> int:
+        return 1
+
+    def generate_turns(self, index: int, requests: list):
+        raise NotImplementedError("the hybrid baseline runs single-turn rollouts only")
+
+    def load_weights(self, version: int) -> float:
+        """Nothing to send: the actor that trains is the one that generates; the version tag moves, so rollouts
+        carry the version they were sampled with."""
+        self.weight_version = version
+        return 0.0
+
+    def shutdown(self) -> None:
+        pass
+
+    def generate(self, prompts: list[list[int]], sampling, images=None) -> list:
         mine = self.ranks.share(list(enumerate(prompts)))
         local = self.actor.generate(mine, sampling, self.pad_id, self.eos_id)
         for r in local:
             r.weight_version = self.weight_version
         return [r for part in self.ranks.gather_objects(local) for r in part]  # rank order = prompt order
-
-
-class HybridSync:
-    """The controller's weight sync: nothing to send, the actor that trains is the one that generates; the
-    generator's version tag moves, so rollouts carry the version they were sampled with."""
-
-    def __init__(self, generator: HybridGenerator):
-        self.generator = generator
-
-    def sync(self, version: int) -> None:
-        self.generator.weight_version = version
 
 
 class NoMetrics:
@@ -254,12 +270,10 @@ def build(cfg: C.TrainConfig, opts: HybridOptions, rank: int, world: int) -> Hyb
         "reward": RewardWorker(wc("reward")) if cfg.has_reward_model else None,
     }
     groups = {role: LocalGroup(role, w, ranks) if w is not None else None for role, w in workers.items()}
-    engines = HybridGenerator(actor, ranks, tok.pad_token_id, tok.eos_token_id)
     models = Models(
         actor=groups["actor"],
         ref=groups["ref"],
-        engines=engines,
-        sync=HybridSync(engines),
+        rollout=HybridGenerator(actor, ranks, tok.pad_token_id, tok.eos_token_id),
         critic=groups["critic"],
         reward=groups["reward"],
     )

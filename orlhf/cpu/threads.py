@@ -128,15 +128,16 @@ class PhaseThreads:
         scoring = ([models.actor] if actor_scores else []) + [models.ref, models.critic, models.reward]
         training = [models.actor, models.critic]
         phases = {"score": [g for g in scoring if g is not None], "train": [g for g in training if g is not None]}
-        if cfg.rollout_in_trainer:  # the actor's ranks generate: the cores are theirs in that phase
-            phases["generate"] = [models.actor]
+        generating = list(models.rollout.generating_groups)  # model groups that generate: the phase's cores
+        if generating:
+            phases["generate"] = generating
         # --train_cpu_threads N: sent like a hand-over (init() set it on one of a rank's pool threads only)
         n = cfg.deepspeed.train_cpu_threads
         fixed = {id(g): n for g in phases["score"] + phases["train"]} if n else {}
         if cfg.ppo.async_train:  # generation runs beside training all the time: only the fixed counts are sent
             phases = {phase: [g for g in gs if id(g) in fixed] for phase, gs in phases.items()}
         plan = cls(phases, cores or machine_cores(), fixed)
-        if cfg.rollout_in_trainer:
+        if generating:  # no engine of its own
             log.info("CPU threads per phase (%d cores): %s", plan.cores, plan.describe())
             return plan
         engines = engine_threads(cfg, plan.cores)

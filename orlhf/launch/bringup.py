@@ -1,12 +1,13 @@
 """Bringing a run's processes up on their placement groups, in start_plan's order, each shut down when the run's
-ExitStack closes (entry.run_locked drives it and marks the start-up clock between phases):
+ExitStack closes (launch/run.py's run_attempt drives it and marks the start-up clock between phases):
 
-    launch_engines   the vLLM engines' actors, not waited for (vLLM's import and LLM() are the longest chain)
+    launch_rollout   what the rollout backend starts before the model groups (rollout/backend.py: the vLLM engines'
+                     actors, not waited for: vLLM's import and LLM() are the longest chain)
     start_models     the model groups spawned concurrently (one thread each), as the platform's tuning builds
                      them (tuning_for: on CPU the reference inside the actor's processes), all init() together,
-                     then the engines awaited and the weight-sync group built -> controller.Models
-    start_plan       own devices: engines and trainers together; colocated on GPUs: the engines first, alone
-                     (vLLM's memory profile sees only itself), asleep with --vllm_enable_sleep, then the trainers
+                     then the rollout backend connected (engines awaited, weight-sync group) -> controller.Models
+    start_plan       the backend's order (rollout/vllm_rollout.py: on shared GPUs the engines first, alone, asleep
+                     with --vllm_enable_sleep, then the trainers)
 Said once as it starts: the forwards left out because they cannot change an update (no reference without a KL,
 no old-log-prob forward on a single pass), and the groups that left ZeRO-3 (one rank: nothing to partition).
 """
@@ -34,22 +35,13 @@ def tuning_for(cfg: TrainConfig) -> Tuning:
     return Tuning()
 
 
-def launch_engines(cfg: TrainConfig, placed, stack: ExitStack, tuning: Optional[Tuning] = None):
-    """The engines' actors on their bundles, started without waiting for them (EngineGroup.wait_ready waits);
-    shut down when `stack` closes. `tuning`: tuning_for(cfg) unless given."""
-    from orlhf.rollout.engine_config import engine_config
-    from orlhf.rollout.engine_group import EngineGroup
+def launch_rollout(cfg: TrainConfig, placed, stack: ExitStack, tuning: Optional[Tuning] = None):
+    """What the run's rollout backend starts before the model groups (the vLLM engines' actors, not waited for), shut
+    down when `stack` closes; None when nothing starts early (rollout/backend.py). `tuning`: tuning_for(cfg) unless
+    given."""
+    from orlhf.rollout.backend import backend_class
 
-    engines = EngineGroup(
-        engine_config(cfg),
-        [placed.engine_bundles(i) for i in range(cfg.num_engines)],
-        timeout_s=cfg.runtime.ray_timeout_s,
-        wait=False,
-        tuning=tuning or tuning_for(cfg),
-        hang_s=cfg.runtime.hang_timeout_s,
-    )
-    stack.callback(engines.shutdown)
-    return engines
+    return backend_class(cfg).launch(cfg, placed, stack, tuning or tuning_for(cfg))
 
 
 def start_models(
@@ -58,43 +50,29 @@ def start_models(
     optimizer_steps: int,
     stack: ExitStack,
     clock=None,
-    engines=None,
+    rollout=None,
     tuning: Optional[Tuning] = None,
     tokenizer=None,
 ):
-    """Engines and model groups on their bundles, started together; each is shut down when `stack` closes.
+    """The rollout backend and the model groups on their bundles, started together; each is shut down when `stack`
+    closes.
 
-    --rollout_backend trainer: no engines; the actor's ranks generate (rollout/actor_rollout.py, which needs the
-    `tokenizer`'s pad and EOS ids) and stand in for the engines and the weight sync.
-    `engines`: already launched (launch_engines), else launched here. Engines start first without waiting
-    (vLLM's start-up is the longest); the model groups are built as `tuning` says (Tuning.model_groups; tuning_for
-    unless given), then all groups init() together, then the engines are awaited. `clock`
-    (startup.StartupClock) gets a mark after each of these phases."""
-    from orlhf.rollout.actor_rollout import ActorRollout
-    from orlhf.rollout.engine import EngineActor
-    from orlhf.rollout.weight_sync import make_weight_sync
+    `rollout`: already launched (launch_rollout), else launched here. What the backend starts early begins first
+    without waiting (vLLM's start-up is the longest); the model groups are built as `tuning` says
+    (Tuning.model_groups; tuning_for unless given), then all groups init() together, then the backend connects (the
+    engines awaited and the weight-sync group built; --rollout_backend trainer: the actor's ranks generate, with the
+    `tokenizer`'s pad and EOS ids). `clock` (launch/startup_clock.StartupClock) gets a mark after each phase."""
+    from orlhf.rollout.backend import backend_class
     from orlhf.trainer.controller import Models
     from orlhf.workers.base import DeepSpeedWorker
 
+    backend = backend_class(cfg)
     tuning = tuning or tuning_for(cfg)
-    plan = start_plan(cfg)
-    if "start_engines" in plan and engines is None:
-        engines = launch_engines(cfg, placed, stack, tuning)
-    if "wait_engines" in plan and plan.index("wait_engines") < plan.index("start_models"):
-        log.info(
-            "vllm engines: %d, pids %s (started before the trainers share their GPUs)",
-            len(engines),
-            engines.wait_ready(),
-        )
-    if "sleep_engines" in plan:
-        engines.call(EngineActor.sleep).get()
-    if cfg.rollout_in_trainer:
-        if tokenizer is None:
-            raise ValueError("--rollout_backend trainer: start_models needs the run's tokenizer (pad and EOS ids)")
-        log.info(
-            "rollouts: generated in the actor's ranks with transformers' generate (--rollout_backend trainer): no "
-            "vLLM engine, no weight sync; the sync guard compares the sampler's log-probs with the training forward's"
-        )
+    plan = backend.start_plan(cfg)
+    if rollout is None:
+        rollout = backend.launch(cfg, placed, stack, tuning)
+    if rollout is not None:
+        rollout.before_models(plan)
     log_skipped_forwards(cfg)
     log_zero_stages(cfg)
     mark = clock.mark if clock is not None else (lambda phase: None)
@@ -103,20 +81,11 @@ def start_models(
     for call in [g.call(DeepSpeedWorker.init) for g in groups.values()]:
         call.get()
     mark("groups init")
-    if cfg.rollout_in_trainer:  # the actor's ranks stand in for the engines and their weight sync
-        engines = sync = ActorRollout(groups["actor"], tokenizer.pad_token_id, tokenizer.eos_token_id)
-        stack.callback(engines.shutdown)
-    else:
-        if plan.index("wait_engines") > plan.index("start_models"):
-            log.info("vllm engines: %d, pids %s", len(engines), engines.wait_ready())
-        mark("engines ready")
-        sync = make_weight_sync(cfg, groups["actor"], engines)
-        mark("weight sync group")
+    rollout = backend.connect(cfg, rollout, groups["actor"], tokenizer, stack, mark)
     return Models(
         actor=groups["actor"],
         ref=groups.get("ref"),
-        engines=engines,
-        sync=sync,
+        rollout=rollout,
         critic=groups.get("critic"),
         reward=groups.get("reward"),
         tuning=tuning,
@@ -197,20 +166,7 @@ def log_zero_stages(cfg: TrainConfig) -> None:
 
 
 def start_plan(cfg: TrainConfig) -> tuple[str, ...]:
-    """The order start_models brings things up.
+    """The order start_models brings things up: the rollout backend's (rollout/backend.py)."""
+    from orlhf.rollout.backend import backend_class
 
-    Own devices: engines and trainers start together (the engines load while DeepSpeed initialises).
-    Colocated on GPUs: the engines first, alone on the GPUs, so vLLM's memory profile sees only itself; then,
-    with --vllm_enable_sleep, they sleep (weights and KV cache freed) before the trainers allocate: OpenRLHF's
-    order. The controller's SleepSwitch starts from that asleep state.
-    --rollout_backend trainer: the model groups only.
-    """
-    if cfg.rollout_in_trainer:
-        return ("start_models",)
-    if cfg.engines_colocated and cfg.device == "cuda":
-        return (
-            ("start_engines", "wait_engines")
-            + (("sleep_engines",) if cfg.vllm.enable_sleep else ())
-            + ("start_models",)
-        )
-    return ("start_engines", "start_models", "wait_engines")
+    return backend_class(cfg).start_plan(cfg)

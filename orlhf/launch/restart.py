@@ -41,7 +41,7 @@ class Attempt:
     number: int = 0
     first_step: int = 0
     carried: list = field(default_factory=list)
-    engines: Any = None
+    rollout: Any = None  # the rollout backend's early start (launch_rollout), before the models exist
     models: Any = None
     controller: Any = None
 
@@ -68,9 +68,9 @@ def gone_processes(error: BaseException, attempt: Attempt, timeout_s: float = 10
             continue
         seen.add(key)
         names += [_name(getattr(group, "host_role", None) or group.role, r) for r in group.dead(timeout_s)]
-    engines = models.engines if models is not None else attempt.engines
-    if engines is not None and hasattr(engines, "dead") and hasattr(engines, "replace"):  # vLLM's, not the actor's
-        names += [_name("vllm", i) for i in engines.dead(timeout_s)]
+    rollout = models.rollout if models is not None else attempt.rollout
+    if rollout is not None:  # members of its own (vLLM engines); the actor's ranks are checked with their group
+        names += [_name("vllm", i) for i in rollout.dead(timeout_s)]
     return list(dict.fromkeys(names))
 
 

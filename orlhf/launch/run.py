@@ -28,7 +28,7 @@ from typing import Any, Optional
 from orlhf.config.redact import public_config
 from orlhf.config.train_config import TrainConfig
 from orlhf.distributed.ray_start import connect_ray
-from orlhf.launch.bringup import launch_engines, start_models, tuning_for
+from orlhf.launch.bringup import launch_rollout, start_models, tuning_for
 from orlhf.launch.preflight import check_lora_targets, check_moe_for_aux_loss, preflight  # noqa: F401 - preflight and check_moe_for_aux_loss: tests import them here
 from orlhf.launch.stop_signals import report_stop, stop_on_signals
 
@@ -110,11 +110,11 @@ def run_attempt(cfg: TrainConfig, layout, tuning, run, attempt, held: ExitStack,
     held.callback(remove_placement, placed)
     t0 = time.monotonic()
     # The engines' start is the longest (vLLM's import, then LLM()): it begins before the model groups'.
-    engines = attempt.engines = None if cfg.rollout_in_trainer else launch_engines(cfg, placed, held, tuning)
+    rollout = attempt.rollout = launch_rollout(cfg, placed, held, tuning)
     mark("placement")
     loader = new_loader(cfg, run.prompts)
     steps = optimizer_steps(cfg, loader)
-    models = attempt.models = start_models(cfg, placed, steps, held, clock, engines, tuning, run.tokenizer)
+    models = attempt.models = start_models(cfg, placed, steps, held, clock, rollout, tuning, run.tokenizer)
     log.info(
         "%d model group(s) and %d engine(s) ready in %.1f s",
         len(models.groups()),

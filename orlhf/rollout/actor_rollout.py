@@ -1,11 +1,10 @@
-"""--rollout_backend trainer (--vllm_num_engines 0): the actor's ranks generate, and this object stands where the vLLM
-engines and their weight sync stand (Models.engines and Models.sync), answering the calls the controller, the
-executors and the evaluator make of them.
+"""--rollout_backend trainer (--vllm_num_engines 0): the actor's ranks generate. A RolloutBackend
+(rollout/backend.py), answering the calls the controller, the executors and the evaluator make of the vLLM engines.
 
     generate(prompts, sampling)      prompts split contiguously over the actor's ranks (PolicyWorker.generate,
                                      workers/generation.py); rollouts back in prompt order, tagged with the version
     generate_turns(0, requests)      agents' turns (PolicyWorker.generate_tokens) -> a concurrent Future
-    sync(version)                    nothing to move: the ranks that train are the ones that generate; the version
+    load_weights(version)            nothing to move: the ranks that train are the ones that generate; the version
                                      tag moves, so rollouts say which update sampled them, as with engines
 
 Invariants: a call reaches every actor rank (ZeRO-3's gather is collective), and one call runs at a time (the
@@ -15,14 +14,19 @@ actor's rank count (each request has its own seeded stream), so runs with differ
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional
 
+from orlhf.rollout.backend import RolloutBackend
 from orlhf.types import Rollout, SamplingSpec, TurnParams
 from orlhf.workers import PolicyWorker
 
+log = logging.getLogger("orlhf")
 
-class ActorRollout:
+
+class ActorRollout(RolloutBackend):
+    kind = "trainer"
     turn_params = TurnParams  # agents' sampling parameters: vLLM's fields, without vLLM (rollout/executor.py)
 
     def __init__(self, actor, pad_id: int, eos_id: Optional[int]):
@@ -30,11 +34,34 @@ class ActorRollout:
         self.weight_version = 0
         self._turns = ThreadPoolExecutor(1, thread_name_prefix="orlhf-actor-turns")
 
+    @classmethod
+    def start_plan(cls, cfg) -> tuple[str, ...]:
+        return ("start_models",)  # nothing but the model groups
+
+    @classmethod
+    def connect(cls, cfg, launched, actor, tokenizer, stack, mark) -> ActorRollout:
+        """The actor's group generates; it needs the `tokenizer`'s pad and EOS ids."""
+        if tokenizer is None:
+            raise ValueError("--rollout_backend trainer: the rollout needs the run's tokenizer (pad and EOS ids)")
+        log.info(
+            "rollouts: generated in the actor's ranks with transformers' generate (--rollout_backend trainer): no "
+            "vLLM engine, no weight sync; the sync guard compares the sampler's log-probs with the training forward's"
+        )
+        rollout = cls(actor, tokenizer.pad_token_id, tokenizer.eos_token_id)
+        stack.callback(rollout.shutdown)
+        return rollout
+
     def __len__(self) -> int:
         return 1  # one "engine": the actor's ranks together
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingSpec) -> list[Rollout]:
-        """All rollouts, ordered by prompt then sample."""
+    @property
+    def generating_groups(self) -> tuple:
+        return (self.actor,)  # its states stay on the device, and the generate phase's cores are its ranks'
+
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingSpec, images: Optional[list[tuple]] = None
+    ) -> list[Rollout]:
+        """All rollouts, ordered by prompt then sample (image prompts are refused by the config's validation)."""
         call = self.actor.call_sharded(
             PolicyWorker.generate, list(enumerate(prompts)), sampling, self.pad_id, self.eos_id
         )
@@ -53,7 +80,7 @@ class ActorRollout:
 
         return self._turns.submit(run)
 
-    def sync(self, version: int) -> float:
+    def load_weights(self, version: int) -> float:
         self.weight_version = version
         return 0.0
 

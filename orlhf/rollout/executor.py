@@ -346,12 +346,12 @@ def agent_metrics(rollouts: list[Rollout]) -> dict[str, float]:
     return out
 
 
-def turn_params_class(engines) -> type:
-    """The class of the sampling parameters agents get: vLLM's SamplingParams for vLLM engines; orlhf's TurnParams
-    (its fields) where the engines say they take those (rollout/actor_rollout.py: the actor's ranks sample), so agents
-    run on machines without vLLM."""
-    if getattr(engines, "turn_params", None) is not None:
-        return engines.turn_params
+def turn_params_class(rollout) -> type:
+    """The class of the sampling parameters agents get: the rollout backend's (RolloutBackend.turn_params: orlhf's
+    TurnParams where the actor's ranks sample, so agents run on machines without vLLM), else vLLM's SamplingParams
+    (`rollout` None: a test's stand-in call)."""
+    if rollout is not None and rollout.turn_params is not None:
+        return rollout.turn_params
     from vllm import SamplingParams
 
     return SamplingParams

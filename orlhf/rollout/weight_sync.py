@@ -50,6 +50,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from abc import ABC, abstractmethod
 from typing import Optional
 
 import torch
@@ -95,7 +96,29 @@ def _nbytes(meta: Meta) -> int:
     return numel * torch.empty((), dtype=getattr(torch, dtype.replace("torch.", ""))).element_size()
 
 
-class WeightSync:
+class WeightUpdate(ABC):
+    """A way of moving the actor's weights into the engines (VllmRollout.load_weights): set up once, then
+    sync(version) after every update. `restartable`: an engine can be replaced under it (reconnect)."""
+
+    restartable = False
+
+    def __init__(self, actor, engines, timeout_s: float):
+        self.actor, self.engines, self.timeout_s = actor, engines, timeout_s
+
+    @abstractmethod
+    def sync(self, version: int) -> float:
+        """Push the current actor weights into every engine; returns the seconds it took."""
+
+    def reconnect(self) -> None:
+        raise NotImplementedError(f"{type(self).__name__} cannot take a replaced engine")
+
+    def lost_engines(self) -> dict[int, Exception]:
+        """After a failed sync: {engine index: its error} of the engines lost in it. This way of moving weights
+        cannot tell which engine failed it: a health check names the dead ones."""
+        return self.engines.dead()
+
+
+class WeightSync(WeightUpdate):
     """Sets up the broadcast group, then pushes the actor's weights into every engine per update."""
 
     restartable = True  # an engine can be replaced under it (reconnect)
@@ -105,7 +128,8 @@ class WeightSync:
     ):
         """timeout_s (--ray_timeout_s) bounds each wait here (Ray) and how long the group's members wait for each
         other to join (the TCPStore rank 0 hosts). with_ray (--vllm_sync_with_ray): a Ray collective group."""
-        self.actor, self.engines, self.backend, self.timeout_s = actor, engines, backend, timeout_s
+        super().__init__(actor, engines, timeout_s)
+        self.backend = backend
         self.with_ray, self.group_name = with_ray, None  # the Ray group's name, fresh for every group
         self._run_tag = uuid.uuid4().hex[:8]  # Ray groups of two runs on one cluster never share a name
         self._groups = 0
@@ -177,13 +201,13 @@ class WeightSync:
         return settle(receive, self.timeout_s)[1]
 
 
-class IpcWeightSync:
+class IpcWeightSync(WeightUpdate):
     """--colocate_all_models on GPUs: no broadcast, CUDA IPC handles on each shared GPU."""
 
     restartable = False  # each actor rank holds its engine's handle (init_ipc_sync): a lost engine stops the run
 
     def __init__(self, actor, engines, timeout_s: float = 600.0):
-        self.actor, self.engines, self.timeout_s = actor, engines, timeout_s
+        super().__init__(actor, engines, timeout_s)
         plan_sync(actor, engines, timeout_s)
         tp = engines.cfg.tensor_parallel_size
         if actor.world_size != len(engines) * tp:
@@ -221,7 +245,7 @@ def finish(engines, version: int) -> None:
     engines.call(EngineActor.set_weight_version, version).get()
 
 
-def make_weight_sync(cfg, actor, engines):
+def make_weight_sync(cfg, actor, engines) -> WeightUpdate:
     """CUDA IPC when every engine shares its GPUs with actor ranks, else a broadcast group (NCCL | gloo), through
     Ray's collective library with --vllm_sync_with_ray."""
     v = cfg.vllm

@@ -13,7 +13,8 @@
       make_experience  driver: KL, group baseline, KL-shaped rewards, advantages and returns (algo/)
       train            actor and critic train_step at the same time (non-blocking calls, gathered after);
                        --freezing_actor_steps N: the critic alone while the step index (0-based) is <= N
-      sync_weights     actor -> engines (rollout/weight_sync.py); weight_version += 1; before the next generate
+      sync_weights     actor -> engines (RolloutBackend.load_weights: rollout/weight_sync.py); weight_version += 1;
+                       before the next generate
                        (skipped after a frozen-actor step: the engines already hold those weights)
       evaluate         every --eval_steps steps and after the last: held-out prompts on the new weights
                        (trainer/evaluation.py; no training state touched), the best checkpoint kept apart
@@ -61,8 +62,7 @@ from orlhf.workers.shared_prompt import prompt_major_order
 if TYPE_CHECKING:  # annotations only: the loop itself imports no Ray (benchmarks/hybrid_engine_baseline.py runs it
     # on SPMD ranks without Ray, with groups of its own that answer the same calls)
     from orlhf.distributed.groups import ActorGroup
-    from orlhf.rollout.engine_group import EngineGroup
-    from orlhf.rollout.weight_sync import WeightSync
+    from orlhf.rollout.backend import RolloutBackend
 
 log = logging.getLogger(__name__)
 
@@ -70,12 +70,12 @@ log = logging.getLogger(__name__)
 @dataclass
 class Models:
     """Everything the controller drives. critic exists with gae only; reward with --reward_pretrain only; ref only
-    when a KL uses it (TrainConfig.has_reference). tuning: the platform's hooks the groups were built with."""
+    when a KL uses it (TrainConfig.has_reference). rollout: whoever generates (rollout/backend.py: vLLM engines and
+    their weight sync, or the actor's ranks). tuning: the platform's hooks the groups were built with."""
 
     actor: ActorGroup
     ref: Optional[ActorGroup]
-    engines: EngineGroup
-    sync: WeightSync
+    rollout: RolloutBackend
     critic: Optional[ActorGroup] = None
     reward: Optional[ActorGroup] = None
     tuning: Tuning = field(default_factory=Tuning)
@@ -118,7 +118,7 @@ class Controller:
         # Rollouts: one generation per sample, or an agent episode per sample with --agent_func_path.
         self.executor = make_executor(
             cfg.data.agent_func_path,
-            models.engines,
+            models.rollout,
             tokenizer,
             cfg.ppo.prompt_max_len + cfg.ppo.generate_max_len,
             cfg.runtime.ray_timeout_s,
@@ -136,7 +136,7 @@ class Controller:
         self._saved_step: Optional[int] = None  # step of this invocation's newest checkpoint
         self._sync_gate = SyncGate()  # async mode: the producer's, shared with its generations
         # --partial_rollout: the batch in segments, a waiting sync let through between two (fit_async sets `between`)
-        self.partial = PartialGenerator(models.engines, p.partial_rollout_segment) if p.partial_rollout else None
+        self.partial = PartialGenerator(models.rollout, p.partial_rollout_segment) if p.partial_rollout else None
         self._last_step_end = time.perf_counter()
         self.filter = (
             DynamicFilter(
@@ -352,7 +352,7 @@ class Controller:
 
         restore_run(self, path)
         self.first_step = self._saved_step = self.step_index
-        self.m.sync.sync(self.weight_version)
+        self.m.rollout.load_weights(self.weight_version)
         log.info("resumed from %s at step %d (weight version %d)", path, self.step_index, self.weight_version)
 
     def evaluate(self, keep_best: bool = True) -> dict[str, float]:

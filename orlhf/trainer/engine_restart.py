@@ -2,16 +2,16 @@
 step goes on.
 
     found lost                                    by
-      generate: an engine's chunk died, its       EngineGroup.generate (rollout/engine_group.py) -> on_lost = recover
-        process hung (--hang_timeout_s), or it
+      generate: an engine's chunk died, its       EngineGroup.generate (rollout/engine_group.py) -> the backend's
+        process hung (--hang_timeout_s), or it    on_lost = recover
         gave no answer within --ray_timeout_s
-      weight sync: the broadcast failed, and an   EngineRestarts.sync -> WeightSync.lost_engines (both sides' calls
-        engine died in it                           ended, the dead engines named)
+      weight sync: the broadcast failed, and an   EngineRestarts.sync -> RolloutBackend.lost_in_sync
+        engine died in it                           (WeightSync.lost_engines: both sides' calls ended, the dead named)
     EngineRestarts.recover(lost, where)
       1. may it? past --max_engine_restarts, or where no engine is replaced (--async_train, CUDA IPC sync, NCCL
          during a sync): one line, then the engine's own error stops the run, as with --max_engine_restarts 0
       2. each lost engine killed and started again on its own bundles, with its own index and seed; awaited
-      3. a fresh weight-sync group of every engine (WeightSync.reconnect: a group cannot take a new member)
+      3. a fresh weight-sync group of every engine (RolloutBackend.reconnect: a group cannot take a new member)
       4. the current weights (the controller's weight_version) synced into every engine before any serves
     then generate sends the lost engines' chunks again: the same requests, seeded per prompt index
     (types.request_seed), on engines with the same weights, so a sync-mode run's metrics equal an undisturbed run's.
@@ -42,56 +42,55 @@ def lost_reason(error: BaseException, timeout_s: float) -> str:
 
 
 class EngineRestarts:
-    """Replaces lost engines (module docstring). `progress()` -> (the step in progress, the current weight version),
-    read when an engine is lost. `why_not`: where engines are never replaced, why (one line says so on a loss);
-    `sync_why_not`: the same for an engine lost during a weight sync. `agents`: rollouts are agents' episodes."""
+    """Replaces lost engines (module docstring) of `rollout` (a RolloutBackend, rollout/backend.py). `progress()` ->
+    (the step in progress, the current weight version), read when an engine is lost. `why_not`: where engines are
+    never replaced, why (one line says so on a loss); `sync_why_not`: the same for an engine lost during a weight
+    sync. `agents`: rollouts are agents' episodes."""
 
     def __init__(
         self,
-        engines,
-        sync,
+        rollout,
         limit: int,
         progress: Callable[[], tuple[int, int]],
         why_not: Optional[str] = None,
         sync_why_not: Optional[str] = None,
         agents: bool = False,
     ):
-        self.engines, self.sync_, self.limit, self.progress = engines, sync, limit, progress
+        self.rollout, self.limit, self.progress = rollout, limit, progress
         self.why_not, self.sync_why_not, self.agents = why_not, sync_why_not, agents
-        self.hooked = False  # the engines call recover when they lose one (EngineGroup.on_lost)
+        self.hooked = False  # the backend calls recover when it loses an engine (RolloutBackend.on_lost)
         self.count = 0  # engines replaced so far
 
     @classmethod
     def for_run(cls, cfg, models, progress: Callable[[], tuple[int, int]]) -> "EngineRestarts":
-        """The run's restarts, hooked into its engines (EngineGroup.on_lost). Engines that cannot be replaced (the
-        actor's ranks generating; stand-ins in tests and benchmarks) are left unhooked."""
+        """The run's restarts, hooked into its rollout backend (RolloutBackend.on_lost) when that has members of their
+        own (vLLM engines); where the actor's ranks generate, nothing is hooked."""
+        rollout = models.rollout
         why_not = None
         if cfg.ppo.async_train:
             why_not = "--async_train generates while the actor trains; engines are replaced in sync mode only"
-        elif not getattr(models.sync, "restartable", False):
-            name = type(models.sync).__name__
-            why_not = f"{name} (CUDA IPC weight sync, --colocate_all_models on GPUs) is not restartable"
+        else:
+            why_not = rollout.why_not_replaceable()
         sync_why_not = None
         if cfg.vllm.sync_backend == "nccl":
             sync_why_not = "an engine lost during an NCCL weight sync may leave the actor's stream waiting on it"
         restarts = cls(
-            models.engines,
-            models.sync,
+            rollout,
             cfg.vllm.max_engine_restarts,
             progress,
             why_not,
             sync_why_not,
             agents=bool(cfg.data.agent_func_path),
         )
-        if hasattr(models.engines, "on_lost") and hasattr(models.engines, "replace"):
-            models.engines.on_lost, restarts.hooked = restarts.recover, True
+        if rollout.separate_processes:
+            rollout.on_lost, restarts.hooked = restarts.recover, True
         return restarts
 
     def recover(self, lost: dict, where: str, why_not: Optional[str] = None) -> None:
         """`lost`: {engine index: its error} lost in `where`. Replace them and load the current weights, or raise
         the first one's error (the run stops naming the engine, as it did before restarts)."""
         step, version = self.progress()
-        timeout_s = getattr(self.engines, "timeout_s", 0.0)
+        timeout_s = self.rollout.timeout_s
         what = "; ".join(f"vllm engine {i} {lost_reason(e, timeout_s)}" for i, e in sorted(lost.items()))
         why_not = self.why_not or why_not
         if why_not is None and self.count + len(lost) > self.limit:
@@ -108,9 +107,9 @@ class EngineRestarts:
             self.limit,
         )
         t0 = time.perf_counter()
-        pids = {i: self.engines.replace(i) for i in sorted(lost)}
-        self.sync_.reconnect()
-        self.sync_.sync(version)
+        pids = {i: self.rollout.replace(i) for i in sorted(lost)}
+        self.rollout.reconnect()
+        self.rollout.load_weights(version)
         self.count += len(lost)
         log.warning(
             "step %d: %s replaced in %.1f s (pid %s) and loaded with weight version %d; %s",
@@ -126,14 +125,14 @@ class EngineRestarts:
         """The controller's weight sync. An engine that died in it is replaced (recover, which syncs again); with a
         sync that cannot say which (CUDA IPC), a health check names the dead engine before the run stops."""
         try:
-            self.sync_.sync(version)
+            self.rollout.load_weights(version)
         except Exception as e:
             if not self.hooked:
                 raise
             hung = getattr(e, "hung", False) and getattr(e, "role", "").startswith("vllm")
             if hung:
-                self.engines.kill(e.rank)  # its receive would never end: killed, the actor's broadcast fails at once
-            lost = self.sync_.lost_engines() if hasattr(self.sync_, "lost_engines") else self.engines.dead()
+                self.rollout.kill(e.rank)  # its receive would never end: killed, the actor's broadcast fails at once
+            lost = self.rollout.lost_in_sync()
             if not lost:
                 raise
             if hung and e.rank in lost:
@@ -149,7 +148,7 @@ class EngineRestarts:
         try:
             return fn(*args)
         except Exception:
-            dead = self.engines.dead()
+            dead = self.rollout.dead()
             if dead:
                 what = "; ".join(f"vllm engine {i} died" for i in sorted(dead))
                 log.error(

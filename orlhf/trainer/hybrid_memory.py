@@ -1,7 +1,7 @@
 """Hybrid mode (--colocate_all_models): who holds the shared devices' memory in each phase.
 
-    before_generate   trainers offload their ZeRO-3 states (--deepspeed_enable_sleep; not the actor when it generates
-                      the rollouts itself, --rollout_backend trainer); engines wake their KV cache
+    before_generate   trainers offload their ZeRO-3 states (--deepspeed_enable_sleep; not the groups that generate the
+                      rollouts themselves: RolloutBackend.generating_groups); engines wake their KV cache
     after_generate    engines sleep (free weights + KV cache; --vllm_enable_sleep); trainers reload their states
     before_sync       engines wake their weights only, so the sync has somewhere to write
     (the engines start asleep under --vllm_enable_sleep: the first wake-up, sync or generate, takes the weights)
@@ -26,7 +26,6 @@ class SleepSwitch:
         asked = cfg.vllm.enable_sleep or cfg.deepspeed.enable_sleep
         self.vllm = cfg.vllm.enable_sleep and on_gpu
         self.deepspeed = cfg.deepspeed.enable_sleep and on_gpu
-        self.actor_generates = cfg.rollout_in_trainer  # its states stay: the generation runs on them
         # bringup.start_plan puts the engines to sleep before the trainers start: the first generation must
         # wake their weights too, not only the KV cache.
         self.weights_asleep = self.vllm
@@ -36,32 +35,23 @@ class SleepSwitch:
                 "the run is otherwise the same"
             )
 
-    @staticmethod
-    def _engine() -> type:
-        # imported here: rollout.engine imports Ray, and the controller (which imports this module) must import
-        # without it (the hybrid-engine baseline in benchmarks/ runs it on SPMD ranks, never asleep)
-        from orlhf.rollout.engine import EngineActor
-
-        return EngineActor
-
     def _trained(self) -> list:
-        """The trained groups that sleep while rollouts are generated (not the actor when it generates them)."""
-        actor = None if self.actor_generates else self.m.actor
-        return [g for g in (actor, self.m.critic) if g is not None]
+        """The trained groups that sleep while rollouts are generated (not those that generate them: their states
+        are what the generation runs on)."""
+        generating = self.m.rollout.generating_groups
+        return [g for g in (self.m.actor, self.m.critic) if g is not None and not any(g is x for x in generating)]
 
     def before_generate(self) -> None:
         if self.deepspeed:
             for call in [g.call(DeepSpeedWorker.offload_states) for g in self._trained()]:
                 call.get()
         if self.vllm:
-            self.m.engines.call(
-                self._engine().wake_up, ["weights", "kv_cache"] if self.weights_asleep else ["kv_cache"]
-            ).get()
+            self.m.rollout.wake_up(["weights", "kv_cache"] if self.weights_asleep else ["kv_cache"])
             self.weights_asleep = False
 
     def after_generate(self) -> None:
         if self.vllm:
-            self.m.engines.call(self._engine().sleep).get()
+            self.m.rollout.sleep()
             self.weights_asleep = True
         if self.deepspeed:
             for call in [g.call(DeepSpeedWorker.reload_states) for g in self._trained()]:
@@ -69,5 +59,5 @@ class SleepSwitch:
 
     def before_sync(self) -> None:
         if self.vllm and self.weights_asleep:
-            self.m.engines.call(self._engine().wake_up, ["weights"]).get()
+            self.m.rollout.wake_up(["weights"])
             self.weights_asleep = False

@@ -10,6 +10,7 @@ from orlhf.config.flags import build_config
 from orlhf.inputs.rewards import RewardResult
 from orlhf.trainer.controller import Controller, Models
 from orlhf.types import Rollout, TrainStats
+from tests.unit.rollout_stand_in import StandInRollout
 
 ENGINE_LP, ACTOR_LP = -1.0, -1.5  # per token: a gap of 0.5, the size of a sync that missed the head
 
@@ -61,14 +62,6 @@ class Engines:
         ]
 
 
-class Sync:
-    def __init__(self, log):
-        self.log = log
-
-    def sync(self, version):
-        self.log.append("sync")
-
-
 class Rewards:
     def evaluate(self, queries, prompts, labels):
         return RewardResult.of(torch.zeros(len(queries)))
@@ -96,7 +89,7 @@ class Loader:
 def make(tmp_path, trained=(), **flags):
     cfg = build_config({"save_path": str(tmp_path), **flags}, set(flags))
     log = []
-    models = Models(actor=Actor(log, trained), ref=None, engines=Engines(), sync=Sync(log))
+    models = Models(actor=Actor(log, trained), ref=None, rollout=StandInRollout(Engines().generate, log))
     ctl = Controller(cfg, models, Loader(), Tokenizer(), metrics=None, reward_source=Rewards())
     return cfg, ctl, log
 

@@ -5,6 +5,7 @@ collectives on the actor ranks, so they must never be in flight together; --stop
 from orlhf.config.flags import build_config
 from orlhf.storage.checkpoint import CheckpointManager
 from orlhf.trainer.controller import Controller, Models
+from tests.unit.rollout_stand_in import StandInRollout
 
 
 class Call:
@@ -46,7 +47,7 @@ def make(tmp_path, **flags):
     cfg = build_config({"save_path": str(tmp_path), "save_hf_ckpt": True, **flags}, {"save_hf_ckpt", *flags})
     log = []
     models = Models(
-        actor=RecordingGroup("actor", log), critic=RecordingGroup("critic", log), ref=None, engines=None, sync=None
+        actor=RecordingGroup("actor", log), critic=RecordingGroup("critic", log), ref=None, rollout=StandInRollout()
     )
     ctl = Controller(
         cfg,

@@ -9,6 +9,7 @@ import pytest
 from orlhf.cli import main
 from orlhf.config.flags import parse_config
 from orlhf.rollout.engine_group import contiguous_chunks
+from orlhf.rollout.vllm_rollout import VllmRollout
 from orlhf.trainer.engine_restart import EngineRestarts
 from orlhf.workers.weight_send import send_groups
 
@@ -22,7 +23,7 @@ class Lost(RuntimeError):
 
 
 class Engines:
-    """The calls EngineRestarts makes on an EngineGroup, recorded."""
+    """The calls EngineRestarts makes on an EngineGroup (through VllmRollout, the backend it drives), recorded."""
 
     timeout_s = 600.0
 
@@ -33,7 +34,7 @@ class Engines:
         self.log.append(("replace", index))
         return 1000 + index
 
-    def dead(self) -> dict:
+    def dead(self, timeout_s: float = 10.0) -> dict:
         return {}
 
     def kill(self, index: int) -> None:
@@ -70,7 +71,7 @@ def restarts(limit=3, sync=None, backend="gloo", async_train=False, step=3, vers
         {"max_engine_restarts": limit, "vllm_sync_backend": backend, "async_train": async_train},
         explicit={"max_engine_restarts"},
     )
-    models = type("Models", (), {"engines": Engines(log), "sync": sync or Sync(log)})()
+    models = type("Models", (), {"rollout": VllmRollout(Engines(log), sync or Sync(log))})()
     if sync is not None:
         sync.log = log
     return EngineRestarts.for_run(cfg, models, lambda: (step, version)), models, log
@@ -87,7 +88,7 @@ def test_chunks_are_contiguous_and_cover_the_batch_once():
 
 def test_a_lost_engine_is_replaced_then_synced_at_the_current_version_before_it_serves(caplog):
     r, models, log = restarts(version=2)
-    assert models.engines.on_lost == r.recover  # EngineGroup.generate calls it, then sends the chunk again
+    assert models.rollout.engines.on_lost == r.recover  # EngineGroup.generate calls it, then sends the chunk again
     with caplog.at_level(logging.WARNING, "orlhf"):
         r.recover({1: Lost("vllm engine rank 1 failed in generate(): the rank actor died")}, "generate")
     # the new engine first, then a fresh group for all engines (a group takes no new member), then the weights

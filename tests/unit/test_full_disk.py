@@ -25,6 +25,7 @@ from orlhf.launch.run import finish_run
 from orlhf.storage.checkpoint import CheckpointManager
 from orlhf.storage.disk_space import NoSpaceError, no_space_error
 from orlhf.trainer.controller import Controller, Models
+from tests.unit.rollout_stand_in import StandInRollout
 
 Usage = namedtuple("Usage", "total used free")
 
@@ -93,7 +94,7 @@ class Loader:
 
 def make(tmp_path, **flags):
     cfg = build_config({"save_path": str(tmp_path / "run"), **flags}, set(flags))
-    models = Models(actor=Group("actor"), critic=Group("critic"), ref=None, engines=None, sync=None)
+    models = Models(actor=Group("actor"), critic=Group("critic"), ref=None, rollout=StandInRollout())
     mgr = CheckpointManager(tmp_path / "ck", 3, run_id="r")
     return cfg, Controller(cfg, models, Loader(), tokenizer=None, metrics=None, checkpoints=mgr)
 

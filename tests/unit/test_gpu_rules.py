@@ -130,6 +130,8 @@ def test_colocated_start_order_is_engines_then_sleep_then_trainers():
 
 
 class _Recorder:
+    timeout_s = 600.0
+
     def __init__(self, log):
         self.log = log
 
@@ -144,11 +146,12 @@ class _Recorder:
 def test_sleep_switch_first_generation_wakes_the_weights_put_to_sleep_at_start():
     from types import SimpleNamespace
 
+    from orlhf.rollout.vllm_rollout import VllmRollout
     from orlhf.trainer.hybrid_memory import SleepSwitch
 
     log: list = []
     cfg = build(device="cuda", colocate_all_models=True, vllm_enable_sleep=True)
-    models = SimpleNamespace(engines=_Recorder(log), actor=_Recorder(log), critic=None)
+    models = SimpleNamespace(rollout=VllmRollout(_Recorder(log)), actor=_Recorder(log), critic=None)
     switch = SleepSwitch(cfg, models)
     switch.before_generate()
     switch.after_generate()

@@ -21,19 +21,18 @@ class Group:
 
 
 class Engines:
+    """A rollout backend's health check (RolloutBackend.dead): the engines found dead."""
+
     def __init__(self, dead=()):
         self._dead = dead
 
     def dead(self, timeout_s):
         return {i: RuntimeError("gone") for i in self._dead}
 
-    def replace(self, i):  # vLLM's engines can be replaced; the actor's own rollout cannot
-        raise AssertionError
-
 
 class Models:
-    def __init__(self, groups, engines=None):
-        self._groups, self.engines = groups, engines
+    def __init__(self, groups, rollout=None):
+        self._groups, self.rollout = groups, rollout
 
     def groups(self):
         return self._groups
@@ -53,7 +52,7 @@ def test_a_dead_process_is_named_once_and_a_live_failure_is_not_a_loss():
     healthy = Attempt(models=Models([Group("actor")], Engines()))
     assert gone_processes(ValueError("a bug"), healthy) == []
     assert gone_processes(RankError("actor", 0, "train", "Traceback: a bug"), healthy) == []
-    starting = Attempt(engines=Engines(dead=[1]))  # during the start-up: the engines launched so far
+    starting = Attempt(rollout=Engines(dead=[1]))  # during the start-up: the engines launched so far
     assert gone_processes(TimeoutError("init"), starting) == ["vllm engine 1"]
 
 

@@ -13,6 +13,7 @@ from orlhf.config.flags import build_config
 from orlhf.inputs.rewards import RewardResult
 from orlhf.trainer.controller import Controller, Models
 from orlhf.types import Rollout, TrainStats
+from tests.unit.rollout_stand_in import StandInRollout
 from tests.unit.test_controller_guard import Done  # a finished call's stand-in
 
 FLAGS = dict(
@@ -69,11 +70,6 @@ class Engines:
         ]
 
 
-class Sync:
-    def sync(self, version):
-        pass
-
-
 class Rewards:
     def evaluate(self, queries, prompts, labels):
         return RewardResult.of(torch.tensor([float(len(q) % 3) for q in queries]))
@@ -109,7 +105,7 @@ def make(tmp_path, train_s=0.0, gen_s=0.0, **flags):
     log = []
     engines = Engines()
     engines.gen_s = gen_s
-    models = Models(actor=Group(log, train_s), ref=Group(log), engines=engines, sync=Sync())
+    models = Models(actor=Group(log, train_s), ref=Group(log), rollout=StandInRollout(engines.generate))
     return Controller(cfg, models, Loader(), Tokenizer(), Metrics(), reward_source=Rewards()), log
 
 

@@ -14,6 +14,7 @@ from orlhf.config.flags import build_config
 from orlhf.launch.stop_signals import report_stop, stop_on_signals
 from orlhf.storage.checkpoint import CheckpointManager
 from orlhf.trainer.controller import Controller, Models
+from tests.unit.rollout_stand_in import StandInRollout
 
 
 class Done:
@@ -43,7 +44,7 @@ class Loader:
 def make(tmp_path, signal_at_step=None, run_id="r"):
     """A controller whose steps only count; `signal_at_step`: SIGTERM to this process during that step."""
     cfg = build_config({"save_path": str(tmp_path)}, set())
-    models = Models(actor=Group(), critic=None, ref=None, engines=None, sync=None)
+    models = Models(actor=Group(), critic=None, ref=None, rollout=StandInRollout())
     ctl = Controller(
         cfg, models, Loader(), tokenizer=None, metrics=None, checkpoints=CheckpointManager(tmp_path / "ck", 3, run_id)
     )

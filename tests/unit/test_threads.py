@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 from orlhf.config.flags import build_config
 from orlhf.cpu.threads import PhaseThreads, engine_threads, processes, share
+from orlhf.rollout.actor_rollout import ActorRollout
 
 
 class Group:
@@ -27,9 +28,11 @@ def plan(cores=2, hosted=False, **flags):
     cfg = build_config({"device": "cpu", **flags}, set(flags) | {"device"})
     sent = []
     actor = Group("actor", 1, sent, processes=["actor-0"])
+    # the actor's ranks generate with --rollout_backend trainer (the backend names them); vLLM engines are no group
+    rollout = ActorRollout(actor, 0, None) if cfg.rollout_in_trainer else SimpleNamespace(generating_groups=())
     models = SimpleNamespace(
         actor=actor,
-        engines=None,
+        rollout=rollout,
         ref=Group("ref", 1, sent, ["actor-0" if hosted else "ref-0"]) if cfg.has_reference else None,
         critic=Group("critic", 1, sent) if cfg.ppo.advantage_estimator == "gae" else None,
         reward=None,
@@ -133,3 +136,11 @@ def test_engines_share_the_cores_in_sync_mode_and_keep_their_slots_beside_async_
     assert threads(cores=1) == 1
     cuda = build_config({"device": "cuda"}, {"device"})
     assert engine_threads(cuda, cores=8) == 0  # GPUs: unused
+
+
+def test_the_actor_s_ranks_get_the_cores_when_they_generate():
+    threads, sent = plan(rollout_backend="trainer", **GRPO)
+    threads.before("generate")
+    assert sent == [("actor", 2)]  # the phase's one process: both cores
+    _, sent = plan(**GRPO)
+    assert "generate" not in plan(**GRPO)[0].phases  # vLLM engines get theirs at their start

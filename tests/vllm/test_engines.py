@@ -207,6 +207,44 @@ def test_sync_through_ray_collective_gives_trainer_log_probs_and_reconnects_unde
     assert engines.call(EngineActor.collective_rpc, joined, (ray_sync.group_name,)).get() == [[False], [False]]
 
 
+def check_rollout_contract(backend, tok, version: int) -> None:
+    """What the controller, executors and evaluator rely on of any rollout backend (orlhf/rollout/backend.py)."""
+    from orlhf.rollout.backend import RolloutBackend
+    from orlhf.rollout.executor import turn_params_class
+
+    assert isinstance(backend, RolloutBackend) and len(backend) >= 1
+    ps = prompts(tok, 3)
+    sampling = SamplingSpec(temperature=1.0, top_p=1.0, max_new_tokens=6, max_len=64, n=2, seed=11)
+    first = backend.generate(ps, sampling)
+    assert [r.prompt_index for r in first] == [0, 0, 1, 1, 2, 2]  # sampling.n per prompt, prompt-major
+    assert all(r.prompt_ids == ps[r.prompt_index] and 1 <= len(r.response_ids) <= 6 for r in first)
+    assert all(len(r.logprobs) == len(r.response_ids) and max(r.logprobs) <= 0.0 for r in first)
+    assert [r.response_ids for r in backend.generate(ps, sampling)] == [r.response_ids for r in first]  # seeded
+    assert backend.load_weights(version) >= 0.0
+    assert {r.weight_version for r in backend.generate(ps, sampling)} == {version}  # tagged with the load's version
+    params = turn_params_class(backend)(n=1, temperature=1.0, max_tokens=4, logprobs=0, seed=3)
+    (ids, lps, _, turn_version), *_ = backend.generate_turns(0, [(ps[0], params)]).result(timeout=120)
+    assert 1 <= len(ids) <= 4 and len(lps) == len(ids) and turn_version == version
+    assert backend.dead() == {}
+
+
+def test_both_rollout_backends_keep_the_contract(rig):
+    """vLLM engines with their weight sync, and the actor's own ranks: the same calls, the same promises."""
+    from orlhf.rollout.actor_rollout import ActorRollout
+    from orlhf.rollout.vllm_rollout import VllmRollout
+
+    _, engines, actor, sync, tok = rig
+    vllm = VllmRollout(engines, sync)
+    check_rollout_contract(vllm, tok, version=7)
+    assert vllm.separate_processes and vllm.why_not_replaceable() is None and vllm.generating_groups == ()
+    trainer = ActorRollout(actor, tok.pad_token_id, tok.eos_token_id)
+    try:
+        check_rollout_contract(trainer, tok, version=8)
+        assert not trainer.separate_processes and trainer.generating_groups == (actor,)
+    finally:
+        trainer.shutdown()
+
+
 def test_dead_engine_is_named_and_leaves_no_process(rig):
     cfg, _, _, _, tok = rig
     # a generous start-up bound: a loaded CI machine took over 120 s to start this engine (its death is what is timed)
