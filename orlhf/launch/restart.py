@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from orlhf.storage.run_folder import RunFolder
+
 log = logging.getLogger("orlhf")
 
 
@@ -83,7 +85,7 @@ class RunRestarts:
 
     def __init__(self, limit: int, save_path: str, run_id: str, resumed: bool = False):
         self.limit, self.run_id, self.count = limit, run_id, 0
-        self.path = Path(save_path) / "restarts.jsonl"
+        self.path = RunFolder.at(save_path).restarts
         if not resumed:  # a fresh run starts a fresh record, as metrics.jsonl does; a resumed run's goes on
             self.path.unlink(missing_ok=True)
 

@@ -31,6 +31,7 @@ from orlhf.distributed.ray_start import connect_ray
 from orlhf.launch.bringup import launch_rollout, start_models, tuning_for
 from orlhf.launch.preflight import check_lora_targets, check_moe_for_aux_loss, preflight  # noqa: F401 - preflight and check_moe_for_aux_loss: tests import them here
 from orlhf.launch.stop_signals import report_stop, stop_on_signals
+from orlhf.storage.run_folder import RunFolder
 
 log = logging.getLogger("orlhf")
 
@@ -135,7 +136,7 @@ def run_attempt(cfg: TrainConfig, layout, tuning, run, attempt, held: ExitStack,
         gc.enable()
     if clock is not None:
         log.info("%s", clock.report())
-        clock.save(Path(cfg.logging.save_path) / "startup.json")
+        clock.save(RunFolder.at(cfg.logging.save_path).startup)
     try:
         with stop_on_signals(controller):  # SIGINT / SIGTERM: stop at the step's end, saved (stop_signals.py)
             controller.fit()
@@ -263,16 +264,16 @@ def finish_run(cfg: TrainConfig, models, metrics, history: list[dict], run_id: s
     from orlhf.launch.export import export_actor, export_failed, export_model
     from orlhf.workers import CriticWorker, PolicyWorker
 
-    save = Path(cfg.logging.save_path)
-    target = save / "actor"
+    folder = RunFolder.at(cfg.logging.save_path)
+    target = folder.actor
     try:
         out = export_actor(models.actor, target, run_id)  # with LoRA: the adapter, PEFT's format
         if cfg.lora.lora_save_merged:
-            target = save / "actor_merged"
+            target = folder.actor_merged
             merged = export_model(models.actor, PolicyWorker.save_hf_merged, target, run_id)
             log.info("the actor with its adapter merged in: %s (a plain HF folder)", merged)
         if cfg.logging.save_value_network and models.critic is not None:
-            target = save / "critic"
+            target = folder.critic
             export_model(models.critic, CriticWorker.save_value_network, target, run_id)
     except Exception as e:
         raise export_failed(e, target, controller) from None

@@ -71,6 +71,7 @@ from orlhf.storage.checkpoint_format import (
     meta_problem,
     step_dir_name,
 )
+from orlhf.storage.run_folder import best_checkpoints
 from orlhf.storage.runlock import OWNER_NAME, write_owner
 from orlhf.storage.tmp_folders import fsync_dir, fsync_tree, remove_stale
 
@@ -100,7 +101,7 @@ class CheckpointManager:
     def best(self) -> "CheckpointManager":
         """The manager of <ckpt_path>/best (the best-eval checkpoint, --best_metric_key): one kept, outside this
         rotation, recording this run's id (built from here so the id cannot be left out)."""
-        return CheckpointManager(self.root / "best", 1, self.run_id)
+        return CheckpointManager(best_checkpoints(self.root), 1, self.run_id)
 
     def begin(self, step: int) -> Path:
         """A fresh temporary folder for the checkpoint of `step`, next to where it will be renamed to."""
@@ -161,7 +162,7 @@ class CheckpointManager:
         budget = self.max_ckpt_mem
         if budget is not None and math.isfinite(budget) and len(keep) > 1:
             sizes = {path: tree_bytes(path) for path in keep[1:]}
-            used = sum(sizes.values()) + tree_bytes(self.root / "best")
+            used = sum(sizes.values()) + tree_bytes(best_checkpoints(self.root))
             for path in reversed(keep[1:]):  # oldest first
                 if used <= budget * GIB:
                     break

@@ -24,6 +24,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Optional
 
+from orlhf.storage.run_folder import RunFolder
+
 LOG_DIR_ENV = "ORLHF_LOG_DIR"
 TERMINAL_FORMAT = "[orlhf] %(message)s"
 FILE_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -119,7 +121,7 @@ def setup_driver(save_path: str, verbose: bool = False, stream=None) -> RunLogs:
         os.environ.pop(LOG_DIR_ENV, None)
         root.addHandler(terminal)
         return RunLogs(None, once, verbose=True)
-    log_dir = Path(save_path) / "logs"
+    log_dir = RunFolder.at(save_path).logs
     log_dir.mkdir(parents=True, exist_ok=True)
     to_file = RunFileHandler(log_dir / "driver.log")
     to_file.setFormatter(logging.Formatter(FILE_FORMAT))

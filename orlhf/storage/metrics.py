@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from orlhf.config.redact import redact_argv
+from orlhf.storage.run_folder import RunFolder
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,8 @@ class MetricsLogger:
     ):
         self.dir = Path(save_path)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.path = self.dir / "metrics.jsonl"
+        self.folder = RunFolder(self.dir)
+        self.path = self.folder.metrics
         resume = resume or resume_step is not None
         if not resume and self.path.exists():
             self.path.unlink()  # a fresh run starts a fresh file; resume appends
@@ -82,7 +84,7 @@ class MetricsLogger:
 
             # purge_step: TensorBoard discards this folder's earlier events at steps >= it (the re-trained ones)
             self._tb = SummaryWriter(
-                use_tensorboard or str(self.dir / "tensorboard"),
+                use_tensorboard or str(self.folder.tensorboard),
                 purge_step=resume_step + 1 if resume_step is not None else None,
             )
 
@@ -111,7 +113,7 @@ class MetricsLogger:
         """reward.png from metrics.jsonl, best effort: a plotting failure is logged, never raised (it must not
         cost a run its final model). Returns the PNG path, or None."""
         try:
-            return plot_rewards(self.path, self.dir / "reward.png")
+            return plot_rewards(self.path, self.folder.reward_curve)
         except Exception as e:  # matplotlib missing or broken, a disk full, an odd metrics file: only the curve
             log.warning("reward curve not drawn (%s: %s); the numbers are in %s", type(e).__name__, e, self.path)
             return None

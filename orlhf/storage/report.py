@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from orlhf.storage.metrics import read_metrics
+from orlhf.storage.run_folder import RunFolder
 
 PANELS = (  # (title, [(metric key, label)], y label)
     ("reward", [("reward_mean", "mean"), ("eval/pass@1", "held-out pass@1 (--eval_dataset)")], "reward"),
@@ -109,15 +110,16 @@ def write_report(save_path: str | Path) -> tuple[Path, Path]:
     """report.png and report.html in save_path, from its metrics.jsonl. Raises FileNotFoundError / ValueError
     when there is nothing to plot."""
     save = Path(save_path)
-    metrics = save / "metrics.jsonl"
+    folder = RunFolder(save)
+    metrics = folder.metrics
     if not metrics.exists():
         raise FileNotFoundError(f"{metrics}: no metrics file (is {save} an orlhf --save_path?)")
     rows = [r for r in read_metrics(metrics) if "step" in r]
     if not rows:
         raise ValueError(f"{metrics}: no steps logged yet")
     steps = sum(1 for r in rows if r["step"] > 0)  # step 0: --eval_before_train's evaluation, no training
-    png = draw(rows, save / "report.png", f"orlhf run {save.resolve().name}: {steps} steps")
-    page = save / "report.html"
+    png = draw(rows, folder.report_png, f"orlhf run {save.resolve().name}: {steps} steps")
+    page = folder.report_html
     page.write_text(
         "<!doctype html><meta charset='utf-8'><title>orlhf report</title>"
         "<style>body{font-family:sans-serif;margin:2em}td,th{padding:2px 12px;text-align:right}"
