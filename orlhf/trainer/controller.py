@@ -34,7 +34,6 @@ import logging
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -45,13 +44,13 @@ from orlhf.distributed.tuning import Tuning
 from orlhf.inputs.vision import vision_prompts
 from orlhf.rollout.executor import agent_metrics, make_executor
 from orlhf.rollout.partial import PartialGenerator, version_stats
-from orlhf.storage.disk_space import NoSpaceError
 from orlhf.storage.metrics import MetricsLogger
 from orlhf.trainer.async_producer import SyncGate
 from orlhf.trainer.dynamic_filtering import DynamicFilter
 from orlhf.trainer.engine_restart import EngineRestarts
 from orlhf.trainer.experience import ExperienceConfig, make_experience, rollouts_to_batch
 from orlhf.trainer.hybrid_memory import SleepSwitch
+from orlhf.trainer.run_state import CheckpointSteps
 from orlhf.trainer.scoring import ScoredAhead, Scorer
 from orlhf.trainer.step_stats import FROZEN_ACTOR_STATS, StepCheck, engine_gap, mean_stats, step_row
 from orlhf.trainer.sync_guard import SyncGuard
@@ -88,7 +87,9 @@ class Models:
         return [("actor", self.actor)] + ([("critic", self.critic)] if self.critic else [])
 
 
-class Controller:
+class Controller(CheckpointSteps):
+    """The loop (module docstring); its checkpoint steps (stop, save, resume) are trainer/run_state.py's."""
+
     def __init__(
         self,
         cfg: TrainConfig,
@@ -312,48 +313,6 @@ class Controller:
             yield report
         finally:
             bar.close()
-
-    # ---- checkpoints (orlhf/storage/checkpoint.py holds the format; this is the call order) -------------------------
-    def should_stop(self) -> bool:
-        """--stop_after_steps: end this invocation early, on a step boundary, keeping the full run's schedule."""
-        n = self.cfg.runtime.stop_after_steps
-        return self.stop_signal is not None or (n is not None and self.step_index - self.first_step >= n)
-
-    def save_at_stop(self) -> None:
-        """--stop_after_steps or a stop signal ended this invocation: save where it stopped (unless that step is
-        saved already), so the later --load_checkpoint continues from here, not from the last --save_steps multiple
-        (a signal's exceptions: run_state.may_save_at_stop)."""
-        from orlhf.trainer.run_state import may_save_at_stop
-
-        if self.checkpoints is not None and self._saved_step != self.step_index and may_save_at_stop(self):
-            self.save_checkpoint()
-
-    def save_checkpoint(self, mgr=None) -> Optional[Path]:
-        """Every trained group's DeepSpeed state + the controller's, into a temp folder renamed into place. Returns
-        its folder, or None when the disk was full: the run goes on, the newest good checkpoint stays, the next save
-        tries again (said in one line)."""
-        from orlhf.trainer.run_state import save_run, skipped_save
-
-        t0, mgr = time.perf_counter(), mgr or self.checkpoints
-        try:
-            path = save_run(self, mgr)
-        except NoSpaceError as e:
-            log.warning("%s", skipped_save(e, mgr, self.step_index))
-            return None
-        if mgr is self.checkpoints:  # the best-eval copy is not the rotation's save of this step
-            self._saved_step = self.step_index
-        log.info("checkpoint %s (%.1f s)", path, time.perf_counter() - t0)
-        return path
-
-    def resume(self, path) -> None:
-        """Load a checkpoint written by save_checkpoint (groups already init()-ed), then re-sync the engines,
-        which still hold the initial weights, before the first generation."""
-        from orlhf.trainer.run_state import restore_run
-
-        restore_run(self, path)
-        self.first_step = self._saved_step = self.step_index
-        self.m.rollout.load_weights(self.weight_version)
-        log.info("resumed from %s at step %d (weight version %d)", path, self.step_index, self.weight_version)
 
     def evaluate(self, keep_best: bool = True) -> dict[str, float]:
         """Held-out prompts on the current weights (orlhf/trainer/evaluation.py); the best checkpoint when it

@@ -14,6 +14,7 @@ The folder format and its atomic commit are storage/checkpoint.py's; this module
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -130,3 +131,44 @@ def restore_run(ctl, path: Path) -> None:
     if ctl.evaluator is not None:
         ctl.evaluator.best = state.get("best_eval")
     ctl.restarts.count = state.get("engine_restarts", 0)
+
+
+class CheckpointSteps:
+    """The Controller's checkpoint steps, in their call order (the folder format is storage/checkpoint.py's): stop
+    on a step boundary (--stop_after_steps, a signal) and save there, save every --save_steps, resume. Mixed into
+    trainer/controller.py's Controller, whose state (step_index, checkpoints, m, ...) they read."""
+
+    def should_stop(self) -> bool:
+        """--stop_after_steps: end this invocation early, on a step boundary, keeping the full run's schedule."""
+        n = self.cfg.runtime.stop_after_steps
+        return self.stop_signal is not None or (n is not None and self.step_index - self.first_step >= n)
+
+    def save_at_stop(self) -> None:
+        """--stop_after_steps or a stop signal ended this invocation: save where it stopped (unless that step is
+        saved already), so the later --load_checkpoint continues from here, not from the last --save_steps multiple
+        (a signal's exceptions: run_state.may_save_at_stop)."""
+        if self.checkpoints is not None and self._saved_step != self.step_index and may_save_at_stop(self):
+            self.save_checkpoint()
+
+    def save_checkpoint(self, mgr=None) -> Optional[Path]:
+        """Every trained group's DeepSpeed state + the controller's, into a temp folder renamed into place. Returns
+        its folder, or None when the disk was full: the run goes on, the newest good checkpoint stays, the next save
+        tries again (said in one line)."""
+        t0, mgr = time.perf_counter(), mgr or self.checkpoints
+        try:
+            path = save_run(self, mgr)
+        except NoSpaceError as e:
+            log.warning("%s", skipped_save(e, mgr, self.step_index))
+            return None
+        if mgr is self.checkpoints:  # the best-eval copy is not the rotation's save of this step
+            self._saved_step = self.step_index
+        log.info("checkpoint %s (%.1f s)", path, time.perf_counter() - t0)
+        return path
+
+    def resume(self, path) -> None:
+        """Load a checkpoint written by save_checkpoint (groups already init()-ed), then re-sync the engines,
+        which still hold the initial weights, before the first generation."""
+        restore_run(self, path)
+        self.first_step = self._saved_step = self.step_index
+        self.m.rollout.load_weights(self.weight_version)
+        log.info("resumed from %s at step %d (weight version %d)", path, self.step_index, self.weight_version)
