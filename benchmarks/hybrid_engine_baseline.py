@@ -65,7 +65,8 @@ from orlhf.config import train_config as C  # noqa: E402
 from orlhf.config.worker_config import worker_config  # noqa: E402
 from orlhf.distributed.endpoints import method_name  # noqa: E402
 from orlhf.rollout.backend import RolloutBackend  # noqa: E402
-from orlhf.trainer.controller import Controller, Models  # noqa: E402
+from orlhf.trainer.controller import Controller  # noqa: E402
+from orlhf.trainer.models import Models  # noqa: E402
 
 log = logging.getLogger("hybrid")
 

@@ -63,7 +63,7 @@ def start_models(
     engines awaited and the weight-sync group built; --rollout_backend trainer: the actor's ranks generate, with the
     `tokenizer`'s pad and EOS ids). `clock` (launch/startup_clock.StartupClock) gets a mark after each phase."""
     from orlhf.rollout.backend import backend_class
-    from orlhf.trainer.controller import Models
+    from orlhf.trainer.models import Models
     from orlhf.workers.base import DeepSpeedWorker
 
     backend = backend_class(cfg)

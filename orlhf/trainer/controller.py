@@ -33,14 +33,12 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 
 from orlhf.algo.kl import make_kl_controller
 from orlhf.config.train_config import TrainConfig
-from orlhf.distributed.tuning import Tuning
 from orlhf.inputs.vision import vision_prompts
 from orlhf.rollout.executor import agent_metrics, make_executor
 from orlhf.rollout.partial import PartialGenerator, version_stats
@@ -50,6 +48,7 @@ from orlhf.trainer.dynamic_filtering import DynamicFilter
 from orlhf.trainer.engine_restart import EngineRestarts
 from orlhf.trainer.experience import ExperienceConfig, make_experience, rollouts_to_batch
 from orlhf.trainer.hybrid_memory import SleepSwitch
+from orlhf.trainer.models import Models
 from orlhf.trainer.run_state import CheckpointSteps
 from orlhf.trainer.scoring import ScoredAhead, Scorer
 from orlhf.trainer.step_stats import FROZEN_ACTOR_STATS, StepCheck, engine_gap, mean_stats, step_row
@@ -58,33 +57,7 @@ from orlhf.types import Experience, Rollout, SamplingSpec
 from orlhf.workers import CriticWorker, PolicyWorker
 from orlhf.workers.shared_prompt import prompt_major_order
 
-if TYPE_CHECKING:  # annotations only: the loop itself imports no Ray (benchmarks/hybrid_engine_baseline.py runs it
-    # on SPMD ranks without Ray, with groups of its own that answer the same calls)
-    from orlhf.distributed.groups import ActorGroup
-    from orlhf.rollout.backend import RolloutBackend
-
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Models:
-    """Everything the controller drives. critic exists with gae only; reward with --reward_pretrain only; ref only
-    when a KL uses it (TrainConfig.has_reference). rollout: whoever generates (rollout/backend.py: vLLM engines and
-    their weight sync, or the actor's ranks). tuning: the platform's hooks the groups were built with."""
-
-    actor: ActorGroup
-    ref: Optional[ActorGroup]
-    rollout: RolloutBackend
-    critic: Optional[ActorGroup] = None
-    reward: Optional[ActorGroup] = None
-    tuning: Tuning = field(default_factory=Tuning)
-
-    def groups(self) -> list:
-        return [g for g in (self.actor, self.ref, self.critic, self.reward) if g is not None]
-
-    def trained(self) -> list[tuple[str, ActorGroup]]:
-        """(role, group) of the models that learn, whose DeepSpeed state a checkpoint holds."""
-        return [("actor", self.actor)] + ([("critic", self.critic)] if self.critic else [])
 
 
 class Controller(CheckpointSteps):

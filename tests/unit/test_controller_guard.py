@@ -8,7 +8,8 @@ import torch
 from orlhf.cli import run_reporting_errors
 from orlhf.config.flags import build_config
 from orlhf.inputs.rewards import RewardResult
-from orlhf.trainer.controller import Controller, Models
+from orlhf.trainer.controller import Controller
+from orlhf.trainer.models import Models
 from orlhf.types import Rollout, TrainStats
 from tests.unit.rollout_stand_in import StandInRollout
 

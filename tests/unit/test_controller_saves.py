@@ -4,7 +4,8 @@ collectives on the actor ranks, so they must never be in flight together; --stop
 
 from orlhf.config.flags import build_config
 from orlhf.storage.checkpoint import CheckpointManager
-from orlhf.trainer.controller import Controller, Models
+from orlhf.trainer.controller import Controller
+from orlhf.trainer.models import Models
 from tests.unit.rollout_stand_in import StandInRollout
 
 

@@ -24,7 +24,8 @@ from orlhf.launch.export import ExportError
 from orlhf.launch.run import finish_run
 from orlhf.storage.checkpoint import CheckpointManager
 from orlhf.storage.disk_space import NoSpaceError, no_space_error
-from orlhf.trainer.controller import Controller, Models
+from orlhf.trainer.controller import Controller
+from orlhf.trainer.models import Models
 from tests.unit.rollout_stand_in import StandInRollout
 
 Usage = namedtuple("Usage", "total used free")

@@ -11,7 +11,8 @@ import torch
 
 from orlhf.config.flags import build_config
 from orlhf.inputs.rewards import RewardResult
-from orlhf.trainer.controller import Controller, Models
+from orlhf.trainer.controller import Controller
+from orlhf.trainer.models import Models
 from orlhf.types import Rollout, TrainStats
 from tests.unit.rollout_stand_in import StandInRollout
 from tests.unit.test_controller_guard import Done  # a finished call's stand-in

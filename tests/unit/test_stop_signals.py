@@ -13,7 +13,8 @@ import pytest
 from orlhf.config.flags import build_config
 from orlhf.launch.stop_signals import report_stop, stop_on_signals
 from orlhf.storage.checkpoint import CheckpointManager
-from orlhf.trainer.controller import Controller, Models
+from orlhf.trainer.controller import Controller
+from orlhf.trainer.models import Models
 from tests.unit.rollout_stand_in import StandInRollout
 
 
