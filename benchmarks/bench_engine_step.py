@@ -38,7 +38,7 @@ def demo_setup(num_prompts: int):
     from orlhf.config.resolve import finish_config
     from orlhf.inputs.tokenizer import load_tokenizer
     from orlhf.launch.bringup import tuning_for
-    from orlhf.launch.run import load_prompts
+    from orlhf.launch.run_inputs import load_prompts
     from orlhf.rollout.engine_config import engine_config
     from orlhf.types import SamplingSpec
 

@@ -85,7 +85,7 @@ def segments_child(args) -> None:
     from orlhf.config.resolve import finish_config
     from orlhf.inputs.tokenizer import load_tokenizer
     from orlhf.launch.bringup import tuning_for
-    from orlhf.launch.run import load_prompts
+    from orlhf.launch.run_inputs import load_prompts
     from orlhf.rollout.engine import EngineActor
     from orlhf.rollout.engine_config import engine_config
     from orlhf.rollout.partial import PartialGenerator

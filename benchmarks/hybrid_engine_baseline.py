@@ -17,11 +17,11 @@ the actor, critic, reference and reward engines, and each step runs strictly one
 
 What is orlhf's and what is not: the loop and its phases (orlhf.trainer.controller.Controller: sampling seeds, scoring
 and its skips, experience, shuffles, metrics), the model workers (DeepSpeed configs, losses, micro-batching), the PPO
-math (orlhf.algo via orlhf.trainer.experience), prompts (orlhf.launch.run.load_prompts), rewards, the flags and their
-validation (orlhf train-ppo's, with the demo preset) are shared, so the same flags give the same models, data, batch
-sizes, generation lengths, sampling and learning rates. What differs is the system: one process per device holding every
-model, HF generate instead of vLLM, sequential phases instead of parallel groups. The code of its own is this file (the
-SPMD groups, launch, command line) and hybrid_worker.py (PolicyWorker + generate()).
+math (orlhf.algo via orlhf.trainer.experience), prompts (orlhf.launch.run_inputs.load_prompts), rewards, the flags and
+their validation (orlhf train-ppo's, with the demo preset) are shared, so the same flags give the same models, data,
+batch sizes, generation lengths, sampling and learning rates. What differs is the system: one process per device holding
+every model, HF generate instead of vLLM, sequential phases instead of parallel groups. The code of its own is this file
+(the SPMD groups, launch, command line) and hybrid_worker.py (PolicyWorker + generate()).
 
 Why torch.multiprocessing and not Ray actors: DeepSpeed-Chat is SPMD from the `deepspeed` launcher, with no
 controller process; spawned ranks that each run the loop are that design, while Ray would add the driver and
@@ -244,7 +244,7 @@ def build(cfg: C.TrainConfig, opts: HybridOptions, rank: int, world: int) -> Hyb
 
     from orlhf.inputs.prompt_loader import PromptLoader
     from orlhf.inputs.tokenizer import load_tokenizer
-    from orlhf.launch.run import load_prompts, make_reward
+    from orlhf.launch.run_inputs import load_prompts, make_reward
     from orlhf.storage.metrics import MetricsLogger
     from orlhf.workers import CriticWorker, ReferenceWorker, RewardWorker
 

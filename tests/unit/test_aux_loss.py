@@ -67,7 +67,7 @@ def test_the_router_loss_is_added_with_its_coefficient_and_trains_the_routers():
 
 def test_a_dense_model_is_refused_before_anything_starts(tmp_path):
     from orlhf.config.train_config import ConfigError
-    from orlhf.launch.run import check_moe_for_aux_loss
+    from orlhf.launch.preflight import check_moe_for_aux_loss
 
     transformers.LlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4).save_pretrained(tmp_path)
     cfg = finished({**FLAGS, "aux_loss_coef": 0.01})

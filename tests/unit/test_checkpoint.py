@@ -309,7 +309,7 @@ def test_an_edited_reward_file_refuses_the_resume_naming_it(tmp_path, monkeypatc
     (entry.find_checkpoint) takes the checkpoint while the file is unchanged, and refuses it once edited."""
     import orlhf.storage.ds_layout
     from orlhf.config.flags import build_config
-    from orlhf.launch.run import find_checkpoint
+    from orlhf.launch.run_inputs import find_checkpoint
 
     # this checkpoint holds no DeepSpeed state: only the flags are compared (ds_layout's checks: test_ds_layout.py)
     monkeypatch.setattr(orlhf.storage.ds_layout, "check_resume", lambda path, cfg: {})
@@ -336,7 +336,7 @@ def test_load_checkpoint_on_a_first_run_starts_fresh_in_one_line(tmp_path, caplo
     import logging
 
     from orlhf.config.flags import build_config
-    from orlhf.launch.run import find_checkpoint
+    from orlhf.launch.run_inputs import find_checkpoint
 
     flags = {"save_path": str(tmp_path / "run"), "load_checkpoint": True, "save_steps": 2}
     cfg = build_config(flags, set(flags))

@@ -197,7 +197,7 @@ def test_truncated_or_missing_safetensors_are_named(tmp_path):
 
 def test_a_truncated_model_in_a_run_without_a_critic_fails_the_preflight_naming_it(tmp_path, inputs):
     from orlhf.config.resolve import finish_config
-    from orlhf.launch.run import preflight
+    from orlhf.launch.preflight import preflight
 
     folder = demo_copy(tmp_path)
     [weights] = folder.glob("*.safetensors")

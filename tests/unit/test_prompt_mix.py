@@ -107,7 +107,7 @@ def test_start_up_line_says_prompts_once_and_the_mix_reaches_the_prompts(tmp_pat
     from orlhf.config.resolve import resolve_demo
     from orlhf.demo.builder import ensure_demo
     from orlhf.inputs.tokenizer import load_tokenizer
-    from orlhf.launch.run import load_prompts
+    from orlhf.launch.run_inputs import load_prompts
 
     a, b = write_jsonl(tmp_path / "a.jsonl", "a", 40), write_jsonl(tmp_path / "b.jsonl", "b", 40)
     flags = {

@@ -259,7 +259,7 @@ def test_only_the_capturing_thread_is_routed(tmp_path, capsys):
 
 def test_the_run_builds_its_reward_source_from_the_flags(tmp_path, monkeypatch):
     from orlhf.config.flags import build_config
-    from orlhf.launch.run import make_reward
+    from orlhf.launch.run_inputs import make_reward
 
     flags = {"remote_rm_url": "http://127.0.0.1:1/score", "reward_timeout_s": 7.0, "reward_retries": 0}
     source = make_reward(build_config(flags, set(flags)))

@@ -38,7 +38,7 @@ def test_text_rows_in_a_vision_run_on_several_zero3_ranks_are_refused_by_row():
     import pytest
 
     from orlhf.inputs.prompts import DataError, Prompt
-    from orlhf.launch.run import check_text_rows_fit
+    from orlhf.launch.run_inputs import check_text_rows_fit
 
     def cfg(ranks, zero_stage=None):
         return NS(
