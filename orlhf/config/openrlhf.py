@@ -177,72 +177,99 @@ def translate(argv: list[str], native_arity: dict[str, int]) -> list[str]:
     """Rewrite OpenRLHF spellings into orlhf flags (see the module docstring). `native_arity`: orlhf's own flags
     and how many values each takes (0 for switches). Tokens that are not flags pass through untouched, and so do
     flags this table does not know (Typer reports those)."""
-    out: list[str] = []
-    problems: list[str] = []
-    seen: dict[str, list[tuple[str, Optional[str]]]] = {}  # orlhf flag -> [(spelling used, value)]
+    return translate_spelled(argv, native_arity)[0]
+
+
+def translate_spelled(argv: list[str], native_arity: dict[str, int]) -> tuple[list[str], dict[str, str]]:
+    """translate(), and for each orlhf flag set through another spelling, the spelling the user wrote
+    ({"critic_max_norm": "--critic.max_norm", "bf16": "--param_dtype bf16"}): config/provenance.py names it."""
+    reader = _Reader(argv, native_arity)
     i = 0
     while i < len(argv):
-        tok = argv[i]
+        i = reader.read(i)
+    problems = reader.problems + _conflicts(reader.seen)
+    if problems:
+        raise CompatError(problems)
+    return reader.out, reader.spellings
+
+
+class _Reader:
+    """One pass over argv: each flag is rewritten by its kind (dotted-only, alias, no effect, unsupported, orlhf's
+    own), collecting the problems, the values each orlhf flag was given under which spelling, and the spellings."""
+
+    def __init__(self, argv: list[str], native_arity: dict[str, int]):
+        self.argv, self.arity = argv, native_arity
+        self.out: list[str] = []
+        self.problems: list[str] = []
+        self.seen: dict[str, list[tuple[str, Optional[str]]]] = {}  # orlhf flag -> [(spelling used, value)]
+        self.spellings: dict[str, str] = {}  # orlhf flag -> the OpenRLHF spelling that set it last
+
+    def read(self, i: int) -> int:
+        """Rewrite the token at argv[i] (and its values); the index of the next one."""
+        tok = self.argv[i]
         if not tok.startswith("--") or tok == "--":
-            out.append(tok)
-            i += 1
-            continue
+            self.out.append(tok)
+            return i + 1
         name, _, inline = tok[2:].partition("=")
         inline = inline if "=" in tok else None
         flat, dotted = _flat(name)
         if dotted and flat in DOTTED_ONLY:
-            spec = DOTTED_ONLY[flat]
-            values, i = _take(argv, i, inline, spec.nargs)
-            if isinstance(spec, Unsupported) and (spec.default is None or not _same(values, spec.default)):
-                shown = f"--{name}" + "".join(f" {v}" for v in values)
-                problems.append(f"{shown}: orlhf does not support it yet ({spec.what})")
-            continue
+            return self._refused_unless_default(i, name, inline, DOTTED_ONLY[flat], None)
         if dotted and "." in flat:
-            problems.append(f"--{name} is one of OpenRLHF's newer names; orlhf has no equivalent of it yet")
-            i += 1
-            continue
+            self.problems.append(f"--{name} is one of OpenRLHF's newer names; orlhf has no equivalent of it yet")
+            return i + 1
         if flat in ALIASES:
-            spec = ALIASES[flat]
-            values, i = _take(argv, i, inline, spec.nargs)
-            got = spec.convert(values)
-            if isinstance(got, str):
-                problems.append(got)
-            else:
-                out.extend(got)
-                seen.setdefault(spec.target, []).append((f"--{name}", spec.target_value(values)))
-            continue
-        if flat in NO_EFFECT:
-            _, i = _take(argv, i, inline, NO_EFFECT[flat].nargs)
-            continue
-        if flat in UNSUPPORTED:
-            spec = UNSUPPORTED[flat]
-            values, i = _take(argv, i, inline, spec.nargs)
-            if spec.nargs == 0 or spec.default is None or not _same(values, spec.default):
-                shown = f"--{name}" + "".join(f" {v}" for v in values)
-                problems.append(f"{shown}: --{flat} is OpenRLHF's; orlhf does not support it yet ({spec.what})")
-            continue
-        arity = native_arity.get(flat)
-        if arity is None:  # unknown here: Typer names it
-            out.append(tok)
-            i += 1
-            continue
-        if arity == STAR:  # OpenRLHF's nargs="*" (--target_modules q_proj v_proj): one comma-separated value
-            values, i = _take(argv, i, inline, STAR)
-            seen.setdefault(flat, []).append((f"--{name}", ",".join(values)))
-            out.extend([f"--{flat}", ",".join(values)])
-            continue
-        values, j = _take(argv, i, inline, arity) if arity else ([], i + 1)
+            return self._alias(i, name, inline, ALIASES[flat])
+        if flat in NO_EFFECT or flat in UNSUPPORTED:
+            return self._refused_unless_default(i, name, inline, NO_EFFECT.get(flat) or UNSUPPORTED[flat], flat)
+        if flat not in self.arity:  # unknown here: Typer names it
+            self.out.append(tok)
+            return i + 1
+        return self._native(i, tok, name, inline, flat, dotted)
+
+    def _refused_unless_default(self, i, name, inline, spec: "Unsupported | NoEffect", flat: Optional[str]) -> int:
+        """A flag with no orlhf flag behind it: dropped, or refused when it asks for a feature orlhf lacks."""
+        values, i = _take(self.argv, i, inline, spec.nargs)
+        if not isinstance(spec, Unsupported):
+            return i
+        if (flat is not None and spec.nargs == 0) or spec.default is None or not _same(values, spec.default):
+            shown = f"--{name}" + "".join(f" {v}" for v in values)
+            why = f"--{flat} is OpenRLHF's; orlhf does not support it yet" if flat else "orlhf does not support it yet"
+            self.problems.append(f"{shown}: {why} ({spec.what})")
+        return i
+
+    def _alias(self, i: int, name: str, inline: Optional[str], spec: Alias) -> int:
+        values, i = _take(self.argv, i, inline, spec.nargs)
+        got = spec.convert(values)
+        if isinstance(got, str):
+            self.problems.append(got)
+            return i
+        self.out.extend(got)
+        self.seen.setdefault(spec.target, []).append((f"--{name}", spec.target_value(values)))
+        spelling = " ".join([f"--{name}", *values])
+        self.spellings.update({t[2:]: spelling for t in got if t.startswith("--")})
+        return i
+
+    def _native(self, i: int, tok: str, name: str, inline: Optional[str], flat: str, dotted: bool) -> int:
+        """One of orlhf's own flags, maybe under a dotted name; OpenRLHF's nargs="*" lists become one value."""
+        if dotted:
+            self.spellings[flat] = f"--{name}"
+        else:
+            self.spellings.pop(flat, None)  # given natively after another spelling: the native one counts
+        arity = self.arity[flat]
+        if arity == STAR:  # --target_modules q_proj v_proj: one comma-separated value
+            values, i = _take(self.argv, i, inline, STAR)
+            self.seen.setdefault(flat, []).append((f"--{name}", ",".join(values)))
+            self.out.extend([f"--{flat}", ",".join(values)])
+            return i
+        values, j = _take(self.argv, i, inline, arity) if arity else ([], i + 1)
         if arity == 1 and inline is None and values and values[0].startswith("--"):
             values, j = [], i + 1  # an optional-value flag (--use_wandb) given bare
-        seen.setdefault(flat, []).append((f"--{name}", " ".join(values) if values else "true"))
-        out.append((f"--{flat}" + (f"={inline}" if inline is not None else "")) if dotted else tok)
+        self.seen.setdefault(flat, []).append((f"--{name}", " ".join(values) if values else "true"))
+        self.out.append((f"--{flat}" + (f"={inline}" if inline is not None else "")) if dotted else tok)
         if inline is None:
-            out.extend(argv[i + 1 : j])
-        i = j
-    problems += _conflicts(seen)
-    if problems:
-        raise CompatError(problems)
-    return out
+            self.out.extend(self.argv[i + 1 : j])
+        return j
 
 
 def _same(values: list[str], expected: tuple[str, ...]) -> bool:
