@@ -120,7 +120,8 @@ class Ranks:
 
 
 class LocalCall:
-    """A finished call on this rank; like cluster.GroupCall, .get() / .get_cat() give every rank's results."""
+    """A finished call on this rank; like distributed.groups.GroupCall, .get() / .get_cat() give every rank's
+    results."""
 
     def __init__(self, ranks: Ranks, result):
         self.ranks, self.result = ranks, result
@@ -133,8 +134,8 @@ class LocalCall:
 
 
 class LocalGroup:
-    """One role's worker on this rank, answering the calls the controller makes of a cluster.ActorGroup. A call
-    runs at once, on this rank's share; every rank makes the same calls in the same order (the controller's), so
+    """One role's worker on this rank, answering the calls the controller makes of a distributed.groups.ActorGroup.
+    A call runs at once, on this rank's share; every rank makes the same calls in the same order (the controller's), so
     ZeRO-3's collectives inside the workers and the gathers in .get() line up."""
 
     def __init__(self, role: str, worker, ranks: Ranks):

@@ -3,10 +3,10 @@ the demo's paths resolved).
 
     lock the run and checkpoint folders (runlock: a second run on them exits here) -> file pre-flight (weight files,
     value heads, agent file) -> prompts, reward file, eval data (launch/run_inputs.py, in a thread) while Ray connects,
-    their errors raised
-    before anything is placed -> pre-flight + placement groups -> start engines (async) and model groups
-    (colocated on GPUs: engines ready -> engines asleep -> model groups; launch/bringup.py) -> init all -> weight-sync
-    group -> Controller.fit() (SIGINT / SIGTERM: the step ends and is saved, no export: launch/stop_signals.py)
+    their errors raised before anything is placed -> pre-flight + placement groups -> the rollout backend's early start
+    (vLLM engines, async) and model groups (colocated on GPUs: engines ready -> engines asleep -> model groups;
+    launch/bringup.py) -> init all -> the backend connected (weight-sync group) -> Controller.fit() (SIGINT / SIGTERM:
+    the step ends and is saved, no export: launch/stop_signals.py)
     -> export the final actor, and critic (atomic; failed: a checkpoint keeps the weights, launch/export.py)
     -> draw the reward curve (best effort) -> tear everything down (also on errors and Ctrl-C)
 A process lost on the way (a rank or an engine whose process died) tears down the placement groups and everything on
@@ -49,7 +49,8 @@ def train_ppo(cfg: TrainConfig) -> int:
 
 
 def run_locked(cfg: TrainConfig, run_id: str, clock) -> int:
-    """train_ppo once this process holds the run folder and the checkpoint folder (`clock`: startup.StartupClock)."""
+    """train_ppo once this process holds the run folder and the checkpoint folder (`clock`:
+    launch/startup_clock.StartupClock)."""
     # Only what Ray's start needs is imported before it: torch (checkpoint, controller) loads in the inputs thread
     # (the tokenizer's transformers imports it) while ray.init waits on Ray's processes.
     import ray

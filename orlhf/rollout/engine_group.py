@@ -173,7 +173,7 @@ class EngineGroup:
         """Agents' turns on engine `index` (EngineActor.generate_tokens) -> a concurrent.futures.Future."""
         return self.call_rank(index, EngineActor.generate_tokens, requests).future()
 
-    # ---- calls (method references, orlhf/distributed/endpoints.py): the same API as cluster.ActorGroup ----
+    # ---- calls (method references, orlhf/distributed/endpoints.py): the same API as distributed.groups.ActorGroup ----
     def call(self, fn: Callable, *args, **kwargs) -> GroupCall:
         """Call `fn` on every engine; .get() gives the results in engine order (an extension method: a list
         per engine, one result per TP worker)."""

@@ -39,7 +39,7 @@ class SingleTurnExecutor:
 
     def __init__(self, engines, vision=None):
         self.engines = engines
-        self.vision = vision  # inputs.images.VisionPrompts, or None for a text model
+        self.vision = vision  # inputs.vision.VisionPrompts, or None for a text model
 
     def generate(self, prompts: list, sampling) -> list[Rollout]:
         if self.vision is None or not any(q.images for q in prompts):
@@ -156,7 +156,7 @@ def turn_seed(seed: int, sample: int, turn: int) -> int:
 class _Job:
     index: int  # row in the step's batch
     prompt_index: int
-    prompt: Any  # data.Prompt: text, ids, label
+    prompt: Any  # inputs.prompts.Prompt: text, ids, label
     engine: int
     extra: dict = field(default_factory=dict)
 
@@ -360,7 +360,7 @@ def turn_params_class(rollout) -> type:
 def make_executor(
     agent_func_path: Optional[str], engines, tokenizer, max_length: int, timeout_s: float = 600.0, vision=None
 ):
-    """vision: inputs.images.VisionPrompts for a vision-language model's image prompts (single-turn only: agents
+    """vision: inputs.vision.VisionPrompts for a vision-language model's image prompts (single-turn only: agents
     with images are refused by the config's validation)."""
     if agent_func_path:
         return AgentRunner(agent_func_path, engines, tokenizer, max_length, timeout_s)

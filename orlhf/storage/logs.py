@@ -11,8 +11,8 @@
 The driver sets ORLHF_LOG_DIR; each rank and engine actor calls redirect_output() first thing, which points its
 file descriptors 1 and 2 at its log file, so Ray has nothing to forward and the bar is never torn. --verbose turns
 all of this off: libraries log to the terminal and Ray forwards every worker's output, as before.
-A rank's error still reaches the terminal: its traceback travels with the exception (cluster.RankError), and a
-rank that died without one is reported with the end of its log file.
+A rank's error still reaches the terminal: its traceback travels with the exception (distributed.groups.RankError),
+and a rank that died without one is reported with the end of its log file.
 """
 
 from __future__ import annotations

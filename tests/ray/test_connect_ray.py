@@ -1,7 +1,6 @@
-"""raystart.connect_ray's own local cluster (entry.run_locked starts it): without --verbose, started without the
-autoscaler monitor, the log monitor and the dashboard head, and still runs actors and placement groups; ray.init's
-RayParams is left as
-it was afterwards.
+"""distributed.ray_start.connect_ray's own local cluster (launch.run.run_locked starts it): without --verbose, started
+without the autoscaler monitor, the log monitor and the dashboard head, and still runs actors and placement groups;
+ray.init's RayParams is left as it was afterwards.
 
 Real Ray: each case starts and ends a local cluster, so the session's shared one is shut down first.
 """

@@ -5,7 +5,7 @@ import pytest
 
 @pytest.fixture
 def no_training(monkeypatch):
-    """Parse only: the CLI hands the config to a stand-in for entry.train_ppo; yields the configs it got (the run
+    """Parse only: the CLI hands the config to a stand-in for launch.run.train_ppo; yields the configs it got (the run
     itself is covered by the e2e tests)."""
     import orlhf.launch.run
 

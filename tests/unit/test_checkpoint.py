@@ -306,7 +306,7 @@ def test_save_state_refuses_what_it_cannot_store_safely(tmp_path):
 
 def test_an_edited_reward_file_refuses_the_resume_naming_it(tmp_path, monkeypatch):
     """The reward_func file's contents are part of the fingerprint (not only its path): the resume lookup
-    (entry.find_checkpoint) takes the checkpoint while the file is unchanged, and refuses it once edited."""
+    (launch.run_inputs.find_checkpoint) takes the checkpoint while the file is unchanged, and refuses it once edited."""
     import orlhf.storage.ds_layout
     from orlhf.config.flags import build_config
     from orlhf.launch.run_inputs import find_checkpoint

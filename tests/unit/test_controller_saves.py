@@ -124,7 +124,7 @@ def test_the_best_eval_checkpoint_records_the_run_id(tmp_path):
     import json
 
     ctl, _ = make(tmp_path)
-    ctl.checkpoints.run_id = "resumed0001"  # as entry.resume_point sets it before the controller is built
+    ctl.checkpoints.run_id = "resumed0001"  # as launch.run_inputs.resume_point sets it before the controller is built
     ctl.best_checkpoints = ctl.checkpoints.best()
     for step in (2, 4):
         ctl.step_index = step

@@ -33,7 +33,7 @@ def problems(**flags) -> list[str]:
     return err.value.problems
 
 
-def with_model(cfg):  # as finish.resolve_demo fills in the demo's path
+def with_model(cfg):  # as config.resolve.resolve_demo fills in the demo's path
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, pretrain="model"))
 
 

@@ -1,7 +1,7 @@
 """Joining a running Ray cluster (distributed/ray_start.py): a token-authentication refusal becomes one line that says
 what to set, and Ray's C++ lines meanwhile go to driver.log. Reading each node's GPU memory from nvidia-smi's output
 (distributed/placement.py). Pure: the exceptions are the ones Ray 2.60 raises (copied from a head started with
-RAY_AUTH_MODE=token); tests/ray/test_ray_join.py joins such a head."""
+RAY_AUTH_MODE=token); tests/ray/test_ray_token_auth.py joins such a head."""
 
 import os
 import sys

@@ -1,4 +1,4 @@
-"""orlhf's block-drawn seeds in vLLM-CPU's sampler (rollout/cpu_sampler.py) sample exactly what vLLM's own does.
+"""orlhf's block-drawn seeds in vLLM-CPU's sampler (cpu/engine_sampler.py) sample exactly what vLLM's own does.
 
 sampler level: vLLM's TopKTopPSampler, seeded and unseeded rows, top-p, both log-prob modes, many steps;
                the eager rank count against vLLM's compiled one
