@@ -1,22 +1,26 @@
 """The `orlhf` command line. No logic: parse flags into a config and call one entry function.
 
 The train-ppo flags are generated from config/train_config.py's dataclass fields (one declaration per flag), each
-accepted as `--flag_name` (OpenRLHF's spelling) and `--flag-name`, grouped into --help panels by config section.
-Heavy packages (torch, ray, deepspeed, vllm) are imported inside the commands, so `orlhf --help` stays fast.
+accepted as `--flag_name` (OpenRLHF's spelling) and `--flag-name`, grouped into --help panels by task
+(config/panels.py): `--help` shows the flags a first run needs, `--help-all` every flag. OpenRLHF's other spellings
+are rewritten before Typer reads the line (config/command_line.py). Heavy packages (torch, ray, deepspeed, vllm) are
+imported inside the commands, so `orlhf --help` stays fast.
 """
 
 from __future__ import annotations
 
-import inspect
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable, Literal, Optional
+from typing import Any, Callable, Optional
 
 import typer
 
 from orlhf.config import flags as F
 from orlhf.config import train_config as C
+from orlhf.config.cli_options import FIRST_RUN_EPILOG, keep_flag_names_whole, with_train_flags
+from orlhf.config.command_line import fill_optional_values, native_arity, normalize_flag, prepare  # noqa: F401
+from orlhf.config.openrlhf import CompatError
 
 app = typer.Typer(
     name="orlhf",
@@ -26,51 +30,17 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-
-
-def _normalize_flag(token: str) -> str:
-    """--actor-num-nodes and --actor_num_nodes are the same flag (OpenRLHF scripts use underscores)."""
-    return token.replace("-", "_")
-
-
-def _option_for(name: str, f, typ: Any, panel: str):
-    """A Typer option for one config field, accepting --name_with_underscores and --name-with-dashes."""
-    decls = [f"--{name}"]  # the dashed spelling is accepted through _normalize_flag
-    kwargs: dict[str, Any] = {"help": f.metadata["help"], "rich_help_panel": panel, "show_default": True}
-    if f.metadata.get("metavar"):
-        kwargs["metavar"] = f.metadata["metavar"]
-    if typ is bool:
-        kwargs["show_default"] = False
-    return typer.Option(f.default, *decls, **kwargs)
-
-
-def _annotation_for(f, typ: Any) -> Any:
-    """The field's type, narrowed to a Literal of its choices so --help lists them and Typer checks them."""
-    choices = f.metadata.get("choices")
-    if not choices:
-        return typ
-    lit = Literal[tuple(choices)]  # type: ignore[valid-type]
-    return Optional[lit] if f.default is None else lit
-
-
-def with_train_flags(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Give `fn(**flags)` a signature with one keyword parameter per config flag, for Typer to read."""
-    params = [inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context)]
-    annotations: dict[str, Any] = {"ctx": typer.Context}
-    for attr, name, f, typ in F.flag_fields():
-        panel = dict((a, p) for a, _, p in C.SECTIONS)[attr]
-        ann = _annotation_for(f, typ)
-        default = _option_for(name, f, typ, panel)
-        params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=ann))
-        annotations[name] = ann
-    fn.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
-    fn.__annotations__ = annotations
-    return fn
+_normalize_flag = normalize_flag  # the name scripts built on this command line use
 
 
 def _given(ctx: typer.Context, name: str) -> bool:
     source = ctx.get_parameter_source(name)
     return source is not None and source.name != "DEFAULT"
+
+
+def _print_problems(e: C.ConfigError | CompatError) -> None:
+    typer.secho(f"error: {len(e.problems)} problem(s) with the flags:", fg="red", err=True)
+    typer.echo(str(e), err=True)
 
 
 def parse_or_exit(
@@ -83,8 +53,7 @@ def parse_or_exit(
     try:
         cfg = build(values, explicit)
     except C.ConfigError as e:
-        typer.secho(f"error: {len(e.problems)} problem(s) with the flags:", fg="red", err=True)
-        typer.echo(str(e), err=True)
+        _print_problems(e)
         raise typer.Exit(2) from None
     preset = F.demo_preset_applied(values, explicit)
     if preset:
@@ -96,7 +65,6 @@ def parse_or_exit(
     return cfg
 
 
-@with_train_flags
 def _train_ppo(ctx: typer.Context, **flags: Any) -> None:
     from orlhf.config.resolve import finish_config
 
@@ -112,8 +80,7 @@ def run_reporting_errors(fn: Callable[[C.TrainConfig], int], cfg: C.TrainConfig)
     try:
         return fn(cfg)
     except C.ConfigError as e:
-        typer.secho(f"error: {len(e.problems)} problem(s) with the flags:", fg="red", err=True)
-        typer.echo(str(e), err=True)
+        _print_problems(e)
         return 2
     except Exception as e:  # noqa: BLE001 - only the user errors are caught, the rest is raised again
         if not is_user_error(e):
@@ -156,13 +123,12 @@ def is_user_error(e: BaseException) -> bool:
 app.command(
     "train-ppo",
     help="Train a policy with PPO (or REINFORCE++, RLOO, GRPO, ...) on Ray: DeepSpeed trainers + vLLM engines. "
-    "Flags use OpenRLHF's names; --flag_name and --flag-name both work. Without --pretrain it trains the "
-    "built-in tiny demo. OpenRLHF v0.10.1 launch lines carry over: --param_dtype bf16, --attn_implementation, "
-    "--max_new_tokens and its newer dotted names (--actor.model_name_or_path, --algo.advantage.estimator) are "
-    "read as the flags below; a flag for a feature orlhf lacks (ring attention, deepcompile, ...) "
-    "exits 2 naming it.",
-    context_settings={"token_normalize_func": _normalize_flag},
-)(_train_ppo)
+    "Without --pretrain it trains the built-in tiny demo. Flags use OpenRLHF's names (--flag_name or "
+    "--flag-name); OpenRLHF's other spellings carry over (--param_dtype bf16, --max_new_tokens, dotted names "
+    "such as --actor.model_name_or_path), and a flag for a feature orlhf lacks exits 2 naming it.",
+    epilog=FIRST_RUN_EPILOG,
+    context_settings={"token_normalize_func": normalize_flag},
+)(with_train_flags(_train_ppo))
 
 
 @app.command("make-demo")
@@ -209,8 +175,8 @@ def make_demo(
     # With --pretrain the demo's preset is not applied (config/flags.py): the commands spell it out, so they fit
     # the demo model's positions and learn as `orlhf train-ppo` alone does.
     demo = f"orlhf train-ppo --pretrain {paths.model} --prompt_data {paths.prompts}"
-    typer.echo(f"train on it: {demo} {demo_preset_flags()} --remote_rm_url {paths.reward_fn}")
-    typer.echo(f"or multi-turn: {demo} {demo_preset_flags(generate_max_len=8)} --agent_func_path {paths.agent_fn}")
+    typer.echo(f"train on it: {demo} {F.demo_preset_flags()} --remote_rm_url {paths.reward_fn}")
+    typer.echo(f"or multi-turn: {demo} {F.demo_preset_flags(generate_max_len=8)} --agent_func_path {paths.agent_fn}")
 
 
 def _make_real_demo(out_dir: Path, seed: int) -> None:
@@ -238,12 +204,6 @@ def _quiet_model_saving() -> None:
     hf_logging.disable_progress_bar()
 
 
-def demo_preset_flags(**overrides: Any) -> str:
-    """config/flags.py's DEMO_PRESET (with `overrides`) as command-line flags, a switch bare."""
-    preset = {**F.DEMO_PRESET, **overrides}
-    return " ".join(f"--{k}" if v is True else f"--{k} {v}" for k, v in preset.items() if v is not False)
-
-
 @app.command("report")
 def report(save_path: Path = typer.Argument(..., help="A run's --save_path (holding metrics.jsonl).")) -> None:
     """Draw SAVE_PATH/report.png and report.html: reward, KL, losses, entropy, samples/s, phase timing,
@@ -256,22 +216,6 @@ def report(save_path: Path = typer.Argument(..., help="A run's --save_path (hold
         typer.secho(f"error: {e}", fg="red", err=True)
         raise typer.Exit(1) from None
     typer.echo(f"{png}\n{page}")
-
-
-# Flags whose value is optional: OpenRLHF scripts pass `--use_wandb KEY` / `--use_tensorboard DIR`, others
-# the bare flag. A bare one gets the value "" (on, no key/dir) before Typer parses the line.
-OPTIONAL_VALUE_FLAGS = ("use_wandb", "use_tensorboard")
-
-
-def fill_optional_values(argv: list[str]) -> list[str]:
-    out = []
-    for i, tok in enumerate(argv):
-        out.append(tok)
-        if tok.startswith("--") and _normalize_flag(tok[2:]) in OPTIONAL_VALUE_FLAGS:
-            nxt = argv[i + 1] if i + 1 < len(argv) else None
-            if nxt is None or nxt.startswith("-"):
-                out.append("")
-    return out
 
 
 @app.command("serve-rm")
@@ -316,62 +260,19 @@ def serve_rm(
         server.shutdown()
 
 
-# Flags that take a list, space-separated as OpenRLHF's nargs="*" or comma-separated: one value for Typer.
-LIST_FLAGS = ("target_modules",)
-
-
-def native_arity() -> dict[str, int]:
-    """How many values each orlhf flag takes: 0 for switches, 2 for ranges, -1 (any) for lists, else 1."""
-    out = {}
-    for _, name, _, typ in F.flag_fields():
-        out[name] = 0 if typ is bool else 2 if getattr(typ, "__origin__", None) is tuple else 1
-    out.update({name: -1 for name in LIST_FLAGS})
-    return out
-
-
-def openrlhf_spellings(args: list[str]) -> list[str]:
-    """OpenRLHF's flags that orlhf spells differently, or lacks (config/openrlhf.py), for the train-ppo and plan
-    commands; a refused or conflicting flag exits 2 naming it."""
-    from orlhf.config.openrlhf import CompatError, translate
-
-    if not args or args[0] not in ("train-ppo", "plan"):
-        return args
-    try:
-        return args[:1] + translate(args[1:], native_arity())
-    except CompatError as e:
-        typer.secho(f"error: {len(e.problems)} problem(s) with the flags:", fg="red", err=True)
-        typer.echo(str(e), err=True)
-        sys.exit(2)
-
-
-def keep_flag_names_whole() -> None:
-    """At 80 columns rich shrinks every column of Typer's option tables to fit and cuts long flag names with '…'
-    (--vllm_gpu_memory_utilizat…). Typer builds those tables with rich's Table: hand it one whose name columns
-    (all but the type and help columns) never wrap, so the help text wraps instead (long words fold)."""
-    import typer.rich_utils as ru
-    from rich.table import Table
-
-    class OptionsTable(Table):
-        def add_row(self, *renderables, **kwargs):
-            super().add_row(*renderables, **kwargs)
-            for column in self.columns[:-2]:
-                column.no_wrap = True
-            for item in getattr(renderables[-1], "renderables", ()):  # the help cell: Columns of Text parts
-                if hasattr(item, "overflow"):
-                    item.overflow = "fold"  # a word longer than the column folds, never cut with '…'
-
-    ru.Table = OptionsTable
-
-
 def main(argv: Optional[list[str]] = None) -> None:
-    args = fill_optional_values(openrlhf_spellings(list(sys.argv[1:] if argv is None else argv)))
-    if "--help" in args or "-h" in args or len(args) <= 1:
+    try:
+        args, _spellings = prepare(list(sys.argv[1:] if argv is None else argv))
+    except CompatError as e:  # a refused or conflicting OpenRLHF flag
+        _print_problems(e)
+        sys.exit(2)
+    if {"--help", "-h", "--help-all", "--help_all"} & set(args) or len(args) <= 1:
         keep_flag_names_whole()
     app(args=args, prog_name="orlhf")
 
 
-# `orlhf plan`: the train-ppo flags plus a described cluster. The extra options are appended to the generated
-# train-ppo signature; parse_or_exit reads only the config flags, so they pass through untouched.
+# `orlhf plan`: the train-ppo flags plus a described cluster; parse_or_exit reads only the config flags, so these
+# pass through untouched.
 PLAN_PANEL = "Cluster to plan for (default: --address if given, else this machine)"
 PLAN_OPTIONS = {
     "nodes": (
@@ -432,24 +333,14 @@ def _plan(ctx: typer.Context, **flags: Any) -> None:
     sys.exit(run_plan(cfg, args, cluster["nodes"], cluster["where"]))
 
 
-with_train_flags(_plan)
-_plan.__signature__ = _plan.__signature__.replace(
-    parameters=[  # type: ignore[attr-defined]
-        *_plan.__signature__.parameters.values(),  # type: ignore[attr-defined]
-        *(
-            inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=typ)
-            for name, (typ, option) in PLAN_OPTIONS.items()
-        ),
-    ]
-)
-_plan.__annotations__.update({n: t for n, (t, _) in PLAN_OPTIONS.items()})
 app.command(
     "plan",
     help="Where each model and vLLM engine would run, and the memory each device needs; starts nothing. Takes "
     "the train-ppo flags, on a live cluster (--address), a described one (--nodes --gpus_per_node "
     "--gpu_memory_gb) or this machine. Exit 0: it fits; 1: it does not.",
-    context_settings={"token_normalize_func": _normalize_flag},
-)(_plan)
+    epilog=FIRST_RUN_EPILOG,
+    context_settings={"token_normalize_func": normalize_flag},
+)(with_train_flags(_plan, PLAN_OPTIONS))
 
 
 if __name__ == "__main__":

@@ -86,3 +86,9 @@ def demo_preset_applied(flags: dict[str, Any], explicit: frozenset[str] | set[st
     if flags.get("pretrain") is not None:
         return {}
     return {k: v for k, v in DEMO_PRESET.items() if k not in explicit}
+
+
+def demo_preset_flags(**overrides: Any) -> str:
+    """DEMO_PRESET (with `overrides`) as command-line flags, a switch bare: what `orlhf make-demo` prints."""
+    preset = {**DEMO_PRESET, **overrides}
+    return " ".join(f"--{k}" if v is True else f"--{k} {v}" for k, v in preset.items() if v is not False)

@@ -56,7 +56,12 @@ class PPOConfig:
         "w * log(pi / pi_ref) * grad log pi, w = pi / pi_old at most 10 (OpenRLHF 0.11.2's "
         "--algo.kl.unbiased_gradient); k1, k2 and k3 then share one gradient.",
     )
-    advantage_estimator: str = opt("gae", "Advantage estimator.", choices=tuple(ESTIMATORS))
+    advantage_estimator: str = opt(
+        "gae",
+        f"Advantage estimator: {', '.join(ESTIMATORS)} (gae: PPO with a critic; group_norm: GRPO).",
+        choices=tuple(ESTIMATORS),
+        metavar="NAME",
+    )
     n_samples_per_prompt: int = opt(1, "Responses sampled per prompt.")
     gamma: float = opt(1.0, "Discount factor.")
     lambd: float = opt(1.0, "GAE lambda.")

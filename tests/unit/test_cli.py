@@ -25,7 +25,7 @@ use_wandb wandb_project wandb_run_name use_tensorboard save_path ckpt_path save_
 max_ckpt_num load_checkpoint save_hf_ckpt agent_func_path eval_dataset eval_split eval_steps eval_temperature
 eval_n_samples_per_prompt eval_before_train best_metric_key
 """.split()
-PANELS = ["Placement", "vLLM engines", "DeepSpeed", "Models and data", "PPO", "Logging and checkpoints", "Evaluation"]
+FIRST_RUN_PANELS = ["Model and data", "Rewards", "Algorithm", "Rollout", "Placement and device", "Output and logging"]
 
 
 def run(argv, capsys):
@@ -35,29 +35,70 @@ def run(argv, capsys):
     return exit_.value.code, out.out, out.err
 
 
-def test_help_lists_every_flag_in_panels(capsys, monkeypatch):
-    monkeypatch.setenv("COLUMNS", "200")  # so rich does not cut long flag names
-    code, out, _ = run(["train-ppo", "--help"], capsys)
+def help_text(argv, capsys, monkeypatch, columns=80):
+    monkeypatch.setenv("COLUMNS", str(columns))
+    code, out, _ = run(argv, capsys)
     assert code == 0
-    for flag in OPENRLHF_FLAGS:
+    return out
+
+
+def test_help_shows_a_first_run_by_task_and_points_to_help_all(capsys, monkeypatch):
+    """`--help` at 80 columns: the first-run flags only, in the six task panels in their order, short enough to
+    read, ending with the line that names --help-all."""
+    from orlhf.config.panels import FIRST_RUN
+
+    out = help_text(["train-ppo", "--help"], capsys, monkeypatch)
+    lines = out.rstrip().splitlines()
+    assert len(lines) < 200, len(lines)
+    for flag in FIRST_RUN:
         assert f"--{flag} " in out, flag
-    for panel in PANELS:
-        assert f"─ {panel} " in out, panel
+    assert "--critic_max_norm" not in out and "--zpg " not in out  # the rest is --help-all's
+    starts = [out.index(f"─ {panel} ") for panel in FIRST_RUN_PANELS]
+    assert starts == sorted(starts)
+    assert "--help-all shows every flag" in " ".join(line.strip() for line in lines[-3:])
 
 
-def test_help_reads_at_80_columns(capsys, monkeypatch):
-    """No flag name cut with '…' and no line past 80 characters; the panels stay."""
-    monkeypatch.setenv("COLUMNS", "80")
-    code, out, _ = run(["train-ppo", "--help"], capsys)
-    assert code == 0
-    assert "…" not in out
-    assert max(len(line) for line in out.splitlines()) <= 80
+def test_help_all_shows_every_flag_grouped_by_task(capsys, monkeypatch):
     from orlhf.config.flags import flag_fields
+    from orlhf.config.panels import PANELS
 
+    out = help_text(["train-ppo", "--help-all"], capsys, monkeypatch, columns=200)
     for _, flag, _, _ in flag_fields():
         assert f"--{flag} " in out, flag
-    for panel in PANELS:
-        assert f"─ {panel} " in out, panel
+    for flag in OPENRLHF_FLAGS:
+        assert f"--{flag} " in out, flag
+    starts = [out.index(f"─ {p.title} ") for p in PANELS]
+    assert starts == sorted(starts)
+    assert "--pretrain" in out and "several comma-separated" in out  # the full help, not the one-line one
+    assert help_text(["train-ppo", "--help_all"], capsys, monkeypatch, columns=200) == out
+
+
+@pytest.mark.parametrize("argv", [["train-ppo", "--help"], ["train-ppo", "--help-all"], ["plan", "--help"]])
+def test_help_reads_at_80_columns(argv, capsys, monkeypatch):
+    """No flag name cut with '…' and no line past 80 characters."""
+    out = help_text(argv, capsys, monkeypatch)
+    assert "…" not in out
+    assert max(len(line) for line in out.splitlines()) <= 80
+
+
+def test_plan_help_shows_a_first_run_and_its_cluster(capsys, monkeypatch):
+    out = help_text(["plan", "--help"], capsys, monkeypatch)
+    assert "--pretrain " in out and "--nodes " in out and "--gpus_per_node " in out and "--zpg " not in out
+    assert "--zpg " in help_text(["plan", "--help-all"], capsys, monkeypatch, columns=200)
+
+
+def test_flags_only_help_all_shows_still_parse(capsys, no_training):
+    code, _, err = run(["train-ppo", "--critic_max_norm", "0.5", "--zpg", "1", "--device", "cpu"], capsys)
+    assert code == 0, err
+    assert no_training[0].optim.critic_max_norm == 0.5
+
+
+def test_an_unknown_flag_names_the_nearest_ones(capsys):
+    """Click's suggestion covers every flag, the ones --help leaves to --help-all too."""
+    code, _, err = run(["train-ppo", "--critic_max_nrm", "0.5"], capsys)
+    assert code == 2 and "No such option: --critic_max_nrm" in err and "--critic_max_norm" in err
+    code, _, err = run(["train-ppo", "--pretrian", "x"], capsys)
+    assert code == 2 and "--pretrain" in err
 
 
 def test_valid_flags_in_both_spellings(capsys, no_training):
