@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -21,6 +22,8 @@ from orlhf.config import train_config as C
 from orlhf.config.cli_options import FIRST_RUN_EPILOG, keep_flag_names_whole, with_train_flags
 from orlhf.config.command_line import fill_optional_values, native_arity, normalize_flag, prepare  # noqa: F401
 from orlhf.config.openrlhf import CompatError
+from orlhf.config.panels import PANEL_OF
+from orlhf.config.provenance import render_resolved, with_sources
 
 app = typer.Typer(
     name="orlhf",
@@ -46,8 +49,8 @@ def _print_problems(e: C.ConfigError | CompatError) -> None:
 def parse_or_exit(
     ctx: typer.Context, flags: dict[str, Any], build: Callable[..., C.TrainConfig] = F.build_config
 ) -> C.TrainConfig:
-    """Flags -> TrainConfig via `build` (build_config: validated; resolve.finish_config: finished for a run), or
-    exit 2 with every problem listed (no traceback)."""
+    """Flags -> TrainConfig via `build` (build_config: validated; resolve.finish_config: finished for a run), with
+    each value's source recorded (config/provenance.py), or exit 2 with every problem listed (no traceback)."""
     values = {name: flags[name] for _, name, _, _ in F.flag_fields()}
     explicit = {name for name in values if _given(ctx, name)}
     try:
@@ -62,12 +65,28 @@ def parse_or_exit(
             f"[orlhf] no --pretrain: using the built-in tiny demo with its preset {shown} (any flag you pass wins)",
             err=True,
         )
-    return cfg
+    return with_sources(cfg, values, explicit, ctx.obj or {})  # ctx.obj: main()'s {flag: OpenRLHF spelling}
+
+
+TRAIN_OPTIONS = {
+    "print_config": (
+        bool,
+        typer.Option(
+            False,
+            "--print_config",
+            help="Print every setting the run would use, with its source, and exit (starts nothing).",
+            rich_help_panel=PANEL_OF["print_config"],
+        ),
+    )
+}
 
 
 def _train_ppo(ctx: typer.Context, **flags: Any) -> None:
     from orlhf.config.resolve import finish_config
 
+    if flags["print_config"]:  # the same flags and checks as a run; the demo's paths where it is cached, unbuilt
+        typer.echo(render_resolved(parse_or_exit(ctx, flags, partial(finish_config, build_demo=False))))
+        raise typer.Exit(0)
     cfg = parse_or_exit(ctx, flags, finish_config)  # the device and the demo resolved, validated once
     from orlhf.launch.run import train_ppo
 
@@ -128,7 +147,7 @@ app.command(
     "such as --actor.model_name_or_path), and a flag for a feature orlhf lacks exits 2 naming it.",
     epilog=FIRST_RUN_EPILOG,
     context_settings={"token_normalize_func": normalize_flag},
-)(with_train_flags(_train_ppo))
+)(with_train_flags(_train_ppo, TRAIN_OPTIONS))
 
 
 @app.command("make-demo")
@@ -262,13 +281,13 @@ def serve_rm(
 
 def main(argv: Optional[list[str]] = None) -> None:
     try:
-        args, _spellings = prepare(list(sys.argv[1:] if argv is None else argv))
+        args, spellings = prepare(list(sys.argv[1:] if argv is None else argv))
     except CompatError as e:  # a refused or conflicting OpenRLHF flag
         _print_problems(e)
         sys.exit(2)
     if {"--help", "-h", "--help-all", "--help_all"} & set(args) or len(args) <= 1:
         keep_flag_names_whole()
-    app(args=args, prog_name="orlhf")
+    app(args=args, prog_name="orlhf", obj=spellings)  # parse_or_exit reads the spellings from ctx.obj
 
 
 # `orlhf plan`: the train-ppo flags plus a described cluster; parse_or_exit reads only the config flags, so these

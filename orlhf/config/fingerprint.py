@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 if TYPE_CHECKING:
     from orlhf.config.train_config import TrainConfig
@@ -128,16 +128,9 @@ _CODE_FLAGS = ("remote_rm_url", "agent_func_path")
 def config_fingerprint(cfg: "TrainConfig") -> dict[str, Any]:
     """{"--flag": value} for every flag not in FREE_ON_RESUME, plus the critic's resolved init model. Values are
     JSON-able (tuples become lists) so a fingerprint read back from meta.json compares equal."""
-    from orlhf.config.flags import flag_fields
+    from orlhf.config.flags import flag_fields, flag_values
 
-    out: dict[str, Any] = {}
-    for attr, flag, f, _typ in flag_fields():
-        if flag in FREE_ON_RESUME:
-            continue
-        value = getattr(getattr(cfg, attr), f.name)
-        if flag in _PATH_FLAGS and value is not None:
-            value = ",".join(_abs(v.strip()) for v in value.split(","))  # --prompt_data a,b: each source
-        out[f"--{flag}"] = list(value) if isinstance(value, tuple) else value
+    out = settings_fingerprint(flag_values(cfg))
     from orlhf.config.roles import model_path
 
     critic_model = model_path(cfg, "critic") if cfg.has_critic else None
@@ -147,6 +140,19 @@ def config_fingerprint(cfg: "TrainConfig") -> dict[str, Any]:
             digest = _code_digest(getattr(getattr(cfg, attr), f.name))
             if digest is not None:
                 out[f"--{flag} file contents"] = digest
+    return out
+
+
+def settings_fingerprint(values: Mapping[str, Any]) -> dict[str, Any]:
+    """{"--flag": value} for the flags of `values` ({flag name: value}: a config's, or the run folder's resolved
+    config read back by provenance.read_resolved) not in FREE_ON_RESUME; paths absolute, tuples as lists."""
+    out: dict[str, Any] = {}
+    for flag, value in values.items():
+        if flag in FREE_ON_RESUME:
+            continue
+        if flag in _PATH_FLAGS and value is not None:
+            value = ",".join(_abs(v.strip()) for v in value.split(","))  # --prompt_data a,b: each source
+        out[f"--{flag}"] = list(value) if isinstance(value, tuple) else value
     return out
 
 

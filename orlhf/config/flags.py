@@ -92,3 +92,13 @@ def demo_preset_flags(**overrides: Any) -> str:
     """DEMO_PRESET (with `overrides`) as command-line flags, a switch bare: what `orlhf make-demo` prints."""
     preset = {**DEMO_PRESET, **overrides}
     return " ".join(f"--{k}" if v is True else f"--{k} {v}" for k, v in preset.items() if v is not False)
+
+
+def flag_values(cfg: TrainConfig) -> dict[str, Any]:
+    """{flag name: value} of every flag of `cfg`, in flag_fields() order."""
+    return {name: getattr(getattr(cfg, attr), f.name) for attr, name, f, _ in flag_fields()}
+
+
+def flag_defaults() -> dict[str, Any]:
+    """{flag name: its declared default}."""
+    return {name: f.default for _, name, f, _ in flag_fields()}

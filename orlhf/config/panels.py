@@ -25,7 +25,7 @@ class Panel:
 
 
 # Flags of the train-ppo command that are not config fields (cli.py declares them).
-COMMAND_FLAGS: tuple[str, ...] = ()
+COMMAND_FLAGS = ("print_config",)
 
 PANELS: tuple[Panel, ...] = (
     Panel(
@@ -145,6 +145,7 @@ PANELS: tuple[Panel, ...] = (
             "use_wandb": "Log to Weights & Biases (optionally the API key).",
             "use_tensorboard": "Log to TensorBoard (optionally the log folder).",
             "verbose": "Every library's and worker's output here (default: <save_path>/logs/).",
+            "print_config": None,
         },
         (
             "ckpt_path",

@@ -21,15 +21,18 @@ from orlhf.config.flags import parse_config
 from orlhf.config.train_config import TrainConfig
 
 
-def finish_config(flags: dict[str, Any], explicit: frozenset[str] | set[str] = frozenset()) -> TrainConfig:
+def finish_config(
+    flags: dict[str, Any], explicit: frozenset[str] | set[str] = frozenset(), build_demo: bool = True
+) -> TrainConfig:
     """Flat flag values (by flag name; `explicit`: the ones the user gave) -> the finished config."""
-    return finish(parse_config(flags, explicit), explicit)
+    return finish(parse_config(flags, explicit), explicit, build_demo)
 
 
-def finish(cfg: TrainConfig, explicit: frozenset[str] | set[str] = frozenset()) -> TrainConfig:
+def finish(cfg: TrainConfig, explicit: frozenset[str] | set[str] = frozenset(), build_demo: bool = True) -> TrainConfig:
     """A parsed (not yet validated) config -> finished: device resolved, validated once, demo filled in.
-    `explicit` (the flags the user gave) lets validation refuse a flag given without the one it needs."""
-    return resolve_demo(validated(cfg, explicit))
+    `explicit` (the flags the user gave) lets validation refuse a flag given without the one it needs.
+    `build_demo` False (--print_config): the demo's paths where it is cached, without building it."""
+    return resolve_demo(validated(cfg, explicit), build_demo)
 
 
 def validated(
@@ -77,16 +80,16 @@ def _torch_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def resolve_demo(cfg: TrainConfig) -> TrainConfig:
-    """Without --pretrain: the built-in demo's model, prompts and reward function (built once, cached).
-
-    Only unset paths are filled; a user's --prompt_data or --remote_rm_url / --reward_pretrain stays as given.
+def resolve_demo(cfg: TrainConfig, build: bool = True) -> TrainConfig:
+    """Without --pretrain: the built-in demo's model, prompts and reward function (built once, cached; `build`
+    False: where they are cached, built or not). Only unset paths are filled; a user's --prompt_data or
+    --remote_rm_url / --reward_pretrain stays as given.
     """
     if not cfg.data.uses_demo:
         return cfg
-    from orlhf.demo.builder import ensure_demo
+    from orlhf.demo.builder import DEMO_VERSION, DemoPaths, default_cache_dir, ensure_demo
 
-    demo = ensure_demo()
+    demo = ensure_demo() if build else DemoPaths.under(default_cache_dir() / f"demo-v{DEMO_VERSION}")
     d = cfg.data
     no_reward = d.remote_rm_url is None and d.reward_pretrain is None and d.agent_func_path is None
     data = dataclasses.replace(

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import ClassVar, Optional
 
 from orlhf.algo.registry import ESTIMATORS
 from orlhf.config.backend_config import DeepSpeedConfig, VLLMConfig
@@ -282,6 +282,15 @@ class TrainConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    # Where each flag's value came from ({flag: source} pairs), recorded once when the command line is read
+    # (config/provenance.py). A class attribute, not a field: equality, dataclasses.asdict, fingerprints and the
+    # config sent to W&B see settings only; provenance.with_sources sets it on a fresh copy.
+    _sources: ClassVar[tuple[tuple[str, str], ...]] = ()
+
+    @property
+    def sources(self) -> dict[str, str]:
+        """{flag name: source} (provenance.py's vocabulary); empty for a config built in code, not from flags."""
+        return dict(self._sources)
 
     @property
     def device(self) -> str:

@@ -65,7 +65,7 @@ def test_help_all_shows_every_flag_grouped_by_task(capsys, monkeypatch):
     out = help_text(["train-ppo", "--help-all"], capsys, monkeypatch, columns=200)
     for _, flag, _, _ in flag_fields():
         assert f"--{flag} " in out, flag
-    for flag in OPENRLHF_FLAGS:
+    for flag in OPENRLHF_FLAGS + ["print_config"]:
         assert f"--{flag} " in out, flag
     starts = [out.index(f"─ {p.title} ") for p in PANELS]
     assert starts == sorted(starts)
@@ -84,6 +84,7 @@ def test_help_reads_at_80_columns(argv, capsys, monkeypatch):
 def test_plan_help_shows_a_first_run_and_its_cluster(capsys, monkeypatch):
     out = help_text(["plan", "--help"], capsys, monkeypatch)
     assert "--pretrain " in out and "--nodes " in out and "--gpus_per_node " in out and "--zpg " not in out
+    assert "--print_config" not in out  # train-ppo's own
     assert "--zpg " in help_text(["plan", "--help-all"], capsys, monkeypatch, columns=200)
 
 
