@@ -60,6 +60,7 @@ def run_locked(cfg: TrainConfig, run_id: str, clock) -> int:
 
     run_logs = setup_driver(cfg.logging.save_path, cfg.runtime.verbose)  # once the run folder is ours
     log.info("%s", run_logs.summary())
+    write_resolved_config(cfg)
     preflight(cfg, run_logs)
     layout = plan_layout(cfg)
 
@@ -146,6 +147,17 @@ def run_attempt(cfg: TrainConfig, layout, tuning, run, attempt, held: ExitStack,
         return report_stop(controller)
     finish_run(cfg, models, metrics, attempt.history(), run.run_id, controller)
     return 0
+
+
+def write_resolved_config(cfg: TrainConfig) -> None:
+    """The run folder's run_config.json: every setting, its value and where it came from (config/provenance.py;
+    `orlhf train-ppo ... --print_config` shows the same without running). Written at every start: a resume's own
+    flags are this invocation's, while each checkpoint keeps the copy it was written under."""
+    from orlhf.config.provenance import dump_resolved
+
+    path = RunFolder.at(cfg.logging.save_path).config
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(dump_resolved(cfg))
 
 
 def remove_placement(placed) -> None:

@@ -112,9 +112,6 @@ def find_checkpoint(cfg: TrainConfig, checkpoints):
     """--load_checkpoint: the newest complete checkpoint (checked against these flags), or None to start fresh (there
     is none yet: said in one line). Without it, a --ckpt_path that already holds checkpoints is refused when this
     run would save there."""
-    from orlhf.config.fingerprint import config_fingerprint
-    from orlhf.storage.checkpoint import read_meta
-    from orlhf.storage.checkpoint_format import check_compatible
 
     checkpoints.cleanup_stale_tmp()
     saves = cfg.logging.save_steps > 0 or cfg.runtime.stop_after_steps is not None  # (it saves at the stop)
@@ -128,7 +125,7 @@ def find_checkpoint(cfg: TrainConfig, checkpoints):
         if saves:
             checkpoints.check_new_run()
         return None
-    check_compatible(read_meta(path), config_fingerprint(cfg), path)
+    check_compatible_naming_sources(path, cfg)
     from orlhf.storage.ds_layout import check_resume
 
     check_resume(path, cfg)  # each trained role's saved rank count and ZeRO stage against this run's (exit 2)
@@ -173,3 +170,24 @@ def new_loader(cfg: TrainConfig, prompts: list):
 
     p = cfg.ppo
     return PromptLoader(prompts, p.rollout_batch_size, p.num_episodes, p.seed)
+
+
+def check_compatible_naming_sources(path: Path, cfg: TrainConfig) -> None:
+    """The checkpoint's flags against this run's (storage/checkpoint_format.check_compatible, which decides); on a
+    refusal, where each of this run's differing values came from (flag, OpenRLHF spelling, demo preset, default,
+    derived), read from the resolved configuration the checkpoint keeps (run_config.json)."""
+    from orlhf.config.fingerprint import config_fingerprint
+    from orlhf.config.provenance import read_resolved, resume_changes
+    from orlhf.storage.checkpoint import read_meta
+    from orlhf.storage.checkpoint_format import CheckpointError, check_compatible
+    from orlhf.storage.run_folder import checkpoint_config
+
+    try:
+        check_compatible(read_meta(path), config_fingerprint(cfg), path)
+    except CheckpointError as e:
+        saved = checkpoint_config(path)
+        changes = resume_changes(read_resolved(saved), cfg) if saved.is_file() else []
+        if not changes:
+            raise
+        lines = "\n".join(f"  - {c}" for c in changes)
+        raise CheckpointError(f"{e}\nThis run's values, and where each came from ({saved.name}):\n{lines}") from None

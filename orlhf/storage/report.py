@@ -134,5 +134,10 @@ def write_report(save_path: str | Path) -> tuple[Path, Path]:
 
 
 def _config(save: Path) -> Optional[str]:
-    path = save / "config.json"
-    return json.dumps(json.loads(path.read_text()), indent=1) if path.exists() else None
+    """The run's resolved configuration (run_config.json), one setting a line: its value and where it came from."""
+    path = RunFolder(save).config
+    if not path.exists():
+        return None
+    settings = json.loads(path.read_text())
+    width = max((len(flag) for flag in settings), default=0)
+    return "\n".join(f"--{f:<{width}}  {json.dumps(e['value'])}  ({e['source']})" for f, e in settings.items())

@@ -16,7 +16,7 @@ write and read them.
       critic/                  --save_value_network: the final critic, value head included
       checkpoints_ppo/         checkpoints, unless --ckpt_path puts them elsewhere (TrainConfig's checkpoint_dir;
                                storage/checkpoint.py), the best evaluation's in best/; each checkpoint holds the HF
-                               actor in hf/actor
+                               actor in hf/actor and the run_config.json it was written under
 
 A path outside this list is not part of a run's output: a run folder's reader (`orlhf report`, a resume, a user's
 script) can rely on these names.
@@ -89,6 +89,11 @@ class RunFolder:
 def best_checkpoints(checkpoints: Union[str, Path]) -> Path:
     """The best evaluation's checkpoint folder (--best_metric_key) inside the checkpoint folder."""
     return Path(checkpoints) / "best"
+
+
+def checkpoint_config(checkpoint: Union[str, Path]) -> Path:
+    """The resolved configuration a checkpoint was written under (the run folder's run_config.json, copied)."""
+    return Path(checkpoint) / "run_config.json"
 
 
 def checkpoint_hf_actor(checkpoint: Union[str, Path]) -> Path:

@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import Optional
 
 from orlhf.config.fingerprint import config_fingerprint
+from orlhf.config.provenance import dump_resolved
 from orlhf.storage.checkpoint import load_controller_state, read_meta, rng_state, save_controller_state, set_rng_state
 from orlhf.storage.disk_space import NoSpaceError, cleanup_after_failed_write
-from orlhf.storage.run_folder import checkpoint_hf_actor
+from orlhf.storage.run_folder import checkpoint_config, checkpoint_hf_actor
 from orlhf.workers import PolicyWorker
 from orlhf.workers.base import DeepSpeedWorker
 
@@ -48,6 +49,7 @@ def _write_run(ctl, mgr, tmp: Path, step: int) -> Path:
     wait_all([g.call(DeepSpeedWorker.save_checkpoint, str(tmp / role)) for role, g in trained])
     if ctl.cfg.logging.save_hf_ckpt or hf_only:  # after: both are collectives on the actor ranks, never interleaved
         ctl.m.actor.call(PolicyWorker.save_hf, str(checkpoint_hf_actor(tmp))).get()
+    checkpoint_config(tmp).write_text(dump_resolved(ctl.cfg))  # what a resume's refusal names the sources from
     spe = ctl.loader.steps_per_episode  # loader position of the consumed batches (async reads ahead)
     loader_state = {**ctl.loader.state_dict(), "episode": step // spe, "batch_in_episode": step % spe}
     if ctl.filter is not None:  # refills read more batches than steps (sync only): the loader's own position

@@ -408,3 +408,33 @@ def test_no_budget_keeps_what_max_ckpt_num_keeps(tmp_path):
         for step in range(1, 6):
             _save_mib(mgr, step, 1)
         assert [p.name for p in mgr.complete()] == ["step_000005", "step_000004", "step_000003"]
+
+
+def test_a_refused_resume_names_where_this_runs_values_came_from(tmp_path, monkeypatch, no_training):
+    """Every checkpoint keeps the resolved configuration it was written under (run_config.json); a resume refused
+    for other flags (check_compatible decides) also says where each of this run's values came from."""
+    import orlhf.storage.ds_layout
+    from orlhf.cli import main
+    from orlhf.config.provenance import dump_resolved, read_resolved
+    from orlhf.launch.run import write_resolved_config
+    from orlhf.launch.run_inputs import find_checkpoint
+    from orlhf.storage.run_folder import RunFolder, checkpoint_config
+
+    monkeypatch.setattr(orlhf.storage.ds_layout, "check_resume", lambda path, cfg: {})
+    run = tmp_path / "run"
+    for argv in (["--seed", "7"], ["--seed", "8", "--actor.adam.lr", "1e-4"]):
+        with pytest.raises(SystemExit):  # the CLI exits with the (stand-in) run's code
+            main(["train-ppo", "--save_path", str(run), "--load_checkpoint", *argv])
+    saved_cfg, cfg = no_training
+    write_resolved_config(saved_cfg)
+    assert read_resolved(RunFolder.at(run).config)["seed"] == 7  # the run folder's copy, read back
+    mgr = CheckpointManager(cfg.logging.checkpoint_dir, 3, run_id="r")
+    tmp = mgr.begin(2)
+    checkpoint_config(tmp).write_text(dump_resolved(saved_cfg))  # as save_run writes it
+    mgr.commit(tmp, 2, {"fingerprint": json.loads(json.dumps(config_fingerprint(saved_cfg)))})
+    with pytest.raises(CheckpointError) as err:
+        find_checkpoint(cfg, mgr)
+    text = str(err.value)
+    assert "--seed: checkpoint 7, this run 8" in text  # the deciding comparison, as before
+    assert "  - --seed: 7 when saved, 8 now (flag)" in text
+    assert "  - --actor_learning_rate: 0.0005 when saved, 0.0001 now (openrlhf --actor.adam.lr)" in text
