@@ -118,7 +118,7 @@ def run_reporting_errors(fn: Callable[[C.TrainConfig], int], cfg: C.TrainConfig)
 USER_ERRORS = (
     ("orlhf.storage.checkpoint_format", "CheckpointError"),
     ("orlhf.distributed.groups", "RankError"),
-    ("orlhf.inputs.prompts", "DataError"),
+    ("orlhf.inputs.errors", "DataError"),
     ("orlhf.distributed.layout", "PlacementError"),
     ("orlhf.inputs.rewards", "RewardError"),
     ("orlhf.storage.runlock", "RunLockError"),
@@ -173,7 +173,6 @@ def make_demo(
             f"error: {out_dir}: {problem}; pass a folder you can write in (created if missing).", fg="red", err=True
         )
         raise typer.Exit(2)
-    _quiet_model_saving()
     if real:
         _make_real_demo(out_dir, seed)
         return
@@ -210,17 +209,6 @@ def _make_real_demo(out_dir: Path, seed: int) -> None:
         raise typer.Exit(1) from None
     typer.echo(f"model:   {paths.model}\ntrain:   {paths.train}\ntest:    {paths.test}\nreward:  {paths.reward_fn}")
     typer.echo(f"train on it: {train_command(paths)}")
-
-
-def _quiet_model_saving() -> None:
-    """The terminal shows make-demo's own lines only: no per-shard progress bar from transformers' save_pretrained,
-    and no accelerator guess from DeepSpeed, which transformers imports while saving (make-demo builds on the CPU)."""
-    import os
-
-    from transformers.utils import logging as hf_logging
-
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    hf_logging.disable_progress_bar()
 
 
 @app.command("report")

@@ -3,7 +3,7 @@
 Deny by default: every flag of config/train_config.py is in the fingerprint unless it is listed in FREE_ON_RESUME
 with the reason it cannot change the numbers (where outputs go, how fast or in how much memory the same math runs).
 So a flag added later is checked on resume until someone argues it free. Resuming with a fingerprinted flag changed
-is refused with the list of differences (checkpoint.check_compatible): it would silently continue another run,
+is refused with the list of differences (checkpoint_format.check_compatible): it would silently continue another run,
 or rebuild the LR schedule from other --num_episodes / --max_epochs / --lr_warmup_ratio values. A flag argued free
 later is ignored in older checkpoints' fingerprints too, so they stay resumable.
 

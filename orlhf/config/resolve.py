@@ -87,9 +87,9 @@ def resolve_demo(cfg: TrainConfig, build: bool = True) -> TrainConfig:
     """
     if not cfg.data.uses_demo:
         return cfg
-    from orlhf.demo.builder import DEMO_VERSION, DemoPaths, default_cache_dir, ensure_demo
+    from orlhf.demo.builder import demo_paths, ensure_demo
 
-    demo = ensure_demo() if build else DemoPaths.under(default_cache_dir() / f"demo-v{DEMO_VERSION}")
+    demo = ensure_demo() if build else demo_paths()
     d = cfg.data
     no_reward = d.remote_rm_url is None and d.reward_pretrain is None and d.agent_func_path is None
     data = dataclasses.replace(

@@ -145,11 +145,11 @@ class WorkerConfig:
     forward_max_tokens: int = 0
     experts_implementation: Optional[str] = None  # MoE experts' kernels in transformers (--experts_implementation)
     gradient_checkpointing_use_reentrant: bool = False  # torch's reentrant checkpointing (with gradient_checkpointing)
-    full_determinism: bool = False  # deterministic kernels in this rank's process (engine_setup.seed_everything)
+    full_determinism: bool = False  # deterministic kernels in this rank's process (deepspeed_setup.seed_everything)
     use_liger_kernel: bool = False  # Liger's kernels: causal LMs (actor, reference) only, as OpenRLHF (loading.py)
     vision: bool = False  # image prompts (--max_images_per_prompt > 0): forwards take the batch's image tensors
     freeze_visual_encoder: bool = False  # trained VLMs: only the language model and LM head train (loading.py)
-    # Trained roles' DeepSpeed knobs (engine_setup.ds_config; frozen roles ignore them, as OpenRLHF's eval config):
+    # Trained roles' DeepSpeed knobs (deepspeed_setup.ds_config; frozen roles ignore them, as OpenRLHF's eval config):
     overlap_comm: bool = False  # zero_optimization.overlap_comm + contiguous_gradients
     grad_accum_dtype: Optional[str] = None  # data_types.grad_accum_dtype: fp32 | bf16 | fp16; None: the model's
     zpg: int = 1  # ZeRO++ hierarchical partition size under ZeRO-3 (zero_hpz_partition_size; 1: off)

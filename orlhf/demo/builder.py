@@ -226,10 +226,18 @@ def quiet_save():
             hf_logging.enable_progress_bar()
 
 
+def demo_paths(cache_dir: Path | None = None) -> DemoPaths:
+    """Where the cached demo is (or will be once ensure_demo builds it): <cache>/demo-v{DEMO_VERSION}."""
+    return DemoPaths.under(_cache(cache_dir) / f"demo-v{DEMO_VERSION}")
+
+
 def ensure_demo(cache_dir: Path | None = None) -> DemoPaths:
-    """The cached demo at <cache>/demo-v{DEMO_VERSION}, built on first use. Safe to call from many processes."""
-    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    return DemoPaths.under(cached_build(cache, f"demo-v{DEMO_VERSION}", _MANIFEST, make_demo))
+    """The cached demo at demo_paths(), built on first use. Safe to call from many processes."""
+    return DemoPaths.under(cached_build(_cache(cache_dir), f"demo-v{DEMO_VERSION}", _MANIFEST, make_demo))
+
+
+def _cache(cache_dir: Path | None) -> Path:
+    return Path(cache_dir) if cache_dir is not None else default_cache_dir()
 
 
 def cached_build(cache: Path, name: str, manifest: str, build) -> Path:

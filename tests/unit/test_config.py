@@ -312,7 +312,7 @@ def test_padding_and_thread_flags_reach_the_workers_and_engines():
     from orlhf.rollout.engine_config import engine_config
 
     cfg = build(no_trim_padding=True, packing_samples=True, train_cpu_threads=2, vllm_cpu_threads=3, device="cpu")
-    cfg = replace(cfg, data=replace(cfg.data, pretrain="model"))  # as finish.resolve_demo fills it in
+    cfg = replace(cfg, data=replace(cfg.data, pretrain="model"))  # as config.resolve.resolve_demo fills it in
     w = worker_config(cfg, "ref")
     assert (w.trim_padding, w.packing_samples, w.cpu_threads) == (False, True, 2)
     assert engine_config(cfg).cpu_threads == 3
