@@ -98,7 +98,7 @@ def compute_advantages(
 
         gae                 advantages = whiten(GAE(rewards, values)); returns = GAE + values (the critic targets,
                             not whitened)
-        reinforce, rloo, reinforce_baseline, group_norm, dr_grpo
+        reinforce, rloo, reinforce_baseline, group_norm, dr_grpo, flash_reinforce
                             returns = discounted_returns(rewards, gamma); advantages = returns, whitened for
                             reinforce and reinforce_baseline only (algo/registry.ESTIMATORS[...].whiten, as
                             OpenRLHF). The returns feed no critic; they are given back for logging.
@@ -127,10 +127,10 @@ def compute_advantages(
             raise ValueError(f"advantage estimator {estimator!r} needs critic values")
         advantages, returns = gae(rewards, values, action_mask, gamma, lambd)
     else:
-        if spec.needs_groups and gamma != 1.0:
+        if spec.whole_response and gamma != 1.0:
             raise ValueError(
                 f"advantage estimator {estimator!r} needs --gamma 1.0 (got {gamma}): its baseline "
-                "compares whole-response scores; use reinforce for a discounted return"
+                "is on whole-response scores; use reinforce for a discounted return"
             )
         returns = discounted_returns(rewards, action_mask, gamma)
         advantages = returns

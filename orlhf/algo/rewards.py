@@ -66,6 +66,8 @@ def group_baseline(scores: torch.Tensor, n_samples: int, estimator: str) -> torc
                         as OpenRLHF
     dr_grpo             r_i - group mean (Dr. GRPO drops GRPO's / std; same scores as reinforce_baseline,
                         but its advantages are not whitened afterwards: see algo/registry.ESTIMATORS)
+    flash_reinforce     r_i - mean of the whole batch (OpenRLHF 0.11.2's FlashREINFORCE: one sample per prompt
+                        has no group, so the batch is the baseline; any n works)
     gae, reinforce      unchanged
     """
     if n_samples < 1 or scores.shape[0] % n_samples != 0:
@@ -76,6 +78,8 @@ def group_baseline(scores: torch.Tensor, n_samples: int, estimator: str) -> torc
     baseline = estimator_spec(estimator).baseline  # the registry's rule, algo/registry.py
     if baseline is None:
         return scores
+    if baseline == "batch_mean":  # flash_reinforce
+        return scores.float() - scores.float().mean()
     if n_samples < 2:
         raise ValueError(f"{estimator} compares samples of one prompt: it needs n_samples_per_prompt >= 2")
     groups = scores.float().reshape(-1, n_samples)  # (prompts, n)

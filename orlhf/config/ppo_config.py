@@ -58,7 +58,7 @@ class PPOConfig:
     )
     advantage_estimator: str = opt(
         "gae",
-        f"Advantage estimator: {', '.join(ESTIMATORS)} (gae: PPO with a critic; group_norm: GRPO).",
+        f"Advantage estimator: {', '.join(ESTIMATORS)} (gae: PPO; group_norm: GRPO).",
         choices=tuple(ESTIMATORS),
         metavar="NAME",
     )

@@ -24,9 +24,9 @@ def estimators(cfg: TrainConfig, out: list[str]) -> None:
             f"--n_samples_per_prompt to 2 or more (got {n}), or use "
             f"{' / '.join(estimator_names(needs_groups=False))}."
         )
-    if spec.needs_groups and cfg.ppo.gamma != 1.0:
+    if spec.whole_response and cfg.ppo.gamma != 1.0:
         out.append(
-            f"--advantage_estimator {est} scores whole responses (the group baseline is on the final "
+            f"--advantage_estimator {est} scores whole responses (its baseline is on the final "
             f"score): it needs --gamma 1.0 (got {cfg.ppo.gamma})."
         )
     if not cfg.has_critic:

@@ -5,6 +5,7 @@ with what to do instead. Whether --pretrain is a vision-language model is read f
 
 from __future__ import annotations
 
+from orlhf.algo.registry import names as estimator_names
 from orlhf.config.train_config import TrainConfig
 
 NOT_YET = "is not supported with vision-language prompts (--max_images_per_prompt > 0) yet"
@@ -44,7 +45,7 @@ def _unsupported(cfg: TrainConfig) -> list[str]:
         (
             cfg.has_critic,
             f"--advantage_estimator {ppo.advantage_estimator} trains a critic, which {NOT_YET}: use a critic-free "
-            "estimator (--advantage_estimator group_norm, reinforce_baseline, rloo, reinforce or dr_grpo).",
+            f"estimator (--advantage_estimator {' / '.join(estimator_names(needs_critic=False))}).",
         ),
         (
             d.reward_pretrain is not None,

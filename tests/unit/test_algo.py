@@ -210,8 +210,49 @@ def test_group_baseline_follows_the_registry(estimator):
     out = group_baseline(SCORES, 3, estimator)
     if ESTIMATORS[estimator].baseline is None:
         assert torch.equal(out, SCORES)
+    elif ESTIMATORS[estimator].needs_groups:
+        assert out.reshape(-1, 3).sum(dim=1).abs().max() < 1e-5  # every group baseline centres its group
     else:
-        assert out.reshape(-1, 3).sum(dim=1).abs().max() < 1e-5  # every baseline here centres its group
+        assert out.sum().abs() < 1e-5  # a batch baseline centres the batch
+
+
+# --- flash_reinforce: OpenRLHF 0.11.2's batch-mean estimator -----------------------------------------------------
+
+
+def test_flash_reinforce_centres_the_batch_not_the_groups():
+    # SCORES mean 12 / 6 = 2: [1-2, 2-2, 6-2, 0-2, 0-2, 3-2], the same for any group size (1 sample per prompt too)
+    for n in (1, 3, 6):
+        assert group_baseline(SCORES, n, "flash_reinforce").tolist() == pytest.approx([-1.0, 0.0, 4.0, -2.0, -2.0, 1.0])
+    spec = ESTIMATORS["flash_reinforce"]
+    assert not spec.needs_critic and not spec.needs_groups and spec.whole_response and not spec.whiten
+
+
+# Golden numbers: OpenRLHF 0.11.2's RemoteExperienceMaker.compute_advantages_and_returns (the PyPI wheel
+# openrlhf-0.11.2, trainer/ppo_utils/experience_maker.py, loaded with its own tests' stubs for ray and vllm) on these
+# inputs, run once with n_samples_per_prompt 1 and 5 (both gave these numbers), kl_ctl 0.1, clip range (-10, 10).
+# By hand: the scores' mean is 0.6, so the centred scores are [0.4, -0.6, -0.1, 1.4, -1.1]; row 0's rewards are
+# -0.1 * [0.1, 0.2, 0.3] with 0.4 added on its last token, and its returns (gamma 1) [0.34, 0.35, 0.37]; no whitening.
+FLASH_SCORES = torch.tensor([1.0, 0.0, 0.5, 2.0, -0.5])
+FLASH_MASK = mask([1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 0])
+FLASH_KL = t([0.1, 0.2, 0.3], [0.0, -0.1, 0.0], [0.5, 0.0, 0.0], [0.2, 0.2, 0.2], [0.1, 0.0, 0.0])
+FLASH_0112 = [
+    [0.3399999737739563, 0.34999996423721313, 0.3699999749660492],
+    [-0.5900000333786011, -0.5900000333786011, 0.0],
+    [-0.15000002086162567, 0.0, 0.0],
+    [1.340000033378601, 1.3600000143051147, 1.3799999952316284],
+    [-1.1100000143051147, -1.100000023841858, 0.0],
+]
+
+
+@pytest.mark.parametrize("n", [1, 5])
+def test_flash_reinforce_matches_openrlhf_0_11_2(n):
+    scores = group_baseline(FLASH_SCORES, n, "flash_reinforce")
+    rewards = shape_rewards(scores, FLASH_KL * FLASH_MASK, FLASH_MASK, 0.1, (-10.0, 10.0))
+    adv, ret = compute_advantages("flash_reinforce", rewards, FLASH_MASK)
+    close(adv, FLASH_0112)
+    close(ret, FLASH_0112)
+    with pytest.raises(ValueError, match="--gamma 1.0"):
+        compute_advantages("flash_reinforce", rewards, FLASH_MASK, gamma=0.9)
 
 
 # --- KL controllers ------------------------------------------------------------------------------------------------

@@ -81,6 +81,18 @@ def test_reinforce_needs_one_sample_only():
     assert not build(advantage_estimator="reinforce").has_critic
 
 
+def test_flash_reinforce_takes_one_sample_per_prompt_and_gamma_1():
+    """OpenRLHF 0.11.2's flash_reinforce: no group (one sample per prompt is its regime), no critic; its baseline is on
+    the final score, so a discount is refused (0.11.2 rewrites --gamma to 1 with a warning)."""
+    cfg = build(advantage_estimator="flash_reinforce")
+    assert cfg.ppo.n_samples_per_prompt == 1 and not cfg.has_critic
+    est = "flash_reinforce"
+    assert_fails(["--advantage_estimator flash_reinforce", "--gamma 1.0"], advantage_estimator=est, gamma=0.9)
+    assert_fails(
+        ["--no_advantage_std_norm", "not whitened"], advantage_estimator="flash_reinforce", no_advantage_std_norm=True
+    )
+
+
 def test_critic_only_with_gae(model_dir):
     assert_fails(["--critic_pretrain", "gae"], advantage_estimator="reinforce", critic_pretrain=model_dir)
     assert_fails(["--colocate_critic_reward", "gae"], advantage_estimator="reinforce", colocate_critic_reward=True)
