@@ -112,20 +112,23 @@ def check_moe_for_aux_loss(cfg: TrainConfig, run_logs=None) -> None:
 
 
 def check_lora_targets(cfg: TrainConfig) -> None:
-    """--target_modules against the actor's (and the critic's) model, built on the meta device: a name that matches
-    no Linear layer is a ConfigError (exit 2) listing the model's, before any rank loads it."""
+    """--target_modules against the actor's (and the critic's) model, built on the meta device: the names that match
+    no Linear layer are one ConfigError (exit 2) naming each and listing the model's, before any rank loads it."""
     if not cfg.lora.enabled:
         return
     from orlhf.config.roles import active_roles
     from orlhf.config.train_config import ConfigError
     from orlhf.workers.lora import LoraTargetError, check_folder_targets
 
+    problems = []  # the actor's and the critic's at once
     for role in ("actor", "critic"):
         if role in active_roles(cfg):
             try:
                 check_folder_targets(model_path(cfg, role), cfg.lora.targets, causal_lm=role == "actor")
             except LoraTargetError as e:
-                raise ConfigError([f"{e} ({role}: {model_path(cfg, role)})"]) from None
+                problems.append(f"{e} ({role}: {model_path(cfg, role)})")
+    if problems:
+        raise ConfigError(problems)
     log.info(
         "LoRA rank %d on %s: the reference is the actor's base weights (adapter off), no reference group%s; "
         "engines get the adapted modules merged after every update",

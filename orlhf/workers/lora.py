@@ -61,34 +61,33 @@ def _is_linear(m: nn.Module) -> bool:
 
 
 def check_targets(model: nn.Module, targets: "str | tuple[str, ...]", flag: str = "--target_modules") -> None:
-    """Raise LoraTargetError when a name in `targets` matches no adaptable layer of `model` (peft's rule: a module's
-    full name equals the name or ends with "." + name). The message lists the model's Linear layers by short name."""
+    """Raise LoraTargetError when names in `targets` match no adaptable layer of `model` (peft's rule: a module's
+    full name equals the name or ends with "." + name): every such name in one message, which then lists the
+    model's Linear layers by short name."""
     if targets == "all-linear":
         if not linear_module_names(model):
             raise LoraTargetError(f"{flag} all-linear: the model has no Linear layer to adapt")
         return
-    linear = linear_module_names(model)
-    short = sorted({n.rsplit(".", 1)[-1] for n in linear})
+    short = sorted({n.rsplit(".", 1)[-1] for n in linear_module_names(model)})
     modules = dict(model.named_modules())
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    problems = []
     for target in targets:
         hits = [n for n in modules if n == target or n.endswith("." + target)]
         if not hits:
-            raise LoraTargetError(
-                f"{flag} {target}: no module of the model has that name. Its Linear layers: {' '.join(short)} "
-                "(all-linear takes them all)."
-            )
-        if any(modules[n] is head for n in hits) and _tied(model):
-            raise LoraTargetError(
+            problems.append(f"{flag} {target}: no module of the model has that name")
+        elif any(modules[n] is head for n in hits) and _tied(model):
+            problems.append(
                 f"{flag} {target} is the output head, which this model ties to its input embeddings: an adapter "
-                "on it would untie them, and the engines tie them again. Adapt the Linear layers inside the "
-                f"model: {' '.join(short)}."
+                "on it would untie them, and the engines tie them again"
             )
-        if not any(_is_linear(modules[n]) for n in hits):
-            kind = type(modules[hits[0]]).__name__
-            raise LoraTargetError(
-                f"{flag} {target} is a {kind}, not a Linear layer; LoRA here adapts Linear layers: {' '.join(short)}."
-            )
+        elif not any(_is_linear(modules[n]) for n in hits):
+            problems.append(f"{flag} {target} is a {type(modules[hits[0]]).__name__}, not a Linear layer")
+    if problems:
+        raise LoraTargetError(
+            f"{'; '.join(problems)}. Its Linear layers: {' '.join(short)} (all-linear takes them all); LoRA here "
+            "adapts Linear layers inside the model."
+        )
 
 
 def check_folder_targets(path: str, targets: "str | tuple[str, ...]", causal_lm: bool = True) -> None:

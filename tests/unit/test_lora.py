@@ -179,6 +179,17 @@ def test_target_modules_that_name_nothing_adaptable_are_refused_with_the_model_l
     lora.check_targets(tiny(), "all-linear")
 
 
+def test_every_bad_target_module_is_named_in_one_message():
+    with pytest.raises(lora.LoraTargetError) as err:
+        lora.check_targets(tiny(tied=True), ("q_proj", "qproj", "lm_head", "embed_tokens", "vproj"))
+    assert str(err.value).startswith(
+        "--target_modules qproj: no module of the model has that name; --target_modules lm_head is the output head, "
+    )
+    for part in ("--target_modules embed_tokens is a Embedding", "--target_modules vproj: no module", "down_proj"):
+        assert part in str(err.value)
+    assert "q_proj:" not in str(err.value)  # the good entry is not named
+
+
 def test_an_untied_head_adapter_is_sent_merged():
     model = with_adapter(tiny(), targets=("lm_head",))
     assert sent(model, VLLM_LLAMA) == ["lm_head.weight"]
