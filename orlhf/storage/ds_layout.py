@@ -18,6 +18,8 @@ The rules, as DeepSpeed 0.19.8 loads (each checked on CPU with gloo):
   optimizer_state.pt and model-state files are laid out otherwise). ZeRO-0 keeps whole copies on every rank: loaded
   as saved, no conversion; it neither converts nor loads a universal checkpoint. Muon: the conversion reads Adam's
   two moments only.
+- A refusal names everything to pass at once (the flag and the --zero_stage the conversion loads into), so the
+  next start is the one that resumes.
 """
 
 from __future__ import annotations
@@ -88,12 +90,6 @@ def load_plan(role: str, layout: Layout, ranks: int, stage: int, universal: bool
             f"ZeRO-{stage}; DeepSpeed loads it only into the stage that saved it: resume with --zero_stage "
             f"{layout.stage}"
         )
-    if not universal:
-        raise CheckpointError(
-            f"{where}: written by {layout.ranks} {role} ranks, this run has {ranks}: pass --use_ds_universal_ckpt to "
-            f"convert the {role}'s DeepSpeed state to DeepSpeed's universal format and load it, or resume on "
-            f"{layout.ranks} {role} ranks"
-        )
     if layout.optimizer == "muon":
         raise CheckpointError(
             f"{where}: the {role} trained with Muon, and DeepSpeed 0.19.8's universal conversion reads Adam's moments "
@@ -104,32 +100,65 @@ def load_plan(role: str, layout: Layout, ranks: int, stage: int, universal: bool
             f"{where}: the {role}'s DeepSpeed state does not record its ZeRO stage, so it cannot be converted: resume "
             f"on {layout.ranks} {role} ranks"
         )
-    if layout.stage == 0 and stage == 0:
-        return AS_SAVED  # whole weights and optimizer states on every rank: nothing to convert
-    if _family(layout.stage) == _family(stage) and stage != 0:
-        return UNIVERSAL
+    # What the conversion can load into (ZeRO-0 keeps whole copies: nothing to convert); what to pass, all at once.
+    loads = (_family(layout.stage) == _family(stage) and stage != 0) or layout.stage == stage == 0
+    if universal and loads:
+        return AS_SAVED if stage == 0 else UNIVERSAL
+    fix = ([] if universal else ["--use_ds_universal_ckpt"]) + ([] if loads else [f"--zero_stage {layout.stage}"])
     why = (
-        "ZeRO-0 neither converts nor loads a universal checkpoint"
+        ""
+        if loads
+        else "; ZeRO-0 neither converts nor loads a universal checkpoint"
         if 0 in (layout.stage, stage)
-        else "DeepSpeed 0.19.8 loads a universal checkpoint only into the stage family that wrote it "
+        else "; DeepSpeed 0.19.8 loads a universal checkpoint only into the stage family that wrote it "
         "(ZeRO-1/2, or ZeRO-3)"
     )
     raise CheckpointError(
         f"{where}: the {role}'s DeepSpeed state was saved under {saved} on {layout.ranks} ranks, this run trains the "
-        f"{role} under ZeRO-{stage} on {ranks}; {why}: resume with --zero_stage {layout.stage}"
+        f"{role} under ZeRO-{stage} on {ranks}{why}: resume with {' '.join(fix)}, or on {layout.ranks} {role} ranks"
     )
 
 
 def check_resume(path: str | os.PathLike, cfg: "TrainConfig") -> dict[str, str]:
-    """{trained role: AS_SAVED | UNIVERSAL} for resuming `cfg`'s run from the checkpoint folder `path`; the first
-    role that cannot load raises CheckpointError (its one line). Reads file names and each role's model-state
-    config only, so the driver can call it before Ray starts; the ranks check the same again when they load."""
+    """{trained role: AS_SAVED | UNIVERSAL} for resuming `cfg`'s run from the checkpoint folder `path`; roles that
+    cannot load raise one CheckpointError, a line for each, and with several trained roles a last line with what
+    loads them all (one --zero_stage serves every role), or that nothing does on these rank counts. Reads file
+    names and each role's model-state config only, so the driver can call it before Ray starts; the ranks check
+    the same again when they load."""
     from orlhf.config.roles import trained_roles
     from orlhf.config.worker_config import role_ranks, zero_stage_for
 
-    path, universal = Path(path), cfg.logging.use_ds_universal_ckpt
-    plans = {}
-    for role in trained_roles(cfg):
-        layout = read_layout(path / role)
-        plans[role] = load_plan(role, layout, role_ranks(cfg, role), zero_stage_for(cfg, role), universal, path / role)
-    return plans
+    path = Path(path)
+    layouts = {role: read_layout(path / role) for role in trained_roles(cfg)}
+
+    def plans(universal: bool, stage: Optional[int] = None) -> tuple[dict[str, str], list[str]]:
+        done, refused = {}, []
+        for role, layout in layouts.items():
+            now = zero_stage_for(cfg, role) if stage is None else stage
+            try:
+                done[role] = load_plan(role, layout, role_ranks(cfg, role), now, universal, path / role)
+            except CheckpointError as e:
+                refused.append(str(e))
+        return done, refused
+
+    done, refused = plans(cfg.logging.use_ds_universal_ckpt)
+    if not refused:
+        return done
+    if len(layouts) > 1:
+        refused.append(_fix_for_all(plans, cfg, {role: layout.ranks for role, layout in layouts.items()}))
+    raise CheckpointError("\n".join(refused))
+
+
+def _fix_for_all(plans, cfg: "TrainConfig", saved_ranks: dict[str, int]) -> str:
+    """The one line naming flags that load every role (check_resume's `plans` tried with the universal conversion
+    at this run's stages, then at each --zero_stage), or saying that no single stage does."""
+    for stage in (None, 0, 1, 2, 3):
+        if not plans(True, stage)[1]:
+            fix = [] if cfg.logging.use_ds_universal_ckpt else ["--use_ds_universal_ckpt"]
+            fix += [] if stage is None or stage == cfg.deepspeed.zero_stage else [f"--zero_stage {stage}"]
+            return f"every role loads with: {' '.join(fix)}"
+    counts = ", ".join(f"{role} {n}" for role, n in saved_ranks.items())
+    return (
+        "no one --zero_stage (it is the same for every role) loads every role on this run's rank counts: resume on "
+        f"the rank counts that saved them ({counts})"
+    )

@@ -1,6 +1,8 @@
 """Which checkpoint layouts load into which groups (storage/ds_layout.py), and the one line for each refusal.
 tests/workers/test_universal_ckpt_mp.py converts and loads real checkpoints; this is the rule table."""
 
+import shutil
+
 import pytest
 import torch
 
@@ -30,9 +32,18 @@ def test_the_same_rank_count_loads_as_saved_flag_or_not(stage, universal):
 
 def test_another_rank_count_without_the_flag_names_it():
     msg = refusal(2, 3, 1, 3, False)
-    assert "written by 2 actor ranks, this run has 1: pass --use_ds_universal_ckpt" in msg
-    assert "or resume on 2 actor ranks" in msg
-    assert "pass --use_ds_universal_ckpt" in refusal(1, 0, 4, 0, False)  # even where nothing would need converting
+    assert "saved under ZeRO-3 on 2 ranks, this run trains the actor under ZeRO-3 on 1" in msg
+    assert msg.endswith(": resume with --use_ds_universal_ckpt, or on 2 actor ranks")
+    assert "resume with --use_ds_universal_ckpt," in refusal(1, 0, 4, 0, False)  # even where nothing is converted
+
+
+@pytest.mark.parametrize("saved, now", [(3, 2), (2, 3), (0, 2), (3, 0)])
+def test_without_the_flag_the_refusal_names_the_stage_the_conversion_needs_too(saved, now):
+    """One start refused, not two: the flag and the --zero_stage it needs, in one line (ZeRO-3 on several ranks
+    resumed on one rank, whose default is ZeRO-2, is the common case)."""
+    assert f"resume with --use_ds_universal_ckpt --zero_stage {saved}, or on 2 actor ranks" in refusal(
+        2, saved, 1, now, False
+    )
 
 
 @pytest.mark.parametrize("saved, now", [(3, 3), (2, 2), (1, 1), (1, 2), (2, 1)])
@@ -65,6 +76,7 @@ def test_other_refusals():
     assert "saved under ZeRO-3, this run trains the actor under ZeRO-2" in refusal(2, 3, 2, 2, True)
     assert "resume with --zero_stage 3" in refusal(2, 3, 2, 2, False)
     assert "Muon" in refusal(2, 3, 1, 3, True, optimizer="muon")
+    assert "resumes on 2 actor ranks only" in refusal(2, 3, 1, 3, False, optimizer="muon")  # the flag cannot help
     assert "does not record its ZeRO stage" in refusal(2, None, 1, 3, True)
     assert "written by 0 actor ranks, this group has 2: no actor checkpoint here" in refusal(0, None, 2, 3, True)
 
@@ -97,3 +109,42 @@ def test_the_flag_reaches_the_trained_roles_slices():
         flags = {"pretrain": "model", "advantage_estimator": "gae", "use_ds_universal_ckpt": on}
         cfg = resolve_device(parse_config(flags, set(flags)), "cpu")
         assert [worker_config(cfg, role).train.universal_ckpt for role in ("actor", "critic")] == [on, on]
+
+
+def saved_role(folder, ranks: int, stage: int) -> None:
+    """A role's DeepSpeed checkpoint as read_layout sees it: the ranks' RNG files, `latest`, one model-state file."""
+    (folder / "global_step3").mkdir(parents=True)
+    (folder / "latest").write_text("global_step3\n")
+    for r in range(ranks):
+        (folder / f"rng_rank{r}.json").write_text("{}")
+    torch.save({"ds_config": {"zero_optimization": {"stage": stage}}}, folder / "global_step3" / "mp_model_states.pt")
+
+
+def test_a_resume_names_every_role_and_what_loads_them_all_at_once(tmp_path):
+    """Actor and critic saved on 2 ranks each, resumed on 1 each (ZeRO-2 by default): one start refused, naming
+    each role's fix and the one that serves both (one --zero_stage is every role's), or that none does."""
+    from orlhf.config.flags import parse_config
+    from orlhf.config.resolve import resolve_device
+    from orlhf.storage.ds_layout import check_resume
+
+    def check(**flags):
+        flags = {"pretrain": "model", "advantage_estimator": "gae", **flags}
+        return check_resume(tmp_path, resolve_device(parse_config(flags, set(flags)), "cpu"))
+
+    saved_role(tmp_path / "actor", 2, 3)
+    saved_role(tmp_path / "critic", 2, 3)
+    with pytest.raises(CheckpointError) as err:
+        check()
+    actor, critic, both = str(err.value).splitlines()
+    assert actor.startswith(f"{tmp_path / 'actor'}: ") and critic.startswith(f"{tmp_path / 'critic'}: ")
+    assert both == "every role loads with: --use_ds_universal_ckpt --zero_stage 3"
+    assert check(use_ds_universal_ckpt=True, zero_stage=3) == {"actor": UNIVERSAL, "critic": UNIVERSAL}
+
+    shutil.rmtree(tmp_path / "critic")
+    saved_role(tmp_path / "critic", 2, 2)  # the critic's family is ZeRO-1/2, the actor's ZeRO-3
+    with pytest.raises(CheckpointError) as err:
+        check(use_ds_universal_ckpt=True)
+    assert str(err.value).splitlines()[-1] == (
+        "no one --zero_stage (it is the same for every role) loads every role on this run's rank counts: resume on "
+        "the rank counts that saved them (actor 2, critic 2)"
+    )
