@@ -1,4 +1,4 @@
-"""A row's prompt value -> the prompt string (inputs/prompts.py's build_prompts calls it): the chat template over a
+"""A row's prompt value -> the prompt string (inputs/prompts.py's PromptBuilder calls it): the chat template over a
 conversation, --input_template over a text, or the text as it is.
 
 A conversation is a list of {"role": str, "content": str}; in a vision-language run (--max_images_per_prompt > 0) a

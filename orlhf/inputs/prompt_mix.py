@@ -1,20 +1,25 @@
 """Several prompt sources, as OpenRLHF's blending_datasets takes them: --prompt_data a,b [--prompt_data_probs].
 
-    --prompt_data "a,b" --split_sources--> [a, b] --prompts.load_prompt_rows (each, --prompt_split, --max_samples)
-        no --prompt_data_probs:   a's rows then b's rows (concatenated)
-        --prompt_data_probs p,q:  rows drawn source by source (interleave_order), until every source was used up
-    --> at most --max_samples rows in all --> prompts.build_prompts
+    --prompt_data "a,b" --split_sources--> [a, b] --each read (--prompt_split, --max_samples) into a table:
+        read_prompts:     its rows streamed through prompts.PromptBuilder (a Prompt or a skip per row)
+        load_prompt_mix:  its rows (prompt_rows.load_prompt_rows)
+    --> mixed: no --prompt_data_probs:   a's then b's (concatenated)
+               --prompt_data_probs p,q:  drawn source by source (interleave_order), until every source was used up
+    --> at most --max_samples in all (--> read_prompts: PromptBuilder.assemble: Prompt.index the mixed position)
 
-One source without --prompt_data_probs reads exactly as prompts.load_prompt_rows does. The mix depends only on
-(the sources' lengths, the probabilities, --seed), so a resumed run rebuilds the same list.
+A run reads with read_prompts: each row is formatted and tokenized once, even when the mix repeats it, and only the
+prompts kept stay in memory. One source without --prompt_data_probs reads exactly as that source alone. The mix
+depends only on (the sources' lengths, the probabilities, --seed), so a resumed run rebuilds the same list.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 from orlhf.inputs.errors import DataError
-from orlhf.inputs.prompts import PromptRows, load_prompt_rows
+from orlhf.inputs.prompt_rows import PromptRows, iter_prompt_rows, load_prompt_rows
+from orlhf.inputs.prompts import Prompt, PromptBuilder, PromptStats
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +104,19 @@ def interleave_order(
     return order
 
 
+def read_prompts(
+    prompt_data: str, probs: str | None, split: str, max_samples: int | None, seed: int, builder: PromptBuilder
+) -> tuple[list[Prompt], PromptStats]:
+    """The prompts of every --prompt_data source, mixed as load_prompt_mix mixes rows (Prompt.index: the position
+    in the mixed list), each source's rows formatted and tokenized by `builder` as they are read."""
+
+    def read(source: str) -> list:
+        rows = iter_prompt_rows(source, builder.input_key, builder.label_key, max_samples, split=split)
+        return builder.outcomes(rows)
+
+    return builder.assemble(_mixed(prompt_data, probs, max_samples, seed, read))
+
+
 def load_prompt_mix(
     prompt_data: str,
     probs: str | None,
@@ -110,23 +128,36 @@ def load_prompt_mix(
 ) -> PromptRows:
     """Rows of every --prompt_data source (each read by load_prompt_rows, at most max_samples each), then
     concatenated in the given order, or mixed by --prompt_data_probs (interleave_order, seeded by --seed);
-    at most max_samples rows in all, as OpenRLHF's blending_datasets and its caller.
+    at most max_samples rows in all, as OpenRLHF's blending_datasets and its caller."""
+    return _mixed(
+        prompt_data,
+        probs,
+        max_samples,
+        seed,
+        lambda src: load_prompt_rows(src, input_key, label_key, max_samples, split),
+    )
 
-    With several sources, Prompt.index (build_prompts) is the row's position in this mixed list.
-    """
+
+def _mixed(prompt_data: str, probs: str | None, max_samples: int | None, seed: int, read: Callable[[str], list]):
+    """What `read` gives for each source (a list per source, one item per row), concatenated or mixed by `probs`,
+    at most max_samples items; PromptRows (with their origins) when `read` gives PromptRows."""
     sources = split_sources(prompt_data)
     weights = parse_probs(probs, sources) if probs is not None else None
-    tables = [load_prompt_rows(src, input_key, label_key, max_samples, split=split) for src in sources]
+    tables = [read(src) for src in sources]
+    rows = all(isinstance(t, PromptRows) for t in tables)
     if weights is None:
-        rows = PromptRows.concat(tables)
+        mixed = tables[0] if len(tables) == 1 else PromptRows.concat(tables) if rows else [x for t in tables for x in t]
     else:
         order = interleave_order([len(t) for t in tables], weights, seed, limit=max_samples)
-        rows = PromptRows([tables[src][i] for src, i in order], [tables[src].origins[i] for src, i in order])
+        mixed = [tables[s][i] for s, i in order]
+        mixed = PromptRows(mixed, [tables[s].origins[i] for s, i in order]) if rows else mixed
     if len(sources) > 1:
         logger.info(
             "prompt data: %s -> %d rows %s",
             ", ".join(f"{s} ({len(t)} rows)" for s, t in zip(sources, tables)),
-            len(rows),
+            len(mixed),
             f"mixed by --prompt_data_probs {probs}" if weights else "concatenated",
         )
-    return rows.head(max_samples)
+    if max_samples is None or len(mixed) <= max_samples:
+        return mixed
+    return mixed.head(max_samples) if rows else mixed[:max_samples]

@@ -1,9 +1,16 @@
-"""What a run reads before anything starts (launch/run.py's read_inputs runs it in a thread while Ray starts): the
-tokenizer, the prompts, the eval prompts, the reward file and the checkpoint to resume, each failing here with its
-flag named, before any placement group, engine or model starts."""
+"""What a run reads, before Ray starts (launch/run.py's run_locked calls read_files on its main thread): the LoRA
+targets, the reward file's source, the checkpoint folder and the checkpoint to resume (its flags and each role's saved
+layout), the tokenizer, the prompts with their images, and the eval prompts, each failing here with its flag named,
+before Ray or anything else starts. Then, in a thread while Ray starts, finish_inputs imports what needs torch (the
+reward file itself, the evaluator): torch's import is most of the driver's start-up, and Ray's start hides it.
+
+Torch is not imported before Ray's start unless the run resumes (a DeepSpeed checkpoint's layout is read with it),
+trains LoRA (its targets are checked on a model built on the meta device) or reads images.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,36 +24,70 @@ log = logging.getLogger("orlhf")
 
 @dataclass
 class RunInputs:
-    """What a run reads before anything starts (read_inputs), kept across restarts (launch/restart.py)."""
+    """What a run reads before anything starts (read_files, then finish_inputs), kept across restarts
+    (launch/restart.py)."""
 
     checkpoints: Any
     tokenizer: Any
     prompts: list
-    evaluator: Any
+    eval_prompts: Optional[list]  # --eval_dataset's, None without it
     resume_from: Optional[Path]
     resume_step: Optional[int]
     run_id: str
-    reward: Any  # make_reward's source, None when the reward-model group scores
+    evaluator: Any = None  # finish_inputs: the Evaluator of eval_prompts
+    reward: Any = None  # finish_inputs: make_reward's source, None when the reward-model group scores
 
 
 def read_inputs(cfg: TrainConfig, run_id: str, run_logs) -> RunInputs:
-    """Tokenizer, prompts, eval prompts, the reward file, resume point: in a thread while Ray starts (run_locked;
-    the tokenizer's import of transformers and torch is most of it); their errors are raised once Ray is up, before
-    anything is placed, and Ray is shut down."""
+    """read_files, then finish_inputs, in the caller's thread."""
+    return finish_inputs(cfg, read_files(cfg, run_id, run_logs))
+
+
+def read_files(cfg: TrainConfig, run_id: str, run_logs) -> RunInputs:
+    """Everything a run reads from files that can be wrong, before Ray starts (see the module docstring); the
+    cheap checks first, the prompts (the longest read) last but the eval prompts."""
     run_logs.route_transformers()  # first: it imports transformers, before anything here can log through it
     from orlhf.inputs.tokenizer import load_tokenizer
     from orlhf.storage.checkpoint import CheckpointManager
 
     check_lora_targets(cfg)
+    check_reward_file(cfg)
     lg = cfg.logging
     checkpoints = CheckpointManager(lg.checkpoint_dir, lg.max_ckpt_num, run_id, max_ckpt_mem=lg.max_ckpt_mem)
+    resume_from, resume_step, run_id = resume_point(cfg, checkpoints, run_id)
     tokenizer = load_tokenizer(cfg.data.pretrain)
     prompts = load_prompts(cfg, tokenizer, load_vision_processor(cfg))
     new_loader(cfg, prompts)  # its problems (too few prompts for a batch) fail here, before any model starts
-    evaluator = make_evaluator(cfg, tokenizer)  # eval data problems fail here, before any model starts
-    reward = make_reward(cfg)  # a reward file that does not import, or defines no reward_func, fails here
-    resume_from, resume_step, run_id = resume_point(cfg, checkpoints, run_id)
-    return RunInputs(checkpoints, tokenizer, prompts, evaluator, resume_from, resume_step, run_id, reward)
+    eval_prompts = load_eval_prompts(cfg, tokenizer) if cfg.eval.eval_dataset is not None else None
+    return RunInputs(checkpoints, tokenizer, prompts, eval_prompts, resume_from, resume_step, run_id)
+
+
+def finish_inputs(cfg: TrainConfig, run: RunInputs) -> RunInputs:
+    """`run` with its reward source and evaluator, in a thread while Ray starts (run_locked): what imports torch. A
+    reward file whose import fails in a way its source does not show (check_reward_file) fails here."""
+    import torch  # noqa: F401 - its import, beside Ray's start, is what this thread is for
+
+    return dataclasses.replace(run, reward=make_reward(cfg), evaluator=make_evaluator(cfg, run.eval_prompts))
+
+
+def check_reward_file(cfg: TrainConfig) -> None:
+    """--remote_rm_url's .py file, from its source without running it (inputs/user_files.source_problem): a syntax
+    error, a top-level import of a missing module or no reward_func is a DataError before Ray starts."""
+    path = cfg.data.remote_rm_url
+    if path is None or not path.endswith(".py") or not Path(path).expanduser().is_file():
+        return  # a URL, or a missing file: make_reward_source says which
+    from orlhf.inputs.errors import DataError
+    from orlhf.inputs.user_files import source_problem
+
+    problem = source_problem(str(Path(path).expanduser()), "reward_func")
+    if problem is None:
+        return
+    if problem.endswith("defines no reward_func"):
+        raise DataError(
+            f"{problem}; define `def reward_func(queries, prompts, labels)` returning one float per query (a "
+            "torch.Tensor of shape (B,)); see orlhf/demo/reward.py."
+        )
+    raise DataError(f"{problem}\nFix the file (`python {path}` shows the full error).")
 
 
 def resume_point(cfg: TrainConfig, checkpoints, run_id: str):
@@ -73,19 +114,33 @@ def load_vision_processor(cfg: TrainConfig):
 
 
 def load_prompts(cfg: TrainConfig, tokenizer, processor=None) -> list:
-    """--prompt_data (one source or a mix) -> formatted, tokenized Prompts; logs the start-up line
-    "prompts: N of M used (...)". `processor`: load_vision_processor's (loaded by format_prompts when needed and
-    not given)."""
-    from orlhf.inputs.prompt_mix import load_prompt_mix
-    from orlhf.inputs.prompts import format_prompts
+    """--prompt_data (one source or a mix) -> formatted, tokenized Prompts, read as they are formatted (only the
+    prompts kept stay in memory); logs the start-up line "prompts: N of M used (...)". `processor`:
+    load_vision_processor's (loaded by builder_for when needed and not given)."""
+    from orlhf.inputs.prompt_mix import read_prompts
+    from orlhf.inputs.prompts import builder_for
 
     d, p = cfg.data, cfg.ppo
-    rows = load_prompt_mix(
-        d.prompt_data, d.prompt_data_probs, d.prompt_split, d.input_key, d.label_key, d.max_samples, p.seed
-    )
-    prompts, stats = format_prompts(rows, tokenizer, d, p.prompt_max_len, processor)
+    builder = builder_for(tokenizer, d, p.prompt_max_len, processor)
+    prompts, stats = read_prompts(d.prompt_data, d.prompt_data_probs, d.prompt_split, d.max_samples, p.seed, builder)
     log.info("%s", stats.summary())  # the summary starts with "prompts: " itself
     check_text_rows_fit(cfg, prompts)
+    return prompts
+
+
+def load_eval_prompts(cfg: TrainConfig, tokenizer) -> list:
+    """--eval_dataset's rows (split --eval_split) formatted like the training prompts."""
+    from orlhf.inputs.errors import DataError
+    from orlhf.inputs.prompt_mix import read_prompts
+    from orlhf.inputs.prompts import builder_for
+
+    d, e = cfg.data, cfg.eval
+    try:
+        builder = builder_for(tokenizer, d, cfg.ppo.prompt_max_len)
+        prompts, stats = read_prompts(e.eval_dataset, None, e.eval_split, None, cfg.ppo.seed, builder)
+    except DataError as err:
+        raise DataError(f"--eval_dataset: {err}") from err
+    log.info("eval prompts: %s", stats.summary())
     return prompts
 
 
@@ -93,7 +148,7 @@ def check_text_rows_fit(cfg: TrainConfig, prompts: list) -> None:
     """Image prompts on ZeRO-3 groups of several ranks need an image in every prompt: ZeRO-3 gathers the vision
     tower's parameters on every rank together, so one rank running a micro-batch of text prompts (no vision forward)
     while another runs the tower would wait forever."""
-    from orlhf.inputs.prompts import DataError
+    from orlhf.inputs.errors import DataError
 
     pl = cfg.placement
     ranks = max(pl.actor_num_nodes * pl.actor_num_gpus_per_node, pl.ref_num_nodes * pl.ref_num_gpus_per_node)
@@ -132,15 +187,15 @@ def find_checkpoint(cfg: TrainConfig, checkpoints):
     return path
 
 
-def make_evaluator(cfg: TrainConfig, tokenizer):
+def make_evaluator(cfg: TrainConfig, eval_prompts: Optional[list]):
     """--eval_dataset: the held-out prompts and when to run them (orlhf/trainer/evaluation.py); None without it."""
-    e = cfg.eval
-    if e.eval_dataset is None:
+    if eval_prompts is None:
         return None
-    from orlhf.trainer.evaluation import Evaluator, load_eval_prompts
+    from orlhf.trainer.evaluation import Evaluator
 
+    e = cfg.eval
     return Evaluator(
-        load_eval_prompts(cfg, tokenizer),
+        eval_prompts,
         e.eval_n_samples_per_prompt,
         e.eval_temperature,
         cfg.ppo.top_p,

@@ -56,8 +56,6 @@ import uuid
 from pathlib import Path
 from typing import Any, Optional
 
-import torch
-
 from orlhf.storage.checkpoint_format import (
     FORMAT_VERSION,
     META,
@@ -290,6 +288,7 @@ def _check_ranks_wrote(folder: Path, role: str, ranks: int) -> None:
 def rng_state() -> dict[str, Any]:
     """This process's RNG states: python `random`, numpy's global generator, torch CPU, and CUDA if in use."""
     import numpy as np
+    import torch
 
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
@@ -310,6 +309,7 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     import numpy as np
+    import torch
 
     py = state["python"]
     random.setstate((py[0], tuple(py[1]), py[2]))
@@ -334,7 +334,7 @@ def save_state(folder: str | os.PathLike, name: str, state: dict[str, Any]) -> N
     Dict keys must be strings; leaves: None, bool, int, float, str, torch.Tensor."""
     from safetensors.torch import save_file
 
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, Any] = {}  # torch tensors
     doc = encode_state(state, tensors)
     folder = Path(folder)
     if tensors:
@@ -383,6 +383,8 @@ def safe_torch_load(path: str | os.PathLike, map_location=None, mmap: bool = Fal
     """torch.load(weights_only=True) with DeepSpeed's state classes allowed for this call only. mmap: tensors are
     mapped from the file, not read (to look at a big file's plain values). load: the torch.load to call (where
     torch.load itself is replaced, workers/universal_ckpt.py)."""
+    import torch
+
     with torch.serialization.safe_globals(deepspeed_safe_globals()):
         return (load or torch.load)(path, map_location=map_location, weights_only=True, mmap=mmap)
 

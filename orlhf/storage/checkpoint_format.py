@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 FORMAT_VERSION = 1
 META = "meta.json"
@@ -99,6 +100,8 @@ def check_compatible(meta: dict[str, Any], fingerprint: dict[str, Any], path: st
 def encode_state(obj: Any, tensors: dict[str, torch.Tensor], key: str = "") -> Any:
     """`obj` as JSON-able data; its tensors moved into `tensors` (by dotted key), referenced as {"__tensor__": key},
     tuples as {"__tuple__": [...]}. Dict keys must be strings; leaves: None, bool, int, float, str, torch.Tensor."""
+    import torch  # here, not at the top: the driver reads checkpoints' JSON before it imports torch
+
     if isinstance(obj, torch.Tensor):
         tensors[key] = obj.detach().cpu().contiguous()
         return {"__tensor__": key}

@@ -112,19 +112,3 @@ class Evaluator:
             return False
         self.best = value
         return True
-
-
-def load_eval_prompts(cfg, tokenizer) -> list:
-    """--eval_dataset rows (split --eval_split) formatted like the training prompts."""
-    from orlhf.inputs.prompts import DataError, format_prompts, load_prompt_rows
-
-    d, p, e = cfg.data, cfg.ppo, cfg.eval
-    try:
-        rows = load_prompt_rows(e.eval_dataset, d.input_key, d.label_key, None, split=e.eval_split)
-        prompts, stats = format_prompts(rows, tokenizer, d, p.prompt_max_len)
-    except DataError as err:
-        raise DataError(f"--eval_dataset: {err}") from err
-    log.info("eval prompts: %s", stats.summary())
-    if not prompts:
-        raise DataError(f"--eval_dataset {e.eval_dataset}: no usable prompt ({stats.summary()})")
-    return prompts

@@ -10,7 +10,8 @@ import pytest
 from orlhf.demo.builder import ensure_demo
 from orlhf.inputs.errors import DataError
 from orlhf.inputs.prompt_loader import PromptLoader
-from orlhf.inputs.prompts import Prompt, build_prompts, load_prompt_rows
+from orlhf.inputs.prompt_rows import load_prompt_rows
+from orlhf.inputs.prompts import Prompt, build_prompts
 from orlhf.inputs.tokenizer import load_tokenizer
 
 ROWS = [{"q": f"say colors: red {i}", "a": f"label{i}"} for i in range(5)]
@@ -189,8 +190,8 @@ def test_too_long_prompts_skip_or_keep_their_end(tok):
 def test_truncation_keeps_a_leading_bos(tok):
     from orlhf.inputs.prompts import _keep_end
 
-    assert _keep_end([0, 5, 6, 7, 8], 3, bos_id=0) == [0, 7, 8]
-    assert _keep_end([9, 5, 6, 7, 8], 3, bos_id=0) == [6, 7, 8]
+    assert _keep_end([0, 5, 6, 7, 8], 3, head=0) == [0, 7, 8]  # the text starts with BOS (0)
+    assert _keep_end([9, 5, 6, 7, 8], 3, head=None) == [6, 7, 8]
 
 
 def test_nothing_left_suggests_the_flags(tok):

@@ -21,7 +21,7 @@ def test_full_determinism_runs_gpu_engines_in_process():
 
 
 def test_the_run_gives_its_checkpoint_manager_the_disk_budget(monkeypatch, tmp_path):
-    import orlhf.launch.run as run
+    import orlhf.launch.run_inputs as run_inputs
     import orlhf.storage.checkpoint as checkpoint
 
     made = []
@@ -35,14 +35,14 @@ def test_the_run_gives_its_checkpoint_manager_the_disk_budget(monkeypatch, tmp_p
 
     monkeypatch.setattr(checkpoint, "CheckpointManager", manager)
     cfg = parse_config({"max_ckpt_mem": 2.5, "save_path": str(tmp_path)}, {"max_ckpt_mem", "save_path"})
-    monkeypatch.setattr(run, "check_lora_targets", lambda cfg: None)
+    monkeypatch.setattr(run_inputs, "check_lora_targets", lambda cfg: None)
 
     class Logs:
         def route_transformers(self):
             pass
 
     try:
-        run.read_inputs(cfg, "run-id", Logs())
+        run_inputs.read_files(cfg, "run-id", Logs())
     except Stop:
         pass
     assert made == [2.5]

@@ -51,7 +51,7 @@ def test_interleave_order_equals_datasets_interleave(tmp_path):
 
 
 def test_without_probs_sources_are_concatenated_and_one_source_is_unchanged(tmp_path):
-    from orlhf.inputs.prompts import load_prompt_rows
+    from orlhf.inputs.prompt_rows import load_prompt_rows
 
     a, b = write_jsonl(tmp_path / "a.jsonl", "a", 3), write_jsonl(tmp_path / "b.jsonl", "b", 2)
     assert [r["q"] for r in mix(f"{a}, {b}")] == ["a 0", "a 1", "a 2", "b 0", "b 1"]

@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from orlhf.inputs.user_files import NotImportable, import_failure, import_file, user_frames
+from orlhf.inputs.user_files import NotImportable, import_failure, import_file, source_problem, user_frames
 
 
 def user_file(tmp_path, body, name="mine.py"):
@@ -44,3 +44,33 @@ def test_sys_exit_in_a_file_is_raised_not_swallowed(tmp_path):
 def test_a_file_python_has_no_loader_for_is_not_importable(tmp_path):
     with pytest.raises(NotImportable, match="python cannot import this file"):
         import_file(user_file(tmp_path, "x = 1\n", name="mine.txt"), "orlhf_test")
+
+
+@pytest.mark.parametrize(
+    "body, problem",
+    [
+        ("def reward_func(q, p, l):\n    return q\n", None),
+        ("from math import *\n", None),  # may bind it: not refused
+        ("try:\n    import no_such_module_here\nexcept ImportError:\n    pass\ndef reward_func(): pass\n", None),
+        ("def reward_func():\n    import no_such_module_here\n", None),  # at call time, maybe never
+        (
+            "import os\nimport no_such_module_here.sub as s\n",
+            "ModuleNotFoundError: No module named 'no_such_module_here'",
+        ),
+        (
+            "from no_such_pkg.x import y\n",
+            "No module named 'no_such_pkg'\n  {path}, line 1: from no_such_pkg.x import y",
+        ),
+        ("def reward_func(q:\n    pass\n", "failed to import: SyntaxError: "),
+        ("import os\n\ndef reward(q, p, l):\n    return q\n", "defines no reward_func"),
+    ],
+)
+def test_the_source_is_checked_without_running_it(tmp_path, body, problem):
+    """What source_problem finds from the text alone (before Ray starts), and nothing of the file runs."""
+    path = user_file(tmp_path, "open(__file__ + '.ran', 'w')\n" + body)
+    found = source_problem(path, "reward_func")
+    if problem is None:
+        assert found is None
+    else:
+        assert found is not None and problem.format(path=path).replace("line 1", "line 2") in found, found
+    assert not (tmp_path / "mine.py.ran").exists()

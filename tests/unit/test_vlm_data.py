@@ -15,7 +15,8 @@ from orlhf.config.train_config import ConfigError
 from orlhf.demo.vlm import IMAGE_TOKENS, QUESTION, make_vlm_demo
 from orlhf.inputs.errors import DataError
 from orlhf.inputs.images import image_token_ids, load_processor, prompt_vision, row_images
-from orlhf.inputs.prompts import build_prompts, format_prompts, load_prompt_rows
+from orlhf.inputs.prompt_rows import load_prompt_rows
+from orlhf.inputs.prompts import build_prompts, format_prompts
 from orlhf.inputs.tokenizer import load_tokenizer
 
 WHERE = "p.jsonl line 3"
