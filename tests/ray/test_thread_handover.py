@@ -59,7 +59,10 @@ def test_the_working_ranks_get_the_cores_on_one_compute_thread(ray_local):
         before = observed(group, 1)
         assert len(before) == 2, f"calls one after another should share one thread per rank: {before}"
         assert set(before.values()) == {1}  # Ray's OMP_NUM_THREADS=1
-        models = SimpleNamespace(actor=group, ref=None, critic=None, reward=None, engines=[])
+        # vLLM engines generate: no model group of the run works in the generate phase (RolloutBackend)
+        models = SimpleNamespace(
+            actor=group, ref=None, critic=None, reward=None, rollout=SimpleNamespace(generating_groups=())
+        )
         cfg = SimpleNamespace(
             runtime=SimpleNamespace(device="cpu"),
             ppo=SimpleNamespace(async_train=False),
@@ -67,7 +70,6 @@ def test_the_working_ranks_get_the_cores_on_one_compute_thread(ray_local):
             vllm=SimpleNamespace(cpu_threads=0, num_engines=1, tensor_parallel_size=1),
             single_pass=True,
             reference_from_actor=False,
-            rollout_in_trainer=False,
             num_engines=1,
         )
         threads = PhaseThreads.from_config(cfg, models, cores=4)

@@ -35,10 +35,10 @@ def logprobs():
 
 def sync_layer_by_layer(worker, path):
     from safetensors.torch import load_file
-    from orlhf.workers.base import _LAYER_PREFIX
+    from orlhf.workers.full_weights import LAYER_PREFIX
     groups = {"": []}
     for name, t in load_file(path).items():
-        m = _LAYER_PREFIX.match(name)
+        m = LAYER_PREFIX.match(name)
         groups.setdefault(m.group(1) if m else "", []).append((name, t))
     worker.orlhf_ipc_begin()
     for group in groups.values():
