@@ -25,6 +25,7 @@ def connect_ray(cfg: TrainConfig, num_cpus: int, processes: int = 0, tuning: Opt
 
     if ray.is_initialized():
         return False
+    no_failure_handler()
     address = cfg.runtime.address or os.environ.get("RAY_ADDRESS")
     # Workers' output goes to <save_path>/logs unless --verbose (storage/logs.py); Ray's own driver-side records then go
     # to driver.log through the root logger instead of Ray's terminal handler.
@@ -41,6 +42,86 @@ def connect_ray(cfg: TrainConfig, num_cpus: int, processes: int = 0, tuning: Opt
     with local_cluster_without(no_monitor=True, include_log_monitor=False), no_dashboard_head():
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **quiet, **options)
     return True
+
+
+def no_failure_handler() -> None:
+    """This process's Ray core worker starts without its C++ failure signal handler (Ray 2.60's
+    RAY_DISABLE_FAILURE_SIGNAL_HANDLER, read when ray.init creates it): that handler catches SIGTERM too and prints a
+    C++ stack for it ("*** SIGTERM received ... PC: @"), where the run stops with its own line
+    (launch/stop_signals.py). Set for this process only: the workers' and Ray's own processes keep it."""
+    from ray._private import ray_constants
+
+    ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
+
+
+def end_ray(joined_before: bool, wait_s: float = 10.0) -> None:
+    """The end of a run's Ray: nothing when this process was connected before the run (`joined_before`: a test's
+    cluster, a caller's); otherwise ray.shutdown(), and for a local cluster this process started, a wait until every
+    one of its processes has exited (the GCS, the raylet, the workers and what they started: vLLM's engine processes),
+    those left after `wait_s` killed. Ray's shutdown only asks them to exit, so the run's engines could outlive the
+    driver by seconds, holding their memory and devices."""
+    import ray
+
+    if joined_before:
+        return
+    processes = cluster_processes()
+    ray.shutdown()
+    left = wait_gone(processes, wait_s)
+    for p in left:
+        try:
+            p.kill()
+        except Exception:  # noqa: BLE001 - gone meanwhile
+            pass
+    wait_gone(left, 5.0)
+
+
+def cluster_processes() -> list:
+    """The processes of the local cluster this process started and all their descendants (psutil.Process); none
+    for a cluster it joined (Ray then started nothing here) or without psutil."""
+    try:
+        import psutil
+        from ray._private import worker
+    except ImportError:
+        return []
+    node = getattr(worker, "_global_node", None)
+    if node is not None:
+        pids = [i.process.pid for group in node.all_processes.values() for i in group if i.process is not None]
+    else:  # a ray.init cut short (a signal) before it kept its node: Ray's processes it had started here
+        pids = [p.pid for p in psutil.Process().children() if p.name() in RAY_HEAD_PROCESSES]
+    found = []
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            found += [p, *p.children(recursive=True)]
+        except psutil.Error:
+            continue
+    return list({p.pid: p for p in found}.values())
+
+
+RAY_HEAD_PROCESSES = ("gcs_server", "raylet")
+
+
+def wait_gone(processes: list, wait_s: float) -> list:
+    """Wait up to `wait_s` for `processes` (psutil.Process) to exit; returns those still running (a zombie, whose
+    parent has not reaped it yet, has exited)."""
+    import time
+
+    deadline = time.monotonic() + wait_s
+    alive = processes
+    while True:
+        alive = [p for p in alive if _running(p)]
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        time.sleep(0.1)
+
+
+def _running(p) -> bool:
+    import psutil
+
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def route_cluster_messages() -> None:

@@ -46,10 +46,20 @@ class Attempt:
     rollout: Any = None  # the rollout backend's early start (launch_rollout), before the models exist
     models: Any = None
     controller: Any = None
+    phase: str = "start-up"  # then "training" (Controller.fit), "export", "done" (launch/run.py's run_attempt)
 
     def step(self) -> Optional[int]:
-        """The step in progress (None during the start-up)."""
-        return None if self.controller is None else self.controller.step_index + 1
+        """The step in progress, or whose checkpoint is being written (None during the start-up and the export)."""
+        if self.controller is None or self.phase != "training":
+            return None
+        return self.controller.step_index + (0 if self.controller.saving else 1)
+
+    def where(self) -> str:
+        """The phase in words: "during the start-up", "during step 7", "during the checkpoint of step 6", ..."""
+        step = self.step()
+        if step is not None:
+            return f"during the checkpoint of step {step}" if self.controller.saving else f"during step {step}"
+        return "during the export" if self.phase in ("export", "done") else "during the start-up"
 
     def history(self) -> list:
         return self.carried + (self.controller.history if self.controller is not None else [])
@@ -95,8 +105,7 @@ class RunRestarts:
         gone = gone_processes(error, attempt)
         if not gone:
             return False
-        step = attempt.step()
-        where = f"at step {step}" if step is not None else "during the start-up"
+        step, where = attempt.step(), attempt.where()
         if self.count >= self.limit:
             used = f", {self.count} used" if self.limit else ""
             log.error("%s lost %s; not restarted: --max_restarts %d%s", ", ".join(gone), where, self.limit, used)

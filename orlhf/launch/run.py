@@ -5,10 +5,11 @@ the demo's paths resolved).
     value heads, agent file) -> prompts, reward file, eval data (launch/run_inputs.py, in a thread) while Ray connects,
     their errors raised before anything is placed -> pre-flight + placement groups -> the rollout backend's early start
     (vLLM engines, async) and model groups (colocated on GPUs: engines ready -> engines asleep -> model groups;
-    launch/bringup.py) -> init all -> the backend connected (weight-sync group) -> Controller.fit() (SIGINT / SIGTERM:
-    the step ends and is saved, no export: launch/stop_signals.py)
+    launch/bringup.py) -> init all -> the backend connected (weight-sync group) -> Controller.fit()
     -> export the final actor, and critic (atomic; failed: a checkpoint keeps the weights, launch/export.py)
-    -> draw the reward curve (best effort) -> tear everything down (also on errors and Ctrl-C)
+    -> draw the reward curve (best effort) -> tear everything down (also on errors and Ctrl-C), the local Ray
+    cluster's processes waited for (ray_start.end_ray)
+SIGINT / SIGTERM at any phase: one line says where, what is kept and how to continue (launch/stop_signals.py).
 A process lost on the way (a rank or an engine whose process died) tears down the placement groups and everything on
 them and starts them again from the run's newest checkpoint, up to --max_restarts times (launch/restart.py).
 """
@@ -25,11 +26,11 @@ from contextlib import ExitStack
 
 from orlhf.config.redact import public_config
 from orlhf.config.train_config import TrainConfig
-from orlhf.distributed.ray_start import connect_ray
+from orlhf.distributed.ray_start import connect_ray, end_ray
 from orlhf.launch.bringup import launch_rollout, start_models, tuning_for
 from orlhf.launch.preflight import preflight
 from orlhf.launch.run_inputs import new_loader, read_inputs
-from orlhf.launch.stop_signals import report_stop, stop_on_signals
+from orlhf.launch.stop_signals import RESTART, RunStop
 from orlhf.storage.run_folder import RunFolder
 
 log = logging.getLogger("orlhf")
@@ -44,13 +45,19 @@ def train_ppo(cfg: TrainConfig) -> int:
     logging.basicConfig(level=logging.INFO, format="[orlhf] %(message)s")
     clock.mark("imports")
     run_id = uuid.uuid4().hex[:12]  # a resumed run takes its checkpoint's (run_locked)
-    with hold_folders(cfg.logging.save_path, cfg.logging.checkpoint_dir, run_id):
-        return run_locked(cfg, run_id, clock)
+    with hold_folders(cfg.logging.save_path, cfg.logging.checkpoint_dir, run_id), RunStop.installed() as stop:
+        try:
+            code = run_locked(cfg, run_id, clock, stop)
+        except BaseException:
+            if not stop.at_once:  # a signal stopped it at once (what its teardown raised on the way is its echo)
+                raise
+            code = None
+        return stop.outcome(code)  # a signal's stop: one line, where and what is kept (launch/stop_signals.py)
 
 
-def run_locked(cfg: TrainConfig, run_id: str, clock) -> int:
+def run_locked(cfg: TrainConfig, run_id: str, clock, stop: RunStop) -> int:
     """train_ppo once this process holds the run folder and the checkpoint folder (`clock`:
-    launch/startup_clock.StartupClock)."""
+    launch/startup_clock.StartupClock; `stop`: how SIGINT and SIGTERM end the run)."""
     # Only what Ray's start needs is imported before it: torch (checkpoint, controller) loads in the inputs thread
     # (the tokenizer's transformers imports it) while ray.init waits on Ray's processes.
     import ray
@@ -74,25 +81,29 @@ def run_locked(cfg: TrainConfig, run_id: str, clock) -> int:
         reading = inputs.submit(read_inputs, cfg, run_id, run_logs)
         # in this thread: Ray sets its SIGTERM handler only here
         tuning = tuning_for(cfg)  # the platform's hooks (distributed/tuning.py), for Ray, engines and groups
-        if connect_ray(cfg, local_num_cpus(layout), cpu_slots_needed(layout), tuning):
-            stack.callback(ray.shutdown)
+        stack.callback(end_ray, ray.is_initialized())  # before: a start cut short by a signal is ended too
+        connect_ray(cfg, local_num_cpus(layout), cpu_slots_needed(layout), tuning)
+        stop.take_back()  # ray.init replaced the SIGTERM handler
         clock.mark("ray")
         # What the run reads (prompts, the reward file, eval data, the checkpoint to resume) fails here, before any
         # placement group, engine or model starts: its thread has mostly finished while Ray started.
         run = reading.result()
+        stop.checkpoints = run.checkpoints
         clock.mark("prompts")
         from orlhf.launch.restart import Attempt, RunRestarts
 
         restarts = RunRestarts(cfg.runtime.max_restarts, cfg.logging.save_path, run.run_id, run.resume_from is not None)
         attempt = Attempt(run.resume_from, run.resume_step, first_step=run.resume_step or 0)
         while True:  # --max_restarts: a lost process starts the groups again from the newest checkpoint (restart.py)
+            stop.follow(attempt)
             with ExitStack() as held:  # the attempt's placement groups, engines and groups, torn down on leaving
                 try:
                     code = run_attempt(cfg, layout, tuning, run, attempt, held, clock)
                     break
-                except Exception as e:
-                    if not restarts.may_restart(e, attempt):  # (its health check needs the processes still up)
+                except Exception as e:  # (its health check needs the processes still up; never after a stop signal)
+                    if stop.signal is not None or not restarts.may_restart(e, attempt):
                         raise
+                    stop.phase = RESTART
             attempt = restarts.next_attempt(attempt, run.checkpoints)
     run_logs.close()
     return code
@@ -138,14 +149,15 @@ def run_attempt(cfg: TrainConfig, layout, tuning, run, attempt, held: ExitStack,
     if clock is not None:
         log.info("%s", clock.report())
         clock.save(RunFolder.at(cfg.logging.save_path).startup)
+    attempt.phase = "training"  # SIGINT / SIGTERM: the step ends and is saved, then the run stops (stop_signals.py)
     try:
-        with stop_on_signals(controller):  # SIGINT / SIGTERM: stop at the step's end, saved (stop_signals.py)
-            controller.fit()
+        controller.fit()
     finally:
         metrics.close(plot=False)
-    if controller.stop_signal is not None:
-        return report_stop(controller)
-    finish_run(cfg, models, metrics, attempt.history(), run.run_id, controller)
+    if controller.stop_signal is None:
+        attempt.phase = "export"  # a signal lets the export finish
+        finish_run(cfg, models, metrics, attempt.history(), run.run_id, controller)
+    attempt.phase = "done"
     return 0
 
 
@@ -218,6 +230,7 @@ def finish_run(cfg: TrainConfig, models, metrics, history: list[dict], run_id: s
     failure costs a figure, never a model. A failed export keeps the weights in a checkpoint first, then stops with
     one line saying where (export.export_failed)."""
     from orlhf.launch.export import export_actor, export_failed, export_model
+    from orlhf.trainer.run_state import missing_checkpoint
     from orlhf.workers import CriticWorker, PolicyWorker
 
     folder = RunFolder.at(cfg.logging.save_path)
@@ -233,16 +246,19 @@ def finish_run(cfg: TrainConfig, models, metrics, history: list[dict], run_id: s
             export_model(models.critic, CriticWorker.save_value_network, target, run_id)
     except Exception as e:
         raise export_failed(e, target, controller) from None
-    png = metrics.plot()
+    stopping = controller.stop_signal is not None  # a signal came during the export: no figures (`orlhf report`)
+    png = None if stopping else metrics.plot()
     log.info(
-        "done: %d steps; final actor in %s; metrics in %s%s",
+        "done: %d steps; final actor in %s; metrics in %s%s%s",
         len(history),
         out,
         metrics.path,
         f"; curve in {png}" if png else "",
+        missing_checkpoint(controller),  # the last save refused by a full disk
     )
     summarize(history)
-    write_report(cfg.logging.save_path)
+    if not stopping:
+        write_report(cfg.logging.save_path)
 
 
 def write_report(save_path: str) -> None:

@@ -6,6 +6,9 @@
         -> mgr.commit (atomic rename; meta.json with the config fingerprint)
     restore_run(ctl, path): the groups load their state, then the controller's (the engines are re-synced by
         the caller)
+Async mode (--async_train) also keeps the batches generated ahead and not yet trained (the producer's queue, once
+the generation in flight has ended: RolloutProducer.pending), so a resume trains them as the stopped run would have,
+instead of generating their prompts again with other weights; their prompts are the loader's next batches.
 A save that fails removes its temp folder once no rank writes there any more; a full disk raises NoSpaceError
 (storage/disk_space.py), on which the controller keeps training (skipped_save says so) and saves at the next step.
 The folder format and its atomic commit are storage/checkpoint.py's; this module only says what goes in.
@@ -13,6 +16,7 @@ The folder format and its atomic commit are storage/checkpoint.py's; this module
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -23,6 +27,7 @@ from orlhf.config.provenance import dump_resolved
 from orlhf.storage.checkpoint import load_controller_state, read_meta, rng_state, save_controller_state, set_rng_state
 from orlhf.storage.disk_space import NoSpaceError, cleanup_after_failed_write
 from orlhf.storage.run_folder import checkpoint_config, checkpoint_hf_actor
+from orlhf.types import Rollout
 from orlhf.workers import PolicyWorker
 from orlhf.workers.base import DeepSpeedWorker
 
@@ -65,6 +70,7 @@ def _write_run(ctl, mgr, tmp: Path, step: int) -> Path:
             "rng": rng_state(),
             "best_eval": ctl.evaluator.best if ctl.evaluator else None,
             "engine_restarts": ctl.restarts.count,  # the budget of --max_engine_restarts is the whole run's
+            "pending": pending_batches(ctl),
         },
     )
     return mgr.commit(
@@ -78,13 +84,32 @@ def _write_run(ctl, mgr, tmp: Path, step: int) -> Path:
     )
 
 
-def skipped_save(error: NoSpaceError, mgr, step: int) -> str:
-    """The line for a save the full disk refused (the run goes on)."""
+def skipped_save(error: NoSpaceError, mgr, step: int, last: bool = False) -> str:
+    """The line for a save the full disk refused: the run goes on, or, at its `last` save (--stop_after_steps, a
+    stop signal, the last step), ends without that checkpoint."""
     kept = mgr.latest()
+    newest = f"the newest is still {kept}" if kept else "none saved yet"
+    if last:
+        return (
+            f"{error}: the checkpoint of step {step} was not saved ({newest}); it was this run's last save, so the "
+            f"run ends without it and --load_checkpoint continues from {kept or 'the start'}. Free space there or "
+            "pass another --ckpt_path."
+        )
     return (
-        f"{error}: the checkpoint of step {step} was not saved "
-        f"({f'the newest is still {kept}' if kept else 'none saved yet'}); the run goes on and the next save tries "
+        f"{error}: the checkpoint of step {step} was not saved ({newest}); the run goes on and the next save tries "
         "again. Free space there or pass another --ckpt_path."
+    )
+
+
+def missing_checkpoint(ctl) -> str:
+    """For the run's last line: "" unless its last save was refused by a full disk; then which step has no
+    checkpoint and where --load_checkpoint continues instead."""
+    if ctl.checkpoints is None or ctl.unsaved_step is None:
+        return ""
+    kept = ctl.checkpoints.latest()
+    return (
+        f"; no checkpoint of step {ctl.unsaved_step} (the disk was full): --load_checkpoint continues from "
+        f"{kept or 'the start'}"
     )
 
 
@@ -133,12 +158,70 @@ def restore_run(ctl, path: Path) -> None:
     if ctl.evaluator is not None:
         ctl.evaluator.best = state.get("best_eval")
     ctl.restarts.count = state.get("engine_restarts", 0)
+    ctl.pending = tuple((unpack_rollouts(b["rollouts"]), b["seconds"]) for b in state.get("pending", []))
+    if ctl.pending:
+        log.info("%d batch(es) generated before the checkpoint are trained first, as they were", len(ctl.pending))
+
+
+# Rollout's per-token lists, stored as flat tensors (logprobs in float64: Python's floats exactly)
+TOKEN_FIELDS = ("prompt_ids", "response_ids", "logprobs", "action_mask", "token_versions")
+
+
+def pending_batches(ctl) -> list[dict]:
+    """Async mode: the producer's batches generated ahead and not yet trained, as the checkpoint keeps them; filled
+    batches (--dynamic_filtering) are left out, said in one line."""
+    if ctl.producer is None:
+        return []
+    kept, left_out = ctl.producer.pending()
+    if left_out:
+        log.warning(
+            "--dynamic_filtering: the %d batch(es) generated ahead are not kept in the checkpoint of step %d; a resume "
+            "goes on with the prompts after them",
+            left_out,
+            ctl.step_index,
+        )
+    return [{"rollouts": pack_rollouts(rollouts), "seconds": seconds} for rollouts, seconds in kept]
+
+
+def pack_rollouts(rollouts: list[Rollout]) -> dict:
+    """Rollouts as save_state stores them: each per-token field one flat tensor and one length per rollout (-1:
+    None), the other fields as they are."""
+    import torch
+
+    rows = [
+        {f.name: getattr(r, f.name) for f in dataclasses.fields(Rollout) if f.name not in TOKEN_FIELDS}
+        for r in rollouts
+    ]
+    packed: dict = {"rows": rows}
+    for name in TOKEN_FIELDS:
+        values = [getattr(r, name) for r in rollouts]
+        dtype = torch.float64 if name == "logprobs" else torch.int64
+        packed[name] = torch.tensor([x for v in values if v is not None for x in v], dtype=dtype)
+        packed[f"{name}_lengths"] = torch.tensor([-1 if v is None else len(v) for v in values], dtype=torch.int64)
+    return packed
+
+
+def unpack_rollouts(packed: dict) -> list[Rollout]:
+    """Undo pack_rollouts."""
+    columns = {}
+    for name in TOKEN_FIELDS:
+        flat, at, column = packed[name].tolist(), 0, []
+        for n in packed[f"{name}_lengths"].tolist():
+            column.append(None if n < 0 else flat[at : at + n])
+            at += max(n, 0)
+        columns[name] = column
+    return [Rollout(**row, **{k: v[i] for k, v in columns.items()}) for i, row in enumerate(packed["rows"])]
 
 
 class CheckpointSteps:
     """The Controller's checkpoint steps, in their call order (the folder format is storage/checkpoint.py's): stop
     on a step boundary (--stop_after_steps, a signal) and save there, save every --save_steps, resume. Mixed into
     trainer/controller.py's Controller, whose state (step_index, checkpoints, m, ...) they read."""
+
+    saving = False  # a checkpoint of this step is being written (a stop signal lets it finish: launch/stop_signals.py)
+    producer = None  # async mode: the RolloutProducer of fit_async, whose generated batches a checkpoint keeps
+    pending: tuple = ()  # (rollouts, seconds) of the batches a resumed checkpoint kept, for the producer
+    unsaved_step: Optional[int] = None  # the step whose save a full disk refused, until a later save succeeds
 
     def should_stop(self) -> bool:
         """--stop_after_steps: end this invocation early, on a step boundary, keeping the full run's schedule."""
@@ -157,13 +240,20 @@ class CheckpointSteps:
         its folder, or None when the disk was full: the run goes on, the newest good checkpoint stays, the next save
         tries again (said in one line)."""
         t0, mgr = time.perf_counter(), mgr or self.checkpoints
+        self.saving = True
         try:
             path = save_run(self, mgr)
         except NoSpaceError as e:
-            log.warning("%s", skipped_save(e, mgr, self.step_index))
+            ours = mgr is self.checkpoints  # the best-eval copy is not the rotation's save of this step
+            last = ours and (self.should_stop() or self.step_index >= self.loader.total_steps)
+            log.warning("%s", skipped_save(e, mgr, self.step_index, last))
+            if ours:
+                self.unsaved_step = self.step_index
             return None
-        if mgr is self.checkpoints:  # the best-eval copy is not the rotation's save of this step
-            self._saved_step = self.step_index
+        finally:
+            self.saving = False
+        if mgr is self.checkpoints:
+            self._saved_step, self.unsaved_step = self.step_index, None
         log.info("checkpoint %s (%.1f s)", path, time.perf_counter() - t0)
         return path
 

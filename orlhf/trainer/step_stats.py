@@ -5,7 +5,7 @@
     step_row(info, actor, critic, fields, ppo)          -> the step's metrics row (metrics.jsonl), in its order
     StepCheck: before_train(step, gap), after_train(step, actor, critic, gap)
                                                         -> NonFiniteError on a NaN / infinite loss, gradient norm
-                                                           or gap; one warning when the updates stalled
+                                                           or gap; CollapsedError when the updates stalled twice
 
 A diverged update (a learning rate far too large) shows as NaN or infinite losses, gradient norms or engine gaps;
 averaged, logged (metrics.jsonl writes null) and compared (NaN > threshold is false) they would pass unnoticed while
@@ -20,7 +20,6 @@ reports sums and token counts, averaged alike over ranks and micro-batches, so t
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass, fields
 from typing import Optional
@@ -28,8 +27,6 @@ from typing import Optional
 import torch
 
 from orlhf.types import TrainStats
-
-log = logging.getLogger(__name__)
 
 # The actor's metrics on a --freezing_actor_steps step: no training, so none (NaN: metrics.jsonl writes null).
 FROZEN_ACTOR_STATS: dict[str, float] = {
@@ -109,14 +106,18 @@ class NonFiniteError(RuntimeError):
     """A loss, gradient norm or engine gap is NaN or infinite: the run stops before those weights go anywhere."""
 
 
+class CollapsedError(RuntimeError):
+    """The actor's updates vanished two steps in a row (stalled): the policy collapsed and learns nothing more, so
+    the run stops (exit 1) instead of training on and exporting it as a finished run."""
+
+
 @dataclass
 class StepCheck:
-    """Stops a run whose numbers left the finite (module docstring); warns once when the actor's updates stalled
-    (`stalled`). The learning rates name the fix."""
+    """Stops a run whose numbers left the finite (module docstring), or whose actor's updates stalled two steps in a
+    row (`stalled`). The learning rates name the fix."""
 
     actor_lr: float
     critic_lr: float
-    warned_stall: bool = False
     stalled_last: bool = False  # the previous step's actor stalled
 
     def before_train(self, step: int, gap: float) -> None:
@@ -148,16 +149,13 @@ class StepCheck:
         if bad:
             raise NonFiniteError(self.explain(step, bad, "in training"))
         was, self.stalled_last = self.stalled_last, actor is not None and stalled(actor)
-        if was and self.stalled_last and not self.warned_stall:  # twice in a row: one step may have nothing to learn
-            self.warned_stall = True
-            log.warning(
-                "step %d: the actor's gradient norm is exactly 0 while its loss is not (%.3g), as on the step "
-                "before: its updates vanish "
-                "(or overflow and are skipped), so the policy no longer learns; the updates were too large: train "
-                "again with a lower --actor_learning_rate (now %g)",
-                step,
-                actor["loss"],
-                self.actor_lr,
+        if was and self.stalled_last:  # twice in a row: one step may have had nothing to learn
+            raise CollapsedError(
+                f"step {step}: the actor's gradient norm is exactly 0 while its loss is not ({actor['loss']:.3g}), as "
+                "on the step before: its updates vanish (or overflow and are skipped), so the policy collapsed and "
+                "learns nothing more; the run stops here, before these weights reach the engines, a checkpoint or "
+                f"the export. The updates were too large: train again with a lower --actor_learning_rate (now "
+                f"{self.actor_lr:g})."
             )
 
     def explain(self, step: int, bad: dict[str, float], when: str) -> str:

@@ -195,14 +195,13 @@ def test_non_finite_log_probs_stop_before_training(tmp_path):
     assert log == ["log_probs"]
 
 
-def test_stalled_updates_are_warned_about_once(tmp_path, caplog):
+def test_a_run_whose_updates_stalled_twice_stops_with_exit_1(tmp_path, capsys):
     """--actor_learning_rate 1e3 on the demo: from step 2 on the gradient norm is exactly 0 under a loss that is not
-    (the saturated policy learns nothing more) and the run went on silently. A step of zero advantages (loss 0) is
-    no stall; one stalled step alone is not warned about (a last mini-batch may have had nothing to learn)."""
-    import logging
-
+    (the saturated policy learns nothing more); the run warned, trained on and exported with exit 0. Now the second
+    stalled step in a row stops it, before its sync, with exit 1. A step of zero advantages (loss 0) is no stall; one
+    stalled step alone is not one (a last mini-batch may have had nothing to learn)."""
     stalled = {"grad_norm": 0.0, "loss": -2.8e-7}
-    _, ctl, log = make(
+    cfg, ctl, log = make(
         tmp_path,
         trained=[stalled, {"grad_norm": 0.0, "loss": 0.0}, stalled, stalled, stalled],
         rollout_batch_size=2,
@@ -214,12 +213,11 @@ def test_stalled_updates_are_warned_about_once(tmp_path, caplog):
     )
     ctl.loader = type("L", (), {"total_steps": 5, "__iter__": lambda self: iter([[Prompt(0), Prompt(1)]] * 5)})()
     ctl.metrics = type("M", (), {"log": lambda *a: None})()
-    with caplog.at_level(logging.WARNING):
-        ctl.fit()
-    warned = [r.getMessage() for r in caplog.records if "exactly 0" in r.getMessage()]
-    assert warned == [
-        "step 4: the actor's gradient norm is exactly 0 while its loss is not (-2.8e-07), as on the step before: its "
-        "updates vanish (or overflow and are skipped), so the policy no longer learns; the updates were too large: "
-        "train again with a lower --actor_learning_rate (now 0.0005)"
-    ]
-    assert log == ["train_step", "sync"] * 5  # a warning, not a stop
+    assert run_reporting_errors(lambda _: ctl.fit(), cfg) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: step 4: the actor's gradient norm is exactly 0 while its loss is not (-2.8e-07), as on the step "
+        "before: its updates vanish (or overflow and are skipped), so the policy collapsed and learns nothing more; "
+        "the run stops here, before these weights reach the engines, a checkpoint or the export. The updates were "
+        "too large: train again with a lower --actor_learning_rate (now 0.0005)."
+    )
+    assert log == ["train_step", "sync"] * 3 + ["train_step"]  # step 4 trained, never synced

@@ -122,6 +122,32 @@ def test_a_full_disk_skips_the_save_and_the_next_save_step_tries_again(tmp_path,
     assert ctl.checkpoints.latest().name == "step_000007"
 
 
+def test_a_full_disk_at_the_last_save_says_the_run_ends_without_it(tmp_path, disk, caplog):
+    """--stop_after_steps 3 with --save_steps 2 and a full disk at step 3: the line said "the next save tries again"
+    where none comes, and the run's "done:" line did not say its last checkpoint was missing."""
+    from types import SimpleNamespace
+
+    cfg, ctl = make(tmp_path, stop_after_steps=3)
+    ctl.step_index = 2
+    good = ctl.save_checkpoint()
+    ctl.step_index, disk["free"] = 3, 1024**2
+    ctl.m.actor.failing["save_checkpoint"] = "OSError: [Errno 28] No space left on device"
+    with caplog.at_level(logging.WARNING):
+        ctl.save_at_stop()
+    (line,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "the next save tries again" not in line
+    assert (
+        f"the checkpoint of step 3 was not saved (the newest is still {good}); it was this run's last save, so the run "
+        f"ends without it and --load_checkpoint continues from {good}." in line
+    )
+    ctl.m.actor.failing = {}
+    metrics = SimpleNamespace(plot=lambda: None, path=tmp_path / "run" / "metrics.jsonl")
+    with caplog.at_level(logging.INFO):
+        finish_run(cfg, ctl.m, metrics, [], "r", ctl)
+    (done,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("done:")]
+    assert done.endswith(f"; no checkpoint of step 3 (the disk was full): --load_checkpoint continues from {good}")
+
+
 def test_other_save_failures_still_stop_the_run_and_leave_no_temp_folder(tmp_path, disk):
     _, ctl = make(tmp_path)
     ctl.step_index = 2

@@ -39,8 +39,8 @@ class Models:
 
 
 class Ctl:
-    def __init__(self, step_index, history):
-        self.step_index, self.history = step_index, history
+    def __init__(self, step_index, history, saving=False):
+        self.step_index, self.history, self.saving = step_index, history, saving
 
 
 def test_a_dead_process_is_named_once_and_a_live_failure_is_not_a_loss():
@@ -59,21 +59,30 @@ def test_a_dead_process_is_named_once_and_a_live_failure_is_not_a_loss():
 def test_restarts_are_bounded_and_each_says_what_was_lost(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="orlhf")
     restarts = RunRestarts(1, str(tmp_path), "run-a")
-    lost = Attempt(models=Models([Group("actor", dead=[0])]), controller=Ctl(3, []))
+    lost = Attempt(models=Models([Group("actor", dead=[0])]), controller=Ctl(3, []), phase="training")
     assert restarts.may_restart(RuntimeError("gloo: connection closed"), lost)
     assert (
-        "actor rank 0 lost at step 4 (found dead after: gloo: connection closed); restarting the run's groups "
+        "actor rank 0 lost during step 4 (found dead after: gloo: connection closed); restarting the run's groups "
         "(restart 1 of --max_restarts 1)" in caplog.text
     )
     assert not restarts.may_restart(RuntimeError("again"), lost)
-    assert "actor rank 0 lost at step 4; not restarted: --max_restarts 1, 1 used" in caplog.text
+    assert "actor rank 0 lost during step 4; not restarted: --max_restarts 1, 1 used" in caplog.text
     died = RankError("critic", 0, "values", "the rank actor died", died=True, host="actor")
     assert RunRestarts(1, str(tmp_path), "run-a").may_restart(died, lost)
-    assert "actor rank 0 lost at step 4 (its process died in critic values()); restarting" in caplog.text
+    assert "actor rank 0 lost during step 4 (its process died in critic values()); restarting" in caplog.text
     hung = RankError("actor", 0, "train", "no answer to a health check for 60 s (--hang_timeout_s): hung", hung=True)
     assert gone_processes(hung, Attempt(models=Models([Group("actor")]))) == ["actor rank 0"]  # a hung one is gone
     assert RunRestarts(1, str(tmp_path), "run-a").may_restart(hung, lost)
-    assert "actor rank 0 lost at step 4 (its process stopped answering health checks in actor train()); " in caplog.text
+    assert "actor rank 0 lost during step 4 (its process stopped answering health checks in actor train()); " in (
+        caplog.text
+    )
+    # noticed while step 3's checkpoint was written (the step after 3 has not begun), or in the export
+    saving = Attempt(models=lost.models, controller=Ctl(3, [], saving=True), phase="training")
+    assert RunRestarts(1, str(tmp_path), "run-a").may_restart(RuntimeError("x"), saving)
+    assert "actor rank 0 lost during the checkpoint of step 3 (found dead after: x)" in caplog.text
+    exporting = Attempt(models=lost.models, controller=Ctl(6, []), phase="export")
+    assert RunRestarts(1, str(tmp_path), "run-a").may_restart(RuntimeError("x"), exporting)
+    assert "actor rank 0 lost during the export (found dead after: x)" in caplog.text
     assert not RunRestarts(0, str(tmp_path), "run-a").may_restart(RuntimeError("x"), lost)
     assert "not restarted: --max_restarts 0" in caplog.text
 
@@ -90,14 +99,14 @@ def test_the_next_attempt_resumes_this_runs_newest_checkpoint_or_the_start(tmp_p
     mine = CheckpointManager(ckpt, 5, "run-a")
     restarts = RunRestarts(2, str(tmp_path), "run-a")
     rows = [{"step": s} for s in range(1, 6)]
-    lost = Attempt(models=Models([Group("actor", dead=[0])]), controller=Ctl(5, rows))
+    lost = Attempt(models=Models([Group("actor", dead=[0])]), controller=Ctl(5, rows), phase="training")
     assert restarts.may_restart(RuntimeError("x"), lost)
     fresh = restarts.next_attempt(lost, mine)
     assert (fresh.resume_from, fresh.resume_step, fresh.number, fresh.carried) == (None, 0, 1, [])
 
     _save(mine, 2)
     _save(mine, 4)
-    resumed = Attempt(None, None, 0, 0, carried=[], controller=Ctl(5, rows), models=lost.models)
+    resumed = Attempt(None, None, 0, 0, carried=[], controller=Ctl(5, rows), models=lost.models, phase="training")
     assert restarts.may_restart(RuntimeError("x"), resumed)
     nxt = restarts.next_attempt(resumed, mine)
     assert nxt.resume_from.name == "step_000004" and nxt.resume_step == 4 and nxt.number == 2

@@ -209,7 +209,7 @@ def test_save_value_network_exports_the_critic_atomically(tmp_path):
     cfg = build_config({"save_path": str(tmp_path), "save_value_network": True}, {"save_value_network"})
     metrics = SimpleNamespace(plot=lambda: None, path=tmp_path / "metrics.jsonl")
     critic = FakeCriticGroup(b"c1" * 100)
-    ctl = SimpleNamespace(step_index=3, checkpoints=None, cfg=cfg)  # what export_failed reads (no --ckpt_path)
+    ctl = SimpleNamespace(step_index=3, checkpoints=None, cfg=cfg, stop_signal=None)  # export_failed reads these
     finish_run(cfg, SimpleNamespace(actor=FakeActorGroup(b"a1"), critic=critic), metrics, [], "r1", ctl)
     assert critic.dirs[0].name.startswith(".tmp-critic-")  # written aside, then swapped in
     assert (tmp_path / "critic" / "model.safetensors").read_bytes() == b"c1" * 100
