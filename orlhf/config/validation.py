@@ -273,11 +273,6 @@ def _vllm(cfg: TrainConfig, out: list[str]) -> None:
         )
     if cfg.vllm.enable_sleep and cfg.ppo.async_train:
         out.append("--vllm_enable_sleep cannot be used with --async_train (the engines generate while training).")
-    if cfg.deepspeed.enable_sleep and cfg.placement.colocate_all_models and cfg.ppo.async_train:
-        out.append(
-            "--deepspeed_enable_sleep frees trainer memory for engines on shared GPUs, but under --async_train the "
-            "engines keep devices of their own (only the DeepSpeed models are colocated): drop it."
-        )
     if cfg.deepspeed.enable_sleep and not cfg.placement.colocate_all_models:
         out.append(
             "--deepspeed_enable_sleep offloads trainer states so engines can use shared GPUs: it needs "

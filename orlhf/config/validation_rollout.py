@@ -73,8 +73,8 @@ def partial(cfg: TrainConfig, explicit: frozenset[str], out: list[str]) -> None:
             "--partial_rollout requires --async_train (as OpenRLHF): only there does a weight sync wait for a "
             "generation in flight. Add --async_train or drop --partial_rollout."
         )
-    if cfg.data.agent_func_path:
+    if cfg.data.agent_func_path and "partial_rollout_tokens" in explicit:
         out.append(
-            "--partial_rollout with --agent_func_path: an agent episode alternates engine turns with its "
-            "environment, and orlhf cuts only single-turn generations into segments: drop one of the two."
+            "--partial_rollout_tokens cuts single-turn generations into segments; with --agent_func_path a weight "
+            "sync lands between two turns of the episodes and a turn is not cut: drop --partial_rollout_tokens."
         )

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import hashlib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -27,6 +28,7 @@ from typing import Any, Callable, Optional
 
 from orlhf.inputs.user_files import import_failure, import_file, user_frames
 from orlhf.rollout.agent import AgentError, AgentExecutorBase, AgentStepError, as_float
+from orlhf.rollout.partial import TurnGate, turn_versions
 from orlhf.types import Rollout
 
 
@@ -88,8 +90,9 @@ class EngineClient:
 
     `call(requests)` starts an engine call and returns a concurrent.futures.Future of its results."""
 
-    def __init__(self, call: Callable[[list], Any]):
+    def __init__(self, call: Callable[[list], Any], gate: Optional[TurnGate] = None):
         self.call = call
+        self.gate = gate or TurnGate()  # --partial_rollout: a waiting weight sync runs between two engine calls
         self.pending: list[tuple[list[int], Any, asyncio.Future]] = []
         self._wake = asyncio.Event()
 
@@ -108,7 +111,7 @@ class EngineClient:
             if not batch:
                 continue
             try:
-                results = await asyncio.wrap_future(self.call([(ids, p) for ids, p, _ in batch]))
+                results = await self.gate.call(functools.partial(self.call, [(ids, p) for ids, p, _ in batch]))
             except Exception as e:  # noqa: BLE001 - handed to every waiting agent
                 for _, _, fut in batch:
                     if not fut.done():
@@ -179,6 +182,9 @@ class AgentRunner:
         # call(engine index, requests) -> concurrent Future; the run's engines by default (tests may pass a fake).
         self.call = call or engines.generate_turns
         self.num_engines = len(engines) if engines is not None else 1
+        # --partial_rollout (async): between two engine calls a waiting weight sync runs (rollout/partial.py TurnGate)
+        self.between: Optional[Callable[[], object]] = None
+        self.sync_waiting: Callable[[], bool] = lambda: False
 
     def generate(self, prompts: list, sampling) -> list[Rollout]:
         """All prompts x sampling.n samples, prompt-major; blocks until every episode is done."""
@@ -186,7 +192,8 @@ class AgentRunner:
 
     async def _run(self, prompts: list, sampling) -> list[Rollout]:
         SamplingParams = turn_params_class(self.engines)
-        clients = [EngineClient(lambda reqs, i=i: self.call(i, reqs)) for i in range(self.num_engines)]
+        gate = TurnGate(self.between, self.sync_waiting)
+        clients = [EngineClient(lambda reqs, i=i: self.call(i, reqs), gate) for i in range(self.num_engines)]
         servers = [asyncio.create_task(c.serve()) for c in clients]
         jobs = [
             _Job(j, i, q, 0)
@@ -235,6 +242,11 @@ class AgentRunner:
                 f"{where}: {type(e).__name__}: {e}\n{user_frames(e, self.path)}\nFix the agent in {self.path}."
             ) from e
         rollout.weight_version = min(handle.weight_versions, default=0)
+        if self.between is not None:  # --partial_rollout: a sync may have landed between two turns
+            ranges = [(int(a), int(b)) for a, b in out["action_ranges"]]
+            rollout.token_versions = turn_versions(
+                ranges, len(rollout.prompt_ids), len(rollout.response_ids), handle.weight_versions
+            )
         rollout.finished = handle.finish_reason == "stop"
         rollout.extra_logs["turns"] = float(handle.turns)
         return rollout

@@ -7,6 +7,10 @@
                                     continuation_seed(request_seed of its prompt, its sample number, s))
     until each sample stopped (EOS) or reached its cap (--generate_max_len, and --max_len minus its prompt).
 
+With --agent_func_path an episode's turns are the segments (TurnGate): each turn is one engine call, and a waiting
+sync runs once no engine call of the batch is in flight, before the next turn starts; a turn is not cut (so
+--partial_rollout_tokens does not apply). Each action token keeps its turn's weight version.
+
 S is --partial_rollout_tokens. Invariants: every token keeps the log-prob and the weight version it was sampled with
 (Rollout.token_versions; Rollout.weight_version is the oldest of them, so staleness and the sync guard see a mixed
 sample as stale); a sample that stopped is never sent again; rollouts come back in the batch's order (prompt, then
@@ -18,11 +22,15 @@ so a run is not reproducible step for step.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass, field, replace
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from orlhf.types import GenerationRequest, Rollout, SamplingSpec, continuation_seed, max_new_tokens, request_seed
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +130,15 @@ class PartialGenerator:
         return finish(samples)
 
 
+def segmenter(executor, engines, ppo, agent_func_path: Optional[str]):
+    """--partial_rollout: what generates a batch in segments and lets a sync in between two (its `between`): the
+    agents' runner itself (rollout/executor.py AgentRunner: its turns, TurnGate), else a PartialGenerator; None
+    without --partial_rollout."""
+    if not ppo.partial_rollout:
+        return None
+    return executor if agent_func_path else PartialGenerator(engines, ppo.partial_rollout_segment)
+
+
 def version_stats(rollouts: list[Rollout], trainer_version: int) -> dict[str, float]:
     """Per-token staleness (trainer version - the version each token was sampled with: mean and max over the batch's
     response tokens) and the share of samples whose tokens come from more than one version (they crossed a sync)."""
@@ -132,3 +149,46 @@ def version_stats(rollouts: list[Rollout], trainer_version: int) -> dict[str, fl
         "token_staleness_max": float(max(ages, default=0)),
         "crossed_sync_frac": crossed / len(rollouts) if rollouts else 0.0,
     }
+
+
+class TurnGate:
+    """--partial_rollout with agents: the episodes' engine calls go through `call`; when a weight sync is waiting
+    (`waiting()`), no new call starts, and once none is in flight `between()` lets the sync run (it blocks the
+    episodes' event loop meanwhile). Without a waiting sync, calls start as they come (one per engine at a time,
+    rollout/executor.py's EngineClient)."""
+
+    def __init__(self, between: Optional[Callable[[], object]] = None, waiting: Callable[[], bool] = lambda: False):
+        self.between, self.waiting = between, waiting
+        self.in_flight = 0
+        self._idle: Optional[asyncio.Event] = None  # made in the episodes' loop
+
+    async def call(self, start: Callable[[], "Future"]) -> object:
+        if self._idle is None:
+            self._idle = asyncio.Event()
+            self._idle.set()
+        while self.between is not None and self.waiting():
+            if self.in_flight == 0:
+                self.between()  # nothing in flight: the sync runs now, and has run when this returns
+                break
+            await self._idle.wait()
+        self.in_flight += 1
+        self._idle.clear()
+        try:
+            return await asyncio.wrap_future(start())
+        finally:
+            self.in_flight -= 1
+            if self.in_flight == 0:
+                self._idle.set()
+
+
+def turn_versions(action_ranges: list[tuple[int, int]], start: int, length: int, versions: list[int]) -> list[int]:
+    """(R,) weight version of each response token of an agent episode: an action range's tokens have the version of
+    the turn that sampled it, a feedback token that of the turn before it. `start`: where the response begins in the
+    episode's tokens; `versions`: one per turn, in order. Needs one action range per turn (the executor's contract
+    with MultiTurnAgentExecutor); otherwise every token gets the oldest version."""
+    if len(action_ranges) != len(versions) or not versions:
+        return [min(versions, default=0)] * length
+    out = [versions[0]] * length
+    for (s, _), v in zip(action_ranges, versions):  # each turn's version from its action's first token on
+        out[s - start :] = [v] * (length - (s - start))
+    return out

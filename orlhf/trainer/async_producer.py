@@ -17,12 +17,21 @@ reward model: Scorer.ahead, orlhf/trainer/scoring.py), so they run while the tra
 segments (rollout/partial.py), and between two segments the producer lets a waiting sync take the lock
 (SyncGate.yield_to_sync): a sync then waits for one segment, not for the longest response of the batch.
 
+`pending` (optional): batches a checkpoint kept (pending()), used for the loader's first batches instead of
+generating them again: a resumed run trains what the stopped one had generated, with the weights it had.
+
 Invariants:
-- At most `queue_size` batches are generated and not yet taken by the trainer (a semaphore of queue_size
-  slots, released when the controller takes a batch); so rollouts are at most queue_size versions stale (with
+- At most `queue_size` batches are generated and not yet taken by the trainer (queue_size slots, one taken per batch
+  and given back when the controller takes it); so rollouts are at most queue_size versions stale (with
   --partial_rollout: their oldest tokens).
 - A weight sync holds the gate's lock, which the producer holds while generating: weights never change within an
   engine call (with --partial_rollout they may change between two segments of a batch).
+- A sync starts once the producer is generating or cannot (SyncGate.settle -> settled()): a batch given a slot
+  before the sync is generated with the weights before it. Which weights generate which batch is then fixed by the
+  order of the calls, not by which thread wins the lock, so an async run repeats itself (without --partial_rollout,
+  whose syncs land between segments as they come) and a resume from pending() trains the batches an uninterrupted
+  run would.
+- pending() waits until no generation is in flight: the queue then holds every batch generated and not trained.
 - An exception in the producer is re-raised in the controller's thread at the next get; stopping the
   producer (context exit: the end, an error or Ctrl-C) returns within STOP_WAIT_S. A generation in flight
   cannot be interrupted from here: the thread (a daemon) is left to end when the engines are shut down, which
@@ -51,12 +60,14 @@ class SyncGate:
         self.lock = threading.Lock()
         self._cond = threading.Condition()
         self._waiting = 0  # syncs asking for the lock
+        self.settle: Callable[[], None] = lambda: None  # waited for before a sync (the producer's settled())
         self.yielded_s = 0.0  # seconds the producer spent letting syncs run (not generation time)
         self.yields = 0
 
     @contextmanager
     def sync(self) -> Iterator[None]:
         """The controller's side: hold the lock for a weight sync; a generator between segments lets go of it."""
+        self.settle()
         with self._cond:
             self._waiting += 1
         try:
@@ -69,6 +80,12 @@ class SyncGate:
             yield
         finally:
             self.lock.release()
+
+    @property
+    def waiting(self) -> bool:
+        """A sync is asking for the lock (agents' turns hold off new engine calls until it ran: partial.TurnGate)."""
+        with self._cond:
+            return self._waiting > 0
 
     def yield_to_sync(self) -> bool:
         """The producer's side, holding the lock between two segments: when a sync is waiting, let it run, then
@@ -110,16 +127,22 @@ class RolloutProducer:
         ahead: Optional[Callable[[list, list], Any]] = None,
         fill: Optional[Callable[[Iterator[list], int], Any]] = None,
         batches_per_generation: int = 1,
+        pending: tuple = (),
     ):
         self.generate, self.loader, self.ahead, self.fill = generate, loader, ahead, fill
         self.per_generation = batches_per_generation  # --vllm_generate_batch_size / --rollout_batch_size
         self.gate = SyncGate()
+        self.gate.settle = self.settled
         self.lock = self.gate.lock  # held while generating and while syncing weights
-        self._slots = threading.Semaphore(queue_size)
+        self._pending = list(pending)  # (rollouts, seconds) of the loader's next batches, from a checkpoint
         self._queue: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="orlhf-rollout-producer", daemon=True)
         self._first_index = getattr(loader, "steps_done", 0)
+        # The producer's state, under _cv: free slots; a batch taken and not yet queued; the generation lock held;
+        # the thread ended.
+        self._cv = threading.Condition()
+        self._free, self._working, self._in_lock, self._ended = queue_size, False, False, False
 
     def __enter__(self) -> "RolloutProducer":
         self._thread.start()
@@ -127,7 +150,8 @@ class RolloutProducer:
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
-        self._slots.release()  # unblock a producer waiting for a slot
+        with self._cv:
+            self._cv.notify_all()  # unblock a producer waiting for a slot
         self._thread.join(timeout=STOP_WAIT_S)
         if self._thread.is_alive():
             log.info(
@@ -138,57 +162,127 @@ class RolloutProducer:
         """(prompts, rollouts, generation seconds, ahead's result or None, the filled batch or None) per batch, in
         loader order."""
         while True:
-            item = self._queue.get()
-            if item is _DONE:
+            item = self.next()
+            if item is None:
                 return
-            if isinstance(item, BaseException):
-                raise item
-            self._slots.release()  # the trainer has it: the producer may start one more
             yield item
 
+    def next(self) -> Optional[tuple[list, list, float, Any, Any]]:
+        """The next batch (as __iter__ yields it), None after the last."""
+        item = self._queue.get()
+        if item is _DONE:
+            return None
+        if isinstance(item, BaseException):
+            raise item
+        with self._cv:  # the trainer has it: the producer may start one more
+            self._free += 1
+            self._cv.notify_all()
+        return item
+
+    # ---- the producer's state, for syncs and checkpoints --------------------------------------------------------
+    def _quiet(self) -> bool:
+        """No generation in flight, and none can start before the trainer takes a batch."""
+        return self._ended or (not self._working and self._free < self._needs())
+
+    def _needs(self) -> int:
+        """Slots the next batch takes: one, or one per batch of a generation (a kept batch is queued alone)."""
+        return 1 if self._pending else self.per_generation
+
+    def settled(self) -> None:
+        """Wait until the producer generates (holds the lock) or cannot (no slot, or ended): a sync then never takes
+        the lock before a batch that had its slot first."""
+        with self._cv:
+            self._cv.wait_for(lambda: self._in_lock or self._quiet())
+
+    def pending(self) -> tuple[list[tuple[list, float]], int]:
+        """Once no generation is in flight: the batches generated and not yet taken, in order, as (rollouts,
+        generation seconds), and how many filled batches (--dynamic_filtering) were left out: those cannot be
+        rebuilt from the loader's position."""
+        with self._cv:
+            self._cv.wait_for(self._quiet)
+            items = [item for item in list(self._queue.queue) if isinstance(item, tuple)]
+        kept = [(rollouts, seconds) for _, rollouts, seconds, _, filled in items if filled is None]
+        return kept, len(items) - len(kept)
+
+    def _take(self, n: int) -> bool:
+        """Wait for `n` free slots and take them; False when stopping."""
+        with self._cv:
+            self._cv.wait_for(lambda: self._free >= n or self._stop.is_set())
+            if self._stop.is_set():
+                return False
+            self._free -= n
+            self._working = True
+            return True
+
+    def _set(self, **state) -> None:
+        with self._cv:
+            for name, value in state.items():
+                setattr(self, f"_{name}", value)
+            self._cv.notify_all()
+
+    @contextmanager
+    def _generating(self) -> Iterator[None]:
+        with self.lock:
+            self._set(in_lock=True)
+            try:
+                yield
+            finally:
+                self._set(in_lock=False)
+
+    # ---- the thread ---------------------------------------------------------------------------------------------
     def _run(self) -> None:
         try:
             if self.per_generation > 1:
                 self._run_grouped()
                 return
             for i, batch in enumerate(self._batches(), start=self._first_index):
-                self._slots.acquire()
-                if self._stop.is_set():
+                if not self._take(1):
                     return
-                with self.lock:
-                    t0, yielded = time.perf_counter(), self.gate.yielded_s
-                    prompts, rollouts, filled = self._make(batch, i)
-                    seconds = time.perf_counter() - t0 - (self.gate.yielded_s - yielded)  # syncs let through: not ours
+                t0 = time.perf_counter()
+                if self._pending and self.fill is None:  # generated before a checkpoint: trained as it was
+                    (rollouts, seconds), prompts, filled = self._pending.pop(0), batch, None
+                else:
+                    with self._generating():
+                        t0, yielded = time.perf_counter(), self.gate.yielded_s
+                        prompts, rollouts, filled = self._make(batch, i)
+                        seconds = time.perf_counter() - t0 - (self.gate.yielded_s - yielded)  # syncs let through
                 if self._stop.is_set() or prompts is None:
                     break
                 early = self.ahead(prompts, rollouts) if self.ahead is not None else None
                 self._queue.put((prompts, rollouts, seconds, early, filled))
+                self._set(working=False)
             self._queue.put(_DONE)
         except BaseException as e:  # surfaced in the controller's thread
             self._queue.put(e)
+        finally:
+            self._set(ended=True, working=False)
 
     def _run_grouped(self) -> None:
         """--vllm_generate_batch_size: several loader batches generated in one call (one weight version, the first
-        batch's sampling seed), then queued one by one; each takes a slot, so the queue must hold them all."""
+        batch's sampling seed), then queued one by one; each takes a slot, so the queue must hold them all. Batches
+        a checkpoint kept are queued first, one by one."""
         loader = iter(self.loader)
         index = self._first_index
         while True:
-            group = [b for _, b in zip(range(self.per_generation), loader)]
+            group = [b for _, b in zip(range(self._needs()), loader)]
             if not group:
                 break
-            for _ in group:
-                self._slots.acquire()
+            if not self._take(len(group)):
+                return
+            if self._pending:
+                parts = [self._pending.pop(0)]
+            else:
+                with self._generating():
+                    t0, yielded = time.perf_counter(), self.gate.yielded_s
+                    rollouts = self.generate([p for b in group for p in b], index)
+                    seconds = time.perf_counter() - t0 - (self.gate.yielded_s - yielded)
+                parts = [(part, seconds / len(group)) for part in split_rollouts(rollouts, [len(b) for b in group])]
             if self._stop.is_set():
                 return
-            with self.lock:
-                t0, yielded = time.perf_counter(), self.gate.yielded_s
-                rollouts = self.generate([p for b in group for p in b], index)
-                seconds = time.perf_counter() - t0 - (self.gate.yielded_s - yielded)
-            if self._stop.is_set():
-                return
-            for prompts, part in zip(group, split_rollouts(rollouts, [len(b) for b in group])):
+            for prompts, (part, seconds) in zip(group, parts):
                 early = self.ahead(prompts, part) if self.ahead is not None else None
-                self._queue.put((prompts, part, seconds / len(group), early, None))
+                self._queue.put((prompts, part, seconds, early, None))
+            self._set(working=False)
             index += len(group)
         self._queue.put(_DONE)
 

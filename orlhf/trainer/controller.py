@@ -41,7 +41,7 @@ from orlhf.algo.kl import make_kl_controller
 from orlhf.config.train_config import TrainConfig
 from orlhf.inputs.vision import vision_prompts
 from orlhf.rollout.executor import agent_metrics, make_executor
-from orlhf.rollout.partial import PartialGenerator, version_stats
+from orlhf.rollout.partial import segmenter, version_stats
 from orlhf.storage.metrics import MetricsLogger
 from orlhf.trainer.async_producer import SyncGate
 from orlhf.trainer.dynamic_filtering import DynamicFilter
@@ -109,8 +109,8 @@ class Controller(CheckpointSteps):
         self.run_restarts = 0  # --max_restarts restarts of this invocation before this controller (launch/restart.py)
         self._saved_step: Optional[int] = None  # step of this invocation's newest checkpoint
         self._sync_gate = SyncGate()  # async mode: the producer's, shared with its generations
-        # --partial_rollout: the batch in segments, a waiting sync let through between two (fit_async sets `between`)
-        self.partial = PartialGenerator(models.rollout, p.partial_rollout_segment) if p.partial_rollout else None
+        # --partial_rollout: the batch in segments (agents: their turns), a waiting sync let in between two (fit_async)
+        self.partial = segmenter(self.executor, models.rollout, p, cfg.data.agent_func_path)
         self._last_step_end = time.perf_counter()
         self.filter = (
             DynamicFilter(
@@ -180,20 +180,28 @@ class Controller(CheckpointSteps):
             self.scorer.ahead,
             fill=fill,
             batches_per_generation=per_generation,
+            pending=self.pending,  # what the resumed checkpoint had generated (run_state.py)
         )
+        self.producer, self.pending = producer, ()  # a checkpoint keeps its batches generated ahead
         self._sync_gate = producer.gate
         if self.partial is not None:
             self.partial.between = producer.gate.yield_to_sync
+        if self.partial is self.executor:  # agents: new turns wait while a sync waits (rollout/partial.py TurnGate)
+            self.executor.sync_waiting = lambda: producer.gate.waiting
         with producer, self.progress() as report:
-            for prompts, rollouts, gen_seconds, ahead, filled in producer:
-                if self.should_stop():
-                    self.save_at_stop()
+            while not self.should_stop():  # before taking a batch: a stop keeps it in the producer's queue, saved
+                item = producer.next()
+                if item is None:
                     break
+                prompts, rollouts, gen_seconds, ahead, filled = item
                 self.timings = {"generate": gen_seconds}
                 if filled is None:
                     report(self.learn(prompts, rollouts, ahead=ahead))
                 else:
                     report({**self.learn(prompts, rollouts, filled.reward, ahead=ahead), **filled.info})
+            if self.should_stop():  # --stop_after_steps, a signal: saved here, with the batches generated ahead
+                self.save_at_stop()
+        self.producer = None
         return self.history
 
     def learn(
@@ -351,10 +359,13 @@ class Controller(CheckpointSteps):
             g = torch.Generator().manual_seed(self.cfg.ppo.seed + 7919 * self.step_index + epoch)
             order = prompt_major_order(exp, g) if one_step else torch.randperm(len(exp), generator=g)
             shuffled = exp.index(order)
+            # both start at once (one after the other under --async_train --deepspeed_enable_sleep: hybrid_memory.py)
             actor_call = (
-                None if self.actor_frozen else self.m.actor.call_sharded(PolicyWorker.train_step, shuffled, kl_coef)
+                None
+                if self.actor_frozen
+                else self.sleep.train(self.m.actor, PolicyWorker.train_step, shuffled, kl_coef)
             )
-            critic_call = self.m.critic.call_sharded(CriticWorker.train_step, shuffled) if self.m.critic else None
+            critic_call = self.sleep.train(self.m.critic, CriticWorker.train_step, shuffled) if self.m.critic else None
             actor_stats += actor_call.get() if actor_call is not None else []
             if critic_call is not None:
                 critic_stats += critic_call.get()

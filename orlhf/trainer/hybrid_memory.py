@@ -6,6 +6,14 @@
     before_sync       engines wake their weights only, so the sync has somewhere to write
     (the engines start asleep under --vllm_enable_sleep: the first wake-up, sync or generate, takes the weights)
 
+Under --async_train the engines keep devices of their own and generate while the trainers train, so there is no
+generation phase to free the trainers' memory in. --deepspeed_enable_sleep then means what OpenRLHF makes of it
+there: the actor's and the critic's training states (optimizer states, fp32 masters, gradients) stay in host
+memory except while that model trains, its parameters staying on the device for forwards and weight syncs; the two
+train one after the other (`train`), so each trains on memory the other freed, and the frozen models' forwards of
+the next batch, colocated with them, run beside smaller trainers. A checkpoint's save brings them back for itself
+(DeepSpeedWorker.save_checkpoint).
+
 On CPU there is no device memory to hand over: the flags are accepted (so GPU launch scripts run unchanged)
 and the switch says once that it does nothing.
 """
@@ -13,6 +21,7 @@ and the switch says once that it does nothing.
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 from orlhf.workers.base import DeepSpeedWorker
 
@@ -25,7 +34,8 @@ class SleepSwitch:
         on_gpu = cfg.runtime.device == "cuda"
         asked = cfg.vllm.enable_sleep or cfg.deepspeed.enable_sleep
         self.vllm = cfg.vllm.enable_sleep and on_gpu
-        self.deepspeed = cfg.deepspeed.enable_sleep and on_gpu
+        self.deepspeed = cfg.deepspeed.enable_sleep and on_gpu and not cfg.ppo.async_train
+        self.apart = cfg.deepspeed.enable_sleep and on_gpu and cfg.ppo.async_train  # states off except in training
         # bringup.start_plan puts the engines to sleep before the trainers start: the first generation must
         # wake their weights too, not only the KV cache.
         self.weights_asleep = self.vllm
@@ -61,3 +71,24 @@ class SleepSwitch:
         if self.vllm and self.weights_asleep:
             self.m.rollout.wake_up(["weights"])
             self.weights_asleep = False
+
+    def train(self, group, fn: Callable, *args):
+        """The call of `fn` (a trained group's train_step) on `group`'s shards. Under --async_train with
+        --deepspeed_enable_sleep: its states reloaded first, the call waited for, its states (not its parameters)
+        offloaded after, so a second model's training starts only once this one freed its memory."""
+        if not self.apart:
+            return group.call_sharded(fn, *args)
+        group.call(DeepSpeedWorker.reload_states).get()
+        results = group.call_sharded(fn, *args).get()
+        group.call(DeepSpeedWorker.offload_states, params=False).get()
+        return _Done(results)
+
+
+class _Done:
+    """A call already waited for, read like a pending one."""
+
+    def __init__(self, results: list):
+        self.results = results
+
+    def get(self) -> list:
+        return self.results

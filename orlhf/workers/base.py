@@ -62,6 +62,8 @@ class DeepSpeedWorker:
     # Causal LMs set it at init: forwards run each distinct prompt once (workers/shared_prompt.py), so scoring
     # keeps a prompt's rows in one micro-batch
     shared_prompt = False
+    # offload_states' `params` while this worker's states are in host memory, else None (workers/base.py's save)
+    states_away: Optional[bool] = None
 
     @property
     def shared_prompt_train(self) -> bool:
@@ -331,12 +333,17 @@ class DeepSpeedWorker:
     # ---- hybrid mode: give the device to the engines while they generate (--deepspeed_enable_sleep) ----
 
     @endpoint
-    def offload_states(self) -> bool:
-        """Move ZeRO-3 parameters, gradients and optimizer states to host memory. False if there is nothing
-        to do (CPU, or not ZeRO-3, where DeepSpeed has no offload_states)."""
+    def offload_states(self, params: bool = True) -> bool:
+        """Move ZeRO-3 parameters, gradients and optimizer states to host memory; params=False keeps the module's
+        parameters on the device, so forwards and weight syncs still run (--async_train's sleep). False if there is
+        nothing to do (CPU, or not ZeRO-3, where DeepSpeed has no offload_states)."""
         if self.cfg.device != "cuda" or not self.zero3:
             return False
-        self.engine.offload_states(pin_memory=True, non_blocking=False)
+        from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as State
+
+        include = None if params else [s for s in State if s != State.lp_params]
+        self.engine.offload_states(include=include, pin_memory=True, non_blocking=False)
+        self.states_away = params  # what a checkpoint's save brings back and sends away again
         return True
 
     @endpoint
@@ -344,14 +351,21 @@ class DeepSpeedWorker:
         if self.cfg.device != "cuda" or not self.zero3:
             return False
         self.engine.reload_states(non_blocking=False)
+        self.states_away = None
         return True
 
     @endpoint
     def save_checkpoint(self, folder: str) -> None:
-        """Collective: this model's training state as a DeepSpeed checkpoint (workers/checkpoint_io.py)."""
+        """Collective: this model's training state as a DeepSpeed checkpoint (workers/checkpoint_io.py); offloaded
+        states (--async_train --deepspeed_enable_sleep keeps them away between trainings) come back for it."""
         from orlhf.workers.checkpoint_io import save_worker_checkpoint
 
+        away = self.states_away
+        if away is not None:
+            self.reload_states()
         save_worker_checkpoint(self, folder)
+        if away is not None:
+            self.offload_states(away)
 
     @endpoint
     def load_checkpoint(self, folder: str) -> None:

@@ -2,9 +2,9 @@
 
 - The built-in multi-turn environment (orlhf/demo/agent.py, 3 turns) learns: reward of the last 10 steps >= 1.5x
   the first 10, with --async_train (--async_queue_size 2: each step trains on rollouts at most 2 versions old,
-  and generation really overlaps training) and --n_samples_per_prompt 4, while evaluating every 8 steps and
-  keeping the best checkpoint outside the rotation. (This run is also the suite's async check: a run costs a
-  whole start-up.)
+  and generation really overlaps training) and --partial_rollout (a sync lands between two turns; OpenRLHF's async
+  agent scripts use both) and --n_samples_per_prompt 4, while evaluating every 8 steps and keeping the best
+  checkpoint outside the rotation. (This run is also the suite's async check: a run costs a whole start-up.)
 - Evaluation never changes the training trajectory: the same steps with and without --eval_dataset give the same
   rewards, losses and KL (gae: the critic sees the multi-turn masks too).
 - A bad agent step stops the run with one message naming the agent file, the sample and the key.
@@ -70,6 +70,7 @@ def test_multi_turn_demo_learns_async_with_eval_and_best_checkpoint(ray_local, t
         "--async_train",
         "--async_queue_size",
         "2",
+        "--partial_rollout",
         "--num_episodes",
         "3",
         "--eval_dataset",
@@ -90,6 +91,8 @@ def test_multi_turn_demo_learns_async_with_eval_and_best_checkpoint(ray_local, t
     for r in rows:  # trained at version weight_version - 1 on rollouts of generation_weight_version
         assert r["staleness"] == r["weight_version"] - 1 - r["generation_weight_version"]
         assert 0 <= r["staleness"] <= 2
+        # --partial_rollout: each action token's version is its turn's; staleness counts the oldest
+        assert 0 <= r["token_staleness_mean"] <= r["token_staleness_max"] <= r["staleness"]
     assert max(r["staleness"] for r in rows) >= 1  # generation really overlapped training
     assert all(r["agent/turns"] == 3.0 for r in rows)  # every episode ran its 3 turns
     assert all(0 < r["response_length"] <= 24 for r in rows)  # model tokens only: 3 turns x <= 8

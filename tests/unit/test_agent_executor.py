@@ -262,3 +262,58 @@ def test_agents_run_without_vllm_where_the_actor_samples(tmp_path, monkeypatch):
     )
     with pytest.raises(ImportError):  # vLLM's engines: vLLM's SamplingParams, as before
         vllm_runner.generate(prompts(["x"]), SamplingSpec(max_new_tokens=3, seed=5))
+
+
+class VersionedEngines:
+    """Two engines answering "red " at the weight version they hold; the test's sync bumps it. A sync is asked once
+    both first calls are in flight (each first call answers only then), and every sync records how many calls were
+    in flight when it ran."""
+
+    def __init__(self):
+        self.version, self.in_flight, self.calls = 7, 0, 0
+        self.sync_asked, self.syncs = False, []
+        self.lock, self.both_started = threading.Lock(), threading.Event()
+
+    def __call__(self, engine: int, requests: list):
+        with self.lock:
+            self.in_flight += 1
+            self.calls += 1
+            if self.calls == 2:  # a trainer step ended while the first turns generate
+                self.sync_asked = True
+                self.both_started.set()
+            version = self.version
+        fut = concurrent.futures.Future()
+
+        def answer():
+            assert self.both_started.wait(10)
+            with self.lock:
+                self.in_flight -= 1
+            out = [ord(c) for c in "red "]
+            fut.set_result(
+                [(out[: p.max_tokens], [-0.25] * min(4, p.max_tokens), "length", version) for _, p in requests]
+            )
+
+        threading.Thread(target=answer).start()
+        return fut
+
+    def sync(self) -> bool:
+        with self.lock:
+            self.syncs.append(self.in_flight)
+            self.sync_asked = False
+            self.version += 1
+        return True
+
+
+def test_partial_rollout_lets_a_sync_in_between_two_turns_with_no_engine_call_in_flight(tmp_path):
+    """--partial_rollout with agents: a sync asked during the first turns runs once both engines' calls are back and
+    before any second turn starts; the second turns sample at the new version, and each token keeps its turn's."""
+    engines = VersionedEngines()
+    runner = AgentRunner(write_agent(tmp_path), None, CharTokenizer(), max_length=20, call=engines)
+    runner.num_engines = 2  # samples 0-1 on engine 0, 2-3 on engine 1
+    runner.between, runner.sync_waiting = engines.sync, lambda: engines.sync_asked
+    rollouts = runner.generate(prompts(["a", "b"]), SamplingSpec(temperature=1.0, max_new_tokens=3, n=2, seed=5))
+    assert engines.syncs == [0]  # one sync, with nothing in flight
+    assert engines.calls == 4  # the two first turns, then the second turns (one call per engine each)
+    for r in rollouts:  # Q | red (v7) ok | red (v8) ok
+        assert r.weight_version == 7
+        assert r.token_versions == [7] * 5 + [8] * 5

@@ -132,12 +132,15 @@ def test_colocated_start_order_is_engines_then_sleep_then_trainers():
 class _Recorder:
     timeout_s = 600.0
 
-    def __init__(self, log):
-        self.log = log
+    def __init__(self, log, name=None):
+        self.log, self.name = log, name
 
-    def call(self, method, *args):
-        self.log.append((method.__name__, *args))  # a method reference (orlhf/distributed/endpoints.py)
+    def call(self, method, *args, **kwargs):
+        # a method reference (orlhf/distributed/endpoints.py); a group's name first when it has one
+        self.log.append((*((self.name,) if self.name else ()), method.__name__, *args, *kwargs.values()))
         return self
+
+    call_sharded = call
 
     def get(self):
         return None
@@ -163,6 +166,36 @@ def test_sleep_switch_first_generation_wakes_the_weights_put_to_sleep_at_start()
         ("wake_up", ["weights"]),
         ("wake_up", ["kv_cache"]),
     ]
+
+
+def test_async_sleep_trains_the_actor_and_the_critic_one_after_the_other_with_their_states_back():
+    """--async_train --deepspeed_enable_sleep (OpenRLHF's meaning): each trained group's states come back for its own
+    training only and leave without its parameters; nothing moves around generation (the engines have their own
+    devices)."""
+    from types import SimpleNamespace
+
+    from orlhf.trainer.hybrid_memory import SleepSwitch
+    from orlhf.workers import CriticWorker, PolicyWorker
+
+    log: list = []
+    cfg = build(device="cuda", colocate_all_models=True, deepspeed_enable_sleep=True, async_train=True)
+    actor, critic = _Recorder(log, "actor"), _Recorder(log, "critic")
+    switch = SleepSwitch(cfg, SimpleNamespace(rollout=None, actor=actor, critic=critic))
+    switch.before_generate()
+    switch.after_generate()
+    assert log == []
+    switch.train(actor, PolicyWorker.train_step, "exp", 0.1).get()
+    switch.train(critic, CriticWorker.train_step, "exp").get()
+    assert log == [
+        ("actor", "reload_states"),
+        ("actor", "train_step", "exp", 0.1),
+        ("actor", "offload_states", False),
+        ("critic", "reload_states"),
+        ("critic", "train_step", "exp"),
+        ("critic", "offload_states", False),
+    ]
+    hybrid = SleepSwitch(build(device="cuda", colocate_all_models=True, deepspeed_enable_sleep=True), None)
+    assert hybrid.deepspeed and not hybrid.apart  # without --async_train: around generation, as before
 
 
 # ---- optimizer (defect 4) ------------------------------------------------------------------------------------
@@ -341,3 +374,26 @@ def test_arch_list_rewritten_for_the_process(monkeypatch):
     assert os.environ["TORCH_CUDA_ARCH_LIST"] == "9.0"
     use_arch_list_deepspeed_reads()  # idempotent
     assert os.environ["TORCH_CUDA_ARCH_LIST"] == "9.0"
+
+
+def test_a_save_brings_offloaded_states_back_for_itself(monkeypatch):
+    """Between trainings (--async_train --deepspeed_enable_sleep) a worker's states are in host memory: its
+    checkpoint's save reloads them, writes, and offloads them again as they were (parameters kept)."""
+    from types import SimpleNamespace
+
+    from orlhf.workers import checkpoint_io
+    from orlhf.workers.base import DeepSpeedWorker
+
+    log: list = []
+    monkeypatch.setattr(checkpoint_io, "save_worker_checkpoint", lambda w, folder: log.append(("save", folder)))
+    worker = SimpleNamespace(
+        states_away=False,
+        reload_states=lambda: log.append(("reload",)),
+        offload_states=lambda params: log.append(("offload", params)),
+    )
+    DeepSpeedWorker.save_checkpoint(worker, "ckpt")
+    assert log == [("reload",), ("save", "ckpt"), ("offload", False)]
+    log.clear()
+    worker.states_away = None  # on the device (hybrid mode after generation, or no sleep): a plain save
+    DeepSpeedWorker.save_checkpoint(worker, "ckpt")
+    assert log == [("save", "ckpt")]

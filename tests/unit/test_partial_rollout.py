@@ -11,7 +11,7 @@ import pytest
 from orlhf.config.flags import build_config
 from orlhf.config.ppo_config import PPOConfig
 from orlhf.config.train_config import ConfigError
-from orlhf.rollout.partial import PartialGenerator, version_stats
+from orlhf.rollout.partial import PartialGenerator, turn_versions, version_stats
 from orlhf.trainer.async_producer import RolloutProducer, SyncGate
 from orlhf.trainer.experience import rollouts_to_batch
 from orlhf.types import Rollout, SamplingSpec, continuation_seed, max_new_tokens, request_seed
@@ -167,8 +167,8 @@ def test_without_a_waiting_sync_the_producer_keeps_the_lock():
         ({"partial_rollout_tokens": 64}, "--partial_rollout_tokens does nothing without --partial_rollout"),
         ({"partial_rollout": True, "rollout_backend": "trainer"}, "--partial_rollout lets weight syncs into the vLLM"),
         (
-            {"partial_rollout": True, "async_train": True, "agent_func_path": "agent.py"},
-            "--partial_rollout with --agent_func_path",
+            {"partial_rollout": True, "async_train": True, "agent_func_path": "agent.py", "partial_rollout_tokens": 8},
+            "--partial_rollout_tokens cuts single-turn generations",
         ),
     ],
 )
@@ -182,3 +182,10 @@ def test_accepted_with_async_train_and_the_segment_default():
     assert cfg.ppo.partial_rollout and cfg.ppo.partial_rollout_segment == 256  # at least 256 tokens a call
     assert PPOConfig(generate_max_len=16000).partial_rollout_segment == 2000  # at most 8 calls for the longest
     assert PPOConfig(generate_max_len=16000, partial_rollout_tokens=16).partial_rollout_segment == 16
+
+
+def test_an_agent_episode_s_tokens_get_their_turn_s_version():
+    # prompt of 2 tokens; turn 1 = tokens 2..4 (v3), feedback 4..5, turn 2 = tokens 5..7 (v4), feedback 7..8
+    assert turn_versions([(2, 4), (5, 7)], 2, 6, [3, 4]) == [3, 3, 3, 4, 4, 4]
+    # a custom executor with another number of action ranges than turns: every token counts as the oldest
+    assert turn_versions([(2, 7)], 2, 6, [3, 4]) == [3] * 6
