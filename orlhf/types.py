@@ -115,6 +115,10 @@ class Rollout:
     # vision-language prompts: the prompt's image tensors from the model's processor (pixel_values, ...), set by the
     # executor in the driver and shared by the prompt's samples; None for a text prompt
     vision: Optional[dict] = None
+    # (N, L, K) int16 --router_replay R3: the experts the engine routed each of the first N tokens of prompt +
+    # response to, per decoder layer (-1 where a layer has no router); N = P + R - 1 (the last sampled token never
+    # went through the model). None when not recorded.
+    routed_experts: Optional[torch.Tensor] = None
 
 
 class VisionRows:
@@ -223,6 +227,9 @@ class SequenceBatch(Rows):
     attention_mask: torch.Tensor  # (B, T) long/bool: 1 on real tokens
     action_mask: torch.Tensor  # (B, A) bool: 1 on real response tokens (incl. EOS)
     vision: Optional[VisionRows] = None  # (B,) vision-language models: each row's image tensors (VisionRows)
+    # (B, T, L, K) int16 --router_replay: each token's experts per decoder layer, the actor's forwards route to them
+    # (-1: none recorded, the trainer routes that token itself); None when off
+    routing: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -245,9 +252,10 @@ class Experience(Rows):
     rollout_log_probs: Optional[torch.Tensor] = None
     weight_version: int = 0  # actor weight version the engines generated with (async staleness bookkeeping)
     vision: Optional[VisionRows] = None  # (B,) vision-language models: each row's image tensors (VisionRows)
+    routing: Optional[torch.Tensor] = None  # (B, T, L, K) int16 --router_replay, as SequenceBatch.routing
 
     def as_sequence_batch(self) -> SequenceBatch:
-        return SequenceBatch(self.sequences, self.attention_mask, self.action_mask, self.vision)
+        return SequenceBatch(self.sequences, self.attention_mask, self.action_mask, self.vision, self.routing)
 
 
 @dataclass
