@@ -2,8 +2,9 @@
 the demo's paths resolved).
 
     lock the run and checkpoint folders (runlock: a second run on them exits here) -> file pre-flight (weight files,
-    value heads, agent file) -> prompts, reward file, eval data (launch/run_inputs.py, in a thread) while Ray connects,
-    their errors raised before anything is placed -> pre-flight + placement groups -> the rollout backend's early start
+    value heads, agent file) -> the tokenizer, prompts, reward file's source, eval data, checkpoint to resume
+    (launch/run_inputs.py), their errors raised before Ray starts -> Ray connects (meanwhile, in a thread: the reward
+    file imported, torch with it) -> pre-flight + placement groups -> the rollout backend's early start
     (vLLM engines, async) and model groups (colocated on GPUs: engines ready -> engines asleep -> model groups;
     launch/bringup.py) -> init all -> the backend connected (weight-sync group) -> Controller.fit()
     -> export the final actor, and critic (atomic; failed: a checkpoint keeps the weights, launch/export.py)
@@ -29,7 +30,7 @@ from orlhf.config.train_config import TrainConfig
 from orlhf.distributed.ray_start import connect_ray, end_ray
 from orlhf.launch.bringup import launch_rollout, start_models, tuning_for
 from orlhf.launch.preflight import preflight
-from orlhf.launch.run_inputs import new_loader, read_inputs
+from orlhf.launch.run_inputs import finish_inputs, new_loader, read_files
 from orlhf.launch.stop_signals import RESTART, RunStop
 from orlhf.storage.run_folder import RunFolder
 
@@ -58,8 +59,8 @@ def train_ppo(cfg: TrainConfig) -> int:
 def run_locked(cfg: TrainConfig, run_id: str, clock, stop: RunStop) -> int:
     """train_ppo once this process holds the run folder and the checkpoint folder (`clock`:
     launch/startup_clock.StartupClock; `stop`: how SIGINT and SIGTERM end the run)."""
-    # Only what Ray's start needs is imported before it: torch (checkpoint, controller) loads in the inputs thread
-    # (the tokenizer's transformers imports it) while ray.init waits on Ray's processes.
+    # Only what Ray's start needs is imported before it: torch (the reward file, the controller) loads in the inputs
+    # thread while ray.init waits on Ray's processes.
     import ray
 
     from orlhf.distributed.layout import cpu_slots_needed, local_num_cpus, plan_layout
@@ -77,19 +78,21 @@ def run_locked(cfg: TrainConfig, run_id: str, clock, stop: RunStop) -> int:
     gc.disable()
     with ExitStack() as stack:
         stack.callback(gc.enable)  # also when start-up fails
+        # What the run reads from files (the tokenizer, prompts and their images, the reward file's source, eval data,
+        # the checkpoint to resume) fails here, before Ray starts; what imports torch follows beside Ray's start.
+        run = read_files(cfg, run_id, run_logs)
+        stop.checkpoints = run.checkpoints
+        clock.mark("inputs")
         inputs = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="orlhf-inputs"))
-        reading = inputs.submit(read_inputs, cfg, run_id, run_logs)
+        finishing = inputs.submit(finish_inputs, cfg, run)
         # in this thread: Ray sets its SIGTERM handler only here
         tuning = tuning_for(cfg)  # the platform's hooks (distributed/tuning.py), for Ray, engines and groups
         stack.callback(end_ray, ray.is_initialized())  # before: a start cut short by a signal is ended too
         connect_ray(cfg, local_num_cpus(layout), cpu_slots_needed(layout), tuning)
         stop.take_back()  # ray.init replaced the SIGTERM handler
         clock.mark("ray")
-        # What the run reads (prompts, the reward file, eval data, the checkpoint to resume) fails here, before any
-        # placement group, engine or model starts: its thread has mostly finished while Ray started.
-        run = reading.result()
-        stop.checkpoints = run.checkpoints
-        clock.mark("prompts")
+        run = finishing.result()  # the reward file imported: what its source did not show fails here
+        clock.mark("torch")
         from orlhf.launch.restart import Attempt, RunRestarts
 
         restarts = RunRestarts(cfg.runtime.max_restarts, cfg.logging.save_path, run.run_id, run.resume_from is not None)

@@ -38,11 +38,6 @@ class RunInputs:
     reward: Any = None  # finish_inputs: make_reward's source, None when the reward-model group scores
 
 
-def read_inputs(cfg: TrainConfig, run_id: str, run_logs) -> RunInputs:
-    """read_files, then finish_inputs, in the caller's thread."""
-    return finish_inputs(cfg, read_files(cfg, run_id, run_logs))
-
-
 def read_files(cfg: TrainConfig, run_id: str, run_logs) -> RunInputs:
     """Everything a run reads from files that can be wrong, before Ray starts (see the module docstring); the
     cheap checks first, the prompts (the longest read) last but the eval prompts."""

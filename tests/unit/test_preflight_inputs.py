@@ -8,7 +8,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -237,21 +236,53 @@ def test_a_reward_func_calling_sys_exit_is_a_reward_error_naming_file_and_functi
         FunctionReward(path).score(["a"], ["a"], [""])
 
 
-def test_a_reward_file_that_does_not_import_stops_the_run_before_anything_is_placed(tmp_path):
-    """A whole `orlhf train-ppo` (the demo with a broken reward file): the error names the file, and no engine or
-    model rank was started (none wrote its log)."""
+def bad_reward(tmp_path) -> tuple[list[str], str]:
     bad = tmp_path / "bad_reward.py"
     bad.write_text("import no_such_module_here\n")
+    return ["--remote_rm_url", str(bad)], f"error: {bad} failed to import: ModuleNotFoundError: No module named "
+
+
+def bad_row(tmp_path) -> tuple[list[str], str]:
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"prompt": "say colors: red", "label": "colors"}\n{"prompt": "say\n')
+    return ["--prompt_data", str(data)], f"error: {data} line 2: "
+
+
+def no_tokenizer(tmp_path) -> tuple[list[str], str]:
+    folder = demo_copy(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (folder / name).unlink(missing_ok=True)
+    return ["--pretrain", str(folder)] + DEMO_FLAGS, f"error: --pretrain {folder}: cannot load its tokenizer"
+
+
+def bad_targets(tmp_path) -> tuple[list[str], str]:
+    return ["--lora_rank", "4", "--target_modules", "qproj", "vproj"], "--target_modules qproj: no module"
+
+
+# the demo's prompts and reward for a --pretrain that is a copy of the demo model (the preset's lengths fit it)
+DEMO_FLAGS = ["--prompt_max_len", "64", "--generate_max_len", "24", "--input_key", "prompt", "--label_key", "label"]
+
+
+@pytest.mark.parametrize("case", [bad_reward, bad_row, no_tokenizer, bad_targets])
+def test_errors_from_input_files_come_before_ray_starts(tmp_path, case):
+    """A whole `orlhf train-ppo` on the demo with one bad input: the error names it, and Ray was never asked for.
+    --address points at a cluster that does not exist: joining it would fail (or hang) with another error, so the
+    input's error shows that the inputs were read before Ray's start."""
+    from orlhf.demo.builder import ensure_demo
+
+    flags, expected = case(tmp_path)
+    demo = ensure_demo()
+    if "--pretrain" in flags:
+        flags += ["--prompt_data", str(demo.prompts), "--remote_rm_url", str(demo.reward_fn)]
     save = tmp_path / "run"
-    t0 = time.monotonic()
     res = subprocess.run(
         [sys.executable, "-m", "orlhf.cli", "train-ppo", "--device", "cpu", "--save_path", str(save)]
-        + ["--remote_rm_url", str(bad)],
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        + ["--address", "127.0.0.1:1", *flags],
+        env={**os.environ, "PYTHONPATH": str(REPO), "RAY_ADDRESS": ""},
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=120,
     )
-    assert res.returncode == 1, res.stderr[-3000:]
-    assert f"error: {bad} failed to import: ModuleNotFoundError" in res.stderr
-    assert sorted(p.name for p in (save / "logs").iterdir()) == ["driver.log"], time.monotonic() - t0
+    assert res.returncode in (1, 2) and expected in res.stderr, res.stderr[-3000:]
+    assert "Traceback" not in res.stderr
+    assert sorted(p.name for p in (save / "logs").iterdir()) == ["driver.log"]  # no rank or engine started
