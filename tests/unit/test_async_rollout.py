@@ -147,3 +147,101 @@ def test_several_batches_per_generation_are_generated_together_and_queued_one_by
     assert calls == [([10, 11, 12, 13], 0), ([14, 15], 2)]
     assert got[1] == ([12, 13], [(0, 12), (0, 12), (1, 13), (1, 13)])
     assert [p for p, _ in got] == loader
+
+
+class GatedLoader:
+    """Prompt batches [0] .. [n-1] from `steps_done` on; batch i >= 2 is read only once `opened[i]` is set: the
+    producer then starts generating it later than the trainer's sync asks for the lock (a slow thread on a busy
+    machine), the order in which the sync used to win."""
+
+    def __init__(self, n: int, steps_done: int = 0):
+        self.n, self.steps_done = n, steps_done
+        self.opened = [threading.Event() for _ in range(n + 1)]
+        for event in self.opened[: steps_done + 2]:
+            event.set()
+
+    def __iter__(self):
+        for i in range(self.steps_done, self.n):
+            self.opened[i].wait()
+            yield [i]
+
+
+def train(producer, loader, version: list, steps=None) -> list:
+    """The controller's async loop (Controller.fit_async): a stop is checked before taking a batch; after taking
+    batch i the next one is let through the loader, then the sync. Returns (batch, generated at version) pairs."""
+    trained = []
+    with producer:
+        while steps is None or len(trained) < steps:
+            item = producer.next()
+            if item is None:
+                break
+            trained.append((item[0][0], item[1][0].weight_version))
+            loader.opened[item[0][0] + 1].set()
+            with producer.gate.sync():
+                version[0] += 1
+        pending = producer.pending()
+    return trained, pending
+
+
+def test_each_batch_is_generated_with_the_weights_before_the_previous_ones_sync():
+    """Queue size 1: batch i is given its slot when batch i - 1 is taken, before that batch's sync, so it is
+    generated with the weights of version i - 1 (batches 0 and 1: version 0), however late its thread starts: the
+    sync waits until the producer holds the lock (SyncGate.settle). Before, the sync took the lock first whenever the
+    producer's thread was slower, and an async run did not repeat itself."""
+    version = [0]
+    loader = GatedLoader(6)
+
+    def generate(prompts, index):
+        return [FakeRollout(version[0])]
+
+    trained, _ = train(RolloutProducer(generate, loader, 1), loader, version)
+    assert trained == [(0, 0), (1, 0), (2, 1), (3, 2), (4, 3), (5, 4)]
+
+
+def test_a_stop_keeps_the_batches_generated_ahead_and_a_resume_trains_them_as_they_were():
+    """Stopped after 3 steps, the producer's queue holds batch 3, generated with version 2 (pending()). A producer
+    given it (as a resumed checkpoint does) and the loader at step 3 trains it first, without generating it again,
+    then generates batch 4 with version 3: the uninterrupted run's sequence, batch for batch."""
+    version, calls = [0], []
+
+    def generate(prompts, index):
+        calls.append(index)
+        return [FakeRollout(version[0])]
+
+    loader = GatedLoader(6)
+    uninterrupted, _ = train(RolloutProducer(generate, loader, 1), loader, version)
+
+    version, calls[:] = [0], []
+    loader = GatedLoader(6)
+    first, (pending, left_out) = train(RolloutProducer(generate, loader, 1), loader, version, steps=3)
+    assert [rollouts[0].weight_version for rollouts, _ in pending] == [2] and left_out == 0
+    assert calls == [0, 1, 2, 3]
+    loader = GatedLoader(6, steps_done=3)
+    resumed, _ = train(RolloutProducer(generate, loader, 1, pending=pending), loader, version)
+    assert calls == [0, 1, 2, 3, 4, 5]  # batch 3 was not generated again
+    assert first + resumed == uninterrupted
+
+
+def test_a_checkpoint_keeps_the_rollouts_exactly(tmp_path):
+    """What pending() returns goes into the controller's state (run_state.pack_rollouts: JSON + safetensors) and comes
+    back field for field: tokens, each engine log-prob to the last bit, versions, the agents' fields."""
+    import torch
+
+    from orlhf.storage.checkpoint import load_state, save_state
+    from orlhf.trainer.run_state import pack_rollouts, unpack_rollouts
+    from orlhf.types import Rollout
+
+    rollouts = [
+        Rollout(0, [5, 6], [7, 8, 2], [-0.1234567890123456, -1e-300, -17.0], True, engine=1, weight_version=3,
+                token_versions=[2, 3, 3]),
+        Rollout(0, [5, 6], [], [], False, weight_version=2, action_mask=[], reward=0.5, score=1.0,
+                extra_logs={"turns": 2.0}),
+        Rollout(1, [9], [4, 4], [-2.5, -0.75], False, action_mask=[1, 0]),
+    ]  # fmt: skip
+    save_state(tmp_path, "controller", {"pending": [{"rollouts": pack_rollouts(rollouts), "seconds": 1.5}]})
+    (batch,) = load_state(tmp_path, "controller")["pending"]
+    assert unpack_rollouts(batch["rollouts"]) == rollouts and batch["seconds"] == 1.5
+    seen = Rollout(0, [1], [2], [-1.0], True, vision={"pixel_values": torch.arange(6.0).reshape(2, 3)})
+    save_state(tmp_path, "vision", {"r": pack_rollouts([seen])})
+    (back,) = unpack_rollouts(load_state(tmp_path, "vision")["r"])
+    assert torch.equal(back.vision["pixel_values"], seen.vision["pixel_values"])
