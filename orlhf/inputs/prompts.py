@@ -49,7 +49,7 @@ TOKEN_SLACK = 32  # tokens a window's cut may add or lose
 CHARS_PER_TOKEN = 8  # window_chars: this many characters per token, more than common tokenizers' text averages
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: a run may hold millions
 class Prompt:
     text: str  # the formatted prompt string the model is prompted with (template / chat template applied)
     ids: list[int]  # its tokens, at most --prompt_max_len
@@ -143,6 +143,9 @@ class PromptBuilder:
         self.special = not apply_chat_template  # chat templates hold the model's special tokens; plain text gets BOS
         self.window_chars = CHARS_PER_TOKEN * (prompt_max_len + TOKEN_SLACK)
         self.unused_images = 0  # rows with images in a text run (said once, by assemble)
+        # One int object per token id, shared by every prompt's ids: the tokenizer makes a new one per token (ids past
+        # 256 are not cached by Python), several times the list's own bytes when a run holds millions of prompts.
+        self.token_ints = list(range(len(tokenizer)))
 
     def build(self, rows: list[dict]) -> tuple[list[Prompt], PromptStats]:
         """Prompts of rows in a list (PromptRows: their origins name them in errors), Prompt.index the row's."""
@@ -207,7 +210,14 @@ class PromptBuilder:
             ids = _keep_end(ids, self.max_len, self._head(text))
             text = self.tokenizer.decode(ids)
         label = row[self.label_key] if self.label_key else None
-        return Prompt(text, list(ids), label, index, images=images, engine_ids=engine_ids, truncated=truncated)
+        return Prompt(text, self._shared(ids), label, index, images=images, engine_ids=engine_ids, truncated=truncated)
+
+    def _shared(self, ids: list[int]) -> list[int]:
+        """`ids` made of token_ints' objects (a copy, equal)."""
+        try:
+            return list(map(self.token_ints.__getitem__, ids))
+        except IndexError:  # an id past len(tokenizer): kept as it is
+            return list(ids)
 
     def _image_prompt(self, item: tuple, text: str) -> tuple:
         row, where, folder = item

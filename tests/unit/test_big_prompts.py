@@ -34,6 +34,9 @@ class Counting:
     def __getattr__(self, name):
         return getattr(self.tok, name)
 
+    def __len__(self):
+        return len(self.tok)
+
 
 @pytest.fixture(scope="module")
 def tok():
@@ -141,3 +144,9 @@ def test_a_slow_read_shows_a_bar_and_a_quick_one_nothing(tok, tmp_path, capsys, 
     monkeypatch.setattr(prompt_rows, "PROGRESS_DELAY_S", 0.0)
     read_prompts(str(path), None, "train", None, 0, builder)
     assert "prompts p.jsonl" in capsys.readouterr().err
+
+
+def test_prompts_share_one_int_object_per_token_id(tok):
+    """Token ids past 256 are new int objects each time the tokenizer returns them; held prompts share one."""
+    (a, b), _ = PromptBuilder(tok, "q", None, False, None, 64).build([{"q": "say colors: magenta"}] * 2)
+    assert a.ids == b.ids and max(a.ids) > 256 and all(x is y for x, y in zip(a.ids, b.ids))
