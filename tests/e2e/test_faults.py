@@ -169,9 +169,12 @@ def test_sigterm_during_a_restart_stops_at_once_naming_the_checkpoint_kept(tmp_p
 def test_a_signal_saves_the_step_and_stops_cleanly(tmp_path):
     """A scheduler's SIGTERM (before: Ray's C++ stack dump, no checkpoint, no orlhf line), handled as Ctrl-C is
     (launch/stop_signals.py; tests/unit/test_stop_signals.py for SIGINT): the step in progress ends, is saved, and
-    one line says what was kept and how to resume."""
+    one line says what was kept and how to resume. An async run with a vLLM engine: the checkpoint also keeps the batch
+    generated ahead (tests/e2e/test_resume.py resumes one), and the engine's process is gone when the driver exits
+    (before, one was still alive seconds after)."""
     sig = signal.SIGTERM
-    proc, log = start_run(tmp_path, ("--num_episodes", "50", "--vllm_num_engines", "0"))  # no engine start-up
+    proc, log = start_run(tmp_path, ("--num_episodes", "50", "--async_train"))
+    wait_for(log, r"vllm engines: 1, pids \[\d+\]", proc)
     first_step_logged(tmp_path, proc, log)
     tree = descendants(proc)
     t0 = time.monotonic()
@@ -185,11 +188,35 @@ def test_a_signal_saves_the_step_and_stops_cleanly(tmp_path):
     )
     assert m, text[-2000:]
     assert Path(m.group(2)).name == f"step_{int(m.group(1)):06d}" and (Path(m.group(2)) / "meta.json").exists()
+    (ahead,) = json.loads((Path(m.group(2)) / "controller.json").read_text())["pending"]
+    assert ahead["rollouts"]["rows"]
 
 
-def test_a_diverged_run_stops_before_its_weights_go_anywhere(tmp_path):
-    """--actor_learning_rate 1e30: losses, KL and the engine gap went NaN from step 2, metrics.jsonl wrote null,
-    and the run ended rc 0 exporting weights of ~5e29. Now step 2 stops it with one line, and nothing is exported."""
+@pytest.mark.parametrize(
+    "lr, line, saved",
+    [
+        # losses, KL and the engine gap went NaN from step 2, metrics.jsonl wrote null, and the run ended rc 0
+        # exporting weights of ~5e29
+        (
+            "1e30",
+            r"error: step 2: .*nan.* the updates diverged, so the run stops before these weights reach the engines, a "
+            r"checkpoint or the export\. Train again with a lower --actor_learning_rate \(now 1e\+30\)\.",
+            ["step_000001"],  # step 1's, whose numbers were finite; never step 2's
+        ),
+        # the policy saturated: its gradient exactly 0 from step 2 on; the run warned, trained on and exported, rc 0
+        (
+            "1e3",
+            r"error: step (\d+): the actor's gradient norm is exactly 0 while its loss is not \(.*\), as on the step "
+            r"before: .* so the policy collapsed and learns nothing more; the run stops here, before these weights "
+            r"reach the engines, a checkpoint or the export\. The updates were too large: train again with a lower "
+            r"--actor_learning_rate \(now 1000\)\.",
+            None,  # every step before the one that stopped it
+        ),
+    ],
+    ids=["diverged", "collapsed"],
+)
+def test_a_diverged_or_collapsed_run_stops_before_its_weights_go_anywhere(tmp_path, lr, line, saved):
+    """One `error:` line, exit 1, nothing exported; the checkpoints are those of the steps before the stop."""
     save = tmp_path / "run"
     res = subprocess.run(
         [
@@ -200,7 +227,7 @@ def test_a_diverged_run_stops_before_its_weights_go_anywhere(tmp_path):
             "--num_episodes",
             "1",
             "--actor_learning_rate",
-            "1e30",
+            lr,
             "--save_steps",
             "1",
             "--vllm_num_engines",
@@ -214,16 +241,13 @@ def test_a_diverged_run_stops_before_its_weights_go_anywhere(tmp_path):
     )
     last = res.stderr.strip().splitlines()[-1]
     assert res.returncode == 1, res.stderr[-3000:]
-    assert re.fullmatch(
-        r"error: step 2: .*nan.* the updates diverged, so the run stops before these weights reach "
-        r"the engines, a checkpoint or the export\. Train again with a lower --actor_learning_rate "
-        r"\(now 1e\+30\)\.",
-        last,
-    ), res.stderr[-3000:]
+    m = re.fullmatch(line, last)
+    assert m, res.stderr[-3000:]
     assert "Traceback" not in res.stderr
     assert not (save / "actor").exists()
-    saved = sorted(p.name for p in (save / "checkpoints_ppo").glob("step_*"))
-    assert saved == ["step_000001"]  # step 1's, whose numbers were finite; never step 2's
+    if saved is None:
+        saved = [f"step_{s:06d}" for s in range(max(1, int(m.group(1)) - 3), int(m.group(1)))]  # the newest 3 kept
+    assert sorted(p.name for p in (save / "checkpoints_ppo").glob("step_*")) == saved
 
 
 # 6 steps of 32 prompts, a checkpoint every 2
@@ -308,7 +332,9 @@ def test_a_killed_or_hung_engine_is_replaced_and_a_killed_rank_restarts_the_run_
     while len((save / "metrics.jsonl").read_text().splitlines()) < 6 and proc.poll() is None:
         time.sleep(0.2)  # step 5's row is cut and written again, then step 6's
     actor_to_step = time.monotonic() - t_actor
+    tree = descendants(proc)  # the restarted groups and engines, as the run ends
     assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
+    assert not [p for p in tree if running(p)]  # the driver waited for them (before, an engine outlived it)
     print(f"actor rank killed -> step 6's row: {actor_to_step:.1f} s")
     text = log.read_text()
     assert "(raylet)" not in text and "A worker died" not in text  # Ray's notices of the deaths: in driver.log

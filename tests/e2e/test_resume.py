@@ -1,9 +1,13 @@
-"""Checkpoint and resume: 2 steps, stop, resume to 6 == an uninterrupted 6-step run (metrics and weights); a
-checkpoint written under other flags is refused.
+"""Checkpoint and resume in async mode (--async_train): 2 steps, stop, resume to 6 == an uninterrupted 6-step run
+(metrics and weights); a checkpoint written under other flags is refused.
 
 Everything is seeded: vLLM samples with per-request seeds from (seed, step), training shuffles from (seed,
 step), DeepSpeed restores parameters, Adam moments, LR schedule and step counters exactly, and the engines are
-re-synced from the restored actor before the first generation. So equality is exact, not approximate.
+re-synced from the restored actor before the first generation. Async mode generates batch k+1 with the weights
+before step k's sync (trainer/async_producer.py: fixed by the order of the calls), and the checkpoint keeps the batch
+generated ahead, which the resumed run trains instead of generating it again with newer weights. So equality is
+exact, not approximate. (Sync mode's resume is the same path without the batch ahead: tests/e2e/test_faults.py
+restarts a sync run from its checkpoint and compares it with an undisturbed one.)
 """
 
 import json
@@ -15,8 +19,11 @@ from safetensors.torch import load_file
 from orlhf.cli import main
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray, pytest.mark.vllm]
-FLAGS = ["--device", "cpu", "--max_samples", "128", "--num_episodes", "3", "--save_steps", "3"]  # 6 steps
+# 6 steps of 64 prompts, generation one batch ahead of training
+FLAGS = ["--device", "cpu", "--max_samples", "128", "--num_episodes", "3", "--save_steps", "3", "--async_train"]
 COMPARED = [
+    "staleness",
+    "generation_weight_version",
     "reward_mean",
     "kl",
     "policy_loss",
@@ -56,6 +63,8 @@ def test_resume_equals_uninterrupted_run_and_other_flags_are_refused(ray_local, 
     ckpt = b / "checkpoints_ppo" / "step_000002"
     assert sorted(p.name for p in ckpt.parent.iterdir()) == [".orlhf.lock", "step_000002"]
     assert meta(ckpt)["step"] == 2 and len(meta(ckpt)["run_id"]) == 12
+    (ahead,) = json.loads((ckpt / "controller.json").read_text())["pending"]  # step 3's batch, generated
+    assert len(ahead["rollouts"]["rows"]) % 64 == 0 and ahead["rollouts"]["rows"]  # all its samples
     capsys.readouterr()
     code = run(
         "--save_path",
