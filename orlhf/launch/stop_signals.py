@@ -60,10 +60,13 @@ class RunStop:
     @classmethod
     @contextmanager
     def installed(cls) -> Iterator["RunStop"]:
-        """A RunStop handling SIGINT and SIGTERM inside; the previous handlers put back on leaving."""
+        """A RunStop handling SIGINT and SIGTERM inside; the previous handlers put back on leaving. Outside the main
+        thread (where Python lets no handler be set) it handles nothing."""
         stop = cls()
-        stop._open_pipe()
-        for sig in SIGNALS:
+        main = threading.current_thread() is threading.main_thread()
+        if main:
+            stop._open_pipe()
+        for sig in SIGNALS if main else ():
             if signal.getsignal(sig) is not signal.SIG_IGN:
                 stop._previous[sig] = signal.signal(sig, stop._on_signal)
         try:
@@ -121,10 +124,8 @@ class RunStop:
 
     # ---- counting arrivals --------------------------------------------------------------------------------------
     def _open_pipe(self) -> None:
-        """The wakeup pipe that counts arrivals; none outside the main thread or where one is set already (an
-        event loop's): signals then count one per handler call."""
-        if threading.current_thread() is not threading.main_thread():
-            return
+        """The wakeup pipe that counts arrivals; none where one is set already (an event loop's): signals then count
+        one per handler call."""
         r, w = os.pipe()
         os.set_blocking(r, False)
         os.set_blocking(w, False)

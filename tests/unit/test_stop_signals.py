@@ -239,3 +239,17 @@ def test_an_ignored_sigint_stays_ignored():
             assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_outside_the_main_thread_nothing_is_installed():
+    """Python sets signal handlers in the main thread only: a run started from another thread keeps its defaults."""
+    seen = []
+
+    def run():
+        with RunStop.installed() as stop:
+            seen.append((stop._previous, signal.getsignal(signal.SIGTERM)))
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join()
+    assert seen == [({}, signal.getsignal(signal.SIGTERM))]
