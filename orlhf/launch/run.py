@@ -2,11 +2,12 @@
 the demo's paths resolved).
 
     lock the run and checkpoint folders (runlock: a second run on them exits here) -> file pre-flight (weight files,
-    value heads, agent file) -> the tokenizer, prompts, reward file's source, eval data, checkpoint to resume
-    (launch/run_inputs.py), their errors raised before Ray starts -> Ray connects (meanwhile, in a thread: the reward
-    file imported, torch with it) -> pre-flight + placement groups -> the rollout backend's early start
-    (vLLM engines, async) and model groups (colocated on GPUs: engines ready -> engines asleep -> model groups;
-    launch/bringup.py) -> init all -> the backend connected (weight-sync group) -> Controller.fit()
+    value heads, agent file), the disk's free space (one line) -> the tokenizer, prompts, reward file's source, eval
+    data, checkpoint to resume (launch/run_inputs.py), their errors raised before Ray starts -> Ray connects
+    (meanwhile, in a thread: the reward file imported, torch with it) -> pre-flight + placement groups -> the
+    rollout backend's early start (vLLM engines, async) and model groups (colocated on GPUs: engines ready ->
+    engines asleep -> model groups; launch/bringup.py) -> init all -> the backend connected (weight-sync group)
+    -> Controller.fit()
     -> export the final actor, and critic (atomic; failed: a checkpoint keeps the weights, launch/export.py)
     -> draw the reward curve (best effort) -> tear everything down (also on errors and Ctrl-C), the local Ray
     cluster's processes waited for (ray_start.end_ray)
@@ -32,6 +33,7 @@ from orlhf.launch.bringup import launch_rollout, start_models, tuning_for
 from orlhf.launch.preflight import preflight
 from orlhf.launch.run_inputs import finish_inputs, new_loader, read_files
 from orlhf.launch.stop_signals import RESTART, RunStop
+from orlhf.storage.disk_space import check_disk_space
 from orlhf.storage.run_folder import RunFolder
 
 log = logging.getLogger("orlhf")
@@ -70,6 +72,7 @@ def run_locked(cfg: TrainConfig, run_id: str, clock, stop: RunStop) -> int:
     log.info("%s", run_logs.summary())
     write_resolved_config(cfg)
     preflight(cfg, run_logs)
+    check_disk_space(cfg)  # what the run will write against the free space of its folders: one line
     layout = plan_layout(cfg)
 
     # No automatic collections during start-up: the driver's imports (torch, the tokenizer, Ray's client) build

@@ -10,15 +10,24 @@ device", safetensors' "StorageFull"); or torch's checkpoint writer, whose "[enfo
     (before the partial folder is removed, which would free the space again)
 
     no_space_error(error, path) -> NoSpaceError (its message: "no space left on <path> (<free> free)") or None
+
+Before Ray starts, run_disk_needs(cfg) says what the run will write on each filesystem (its final models and logs
+in --save_path, the checkpoints it keeps in --ckpt_path) against what is free there, and check_disk_space says it in
+one line (launch/run.py calls it).
 """
 
 from __future__ import annotations
 
 import errno
+import math
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from orlhf.config.train_config import TrainConfig
 
 # Less than this free after a failed write: the write failed for lack of space (the writer's own chunk did not fit).
 LOW_FREE_BYTES = 64 * 1024**2
@@ -94,3 +103,133 @@ def cleanup_after_failed_write(error: BaseException, path: str | os.PathLike, tm
     if full is not None:
         raise full from error
     raise error
+
+
+# ---- what a run will write, against what is free (before the first step) ----
+
+LOG_BYTES = 64 * 1024**2  # logs, metrics, figures and the report of one run: generously above what runs write
+ADAM_BYTES = 12  # per trained parameter in a DeepSpeed checkpoint: fp32 master weights, Adam's two moments
+
+
+@dataclass(frozen=True)
+class DiskNeed:
+    """What a run writes on one filesystem: `parts` {what: bytes}, the first of its folders named `folder`."""
+
+    folder: Path
+    free: Optional[int]
+    parts: dict[str, int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+    @property
+    def short(self) -> bool:
+        return self.free is not None and self.free < self.total
+
+    def line(self) -> str:
+        free = human_bytes(self.free) if self.free is not None else "unknown space"
+        parts = ", ".join(f"{what} {human_bytes(n)}" for what, n in self.parts.items())
+        return f"{self.folder} has {free} free for up to {human_bytes(self.total)} ({parts})"
+
+
+def run_disk_needs(cfg: "TrainConfig") -> list[DiskNeed]:
+    """What the run will write into --save_path (final models, logs) and --ckpt_path (the checkpoints it keeps at
+    once, plus the one being written before the oldest is deleted), by filesystem. Sizes come from the model folders'
+    safetensors headers (parameter counts); a model whose folder has none (a hub id) counts 0."""
+    from orlhf.config.roles import model_path, trained_roles
+
+    lg, w = cfg.logging, 2 if cfg.deepspeed.bf16 else 4
+    actor = model_numel(model_path(cfg, "actor"))
+    critic = model_numel(model_path(cfg, "critic")) if "critic" in trained_roles(cfg) else 0
+    adapter = lora_numel(model_path(cfg, "actor"), cfg.lora.lora_rank) if cfg.lora.enabled else 0
+    final = {"final model": w * (adapter or actor) + (w * actor if cfg.lora.lora_save_merged else 0)}
+    if lg.save_value_network:
+        final["critic"] = w * critic
+    by_fs: dict[object, DiskNeed] = {}
+    for folder, parts in ((lg.save_path, {**final, "logs": LOG_BYTES}), (lg.checkpoint_dir, checkpoints(cfg))):
+        parts = {k: v for k, v in parts.items() if v}
+        key = _filesystem(folder)
+        if key in by_fs:
+            by_fs[key].parts.update(parts)
+        elif parts:
+            by_fs[key] = DiskNeed(Path(folder), free_bytes(folder), dict(parts))
+    return list(by_fs.values())
+
+
+def checkpoints(cfg: "TrainConfig") -> dict[str, int]:
+    """{"<n> checkpoints": bytes} of the checkpoints the run holds at once beyond those already there (none when it
+    saves none): each trained role's DeepSpeed state (weights, and fp32 masters and Adam's moments of what trains),
+    the HF actor with --save_hf_ckpt, the best evaluation's in best/."""
+    from orlhf.config.roles import model_path, trained_roles
+
+    lg, w = cfg.logging, 2 if cfg.deepspeed.bf16 else 4
+    if lg.save_steps <= 0 and cfg.runtime.stop_after_steps is None:
+        return {}
+    one = 0
+    for role in trained_roles(cfg):
+        n = model_numel(model_path(cfg, role))
+        trained = lora_numel(model_path(cfg, role), cfg.lora.lora_rank) if cfg.lora.enabled else n
+        one += 0 if lg.disable_ds_ckpt else w * n + ADAM_BYTES * trained
+    one += w * model_numel(model_path(cfg, "actor")) if lg.save_hf_ckpt or lg.disable_ds_ckpt else 0
+    held = lg.max_ckpt_num + 1
+    if lg.max_ckpt_mem is not None and one:
+        held = min(held, int(lg.max_ckpt_mem * 1024**3 // one) + 2)  # the budget, the newest, the one being written
+    there = len(list(Path(lg.checkpoint_dir).glob("step_*"))) if Path(lg.checkpoint_dir).is_dir() else 0
+    held = max(1, held - there) + (1 if cfg.eval.eval_dataset and cfg.eval.best_metric else 0)
+    return {f"{held} checkpoint{'s' * (held > 1)}": held * one}
+
+
+def model_numel(folder: Optional[str]) -> int:
+    """Parameters in a model folder's safetensors files (headers only), 0 where there are none to read."""
+    from orlhf.inputs.model_files import safetensors_header
+
+    total = 0
+    for path in Path(folder or "").expanduser().glob("*.safetensors") if folder else ():
+        try:
+            total += sum(math.prod(t["shape"]) for t in safetensors_header(path).values())
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return total
+
+
+def lora_numel(folder: Optional[str], rank: int) -> int:
+    """A bound on a LoRA adapter's parameters: rank x (in + out) of every 2-D weight but the embeddings and head."""
+    from orlhf.inputs.model_files import safetensors_header
+
+    total = 0
+    for path in Path(folder or "").expanduser().glob("*.safetensors") if folder else ():
+        try:
+            for name, t in safetensors_header(path).items():
+                if len(t["shape"]) == 2 and not any(k in name for k in ("embed", "lm_head", "wte", "wpe")):
+                    total += rank * sum(t["shape"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return total
+
+
+def _filesystem(folder: str | os.PathLike) -> object:
+    p = Path(folder).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        return os.stat(p).st_dev
+    except OSError:
+        return str(p)
+
+
+def check_disk_space(cfg: "TrainConfig") -> None:
+    """What the run will write on each filesystem against its free space (run_disk_needs), said in one line before
+    Ray starts: a warning when a filesystem lacks it (the final model not fitting means the export at the end fails;
+    a full disk at a save costs that checkpoint, and the run goes on)."""
+    import logging
+
+    needs = run_disk_needs(cfg)
+    line = "disk: " + "; ".join(n.line() for n in needs)
+    short = [n for n in needs if n.short]
+    if not short:
+        logging.getLogger("orlhf").info("%s", line)
+        return
+    final = any("final model" in n.parts for n in short)
+    what = "the final model may not fit at the end" if final else "a save that finds the disk full is skipped"
+    logging.getLogger("orlhf").warning("%s: not enough for all of it (%s)", line, what)
