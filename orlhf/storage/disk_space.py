@@ -153,7 +153,7 @@ def run_disk_needs(cfg: "TrainConfig") -> list[DiskNeed]:
         if key in by_fs:
             by_fs[key].parts.update(parts)
         elif parts:
-            by_fs[key] = DiskNeed(Path(folder), free_bytes(folder), dict(parts))
+            by_fs[key] = DiskNeed(Path(folder).absolute(), free_bytes(folder), dict(parts))
     return list(by_fs.values())
 
 
