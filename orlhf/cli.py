@@ -158,6 +158,9 @@ def make_demo(
     vlm: bool = typer.Option(
         False, "--vlm", help="The vision-language demo instead: a tiny Idefics3, image prompts, a colour reward."
     ),
+    moe: bool = typer.Option(
+        False, "--moe", help="The demo with a tiny mixture-of-experts model (Qwen2-MoE, 8 experts, top-2) instead."
+    ),
     real: bool = typer.Option(
         False,
         "--real",
@@ -184,9 +187,9 @@ def make_demo(
         typer.echo(f"model:   {vlm_paths.model}\nimages:  {vlm_paths.images}\nprompts: {vlm_paths.prompts}")
         typer.echo(f"reward:  {vlm_paths.reward_fn}\ntrain on it: {train_command(vlm_paths)}")
         return
-    from orlhf.demo.builder import make_demo as build
+    from orlhf.demo.builder import make_demo, make_moe_demo
 
-    paths = build(out_dir, seed=seed)
+    paths = (make_moe_demo if moe else make_demo)(out_dir, seed=seed)
     typer.echo(
         f"model:   {paths.model}\nprompts: {paths.prompts}\nreward:  {paths.reward_fn}\n"
         f"agent:   {paths.agent_fn} (multi-turn)"

@@ -189,6 +189,7 @@ PANELS: tuple[Panel, ...] = (
             "is_correction_gating",
         ),
     ),
+    Panel("Mixture-of-experts routing", more=("router_replay",)),
     Panel(
         "Optimizer",
         more=(

@@ -20,6 +20,7 @@ LOSS_AGG_MODES = ("token_mean", "seq_mean")
 # OpenRLHF 0.11.2's --actor.loss_agg_mode spellings, read as orlhf's
 OPENRLHF_AGG_MODES = {"token-mean": "token_mean", "seq-mean-token-mean": "seq_mean"}
 POLICY_LOSS_TYPES = ("ppo", "gspo")
+ROUTER_REPLAY_MODES = ("disabled", "R2", "R3")  # verl's router_replay.mode names
 IS_CORRECTION_TYPES = tuple(NAMED)  # --vllm_is_correction_type (v0.10.1 / v0.11.0)
 # --partial_rollout_tokens' default: the larger of this and --generate_max_len / PARTIAL_ROLLOUT_SEGMENTS
 # (benchmarks/bench_partial_rollout.py measures what a cut costs)
@@ -80,6 +81,16 @@ class PPOConfig:
         0.0,
         "Mixture-of-experts models: weight of the router's load-balancing loss in the actor's loss (added per "
         "micro-batch, as OpenRLHF; 0: off).",
+    )
+    router_replay: str = opt(
+        "disabled",
+        "Mixture-of-experts actors (Qwen2-MoE, Qwen3-MoE, Mixtral): route the actor's tokens to recorded experts "
+        "instead of its own routers' choice (verl's router_replay.mode; slime's --use-routing-replay and "
+        "--use-rollout-routing-replay). R3: the experts the vLLM engines routed each sampled token to, in the "
+        "actor's old-log-prob and training forwards, so it scores the samples with the network that sampled them; "
+        "R2: the experts of the actor's own old-log-prob forward, in its training forwards. The gate weights stay "
+        "the trainer's (docs/moe.md).",
+        choices=ROUTER_REPLAY_MODES,
     )
     temperature: float = opt(1.0, "Sampling temperature.")
     freezing_actor_steps: int = opt(

@@ -54,6 +54,7 @@ def validate(cfg: TrainConfig, explicit: Collection[str] = frozenset(), local_pa
         inputs.evaluation,
         algo.dynamic_batch_and_freezing,
         models.lora,
+        rollout.router_replay,
     ):
         rule(cfg, problems)
     algo.given_alone(cfg, frozenset(explicit), problems)

@@ -1,6 +1,7 @@
 """How rollouts are generated: the rules of --rollout_backend trainer (--vllm_num_engines 0: the actor's ranks
 generate, so the flags that set up vLLM engines have nothing to act on, and generation cannot overlap the actor's
-training), and of --partial_rollout (rollout/partial.py)."""
+training), of --partial_rollout (rollout/partial.py), and of --router_replay (whose experts the actor replays).
+Whether --pretrain is a mixture-of-experts family it replays is read from its files (launch/preflight.py)."""
 
 from __future__ import annotations
 
@@ -77,4 +78,33 @@ def partial(cfg: TrainConfig, explicit: frozenset[str], out: list[str]) -> None:
         out.append(
             "--partial_rollout_tokens cuts single-turn generations into segments; with --agent_func_path a weight "
             "sync lands between two turns of the episodes and a turn is not cut: drop --partial_rollout_tokens."
+        )
+
+
+def router_replay(cfg: TrainConfig, out: list[str]) -> None:
+    """--router_replay R3 needs engines that record the experts; R2 the old-log-prob forward it records in."""
+    mode, v = cfg.ppo.router_replay, cfg.vllm
+    if mode == "R3" and cfg.rollout_in_trainer:
+        how = "--vllm_num_engines 0" if v.num_engines == 0 else "--rollout_backend trainer"
+        out.append(
+            f"--router_replay R3 replays the experts the vLLM engines routed the samples to, and with {how} the "
+            "actor's ranks sample with the trainer's own routing: nothing to replay. Use --router_replay R2 (the "
+            "actor's first forward's experts, replayed in training) or vLLM engines."
+        )
+    elif mode == "R3" and cfg.runtime.device == "cpu" and v.enable_prefix_caching:
+        out.append(
+            "--router_replay R3 with --enable_prefix_caching on CPU: orlhf records the experts of the tokens vLLM-CPU "
+            "computes (orlhf/cpu/routing_capture.py), and a prefix-cache hit computes none: drop "
+            "--enable_prefix_caching."
+        )
+    elif mode == "R3" and cfg.runtime.device == "cuda" and not v.enable_prefix_caching:
+        out.append(
+            "--router_replay R3 on GPUs: vLLM returns routed experts only with prefix caching on (it keeps them per "
+            "KV-cache block): add --enable_prefix_caching."
+        )
+    if mode == "R2" and cfg.single_pass:
+        out.append(
+            "--router_replay R2 replays in training the experts of the actor's old-log-prob forward, which this run "
+            "does not make (one epoch, one optimizer step per batch, no KL in the rewards: the training forward is "
+            "the first and only one, so nothing could route otherwise). Drop it, or use R3 for the engines' experts."
         )

@@ -4,7 +4,7 @@ Every role gets the common part, WorkerConfig: which model, on which device, how
 forwards are batched. On top of that, each role gets only the slices it reads (the shape of torchtitan's nested
 per-component configs):
 
-    ActorConfig   + temperature, train (TrainSlice), loss (PolicyLossSlice), lora (LoraSlice or None)
+    ActorConfig   + temperature, train (TrainSlice), loss (PolicyLossSlice), lora (LoraSlice or None), router_replay
     RefConfig     + temperature, param_offload
     CriticConfig  + head (HeadSlice), train (TrainSlice), loss (ValueLossSlice), lora (LoraSlice or None)
     RewardConfig  + head (HeadSlice), param_offload
@@ -167,6 +167,7 @@ class ActorConfig(WorkerConfig):
     loss: PolicyLossSlice = PolicyLossSlice()
     lora: Optional[LoraSlice] = None  # an adapter instead of full fine-tuning; also scores the reference
     ema_beta: Optional[float] = None  # --enable_ema: the moving average's beta (None: no average kept)
+    router_replay: Optional[str] = None  # --router_replay R2 | R3: routers follow recorded experts; None: off
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -287,6 +288,7 @@ def worker_config(cfg: TrainConfig, role: str, total_optimizer_steps: int = 1) -
             loss=_policy_loss(ppo, agg),
             lora=lora,
             ema_beta=ppo.ema_beta if ppo.enable_ema else None,
+            router_replay=None if ppo.router_replay == "disabled" else ppo.router_replay,
         )
     return CriticConfig(
         **common,

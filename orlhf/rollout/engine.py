@@ -97,6 +97,8 @@ class EngineActor:
         else:
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
             kwargs["enable_sleep_mode"] = cfg.enable_sleep  # vLLM frees weights / KV cache on request (GPU only)
+            # --router_replay R3: vLLM's own capture (model runner V2, prefix caching on); on CPU the tuning's
+            kwargs["enable_return_routed_experts"] = cfg.record_routing
             if cfg.tensor_parallel_size > 1:
                 kwargs["distributed_executor_backend"] = "ray"
         return LLM(**kwargs, **extra)
@@ -162,15 +164,16 @@ class EngineActor:
                         finished=c.finish_reason == "stop",
                         engine=self.index,
                         weight_version=self.weight_version,
+                        routed_experts=routed_experts(c),
                     )
                 )
         return rollouts
 
     @endpoint
-    def generate_tokens(self, requests: list[tuple[list[int], Any]]) -> list[tuple[list[int], list[float], Any, int]]:
+    def generate_tokens(self, requests: list[tuple[list[int], Any]]) -> list[tuple]:
         """Token in, token out, one turn each: (token ids, vLLM SamplingParams) -> (new ids, their engine
-        log-probs, finish reason, weight version). Each request carries its own params (agents may change them
-        per turn); the whole list runs as one vLLM batch."""
+        log-probs, finish reason, weight version, routed experts or None: Rollout.routed_experts). Each request
+        carries its own params (agents may change them per turn); the whole list runs as one vLLM batch."""
         from vllm.inputs import TokensPrompt
 
         params = []
@@ -186,7 +189,7 @@ class EngineActor:
         for out in outs:
             c = out.outputs[0]
             lps = [lp[t].logprob if lp and t in lp else 0.0 for t, lp in zip(c.token_ids, c.logprobs or [])]
-            results.append((list(c.token_ids), lps, c.finish_reason, self.weight_version))
+            results.append((list(c.token_ids), lps, c.finish_reason, self.weight_version, routed_experts(c)))
         return results
 
     @endpoint
@@ -239,3 +242,11 @@ class EngineActor:
 
 # vLLM's work on one thread of the actor's own, as before its calls ran on Ray's threads (distributed/heartbeat.py)
 RemoteEngine = ray.remote(concurrency_groups=HEALTH_GROUPS)(on_one_thread(EngineActor))
+
+
+def routed_experts(completion) -> Optional[Any]:
+    """A CompletionOutput's routed experts as Rollout.routed_experts ((N, L, K) int16), None when not recorded."""
+    import torch
+
+    got = completion.routed_experts  # set where the engine records routing (--router_replay R3)
+    return None if got is None else torch.as_tensor(got).to(torch.int16)

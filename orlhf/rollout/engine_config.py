@@ -30,6 +30,7 @@ class EngineConfig:
     ray_sync: bool = False  # GPU + --vllm_sync_with_ray: the engine core in this process (engine_env)
     logprobs_mode: str = "raw_logprobs"  # vLLM's: what the sampled tokens' log-probs are (engine_logprobs_mode)
     max_images_per_prompt: int = 0  # > 0: a vision-language model's engine, taking this many images a prompt
+    record_routing: bool = False  # --router_replay R3: each sampled sequence's routed experts (Rollout.routed_experts)
 
 
 def engine_config(cfg) -> EngineConfig:
@@ -53,6 +54,7 @@ def engine_config(cfg) -> EngineConfig:
         ray_sync=v.sync_with_ray and device == "cuda" and not cfg.engines_colocated,
         logprobs_mode=engine_logprobs_mode(cfg.ppo.temperature),
         max_images_per_prompt=cfg.data.max_images_per_prompt,
+        record_routing=cfg.ppo.router_replay == "R3",
     )
 
 

@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 
 from orlhf.inputs.user_files import import_failure, import_file, user_frames
 from orlhf.rollout.agent import AgentError, AgentExecutorBase, AgentStepError, as_float
-from orlhf.rollout.partial import TurnGate, turn_versions
+from orlhf.rollout.partial import TurnGate, grow_routing, turn_versions
 from orlhf.types import Rollout
 
 
@@ -129,6 +129,8 @@ class EngineHandle:
         self.client, self.tokenizer, self.prompt_token_ids = client, tokenizer, list(prompt_token_ids)
         self.seed, self.sample, self.turns, self.weight_versions = seed, sample, 0, []
         self.finish_reason: Optional[str] = None
+        self.routed_ids: list[int] = []  # --router_replay R3: the tokens `routed` covers the positions of
+        self.routed = None  # (N, L, K) the engine's routed experts of routed_ids' first N tokens
 
     async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None) -> RequestOutput:
         if multi_modal_data:
@@ -142,7 +144,11 @@ class EngineHandle:
         if params.seed is None:
             params.seed = turn_seed(self.seed, self.sample, self.turns)
         self.turns += 1
-        ids, lps, finish, version = await self.client.generate(list(prompt_token_ids), params)
+        ids, lps, finish, version, *routed = await self.client.generate(list(prompt_token_ids), params)
+        if routed and routed[0] is not None:  # a turn re-reads the episode so far: keep the rows it was sampled under
+            self.routed_ids, self.routed = grow_routing(
+                self.routed_ids, self.routed, [*prompt_token_ids, *ids], routed[0]
+            )
         self.weight_versions.append(version)
         self.finish_reason = finish
         text = self.tokenizer.decode(ids, skip_special_tokens=getattr(params, "skip_special_tokens", True))
@@ -242,6 +248,9 @@ class AgentRunner:
                 f"{where}: {type(e).__name__}: {e}\n{user_frames(e, self.path)}\nFix the agent in {self.path}."
             ) from e
         rollout.weight_version = min(handle.weight_versions, default=0)
+        if handle.routed is not None:  # the rows of the episode's tokens, as far as they agree with what was routed
+            tokens = [*rollout.prompt_ids, *rollout.response_ids]
+            _, rollout.routed_experts = grow_routing(handle.routed_ids, handle.routed, tokens, None)
         if self.between is not None:  # --partial_rollout: a sync may have landed between two turns
             ranges = [(int(a), int(b)) for a, b in out["action_ranges"]]
             rollout.token_versions = turn_versions(

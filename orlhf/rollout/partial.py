@@ -11,7 +11,8 @@ With --agent_func_path an episode's turns are the segments (TurnGate): each turn
 sync runs once no engine call of the batch is in flight, before the next turn starts; a turn is not cut (so
 --partial_rollout_tokens does not apply). Each action token keeps its turn's weight version.
 
-S is --partial_rollout_tokens. Invariants: every token keeps the log-prob and the weight version it was sampled with
+S is --partial_rollout_tokens. Invariants: every token keeps the log-prob, the weight version and (--router_replay R3)
+the routed experts it was sampled with
 (Rollout.token_versions; Rollout.weight_version is the oldest of them, so staleness and the sync guard see a mixed
 sample as stale); a sample that stopped is never sent again; rollouts come back in the batch's order (prompt, then
 sample). A continuation prefills its whole prefix again: after a sync the engines' prefix cache is empty
@@ -26,6 +27,8 @@ import asyncio
 import logging
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable, Optional
+
+import torch
 
 from orlhf.types import GenerationRequest, Rollout, SamplingSpec, continuation_seed, max_new_tokens, request_seed
 
@@ -79,13 +82,37 @@ def continuations(samples: list[Sample], sampling: SamplingSpec, segment: int, t
 
 
 def extend(sample: Sample, part: Rollout) -> None:
-    """Append a continuation's tokens, log-probs and weight version to its sample."""
+    """Append a continuation's tokens, log-probs, weight version and routed experts to its sample."""
     r = sample.rollout
+    r.routed_experts = merge_routing(r.routed_experts, part.routed_experts)
     r.response_ids = [*r.response_ids, *part.response_ids]
     r.logprobs = [*r.logprobs, *part.logprobs]
     sample.versions += [part.weight_version] * len(part.response_ids)
     sample.done = _done(sample, part) or not part.response_ids  # no token and no stop: nothing more will come
     r.finished = part.finished
+
+
+def merge_routing(old: Optional[torch.Tensor], new: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """--router_replay R3: the routed experts (Rollout.routed_experts) of one token sequence that a later engine call
+    ran again and grew: the earlier rows where both have them (the routing its tokens were sampled under), the
+    later call's beyond."""
+    if old is None or new is None:
+        return new if old is None else old
+    return torch.cat([old, new[old.shape[0] :]])
+
+
+def grow_routing(held_ids: list[int], held, ids: list[int], rows) -> tuple[list[int], Optional[torch.Tensor]]:
+    """An agent's episode: (ids, their rows) after a turn whose engine call ran `ids` and routed them as `rows` (None:
+    only cut to `ids`). The held rows stay where the held tokens agree with `ids` (the routing the tokens were
+    sampled under), the turn's rows cover the rest; a custom executor that rewrote earlier tokens loses the rows
+    of what it rewrote."""
+    same = 0
+    for a, b in zip(held_ids, ids):
+        if a != b:
+            break
+        same += 1
+    kept = None if held is None else held[: min(same, held.shape[0])]
+    return list(ids), merge_routing(kept, rows) if rows is not None else kept
 
 
 def finish(samples: list[Sample]) -> list[Rollout]:

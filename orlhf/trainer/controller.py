@@ -219,6 +219,7 @@ class Controller(CheckpointSteps):
         partial = version_stats(rollouts, self.weight_version) if self.partial is not None else {}
         with self.timed("score"):
             reward, old_lp, ref_lp, values = self.scorer.score(batch, rollouts, prompts, reward, ahead)
+            batch = self.scorer.routed(batch)  # --router_replay R2: the old-log-prob forward's experts
         if old_lp is not None:  # stop before training on another policy's samples
             gap = engine_gap(engine_log_probs, old_lp, batch.action_mask)
             self.numbers.before_train(self.step_index + 1, gap)

@@ -46,7 +46,23 @@ def rollouts_to_batch(rollouts: list[Rollout], pad_id: int) -> tuple[SequenceBat
             action_mask[i, :n] = True if r.action_mask is None else torch.tensor(r.action_mask[:n]).bool()
             logprobs[i, :n] = torch.tensor(r.logprobs[:n], dtype=torch.float32)
     vision = VisionRows([r.vision for r in rollouts]) if any(r.vision is not None for r in rollouts) else None
-    return SequenceBatch(seq, attn, action_mask, vision), logprobs
+    return SequenceBatch(seq, attn, action_mask, vision, routing_of(rollouts, P + A)), logprobs
+
+
+def routing_of(rollouts: list[Rollout], t: int) -> Optional[torch.Tensor]:
+    """(B, T, L, K) int16 --router_replay R3: each rollout's routed experts at its tokens' columns (prompt left-padded
+    to T - A, response after it), -1 where none was recorded; None when no rollout has any."""
+    found = [r.routed_experts for r in rollouts if r.routed_experts is not None]
+    if not found:
+        return None
+    out = torch.full((len(rollouts), t, *found[0].shape[1:]), -1, dtype=torch.int16)
+    p = t - max(1, max(len(r.response_ids) for r in rollouts))
+    for i, r in enumerate(rollouts):
+        if r.routed_experts is not None:
+            start = p - len(r.prompt_ids)
+            rows = r.routed_experts[: t - start]
+            out[i, start : start + rows.shape[0]] = rows
+    return out
 
 
 @dataclass(frozen=True)
@@ -142,6 +158,7 @@ def make_experience(
         # engine log-probs: for IS correction, and for the engine gap on a single pass
         rollout_log_probs=rollout_log_probs if cfg.keep_rollout_log_probs or old_log_probs is None else None,
         vision=batch.vision,
+        routing=batch.routing,  # --router_replay: the experts the actor's training forwards route to
     )
     lengths = mask.sum(-1).clamp(min=1).float()
     info = {

@@ -19,7 +19,7 @@ every batch's rewards, applied in make_experience); a reward model's stored mean
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -56,6 +56,7 @@ class Scorer:
         self.m, self.tok, self.reward_source = models, tokenizer, reward_source
         self.single_pass = cfg.single_pass
         self.ref_from_actor = cfg.reference_from_actor  # LoRA: the actor's ranks score the base weights
+        self.records_routing = cfg.ppo.router_replay == "R2"  # the old-log-prob forward records the actor's routing
         # --normalize_reward: a reward model's stored mean/std (applied in its worker, as OpenRLHF), else running
         # statistics here; never both (head_files.reward_normalization).
         norm = reward_normalization(cfg.ppo.normalize_reward, cfg.data.reward_pretrain)
@@ -76,8 +77,9 @@ class Scorer:
         the actor's old log-probs wait for score(): they read weights that train. (On CPU a reference hosted in a
         one-rank actor's process runs these beside the actor's call in flight: cpu/hosting.py.)"""
         batch, engine_log_probs = rollouts_to_batch(rollouts, self.tok.pad_token_id)
-        ref_call = self.m.ref.call_sharded(ReferenceWorker.log_probs, batch) if self.m.ref else None
-        reward_call = self.m.reward.call_sharded(RewardWorker.scores, batch) if self.m.reward else None
+        frozen = unrouted(batch)
+        ref_call = self.m.ref.call_sharded(ReferenceWorker.log_probs, frozen) if self.m.ref else None
+        reward_call = self.m.reward.call_sharded(RewardWorker.scores, frozen) if self.m.reward else None
         return ScoredAhead(batch, engine_log_probs, ref_call, reward_call)
 
     def score(
@@ -102,15 +104,16 @@ class Scorer:
         else:
             actor_call = None
             old_call = None if self.single_pass else m.actor.call_sharded(PolicyWorker.log_probs, batch)
+        frozen = unrouted(batch)  # the other models keep their own routing (docs/moe.md)
         if ahead is not None:
             ref_call = ahead.ref_call
         else:
-            ref_call = m.ref.call_sharded(ReferenceWorker.log_probs, batch) if m.ref else None
-        value_call = m.critic.call_sharded(CriticWorker.values, batch) if m.critic else None
+            ref_call = m.ref.call_sharded(ReferenceWorker.log_probs, frozen) if m.ref else None
+        value_call = m.critic.call_sharded(CriticWorker.values, frozen) if m.critic else None
         if ahead is not None:
             reward_call = ahead.reward_call
         else:
-            reward_call = m.reward.call_sharded(RewardWorker.scores, batch) if m.reward and reward is None else None
+            reward_call = m.reward.call_sharded(RewardWorker.scores, frozen) if m.reward and reward is None else None
         if reward is not None:
             pass
         elif self.reward_source is not None or agent_scores(rollouts) is not None:  # while the groups compute
@@ -126,6 +129,14 @@ class Scorer:
             got = actor_call.get_cat()
             old_lp, ref_lp = (got[:, 0], got[:, 1]) if got.dim() == 3 else (None, got)
         return reward, old_lp, ref_lp, values
+
+    def routed(self, batch: SequenceBatch) -> SequenceBatch:
+        """--router_replay R2, after score(): the batch with the experts the actor's old-log-prob forward routed its
+        tokens to (each rank's share, in batch order), for the training forwards to replay; else as it is."""
+        if not self.records_routing or self.single_pass:
+            return batch
+        parts = self.m.actor.call(PolicyWorker.recorded_routing).get()
+        return replace(batch, routing=torch.cat(parts)[: len(batch)])
 
     def rewards(self, rollouts: list[Rollout], prompts: list) -> RewardResult:
         """rewards.RewardResult from the agents' own episode rewards and scores (--agent_func_path), else from the
@@ -144,6 +155,11 @@ class Scorer:
             return self.reward_source.score(*reward_inputs(self.tok, rollouts, prompts)).float()
         batch, _ = rollouts_to_batch(rollouts, self.tok.pad_token_id)
         return self.m.reward.call_sharded(RewardWorker.scores, batch).get_cat().float()
+
+
+def unrouted(batch: SequenceBatch) -> SequenceBatch:
+    """The batch without its routing (--router_replay): the reference, critic and reward model route themselves."""
+    return batch if batch.routing is None else replace(batch, routing=None)
 
 
 def reward_inputs(tokenizer, rollouts: list[Rollout], prompts: list) -> tuple[list[str], list[str], list]:

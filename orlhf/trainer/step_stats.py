@@ -82,6 +82,11 @@ def step_row(info: dict, actor: dict, critic: Optional[dict], fields: dict, ppo)
         row.update(kl_loss=actor["kl_loss"], kl_coef=actor["kl_coef"])  # the coefficient used
     if ppo.is_correction_enabled:
         row["is_cut_frac"] = actor["is_cut_frac"]
+    if ppo.router_replay != "disabled" and "routing_tokens" in actor:  # not on a frozen actor's step
+        # tokens scoring the response (the last prompt token, the response's but its last) routed to recorded
+        # experts, and the share of them whose experts the routers would have chosen otherwise in some layer
+        row["routing_replayed_frac"] = actor["routing_tokens"] / max(1.0, actor["routing_response_tokens"])
+        row["routing_mismatch_frac"] = actor["routing_differ_sum"] / max(1.0, actor["routing_tokens"])
     if critic is not None:
         row.update(
             value_loss=critic["loss"],

@@ -33,7 +33,8 @@ from typing import Optional, TypeVar
 import torch
 import torch.nn.functional as F
 
-SEQ_FIELDS = ("sequences", "attention_mask")  # (B, T); every other 2-D tensor field is per action (B, A)
+# (B, T, ...); every other tensor field of 2 or more dims is per action (B, A)
+SEQ_FIELDS = ("sequences", "attention_mask", "routing")
 
 Batch = TypeVar("Batch")  # SequenceBatch or Experience
 

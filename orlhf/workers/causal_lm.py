@@ -33,6 +33,7 @@ from orlhf.workers.base import DeepSpeedWorker, position_ids_from
 from orlhf.workers.batching import pack
 from orlhf.workers.lm_head import chunked_head, head_log_probs, hidden_states_out
 from orlhf.workers.loading import causal_lm_class, freeze_visual_encoder, from_pretrained
+from orlhf.workers.router_replay import install, routed
 from orlhf.workers.shared_prompt import shared_prompt_forward, worker_shares_prompts
 
 log = logging.getLogger("orlhf.workers")
@@ -85,13 +86,14 @@ def model_logits(
         position_ids = None  # M-RoPE: the model computes its 3-D positions from the ids, the images and the mask
     if keep:  # the LM head then runs on A+1 positions only, not all T
         kwargs["logits_to_keep"] = num_actions + 1
-    out = model(
-        input_ids=batch.sequences,
-        attention_mask=batch.attention_mask,
-        position_ids=position_ids,
-        use_cache=False,
-        **kwargs,
-    )
+    with routed(model, batch):  # --router_replay: the routers follow the batch's recorded experts
+        out = model(
+            input_ids=batch.sequences,
+            attention_mask=batch.attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+            **kwargs,
+        )
     return out.logits, out.logits.shape[1] - num_actions - 1
 
 
@@ -115,20 +117,21 @@ def shared_action_logits(
 
     if position_ids is None:
         position_ids = position_ids_from(batch.attention_mask)
-    return shared_prompt_forward(run, batch, position_ids)
+    return shared_prompt_forward(run, batch, position_ids, around=lambda pick: routed(model, batch, pick))
 
 
 def _packed_action_logits(model: nn.Module, batch: SequenceBatch) -> torch.Tensor:
     p = pack(batch)
     keep = _accepts_logits_to_keep(model)
     # attention_mask=None: transformers reads the sample boundaries from position_ids (varlen / block mask)
-    out = model(
-        input_ids=p.input_ids,
-        position_ids=p.position_ids,
-        attention_mask=None,
-        use_cache=False,
-        **({"logits_to_keep": p.score_index} if keep else {}),
-    )
+    with routed(model, batch, lambda x: x[batch.attention_mask.bool()]):  # pack's tokens: the real ones, in order
+        out = model(
+            input_ids=p.input_ids,
+            position_ids=p.position_ids,
+            attention_mask=None,
+            use_cache=False,
+            **({"logits_to_keep": p.score_index} if keep else {}),
+        )
     logits = out.logits[0] if keep else out.logits[0, p.score_index]
     return p.unflatten(logits.float())
 
@@ -240,11 +243,12 @@ class CausalLMWorker(DeepSpeedWorker):
             model.config.output_router_logits = True
             model.register_forward_hook(self._record_aux_loss)
         lora = getattr(self.cfg, "lora", None)
-        if lora is None:
-            return model
-        from orlhf.workers.lora import apply_lora
+        if lora is not None:
+            from orlhf.workers.lora import apply_lora
 
-        return apply_lora(model, lora)
+            model = apply_lora(model, lora)
+        replay = getattr(self.cfg, "router_replay", None)  # the actor's --router_replay (workers/router_replay.py)
+        return install(model, replay) if replay else model
 
     def _record_aux_loss(self, module: nn.Module, args, output) -> None:
         """Forward hook of the transformers model: its last forward's router load-balancing loss (a tensor in the

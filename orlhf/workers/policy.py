@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -30,6 +31,7 @@ from orlhf.workers.causal_lm import (
     gather_log_probs,
 )
 from orlhf.workers.loading import is_vision_language
+from orlhf.workers.router_replay import replay_of
 
 log = logging.getLogger("orlhf.workers")
 
@@ -63,19 +65,31 @@ class PolicyWorker(CausalLMWorker):
 
     @endpoint
     def log_probs(self, batch: SequenceBatch) -> torch.Tensor:
-        """(B, A) float32 on CPU: log pi of each action token under the current weights."""
+        """(B, A) float32 on CPU: log pi of each action token under the current weights. --router_replay R3: routed
+        as the engines routed the batch; R2: the routers' own choice, recorded for recorded_routing."""
         self.engine.eval()  # train_step leaves the engine in train mode
-        return self.score_log_probs(batch)
+        replay = replay_of(self.engine)
+        if replay is None or replay.mode != "R2":
+            return self.score_log_probs(batch)
+        with replay.recording_into(batch) as slotted:
+            return self.score_log_probs(slotted)
+
+    @endpoint
+    def recorded_routing(self) -> torch.Tensor:
+        """--router_replay R2: (B, T, L, K) int16, the experts the last log_probs call routed its batch's tokens to."""
+        replay = replay_of(self.engine)
+        out, replay.recorded = replay.recorded, None
+        return out
 
     @endpoint
     def base_log_probs(self, batch: SequenceBatch) -> torch.Tensor:
         """(B, A) float32 on CPU: log-probs under the base weights with the LoRA adapter off: the reference policy,
-        from the actor's own ranks (TrainConfig.reference_from_actor)."""
+        from the actor's own ranks (TrainConfig.reference_from_actor). It keeps its own routing (docs/moe.md)."""
         from orlhf.workers.lora import adapter_off
 
         self.engine.eval()
         with adapter_off(self.module):
-            return self.score_log_probs(batch)
+            return self.score_log_probs(replace(batch, routing=None))
 
     @endpoint
     def log_probs_and_base(self, batch: SequenceBatch) -> torch.Tensor:
@@ -103,6 +117,8 @@ class PolicyWorker(CausalLMWorker):
         if self.cfg.loss.use_kl_loss and batch.base_action_log_probs is None:
             raise ValueError("use_kl_loss needs Experience.base_action_log_probs (the reference log-probs)")
         coef = self.cfg.loss.kl_coef if kl_coef is None else float(kl_coef)
+        if replay_of(self.engine) is not None:
+            replay_of(self.engine).take_stats()  # the routing statistics are the training forwards' own
         stats = self.train_micro_batches(batch, functools.partial(self._loss, kl_coef=coef))
         stats.kl_coef = coef
         return stats
@@ -145,6 +161,7 @@ class PolicyWorker(CausalLMWorker):
             "clip_frac_high": masked_mean(terms.clipped_high.float(), mask).item(),
             "approx_kl": masked_mean(old - log_probs.detach(), mask).item(),
             **_engine_gap_sums(mb, log_probs),
+            **_routing_sums(self.engine, mb),
         }
         if terms.is_cut is not None:
             stats["is_cut_frac"] = _is_cut_share(terms.is_cut, mask, lc.is_level)
@@ -320,6 +337,15 @@ def _engine_gap_sums(mb: Experience, log_probs: torch.Tensor) -> dict[str, float
     mask = mb.action_mask
     gap = ((mb.rollout_log_probs - log_probs.detach()).abs() * mask).sum()
     return {"engine_gap_sum": gap.item(), "engine_gap_tokens": float(mask.sum().item())}
+
+
+def _routing_sums(engine, mb: Experience) -> dict[str, float]:
+    """--router_replay: the tokens scoring the response that this forward replayed, those among them whose experts
+    the routers would have chosen otherwise (routing_mismatch_frac), and all of them (routing_replayed_frac)."""
+    replay = replay_of(engine)
+    if replay is None:
+        return {}
+    return {**replay.take_stats(), "routing_response_tokens": float(mb.action_mask.sum().item())}
 
 
 def _copy_tokenizer(src: str, out_dir: str, vision: bool = False) -> Optional[str]:

@@ -26,7 +26,8 @@ instead of training on wrong numbers.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Optional
+from contextlib import nullcontext
+from typing import Callable, ContextManager, Optional
 
 import torch
 
@@ -63,25 +64,32 @@ Run = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[object]], tup
 
 
 def shared_prompt_forward(
-    run: Run, batch: SequenceBatch, position_ids: torch.Tensor, through_last: bool = False
+    run: Run,
+    batch: SequenceBatch,
+    position_ids: torch.Tensor,
+    through_last: bool = False,
+    around: Callable[[Callable], ContextManager] = lambda pick: nullcontext(),
 ) -> Optional[torch.Tensor]:
     """(B, A, ...) outputs of columns P-1 .. T-2 (what scores the A action tokens; A+1 columns, through T-1, with
     through_last), computed with each distinct prompt's first P-1 columns run once; None where that does not
     apply: no prompt shared (prompt_groups), or the model returned no cache (e.g. gradient checkpointing in
     training, where transformers turns use_cache off). The caller then runs the plain forward.
-    position_ids (B, T): the plain forward's positions."""
+    position_ids (B, T): the plain forward's positions. around(pick): a context each pass runs in, given how the
+    pass takes its tokens from a (B, T, ...) tensor (workers/router_replay.py routed)."""
     groups = prompt_groups(batch)
     if groups is None:
         return None
     first, spread = groups
     p = batch.sequences.shape[1] - batch.num_actions
     mask = batch.attention_mask
-    _, cache = run(batch.sequences[first, : p - 1], mask[first, : p - 1], position_ids[first, : p - 1], None)
+    with around(lambda x: x[first, : p - 1]):
+        _, cache = run(batch.sequences[first, : p - 1], mask[first, : p - 1], position_ids[first, : p - 1], None)
     if cache is None or not hasattr(cache, "batch_select_indices"):
         return None
     cache.batch_select_indices(spread)  # (U, ...) -> (B, ...) per layer
     end = batch.sequences.shape[1] if through_last else -1
-    out, _ = run(batch.sequences[:, p - 1 : end], mask[:, :end], position_ids[:, p - 1 : end], cache)
+    with around(lambda x: x[:, p - 1 : end]):
+        out, _ = run(batch.sequences[:, p - 1 : end], mask[:, :end], position_ids[:, p - 1 : end], cache)
     return out
 
 
