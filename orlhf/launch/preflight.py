@@ -143,15 +143,15 @@ def check_lora_targets(cfg: TrainConfig) -> None:
     from orlhf.config.train_config import ConfigError
     from orlhf.workers.lora import LoraTargetError, check_folder_targets
 
-    problems = []  # the actor's and the critic's at once
+    found: dict[str, list[str]] = {}  # the actor's and the critic's at once; one line for both when they agree
     for role in ("actor", "critic"):
         if role in active_roles(cfg):
             try:
                 check_folder_targets(model_path(cfg, role), cfg.lora.targets, causal_lm=role == "actor")
             except LoraTargetError as e:
-                problems.append(f"{e} ({role}: {model_path(cfg, role)})")
-    if problems:
-        raise ConfigError(problems)
+                found.setdefault(str(e), []).append(f"{role}: {model_path(cfg, role)}")
+    if found:
+        raise ConfigError([f"{problem} ({', '.join(where)})" for problem, where in found.items()])
     log.info(
         "LoRA rank %d on %s: the reference is the actor's base weights (adapter off), no reference group%s; "
         "engines get the adapted modules merged after every update",

@@ -172,7 +172,7 @@ def checkpoints(cfg: "TrainConfig") -> dict[str, int]:
         trained = lora_numel(model_path(cfg, role), cfg.lora.lora_rank) if cfg.lora.enabled else n
         one += 0 if lg.disable_ds_ckpt else w * n + ADAM_BYTES * trained
     one += w * model_numel(model_path(cfg, "actor")) if lg.save_hf_ckpt or lg.disable_ds_ckpt else 0
-    held = lg.max_ckpt_num + 1
+    held = lg.max_ckpt_num + 1 if lg.save_steps > 0 else 1  # else only --stop_after_steps's
     if lg.max_ckpt_mem is not None and one:
         held = min(held, int(lg.max_ckpt_mem * 1024**3 // one) + 2)  # the budget, the newest, the one being written
     there = len(list(Path(lg.checkpoint_dir).glob("step_*"))) if Path(lg.checkpoint_dir).is_dir() else 0

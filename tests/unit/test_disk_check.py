@@ -58,6 +58,8 @@ def test_the_final_model_the_logs_and_the_checkpoints_kept_are_counted(tmp_path,
     (tmp_path / "run" / "checkpoints_ppo" / "step_000020").mkdir()
     [need] = run_disk_needs(config(tmp_path, save_steps=10, save_hf_ckpt=True))
     assert "2 checkpoints" in need.parts  # a resumed run's own checkpoints are already there
+    [need] = run_disk_needs(config(tmp_path / "stop", stop_after_steps=5))
+    assert "1 checkpoint" in need.parts  # the one saved at the stop
 
 
 def test_a_disk_without_room_for_the_final_model_is_one_warning_line(tmp_path, free, caplog):

@@ -227,3 +227,17 @@ def test_with_lora_the_reference_group_is_not_placed_and_the_actor_scores_it():
     assert cfg.reference_from_actor and active_roles(cfg) == ["actor"]
     full = build_config({"advantage_estimator": "group_norm", "n_samples_per_prompt": 4, "use_kl_loss": True})
     assert not full.reference_from_actor and active_roles(full) == ["actor", "ref"]
+
+
+def test_the_run_names_bad_targets_once_for_an_actor_and_critic_of_one_folder():
+    from orlhf.config.resolve import finish_config
+    from orlhf.config.train_config import ConfigError
+    from orlhf.launch.preflight import check_lora_targets
+
+    flags = {"device": "cpu", "lora_rank": 4, "target_modules": "q_proj qproj vproj"}
+    cfg = finish_config(flags, set(flags))  # the demo: the critic starts from the actor's folder
+    with pytest.raises(ConfigError) as err:
+        check_lora_targets(cfg)
+    [problem] = err.value.problems
+    assert problem.startswith("--target_modules qproj: no module of the model has that name; --target_modules vproj:")
+    assert problem.endswith(f"(actor: {cfg.data.pretrain}, critic: {cfg.data.pretrain})")
