@@ -11,7 +11,8 @@ next export (only those whose owner is gone: runlock.owner_gone).
 
 A failed export (a full disk: NoSpaceError) leaves the trained weights only in the ranks' memory, so the run keeps
 them before it stops (export_failed): a checkpoint of the last step, from which `--load_checkpoint` exports again
-without training; the one-line ExportError says where they are, or that nothing could be written.
+without training; when that cannot be written either, the HF actor in the system's temp folder if it is on another
+disk (rescue_actor); the one-line ExportError says where they are, or that nothing could be written.
 """
 
 from __future__ import annotations
@@ -85,6 +86,13 @@ def export_failed(error: Exception, out: Path, controller) -> ExportError:
             except Exception as e:  # noqa: BLE001 - reported in the line below
                 not_kept = str(e) if isinstance(e, NoSpaceError) else f"{type(e).__name__}: {first_line(e)}"
     fix = f"free space on {out.parent}" if isinstance(error, NoSpaceError) else "fix that"
+    rescued = rescue_actor(controller, out, mgr) if kept is None and isinstance(error, NoSpaceError) else None
+    if rescued is not None:
+        return ExportError(
+            f"could not export to {out}: {why}; nor save a checkpoint instead ({not_kept}). The trained actor of step "
+            f"{step} is kept as an HF folder on another disk, {rescued}: it is the export (transformers and vLLM load "
+            f"it); {fix} and move it there."
+        )
     if kept is not None and controller.cfg.logging.disable_ds_ckpt:  # no training state: the HF folder is the model
         return ExportError(
             f"could not export to {out}: {why}. The trained actor of step {step} is kept as an HF folder in "
@@ -101,6 +109,26 @@ def export_failed(error: Exception, out: Path, controller) -> ExportError:
         f"weights: {fix} (or choose another --save_path and --ckpt_path) and train again; --save_steps keeps "
         "checkpoints along the way."
     )
+
+
+def rescue_actor(controller, out: Path, mgr) -> Path | None:
+    """The HF actor (the export itself) written into the system's temp folder when that is another filesystem than
+    the run's full ones (<tmp>/orlhf-<run id>-step_N/actor), the last place left to keep the trained weights; None when
+    it shares their filesystem or the write fails too."""
+    import tempfile
+
+    from orlhf.storage.disk_space import same_filesystem
+
+    run_id = getattr(mgr, "run_id", "") or "run"
+    rescue = Path(tempfile.gettempdir()) / f"orlhf-{run_id}-{step_dir_name(controller.step_index)}"
+    full = [out.parent] + ([mgr.root] if mgr is not None else [])
+    if any(same_filesystem(rescue, folder) for folder in full):
+        return None
+    try:
+        return export_actor(controller.m.actor, rescue / "actor", run_id)
+    except Exception as e:  # noqa: BLE001 - the caller's line says nothing was kept
+        log.warning("could not keep the trained actor in %s either: %s", rescue, first_line(e))
+        return None
 
 
 def first_line(error: BaseException) -> str:

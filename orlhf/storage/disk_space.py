@@ -208,6 +208,11 @@ def lora_numel(folder: Optional[str], rank: int) -> int:
     return total
 
 
+def same_filesystem(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """Whether two folders (or their nearest existing parents) are on one filesystem."""
+    return _filesystem(a) == _filesystem(b)
+
+
 def _filesystem(folder: str | os.PathLike) -> object:
     p = Path(folder).absolute()
     while not p.exists() and p != p.parent:

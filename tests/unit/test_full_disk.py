@@ -200,3 +200,33 @@ def test_when_nothing_can_be_written_the_line_says_so(tmp_path, disk):
     assert f"nor save a checkpoint instead (no space left on {tmp_path / 'ck'} (0 B free))" in msg
     assert "Nothing kept the trained weights" in msg and "\n" not in msg
     assert not (tmp_path / "ck").exists() or not list((tmp_path / "ck").iterdir())
+
+
+def test_with_both_run_disks_full_the_actor_is_kept_on_another_disk(tmp_path, disk, monkeypatch):
+    """The export and the checkpoint fail for lack of space: the HF actor (the export itself) goes to the system's
+    temp folder when that is another filesystem, and the line says where."""
+    import tempfile
+
+    cfg, ctl = make(tmp_path)
+    ctl.step_index, disk["free"] = 8, 0
+    other = tmp_path / "other"
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(other))
+    monkeypatch.setattr(disk_space, "_filesystem", lambda p: "other" if "other" in Path(p).parts else "run's")
+
+    class RunDisksFull(Group):  # the writes on the run's filesystem fail, the others do not
+        def call(self, method, path):
+            failing, self.failing = self.failing, ({} if "other" in Path(path).parts else self.failing)
+            try:
+                return super().call(method, path)
+            finally:
+                self.failing = failing
+
+    ctl.m.actor.__class__ = RunDisksFull
+    for method in ("save_hf", "save_checkpoint"):
+        ctl.m.actor.failing[method] = "OSError: [Errno 28] No space left on device"
+    with pytest.raises(ExportError) as e:
+        finish_run(cfg, ctl.m, None, [], "r", ctl)
+    kept = other / "orlhf-r-step_000008" / "actor"
+    msg = str(e.value)
+    assert f"The trained actor of step 8 is kept as an HF folder on another disk, {kept}: it is the export" in msg
+    assert (kept / "rng_rank0.json").exists() and "\n" not in str(e.value)
