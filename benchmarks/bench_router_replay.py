@@ -17,7 +17,9 @@ engine gap and the IS correction, without and with the engine's experts replayed
    the share of the tokens scoring the response whose experts differ from the engine's in some layer (read off what
    the trainer's experts modules receive), the engine gap (mean |engine log-prob - trainer log-prob| over response
    tokens, and over those after a token routed otherwise), and the share of response tokens an IS correction would
-   drop (pi_trainer / pi_engine outside [1/T, T] for each --cut T).
+   drop (pi_trainer / pi_engine outside [1/T, T] for each --cut T). --expert_std S: on a copy whose experts' weights
+   are drawn again with std S (the demo's 0.02 makes its experts nearly alike: a token's experts hardly move its
+   log-probs; set apart, they do).
 Prints tables, then one JSON line. Results: benchmarks/results/2026-11-28-router-replay.md.
 """
 
@@ -94,6 +96,23 @@ def score(model, batch, replay: bool):
     want = batch.routing.long().sort(-1).values
     have = (batch.routing >= 0).all(-1).all(-1)
     return lp, ((got != want).any(-1).any(-1) & have)
+
+
+def spread_experts(model_dir: Path, out: Path, std: float, seed: int) -> Path:
+    """A copy of the model whose experts' weights are drawn again with `std` (the demo's 0.02 makes experts nearly
+    alike, so a token's experts hardly change its log-probs): how much routing matters grows with it."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".mlp.experts." in name:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(out)
+    return out
 
 
 def engine_part(args, model_dir: Path, prompts_file: Path) -> dict:
@@ -177,6 +196,7 @@ def main() -> None:
     p.add_argument("--bf16", action="store_true", help="part 2: train in bf16 (the engines then too)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", help="part 1 on this model folder (default: part 2's trained R3 actor, else the demo's)")
+    p.add_argument("--expert_std", type=float, help="part 1: the experts' weights drawn again with this std first")
     args = p.parse_args()
 
     from orlhf.demo.builder import make_moe_demo
@@ -197,6 +217,8 @@ def main() -> None:
     if args.part in ("engine", "both"):
         # part 2's trained R3 actor when it ran (training sets its experts apart), else the fresh demo model
         model = Path(args.model) if args.model else (root / "run-R3" / "actor" if "runs" in result else demo.model)
+        if args.expert_std:
+            model = spread_experts(model, root / "spread-experts", args.expert_std, args.seed)
         e = result["engine"] = engine_part(args, model, demo.prompts)
         e["model"] = str(model)
         print(f"\n1. engine fp32 vs trainer {args.trainer_dtype} on {model}: {e['tokens']} response tokens, ", end="")
