@@ -66,6 +66,18 @@ def _family_configs(vocab: int, ids: dict) -> dict:
             "MixtralConfig",
             dict(dense, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False),
         ),
+        "qwen3_moe": (
+            "Qwen3MoeConfig",
+            dict(
+                dense,
+                head_dim=32,
+                moe_intermediate_size=32,
+                num_experts=4,
+                num_experts_per_tok=2,
+                norm_topk_prob=True,
+                tie_word_embeddings=False,
+            ),
+        ),
     }
 
 

@@ -7,10 +7,10 @@
       engine prompt log-probs of fixed tokens == trainer log-probs (< 1e-5)
 
 Families: Llama untied and tied, GPT-2 (tied, Conv1D), Gemma 2/3 (tied, soft-capping), Qwen2, Qwen3 (tied),
-Mistral, Phi-3, Qwen2-MoE and Mixtral (fused experts at run time, per-expert names on disk). The breaks it guards
-against: tied models keeping the step-0 head (gap 0.45-0.56 here), Qwen2-MoE reading raw experts as pre-packed ones
-(0.058), Mixtral's first sync failing on the fused names. One trainer and one engine process serve all families (rig in
-family_rig.py); each family costs one DeepSpeed init and one vLLM start.
+Mistral, Phi-3, Qwen2-MoE, Mixtral and Qwen3-MoE (fused experts at run time, per-expert names on disk). The breaks
+it guards against: tied models keeping the step-0 head (gap 0.45-0.56 here), Qwen2-MoE reading raw experts as
+pre-packed ones (0.058), Mixtral's first sync failing on the fused names. One trainer and one engine process serve
+all families (rig in family_rig.py); each family costs one DeepSpeed init and one vLLM start.
 """
 
 from pathlib import Path
