@@ -225,7 +225,20 @@ def quiet_save():
 
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
-    deepspeed_log = logging.getLogger("DeepSpeed")  # the logger DeepSpeed sets up at import, writing to stdout
+    try:
+        with deepspeed_quiet():
+            yield
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+@contextmanager
+def deepspeed_quiet():
+    """DeepSpeed's own logger (set up at its import, writing to stdout) keeps only errors meanwhile: on a machine
+    without a GPU its import warns that it falls back to the CPU, which would reach the terminal before a run's logs
+    exist (a demo's save, a checkpoint's layout read before Ray starts)."""
+    deepspeed_log = logging.getLogger("DeepSpeed")
 
     def errors_only(record: logging.LogRecord) -> bool:
         return record.levelno >= logging.ERROR
@@ -235,8 +248,6 @@ def quiet_save():
         yield
     finally:
         deepspeed_log.removeFilter(errors_only)
-        if bars:
-            hf_logging.enable_progress_bar()
 
 
 def demo_paths(cache_dir: Path | None = None) -> DemoPaths:

@@ -24,14 +24,13 @@ The rules, as DeepSpeed 0.19.8 loads (each checked on CPU with gloo):
 
 from __future__ import annotations
 
-import logging
 import os
 import re
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
+from orlhf.demo.builder import deepspeed_quiet
 from orlhf.storage.checkpoint_format import CheckpointError
 
 if TYPE_CHECKING:
@@ -67,27 +66,11 @@ def read_layout(folder: str | os.PathLike) -> Layout:
     files = [f for f in files if not f.name.startswith("layer_")]  # MoE expert files carry no config
     if not files:
         raise CheckpointError(f"{folder / tag}: no DeepSpeed model-state file: not a complete checkpoint")
-    with _deepspeed_quiet():  # the driver imports DeepSpeed here, before Ray starts: its notices are not the run's
+    with deepspeed_quiet():  # the driver imports DeepSpeed here, before Ray starts: its notices are not the run's
         ds = safe_torch_load(files[0], map_location="cpu", mmap=True).get("ds_config") or {}
     stage = ds.get("zero_optimization", {}).get("stage")
     optimizer = str(ds.get("optimizer", {}).get("type", "adam")).lower()
     return Layout(ranks, tag, None if stage is None else int(stage), optimizer)
-
-
-@contextmanager
-def _deepspeed_quiet():
-    """DeepSpeed's own logger (it writes to stdout) keeps only errors while DeepSpeed is imported: on a machine
-    without a GPU its import warns that it falls back to the CPU, which would reach the terminal."""
-    deepspeed_log = logging.getLogger("DeepSpeed")  # the logger DeepSpeed sets up at import
-
-    def errors_only(record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.ERROR
-
-    deepspeed_log.addFilter(errors_only)
-    try:
-        yield
-    finally:
-        deepspeed_log.removeFilter(errors_only)
 
 
 def _family(stage: Optional[int]) -> str:
