@@ -129,6 +129,7 @@ USER_ERRORS = (
     ("orlhf.trainer.step_stats", "CollapsedError"),
     ("orlhf.launch.export", "ExportError"),
     ("orlhf.distributed.ray_start", "RayJoinError"),
+    ("orlhf.distributed.addresses", "AddressError"),
 )
 
 

@@ -49,6 +49,7 @@ FREE_ON_RESUME: dict[str, str] = {
             "ray_timeout_s",
             "hang_timeout_s",
             "address",
+            "socket_ifname",
             "reward_timeout_s",
             "reward_retries",
             "max_engine_logprob_gap",

@@ -135,6 +135,7 @@ PANELS: tuple[Panel, ...] = (
             "colocate_actor_ref",
             "colocate_critic_reward",
             "address",
+            "socket_ifname",
         ),
     ),
     Panel(

@@ -232,6 +232,12 @@ class EvalConfig:
 class RuntimeConfig:
     device: str = opt("auto", "cuda (NCCL) or cpu (gloo); auto: cuda when a GPU is visible.", choices=DEVICES)
     address: Optional[str] = opt(None, "Ray cluster address (default: the job's cluster, else a new local one).")
+    socket_ifname: Optional[str] = opt(
+        None,
+        "Network interface every rendezvous (DeepSpeed, the weight sync, gloo and NCCL) uses on each host, as "
+        "NCCL_SOCKET_IFNAME reads it (name prefixes, ^ to exclude, = for exact names); exported there as "
+        "GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME. Default: the interface of each host's route to the Ray head.",
+    )
     ray_timeout_s: float = opt(600.0, "Longest wait on any Ray call or placement group before failing.")
     hang_timeout_s: float = opt(
         60.0,

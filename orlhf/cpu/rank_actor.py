@@ -33,6 +33,7 @@ import torch
 from orlhf.cpu.ds_import import load_deepspeed
 from orlhf.cpu.memory import keep_freed_memory, release_freed_memory
 from orlhf.cpu.threads import apply_threads, threads_as_ray_set
+from orlhf.distributed import addresses
 from orlhf.distributed.groups import free_port, log_name
 from orlhf.distributed.heartbeat import HEALTH, HEALTH_GROUPS
 from orlhf.storage.logs import redirect_output
@@ -76,6 +77,7 @@ class CpuRankActor:
         keep_freed_memory()  # before the worker allocates: its large activations then come back from the heap
         os.environ.update(env)
         redirect_output(log_name(role, rank))
+        addresses.pin()  # before DeepSpeed starts: it reads the interface this exports
         self.role, self.rank = role, rank
         self.workers: dict[str, Any] = {}
         self.cpu_threads: dict[str, int] = {}  # torch threads per role (cpu/threads.py); absent: as Ray set
@@ -87,8 +89,9 @@ class CpuRankActor:
         self.beside_locks: dict[str, threading.Lock] = {}  # call_beside: one at a time per guest
 
     def address(self) -> tuple[str, int]:
-        """(ip, free port) of this rank's node: rank 0's becomes the group's rendezvous address."""
-        return ray.util.get_node_ip_address(), free_port()
+        """(ip, free port) this rank's peers reach it at (distributed/addresses.py): rank 0's becomes the group's
+        rendezvous address."""
+        return addresses.local_address(), free_port()
 
     def setup(self, worker_cls: type, cfg: Any, env: dict[str, str]) -> None:
         os.environ.update(env)

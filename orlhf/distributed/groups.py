@@ -38,6 +38,7 @@ from typing import Any, Callable, Optional, Sequence
 import ray
 import torch
 
+from orlhf.distributed import addresses
 from orlhf.distributed.endpoints import check_exports, method_name
 from orlhf.distributed.heartbeat import HEALTH, HEALTH_GROUPS, Heartbeat
 from orlhf.distributed.placement import RankBundle, scheduling_options
@@ -91,11 +92,13 @@ class RankActor:
     def __init__(self, role: str, rank: int, env: dict[str, str]):
         os.environ.update(env)
         redirect_output(log_name(role, rank))
+        addresses.pin()  # before DeepSpeed or NCCL start: they read the interface it exports
         self.worker: Any = None
 
     def address(self) -> tuple[str, int]:
-        """(ip, free port) of this rank's node: rank 0's becomes the group's rendezvous address."""
-        return ray.util.get_node_ip_address(), free_port()
+        """(ip, free port) this rank's peers reach it at (distributed/addresses.py): rank 0's becomes the group's
+        rendezvous address."""
+        return addresses.local_address(), free_port()
 
     def setup(self, worker_cls: type, cfg: Any, env: dict[str, str]) -> None:
         os.environ.update(env)
@@ -245,6 +248,8 @@ def _wait(
             try:
                 results[i] = ray.get(ref)
             except ray.exceptions.RayTaskError as e:
+                if isinstance(e.cause, addresses.AddressError):  # one line that says what to set: no traceback
+                    raise e.cause from None
                 raise RankError(role, rank, method, str(e), host=host) from None
             except ray.exceptions.RayActorError as e:
                 raise RankError(role, rank, method, f"the rank actor died: {e}", died=True, host=host) from None

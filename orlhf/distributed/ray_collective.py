@@ -93,24 +93,25 @@ def _stateless_gloo_class():
         """A gloo group of its own (TCPStore + ProcessGroupGloo), met through Ray's KV store; broadcast only."""
 
         def __init__(self, world_size: int, rank: int, group_name: str):
-            import ray
             import ray.experimental.internal_kv as kv
-            from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
+            from torch.distributed import PrefixStore, TCPStore
 
+            from orlhf.distributed.addresses import gloo_group, local_address, reach
             from orlhf.distributed.groups import free_port
 
             super().__init__(world_size, rank, group_name)
             timeout = timedelta(seconds=_timeouts.get(group_name, 300.0))
             key = _KV_PREFIX + group_name
             if rank == 0:
-                host, port = ray.util.get_node_ip_address(), free_port()
+                host, port = local_address(), free_port()
                 self._store = TCPStore(host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
                 kv._internal_kv_put(key, f"{host}:{port}")
             else:
                 host, port = _wait_for_address(kv, key, group_name, timeout.total_seconds())
+                reach(host, port, f"the store of Ray collective group {group_name}", timeout.total_seconds())
                 self._store = TCPStore(host, port, world_size, is_master=False, timeout=timeout)
             # connects to every member: returns once all have joined
-            self._pg = ProcessGroupGloo(PrefixStore(group_name, self._store), rank, world_size, timeout)
+            self._pg = gloo_group(PrefixStore(group_name, self._store), rank, world_size, timeout)
             if rank == 0:
                 kv._internal_kv_del(key)
 

@@ -95,6 +95,7 @@ def start_models(
 def model_groups(cfg: TrainConfig, placed, optimizer_steps: int, stack: ExitStack, tuning: Tuning) -> dict:
     """{role: group} of the run's models (no ref without a KL: TrainConfig.has_reference), as `tuning` builds them
     (Tuning.model_groups) with an ActorGroup per role on its bundles; each shut down when `stack` closes."""
+    from orlhf.distributed.addresses import spec_env
     from orlhf.distributed.groups import ActorGroup
     from orlhf.workers import CriticWorker, PolicyWorker, ReferenceWorker, RewardWorker
 
@@ -112,6 +113,7 @@ def model_groups(cfg: TrainConfig, placed, optimizer_steps: int, stack: ExitStac
             gpus_per_node=getattr(cfg.placement, f"{role}_num_gpus_per_node"),
             timeout_s=cfg.runtime.ray_timeout_s,
             hang_s=cfg.runtime.hang_timeout_s,
+            env=spec_env(cfg.runtime.socket_ifname),
             **options,
         )
 

@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 import ray
 
+from orlhf.distributed import addresses
 from orlhf.distributed.endpoints import endpoint
 from orlhf.distributed.heartbeat import HEALTH, HEALTH_GROUPS, on_one_thread
 from orlhf.distributed.tuning import Tuning
@@ -67,6 +68,8 @@ class EngineActor:
                 "in-process); use more --vllm_num_engines instead"
             )
         os.environ.update(engine_env(cfg, bundle_indices, share))  # before vLLM is imported and started
+        os.environ.update(addresses.spec_env(cfg.socket_ifname))
+        addresses.pin()  # the weight sync's address; its interface exported for gloo and NCCL before vLLM starts
         self.llm = (tuning or Tuning()).engine_start(cfg, lambda extra: self._start(cfg, index, extra))
 
     @staticmethod

@@ -160,12 +160,13 @@ class WeightSync(WeightUpdate):
         ]
         wait_calls(host_store, *joins, timeout_s=timeout_s)
         log.info(
-            "weight sync: %s group of %d (1 trainer + %d engine workers)%s, %d tensors in %d buckets",
+            "weight sync: %s group of %d (1 trainer + %d engine workers)%s, %d tensors (%d bytes) in %d buckets",
             backend,
             world,
             world - 1,
-            f" through ray.util.collective ({self.group_name})" if self.with_ray else "",
+            f" through ray.util.collective ({self.group_name})" if self.with_ray else f" at {host}:{port}",
             len(self.metas),
+            sum(_nbytes(m) for m in self.metas),
             len(self.buckets),
         )
 

@@ -61,17 +61,21 @@ class WeightSyncExtension:
 
             join(ray_group, rank, world_size, backend, self.device, timeout_s)
             self._orlhf_ray_group = ray_group
-        elif backend == "nccl":
+            return rank
+        from orlhf.distributed.addresses import gloo_group, reach
+
+        reach(host, port, "the weight-sync group's store on actor rank 0", timeout_s)
+        if backend == "nccl":
             from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
             from vllm.distributed.utils import StatelessProcessGroup
 
             group = StatelessProcessGroup.create(host=host, port=port, rank=rank, world_size=world_size)
             self._orlhf_comm = PyNcclCommunicator(group, device=self.device)
         else:
-            from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
+            from torch.distributed import PrefixStore, TCPStore
 
             store = TCPStore(host, port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
-            self._orlhf_comm = ProcessGroupGloo(
+            self._orlhf_comm = gloo_group(
                 PrefixStore("orlhf-sync", store), rank, world_size, timedelta(seconds=timeout_s)
             )
         return rank

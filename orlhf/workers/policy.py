@@ -215,12 +215,12 @@ class PolicyWorker(CausalLMWorker):
 
     @endpoint
     def sync_address(self) -> tuple[str, int]:
-        """An address on this rank's node for the trainer -> engines group (rank 0 hosts its store)."""
-        import ray
-
+        """The address the engines reach this rank at (distributed/addresses.py) and a free port there, for the
+        trainer -> engines group (rank 0 hosts its store)."""
+        from orlhf.distributed.addresses import local_address
         from orlhf.distributed.groups import free_port
 
-        return ray.util.get_node_ip_address(), free_port()
+        return local_address(), free_port()
 
     @endpoint
     def init_weight_sender(

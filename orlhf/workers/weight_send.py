@@ -46,10 +46,12 @@ class WeightSender:
             group = StatelessProcessGroup.create(host=host, port=port, rank=0, world_size=world_size)
             self.comm = PyNcclCommunicator(group, device=device)
         else:
-            from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
+            from torch.distributed import PrefixStore, TCPStore
+
+            from orlhf.distributed.addresses import gloo_group
 
             store = TCPStore(host, port, world_size, is_master=True, timeout=timedelta(seconds=timeout_s))
-            self.comm = ProcessGroupGloo(PrefixStore("orlhf-sync", store), 0, world_size, timedelta(seconds=timeout_s))
+            self.comm = gloo_group(PrefixStore("orlhf-sync", store), 0, world_size, timedelta(seconds=timeout_s))
 
     def broadcast(self, t: torch.Tensor) -> None:
         t = t.contiguous()
