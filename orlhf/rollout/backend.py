@@ -13,7 +13,8 @@ The contract (tests/vllm/test_engines.py checks it on both, on real engines and 
                                             version that sampled it; the same seeds give the same samples
     b.generate_requests({member: reqs}, s)  requests with their own lengths and seeds (--partial_rollout's segments)
     b.generate_turns(member, requests)      agents' turns, token in, token out -> a concurrent Future of
-                                            [(new ids, log-probs, finish reason, weight version)]
+                                            [(new ids, log-probs, finish reason, weight version, ...)] (vLLM
+                                            engines add the routed experts, --router_replay R3)
     b.turn_params                           the class of agents' sampling parameters (None: vLLM's SamplingParams)
     b.load_weights(version) -> seconds      the trainer's current weights into every member, after an optimizer
                                             step and before the next generation; rollouts from then on say `version`
