@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional
 
 from orlhf.distributed.layout import GroupKey, Layout, NodeSpec, PlacementError, check_fits, fits_in_total, group_label
+from orlhf.storage.logs import EVERY_TIME
 
 # ---- The live cluster --------------------------------------------------------------------------------------
 
@@ -203,6 +204,7 @@ def _wait_for_fit(
                     "node to join (--ray_timeout_s)",
                     len(nodes),
                     settle_s,
+                    extra=EVERY_TIME,  # each restart's wait is shown, not the first only
                 )
                 said = True
             time.sleep(0.5)

@@ -31,8 +31,12 @@ TERMINAL_FORMAT = "[orlhf] %(message)s"
 FILE_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
+EVERY_TIME = {"every_time": True}  # `extra` of a warning that is news each time (a restart's wait for a node)
+
+
 class OncePerMessage(logging.Filter):
-    """Lets a warning through the first time; counts the repeats (reported by RunLogs.close)."""
+    """Lets a warning through the first time; counts the repeats (reported by RunLogs.close). A record logged with
+    extra=EVERY_TIME always passes: a user watching a run must see each wait it starts, not the first only."""
 
     def __init__(self):
         super().__init__()
@@ -40,7 +44,7 @@ class OncePerMessage(logging.Filter):
         self._seen: set[str] = set()
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.WARNING or record.levelno >= logging.ERROR:
+        if record.levelno < logging.WARNING or record.levelno >= logging.ERROR or getattr(record, "every_time", False):
             return True
         key = record.getMessage()
         if key in self._seen:

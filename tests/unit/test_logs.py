@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 
-from orlhf.storage.logs import LOG_DIR_ENV, setup_driver, tail
+from orlhf.storage.logs import EVERY_TIME, LOG_DIR_ENV, setup_driver, tail
 
 
 @pytest.fixture
@@ -61,11 +61,14 @@ def test_library_chatter_goes_to_the_file_orlhf_lines_to_the_terminal(tmp_path, 
         warnings.warn("torch.cuda.amp is deprecated", FutureWarning, stacklevel=2)
     for _ in range(5):
         logging.getLogger("orlhf.trainer.controller").warning("reward is constant")
+    for _ in range(2):  # each restart's wait for a node is news: shown every time
+        logging.getLogger("orlhf").warning("waiting up to 9 s for a node", extra=EVERY_TIME)
     run.close()
     shown = term.getvalue().splitlines()
     assert shown[0] == "[orlhf] 3 model group(s) ready"
     assert shown.count("[orlhf] reward is constant") == 1
     assert any("repeated 4 more time(s): reward is constant" in line for line in shown)
+    assert shown.count("[orlhf] waiting up to 9 s for a node") == 2
     assert not any("RotaryEmbedding" in s or "Ray instance" in s or "deprecated" in s for s in shown)
     logged = (tmp_path / "logs" / "driver.log").read_text()
     assert not any("Special tokens" in s or "Token authentication" in s for s in shown)
