@@ -1,6 +1,7 @@
 """The KV cache size of a CPU engine (--vllm_cpu_kv_cache_gb), sized from what the engine can hold at once.
 
-    kv_cache_bytes(cfg) -> bytes for vLLM's kv_cache_memory_bytes
+    kv_cache_bytes(cfg) -> bytes for vLLM's kv_cache_memory_bytes (sized_kv_bytes: the same from K/V bytes a token,
+                           which `orlhf plan` computes from the model's dims)
         user-given --vllm_cpu_kv_cache_gb: that size (refused if it cannot hold one max_model_len sequence)
         not given: what MAX_NUM_SEQS full-length sequences need, at most DEFAULT_GB
     check_kv_cache(llm, cfg, requested) -> after LLM(): the blocks vLLM made hold MAX_NUM_SEQS full sequences
@@ -67,7 +68,12 @@ def _blocks_per_seq(max_model_len: int) -> int:
 
 
 def kv_cache_bytes(model_path: str, dtype: str, max_model_len: int, user_gb: Optional[float]) -> int:
-    per_token = kv_bytes_per_token(model_path, dtype)
+    return sized_kv_bytes(kv_bytes_per_token(model_path, dtype), max_model_len, user_gb)
+
+
+def sized_kv_bytes(per_token: Optional[int], max_model_len: int, user_gb: Optional[float]) -> int:
+    """The cache for K and V of `per_token` bytes a token (None: not plain attention): the user's size, else
+    what MAX_NUM_SEQS full sequences need, at most DEFAULT_GB. `orlhf plan` sizes a CPU engine with it too."""
     if user_gb is not None:
         requested = int(user_gb * 2**30)
         one_seq = None if per_token is None else (_blocks_per_seq(max_model_len) + 1) * BLOCK_TOKENS * per_token

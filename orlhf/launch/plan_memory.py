@@ -6,7 +6,8 @@ come on top, so keep headroom ("tight" marks > 90%).
   P = parameters, counted from config.json (dense Llama-style: embeddings, attention with grouped KV heads,
       gated MLP, norms; biases ignored). Critic and reward: no LM head, a value head (hidden x 1).
   w = bytes per weight: 2 with --bf16, else 4; gradients the same. K = Adam states: 12 with --bf16 (fp32 master
-      + m + v), 8 in fp32 (the weights are the master: m + v).
+      + m + v); in fp32 8 under ZeRO-0/3 (the weights are the master: m + v) and 12 under ZeRO-1/2, whose
+      optimizer clones an fp32 master partition whatever the model's dtype (DeepSpeed's stage_1_and_2.py).
   trained (actor, critic) on N ranks, by ZeRO stage (ZeRO paper / DeepSpeed docs):
       0: (w + w + K)P    1: (w + w)P + KP/N    2: wP + (w + K)P/N    3: (w + w + K)P/N
       --adam_offload moves the K part to host memory.
@@ -14,7 +15,9 @@ come on top, so keep headroom ("tight" marks > 90%).
   LoRA (--lora_rank r): L = r x (in + out) per adapted Linear; the trained roles hold w(P + L) weights and the
       gradients and Adam states of L only; no reference model (the actor's adapter-off forward is the reference).
   vLLM engine: vllm_gpu_memory_utilization x GPU memory, on each of its TP GPUs; its weights (2P/TP) must fit
-      inside that, the rest is KV cache. On cpu: weights + $VLLM_CPU_KVCACHE_SPACE GiB (1 if unset).
+      inside that, the rest is KV cache. On cpu: weights in the trainer's dtype + the KV cache orlhf gives it
+      (--vllm_cpu_kv_cache_gb, else what 256 full-length sequences need, at most 1 GiB); launch/plan_cpu.py adds
+      what else each CPU process holds (libraries, activations, the LM head's packed copy, Ray, the driver).
   Occupants of one device add up. With an engine there, the peak is the larger of generation (engine, plus the
   trainers unless --deepspeed_enable_sleep) and training (trainers, plus the engine unless --vllm_enable_sleep).
   On cpu every byte is host memory, summed over the ranks on a node.
@@ -24,7 +27,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -172,6 +174,11 @@ REDUCE_BUCKET_ELEMENTS = 500_000_000
 # from the source, not measured on a GPU; one-rank trained groups run ZeRO-2 by default (worker_config).
 
 
+def gib_text(x: float) -> str:
+    """GiB as the plan prints them: three significant figures below 10, one decimal above; ? when unknown."""
+    return "?" if math.isnan(x) else f"{x:.1f}" if x >= 10 or x == 0 else f"{x:.3g}"
+
+
 def bucket_bytes_per_element(stage: int, grad_bytes: int) -> int:
     """Bytes per reduce-bucket element of a trained rank on a GPU (0: no bucket, as under ZeRO-0)."""
     return {0: 0, 1: 4}.get(stage, grad_bytes)
@@ -199,7 +206,7 @@ def role_memory(cfg: TrainConfig, role: str, params: int, ranks: int, *, device:
             per / GIB if on_host else 0.0,
             text + (" on host (--ref_reward_offload)" if on_host else ""),
         )
-    k = 12 if ds.bf16 else 8
+    k = 12 if ds.bf16 or s in (1, 2) else 8  # ZeRO-1/2 clone an fp32 master partition even of fp32 weights
     # (weights, grads, Adam) divisors by stage: which of the three ZeRO shards over the N ranks
     div = {0: (1, 1, 1), 1: (1, 1, n), 2: (1, n, n), 3: (n, n, n)}[s]
     trained = adapter or params
@@ -220,12 +227,22 @@ def role_memory(cfg: TrainConfig, role: str, params: int, ranks: int, *, device:
 def engine_memory(cfg: TrainConfig, dims: ModelDims, device: str, gpu_memory_gb: Optional[float]) -> Memory:
     params, tp = count_params(dims), cfg.vllm.tensor_parallel_size
     weights = dims.dtype_bytes * params / tp / GIB
-    if device == "cpu":
-        kv = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
-        return Memory(ENGINE, params, tp, weights + kv / tp, 0.0, f"({dims.dtype_bytes}P + {kv:g} GiB KV cache)/{tp}")
+    if device == "cpu":  # one process, no TP (rollout/engine.py)
+        w, kv = cpu_engine_bytes(cfg, dims)
+        return Memory(ENGINE, params, 1, (w * params + kv) / GIB, 0.0, f"{w}P + {kv / GIB:.3g} GiB KV cache")
     util = engine_gpu_memory_utilization(cfg)
     budget = util * gpu_memory_gb if gpu_memory_gb else math.nan
     return Memory(ENGINE, params, tp, budget, 0.0, f"{util:g} x GPU; weights {dims.dtype_bytes}P/{tp} = {weights:.1f}")
+
+
+def cpu_engine_bytes(cfg: TrainConfig, dims: ModelDims) -> tuple[int, int]:
+    """(bytes per weight, KV cache bytes) of a CPU engine: the trainer's dtype (rollout/engine_config.py), the KV
+    cache sized as the engine sizes it (cpu/engine_kv.py: what 256 full sequences need, at most 1 GiB, or the flag)."""
+    from orlhf.cpu.engine_kv import sized_kv_bytes  # cpu only: a cuda run never imports orlhf.cpu
+
+    w, p = (2 if cfg.deepspeed.bf16 else 4), cfg.ppo
+    per_token = dims.layers * 2 * dims.kv_heads * dims.head_dim * w
+    return w, sized_kv_bytes(per_token, p.prompt_max_len + p.generate_max_len, cfg.vllm.cpu_kv_cache_gb)
 
 
 def trainer_generation_memory(cfg: TrainConfig, dims: ModelDims, ranks: int, stage: int) -> Memory:
