@@ -15,6 +15,10 @@
         orlhf_engines2 sync with --vllm_num_engines 2: generation data-parallel over the cores, one thread each
         orlhf_trainer  sync with --vllm_num_engines 0: the actor's ranks generate with HF generate, as TRL does
         trl          benchmarks/trl_grpo_runner.py under TRL's python (HF generate; no vLLM on CPU)
+        hybrid       benchmarks/hybrid_engine_baseline.py given the sync mode's train-ppo flags (trl_compare_hybrid.py):
+                     DeepSpeed-Chat's system at the same work (every model in one process, the trained actor
+                     generates with HF generate, phases strictly one after the other, no weight sync); its metrics
+                     rows and phases are orlhf's controller's, so it is timed as the orlhf modes are
       each a subprocess; proctree.TreeSampler notes when each metrics.jsonl row lands and the CPU seconds of the
       whole process tree (Ray and vLLM processes included) at that moment
     -> per run: samples/s of the median measured step (steps after --warmup), start-up (launch -> start of step 1
@@ -39,8 +43,8 @@ Reproduce (2-core CPU box; about 1.5 min a run at the default 12 steps, so ~14 m
     .venv/bin/python benchmarks/trl_compare.py --repeats 3
     .venv/bin/python benchmarks/trl_compare.py --kl 0 --repeats 3               # the no-KL row
 The real model (SmolLM2-135M-Instruct, its addition task, chat template; compute dominates, minutes a run):
-    .venv/bin/python benchmarks/trl_compare.py --model_preset smollm2 --modes orlhf,trl --repeats 2 \
-        --prompts_per_step 16 --micro_batch 16 --max_samples 96 --episodes 1 --lr 1e-6
+    .venv/bin/python benchmarks/trl_compare.py --model_preset smollm2 --modes orlhf,trl,hybrid --repeats 2 \
+        --prompts_per_step 16 --micro_batch 16 --max_samples 96 --episodes 1 --lr 1e-6 --timeout 3600
 On one GPU (scripts/gpu_check.sh runs a short one after tests/gpu):
     python benchmarks/trl_compare.py --device cuda --repeats 2 --profile
 Speed figures from a machine shared with other jobs are only comparable within one invocation (see load_avg).
@@ -66,9 +70,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from model_presets import PRESETS, preset_model  # noqa: E402  (benchmarks/model_presets.py)
 from proctree import TreeSampler, run_sampled  # noqa: E402  (benchmarks/proctree.py)
+from trl_compare_hybrid import hybrid_cmd  # noqa: E402  (benchmarks/trl_compare_hybrid.py)
 from trl_grpo_runner import PROFILE_ENV, add_work_args, phase_profile, rank_profiler_hook  # noqa: E402
 
-MODES = ("orlhf", "orlhf_async", "trl", "orlhf_1thread", "orlhf_engines2", "orlhf_trainer")
+MODES = ("orlhf", "orlhf_async", "trl", "orlhf_1thread", "orlhf_engines2", "orlhf_trainer", "hybrid")
 GPU_MODES = ("orlhf_trainer", "trl")  # --device cuda's default: the modes that need no vLLM
 TRL_VERSION = "1.16.0"
 SIZES = {"0.4b": (1536, 16)}  # hidden, layers: random Llamas beyond model_presets.PRESETS (bench_train_mfu.py's)
@@ -440,6 +445,7 @@ def main(argv=None) -> None:
         "orlhf_1thread": orlhf_cmd(a, False, ("--vllm_cpu_threads", "1", "--train_cpu_threads", "1")),
         "orlhf_engines2": orlhf_cmd(a, False, ("--vllm_num_engines", "2")),
         "orlhf_trainer": orlhf_cmd(a, False, ("--vllm_num_engines", "0")),
+        "hybrid": hybrid_cmd(orlhf_cmd(a, False)),  # the same flags, DeepSpeed-Chat's system
         **{name: orlhf_cmd(a, False, flags) for name, flags in a.extra_cmds.items()},
     }
     cmds = {m: with_model(c, a) for m, c in cmds.items()}
