@@ -31,6 +31,10 @@ here imports it). --world_size 1 runs in this process, as DeepSpeed-Chat does on
 CPU (this machine; ~30 s for the demo's 8 steps):
     .venv/bin/python benchmarks/hybrid_engine_baseline.py --max_samples 512 --save_path /tmp/hybrid
     .venv/bin/python benchmarks/hybrid_engine_baseline.py --world_size 2 --threads 1   # two ranks, one core each
+Beside orlhf and TRL at the same work, on any model and data (trl_compare.py's hybrid mode gives it the sync orlhf
+mode's flags; --model_preset smollm2: SmolLM2-135M-Instruct, its addition task in the chat template, as `orlhf
+make-demo --real` writes them):
+    .venv/bin/python benchmarks/trl_compare.py --model_preset smollm2 --modes orlhf,trl,hybrid ...
 GPU node (N GPUs; all four models on every GPU; DeepSpeed-Chat's memory options):
     python benchmarks/hybrid_engine_baseline.py --device cuda --world_size 8 --pretrain MODEL \\
         --reward_pretrain RM --prompt_data prompts.jsonl --input_key prompt --bf16 --adam_offload \\
