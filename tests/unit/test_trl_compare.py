@@ -1,5 +1,6 @@
 """benchmarks/trl_compare.py's pure figures: ratios against TRL (the median run's, and paired per repeat) and the
-CPU seconds per step by process group. The end-to-end run is tests/e2e/test_trl_compare_smoke.py."""
+CPU seconds per step by process group; and the hybrid mode's command (the sync orlhf mode's flags, the baseline's
+program). The end-to-end run is tests/e2e/test_trl_compare_smoke.py."""
 
 import sys
 from pathlib import Path
@@ -56,3 +57,15 @@ def test_rank_processes_group_together_whatever_their_actor_class():
     assert rss_group(7, ["ray::RankActor"], 1) == "RankActor"
     assert rss_group(7, ["ray::EngineActor.generate"], 1) == "EngineActor"
     assert rss_group(7, ["ray::IDLE"], 1) == "ray system"
+
+
+def test_hybrid_mode_is_the_sync_orlhf_command_with_the_baselines_program():
+    from trl_compare_hybrid import BASELINE, hybrid_cmd
+
+    a = trl_compare.parse_args(["--modes", "orlhf,hybrid", "--orlhf_flags", "--zero_stage 3"])
+    orlhf = trl_compare.orlhf_cmd(a, False)
+    # the same python and every flag (the work, --orlhf_flags included); only the program differs
+    assert hybrid_cmd(orlhf) == [sys.executable, str(BASELINE), *orlhf[4:]]
+    assert orlhf[-2:] == ["--zero_stage", "3"]
+    with pytest.raises(ValueError, match="not an orlhf train-ppo command"):
+        hybrid_cmd([sys.executable, "other.py", "--zero_stage", "3"])
