@@ -33,6 +33,8 @@
          x 16 layers, built on the GPU: bench_train_mfu.py's 0.4b), modes orlhf_trainer and trl by default (no vLLM
          needed), TRL from --trl_python (default: this python; the GPU machine has no package index, so
          scripts/gpu_check.sh installs the carried trl, datasets, dill and multiprocess wheels beside orlhf's)
+    --bf16: the --device cuda precisions on CPU (orlhf --bf16, TRL bf16=True), for CPUs with bf16 instructions
+         (AVX512_BF16, AMX), where bf16 matrix products run at more than twice fp32's rate
     --profile: after the timed repeats, one more run of each mode with every phase call under the torch profiler
          (trl_grpo_runner.PhaseProfile; orlhf's rank processes load the wrappers through a sitecustomize.py on
          their PYTHONPATH): per mode, GPU seconds (the CUDA kernels' summed time; null on CPU) and wall seconds
@@ -119,7 +121,7 @@ def orlhf_cmd(a, asynchronous: bool, extra: tuple = ()) -> list[str]:
         "train-ppo",
         "--device",
         a.device,
-        *(["--bf16"] if a.device == "cuda" else []),
+        *(["--bf16"] if a.bf16 else []),
         "--max_samples",
         str(a.max_samples),
         "--num_episodes",
@@ -255,6 +257,7 @@ def trl_cmd(a, python: Path) -> list[str]:
         str(a.kl),
         "--device",
         a.device,
+        *(["--bf16"] if a.bf16 else []),
     ]
 
 
@@ -367,6 +370,7 @@ def parse_args(argv=None):
         "--modes", default=None, help=f"comma list of {MODES} (default: all on cpu, {','.join(GPU_MODES)} on cuda)"
     )
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="both sides' device (cuda: bf16)")
+    ap.add_argument("--bf16", action="store_true", help="both sides in mixed precision on CPU too (always on cuda)")
     ap.add_argument("--profile", action="store_true", help="one more run per mode, each phase under the torch profiler")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--warmup", type=int, default=2, help="steps not measured at the start of each run")
@@ -408,6 +412,7 @@ def parse_args(argv=None):
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "trl_compare")
     a = ap.parse_args(argv)
     cuda = a.device == "cuda"
+    a.bf16 = a.bf16 or cuda
     a.modes = [m for m in (a.modes or ",".join(GPU_MODES if cuda else MODES)).split(",") if m]
     a.model_preset = a.model_preset or ("0.4b" if cuda else "demo")
     if cuda and a.trl_python is None:

@@ -2,7 +2,8 @@
 (--device cpu) or a python that already imports trl (--device cuda: the GPU machine has no package index).
 
     demo model folder + first --max_samples prompts (jsonl) + the demo reward file
-    -> GRPOTrainer (HF generate, no vLLM; fp32 on CPU; on CUDA fp32 weights under bf16 autocast, TRL's `bf16=True`)
+    -> GRPOTrainer (HF generate, no vLLM; fp32 on CPU unless --bf16; on CUDA, and with --bf16, fp32 weights under
+       bf16 autocast: TRL's `bf16=True`)
     -> <out>/metrics.jsonl, one row per optimizer step:
        step, samples, step_s, reward_mean, timing/generate_score (TRL's _generate_and_score_completions: generate,
        reward, old/ref log-probs), timing/train (the rest of the step), t_begin (time.time() at the step's start)
@@ -212,6 +213,7 @@ def main() -> None:
     ap.add_argument("--input_key", default="prompt")
     ap.add_argument("--label_key", default="label")
     ap.add_argument("--chat_template", action="store_true", help="wrap each prompt in the model's chat template")
+    ap.add_argument("--bf16", action="store_true", help="TRL's mixed precision on CPU too (always on CUDA)")
     args = ap.parse_args()
     cuda = args.device == "cuda"
 
@@ -247,7 +249,7 @@ def main() -> None:
         scale_rewards="group",
         loss_type="dapo",
         num_train_epochs=args.episodes,
-        bf16=cuda,  # fp32 weights, bf16 autocast: TRL's mixed precision
+        bf16=cuda or args.bf16,  # fp32 weights, bf16 autocast: TRL's mixed precision
         fp16=False,
         use_cpu=not cuda,
         logging_steps=1,
