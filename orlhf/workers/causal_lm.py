@@ -33,8 +33,8 @@ from orlhf.workers.base import DeepSpeedWorker, position_ids_from
 from orlhf.workers.batching import pack
 from orlhf.workers.lm_head import chunked_head, head_log_probs, hidden_states_out
 from orlhf.workers.loading import causal_lm_class, freeze_visual_encoder, from_pretrained
-from orlhf.workers.router_replay import install, routed
-from orlhf.workers.shared_prompt import shared_prompt_forward, worker_shares_prompts
+from orlhf.workers.router_replay import install, replay_of, routed
+from orlhf.workers.shared_prompt import MIN_COMMON, shared_prompt_forward, worker_shares_prompts
 
 log = logging.getLogger("orlhf.workers")
 
@@ -104,20 +104,24 @@ def shared_action_logits(
     or None where that does not apply (no prompt shared, or the model keeps no cache)."""
     keep = _accepts_logits_to_keep(model) if keep is None else keep
 
-    def run(ids, mask, pos, cache):  # the prefix pass needs no logits: the LM head on one column
+    def run(ids, mask, pos, cache, outputs: bool):  # the prompt passes need no logits: the LM head on one column
         out = model(
             input_ids=ids,
             attention_mask=mask,
             position_ids=pos,
             past_key_values=cache,
             use_cache=True,
-            **({"logits_to_keep": 1} if keep and cache is None else {}),
+            **({"logits_to_keep": 1} if keep and not outputs else {}),
         )
         return out.logits, getattr(out, "past_key_values", None)
 
     if position_ids is None:
         position_ids = position_ids_from(batch.attention_mask)
-    return shared_prompt_forward(run, batch, position_ids, around=lambda pick: routed(model, batch, pick))
+    # --router_replay's passes take their routers' tokens by prompt columns: the common head's extra pass is left out
+    common = 0 if replay_of(model) is not None else MIN_COMMON
+    return shared_prompt_forward(
+        run, batch, position_ids, around=lambda pick: routed(model, batch, pick), min_common=common
+    )
 
 
 def _packed_action_logits(model: nn.Module, batch: SequenceBatch) -> torch.Tensor:

@@ -98,7 +98,7 @@ def shared_values(model: nn.Module, batch, through_last: bool = False) -> Option
     """A ValueModel's values of columns P-1 .. T-2 (through T-1 with through_last) with each distinct prompt run
     once (workers/shared_prompt.py), or None where that does not apply: then the caller runs the whole rows."""
 
-    def run(ids, mask, pos, cache):
+    def run(ids, mask, pos, cache, outputs: bool):
         return model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
 
     return shared_prompt_forward(run, batch, position_ids_from(batch.attention_mask), through_last)

@@ -11,7 +11,14 @@ import torch
 from orlhf.types import SequenceBatch
 from orlhf.workers.batching import sort_by_length
 from orlhf.workers.causal_lm import action_logits, model_logits
-from orlhf.workers.shared_prompt import prompt_groups, prompt_major_order, same_as_plain
+from orlhf.workers.shared_prompt import (
+    MIN_COMMON,
+    check_batches,
+    common_head,
+    prompt_groups,
+    prompt_major_order,
+    same_as_plain,
+)
 
 V, PAD = 48, 0
 
@@ -129,6 +136,60 @@ def test_shared_forward_gradients_equal_plain(lm):
     for name in plain:
         scale = 1.0 + float(plain[name].abs().max())
         assert (plain[name] - shared[name]).abs().max() <= 1e-5 * scale, name
+
+
+def test_common_head_of_left_padded_prompts():
+    batch = _batch([[7, 8, 9, 5], [7, 8, 9, 6, 4], [7, 8, 5]], [[1]] * 3)
+    ids, mask = batch.sequences[:, :-1], batch.attention_mask[:, :-1]
+    assert common_head(ids, mask) == 2  # 7 8, each at its own first real column
+    assert common_head(ids[:1], mask[:1]) == 0  # one prompt: nothing in common with another
+    holed = mask.clone()
+    holed[1, 2] = 0  # a zero among a row's real columns: no head is read from it
+    assert common_head(ids, holed) == 0
+
+
+def _templated_batch() -> SequenceBatch:
+    """3 prompts beginning with the same MIN_COMMON + 2 tokens (a chat template's system prompt), remainders of
+    1, 3 and 4 tokens, 3 samples each, responses of 3-6 tokens."""
+    g = torch.Generator().manual_seed(5)
+    head = torch.randint(4, V, (MIN_COMMON + 2,), generator=g).tolist()
+    prompts = [head + torch.randint(4, V, (n,), generator=g).tolist() for n in (1, 3, 4)]
+    rows = [q for q in prompts for _ in range(3)]
+    responses = [torch.randint(4, V, (6 - (i % 4),), generator=g).tolist() for i in range(len(rows))]
+    return _batch(rows, responses)
+
+
+def test_a_common_head_runs_once_with_the_plain_logits_and_gradients(lm):
+    batch = _templated_batch()
+    with torch.no_grad():
+        plain, n_plain = _positions_seen(lm, lambda: action_logits(lm, batch, 1.0))
+        shared, n_shared = _positions_seen(lm, lambda: action_logits(lm, batch, 1.0, shared=True))
+    real = batch.action_mask
+    assert (plain[real] - shared[real]).abs().max() < 1e-5 and float(plain[real].std()) > 0.5
+    # plain: 9 rows x (14 prompt + 6 action columns); shared: the 10-token head once, the 3 prompts' remainders
+    # but their last column (0, 2, 3: left-padded to 3), then 9 rows x 6 columns from each prompt's last token
+    assert n_plain == 9 * 20 and n_shared == 10 + 3 * 3 + 9 * 6
+    weights = torch.randn(batch.action_mask.shape, generator=torch.Generator().manual_seed(1))
+
+    def grads(shared: bool) -> dict:
+        lm.zero_grad()
+        logits, offset = model_logits(lm, batch, shared=shared)
+        lp = torch.log_softmax(logits[:, offset : offset + batch.num_actions], -1)
+        tok = lp.gather(-1, batch.sequences[:, -batch.num_actions :, None]).squeeze(-1)
+        (tok * weights * batch.action_mask).sum().backward()
+        return {n: p.grad.clone() for n, p in lm.named_parameters()}
+
+    plain_g, shared_g = grads(False), grads(True)
+    for name in plain_g:
+        assert (plain_g[name] - shared_g[name]).abs().max() <= 1e-5 * (1.0 + float(plain_g[name].abs().max())), name
+
+
+def test_the_start_up_check_runs_the_common_head_pass(lm):
+    """Its second batch takes the two-pass prompt: the head once (MIN_COMMON), then both prompts' remainders."""
+    _, with_head = check_batches(V, torch.device("cpu"))
+    with torch.no_grad():
+        _, seen = _positions_seen(lm, lambda: action_logits(lm, with_head, 1.0, shared=True))
+    assert seen == MIN_COMMON + 2 * 4 + 4 * 4  # remainders of 4 and 2 columns (left-padded to 4), 4 rows x 4
 
 
 def test_the_start_up_check_accepts_the_real_forward_and_refuses_a_wrong_one(lm):
