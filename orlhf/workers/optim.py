@@ -2,7 +2,11 @@
 
     --adam_offload on CUDA              DeepSpeedCPUAdam   (Adam states on the host, stepped by the CPU op)
     --deepspeed_enable_sleep on CUDA    FusedAdam          (ZeRO-3's offload_states moves only its states)
-    otherwise                           torch AdamW        (no compiled op needed)
+    otherwise                           torch AdamW        (no compiled op needed; on a CPU device its fused kernel)
+
+On a CPU device torch's AdamW runs its fused kernel (`fused=True`): one pass over parameters, gradients and both
+moments, where its default (single-tensor) path makes a dozen passes over each; a step over a 135M-parameter actor
+is memory-bound either way, so the passes are its cost. Same update up to float rounding.
 
 On a CPU device --adam_offload keeps DeepSpeed's offload layout (its host copy of the fp32 master weights and Adam
 states) with torch's AdamW: the states are on the host either way, and DeepSpeedCPUAdam's C++ op would first be
@@ -55,7 +59,8 @@ def make_optimizer(params: list, cfg: ActorConfig | CriticConfig) -> Optional[to
         return DeepSpeedCPUAdam(params, lr=t.learning_rate, betas=betas, eps=eps, weight_decay=decay, adamw_mode=True)
     if kind == "FusedAdam":
         return _fused_adam(params, t.learning_rate, betas, decay, eps)
-    return torch.optim.AdamW(params, lr=t.learning_rate, betas=betas, eps=eps, weight_decay=decay)
+    fused = {"fused": True} if cfg.device == "cpu" else {}  # module docstring
+    return torch.optim.AdamW(params, lr=t.learning_rate, betas=betas, eps=eps, weight_decay=decay, **fused)
 
 
 def optimizer_kind(cfg: ActorConfig | CriticConfig) -> str:

@@ -62,6 +62,27 @@ def test_the_worker_optimizer_steps_norms_without_decay():
         assert torch.equal(after[name], before[name]), name
 
 
+def test_cpu_adamw_is_the_fused_kernel_with_the_same_update():
+    """On CPU the worker's AdamW is torch's fused kernel (one pass over the states), and three steps of it move the
+    weights as the default single-tensor AdamW does, up to float rounding."""
+    cfg = role_config("actor", model_path="m", device="cpu", learning_rate=0.01, weight_decay=0.0)
+    worker = type("W", (), {"cfg": cfg})()
+    models = [tiny_llama(), tiny_llama()]
+    models[1].load_state_dict(models[0].state_dict())
+    fused = DeepSpeedWorker._make_optimizer(worker, models[0])
+    assert all(g["fused"] for g in fused.param_groups)
+    plain = torch.optim.AdamW(models[1].parameters(), lr=0.01, betas=cfg.train.adam_betas, weight_decay=0.0)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        for a, b in zip(models[0].parameters(), models[1].parameters()):
+            a.grad = torch.randn(a.shape, generator=g)
+            b.grad = a.grad.clone()
+        fused.step()
+        plain.step()
+    for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_muon_on_cpu_steps_its_adam_half_with_torchs_adamw():
     """No C++ op to build on CPU: DeepSpeed's torch_adam there; on GPUs its default (FusedAdam)."""
     from types import SimpleNamespace
