@@ -39,6 +39,7 @@ from orlhf.distributed.layout import (
 )
 from orlhf.distributed.placement import live_nodes
 from orlhf.distributed.ray_start import join_cluster
+from orlhf.launch import plan_cpu
 from orlhf.launch.plan_memory import (
     GIB,
     Memory,
@@ -47,6 +48,7 @@ from orlhf.launch.plan_memory import (
     count_params,
     device_peak,
     engine_memory,
+    gib_text,
     role_dims,
     role_memory,
     trainer_generation_memory,
@@ -204,8 +206,7 @@ def _count(n: int) -> str:
     return next(f"{n / d:.3g}{u}" for d, u in ((1e9, "B"), (1e6, "M"), (1e3, "K"), (1, "")) if n >= d or d == 1)
 
 
-def _gib(x: float) -> str:
-    return "?" if math.isnan(x) else f"{x:.1f}" if x >= 10 or x == 0 else f"{x:.3g}"
+_gib = gib_text
 
 
 def placement_section(layout: Layout, nodes: list[NodeSpec], placed: dict[GroupKey, int]) -> list[str]:
@@ -275,20 +276,28 @@ def memory_section(
     else:
         eng = engine_memory(cfg, dims["actor"], layout.device, min(known) if known else None)
         rows.append([f"{ENGINE} (each)", _count(eng.params), f"TP {eng.ranks}", _gib(eng.device_gib), "0", eng.formula])
-    held = "model states and DeepSpeed's reduce bucket" if layout.device == "cuda" else "model states"
+    cpu = layout.device == "cpu"
+    held = "model states; each process's total below" if cpu else "model states and DeepSpeed's reduce bucket"
+    on_top = "" if cpu else "activations come on top; "
     stages = ", ".join(
         f"{role} {zero_stage_of(cfg.deepspeed, role, len(slots), layout.device)}"
         for role, slots in layout.roles.items()
     )
     lines = [
-        f"memory estimate ({held}; activations come on top; "
+        f"memory estimate ({held}; {on_top}"
         f"{'bf16' if cfg.deepspeed.bf16 else 'fp32'}, ZeRO stage: {stages}; P = params):",
         format_table(["who", "params", "ranks", per, "host GiB/rank", "formula"], rows),
     ]
     problems: list[str] = []
     if layout.device == "cuda":
         lines += ["", *_device_sums(cfg, layout, nodes, placed, mems, eng, dims["actor"], problems)]
-    lines += ["", *_host_sums(cfg, layout, nodes, placed, mems, eng, problems)]
+    if cpu:
+        procs = plan_cpu.processes(cfg, layout, mems, dims, eng if cfg.rollout_in_trainer else None)
+        lines += ["", *plan_cpu.process_lines(procs)]
+        needs = plan_cpu.host_needs(procs, nodes, placed)
+    else:
+        needs = [_host_need(cfg, layout, placed, mems, eng, i) for i in range(len(nodes))]
+    lines += ["", *_host_sums(layout, nodes, needs, problems)]
     return lines, problems
 
 
@@ -340,24 +349,20 @@ def _device_sums(
     ]
 
 
-def _host_sums(
-    cfg: TrainConfig,
-    layout: Layout,
-    nodes: list[NodeSpec],
-    placed: dict[GroupKey, int],
-    mems: dict[str, Memory],
-    eng: Memory,
-    problems: list[str],
-) -> list[str]:
-    attrs = ("host_gib", "device_gib") if layout.device == "cpu" else ("host_gib",)
+def _host_need(
+    cfg: TrainConfig, layout: Layout, placed: dict[GroupKey, int], mems: dict[str, Memory], eng: Memory, i: int
+) -> float:
+    """GiB of host memory node i needs on cuda: the offloaded states of the ranks placed there."""
+    return sum(
+        layout.pool(k[0]).group_size * _pool_load(cfg, layout.pool(k[0]).occupants, mems, eng, "host_gib")
+        for k, n in placed.items()
+        if n == i
+    )
+
+
+def _host_sums(layout: Layout, nodes: list[NodeSpec], needs: list[float], problems: list[str]) -> list[str]:
     rows, total = [], 0.0
-    for i, node in enumerate(nodes):
-        need = sum(
-            layout.pool(k[0]).group_size * _pool_load(cfg, layout.pool(k[0]).occupants, mems, eng, a)
-            for k, n in placed.items()
-            if n == i
-            for a in attrs
-        )
+    for node, need in zip(nodes, needs):
         total += need
         cap = node.host_memory_gb
         status = "?" if cap is None else "ok" if need <= 0.9 * cap else "tight" if need <= cap else "NOT FIT"
@@ -367,6 +372,6 @@ def _host_sums(
     if not any(n.host_memory_gb for n in nodes):
         return [f"host memory: {_gib(total)} GiB in all across nodes; not checked (pass --host_memory_gb)."]
     return [
-        f"host memory per node (offloaded states{', and every rank on cpu' if layout.device == 'cpu' else ''}):",
+        "host memory per node (" + ("every process above" if layout.device == "cpu" else "offloaded states") + "):",
         format_table(["node", "GiB needed", "GiB on node", "status"], rows),
     ]
