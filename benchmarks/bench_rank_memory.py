@@ -19,6 +19,9 @@ call freed in the heap after it returns: to compare.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_rank_memory.py                 # minutes on 2 cores
     PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_rank_memory.py --no_keep_freed_memory
+    # the real-model recipe's actor rank (no reference: its KL coefficient is 0), prompts padded to 128 tokens
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_rank_memory.py --model DIR/model --no_ref \
+        --response_len 24 --prompt_len 128
 """
 
 from __future__ import annotations
@@ -116,12 +119,12 @@ def build(model: Path, a: argparse.Namespace):
         "remote_rm_url": str(demo.reward_fn),
         "advantage_estimator": "group_norm",
         "n_samples_per_prompt": 4,
-        "use_kl_loss": True,
+        "use_kl_loss": not a.no_ref,
         "rollout_batch_size": 4,
         "train_batch_size": 16,
         "micro_train_batch_size": a.micro_batch,
         "micro_rollout_batch_size": a.micro_batch,
-        "prompt_max_len": 64,
+        "prompt_max_len": max(64, a.prompt_len),
         "generate_max_len": a.response_len,
         "seed": 42,
     }
@@ -132,11 +135,11 @@ def build(model: Path, a: argparse.Namespace):
         keep_freed_memory()
     load_deepspeed()
     actor = PolicyWorker(worker_config(cfg, "actor", a.steps + 1))
-    ref = ReferenceWorker(worker_config(cfg, "ref", a.steps + 1))
+    ref = None if a.no_ref else ReferenceWorker(worker_config(cfg, "ref", a.steps + 1))
     return cfg, actor, ref
 
 
-def grpo_batch(cfg, response_len: int, seed: int = 1):
+def grpo_batch(cfg, response_len: int, seed: int = 1, prompt_len: int = 0):
     from transformers import AutoTokenizer
 
     from orlhf.config.worker_config import model_path
@@ -147,6 +150,8 @@ def grpo_batch(cfg, response_len: int, seed: int = 1):
         prompts = [json.loads(line)["prompt"] for line, _ in zip(f, range(4))]
     ids = [tok(p)["input_ids"][-64:] for p in prompts for _ in range(4)]
     g = torch.Generator().manual_seed(seed)
+    if prompt_len:  # every prompt that long: the longest prompt a run's flags allow (--prompt_max_len)
+        ids = [torch.randint(4, len(tok), (prompt_len,), generator=g).tolist() for _ in ids]
     P, A, B = max(map(len, ids)), response_len, len(ids)
     seq = torch.full((B, P + A), tok.pad_token_id or 0, dtype=torch.long)
     attn = torch.zeros(B, P + A, dtype=torch.long)
@@ -207,6 +212,9 @@ def main() -> None:
     ap.add_argument("--response_len", type=int, default=512)
     ap.add_argument("--chunk_mb", type=float, default=None, help="--logprobs_chunk_mb (default: orlhf's)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--model", default=None, help="a model folder instead of the large-vocabulary preset")
+    ap.add_argument("--prompt_len", type=int, default=0, help="random prompts of this many tokens (0: the demo's)")
+    ap.add_argument("--no_ref", action="store_true", help="no reference worker (a run without KL)")
     ap.add_argument("--no_keep_freed_memory", action="store_true", help="glibc's defaults (cpu/memory.py off)")
     ap.add_argument("--no_release", action="store_true", help="no release_freed_memory after each call")
     ap.add_argument("--out", default=None)
@@ -216,7 +224,7 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     probe = Probe()
     start = status_bytes("VmRSS") / MIB
-    model = large_vocab_model(bench_cache(), QWEN_VOCAB, max_len=64 + a.response_len)
+    model = Path(a.model) if a.model else large_vocab_model(bench_cache(), QWEN_VOCAB, max_len=64 + a.response_len)
     compute = ThreadPoolExecutor(1)  # every call on one thread that is not the main one, as CpuRankActor runs them
 
     def on_thread(fn, *args):
@@ -234,15 +242,18 @@ def main() -> None:
         cfg, actor, ref = build(model, a)
     with probe.phase("actor init"):
         on_thread(actor.init)
-    with probe.phase("ref init"):
-        on_thread(ref.init)
+    if ref is not None:
+        with probe.phase("ref init"):
+            on_thread(ref.init)
     at_start = status_bytes("VmRSS") / MIB
-    batch, g = grpo_batch(cfg, a.response_len)
+    batch, g = grpo_batch(cfg, a.response_len, prompt_len=a.prompt_len)
     instrument_train(actor, probe)
     whole_peak = 0.0
     for _ in range(a.steps):
-        with probe.phase("ref log_probs"):
-            ref_lp = on_thread(ref.log_probs, batch)
+        ref_lp = None
+        if ref is not None:
+            with probe.phase("ref log_probs"):
+                ref_lp = on_thread(ref.log_probs, batch)
         with probe.phase("actor log_probs"):
             on_thread(actor.log_probs, batch)
         exp = experience(batch, None, ref_lp, g)  # one optimizer step per batch: the single pass

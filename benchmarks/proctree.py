@@ -1,5 +1,7 @@
 """The memory of a run's process tree, by group, while it runs; and ending that tree by process id.
 
+    python benchmarks/proctree.py OUT_DIR -- CMD...   run CMD sampled; one JSON line of peak RSS per group
+
     TreeSampler(pid, metrics.jsonl).start()   every 0.25 s: RSS of pid and all its descendants, summed per group
                                               (rss_group: driver, Ray actor class, hybrid ranks, Ray system, other),
                                               each group's peak sum kept; metrics rows' arrival times noted,
@@ -168,3 +170,32 @@ def run_sampled(
             sampler.done.set()
             sampler.join()
     return rc, sampler
+
+
+def main() -> None:
+    """`python benchmarks/proctree.py OUT_DIR -- CMD...`: run CMD; print each group's peak RSS (MiB), one JSON line."""
+    import json
+    import os
+    import sys
+
+    out, cmd = Path(sys.argv[1]), sys.argv[sys.argv.index("--") + 1 :]
+    out.mkdir(parents=True, exist_ok=True)
+    load0 = os.getloadavg()
+    rc, s = run_sampled(cmd, os.getcwd(), out / "run.log", dict(os.environ), 3600)
+    peaks = {g: round(s.peak[g] / 2**20) for g in RSS_GROUPS if g in s.peak}
+    print(
+        json.dumps(
+            {
+                "rc": rc,
+                "peak_rss_mib": peaks,
+                "processes": s.procs,
+                "peak_total_mib": round(s.peak_total / 2**20),
+                "load_avg_start": load0,
+                "load_avg_end": os.getloadavg(),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
