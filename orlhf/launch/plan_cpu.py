@@ -15,7 +15,8 @@ Saved activations (what autograd keeps for the backward, per token and decoder l
 elements of the trainer's dtype; h hidden, q = heads x head_dim, kv = KV heads x head_dim, I intermediate):
     attention: the norm's input and output (2h), rotated q (q), k and v (2kv), SDPA's output (q), o_proj's input (q)
     MLP:       the norm's input and output (2h), gate, up, silu(gate), silu(gate) x up (4I)
-    = 4h + 3q + 2kv + 4I, times micro_train_batch_size x (prompt_max_len + generate_max_len) tokens x layers.
+    = 4h + 3q + 2kv + 4I, times micro_train_batch_size x (prompt_max_len + generate_max_len) tokens x layers;
+    with --gradient_checkpointing h per layer instead, plus one layer's 4h + 3q + 2kv + 4I while it is recomputed.
 Logits: micro_train_batch_size x generate_max_len rows of the vocabulary in fp32, or one --logprobs_chunk_mb chunk
 when chunked (workers/lm_head.py); LOGIT_COPIES of them live at once (the logits, their temperature-scaled copy,
 log-softmax and softmax for the entropy, then their gradients).
@@ -94,8 +95,12 @@ def train_pass(cfg: TrainConfig, role: str, d: ModelDims) -> tuple[float, str]:
     """(bytes, formula) of a trained role's micro-batch pass: saved activations, and logits unless a value head."""
     p, w = cfg.ppo, 2 if cfg.deepspeed.bf16 else 4
     b, t = p.micro_train_batch_size, p.prompt_max_len + p.generate_max_len
-    acts = b * t * d.layers * saved_per_token_layer(d) * w
     text = f"{b} seq x {t} tok x {d.layers} layers"
+    if cfg.deepspeed.gradient_checkpointing:  # each layer's input kept; one layer's saved tensors while recomputed
+        acts = b * t * (d.layers * d.hidden + saved_per_token_layer(d)) * w
+        text += ", checkpointed"
+    else:
+        acts = b * t * d.layers * saved_per_token_layer(d) * w
     if ROLES[role].value_head:
         return acts, text
     logits = LOGIT_COPIES * logits_bytes(b * p.generate_max_len, d.vocab, cfg.deepspeed.logprobs_chunk_mb)

@@ -38,6 +38,12 @@ def test_chunked_logits_cost_one_chunk_and_a_value_head_none():
     assert plan_cpu.logits_bytes(10, 100, 0) == 4_000  # --logprobs_chunk_mb 0: the whole logits
 
 
+def test_gradient_checkpointing_keeps_each_layers_input_and_one_layer():
+    cfg = cfg_of(**RECIPE, gradient_checkpointing=True)
+    # 8 x 152 tokens x (30 layers x 576 + 10,560) x 4 B = 1,216 x 27,840 x 4 = 135,413,760 B
+    assert plan_cpu.train_pass(cfg, "critic", SMOL)[0] == 135_413_760
+
+
 def test_bf16_halves_the_activations():
     assert plan_cpu.train_pass(cfg_of(**RECIPE, bf16=True), "critic", SMOL)[0] == 1_540_915_200 // 2
 
