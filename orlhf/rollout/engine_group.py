@@ -152,7 +152,9 @@ class EngineGroup:
             except RankError as e:
                 if not e.died or attempt == START_TRIES:
                     raise
-                why = str(e).splitlines()[1:2] or [type(e).__name__]  # the line after "... failed in start():"
+                lines = str(e).splitlines()  # Ray's own line on a lost node says more than "died unexpectedly"
+                node = [x.strip() for x in lines if "node" in x and ("died" in x or "dead" in x)]
+                why = node[:1] or lines[1:2] or [type(e).__name__]  # else the line after "... failed in start():"
                 log.warning(
                     "vllm engine %d died while starting (%s); starting it again in %d s (try %d of %d)",
                     index,
