@@ -31,8 +31,10 @@ from typing import Optional
 PREFIX = "orlhfmh"  # every name this module creates starts with it
 RAY = str(Path(sys.executable).parent / "ray")
 GCS_PORT = 6380
-# Node deaths noticed within ~8 s (Ray's default is 15 s), as tests/e2e/test_node_loss.py does.
-SYSTEM_CONFIG = '{"health_check_period_ms": 2000, "health_check_failure_threshold": 4}'
+# A node that misses 4 health checks in a row, 2 s apart, each unanswered for 3 s, is dead: within ~20 s (Ray's
+# defaults take about a minute for a node cut off, whose checks time out instead of failing). Not faster: a loaded
+# 2-core machine must not lose live nodes.
+SYSTEM_CONFIG = '{"health_check_period_ms": 2000, "health_check_timeout_ms": 3000, "health_check_failure_threshold": 4}'
 
 
 def can_build_hosts() -> Optional[str]:
@@ -65,7 +67,7 @@ class Host:
     ip: str  # its address on the bridge's subnet
     iface: str  # its interface on the bridge (inside the namespace)
     veth: str  # the root namespace's end of that link: what `cut` takes down and whose counters count its traffic
-    temp_dir: str  # Ray's temp dir of this host's node(s): as on a machine of its own
+    temp_dir: str  # prefix of Ray's temp dir of each node started here (<temp_dir>-<k>): as on a machine of its own
     rays: list = field(default_factory=list)  # the `ray start --block` processes started here
 
     def argv(self, *command: str) -> list[str]:
@@ -175,41 +177,44 @@ class Hosts:
         return f"{self.head.ip}:{GCS_PORT}"
 
     def start_ray(self, host: Host, num_cpus: int) -> None:
-        """A Ray node on `host` (the head on hosts[0]), advertising `host.ip`; returns once it is in the cluster."""
+        """A Ray node on `host` (the head: the first on hosts[0]), advertising `host.ip`; returns once it is in the
+        cluster."""
         common = ["--block", "--node-ip-address", host.ip, "--num-cpus", str(num_cpus), "--disable-usage-stats"]
-        common += ["--temp-dir", host.temp_dir]
-        if host is self.head:
+        # Each node its own temp dir: one that ended may leave its socket files behind (a raylet declared dead)
+        temp_dir, name = f"{host.temp_dir}-{len(host.rays)}", f"{host.ns}-{len(host.rays)}"
+        common += ["--temp-dir", temp_dir, "--node-name", name]
+        if host is self.head and not host.rays:
             argv = [RAY, "start", "--head", "--port", str(GCS_PORT), "--include-dashboard", "false"]
             argv += ["--system-config", SYSTEM_CONFIG]
         else:
             argv = [RAY, "start", "--address", self.address]
         log = open(f"{host.temp_dir}.log", "a")
+        self._undo.append(("rmtree", Path(temp_dir)))
         if not host.rays:
-            self._undo.append(("rmtree", Path(host.temp_dir)))
             self._undo.append(("rmtree", Path(f"{host.temp_dir}.log")))
         proc = subprocess.Popen(
             host.argv(*argv, *common), env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
         host.rays.append(proc)
-        self.wait_for_nodes(host, len(host.rays))
+        self.wait_for_node(host, name)
 
-    def wait_for_nodes(self, host: Host, n: int, timeout_s: float = 120) -> None:
-        """Until the cluster lists `n` alive nodes at `host.ip` (asked from inside the head's namespace, by a driver
-        that polls the head: one connection, not one per poll)."""
+    def wait_for_node(self, host: Host, name: str, timeout_s: float = 120) -> None:
+        """Until the cluster lists node `name` alive (asked from inside the head's namespace, by a driver that polls
+        the head: one connection, not one per poll)."""
         script = (
-            "import json, sys, time, ray\n"
+            "import sys, time, ray\n"
             "ray.init(address=sys.argv[1], log_to_driver=False, configure_logging=False)\n"
-            "deadline = time.monotonic() + float(sys.argv[4])\n"
-            "count = lambda: [m['NodeManagerAddress'] for m in ray.nodes() if m['Alive']].count(sys.argv[2])\n"
-            "while count() < int(sys.argv[3]) and time.monotonic() < deadline:\n"
+            "deadline = time.monotonic() + float(sys.argv[3])\n"
+            "alive = lambda: any(m['NodeName'] == sys.argv[2] and m['Alive'] for m in ray.nodes())\n"
+            "while not alive() and time.monotonic() < deadline:\n"
             "    time.sleep(0.5)\n"
-            "sys.exit(0 if count() >= int(sys.argv[3]) else 1)\n"
+            "sys.exit(0 if alive() else 1)\n"
         )
-        argv = self.head.argv(sys.executable, "-c", script, self.address, host.ip, str(n), str(timeout_s))
+        argv = self.head.argv(sys.executable, "-c", script, self.address, name, str(timeout_s))
         res = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s + 60, env=self.env)
         if res.returncode != 0:
             log = Path(f"{host.temp_dir}.log").read_text()[-3000:]
-            raise RuntimeError(f"the Ray node on {host.ns} did not join:\n{log}\n{res.stderr[-2000:]}")
+            raise RuntimeError(f"the Ray node {name} did not join:\n{log}\n{res.stderr[-2000:]}")
 
     def kill(self, host: Host) -> None:
         """Kill every process on `host` at once (a crashed machine); its network stays."""
@@ -241,7 +246,7 @@ class Hosts:
             etc.rmdir()
 
     @staticmethod
-    def _stop_processes(hosts: list[Host], grace_s: float = 5.0) -> None:
+    def _stop_processes(hosts: list[Host], grace_s: float = 1.0) -> None:
         """SIGTERM to every process in the hosts' namespaces, SIGKILL to what is left after `grace_s`."""
         for sig in (signal.SIGTERM, signal.SIGKILL):
             for pid in [p for h in hosts for p in h.pids()]:
