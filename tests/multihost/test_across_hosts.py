@@ -4,7 +4,9 @@ hosted in its process) and the vLLM engine land on different hosts, as a user's 
 
 Both worker hosts also have a second interface that reaches nothing, holding their default route and what the
 machine's hostname resolves to (a docker bridge, a management network): gloo's own choice would be that address,
-or 127.0.0.1, and its peers would wait on it. The weight sync and DeepSpeed must take the route to the head.
+or 127.0.0.1, and its peers would wait on it. The weight sync and DeepSpeed must take the route to the head; a run
+told to use the dead interface (--socket_ifname) stops before its first step with one line naming the address and the
+flag. The run learns, the engine equals the trainer after every sync, and each step's sync crosses both links.
 """
 
 import json
@@ -17,7 +19,9 @@ import pytest
 
 pytestmark = [pytest.mark.multihost, pytest.mark.ray, pytest.mark.vllm, pytest.mark.e2e]
 ORLHF = str(Path(sys.executable).parent / "orlhf")
-STEPS = ("--max_samples", "128", "--rollout_batch_size", "32", "--train_batch_size", "32", "--num_episodes", "1")
+# The demo's preset (8 steps of 64 prompts an episode) and its 5-episode schedule, stopped after 32 steps: the demo is
+# seeded, so these are the rewards of any 5-episode demo run's first 32 steps (last 8 ~1.5x the first 8).
+STEPS, N = ("--num_episodes", "5", "--stop_after_steps", "32"), 32
 
 
 def start_run(hosts, save: Path, *flags: str):
@@ -59,6 +63,18 @@ def test_actor_and_engine_on_two_hosts_sync_over_the_link(hosts, tmp_path):
     hosts.start_ray(h0, num_cpus=0)
     hosts.start_ray(h1, num_cpus=1)
     hosts.start_ray(h2, num_cpus=1)
+    t0 = time.monotonic()
+    # An interface the hosts do not share: the run stops before its first step, naming the address and the flag.
+    proc, log = start_run(hosts, tmp_path / "unreachable", *STEPS, "--socket_ifname", hosts.tag + "d")
+    assert proc.wait(timeout=300) == 1, log.read_text()[-3000:]
+    print(f"unreachable run: {time.monotonic() - t0:.0f} s")
+    (line,) = [x for x in log.read_text().splitlines() if x.startswith("error:")]
+    assert re.fullmatch(
+        r"error: the weight-sync group's store on actor rank 0 at 172\.31\.\d+\.2:\d+ cannot be reached from "
+        r"172\.31\.\d+\.2 \(.+\): set --socket_ifname to an interface the hosts reach each other on",
+        line,
+    ), line
+    assert not rows(tmp_path / "unreachable" / "metrics.jsonl")
     save = tmp_path / "run"
     proc, log = start_run(hosts, save, *STEPS)
     try:
@@ -81,12 +97,16 @@ def test_actor_and_engine_on_two_hosts_sync_over_the_link(hosts, tmp_path):
     assert not any(d in text for d in dead)
     synced = int(sync.group(2))
     out = rows(save / "metrics.jsonl")
-    assert [r["step"] for r in out] == [1, 2, 3, 4]
+    assert [r["step"] for r in out] == list(range(1, N + 1))
+    first, last = (sum(r["reward_mean"] for r in part) / 8 for part in (out[:8], out[-8:]))
+    print(f"reward: first 8 steps {first:.3f}, last 8 {last:.3f} (x{last / first:.2f})")
+    assert last >= 1.3 * first, [round(r["reward_mean"], 3) for r in out]  # the run learns
     assert all(r["engine_logprob_gap"] < 1e-3 for r in out), [r["engine_logprob_gap"] for r in out]
     # Between two rows: one sync (actor -> engine over both links) plus that step's prompts and rollouts.
     steps = [(b[1] - a[1], b[2] - a[2]) for a, b in zip(counted, counted[1:]) if b[0] == a[0] + 1 and a[0] >= 1]
-    print(f"synced {synced} bytes a step; link bytes a step (engine host, actor host): {steps}")
-    assert len(steps) >= 2
+    assert len(steps) >= 2, counted
+    span = [f"{min(x) / synced:.2f}-{max(x) / synced:.2f}" for x in zip(*steps)]
+    print(f"synced {synced} bytes a step; link bytes a step / synced: engine host {span[0]}x, actor host {span[1]}x")
     for through_engine, through_actor in steps:
         assert synced <= through_engine < 1.5 * synced, (synced, steps)
         assert synced <= through_actor < 1.5 * synced, (synced, steps)
