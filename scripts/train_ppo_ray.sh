@@ -3,8 +3,11 @@
 #
 #   RAY_ADDRESS=http://HEAD_IP:8265 bash scripts/train_ppo_ray.sh [extra flags]
 #
-# The head needs orlhf installed on every node (bash scripts/install.sh there). With Ray's token
-# authentication on, export RAY_AUTH_MODE=token and RAY_AUTH_TOKEN (or keep the token in ~/.ray/auth_token).
+# The cluster needs orlhf installed on every node (bash scripts/install.sh there), and the paths below (/models,
+# /data, /checkpoints) on storage every node sees: each rank saves its own shards, and a restart after a lost node
+# reads them back on another (docs/multinode.md). With Ray's token authentication on, export RAY_AUTH_MODE=token
+# and RAY_AUTH_TOKEN (or keep the token in ~/.ray/auth_token). Rendezvous addresses follow each host's route to the
+# head; add --socket_ifname IFACE when the hosts share another network.
 # The flags below are a 70B-style layout on 8 nodes x 8 GPUs (see `orlhf plan` with the same flags); without
 # GPUs, drop them to run the built-in demo on the cluster's CPUs.
 set -euo pipefail
