@@ -209,13 +209,18 @@ def muon_optimizer(t, device: str = "cuda") -> dict:
 
 def _train_zero_knobs(cfg: WorkerConfig, world_size: int) -> dict:
     """A trained model's ZeRO knobs, as OpenRLHF's train config sets them (frozen models get none, as its eval
-    config): --overlap_comm turns on overlap_comm with contiguous gradient buffers; --zpg N the ZeRO++ secondary
+    config): --overlap_comm turns on overlap_comm with contiguous gradient buffers (off on one rank otherwise, where
+    they are only copies); --zpg N the ZeRO++ secondary
     partition within groups of min(N, world) ranks under ZeRO-3, the only stage that reads it. DeepSpeed clamps the
     group to the world itself; left out where that is one rank (nothing to partition, and DeepSpeed's group for it is
     one per process, which a second model in the same process could not create again)."""
     out: dict = {}
     if cfg.overlap_comm:
         out.update(overlap_comm=True, contiguous_gradients=True)
+    elif world_size == 1 and cfg.zero_stage in (1, 2):
+        # One rank: its gradients are the whole partition, and there is nothing to reduce. DeepSpeed's default
+        # contiguous buffer only copies every gradient into a bucket and back on each micro-batch.
+        out["contiguous_gradients"] = False
     hpz = min(cfg.zpg, world_size)
     if cfg.zero_stage == 3 and hpz > 1:
         out["zero_hpz_partition_size"] = hpz

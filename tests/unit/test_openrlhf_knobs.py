@@ -209,6 +209,19 @@ def test_trained_models_get_overlap_comm_grad_accum_dtype_and_zpg_as_openrlhfs_t
     assert "zero_hpz_partition_size" not in critic["zero_optimization"]  # ZeRO-3's only
 
 
+def test_one_rank_zero_2_keeps_no_contiguous_gradient_buffer():
+    """One rank reduces nothing: DeepSpeed's contiguous bucket would only copy every gradient in and back out."""
+
+    def zero(world, stage=2, **kw):
+        return ds_config(role_config("actor", model_path="m", device="cpu", zero_stage=stage, **TRAIN, **kw), world)
+
+    assert zero(1)["zero_optimization"]["contiguous_gradients"] is False
+    assert zero(1, stage=1)["zero_optimization"]["contiguous_gradients"] is False
+    assert "contiguous_gradients" not in zero(2)["zero_optimization"]  # DeepSpeed's default where ranks reduce
+    assert "contiguous_gradients" not in zero(1, stage=3)["zero_optimization"]
+    assert zero(1, overlap_comm=True)["zero_optimization"]["contiguous_gradients"] is True  # asked for
+
+
 def test_zpg_is_clamped_to_the_world_and_left_out_where_that_is_one_rank():
     def hpz(world, zpg):
         cfg = role_config("actor", model_path="m", device="cuda", zero_stage=3, zpg=zpg, **TRAIN)
