@@ -55,14 +55,17 @@ from orlhf.launch.plan_memory import (
 MIB = 2**20
 
 # Measured on the project's machine (benchmarks/results/2026-11-28-plan-memory-cpu.md): idle actors by
-# bench_process_base.py, the driver and Ray's processes as the real-model recipe's runs peaked.
+# bench_process_base.py, the driver as the real-model recipe's runs peaked.
 # A rank's fixed cost: an idle rank actor's imports are 0.30 GiB, a worker built on the 0.6M-parameter demo peaked
 # at 0.53 GiB with 0.01 GiB of states (DeepSpeed's engine, peft, the tokenizer, gloo, autograd's first pass).
 RANK_BASE = 0.50 * GIB
 ENGINE_BASE = 0.57 * GIB  # an idle engine actor: its imports with vLLM
 ENGINE_WORK = 0.10 * GIB  # generating a batch: sampler tensors, oneDNN scratch
 DRIVER_BASE = 0.45 * GIB  # the driver: its imports, tokenizer, prompts, the step's batches
-RAY_BASE = 1.00 * GIB  # one host's Ray processes: GCS, raylet, log monitor, agents, idle workers
+# One host's Ray processes beside the actors: GCS, raylet, agents, log monitor (~0.3 GiB by ps in a run). At start-up
+# the prestarted workers (torch preloaded) count as Ray's too, 1 GiB in all, but they become the rank and engine
+# actors: the demo's whole tree peaked at 1983 MiB with the driver, rank and engine peaking at 1734 MiB between them.
+RAY_BASE = 0.35 * GIB
 LOGIT_COPIES = 4  # the whole-logits training pass at 4k tokens x 152k vocabulary peaked at 4.0x its logits
 # (benchmarks/results/2026-11-26-logprobs-memory.md)
 
@@ -175,7 +178,7 @@ def process_lines(procs: list[tuple[Proc, GroupKey]]) -> list[str]:
         parts = " + ".join(f"{name} {gib_text(g)}" for name, g in proc.parts)
         rows.append([proc.who, str(n), gib_text(proc.gib), parts])
     rows.append(["driver", "1", gib_text(DRIVER_BASE / GIB), "first node"])
-    rows.append(["Ray's own processes", "per node", gib_text(RAY_BASE / GIB), "GCS, raylet, agents, idle workers"])
+    rows.append(["Ray's own processes", "per node", gib_text(RAY_BASE / GIB), "GCS, raylet, agents"])
     return [
         "memory per process (cpu: resident memory at its peak; measured bases plus the model's bytes):",
         format_table(["process", "count", "GiB each", "parts (GiB)"], rows),
