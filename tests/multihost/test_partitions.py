@@ -97,22 +97,29 @@ def test_partitioned_and_crashed_hosts(hosts, tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-    text = log.read_text()
+    assert_recovered(log.read_text(), save)
+    # Nothing of the run is left on any host once Ray has ended the finished job's workers: its own processes only.
+    until(lambda: not run_processes(hosts), f"the run's processes ending {run_processes(hosts)}", None, log, timeout=60)
+    said(t0, "none of the run's processes left on any host")
+
+
+def assert_recovered(text: str, save) -> None:
+    """What the run's log, metrics.jsonl and restarts.jsonl say about the three losses."""
     assert re.search(r"actor rank 0 lost (at|during) step 4 \(.*\); restarting the run's groups", text), text[-3000:]
     assert re.search(r"restart 1: resuming from \S+step_000002 \(step 2\)", text), text[-3000:]
     assert re.search(r"actor rank 0 lost (at|during) step 6 \(.*\); restarting the run's groups", text), text[-3000:]
     assert re.search(r"restart 2: resuming from \S+step_000004 \(step 4\)", text), text[-3000:]
     assert re.search(r"step 7: vllm engine 0 (died|stopped answering).*; replacing it", text), text[-3000:]
-    out = rows(metrics)
+    # A first start sent to the lost node's bundle (before Ray declared the node dead) dies; the line says why.
+    starts = [x for x in text.splitlines() if "died while starting" in x]
+    assert all("its node has died" in x for x in starts), starts
+    out = rows(save / "metrics.jsonl")
     assert [r["step"] for r in out] == list(range(1, 9))
     assert [r["run_restarts"] for r in out] == [0, 0, 1, 1, 2, 2, 2, 2]  # a row written again on a restart: its count
     assert [r["engine_restarts"] for r in out] == [0, 0, 0, 0, 0, 0, 1, 1]
     assert all(r["engine_logprob_gap"] < 1e-3 for r in out), [r["engine_logprob_gap"] for r in out]
     restarts = [json.loads(line) for line in (save / "restarts.jsonl").read_text().splitlines()]
     assert [(r["lost"][0], r["step"], r["at"]) for r in restarts] == [("actor rank 0", 4, 2), ("actor rank 0", 6, 4)]
-    # Nothing of the run is left on any host once Ray has ended the finished job's workers: its own processes only.
-    until(lambda: not run_processes(hosts), f"the run's processes ending {run_processes(hosts)}", None, log, timeout=60)
-    said(t0, "none of the run's processes left on any host")
 
 
 def run_processes(hosts) -> list[str]:
