@@ -113,10 +113,15 @@ def train_pass(cfg: TrainConfig, role: str, d: ModelDims) -> tuple[float, str]:
 def touched_bucket(cfg: TrainConfig, role: str, mem: Memory, d: ModelDims) -> float:
     """Bytes of DeepSpeed's gradient reduce bucket a trained rank touches on cpu: ZeRO-1/2/3 allocate
     REDUCE_BUCKET_ELEMENTS with torch.empty (untouched pages cost nothing), and every gradient passes through it
-    before the reduce, so min(bucket, trained parameters) elements become resident and stay."""
+    before the reduce, so min(bucket, trained parameters) elements become resident and stay. None on one ZeRO-1/2
+    rank without --overlap_comm: orlhf turns DeepSpeed's contiguous gradients off there."""
+    if not ROLES[role].trains:
+        return 0.0
     lo = cfg.lora
     trained = count_lora_params(d, lo.lora_rank, lo.targets) if lo.enabled else mem.params
     stage = zero_stage_of(cfg.deepspeed, role, mem.ranks, "cpu")
+    if mem.ranks == 1 and stage in (1, 2) and not cfg.deepspeed.overlap_comm:
+        return 0.0  # no contiguous gradient buffer on one rank (workers/deepspeed_setup.py)
     return min(REDUCE_BUCKET_ELEMENTS, trained) * bucket_bytes_per_element(stage, 2 if cfg.deepspeed.bf16 else 4)
 
 
@@ -126,9 +131,8 @@ def rank_process(
     """A rank process running `roles` (its host first): base, each role's states, the largest pass."""
     parts = [("base", RANK_BASE / GIB)]
     parts += [(f"{r} states", mems[r].device_gib + mems[r].host_gib) for r in roles]
-    parts += [
-        (f"{r} gradient bucket", touched_bucket(cfg, r, mems[r], dims[r]) / GIB) for r in roles if ROLES[r].trains
-    ]
+    buckets = [(f"{r} gradient bucket", touched_bucket(cfg, r, mems[r], dims[r]) / GIB) for r in roles]
+    parts += [(name, gib) for name, gib in buckets if gib > 0]
     passes = [(*train_pass(cfg, r, dims[r]), r) for r in roles if ROLES[r].trains]
     if passes:
         size, text, r = max(passes)

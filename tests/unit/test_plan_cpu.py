@@ -77,10 +77,8 @@ def test_guests_join_their_hosts_process_and_hosts_add_ray_and_the_driver():
     rank, engine = procs[0][0], procs[1][0]
     assert len(procs) == 2 and rank.who == "actor + ref + critic rank" and engine.who == "vllm engine"
     names = [n for n, _ in rank.parts]
-    assert names[:6] == ["base", "actor states", "ref states", "critic states"] + [
-        f"{r} gradient bucket" for r in ("actor", "critic")
-    ]
-    assert names[6].startswith("actor activations")  # the larger pass: the actor's logits on top of the same layers
+    assert names[:4] == ["base", "actor states", "ref states", "critic states"]  # one ZeRO-2 rank: no bucket
+    assert names[4].startswith("actor activations")  # the larger pass: the actor's logits on top of the same layers
     nodes = described_nodes(2, 4, "cpu")
     placed, _ = simulate(layout, nodes)
     need = plan_cpu.host_needs(procs, nodes, placed)
@@ -91,11 +89,14 @@ def test_guests_join_their_hosts_process_and_hosts_add_ray_and_the_driver():
 def test_gradient_bucket_is_the_part_the_gradients_touch():
     cfg, p_smol = cfg_of(**RECIPE), count_params(SMOL)
     mem = role_memory(cfg, "actor", p_smol, 1, device="cpu")
-    assert plan_cpu.touched_bucket(cfg, "actor", mem, SMOL) == 4 * p_smol  # ZeRO-2, fp32: all 134.5M gradients
+    assert plan_cpu.touched_bucket(cfg, "actor", mem, SMOL) == 0  # one ZeRO-2 rank: no contiguous gradients
+    mem = role_memory(cfg, "actor", p_smol, 2, device="cpu")
+    two = cfg_of(**RECIPE, zero_stage=2)
+    assert plan_cpu.touched_bucket(two, "actor", mem, SMOL) == 4 * p_smol  # 2 ranks, fp32: all 134.5M gradients
     big = role_memory(cfg_of(bf16=True, zero_stage=1), "actor", 10**9, 4, device="cpu")
     assert plan_cpu.touched_bucket(cfg_of(bf16=True, zero_stage=1), "actor", big, SMOL) == 5e8 * 4  # full, fp32
     # LoRA (all-linear by default): only the adapter's gradients, 30 layers x rank 8 x (in + out) summed over
     # q 1152, k 768, v 768, o 1152, gate 2112, up 2112, down 2112 = 10,176 -> 2,442,240 parameters
-    lora = cfg_of(**RECIPE, lora_rank=8)
+    lora = cfg_of(**RECIPE, lora_rank=8, zero_stage=2)
     assert plan_cpu.touched_bucket(lora, "actor", mem, SMOL) == 4 * 2_442_240
     assert plan_cpu.touched_bucket(cfg_of(**RECIPE, zero_stage=0), "actor", mem, SMOL) == 0  # no ZeRO, no bucket
