@@ -13,7 +13,13 @@ train stats of the seeded steps (compare two checkouts: identical stats = identi
 every row runs its whole prompt (the batch's 4 samples per prompt otherwise share one prefix pass).
 Under py-spy: /tmp/pyspy/bin/py-spy record -r 200 --native -o prof.txt -f raw -- python benchmarks/bench_train_step.py
 
+--real DIR (a `orlhf make-demo --real` folder): trl_compare's real-model step instead: SmolLM2-135M-Instruct, 16 of
+its addition prompts in the chat template x 4 samples, micro-batch 16, half the responses at the 24-token limit and
+the rest 8-23 tokens. --flags k=v sets any other train-ppo value (e.g. zero_stage=0, bf16=true). Compare checkouts
+by running this file with the other checkout's package first on PYTHONPATH.
+
 Reproduce (~1 min): PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_train_step.py --repeats 10
+Real model (~4 min, one thread): ... bench_train_step.py --real DEMO --threads 1 --warmup 1 --repeats 3
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import json
 import os
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -94,6 +101,55 @@ def demo_batch(cfg, seed: int = 1):
     return SequenceBatch(seq, attn, attn[:, P:].bool()), g
 
 
+REAL_FLAGS = {  # trl_compare.py's orlhf side on --model_preset smollm2
+    "n_samples_per_prompt": 4,
+    "rollout_batch_size": 16,
+    "train_batch_size": 64,
+    "micro_train_batch_size": 16,
+    "micro_rollout_batch_size": 16,
+    "actor_learning_rate": 1e-6,
+    "prompt_max_len": 128,
+    "apply_chat_template": True,
+    "input_key": "question",
+    "label_key": "answer",
+}
+
+
+def real_flags(demo: str) -> dict:
+    from orlhf.demo.arith import RealDemoPaths
+
+    paths = RealDemoPaths.under(Path(demo).resolve())
+    return {
+        **REAL_FLAGS,
+        "pretrain": str(paths.model),
+        "prompt_data": str(paths.train),
+        "remote_rm_url": str(paths.reward_fn),
+    }
+
+
+def real_batch(cfg, seed: int = 1):
+    """(SequenceBatch, generator) of the real model's step: 16 templated prompts x 4, responses of random tokens."""
+    from transformers import AutoTokenizer
+
+    from orlhf.types import SequenceBatch
+
+    tok = AutoTokenizer.from_pretrained(cfg.data.pretrain)
+    with open(cfg.data.prompt_data) as f:
+        questions = [json.loads(line)["question"] for line, _ in zip(f, range(16))]
+    chats = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True) for q in questions]
+    ids = [list(c if isinstance(c, list) else c["input_ids"]) for c in chats for _ in range(4)]
+    g = torch.Generator().manual_seed(seed)
+    P, A, B = max(map(len, ids)), 24, len(ids)
+    seq = torch.full((B, P + A), tok.pad_token_id or 0, dtype=torch.long)
+    attn = torch.zeros(B, P + A, dtype=torch.long)
+    for i, row in enumerate(ids):
+        n = A if float(torch.rand(1, generator=g)) < 0.5 else int(torch.randint(8, A, (1,), generator=g))
+        seq[i, P - len(row) : P] = torch.tensor(row)
+        seq[i, P : P + n] = torch.randint(4, len(tok), (n,), generator=g)
+        attn[i, P - len(row) : P + n] = 1
+    return SequenceBatch(seq, attn, attn[:, P:].bool()), g
+
+
 def experience(batch, ref_lp, g):
     from orlhf.types import Experience
 
@@ -135,14 +191,25 @@ def main() -> None:
     ap.add_argument("--stats-only", action="store_true", help="print the seeded steps' train stats and stop")
     ap.add_argument("--out", default=None)
     ap.add_argument(
+        "--as_rank_actor",
+        action="store_true",
+        help="each call as a CPU rank actor runs it: on one compute thread of its own, the thread count applied "
+        "there, freed memory returned to the OS after it (cpu/rank_actor.py)",
+    )
+    ap.add_argument("--real", default=None, help="a make-demo --real folder: the real model's step")
+    ap.add_argument("--flags", nargs="*", default=[], help="more train-ppo values, k=v (true/false/numbers)")
+    ap.add_argument(
         "--no_shared_prompt",
         action="store_true",
         help="run every row's prompt (train-ppo's flag; default: each distinct prompt once)",
     )
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    cfg, actor, ref = build_workers(a.warmup + a.repeats + 1, {"no_shared_prompt": True} if a.no_shared_prompt else {})
-    batch, g = demo_batch(cfg)
+    extra = {**(real_flags(a.real) if a.real else {}), **dict(parse_value(kv) for kv in a.flags)}
+    if a.no_shared_prompt:
+        extra["no_shared_prompt"] = True
+    cfg, actor, ref = build_workers(a.warmup + a.repeats + 1, extra)
+    batch, g = real_batch(cfg) if a.real else demo_batch(cfg)
     ref_lp = ref.log_probs(batch)
     exp = experience(batch, ref_lp, g)
     if a.stats_only:
@@ -154,8 +221,9 @@ def main() -> None:
         ref.log_probs(batch)
         actor.train_step(exp)
     load0 = os.getloadavg()
-    ref_t, _ = timed(lambda: ref.log_probs(batch), a.repeats)
-    train_t, stats = timed(lambda: actor.train_step(exp), a.repeats)
+    call = as_rank_actor(a.threads) if a.as_rank_actor else (lambda fn: fn())
+    ref_t, _ = timed(lambda: call(lambda: ref.log_probs(batch)), a.repeats)
+    train_t, stats = timed(lambda: call(lambda: actor.train_step(exp)), a.repeats)
     res = {
         "threads": a.threads,
         "shared_prompt": actor.shared_prompt_train,
@@ -175,6 +243,42 @@ def main() -> None:
     if a.out:
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1, default=str)
+
+
+def as_rank_actor(threads: int):
+    """A caller that runs fn() the way CpuRankActor.call_as does."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from orlhf.cpu.memory import release_freed_memory
+    from orlhf.cpu.threads import apply_threads
+
+    compute = ThreadPoolExecutor(1)
+
+    def run(fn):
+        def on_thread():
+            apply_threads(threads)
+            try:
+                return fn()
+            finally:
+                release_freed_memory()
+
+        return compute.submit(on_thread).result()
+
+    return run
+
+
+def parse_value(kv: str) -> tuple[str, object]:
+    k, v = kv.split("=", 1)
+    low = v.lower()
+    if low in ("true", "false"):
+        return k, low == "true"
+    try:
+        return k, int(v)
+    except ValueError:
+        try:
+            return k, float(v)
+        except ValueError:
+            return k, v
 
 
 if __name__ == "__main__":

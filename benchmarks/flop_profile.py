@@ -1,5 +1,5 @@
 """The FLOPs each phase of a GRPO step spends, orlhf's layout against TRL's, on trl_compare.py's work; with a
-trl_compare JSON result, the rate each phase ran at.
+trl_compare JSON result, the rate each phase ran at (its hybrid mode too: orlhf's forwards, HF generate).
 
 What is counted (dense decoder, per position: 2 x the body's matrix weights, the attention products 4 x context x
 hidden per layer, the LM head 2 x vocab x hidden where a position is scored; training = 3 x its forward):
@@ -143,9 +143,9 @@ def main() -> None:
     seconds = {}
     if a.result:
         modes = json.loads(a.result.read_text().strip().splitlines()[-1])["modes"]
-        seconds = {"orlhf": modes.get("orlhf", {}).get("phases", {}), "trl": modes.get("trl", {}).get("phases", {})}
-        if "generate_score" in seconds["trl"]:  # TRL times generation and the reference forward as one phase
-            seconds["trl"]["generate"] = seconds["trl"].pop("generate_score")
+        seconds = {m: r.get("phases", {}) for m, r in modes.items()}
+        if "hybrid" in modes:  # trl_compare's hybrid mode: orlhf's forwards, HF generate over the padded batch
+            prof["hybrid"] = {**prof["orlhf"], "generate": prof["trl"]["generate"]}
     print(
         f"prompt tokens {sum(map(len, prompts)) / len(prompts):.1f} mean, common head of the step's prompts "
         f"{common_head(prompts)}; body matrix weights {shape.body / 1e6:.1f}M, "
@@ -154,15 +154,16 @@ def main() -> None:
     print("| side | phase | GFLOP | positions through the body | s | GFLOP/s |")
     print("|---|---|---|---|---|---|")
     for side, phases in prof.items():
-        for phase in ("generate", "score", "train"):
-            s = seconds.get(side, {}).get(phase)
-            if side == "trl" and phase == "score" and s is None and "generate" in seconds.get(side, {}):
-                s = None  # inside TRL's generate_score
-            rate = f"{phases[phase] / 1e9 / s:.0f}" if s else "-"
-            pos = f"{phases['positions']:.0f}" if phase != "generate" else "-"
-            print(
-                f"| {side} | {phase} | {phases[phase] / 1e9:.0f} | {pos} | {s if s is None else round(s, 2)} | {rate} |"
-            )
+        timed = dict(seconds.get(side, {}))
+        rows = [(p, phases[p]) for p in ("generate", "score", "train")]
+        if "generate_score" in timed:  # TRL times generation and the reference forward as one phase
+            rows = [("generate + score", phases["generate"] + phases["score"]), ("train", phases["train"])]
+            timed["generate + score"] = timed.pop("generate_score")
+        for phase, flop in rows:
+            s = timed.get(phase)
+            rate = f"{flop / 1e9 / s:.0f}" if s else "-"
+            pos = f"{phases['positions']:.0f}" if phase in ("score", "train") else "-"
+            print(f"| {side} | {phase} | {flop / 1e9:.0f} | {pos} | {'-' if s is None else round(s, 2)} | {rate} |")
     print(
         json.dumps(
             {side: {k: round(v / 1e9, 1) if k != "positions" else v for k, v in p.items()} for side, p in prof.items()}
