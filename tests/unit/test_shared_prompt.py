@@ -120,8 +120,8 @@ def test_shared_forward_equals_plain_on_fewer_positions(lm):
     assert n_plain == 9 * 13 and n_shared == 3 * 6 + 9 * 6
 
 
-def test_shared_forward_gradients_equal_plain(lm):
-    batch = _grpo_batch()
+def _assert_same_gradients(lm, batch: SequenceBatch) -> None:
+    """The shared forward's parameter gradients equal the plain forward's for a weighted sum of token log-probs."""
     weights = torch.randn(batch.action_mask.shape, generator=torch.Generator().manual_seed(1))
 
     def grads(shared: bool) -> dict:
@@ -136,6 +136,10 @@ def test_shared_forward_gradients_equal_plain(lm):
     for name in plain:
         scale = 1.0 + float(plain[name].abs().max())
         assert (plain[name] - shared[name]).abs().max() <= 1e-5 * scale, name
+
+
+def test_shared_forward_gradients_equal_plain(lm):
+    _assert_same_gradients(lm, _grpo_batch())
 
 
 def test_common_head_of_left_padded_prompts():
@@ -169,19 +173,7 @@ def test_a_common_head_runs_once_with_the_plain_logits_and_gradients(lm):
     # plain: 9 rows x (14 prompt + 6 action columns); shared: the 10-token head once, the 3 prompts' remainders
     # but their last column (0, 2, 3: left-padded to 3), then 9 rows x 6 columns from each prompt's last token
     assert n_plain == 9 * 20 and n_shared == 10 + 3 * 3 + 9 * 6
-    weights = torch.randn(batch.action_mask.shape, generator=torch.Generator().manual_seed(1))
-
-    def grads(shared: bool) -> dict:
-        lm.zero_grad()
-        logits, offset = model_logits(lm, batch, shared=shared)
-        lp = torch.log_softmax(logits[:, offset : offset + batch.num_actions], -1)
-        tok = lp.gather(-1, batch.sequences[:, -batch.num_actions :, None]).squeeze(-1)
-        (tok * weights * batch.action_mask).sum().backward()
-        return {n: p.grad.clone() for n, p in lm.named_parameters()}
-
-    plain_g, shared_g = grads(False), grads(True)
-    for name in plain_g:
-        assert (plain_g[name] - shared_g[name]).abs().max() <= 1e-5 * (1.0 + float(plain_g[name].abs().max())), name
+    _assert_same_gradients(lm, batch)
 
 
 def test_the_start_up_check_runs_the_common_head_pass(lm):
