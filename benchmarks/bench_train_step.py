@@ -82,19 +82,26 @@ def demo_batch(cfg, seed: int = 1):
     from transformers import AutoTokenizer
 
     from orlhf.config.worker_config import model_path
-    from orlhf.types import SequenceBatch
 
     tok = AutoTokenizer.from_pretrained(model_path(cfg, "actor"))
     with open(cfg.data.prompt_data) as f:
         prompts = [json.loads(line)["prompt"] for line, _ in zip(f, range(64))]
     ids = [tok(p)["input_ids"] for p in prompts for _ in range(4)]
+    # demo runs' mean response length is 23.5-23.9 of 24: most responses run to the cap
+    return rows_batch(tok, ids, seed, at_cap=0.9, shortest=1)
+
+
+def rows_batch(tok, ids: list, seed: int, at_cap: float, shortest: int):
+    """(SequenceBatch, generator): `ids` left-padded, each followed by random response tokens, `at_cap` of the
+    rows at the 24-token cap and the rest shortest..23 tokens."""
+    from orlhf.types import SequenceBatch
+
     g = torch.Generator().manual_seed(seed)
     P, A, B = max(map(len, ids)), 24, len(ids)
     seq = torch.full((B, P + A), tok.pad_token_id or 0, dtype=torch.long)
     attn = torch.zeros(B, P + A, dtype=torch.long)
     for i, row in enumerate(ids):
-        # demo runs' mean response length is 23.5-23.9 of 24: most responses run to the cap
-        n = A if float(torch.rand(1, generator=g)) < 0.9 else int(torch.randint(1, A, (1,), generator=g))
+        n = A if float(torch.rand(1, generator=g)) < at_cap else int(torch.randint(shortest, A, (1,), generator=g))
         seq[i, P - len(row) : P] = torch.tensor(row)
         seq[i, P : P + n] = torch.randint(4, len(tok), (n,), generator=g)
         attn[i, P - len(row) : P + n] = 1
@@ -131,23 +138,12 @@ def real_batch(cfg, seed: int = 1):
     """(SequenceBatch, generator) of the real model's step: 16 templated prompts x 4, responses of random tokens."""
     from transformers import AutoTokenizer
 
-    from orlhf.types import SequenceBatch
-
     tok = AutoTokenizer.from_pretrained(cfg.data.pretrain)
     with open(cfg.data.prompt_data) as f:
         questions = [json.loads(line)["question"] for line, _ in zip(f, range(16))]
     chats = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True) for q in questions]
     ids = [list(c if isinstance(c, list) else c["input_ids"]) for c in chats for _ in range(4)]
-    g = torch.Generator().manual_seed(seed)
-    P, A, B = max(map(len, ids)), 24, len(ids)
-    seq = torch.full((B, P + A), tok.pad_token_id or 0, dtype=torch.long)
-    attn = torch.zeros(B, P + A, dtype=torch.long)
-    for i, row in enumerate(ids):
-        n = A if float(torch.rand(1, generator=g)) < 0.5 else int(torch.randint(8, A, (1,), generator=g))
-        seq[i, P - len(row) : P] = torch.tensor(row)
-        seq[i, P : P + n] = torch.randint(4, len(tok), (n,), generator=g)
-        attn[i, P - len(row) : P + n] = 1
-    return SequenceBatch(seq, attn, attn[:, P:].bool()), g
+    return rows_batch(tok, ids, seed, at_cap=0.5, shortest=8)
 
 
 def experience(batch, ref_lp, g):
