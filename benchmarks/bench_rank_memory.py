@@ -5,7 +5,8 @@ no Ray (what bench_large_vocab_run.py measures whole).
     (PolicyWorker, ZeRO-2) and the hosted reference (ReferenceWorker) built from bench_large_vocab_run's flags on
     model_presets.large_vocab_model -> a GRPO-shaped batch (4 demo prompts x 4 samples, left-padded; 512 random
     response tokens each: a random model on this vocabulary never samples the end token)
-    -> --steps times, on one compute thread (as CpuRankActor runs every call, release_freed_memory after each):
+    -> --steps times, on one compute thread (as CpuRankActor runs every call), in a process with a local CPU
+       cluster's environment (one malloc arena: cpu/memory.py):
        the reference's log_probs, the actor's log_probs (a PPO run's old log-probs; this GRPO run's single pass
        does without them, so train_step gets none), train_step, the weight sync's walk over the full weights
        (PolicyWorker.sync_groups, as send_weights walks them; no engine at the other end)
@@ -14,8 +15,8 @@ no Ray (what bench_large_vocab_run.py measures whole).
        DeepSpeed's step
     -> a table (the largest peak of each phase over the steps, MiB) and one JSON line
 
---no_keep_freed_memory leaves glibc's defaults (freed large blocks go back to the OS), --no_release keeps what each
-call freed in the heap after it returns: to compare.
+--no_keep_freed_memory leaves glibc's defaults (freed large blocks go back to the OS, one arena per thread),
+--release gives what each call freed back to the OS after it returns (malloc_trim): to compare.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_rank_memory.py                 # minutes on 2 cores
     PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_rank_memory.py --no_keep_freed_memory
@@ -216,10 +217,13 @@ def main() -> None:
     ap.add_argument("--prompt_len", type=int, default=0, help="random prompts of this many tokens (0: the demo's)")
     ap.add_argument("--no_ref", action="store_true", help="no reference worker (a run without KL)")
     ap.add_argument("--no_keep_freed_memory", action="store_true", help="glibc's defaults (cpu/memory.py off)")
-    ap.add_argument("--no_release", action="store_true", help="no release_freed_memory after each call")
+    ap.add_argument("--release", action="store_true", help="release_freed_memory after each call")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    from orlhf.cpu.memory import release_freed_memory
+    from orlhf.cpu.memory import cluster_env, release_freed_memory
+
+    if not a.no_keep_freed_memory and cluster_env():  # read as the C library starts: this process again
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **cluster_env()})
 
     torch.set_num_threads(a.threads)
     probe = Probe()
@@ -233,7 +237,7 @@ def main() -> None:
             try:
                 return fn(*args)
             finally:
-                if not a.no_release:  # as CpuRankActor after each call
+                if a.release:
                     release_freed_memory()
 
         return compute.submit(run).result()
@@ -270,7 +274,7 @@ def main() -> None:
         print(f"{name:<28}{r['calls']:>6}{r['before']:>9.0f}{r['peak']:>9.0f}{r['after']:>9.0f}")
     out = {
         "keep_freed_memory": not a.no_keep_freed_memory,
-        "release_after_calls": not a.no_release,
+        "release_after_calls": a.release,
         "chunk_mb": actor.cfg.logprobs_chunk_mb,
         "start_mib": start,
         "after_init_mib": at_start,

@@ -190,7 +190,7 @@ def main() -> None:
         "--as_rank_actor",
         action="store_true",
         help="each call as a CPU rank actor runs it: on one compute thread of its own, the thread count applied "
-        "there, freed memory returned to the OS after it (cpu/rank_actor.py)",
+        "there, in a process started with a local CPU cluster's environment (one malloc arena: cpu/memory.py)",
     )
     ap.add_argument("--real", default=None, help="a make-demo --real folder: the real model's step")
     ap.add_argument("--flags", nargs="*", default=[], help="more train-ppo values, k=v (true/false/numbers)")
@@ -200,6 +200,8 @@ def main() -> None:
         help="run every row's prompt (train-ppo's flag; default: each distinct prompt once)",
     )
     a = ap.parse_args()
+    if a.as_rank_actor:
+        as_rank_process()
     torch.set_num_threads(a.threads)
     extra = {**(real_flags(a.real) if a.real else {}), **dict(parse_value(kv) for kv in a.flags)}
     if a.no_shared_prompt:
@@ -241,11 +243,22 @@ def main() -> None:
             json.dump(res, f, indent=1, default=str)
 
 
+def as_rank_process() -> None:
+    """This process again, with the environment a local CPU cluster's processes start with (it is read as the C
+    library starts, so only a new process takes it)."""
+    import sys
+
+    from orlhf.cpu.memory import cluster_env
+
+    env = cluster_env()
+    if env:
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **env})
+
+
 def as_rank_actor(threads: int):
     """A caller that runs fn() the way CpuRankActor.call_as does."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from orlhf.cpu.memory import release_freed_memory
     from orlhf.cpu.threads import apply_threads
 
     compute = ThreadPoolExecutor(1)
@@ -253,10 +266,7 @@ def as_rank_actor(threads: int):
     def run(fn):
         def on_thread():
             apply_threads(threads)
-            try:
-                return fn()
-            finally:
-                release_freed_memory()
+            return fn()
 
         return compute.submit(on_thread).result()
 

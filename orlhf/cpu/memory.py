@@ -1,19 +1,44 @@
-"""CPU rank processes keep freed memory in the heap while a call runs, and give it back when it returns
-(CpuRankActor calls keep_freed_memory at its start and release_freed_memory after each call)."""
+"""CPU rank processes keep freed memory in glibc's heap for the next allocation, within a call and across calls.
+
+    cluster_env()          environment for the processes of a local CPU cluster orlhf starts (CpuTuning.cluster_env):
+                           MALLOC_ARENA_MAX=1, every thread allocates from glibc's main heap
+    keep_freed_memory()    at a rank process's start (CpuRankActor): blocks up to 2 GiB come from the heap
+    release_freed_memory() gives the heap's free memory back to the OS (glibc's malloc_trim), for callers that
+                           want the RSS down between phases (benchmarks); rank processes do not call it
+
+Why: a CPU train step allocates and frees blocks of tens to hundreds of MiB many times (a micro-batch's logits,
+the LM head's gradient, ZeRO's flat fp32 partitions). Each block glibc maps afresh with mmap comes back as zeroed
+pages, one page fault per 4 KiB, and its munmap is a TLB shootdown: on a real model's step the kernel's share of
+the rank's time became large (benchmarks/results/ has the measurements).
+
+Why one arena: a rank runs every call on a compute thread of its own (cpu/rank_actor.py), and glibc gives each
+such thread an arena of its own whose heaps are at most 64 MiB; a larger block there is always mmapped, whatever
+M_MMAP_THRESHOLD says. Only the main arena (grown with brk) serves large blocks from freed memory. The arena count
+is fixed when a process's allocator starts (MALLOC_ARENA_MAX, read from the environment): mallopt(M_ARENA_MAX)
+later, once Ray's threads have arenas, still hands a new thread one of those. So it is set in the environment of
+the cluster's processes before they start. A cluster orlhf joins keeps its own workers' environment (there, start
+its Ray with MALLOC_ARENA_MAX=1 for the same effect). The rank's threads other than the compute thread allocate
+little (Ray's, the health check's), so one arena costs no lock contention that shows.
+
+Why no trim after each call: with one arena a call reuses what the previous one freed (a reference forward's
+blocks serve the train step's), so the peak is the largest call's, not a sum; returning the memory after every
+call only made the next call fault it all in again. The RSS stays near the peak between calls, and a heap top
+more than M_TRIM_THRESHOLD (1 GiB) free still goes back to the OS by itself.
+"""
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
 import functools
+import os
 from typing import Optional
 
-# glibc malloc: blocks >= M_MMAP_THRESHOLD get their own mmap, and a free heap top above M_TRIM_THRESHOLD goes back
-# to the OS. A CPU train step allocates and frees large activation tensors many times; with the defaults each
-# comes back as fresh pages, page faults and system time every step (benchmarks/bench_train_step.py measures it).
-# Keeping them in the heap avoids most of them. Memory stays at the call's peak until release_freed_memory.
+# glibc malloc: blocks >= M_MMAP_THRESHOLD get their own mmap (mallopt takes an int: 2 GiB - 1 is its largest
+# value); a free heap top above M_TRIM_THRESHOLD goes back to the OS.
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-_MMAP_THRESHOLD_BYTES, _TRIM_THRESHOLD_BYTES = 256 << 20, 1 << 30
+_MMAP_THRESHOLD_BYTES, _TRIM_THRESHOLD_BYTES = (1 << 31) - 1, 1 << 30
+ARENA_ENV = "MALLOC_ARENA_MAX"
 
 
 @functools.lru_cache(maxsize=1)
@@ -24,9 +49,15 @@ def _libc() -> Optional[ctypes.CDLL]:
         return None
 
 
+def cluster_env() -> dict[str, str]:
+    """Environment for the processes of a local CPU cluster: one malloc arena (module docstring); a value the user
+    set is theirs and stays."""
+    return {} if ARENA_ENV in os.environ else {ARENA_ENV: "1"}
+
+
 def keep_freed_memory() -> bool:
-    """Tell glibc malloc to reuse freed memory instead of returning it to the OS (CPU ranks); False where the C
-    library is not glibc (nothing changes there)."""
+    """Tell glibc malloc to serve large blocks from the heap and keep freed memory for reuse (CPU ranks); False
+    where the C library is not glibc (nothing changes there)."""
     mallopt = getattr(_libc(), "mallopt", None)
     if mallopt is None:
         return False
@@ -36,12 +67,8 @@ def keep_freed_memory() -> bool:
 
 
 def release_freed_memory() -> bool:
-    """Return the free memory of every malloc arena to the OS (glibc's malloc_trim), as a rank's call ends.
-
-    What keep_freed_memory keeps serves the many allocations inside one call; between calls it would only stay in
-    the process's RSS, and the next call's large blocks (a chunk of logits is mmapped: above a thread arena's heap
-    size) could not reuse it, so each phase's leftovers would add to the next one's peak. One trim per call costs
-    the next call one page fault per page it touches again. False where the C library is not glibc."""
+    """Return the free memory of every malloc arena to the OS (glibc's malloc_trim). False where the C library is
+    not glibc."""
     trim = getattr(_libc(), "malloc_trim", None)
     if trim is None:
         return False

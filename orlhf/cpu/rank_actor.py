@@ -14,7 +14,7 @@ Invariants (cpu/hosting.py's module docstring says why):
 - Every call runs on one compute thread while it is free, with its role's torch thread count applied on that
   thread (OpenMP's count is per thread).
 - No automatic garbage collection until the host's init() has run; the heap is frozen then.
-- Freed memory stays in glibc's heap while a call runs and goes back to the OS when it returns (cpu/memory.py).
+- Freed memory stays in glibc's heap for the next allocation, in this call or a later one (cpu/memory.py).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import ray
 import torch
 
 from orlhf.cpu.ds_import import load_deepspeed
-from orlhf.cpu.memory import keep_freed_memory, release_freed_memory
+from orlhf.cpu.memory import keep_freed_memory
 from orlhf.cpu.threads import apply_threads, threads_as_ray_set
 from orlhf.distributed import addresses
 from orlhf.distributed.groups import free_port, log_name
@@ -74,7 +74,7 @@ class CpuRankActor:
         # (_run), so later collections skip them too; memory is unchanged.
         gc.disable()
         threads_as_ray_set()
-        keep_freed_memory()  # before the worker allocates: its large activations then come back from the heap
+        keep_freed_memory()  # before the worker allocates: its large blocks then come back from the heap
         os.environ.update(env)
         redirect_output(log_name(role, rank))
         addresses.pin()  # before DeepSpeed starts: it reads the interface this exports
@@ -131,18 +131,9 @@ class CpuRankActor:
             n = self.cpu_threads.get(role, 0)
             if n:
                 apply_threads(n)
-            try:
-                return getattr(self.workers[role], method)(*args, **kwargs)
-            finally:
-                release_freed_memory()
+            return getattr(self.workers[role], method)(*args, **kwargs)
 
     def _run(self, role: str, method: str, args: tuple, kwargs: dict) -> Any:
-        try:
-            return self._run_worker(role, method, args, kwargs)
-        finally:
-            release_freed_memory()  # what the call freed leaves the RSS: the next call's peak starts lower
-
-    def _run_worker(self, role: str, method: str, args: tuple, kwargs: dict) -> Any:
         n = self.cpu_threads.get(role, 0)
         if n:  # OpenMP's count is per thread: set on the thread that runs the work
             apply_threads(n)

@@ -1,6 +1,7 @@
 """CpuTuning: the hooks of distributed/tuning.py for CPU runs (launch/ picks it when the device is cpu).
 
     ray_options    a local cluster's Python workers preload torch and transformers (cpu/preload.py)
+    cluster_env    one malloc arena per process, so that rank processes reuse freed memory (cpu/memory.py)
     model_groups   rank processes on one compute thread each, the reference (and a one-rank critic) inside the
                    actor's processes (cpu/hosting.py, cpu/rank_actor.py)
     phases         the cores handed over to the processes working in each phase (cpu/threads.py)
@@ -36,6 +37,11 @@ class CpuTuning(Tuning):
 
     def ray_options(self, cfg, num_cpus: int, processes: int) -> dict:
         return worker_preload(cfg, num_cpus, processes)
+
+    def cluster_env(self, cfg) -> dict[str, str]:
+        from orlhf.cpu.memory import cluster_env
+
+        return cluster_env()
 
     def model_groups(self, cfg, spawn: Callable[..., Any], worker_of: Callable[[str], tuple], stack) -> dict:
         from orlhf.cpu.hosting import model_groups

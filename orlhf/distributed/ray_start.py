@@ -35,13 +35,30 @@ def connect_ray(cfg: TrainConfig, num_cpus: int, processes: int = 0, tuning: Opt
     if address:
         join_cluster(address, cfg.runtime.verbose, **quiet)
         return False
-    options = (tuning or Tuning()).ray_options(cfg, num_cpus, processes)
-    if cfg.runtime.verbose:  # Ray's processes as ray.init starts them: their output is what --verbose shows
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **quiet, **options)
-        return True
-    with local_cluster_without(no_monitor=True, include_log_monitor=False), no_dashboard_head():
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **quiet, **options)
+    tuning = tuning or Tuning()
+    options = tuning.ray_options(cfg, num_cpus, processes)
+    with environment(tuning.cluster_env(cfg)):  # inherited by the raylet, hence by every worker it starts
+        if cfg.runtime.verbose:  # Ray's processes as ray.init starts them: their output is what --verbose shows
+            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **quiet, **options)
+            return True
+        with local_cluster_without(no_monitor=True, include_log_monitor=False), no_dashboard_head():
+            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **quiet, **options)
     return True
+
+
+@contextmanager
+def environment(env: dict[str, str]):
+    """os.environ with `env` set inside, as it was after (the processes started inside keep theirs)."""
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def no_failure_handler() -> None:

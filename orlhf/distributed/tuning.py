@@ -2,6 +2,7 @@
 
     where    hook (runs)                                 what it gives
     driver   ray_options(cfg, num_cpus, processes)       extra ray.init arguments for a cluster this run starts
+    driver   cluster_env(cfg)                            environment of that cluster's processes (set as it starts)
     driver   model_groups(cfg, spawn, worker_of, stack)  the run's model groups by role, at bring-up
     driver   phases(cfg, models)                         the controller's hook: .before(phase) as each phase starts
     engine   engine_start(cfg, build)                    the engine's vLLM LLM, from build(extra LLM() arguments)
@@ -32,6 +33,11 @@ class Tuning:
     def ray_options(self, cfg, num_cpus: int, processes: int) -> dict:
         """Extra ray.init arguments for a local cluster this run starts with `num_cpus` logical CPUs for
         `processes` model and engine processes (distributed/ray_start.py)."""
+        return {}
+
+    def cluster_env(self, cfg) -> dict[str, str]:
+        """Environment variables for the processes of a local cluster this run starts: Ray's own and every worker,
+        which inherit them from the raylet (distributed/ray_start.py sets them around ray.init only)."""
         return {}
 
     def model_groups(

@@ -122,3 +122,24 @@ def test_preload_only_on_cpu_where_the_prestarted_workers_are_the_runs_own(monke
     assert worker_preload(cpu, num_cpus=16, processes=15)  # a run that takes them
     monkeypatch.setenv("ORLHF_NO_PRELOAD", "1")
     assert worker_preload(cpu, num_cpus=16, processes=15) == {}
+
+
+@ray.remote(num_cpus=1)
+def env_of_worker(name):
+    import os
+
+    return os.environ.get(name)
+
+
+def test_own_cpu_cluster_gives_its_workers_one_malloc_arena_and_leaves_the_driver_env(own_cluster, monkeypatch):
+    """CpuTuning.cluster_env reaches the workers through the raylet (cpu/memory.py: glibc reads it as a process
+    starts); the driver's environment is as it was."""
+    from orlhf.cpu.tuning import CpuTuning
+
+    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+    cfg = build_config({"device": "cpu"}, explicit={"device"})
+    assert connect_ray(cfg, num_cpus=2, tuning=CpuTuning()) is True
+    assert ray.get(env_of_worker.remote("MALLOC_ARENA_MAX"), timeout=60) == "1"
+    import os
+
+    assert "MALLOC_ARENA_MAX" not in os.environ
