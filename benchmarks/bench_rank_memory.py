@@ -220,10 +220,12 @@ def main() -> None:
     ap.add_argument("--release", action="store_true", help="release_freed_memory after each call")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    from orlhf.cpu.memory import cluster_env, release_freed_memory
+    from bench_train_step import as_rank_process
 
-    if not a.no_keep_freed_memory and cluster_env():  # read as the C library starts: this process again
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **cluster_env()})
+    from orlhf.cpu.memory import release_freed_memory
+
+    if not a.no_keep_freed_memory:
+        as_rank_process()
 
     torch.set_num_threads(a.threads)
     probe = Probe()

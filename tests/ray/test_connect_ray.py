@@ -5,6 +5,8 @@ ray.init's RayParams is left as it was afterwards.
 Real Ray: each case starts and ends a local cluster, so the session's shared one is shut down first.
 """
 
+import os
+
 import pytest
 
 ray = pytest.importorskip("ray")
@@ -140,6 +142,4 @@ def test_own_cpu_cluster_gives_its_workers_one_malloc_arena_and_leaves_the_drive
     cfg = build_config({"device": "cpu"}, explicit={"device"})
     assert connect_ray(cfg, num_cpus=2, tuning=CpuTuning()) is True
     assert ray.get(env_of_worker.remote("MALLOC_ARENA_MAX"), timeout=60) == "1"
-    import os
-
     assert "MALLOC_ARENA_MAX" not in os.environ

@@ -7,6 +7,7 @@ that. Left alone, glibc raises the threshold after the first freed mmapped block
 heap top depending on the layout: a plain process gave 0 or ~120k faults from run to run (5 runs: 0, 0, 0, 0,
 120000), which cannot show what keeping the memory changes."""
 
+import os
 import subprocess
 import sys
 
@@ -91,8 +92,6 @@ print(out[0])
 
 
 def _thread_faults(env: dict) -> int:
-    import os
-
     clean = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
     out = subprocess.run(
         [sys.executable, "-c", THREAD_CHILD], capture_output=True, text=True, check=True, env={**clean, **env}
