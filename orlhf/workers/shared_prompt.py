@@ -8,7 +8,7 @@ forward computes the same prompt activations n times. Here:
     prompt_groups(batch) -> (U,) first row of each distinct prompt, (B,) each row's prompt, or None (all distinct)
     1. prefix pass     the U distinct prompts' columns 0 .. P-2, use_cache: each layer's keys and values (U, ...)
     2. spread          the cache's rows picked per row (B, ...): autograd adds the B rows' gradients back onto U
-    3. response pass   columns P-1 .. T-2 of the B rows on top of that cache -> logits (B, A, V): exactly the
+    3. response pass   columns P-1 .. T-2 of all B rows on top of that cache -> logits (B, A, V): exactly the
                        positions the plain forward scores, so every caller reads them as before (offset 0); the
                        critic's values (B, A) likewise, and the reward model's through column T-1 (its score
                        sits on each row's last real token)
@@ -16,12 +16,6 @@ forward computes the same prompt activations n times. Here:
 The linear layers see U*(P-1) + B*A positions instead of B*T. The results are the plain forward's up to float
 summation order (one prompt's products summed once instead of n times; gradients of its copies added by the index
 backward).
-
-Responses of one micro-batch end at different columns: some run to the length cap, others stop after a few tokens,
-and the columns after a row's last real token are padding that changes none of its outputs (causal attention).
-So step 3 runs the rows in up to three passes grouped by length (response_groups), each through the last real
-token of its longest row, on its own copy of the spread cache; the outputs are put back in (B, A, ...) with zeros
-where a row has only padding. A pass more is taken only where it saves 1/16 of the positions.
 
 A common head: chat templates start every prompt with the same tokens (a system prompt, the user turn's opening),
 often most of a short prompt. When the U distinct prompts' real tokens begin with at least MIN_COMMON equal ones,
@@ -37,7 +31,6 @@ instead of training on wrong numbers.
 
 from __future__ import annotations
 
-import copy
 import logging
 from contextlib import nullcontext
 from typing import Callable, ContextManager, Optional
@@ -45,13 +38,6 @@ from typing import Callable, ContextManager, Optional
 import torch
 
 from orlhf.types import SequenceBatch
-
-try:  # the cache layers whose rows _rows_of can pick in a copy (their batch_select_indices re-binds, never writes)
-    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
-
-    SELECTABLE: tuple = (DynamicLayer, DynamicSlidingWindowLayer)
-except ImportError:  # an older transformers: one response pass over all rows
-    SELECTABLE = ()
 
 log = logging.getLogger("orlhf.workers")
 
@@ -111,94 +97,11 @@ def shared_prompt_forward(
     cache, head_mask = _prompt_cache(run, batch, first, p, position_ids, around, min_common)
     if cache is None or not hasattr(cache, "batch_select_indices"):
         return None
-    t = batch.sequences.shape[1]
-    end = t if through_last else t - 1
-    full = mask[:, :end] if head_mask is None else torch.cat([head_mask[spread], mask[:, p - 1 : end]], 1)
-    cached = full.shape[1] - (end - p + 1)  # the cache's columns, before the response pass's
-    groups = response_groups(columns_needed(mask, p, through_last), end - p + 1)
-    if len(groups) > 1 and not all(type(layer) in SELECTABLE for layer in getattr(cache, "layers", [None])):
-        groups = [(torch.arange(len(batch), device=mask.device), end - p + 1)]  # a cache this cannot copy by rows
-    whole = None  # (B, A, ...) once a pass leaves columns out: zeros where a row has only padding
-    for rows, width in groups:
-        part = _rows_of(cache, spread[rows]) if len(groups) > 1 else _all_rows(cache, spread)
-        stop = p - 1 + width
-        with around(lambda x, rows=rows, stop=stop: x[rows, p - 1 : stop]):
-            out, _ = run(
-                batch.sequences[rows, p - 1 : stop],
-                full[rows, : cached + width],
-                position_ids[rows, p - 1 : stop],
-                part,
-                True,
-            )
-        if len(groups) == 1 and width == end - p + 1:
-            return out
-        if whole is None:
-            whole = out.new_zeros(len(batch), end - p + 1, *out.shape[2:])
-        whole[rows, :width] = out  # one pass's outputs at a time: at most one more copy than the one pass holds
-        del out
-    return whole
-
-
-def _all_rows(cache, spread: torch.Tensor):
     cache.batch_select_indices(spread)  # (U, ...) -> (B, ...) per layer
-    return cache
-
-
-def _rows_of(cache, rows: torch.Tensor):
-    """A copy of `cache` holding its `rows` (indices into its batch); `cache` itself unchanged (its layers' tensors
-    are re-bound in the copy, never written)."""
-    part = copy.copy(cache)
-    part.layers = [copy.copy(layer) for layer in cache.layers]
-    part.batch_select_indices(rows)
-    return part
-
-
-def columns_needed(mask: torch.Tensor, p: int, through_last: bool) -> torch.Tensor:
-    """(B,) how many of the response pass's columns (P-1 onwards) each row needs: through its last real token, as the
-    one pass over all columns runs it (--router_replay records its experts there too), the batch's last column
-    aside unless through_last. Columns after that are padding in the row and, attention being causal, change
-    none of its outputs."""
-    t = mask.shape[1]
-    last = t - 1 - mask.flip(1).long().argmax(1)  # each row's last real column (its prompt's when no response)
-    return (last - p + 2).clamp(1, t - p + (1 if through_last else 0))
-
-
-def response_groups(need: torch.Tensor, width: int, max_groups: int = 3) -> list[tuple[torch.Tensor, int]]:
-    """The response pass's rows split into up to `max_groups` passes, each as wide as the most any of its rows
-    needs (`need` (B,), from columns_needed), so that the columns that are padding in a row mostly stay out of
-    every layer and the LM head: [(rows, columns)], the longest first. A pass more must save at least 1/16 of
-    the one pass's positions (a pass has its own fixed cost: every layer's kernels called once more). One group
-    of all rows where nothing is saved."""
-    b = len(need)
-    top = int(need.max())
-    step = -(-top // 32)  # at most 32 distinct widths to choose cuts among
-    q = (-(-need // step) * step).clamp(max=top)  # each row's need, rounded up to its step
-    widths = sorted(set(q.tolist()), reverse=True)
-    counts = [int((q == w).sum()) for w in widths]
-    penalty = max(1, b * top // 16)
-    d = len(widths)
-    # best[k][i]: least positions for the rows of widths[i:] in k passes; cut[k][i]: where its first pass ends
-    inf = float("inf")
-    best = [[inf] * (d + 1) for _ in range(max_groups + 1)]
-    cut = [[d] * (d + 1) for _ in range(max_groups + 1)]
-    for k in range(max_groups + 1):
-        best[k][d] = 0
-    for k in range(1, max_groups + 1):
-        for i in range(d - 1, -1, -1):
-            rows = 0
-            for j in range(i + 1, d + 1):
-                rows += counts[j - 1]
-                cost = widths[i] * rows + (penalty if j < d else 0) + best[k - 1][j]
-                if cost < best[k][i]:
-                    best[k][i], cut[k][i] = cost, j
-    out, i, k = [], 0, max_groups
-    while i < d:
-        j = cut[k][i]
-        rows = torch.nonzero((q <= widths[i]) & (q > (widths[j] if j < d else 0))).flatten()
-        out.append((rows, widths[i]))
-        i, k = j, k - 1
-    if len(out) == 1 and out[0][1] == width:
-        return [(torch.arange(b, device=need.device), width)]
+    end = batch.sequences.shape[1] if through_last else -1
+    full = mask[:, :end] if head_mask is None else torch.cat([head_mask[spread], mask[:, p - 1 : end]], 1)
+    with around(lambda x: x[:, p - 1 : end]):
+        out, _ = run(batch.sequences[:, p - 1 : end], full, position_ids[:, p - 1 : end], cache, True)
     return out
 
 
@@ -263,8 +166,7 @@ def same_as_plain(
 
 def check_batches(vocab_size: int, device: torch.device) -> list[SequenceBatch]:
     """same_as_plain's small batches: 2 prompts of different lengths, left-padded, 2 samples each, one response
-    shorter (response_groups runs it in a pass of its own); in the second the prompts begin with a common head of
-    MIN_COMMON tokens (the two-pass prompt)."""
+    shorter; in the second the prompts begin with a common head of MIN_COMMON tokens (the two-pass prompt)."""
     g = torch.Generator().manual_seed(0)
     lo = min(4, vocab_size - 1)  # ids above the usual special tokens
     out = []
@@ -276,7 +178,7 @@ def check_batches(vocab_size: int, device: torch.device) -> list[SequenceBatch]:
         ids[2:, 2 : 2 + head] = ids[0, :head]  # ... and begins with the first one's head
         ids[1, :p] = ids[0, :p]  # rows 0, 1 share prompt 0; rows 2, 3 share prompt 1
         ids[3, :p] = ids[2, :p]
-        mask[3, -3:] = 0  # one response ends 3 tokens early: its rows take a response pass of their own
+        mask[3, -1] = 0  # one response ends a token early
         out.append(SequenceBatch(ids.to(device), mask.to(device), mask[:, p:].bool().to(device)))
     return out
 

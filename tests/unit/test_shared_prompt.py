@@ -116,10 +116,8 @@ def test_shared_forward_equals_plain_on_fewer_positions(lm):
     assert plain.shape == shared.shape
     assert (plain[real] - shared[real]).abs().max() < 1e-5
     assert float(plain[real].std()) > 0.5  # the check above compares logits that vary
-    # 9 rows of 7 + 6 columns plain; shared: 3 prompts x 6 columns, then the responses (6, 5, 4 and 3 tokens
-    # among each prompt's rows; a row's columns run through its last token) in two passes: the 5 rows of 6 or 5
-    # tokens x 6 columns, then the 4 rows of 4 or 3 tokens x 5
-    assert n_plain == 9 * 13 and n_shared == 3 * 6 + 5 * 6 + 4 * 5
+    # 9 rows of 7 + 6 columns plain; 3 prompts x 6 columns, then 9 rows x 6 action columns shared
+    assert n_plain == 9 * 13 and n_shared == 3 * 6 + 9 * 6
 
 
 def _assert_same_gradients(lm, batch: SequenceBatch) -> None:
@@ -173,9 +171,8 @@ def test_a_common_head_runs_once_with_the_plain_logits_and_gradients(lm):
     real = batch.action_mask
     assert (plain[real] - shared[real]).abs().max() < 1e-5 and float(plain[real].std()) > 0.5
     # plain: 9 rows x (14 prompt + 6 action columns); shared: the 10-token head once, the 3 prompts' remainders
-    # but their last column (0, 2, 3: left-padded to 3), then from each prompt's last token the responses (6, 5, 4,
-    # 3 tokens) in two passes: 5 rows x 6 columns, 4 rows x 5
-    assert n_plain == 9 * 20 and n_shared == 10 + 3 * 3 + 5 * 6 + 4 * 5
+    # but their last column (0, 2, 3: left-padded to 3), then 9 rows x 6 columns from each prompt's last token
+    assert n_plain == 9 * 20 and n_shared == 10 + 3 * 3 + 9 * 6
     _assert_same_gradients(lm, batch)
 
 
@@ -184,8 +181,7 @@ def test_the_start_up_check_runs_the_common_head_pass(lm):
     _, with_head = check_batches(V, torch.device("cpu"))
     with torch.no_grad():
         _, seen = _positions_seen(lm, lambda: action_logits(lm, with_head, 1.0, shared=True))
-    # remainders of 4 and 2 columns (left-padded to 4); responses in two passes: 3 rows x 4 columns, the short one x 2
-    assert seen == MIN_COMMON + 2 * 4 + 3 * 4 + 2
+    assert seen == MIN_COMMON + 2 * 4 + 4 * 4  # remainders of 4 and 2 columns (left-padded to 4), 4 rows x 4
 
 
 def test_the_start_up_check_accepts_the_real_forward_and_refuses_a_wrong_one(lm):
@@ -216,12 +212,9 @@ def test_value_model_outputs_through_the_last_column_equal_whole_rows(lm):
         critic = shared_values(model, batch)  # columns P-1 .. T-2: the critic's
         reward, n_shared = _positions_seen(model.backbone, lambda: shared_values(model, batch, through_last=True))
     assert critic.shape == (9, a) and reward.shape == (9, a + 1)
-    real = batch.action_mask  # the critic's values of the action positions; the reward's also at column P-1
-    assert (critic - whole[:, -a - 1 : -1])[real].abs().max() < 1e-5
-    real = torch.cat([real.new_ones(9, 1), real], 1)
-    assert (reward - whole[:, -a - 1 :])[real].abs().max() < 1e-5
-    # the responses (6, 5, 4, 3 tokens) through their last token: 5 rows x 7 columns, 4 rows x 5
-    assert n_whole == 9 * 13 and n_shared == 3 * 6 + 5 * 7 + 4 * 5
+    assert (critic - whole[:, -a - 1 : -1]).abs().max() < 1e-5
+    assert (reward - whole[:, -a - 1 :]).abs().max() < 1e-5
+    assert n_whole == 9 * 13 and n_shared == 3 * 6 + 9 * 7
 
 
 def test_no_cache_means_no_shared_forward_and_the_check_says_no(lm):
@@ -246,21 +239,3 @@ def test_no_cache_means_no_shared_forward_and_the_check_says_no(lm):
     finally:
         lm.gradient_checkpointing_disable()
         lm.eval()
-
-
-def test_response_groups_leave_most_padding_out_and_never_split_for_little():
-    from orlhf.workers.shared_prompt import response_groups
-
-    # 11 rows run to the length cap, 5 stopped early: the short ones take a pass of their own, as wide as the longest
-    need = torch.tensor([24] * 11 + [12, 10, 8, 6, 3])
-    groups = response_groups(need, 24)
-    assert [w for _, w in groups][:2] == [24, 12]
-    assert sorted(torch.cat([rows for rows, _ in groups]).tolist()) == list(range(16))  # every row once
-    for rows, w in groups:
-        assert bool((need[rows] <= w).all())
-    assert sum(len(rows) * w for rows, w in groups) < 16 * 24 - 16 * 24 // 16
-    # one row a column short saves less than a pass costs: one pass; a batch all short: no pass as wide as the cap
-    assert [(rows.tolist(), w) for rows, w in response_groups(torch.tensor([24] * 15 + [23]), 24)] == [
-        (list(range(16)), 24)
-    ]
-    assert max(w for _, w in response_groups(torch.tensor([5, 4, 5, 3]), 24)) == 5
