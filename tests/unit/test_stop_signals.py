@@ -22,6 +22,16 @@ from orlhf.trainer.models import Models
 from tests.unit.rollout_stand_in import StandInRollout
 
 
+@pytest.fixture(autouse=True)
+def sigint_as_from_a_terminal():
+    """Each test starts with SIGINT handled as in a process started from a terminal. A suite started in the background
+    (`cmd &` in a script, nohup) inherits SIGINT as ignored, and RunStop then rightly leaves it ignored
+    (test_an_ignored_sigint_stays_ignored), so the Ctrl-C cases would test nothing."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
 class Done:
     def get(self):
         return None
