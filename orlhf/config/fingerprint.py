@@ -48,6 +48,7 @@ FREE_ON_RESUME: dict[str, str] = {
             "stop_after_steps",
             "ray_timeout_s",
             "hang_timeout_s",
+            "stop_grace_s",
             "address",
             "socket_ifname",
             "reward_timeout_s",

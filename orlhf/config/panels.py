@@ -280,6 +280,7 @@ PANELS: tuple[Panel, ...] = (
             "max_engine_restarts",
             "hang_timeout_s",
             "ray_timeout_s",
+            "stop_grace_s",
         ),
     ),
     Panel(

@@ -246,6 +246,12 @@ class RuntimeConfig:
         "check runs beside every call, so a long step or a slow collective is not hung; a call that never ends in a "
         "live process is --ray_timeout_s's.",
     )
+    stop_grace_s: float = opt(
+        15.0,
+        "After a first SIGTERM or Ctrl-C the step in progress (or its checkpoint, or the export) may finish for this "
+        "long; past it the run stops with its newest checkpoint. The whole stop stays within this plus 15 s, inside "
+        "a scheduler's usual 30 s before SIGKILL. 0: stop at once.",
+    )
     verbose: bool = opt(False, "Show every library's and worker's output here (default: in <save_path>/logs/).")
     stop_after_steps: Optional[int] = opt(
         None,

@@ -200,6 +200,7 @@ def _engine_and_thread_bounds(cfg: TrainConfig) -> list[Bound]:
         ),
         (rt.ray_timeout_s > 0, f"--ray_timeout_s must be > 0 (got {rt.ray_timeout_s})."),
         (rt.hang_timeout_s > 0, f"--hang_timeout_s must be > 0 (got {rt.hang_timeout_s})."),
+        (rt.stop_grace_s >= 0, f"--stop_grace_s must be >= 0 (got {rt.stop_grace_s}; 0: a signal stops at once)."),
     ]
 
 
