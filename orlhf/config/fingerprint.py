@@ -42,6 +42,7 @@ FREE_ON_RESUME: dict[str, str] = {
         ),
         "where outputs go",
     ),
+    "ignore_disk_space": "whether a run starts, never what it computes",
     "dataloader_num_workers": "no effect in orlhf (prompts are read into memory), accepted for OpenRLHF's scripts",
     **dict.fromkeys(
         (

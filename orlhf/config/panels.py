@@ -155,6 +155,7 @@ PANELS: tuple[Panel, ...] = (
             "save_hf_ckpt",
             "save_value_network",
             "disable_ds_ckpt",
+            "ignore_disk_space",
             "logging_steps",
             "wandb_project",
             "wandb_run_name",

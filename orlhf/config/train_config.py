@@ -177,6 +177,9 @@ class LoggingConfig:
     disable_ds_ckpt: bool = opt(
         False, "Checkpoints hold the HF actor folder only, no DeepSpeed state (smaller; a run cannot resume from them)."
     )
+    ignore_disk_space: bool = opt(
+        False, "Start even when the final model or one checkpoint cannot fit in its folder's free space (a warning)."
+    )
 
     @property
     def checkpoint_dir(self) -> str:

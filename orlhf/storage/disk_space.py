@@ -13,7 +13,9 @@ device", safetensors' "StorageFull"); or torch's checkpoint writer, whose "[enfo
 
 Before Ray starts, run_disk_needs(cfg) says what the run will write on each filesystem (its final models and logs
 in --save_path, the checkpoints it keeps in --ckpt_path) against what is free there, and check_disk_space says it in
-one line (launch/run.py calls it).
+one line (launch/run.py calls it). What the run cannot do without (must_writes: the final model(s) exported into
+--save_path; one checkpoint in --ckpt_path when it saves any), each alone larger than its filesystem's free space, is
+a DiskSpaceError instead, unless --ignore_disk_space: training into a certain failure costs the whole run.
 """
 
 from __future__ import annotations
@@ -45,6 +47,11 @@ class NoSpaceError(OSError):
 
     def __str__(self) -> str:
         return self.strerror
+
+
+class DiskSpaceError(ValueError):
+    """Before the first step: what the run must write cannot fit where it goes (check_disk_space); str() is one line
+    naming the folder, its free space, what needs how much, and --ignore_disk_space."""
 
 
 def no_space_error(error: BaseException, path: str | os.PathLike) -> Optional[NoSpaceError]:
@@ -137,17 +144,12 @@ def run_disk_needs(cfg: "TrainConfig") -> list[DiskNeed]:
     """What the run will write into --save_path (final models, logs) and --ckpt_path (the checkpoints it keeps at
     once, plus the one being written before the oldest is deleted), by filesystem. Sizes come from the model folders'
     safetensors headers (parameter counts); a model whose folder has none (a hub id) counts 0."""
-    from orlhf.config.roles import model_path, trained_roles
-
-    lg, w = cfg.logging, 2 if cfg.deepspeed.bf16 else 4
-    actor = model_numel(model_path(cfg, "actor"))
-    critic = model_numel(model_path(cfg, "critic")) if "critic" in trained_roles(cfg) else 0
-    adapter = lora_numel(model_path(cfg, "actor"), cfg.lora.lora_rank) if cfg.lora.enabled else 0
-    final = {"final model": w * (adapter or actor) + (w * actor if cfg.lora.lora_save_merged else 0)}
-    if lg.save_value_network:
-        final["critic"] = w * critic
+    lg = cfg.logging
     by_fs: dict[object, DiskNeed] = {}
-    for folder, parts in ((lg.save_path, {**final, "logs": LOG_BYTES}), (lg.checkpoint_dir, checkpoints(cfg))):
+    for folder, parts in (
+        (lg.save_path, {**final_models(cfg), "logs": LOG_BYTES}),
+        (lg.checkpoint_dir, checkpoints(cfg)),
+    ):
         parts = {k: v for k, v in parts.items() if v}
         key = _filesystem(folder)
         if key in by_fs:
@@ -157,27 +159,52 @@ def run_disk_needs(cfg: "TrainConfig") -> list[DiskNeed]:
     return list(by_fs.values())
 
 
-def checkpoints(cfg: "TrainConfig") -> dict[str, int]:
-    """{"<n> checkpoints": bytes} of the checkpoints the run holds at once beyond those already there (none when it
-    saves none): each trained role's DeepSpeed state (weights, and fp32 masters and Adam's moments of what trains),
-    the HF actor with --save_hf_ckpt, the best evaluation's in best/."""
+def final_models(cfg: "TrainConfig") -> dict[str, int]:
+    """{what: bytes} exported into --save_path at the end: the actor (with LoRA the adapter, plus the merged actor
+    with --lora_save_merged) at the training dtype, and the critic with --save_value_network."""
     from orlhf.config.roles import model_path, trained_roles
 
-    lg, w = cfg.logging, 2 if cfg.deepspeed.bf16 else 4
+    w = _dtype_bytes(cfg)
+    actor = model_numel(model_path(cfg, "actor"))
+    adapter = lora_numel(model_path(cfg, "actor"), cfg.lora.lora_rank) if cfg.lora.enabled else 0
+    final = {"final model": w * (adapter or actor) + (w * actor if cfg.lora.lora_save_merged else 0)}
+    if cfg.logging.save_value_network and "critic" in trained_roles(cfg):
+        final["critic"] = w * model_numel(model_path(cfg, "critic"))
+    return final
+
+
+def one_checkpoint(cfg: "TrainConfig") -> int:
+    """Bytes of one checkpoint, 0 when the run saves none: each trained role's DeepSpeed state (weights, and fp32
+    masters and Adam's moments of what trains), the HF actor with --save_hf_ckpt (alone with --disable_ds_ckpt)."""
+    from orlhf.config.roles import model_path, trained_roles
+
+    lg, w = cfg.logging, _dtype_bytes(cfg)
     if lg.save_steps <= 0 and cfg.runtime.stop_after_steps is None:
-        return {}
+        return 0
     one = 0
     for role in trained_roles(cfg):
         n = model_numel(model_path(cfg, role))
         trained = lora_numel(model_path(cfg, role), cfg.lora.lora_rank) if cfg.lora.enabled else n
         one += 0 if lg.disable_ds_ckpt else w * n + ADAM_BYTES * trained
-    one += w * model_numel(model_path(cfg, "actor")) if lg.save_hf_ckpt or lg.disable_ds_ckpt else 0
+    return one + (w * model_numel(model_path(cfg, "actor")) if lg.save_hf_ckpt or lg.disable_ds_ckpt else 0)
+
+
+def checkpoints(cfg: "TrainConfig") -> dict[str, int]:
+    """{"<n> checkpoints": bytes} of the checkpoints the run holds at once beyond those already there (none when it
+    saves none): one_checkpoint each, the best evaluation's in best/ too."""
+    lg, one = cfg.logging, one_checkpoint(cfg)
+    if not one:
+        return {}
     held = lg.max_ckpt_num + 1 if lg.save_steps > 0 else 1  # else only --stop_after_steps's
-    if lg.max_ckpt_mem is not None and one:
+    if lg.max_ckpt_mem is not None:
         held = min(held, int(lg.max_ckpt_mem * 1024**3 // one) + 2)  # the budget, the newest, the one being written
     there = len(list(Path(lg.checkpoint_dir).glob("step_*"))) if Path(lg.checkpoint_dir).is_dir() else 0
     held = max(1, held - there) + (1 if cfg.eval.eval_dataset and cfg.eval.best_metric else 0)
     return {f"{held} checkpoint{'s' * (held > 1)}": held * one}
+
+
+def _dtype_bytes(cfg: "TrainConfig") -> int:
+    return 2 if cfg.deepspeed.bf16 else 4
 
 
 def model_numel(folder: Optional[str]) -> int:
@@ -223,12 +250,57 @@ def _filesystem(folder: str | os.PathLike) -> object:
         return str(p)
 
 
+@dataclass(frozen=True)
+class MustWrite:
+    """What the run cannot do without: `what`, `need` bytes into `folder` (set by `flag`), `free` there; `then` says
+    what happens where it does not fit."""
+
+    what: str
+    need: int
+    folder: Path
+    flag: str
+    free: Optional[int]
+    then: str
+
+    @property
+    def fits(self) -> bool:
+        return self.free is None or self.need <= self.free
+
+    def line(self) -> str:
+        return (
+            f"{self.folder} ({self.flag}) has {human_bytes(self.free or 0)} free and {self.what} needs "
+            f"{human_bytes(self.need)}, so {self.then}"
+        )
+
+
+def must_writes(cfg: "TrainConfig") -> list[MustWrite]:
+    """Each alone, as the least the run writes: the final model(s) into --save_path; one checkpoint into --ckpt_path
+    when the run saves any (several kept at once, and the logs, are what may not fit: run_disk_needs)."""
+    lg, final = cfg.logging, {k: v for k, v in final_models(cfg).items() if v}
+    what = "the final model" + (" and critic" if "critic" in final else "")
+    folder, then = Path(lg.save_path).absolute(), "its export would fail at the end, after all the training"
+    out = [MustWrite(what, sum(final.values()), folder, "--save_path", free_bytes(folder), then)]
+    one = one_checkpoint(cfg)
+    if one:
+        folder, then = Path(lg.checkpoint_dir).absolute(), "every checkpoint the run saves would fail"
+        out.append(MustWrite("one checkpoint", one, folder, "--ckpt_path", free_bytes(folder), then))
+    return out
+
+
 def check_disk_space(cfg: "TrainConfig") -> None:
-    """What the run will write on each filesystem against its free space (run_disk_needs), said in one line before
-    Ray starts: a warning when a filesystem lacks it (the final model not fitting means the export at the end fails;
-    a full disk at a save costs that checkpoint, and the run goes on)."""
+    """Before Ray starts: a DiskSpaceError where what the run must write cannot fit (must_writes), unless
+    --ignore_disk_space; else what it will write on each filesystem against its free space (run_disk_needs) in one
+    line, a warning when a filesystem lacks room for all of it (the final model not fitting means the export at the
+    end fails; a full disk at a save costs that checkpoint, and the run goes on)."""
     import logging
 
+    refused = [m for m in must_writes(cfg) if not m.fits]
+    if refused and not cfg.logging.ignore_disk_space:
+        flags = " / ".join(dict.fromkeys(m.flag for m in refused))
+        raise DiskSpaceError(
+            "not enough disk space: " + "; ".join(m.line() for m in refused) + f". Free space there, give {flags} "
+            "on a larger disk, or pass --ignore_disk_space to start anyway."
+        )
     needs = run_disk_needs(cfg)
     line = "disk: " + "; ".join(n.line() for n in needs)
     short = [n for n in needs if n.short]
