@@ -91,6 +91,11 @@ class DeepSpeedConfig:
         choices=(0, 1, 2, 3),
     )
     bf16: bool = opt(False, "Train and score in bfloat16 (fp32 master weights kept by DeepSpeed).")
+    allow_slow_bf16: bool = opt(
+        False,
+        "With --bf16 on --device cpu: train in bf16 even on a CPU without bf16 instructions (avx512_bf16, amx_bf16), "
+        "where torch emulates it many times slower than fp32 and the run is refused otherwise.",
+    )
     gradient_checkpointing: bool = opt(False, "Recompute activations in the backward pass to save memory.")
     adam_offload: bool = opt(False, "Keep Adam states on the host (ZeRO-Offload).")
     ref_reward_offload: bool = opt(False, "Keep reference/reward parameters on the host between uses.")

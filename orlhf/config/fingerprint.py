@@ -43,6 +43,7 @@ FREE_ON_RESUME: dict[str, str] = {
         "where outputs go",
     ),
     "ignore_disk_space": "whether a run starts, never what it computes",
+    "allow_slow_bf16": "whether a run starts, never what it computes (--bf16 itself is in the fingerprint)",
     "dataloader_num_workers": "no effect in orlhf (prompts are read into memory), accepted for OpenRLHF's scripts",
     **dict.fromkeys(
         (

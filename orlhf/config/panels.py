@@ -286,7 +286,14 @@ PANELS: tuple[Panel, ...] = (
     ),
     Panel(
         "CPU runs",
-        more=("ref_own_process", "critic_own_process", "vllm_cpu_kv_cache_gb", "vllm_cpu_threads", "train_cpu_threads"),
+        more=(
+            "ref_own_process",
+            "critic_own_process",
+            "vllm_cpu_kv_cache_gb",
+            "vllm_cpu_threads",
+            "train_cpu_threads",
+            "allow_slow_bf16",
+        ),
     ),
 )
 

@@ -20,6 +20,8 @@ def deepspeed_knobs(cfg: TrainConfig, explicit: frozenset[str], out: list[str]) 
             "--gradient_checkpointing_use_reentrant does nothing without --gradient_checkpointing: add "
             "--gradient_checkpointing or drop --gradient_checkpointing_use_reentrant."
         )
+    if ds.allow_slow_bf16 and not ds.bf16:
+        out.append("--allow_slow_bf16 does nothing without --bf16: add --bf16 or drop --allow_slow_bf16.")
     if ds.use_liger_kernel and cfg.runtime.device == "cpu":
         out.append("--use_liger_kernel needs CUDA GPUs (Liger's kernels are Triton's); drop it on --device cpu.")
     _zero_knobs(cfg, out)

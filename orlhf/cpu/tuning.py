@@ -1,5 +1,6 @@
 """CpuTuning: the hooks of distributed/tuning.py for CPU runs (launch/ picks it when the device is cpu).
 
+    preflight      --bf16 refused on a CPU without bf16 instructions, unless --allow_slow_bf16 (cpu/bf16.py)
     ray_options    a local cluster's Python workers preload torch and transformers (cpu/preload.py)
     cluster_env    one malloc arena per process, so that rank processes reuse freed memory (cpu/memory.py)
     model_groups   rank processes on one compute thread each, the reference (and a one-rank critic) inside the
@@ -34,6 +35,11 @@ class CpuTuning(Tuning):
     @classmethod
     def for_config(cls, cfg) -> "CpuTuning":
         return cls(engine_threads=engine_threads(cfg))
+
+    def preflight(self, cfg) -> None:
+        from orlhf.cpu.bf16 import check_bf16
+
+        check_bf16(cfg)
 
     def ray_options(self, cfg, num_cpus: int, processes: int) -> dict:
         return worker_preload(cfg, num_cpus, processes)

@@ -1,16 +1,17 @@
 """Platform tuning: the one seam through which what only one platform needs reaches the core.
 
     where    hook (runs)                                 what it gives
+    driver   preflight(cfg)                              the platform's refusals before Ray starts (ConfigError)
     driver   ray_options(cfg, num_cpus, processes)       extra ray.init arguments for a cluster this run starts
     driver   cluster_env(cfg)                            environment of that cluster's processes (set as it starts)
     driver   model_groups(cfg, spawn, worker_of, stack)  the run's model groups by role, at bring-up
     driver   phases(cfg, models)                         the controller's hook: .before(phase) as each phase starts
     engine   engine_start(cfg, build)                    the engine's vLLM LLM, from build(extra LLM() arguments)
 
-This base is the plain path, the one GPU runs take: one ActorGroup of plain rank actors per role (Ray's pool
-threads run their calls), nothing done between phases, vLLM started as it comes. orlhf/cpu/tuning.py fills the
-hooks in for CPU runs; launch/ picks it (launch/bringup.py, tuning_for) only when the device is cpu, so a GPU run
-never imports orlhf.cpu. A Tuning travels to the engine actors as a constructor argument (Ray pickles it by
+This base is the plain path, the one GPU runs take: nothing refused, one ActorGroup of plain rank actors per role
+(Ray's pool threads run their calls), nothing done between phases, vLLM started as it comes. orlhf/cpu/tuning.py
+fills the hooks in for CPU runs; launch/ picks it (launch/bringup.py, tuning_for) only when the device is cpu, so a
+GPU run never imports orlhf.cpu. A Tuning travels to the engine actors as a constructor argument (Ray pickles it by
 class), so it holds plain values only. Nothing heavy is imported here: the controller reads it too.
 """
 
@@ -29,6 +30,9 @@ class Phases:
 
 class Tuning:
     """The hooks, each doing what the plain path does (module docstring)."""
+
+    def preflight(self, cfg) -> None:
+        """Before Ray starts (launch/preflight.py): raise a ConfigError for flags this platform cannot run well."""
 
     def ray_options(self, cfg, num_cpus: int, processes: int) -> dict:
         """Extra ray.init arguments for a local cluster this run starts with `num_cpus` logical CPUs for

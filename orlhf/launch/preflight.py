@@ -8,6 +8,7 @@ from pathlib import Path
 
 from orlhf.config.roles import model_path
 from orlhf.config.train_config import TrainConfig
+from orlhf.launch.bringup import tuning_for
 
 log = logging.getLogger("orlhf")
 
@@ -21,6 +22,7 @@ def preflight(cfg: TrainConfig, run_logs=None) -> None:
     check_value_heads(cfg)  # config.json and tensor headers only: milliseconds (head_files.check_head)
     check_moe_for_aux_loss(cfg, run_logs)
     check_replayed_family(cfg)  # config.json only
+    tuning_for(cfg).preflight(cfg)  # the platform's own (CPU: --bf16 without bf16 instructions, cpu/bf16.py)
     if cfg.deepspeed.packing_samples and not cfg.deepspeed.flash_attn:
         log.warning(
             "--packing_samples without --flash_attn: attention runs over each packed row with a "

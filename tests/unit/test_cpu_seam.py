@@ -1,8 +1,8 @@
 """The CPU package is reached only through the tuning seam (distributed/tuning.py): a CUDA run's driver, bring-up,
 controller, engines and workers never import orlhf.cpu. A fresh interpreter imports every module such a run uses,
-builds the run's Tuning from a --device cuda config and calls each hook as the run does (model groups with a
-stand-in spawn, the engine start with a stand-in build), then lists the orlhf.cpu modules it holds: none.
-(tests/gpu/test_gpu_paths.py checks the same in real rank and engine processes on a GPU.)"""
+builds the run's Tuning from a --device cuda config and calls each hook as the run does (the preflight with --bf16,
+model groups with a stand-in spawn, the engine start with a stand-in build), then lists the orlhf.cpu modules it
+holds: none. (tests/gpu/test_gpu_paths.py checks the same in real rank and engine processes on a GPU.)"""
 
 import json
 import subprocess
@@ -26,6 +26,7 @@ from orlhf.rollout.engine_config import engine_config
 
 cfg = build_config({"device": "cuda"}, {"device"})
 tuning = pickle.loads(pickle.dumps(tuning_for(cfg)))  # as an engine actor receives it
+tuning_for(cfg).preflight(build_config({"device": "cuda", "bf16": True}, {"device", "bf16"}))  # refuses nothing
 spawned = {}
 with ExitStack() as stack:
     groups = tuning.model_groups(
