@@ -18,5 +18,5 @@ setup(
     python_requires=">=3.10",
     install_requires=pins["CORE"],
     extras_require=pins["EXTRAS"],
-    entry_points={"console_scripts": ["orlhf=orlhf.cli:main"]},
+    entry_points={"console_scripts": ["orlhf=orlhf.entry:main"]},
 )

@@ -279,9 +279,16 @@ def main(argv: Optional[list[str]] = None) -> None:
     except CompatError as e:  # a refused or conflicting OpenRLHF flag
         _print_problems(e)
         sys.exit(2)
-    if {"--help", "-h", "--help-all", "--help_all"} & set(args) or len(args) <= 1:
+    helping = {"--help", "-h", "--help-all", "--help_all"} & set(args) or len(args) <= 1
+    if helping:
         keep_flag_names_whole()
-    app(args=args, prog_name="orlhf", obj=spellings)  # parse_or_exit reads the spellings from ctx.obj
+    if args[:1] != ["train-ppo"] or helping:
+        app(args=args, prog_name="orlhf", obj=spellings)  # parse_or_exit reads the spellings from ctx.obj
+        return
+    from orlhf.launch.stop_signals import RunStop
+
+    with RunStop.for_run():  # a run's SIGTERM / Ctrl-C from here on (the entry point's, if it installed one)
+        app(args=args, prog_name="orlhf", obj=spellings)
 
 
 # `orlhf plan`: the train-ppo flags plus a described cluster; parse_or_exit reads only the config flags, so these

@@ -25,6 +25,13 @@ def connect_ray(cfg: TrainConfig, num_cpus: int, processes: int = 0, tuning: Opt
 
     if ray.is_initialized():
         return False
+    with signal_handlers_kept(), own_session():
+        return _connect(cfg, num_cpus, processes, tuning)
+
+
+def _connect(cfg: TrainConfig, num_cpus: int, processes: int, tuning: Optional[Tuning]) -> bool:
+    import ray
+
     no_failure_handler()
     address = cfg.runtime.address or os.environ.get("RAY_ADDRESS")
     # Workers' output goes to <save_path>/logs unless --verbose (storage/logs.py); Ray's own driver-side records then go
@@ -59,6 +66,44 @@ def environment(env: dict[str, str]):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@contextmanager
+def signal_handlers_kept():
+    """ray.init (and its connect) without installing Ray's SIGTERM handler in this process: Ray 2.60 sets one that
+    calls sys.exit(15) (utils.set_sigterm_handler, from worker.init and node.Node), which would end a run cut short
+    while Ray starts with rc 15 and no line. The run's own handlers stay (launch/stop_signals.py)."""
+    from ray._private import utils
+
+    original = utils.set_sigterm_handler
+    utils.set_sigterm_handler = lambda handler: None
+    try:
+        yield
+    finally:
+        utils.set_sigterm_handler = original
+
+
+@contextmanager
+def own_session():
+    """The local cluster's processes (the GCS, the raylet, and through the raylet every worker and engine) start in
+    a session and process group of their own: a signal to the driver's process group (a terminal's Ctrl-C,
+    `timeout`, SLURM's scancel) then reaches the driver only, which decides how the run stops while its cluster is
+    still up, instead of waiting on a GCS the same signal killed. Their lifetime stays the driver's: Ray starts them
+    with the kernel's parent-death signal, and the driver ends them (end_ray, or end_descendants on a stop)."""
+    from ray._private import services
+
+    original = services.ConsolePopen
+
+    class SessionPopen(original):
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("start_new_session", True)
+            super().__init__(*args, **kwargs)
+
+    services.ConsolePopen = SessionPopen
+    try:
+        yield
+    finally:
+        services.ConsolePopen = original
 
 
 def no_failure_handler() -> None:

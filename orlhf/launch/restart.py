@@ -59,7 +59,9 @@ class Attempt:
         step = self.step()
         if step is not None:
             return f"during the checkpoint of step {step}" if self.controller.saving else f"during step {step}"
-        return "during the export" if self.phase in ("export", "done") else "during the start-up"
+        if self.phase == "done":
+            return "at the end of the run"
+        return "during the export" if self.phase == "export" else "during the start-up"
 
     def history(self) -> list:
         return self.carried + (self.controller.history if self.controller is not None else [])

@@ -34,6 +34,7 @@ from orlhf.launch.preflight import preflight
 from orlhf.launch.run_inputs import finish_inputs, new_loader, read_files
 from orlhf.launch.stop_signals import RESTART, RunStop
 from orlhf.storage.disk_space import check_disk_space
+from orlhf.storage.logs import TRACE
 from orlhf.storage.run_folder import RunFolder
 
 log = logging.getLogger("orlhf")
@@ -48,7 +49,10 @@ def train_ppo(cfg: TrainConfig) -> int:
     logging.basicConfig(level=logging.INFO, format="[orlhf] %(message)s")
     clock.mark("imports")
     run_id = uuid.uuid4().hex[:12]  # a resumed run takes its checkpoint's (run_locked)
-    with hold_folders(cfg.logging.save_path, cfg.logging.checkpoint_dir, run_id), RunStop.installed() as stop:
+    with (
+        hold_folders(cfg.logging.save_path, cfg.logging.checkpoint_dir, run_id),
+        RunStop.for_run(cfg.runtime.stop_grace_s) as stop,
+    ):
         try:
             code = run_locked(cfg, run_id, clock, stop)
         except BaseException:
@@ -92,7 +96,7 @@ def run_locked(cfg: TrainConfig, run_id: str, clock, stop: RunStop) -> int:
         tuning = tuning_for(cfg)  # the platform's hooks (distributed/tuning.py), for Ray, engines and groups
         stack.callback(end_ray, ray.is_initialized())  # before: a start cut short by a signal is ended too
         connect_ray(cfg, local_num_cpus(layout), cpu_slots_needed(layout), tuning)
-        stop.take_back()  # ray.init replaced the SIGTERM handler
+        stop.take_back()  # (ray.init was kept from replacing them: connect_ray)
         clock.mark("ray")
         run = finishing.result()  # the reward file imported: what its source did not show fails here
         clock.mark("torch")
@@ -162,6 +166,7 @@ def run_attempt(cfg: TrainConfig, layout, tuning, run, attempt, held: ExitStack,
         metrics.close(plot=False)
     if controller.stop_signal is None:
         attempt.phase = "export"  # a signal lets the export finish
+        logging.getLogger(TRACE).info("export")
         finish_run(cfg, models, metrics, attempt.history(), run.run_id, controller)
     attempt.phase = "done"
     return 0

@@ -13,6 +13,8 @@ import logging
 import os
 import time
 
+from orlhf.storage.logs import TRACE
+
 log = logging.getLogger("orlhf")
 
 
@@ -34,6 +36,7 @@ class StartupClock:
     def mark(self, phase: str) -> None:
         """`phase` ended now."""
         self.marks.append((phase, time.time()))
+        logging.getLogger(TRACE).info("start-up: %s done", phase)
 
     def phases(self) -> dict[str, float]:
         out, last = {}, self.start

@@ -58,17 +58,43 @@ class BarSafeHandler(logging.Handler):
     """Writes above a live tqdm bar (tqdm.write) so the bar is redrawn whole below the line. Without a fixed
     stream it writes to whatever sys.stderr is at the time (so a test's captured stderr never goes stale)."""
 
+    only_thread: Optional[int] = None  # set once a stop signal ends the run: that thread's records only (-1: none)
+
     def __init__(self, stream=None):
         super().__init__()
         self.fixed = stream
 
     def emit(self, record: logging.LogRecord) -> None:
+        if self.only_thread is not None and record.thread != self.only_thread:
+            return  # (driver.log still has it)
         try:
             from tqdm import tqdm
 
             tqdm.write(self.format(record), file=self.fixed or sys.stderr)
         except Exception:  # noqa: BLE001 - logging must never raise
             self.handleError(record)
+
+
+TRACE = "orlhf.trace"  # each phase of the run as it begins ("step 3: train"): driver.log only, where a stuck run is
+
+
+def mute_terminal() -> None:
+    """From now on no record and no progress bar reaches the terminal (driver.log still has every record): a
+    signal's stop ends the run from its own thread (launch/stop_signals.py), which writes the last line itself,
+    while the main thread's calls fail one by one."""
+    BarSafeHandler.only_thread = -1
+    try:
+        from tqdm import tqdm
+
+        for bar in list(getattr(tqdm, "_instances", ())):
+            bar.close()  # the bar as it was, left above the line that follows
+    except Exception:  # noqa: BLE001 - a bar is not worth a stop
+        pass
+
+
+def terminal_muted() -> bool:
+    """Whether mute_terminal was called (a progress bar made now stays hidden)."""
+    return BarSafeHandler.only_thread is not None
 
 
 class RunFileHandler(logging.FileHandler):
@@ -105,6 +131,7 @@ class RunLogs:
 def setup_driver(save_path: str, verbose: bool = False, stream=None) -> RunLogs:
     """Route this process's logging (see the module docstring). Call once, before Ray starts."""
     once = OncePerMessage()
+    BarSafeHandler.only_thread = None  # (an earlier run in this process that a signal ended)
     terminal = BarSafeHandler(stream)
     terminal.setFormatter(logging.Formatter(TERMINAL_FORMAT))
     terminal.addFilter(once)
@@ -130,6 +157,11 @@ def setup_driver(save_path: str, verbose: bool = False, stream=None) -> RunLogs:
     to_file = RunFileHandler(log_dir / "driver.log")
     to_file.setFormatter(logging.Formatter(FILE_FORMAT))
     root.addHandler(to_file)
+    trace = logging.getLogger(TRACE)
+    for h in list(trace.handlers):
+        trace.removeHandler(h)
+    trace.propagate, trace.level = False, logging.INFO
+    trace.addHandler(to_file)
     ours.addHandler(terminal)  # orlhf's records also propagate to driver.log
     os.environ[LOG_DIR_ENV] = str(log_dir.resolve())
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # Hugging Face's own bars (e.g. shard writing)

@@ -42,6 +42,7 @@ from orlhf.config.train_config import TrainConfig
 from orlhf.inputs.vision import vision_prompts
 from orlhf.rollout.executor import agent_metrics, make_executor
 from orlhf.rollout.partial import segmenter, version_stats
+from orlhf.storage.logs import TRACE, terminal_muted
 from orlhf.storage.metrics import MetricsLogger
 from orlhf.trainer.async_producer import SyncGate
 from orlhf.trainer.dynamic_filtering import DynamicFilter
@@ -269,7 +270,8 @@ class Controller(CheckpointSteps):
         if self.evaluator is not None and self.evaluator.before_train and self.step_index == 0:
             # where the eval curve starts: the weights before any update (a baseline, not a best checkpoint)
             self.metrics.log(0, self.evaluate(keep_best=False))
-        bar = tqdm(total=total, initial=self.step_index, desc="ppo", unit="step", dynamic_ncols=True)
+        hidden = terminal_muted()  # a signal is ending the run (launch/stop_signals.py)
+        bar = tqdm(total=total, initial=self.step_index, desc="ppo", unit="step", dynamic_ncols=True, disable=hidden)
         self._last_step_end = time.perf_counter()
 
         def report(row: dict) -> None:
@@ -389,6 +391,7 @@ class Controller(CheckpointSteps):
     @contextmanager
     def timed(self, phase: str):
         self.phases.before(phase)  # the platform's tuning (on CPU: the cores go to the processes working in it)
+        logging.getLogger(TRACE).info("step %d: %s", self.step_index + 1, phase)
         t0 = time.perf_counter()
         yield
         self.timings[phase] = self.timings.get(phase, 0.0) + time.perf_counter() - t0

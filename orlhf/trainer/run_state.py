@@ -26,6 +26,7 @@ from orlhf.config.fingerprint import config_fingerprint
 from orlhf.config.provenance import dump_resolved
 from orlhf.storage.checkpoint import load_controller_state, read_meta, rng_state, save_controller_state, set_rng_state
 from orlhf.storage.disk_space import NoSpaceError, cleanup_after_failed_write
+from orlhf.storage.logs import TRACE
 from orlhf.storage.run_folder import checkpoint_config, checkpoint_hf_actor
 from orlhf.types import Rollout
 from orlhf.workers import PolicyWorker
@@ -241,6 +242,7 @@ class CheckpointSteps:
         tries again (said in one line)."""
         t0, mgr = time.perf_counter(), mgr or self.checkpoints
         self.saving = True
+        logging.getLogger(TRACE).info("step %d: checkpoint", self.step_index)
         try:
             path = save_run(self, mgr)
         except NoSpaceError as e:

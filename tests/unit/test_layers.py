@@ -24,14 +24,14 @@ LAYERS = [
     ("trainer",),  # the controller and its phases
     ("cpu",),  # CPU-only tuning, plugged in by launch/ through distributed/tuning.py
     ("launch",),  # one run top to bottom, plan
-    ("cli",),
+    ("cli", "entry"),  # the command; entry: its first lines (a run's signal handling before any import)
 ]
 LEVEL = {name: i for i, names in enumerate(LAYERS) for name in names}
 
 # Templates a user copies (`orlhf make-demo`): they import orlhf's public API as a user's file does, and orlhf
 # loads them by path, never by import.
 USER_TEMPLATES = {"demo/agent.py", "demo/reward.py"}
-ROOT_MODULES = {"__init__.py", "cli.py", "types.py", "versions.py"}
+ROOT_MODULES = {"__init__.py", "cli.py", "entry.py", "types.py", "versions.py"}
 
 
 def top(module: str) -> str:

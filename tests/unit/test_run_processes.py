@@ -1,0 +1,74 @@
+"""What keeps a stop from waiting on Ray (distributed/ray_start.py, distributed/processes.py): ray.init installs no
+SIGTERM handler of its own in the driver, the local cluster's processes start in a session of their own (a signal to
+the driver's process group does not reach them), and a stop ends every process the driver started, one that
+ignores SIGTERM and one orphaned on the way included."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+
+from orlhf.distributed.ray_start import own_session, signal_handlers_kept
+
+
+def test_ray_init_keeps_the_runs_sigterm_handler():
+    from ray._private import utils
+
+    def ours(signum, frame):
+        pass
+
+    before = signal.signal(signal.SIGTERM, ours)
+    try:
+        with signal_handlers_kept():
+            utils.set_sigterm_handler(lambda signum, frame: sys.exit(signum))  # what ray.init calls
+            assert signal.getsignal(signal.SIGTERM) is ours
+        utils.set_sigterm_handler(before)  # outside, Ray's own function again
+        assert signal.getsignal(signal.SIGTERM) is before
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def test_the_local_clusters_processes_start_in_a_session_of_their_own():
+    from ray._private import services
+
+    with own_session():
+        inside = services.ConsolePopen(["sleep", "30"])
+    outside = services.ConsolePopen(["sleep", "30"])
+    try:
+        assert os.getsid(inside.pid) == inside.pid != os.getsid(0)
+        assert os.getpgid(outside.pid) == os.getpgid(0)  # Ray's own class again
+    finally:
+        for p in (inside, outside):
+            p.kill()
+            p.wait()
+
+
+DRIVER = """
+import subprocess, sys, time
+from orlhf.distributed.processes import end_descendants
+stubborn = subprocess.Popen(["bash", "-c", "trap '' TERM; sleep 60 & wait"])      # ignores SIGTERM
+parent = subprocess.Popen(["bash", "-c", "sleep 60 & sleep 60 & wait"], start_new_session=True)
+time.sleep(0.5)
+print(" ".join(str(p.pid) for p in __import__("psutil").Process().children(recursive=True)), flush=True)
+end_descendants(2.0)
+print("ended", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_stop_ends_every_process_the_driver_started():
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in driver.stdout.readline().split()]
+        assert len(pids) >= 5  # two bash processes and their three sleeps
+        t0 = time.monotonic()
+        assert driver.stdout.readline().strip() == "ended"
+        assert time.monotonic() - t0 < 5
+        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        assert alive == []
+    finally:
+        driver.kill()
+        driver.wait()
