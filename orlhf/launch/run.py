@@ -2,11 +2,12 @@
 the demo's paths resolved).
 
     lock the run and checkpoint folders (runlock: a second run on them exits here) -> file pre-flight (weight files,
-    value heads, agent file), the disk's free space (one line) -> the tokenizer, prompts, reward file's source, eval
-    data, checkpoint to resume (launch/run_inputs.py), their errors raised before Ray starts -> Ray connects
-    (meanwhile, in a thread: the reward file imported, torch with it) -> pre-flight + placement groups -> the
-    rollout backend's early start (vLLM engines, async) and model groups (colocated on GPUs: engines ready ->
-    engines asleep -> model groups; launch/bringup.py) -> init all -> the backend connected (weight-sync group)
+    value heads, agent file), the disk's free space (one line; refused where the final model or one checkpoint
+    cannot fit) -> the tokenizer, prompts, reward file's source, eval data, checkpoint to resume
+    (launch/run_inputs.py), their errors raised before Ray starts -> Ray connects (meanwhile, in a thread: the
+    reward file imported, torch with it) -> pre-flight + placement groups -> the rollout backend's early start (vLLM
+    engines, async) and model groups (colocated on GPUs: engines ready -> engines asleep -> model groups;
+    launch/bringup.py) -> init all -> the backend connected (weight-sync group)
     -> Controller.fit()
     -> export the final actor, and critic (atomic; failed: a checkpoint keeps the weights, launch/export.py)
     -> draw the reward curve (best effort) -> tear everything down (also on errors and Ctrl-C), the local Ray

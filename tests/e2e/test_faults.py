@@ -126,23 +126,6 @@ def test_killed_process_stops_the_run_naming_it(tmp_path, pid_line, error, flags
 STOP_LINE = r"\[orlhf\] stopped by SIGTERM during (the start-up|the restart after a lost process|step \d+): "
 
 
-def test_sigterm_during_the_start_up_stops_at_once_with_its_line(tmp_path):
-    """Before: Ray's C++ stack dump ("*** SIGTERM received ... PC: @ ..."), no orlhf line, rc 1. Now the run stops at
-    once (nothing trained yet), tears everything down, and its last line says where and how to start again."""
-    proc, log = start_run(tmp_path, ("--num_episodes", "50", "--vllm_num_engines", "0"))
-    wait_for(log, r"actor: 1 rank\(s\), pids", proc)  # the groups exist; DeepSpeed's init and the first step follow
-    tree = descendants(proc)
-    t0 = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
-    text = assert_stops_clean(proc, tree, t0, log)
-    assert proc.returncode == 143, text[-2000:]
-    last = text.strip().splitlines()[-1]
-    assert re.match(STOP_LINE, last), text[-2000:]  # (a step had begun if the start-up beat the signal)
-    if "start-up" in last:
-        assert last.endswith("no checkpoint kept: run the same command to start again from the beginning"), last
-    assert "Traceback" not in text
-
-
 def test_sigterm_during_a_restart_stops_at_once_naming_the_checkpoint_kept(tmp_path):
     """Before: the driver exited within a second, rc 15, without a line (ray.init's own SIGTERM handler was back once
     the loop's had been taken away). A rank lost after step 2's checkpoint starts a restart; SIGTERM then stops the
@@ -169,10 +152,10 @@ def test_sigterm_during_a_restart_stops_at_once_naming_the_checkpoint_kept(tmp_p
 
 def test_a_signal_saves_the_step_and_stops_cleanly(tmp_path):
     """A scheduler's SIGTERM (before: Ray's C++ stack dump, no checkpoint, no orlhf line), handled as Ctrl-C is
-    (launch/stop_signals.py; tests/unit/test_stop_signals.py for SIGINT): the step in progress ends, is saved, and
-    one line says what was kept and how to resume. An async run with a vLLM engine: the checkpoint also keeps the batch
-    generated ahead (tests/e2e/test_resume.py resumes one), and the engine's process is gone when the driver exits
-    (before, one was still alive seconds after)."""
+    (launch/stop_signals.py; tests/unit/test_stop_signals.py for SIGINT; tests/e2e/test_stop_sweep.py at each
+    phase): the step in progress ends, is saved, and one line says what was kept and how to resume. An async run
+    with a vLLM engine: the checkpoint also keeps the batch generated ahead (tests/e2e/test_resume.py resumes one),
+    and the engine's process is gone when the driver exits (before, one was still alive seconds after)."""
     sig = signal.SIGTERM
     proc, log = start_run(tmp_path, ("--num_episodes", "50", "--async_train"))
     wait_for(log, r"vllm engines: 1, pids \[\d+\]", proc)
