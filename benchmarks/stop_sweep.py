@@ -54,8 +54,27 @@ ANCHORS: dict[str, tuple[str, Optional[str], tuple]] = {
     "sync": ("trace", r"orlhf.trace: step 2: sync$", ()),
     "checkpoint": ("trace", r"orlhf.trace: step 2: checkpoint$", ("--save_steps", "1")),
     "export": ("trace", r"orlhf.trace: export$", ("--num_episodes", "1")),
+    # a step that outlasts the grace: step 2's reward function sleeps for minutes (user code in the driver's main
+    # thread, which no signal interrupts); the run stops with its newest checkpoint once --stop_grace_s is over
+    "long-step": (
+        "trace",
+        r"orlhf.trace: step 2: score$",
+        ("--stop_grace_s", "5", "--save_steps", "1", "--remote_rm_url", "{slow_reward}"),
+    ),  # fmt: skip
 }
-ENGINELESS = ("--vllm_num_engines", "0")  # generation in the actor's ranks: a start-up without vLLM's
+SLOW_REWARD = """import time
+
+import torch
+
+calls = []
+
+
+def reward_func(queries, prompts, labels):
+    calls.append(1)
+    if len(calls) == 2:
+        time.sleep(600)
+    return torch.tensor([float("red" in q[len(p):]) for q, p in zip(queries, prompts)])
+"""
 NEEDS_ENGINES = ("engines",)
 
 
@@ -86,11 +105,17 @@ class Outcome:
         return not self.problems
 
 
-def flags_for(case: Case) -> list[str]:
-    where, _, extra = ANCHORS[case.anchor]
-    engines = () if case.anchor in NEEDS_ENGINES else ENGINELESS
-    base = ["--stop_grace_s", str(GRACE_S)] + ([] if "--num_episodes" in extra else ["--num_episodes", "50"])
-    return [*base, *engines, *extra]
+def flags_for(case: Case, workdir: Path) -> list[str]:
+    """The run's flags: the demo for 50 episodes, without vLLM unless the anchor is its start, and the anchor's own
+    (which win)."""
+    _, _, extra = ANCHORS[case.anchor]
+    flags = {"--num_episodes": "50", "--stop_grace_s": str(GRACE_S)}
+    if case.anchor not in NEEDS_ENGINES:
+        flags["--vllm_num_engines"] = "0"  # generation in the actor's ranks: a start-up without vLLM's
+    slow = workdir / "slow_reward.py"
+    slow.write_text(SLOW_REWARD)
+    flags.update(dict(zip(extra[::2], (v.format(slow_reward=slow) for v in extra[1::2]))))
+    return [x for kv in flags.items() for x in kv]
 
 
 def _sigint_as_from_a_terminal() -> None:
@@ -104,7 +129,7 @@ def run_case(case: Case, workdir: Path, timeout: float = 300.0) -> Outcome:
     log = workdir / f"{case.name}.log"
     env = {**os.environ, "COLUMNS": "120"}
     proc = subprocess.Popen(
-        [ORLHF, "train-ppo", "--device", "cpu", "--save_path", str(save), *flags_for(case)],
+        [ORLHF, "train-ppo", "--device", "cpu", "--save_path", str(save), *flags_for(case, workdir)],
         stdout=open(log, "w"),
         stderr=subprocess.STDOUT,
         start_new_session=True,  # its own process group: "group" signals it as a scheduler would

@@ -27,6 +27,7 @@ CASES = [
     Case("sync", "SIGINT", "driver", 1),
     Case("checkpoint", "SIGTERM", "group", 2),
     Case("export", "SIGINT", "driver", 1),
+    Case("long-step", "SIGTERM", "group", 1),  # the step outlasts --stop_grace_s: the newest checkpoint is kept
 ]
 
 
