@@ -54,6 +54,8 @@ ANCHORS: dict[str, tuple[str, Optional[str], tuple]] = {
     "sync": ("trace", r"orlhf.trace: step 2: sync$", ()),
     "checkpoint": ("trace", r"orlhf.trace: step 2: checkpoint$", ("--save_steps", "1")),
     "export": ("trace", r"orlhf.trace: export$", ("--num_episodes", "1")),
+    # a lost rank's restart: the actor's rank is killed once step 2's checkpoint is written (_lose_a_rank)
+    "restart": ("term", r"restarting the run's groups", ("--save_steps", "2", "--max_restarts", "1")),
     # a step that outlasts the grace: step 2's reward function sleeps for minutes (user code in the driver's main
     # thread, which no signal interrupts); the run stops with its newest checkpoint once --stop_grace_s is over
     "long-step": (
@@ -172,7 +174,10 @@ def judge(out: Outcome, text: str, save: Path) -> None:
     out.line = lines[-1] if lines else ""
     sig = case.sig
     stop = re.fullmatch(rf"\[orlhf\] stopped (by|at once by a second) {sig} (.+?): (.*)", out.line)
-    done = re.fullmatch(rf"\[orlhf\] {sig} during the export: it finished first, so the run is complete; .*", out.line)
+    done = re.fullmatch(
+        rf"\[orlhf\] {sig} (during the export: it finished first|at the end of the run:) .*the run is complete.*",
+        out.line,
+    )
     if stop is None and done is None:
         p.append(f"last line is not the stop's: {out.line!r}")
     want_rc = 0 if done else 128 + int(signal.Signals[sig])
@@ -202,6 +207,8 @@ def judge(out: Outcome, text: str, save: Path) -> None:
 
 def _wait_anchor(case: Case, proc, log: Path, trace: Path, timeout: float) -> bool:
     where, pattern, _ = ANCHORS[case.anchor]
+    if case.anchor == "restart" and not _lose_a_rank(proc, log, trace, timeout):
+        return False
     if pattern is None:  # as soon as the process catches SIGTERM: orlhf's first lines of code, then its imports
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and proc.poll() is None:
@@ -216,6 +223,23 @@ def _wait_anchor(case: Case, proc, log: Path, trace: Path, timeout: float) -> bo
             return True
         time.sleep(0.05)
     return False
+
+
+def _lose_a_rank(proc, log: Path, trace: Path, timeout: float) -> bool:
+    """SIGKILL the actor's rank once step 3 has begun (step 2's checkpoint written): the run restarts from it."""
+    deadline = time.monotonic() + timeout
+    pid = None
+    while time.monotonic() < deadline and proc.poll() is None:
+        m = re.search(r"actor: \d+ rank\(s\), pids \[(\d+)", log.read_text(errors="replace"))
+        started = trace.exists() and "step 3: generate" in trace.read_text(errors="replace")
+        if m and started:
+            pid = int(m.group(1))
+            break
+        time.sleep(0.05)
+    if pid is None:
+        return False
+    os.kill(pid, signal.SIGKILL)
+    return True
 
 
 def _catches(pid: int, sig: signal.Signals) -> bool:

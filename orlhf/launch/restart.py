@@ -47,6 +47,7 @@ class Attempt:
     models: Any = None
     controller: Any = None
     phase: str = "start-up"  # then "training" (Controller.fit), "export", "done" (launch/run.py's run_attempt)
+    complete: bool = False  # the run's outputs are written: only its teardown is left
 
     def step(self) -> Optional[int]:
         """The step in progress, or whose checkpoint is being written (None during the start-up and the export)."""

@@ -169,6 +169,7 @@ def run_attempt(cfg: TrainConfig, layout, tuning, run, attempt, held: ExitStack,
         attempt.phase = "export"  # a signal lets the export finish
         logging.getLogger(TRACE).info("export")
         finish_run(cfg, models, metrics, attempt.history(), run.run_id, controller)
+        attempt.complete = True
     attempt.phase = "done"
     return 0
 

@@ -222,7 +222,7 @@ class RunStop:
             self._ended.set()
             self.at_once = True
             self._grace_end = self._final_end = None
-            code = self._code if written and self._code is not None else 128 + int(signal.Signals[self.signal])
+            code = self._code if written and self._code is not None else self._stop_code()
             # The exit is certain whatever happens below (a log handler's lock held forever by a stuck thread).
             timer = threading.Timer(KILL_S + 5.0, self._exit, (code,))
             timer.daemon = True
@@ -234,7 +234,7 @@ class RunStop:
             if not logging.getLogger().handlers and not log.handlers:  # before the run set up its logging
                 logging.basicConfig(level=logging.INFO, format="[orlhf] %(message)s")
             if not written:
-                self._line(say=say)
+                code = self._line(say=say)
         _flush_logs()
         self._code = code
         self._exit(code)
@@ -259,6 +259,9 @@ class RunStop:
             return code
         if not self.at_once and self.where == "during the export" and code == 0:
             text = f"{self.signal} {self.where}: it finished first, so the run is complete; nothing to continue"
+        elif self.at_once and self._complete():
+            text = f"{self.signal} at the end of the run: the run is complete, only its teardown was cut short"
+            code = 0
         else:
             self.where = self._stopped_where()
             how = f"at once by a second {self.signal}" if self.forced else f"by {self.signal}"
@@ -269,6 +272,13 @@ class RunStop:
         if say is not None:
             say(f"[orlhf] {text}")
         return code
+
+    def _complete(self) -> bool:
+        return self.attempt is not None and getattr(self.attempt, "complete", False)
+
+    def _stop_code(self) -> int:
+        """The exit code of a stop now: 128 + the signal's number, 0 where the run had written its outputs."""
+        return 0 if self._complete() else 128 + int(signal.Signals[self.signal])
 
     def _stopped_where(self) -> str:
         """Where the run stopped: the signal's phase; for a step the first signal let finish, the step the loop

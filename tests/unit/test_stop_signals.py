@@ -298,6 +298,22 @@ def test_a_teardown_that_outlasts_its_bound_is_ended(tmp_path, caplog, ended, mo
     assert warnings(caplog)[-1].startswith("stopped by SIGTERM at the end of the run: ")
 
 
+def test_a_complete_runs_teardown_cut_short_still_ends_as_complete(tmp_path, caplog, ended):
+    """The export written, a second signal during the teardown: the run stops at once and exits 0, saying the run is
+    complete (not "start again from the beginning")."""
+    ctl = make(tmp_path)
+    with caplog.at_level(logging.WARNING), install(ended) as stop:
+        attempt = training(stop, ctl)
+        attempt.phase = "export"
+        os.kill(os.getpid(), signal.SIGINT)
+        until(lambda: ctl.stop_signal is not None)
+        attempt.complete, attempt.phase = True, "done"
+        os.kill(os.getpid(), signal.SIGINT)
+        until(ended.done.is_set)
+        assert ended.codes == [0]
+    assert warnings(caplog)[-1] == "SIGINT at the end of the run: the run is complete, only its teardown was cut short"
+
+
 def test_the_export_is_finished_first_and_the_run_ends_as_a_finished_one(tmp_path, caplog, ended):
     ctl = make(tmp_path)
     ctl.step_index = 10
