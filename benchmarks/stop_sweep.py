@@ -83,7 +83,7 @@ NEEDS_ENGINES = ("engines",)
 @dataclass
 class Case:
     anchor: str
-    sig: str = "SIGTERM"  # or SIGINT
+    sig: str = "SIGTERM"  # or SIGINT; SIGKILL: only that the run's processes go with the driver
     target: str = "driver"  # or "group"
     times: int = 1
 
@@ -156,8 +156,13 @@ def run_case(case: Case, workdir: Path, timeout: float = 300.0) -> Outcome:
             out.problems.append("still running 90 s after the signal")
         out.seconds = round(time.monotonic() - t0, 1)
         out.rc = proc.poll()
-        time.sleep(0.5)  # (a zombie's reaping)
+        deadline = time.monotonic() + (10 if sig == signal.SIGKILL else 0.5)  # the reaper's end of the cluster
+        while time.monotonic() < deadline and any(_running(p) for p in tree):
+            time.sleep(0.1)
         out.leftovers = [f"{p.pid}:{_name(p)}" for p in tree if _running(p)]
+        if sig == signal.SIGKILL:  # nothing to say for a process killed outright: only what it leaves
+            out.problems += [f"left running: {out.leftovers}"] if out.leftovers else []
+            return out
         judge(out, log.read_text(errors="replace"), save)
     finally:
         if proc.poll() is None:

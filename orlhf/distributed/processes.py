@@ -1,7 +1,14 @@
-"""The processes a run started, ended together when a signal stops it (launch/stop_signals.py); the normal end of a
-run's local Ray cluster is ray_start.end_ray."""
+"""The lifetime of the processes a run starts: the local Ray cluster's in a process group of their own, ended with the
+driver however it ends (own_session), and every one of them ended together when a signal stops the run at once
+(end_descendants, launch/stop_signals.py); the normal end of a run's local cluster is ray_start.end_ray."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from contextlib import contextmanager
+from typing import Optional
 
 from orlhf.distributed.ray_start import wait_gone
 
@@ -28,3 +35,61 @@ def end_descendants(wait_s: float) -> None:
         except psutil.Error:
             pass
     wait_gone(left, wait_s / 2)
+
+
+@contextmanager
+def own_session():
+    """The local cluster's processes (the GCS, the raylet, and through the raylet every worker, agent and engine)
+    start in one process group of their own: a signal to the driver's group (a terminal's Ctrl-C, `timeout`, SLURM's
+    scancel) then reaches the driver only, which decides how the run stops while its cluster is still up, instead of
+    waiting on a GCS the same signal killed. Their lifetime stays the driver's: Ray's reaper process
+    (ray_process_reaper), started in that group with a pipe from this process, ends the whole group when the pipe
+    closes, i.e. when the driver exits however it exits (SIGKILL included) or end_ray closes it."""
+    global _REAPER
+    from ray._private import services
+
+    original, group = services.ConsolePopen, []
+
+    class GroupPopen(original):
+        def __init__(self, *args, **kwargs):
+            ray_preexec = kwargs.get("preexec_fn")
+            target = group[0] if group else 0  # the first process leads the group
+
+            def preexec():
+                os.setpgid(0, target)
+                if ray_preexec is not None:
+                    ray_preexec()
+
+            kwargs["preexec_fn"] = preexec
+            super().__init__(*args, **kwargs)
+            if not group:
+                group.append(self.pid)
+
+    services.ConsolePopen = GroupPopen
+    try:
+        yield
+    finally:
+        services.ConsolePopen = original
+    if group:
+        _REAPER = subprocess.Popen(
+            [sys.executable, "-m", "ray._private.ray_process_reaper"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            preexec_fn=lambda: os.setpgid(0, group[0]),
+        )
+
+
+_REAPER: Optional[subprocess.Popen] = None  # ends the local cluster's process group when this process goes
+
+
+def end_reaper() -> None:
+    """Close the reaper's pipe: it ends whatever is left of the local cluster's group, then itself."""
+    global _REAPER
+    if _REAPER is not None:
+        _REAPER.stdin.close()
+        try:
+            _REAPER.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            _REAPER.kill()
+        _REAPER = None

@@ -25,6 +25,8 @@ def connect_ray(cfg: TrainConfig, num_cpus: int, processes: int = 0, tuning: Opt
 
     if ray.is_initialized():
         return False
+    from orlhf.distributed.processes import own_session
+
     with signal_handlers_kept(), own_session():
         return _connect(cfg, num_cpus, processes, tuning)
 
@@ -83,29 +85,6 @@ def signal_handlers_kept():
         utils.set_sigterm_handler = original
 
 
-@contextmanager
-def own_session():
-    """The local cluster's processes (the GCS, the raylet, and through the raylet every worker and engine) start in
-    a session and process group of their own: a signal to the driver's process group (a terminal's Ctrl-C,
-    `timeout`, SLURM's scancel) then reaches the driver only, which decides how the run stops while its cluster is
-    still up, instead of waiting on a GCS the same signal killed. Their lifetime stays the driver's: Ray starts them
-    with the kernel's parent-death signal, and the driver ends them (end_ray, or end_descendants on a stop)."""
-    from ray._private import services
-
-    original = services.ConsolePopen
-
-    class SessionPopen(original):
-        def __init__(self, *args, **kwargs):
-            kwargs.setdefault("start_new_session", True)
-            super().__init__(*args, **kwargs)
-
-    services.ConsolePopen = SessionPopen
-    try:
-        yield
-    finally:
-        services.ConsolePopen = original
-
-
 def no_failure_handler() -> None:
     """This process's Ray core worker starts without its C++ failure signal handler (Ray 2.60's
     RAY_DISABLE_FAILURE_SIGNAL_HANDLER, read when ray.init creates it): that handler catches SIGTERM too and prints a
@@ -135,6 +114,9 @@ def end_ray(joined_before: bool, wait_s: float = 10.0) -> None:
         except Exception:  # noqa: BLE001 - gone meanwhile
             pass
     wait_gone(left, 5.0)
+    from orlhf.distributed.processes import end_reaper
+
+    end_reaper()
 
 
 def cluster_processes() -> list:

@@ -28,6 +28,8 @@ CASES = [
     Case("checkpoint", "SIGTERM", "group", 2),
     Case("export", "SIGINT", "driver", 1),
     Case("long-step", "SIGTERM", "group", 1),  # the step outlasts --stop_grace_s: the newest checkpoint is kept
+    Case("restart", "SIGINT", "driver", 1),  # a lost rank's restart under way
+    Case("train", "SIGKILL", "driver", 1),  # nothing handles it: the local cluster's processes go with the driver
 ]
 
 

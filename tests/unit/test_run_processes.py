@@ -1,7 +1,7 @@
 """What keeps a stop from waiting on Ray (distributed/ray_start.py, distributed/processes.py): ray.init installs no
-SIGTERM handler of its own in the driver, the local cluster's processes start in a session of their own (a signal to
-the driver's process group does not reach them), and a stop ends every process the driver started, one that
-ignores SIGTERM and one orphaned on the way included."""
+SIGTERM handler of its own in the driver, the local cluster's processes share a process group of their own (a signal
+to the driver's group does not reach them) that ends with the driver, and a stop ends every process the driver
+started, one that ignores SIGTERM and one orphaned on the way included."""
 
 import os
 import signal
@@ -11,7 +11,7 @@ import time
 
 import psutil
 
-from orlhf.distributed.ray_start import own_session, signal_handlers_kept
+from orlhf.distributed.ray_start import signal_handlers_kept
 
 
 def test_ray_init_keeps_the_runs_sigterm_handler():
@@ -31,17 +31,30 @@ def test_ray_init_keeps_the_runs_sigterm_handler():
         signal.signal(signal.SIGTERM, before)
 
 
-def test_the_local_clusters_processes_start_in_a_session_of_their_own():
+def test_the_local_clusters_processes_share_a_group_of_their_own_that_ends_with_the_driver():
+    """Ray's processes (as ray.init starts them: through services.ConsolePopen) join one process group apart from the
+    driver's, and the reaper started beside them ends the group once the driver's pipe to it closes (the driver
+    exited, however: SIGKILL included)."""
     from ray._private import services
 
-    with own_session():
-        inside = services.ConsolePopen(["sleep", "30"])
+    from orlhf.distributed import processes
+
+    with processes.own_session():
+        first = services.ConsolePopen(["sleep", "30"])
+        second = services.ConsolePopen(["sleep", "30"])
     outside = services.ConsolePopen(["sleep", "30"])
+    reaper = processes._REAPER
     try:
-        assert os.getsid(inside.pid) == inside.pid != os.getsid(0)
+        group = os.getpgid(first.pid)
+        assert group == first.pid != os.getpgid(0) and os.getpgid(second.pid) == group
+        assert os.getpgid(reaper.pid) == group
         assert os.getpgid(outside.pid) == os.getpgid(0)  # Ray's own class again
+        processes.end_reaper()  # as when the driver is gone: its pipe closes
+        for p in (first, second):
+            assert p.wait(timeout=10) in (-signal.SIGTERM, -signal.SIGKILL)
+        assert outside.poll() is None
     finally:
-        for p in (inside, outside):
+        for p in (first, second, outside):
             p.kill()
             p.wait()
 
