@@ -1,5 +1,5 @@
 """The lifetime of the processes a run starts: the local Ray cluster's in a process group of their own, ended with the
-driver however it ends (own_session), and every one of them ended together when a signal stops the run at once
+driver however it ends (own_process_group), and every one of them ended together when a signal stops the run at once
 (end_descendants, launch/stop_signals.py); the normal end of a run's local cluster is ray_start.end_ray."""
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def end_descendants(wait_s: float) -> None:
 
 
 @contextmanager
-def own_session():
+def own_process_group():
     """The local cluster's processes (the GCS, the raylet, and through the raylet every worker, agent and engine)
     start in one process group of their own: a signal to the driver's group (a terminal's Ctrl-C, `timeout`, SLURM's
     scancel) then reaches the driver only, which decides how the run stops while its cluster is still up, instead of

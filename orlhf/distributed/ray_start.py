@@ -25,9 +25,9 @@ def connect_ray(cfg: TrainConfig, num_cpus: int, processes: int = 0, tuning: Opt
 
     if ray.is_initialized():
         return False
-    from orlhf.distributed.processes import own_session
+    from orlhf.distributed.processes import own_process_group
 
-    with signal_handlers_kept(), own_session():
+    with signal_handlers_kept(), own_process_group():
         return _connect(cfg, num_cpus, processes, tuning)
 
 

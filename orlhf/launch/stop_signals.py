@@ -31,7 +31,7 @@ How, so that a stop can neither hang nor be lost:
   placement groups when the driver goes. Meanwhile only this thread writes to the terminal (what the main thread
   logs as its calls fail goes to driver.log) and Ray's C++ lines go to driver.log.
 - ray.init installs its own SIGTERM handler (sys.exit(15): rc 15, no line); ray_start.connect_ray keeps it from
-  replacing this one, and starts the local cluster's processes in a session of their own, so that a signal to the
+  replacing this one, and starts the local cluster's processes in a process group of their own, so that a signal to the
   run's process group (a terminal's Ctrl-C, `timeout`, SLURM) reaches the driver only and the cluster stays up for
   the stop the driver chooses (nothing waits on a GCS that the same signal killed).
 A SIGINT the parent ignores (a background job) stays ignored.

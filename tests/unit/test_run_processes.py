@@ -39,7 +39,7 @@ def test_the_local_clusters_processes_share_a_group_of_their_own_that_ends_with_
 
     from orlhf.distributed import processes
 
-    with processes.own_session():
+    with processes.own_process_group():
         first = services.ConsolePopen(["sleep", "30"])
         second = services.ConsolePopen(["sleep", "30"])
     outside = services.ConsolePopen(["sleep", "30"])
