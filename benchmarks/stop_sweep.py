@@ -180,7 +180,7 @@ def judge(out: Outcome, text: str, save: Path) -> None:
     sig = case.sig
     stop = re.fullmatch(rf"\[orlhf\] stopped (by|at once by a second) {sig} (.+?): (.*)", out.line)
     done = re.fullmatch(
-        rf"\[orlhf\] {sig} (during the export: it finished first|at the end of the run:) .*the run is complete.*",
+        rf"\[orlhf\] {sig} (during the export: it finished first|at the end of the run:).* the run is complete.*",
         out.line,
     )
     if stop is None and done is None:
