@@ -71,7 +71,8 @@ class VLLMConfig:
     max_engine_logprob_gap: Optional[float] = opt(
         None,
         "Stop the run when the engines' log-probs of the sampled tokens differ from the actor's by more than this "
-        "per token (a broken weight sync). Default: 1e-3 on CPU (3e-3 with --bf16), 2e-2 on GPUs; 0 or negative: off.",
+        "per token (a broken weight sync). Default: calibrated on the run's own gap at step 1, before any sync "
+        "(4x it + 1e-4; past 1e-3, or 0.2 with bf16 engines, the run stops there); 0 or negative: off.",
         flag="max_engine_logprob_gap",
     )
     max_engine_restarts: int = opt(

@@ -9,7 +9,7 @@
                        the update: ref without a KL (TrainConfig.has_reference), old log-probs on a single pass
                        (TrainConfig.single_pass: the actor's training forward supplies them, the ratio is 1);
                        trainer/scoring.py (async mode starts the frozen models' forwards when a batch is generated)
-      (guard)          engine log-probs vs the actor's: past --max_engine_logprob_gap the run stops (sync_guard.py)
+      (guard)          engine log-probs vs the actor's: past a threshold set at step 1 the run stops (sync_guard.py)
       make_experience  driver: KL, group baseline, KL-shaped rewards, advantages and returns (algo/)
       train            actor and critic train_step at the same time (non-blocking calls, gathered after);
                        --freezing_actor_steps N: the critic alone while the step index (0-based) is <= N
@@ -101,7 +101,7 @@ class Controller(CheckpointSteps):
         )
         # --max_engine_restarts: a lost engine replaced in place, at the step in progress and the current weights
         self.restarts = EngineRestarts.for_run(cfg, models, lambda: (self.step_index + 1, self.weight_version))
-        self.guard = SyncGuard.from_config(cfg)  # --max_engine_logprob_gap (orlhf/trainer/sync_guard.py)
+        self.guard = SyncGuard.from_config(cfg)  # calibrated at step 1, or --max_engine_logprob_gap (sync_guard.py)
         self.guard.announce()  # where it does not look, said once now
         self.numbers = StepCheck(p.actor_learning_rate, p.critic_learning_rate)  # NaN / inf stop the run
         self.stop_signal: Optional[str] = None  # "SIGTERM" / "SIGINT": stop at the next step boundary and save
@@ -224,7 +224,7 @@ class Controller(CheckpointSteps):
         if old_lp is not None:  # stop before training on another policy's samples
             gap = engine_gap(engine_log_probs, old_lp, batch.action_mask)
             self.numbers.before_train(self.step_index + 1, gap)
-            self.guard.check(gap, self.step_index + 1, staleness)
+            self.guard.check(gap, self.step_index + 1, staleness, gen_version)
         with self.timed("make_experience"):
             truncated = torch.tensor([not r.finished for r in rollouts])
             exp, info = self.make_experience(batch, reward.rewards, old_lp, ref_lp, values, truncated, engine_log_probs)
@@ -237,7 +237,7 @@ class Controller(CheckpointSteps):
         # before the sync: nothing non-finite reaches the engines, a checkpoint or the export
         self.numbers.after_train(self.step_index + 1, None if self.actor_frozen else actor_stats, critic_stats, gap)
         if old_lp is None and not self.actor_frozen:
-            self.guard.check(gap, self.step_index + 1, staleness)
+            self.guard.check(gap, self.step_index + 1, staleness, gen_version)
         with self.timed("sync"):
             if not self.actor_frozen:  # a frozen actor's weights are the engines' already
                 self.sync_weights()

@@ -2,7 +2,8 @@
 
     save_run(ctl, mgr):  tmp = mgr.begin(step) -> each trained group saves its DeepSpeed state (tmp/<role>)
         [--save_hf_ckpt / --disable_ds_ckpt: the actor as an HF folder, tmp/hf/actor] -> the controller's state
-        (step, weight version, loader position, KL controller, reward normaliser, RNG, best eval score)
+        (step, weight version, loader position, KL controller, reward normaliser, RNG, best eval score,
+        the sync guard's calibration)
         -> mgr.commit (atomic rename; meta.json with the config fingerprint)
     restore_run(ctl, path): the groups load their state, then the controller's (the engines are re-synced by
         the caller)
@@ -71,6 +72,7 @@ def _write_run(ctl, mgr, tmp: Path, step: int) -> Path:
             "rng": rng_state(),
             "best_eval": ctl.evaluator.best if ctl.evaluator else None,
             "engine_restarts": ctl.restarts.count,  # the budget of --max_engine_restarts is the whole run's
+            "sync_guard": ctl.guard.state_dict(),  # its calibration: a resume's first step follows a sync
             "pending": pending_batches(ctl),
         },
     )
@@ -159,6 +161,7 @@ def restore_run(ctl, path: Path) -> None:
     if ctl.evaluator is not None:
         ctl.evaluator.best = state.get("best_eval")
     ctl.restarts.count = state.get("engine_restarts", 0)
+    ctl.guard.load_state_dict(state.get("sync_guard"))
     ctl.pending = tuple((unpack_rollouts(b["rollouts"]), b["seconds"]) for b in state.get("pending", []))
     if ctl.pending:
         log.info("%d batch(es) generated before the checkpoint are trained first, as they were", len(ctl.pending))

@@ -1,8 +1,10 @@
 """The sync guard inside the loop: a step whose engine log-probs are far from the actor's stops the run before the
 actor trains on them (or, on a single pass, before the update reaches the engines), and the CLI turns the error
-into exit 1 with the message. Stand-ins for the rank groups and engines (the loop's call order is pure logic; the
-guard's statistic on real engines is tests/vllm/test_model_families.py)."""
+into exit 1 with the message; step 1 calibrates the threshold, a checkpoint keeps it. Stand-ins for the rank groups
+and engines (the loop's call order is pure logic; the guard's statistic on real engines is
+tests/vllm/test_sync_guard_breaks.py)."""
 
+import pytest
 import torch
 
 from orlhf.cli import run_reporting_errors
@@ -87,15 +89,15 @@ class Loader:
         return iter([[Prompt(0), Prompt(1)], [Prompt(2), Prompt(3)]])
 
 
-def make(tmp_path, trained=(), **flags):
+def make(tmp_path, trained=(), generate=None, **flags):
     cfg = build_config({"save_path": str(tmp_path), **flags}, set(flags))
     log = []
-    models = Models(actor=Actor(log, trained), ref=None, rollout=StandInRollout(Engines().generate, log))
+    models = Models(actor=Actor(log, trained), ref=None, rollout=StandInRollout(generate or Engines().generate, log))
     ctl = Controller(cfg, models, Loader(), Tokenizer(), metrics=None, reward_source=Rewards())
     return cfg, ctl, log
 
 
-def test_the_run_stops_before_training_on_another_policys_samples(tmp_path, capsys):
+def test_engines_that_disagree_before_any_sync_stop_the_run_at_step_1(tmp_path, capsys):
     cfg, ctl, log = make(
         tmp_path, rollout_batch_size=2, train_batch_size=2, micro_train_batch_size=1, init_kl_coef=0.01
     )
@@ -109,8 +111,43 @@ def test_the_run_stops_before_training_on_another_policys_samples(tmp_path, caps
     assert log == ["log_probs"]  # stopped after scoring: no train_step, no sync
     err = capsys.readouterr().err
     assert "error: step 1:" in err and "differ from the actor's by 0.5" in err
-    assert "--max_engine_logprob_gap 0.001 (fp32)" in err and "tied lm_head" in err
+    assert "before any weight sync" in err and "past 0.001, the most a healthy engine" in err
     assert "Traceback" not in err
+
+
+def test_step_1_calibrates_and_a_broken_sync_stops_the_next_step(tmp_path, capsys, caplog):
+    """Step 1's engines hold the folder's weights, as the actor: their gap is the healthy one. After the sync the gap
+    jumps (a tied head left at step 0, an engine behind): step 2 stops before training, naming the calibration."""
+    steps = iter(enumerate([2.4e-7, 0.05]))  # per token, on log-probs of -1.5 in float32
+
+    def generate(prompt_ids, sampling):
+        version, gap = next(steps)  # engines tag rollouts with the weight version they hold: 0, then 1
+        return [
+            Rollout(i, ids, [5, 6, 7], [ACTOR_LP + gap] * 3, finished=True, weight_version=version)
+            for i, ids in enumerate(prompt_ids)
+            for _ in range(sampling.n)
+        ]
+
+    cfg, ctl, log = make(
+        tmp_path,
+        generate=generate,
+        rollout_batch_size=2,
+        train_batch_size=2,
+        micro_train_batch_size=1,
+        init_kl_coef=0.01,
+        advantage_estimator="reinforce",
+    )
+    ctl.metrics = type("M", (), {"log": lambda *a: None})()
+    with caplog.at_level("INFO", logger="orlhf.trainer.sync_guard"):
+        assert run_reporting_errors(lambda _: ctl.fit(), cfg) == 1
+    assert log == ["log_probs", "train_step", "sync", "log_probs"]  # step 2 never trains
+    assert [r.getMessage() for r in caplog.records if r.name == "orlhf.trainer.sync_guard"] == [
+        "sync guard: healthy engine gap 2.4e-07 per token at step 1 (this model, fp32 on cpu); stopping past 0.0001"
+    ]
+    err = capsys.readouterr().err
+    assert "error: step 2:" in err and "by 0.05 per token" in err
+    assert "past the sync guard's threshold 0.0001, calibrated on this run's healthy gap 2.4e-07" in err
+    assert ctl.guard.state_dict()["healthy"] == pytest.approx(2.4e-7, rel=0.01)  # what a checkpoint keeps
 
 
 def test_single_pass_stops_before_the_update_reaches_the_engines(tmp_path):
