@@ -12,11 +12,13 @@ sync starts both sides at once, as WeightSync does with Ray.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import socket
 import traceback
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -280,10 +282,31 @@ class EngineSide:
         lps = [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]
         return torch.tensor(seqs), torch.tensor(lps)
 
+    def break_sync(self, kind: Optional[str]) -> None:
+        """Make this engine's next syncs break as real ones once did (tests of the sync guard), or mend them (None).
+
+        "unfixed": vLLM's reload without orlhf's fix-ups (rollout/reload_fixes.py): a tied head keeps its step-0
+        packed copy, CPU MoE experts are read raw as pre-packed ones. "drop:<prefix>": the synced tensors whose
+        names start with <prefix> are not loaded (a missed layer keeps its old weights)."""
+        from orlhf.rollout import reload_fixes
+        from orlhf.rollout.worker_ext import WeightSyncExtension as Ext
+
+        real = self.__dict__.setdefault("_real", (reload_fixes.refreshed_after_reload, Ext._orlhf_reload))
+        reload_fixes.refreshed_after_reload, Ext._orlhf_reload = real
+        if kind == "unfixed":
+            reload_fixes.refreshed_after_reload = lambda model: contextlib.nullcontext()
+        elif kind is not None and kind.startswith("drop:"):
+            prefix = kind.removeprefix("drop:")
+            Ext._orlhf_reload = lambda ext, weights: real[1](
+                ext, ((n, t) for n, t in weights if not n.startswith(prefix))
+            )
+
     def unload(self) -> None:
         import gc
 
         from vllm.distributed import cleanup_dist_env_and_memory
+
+        self.break_sync(None)
 
         if self.llm is None:
             return
@@ -366,13 +389,20 @@ class Rig:
         return self.wait(side)
 
     def load(
-        self, path: str, bf16: bool = False, temperature: float = 1.0, zero_stage: int = 3, lora_rank: int = 0
+        self,
+        path: str,
+        bf16: bool = False,
+        temperature: float = 1.0,
+        zero_stage: int = 3,
+        lora_rank: int = 0,
+        engine_path: Optional[str] = None,
     ) -> None:
         """Both sides load the same folder (in parallel) in fp32, or bf16 as --bf16 runs them, set up for
         --temperature as a run sets them up, the trainer under `zero_stage` (with a LoRA adapter of `lora_rank`);
-        then join a fresh sync group, planned as WeightSync plans it (the engine's fused-module map first)."""
+        then join a fresh sync group, planned as WeightSync plans it (the engine's fused-module map first).
+        engine_path: another folder for the engine (engines that differ from the trainer before any sync)."""
         self.start("trainer", "load", path, bf16, temperature, 1e-2, zero_stage, lora_rank)
-        self.start("engine", "load", path, bf16, temperature)
+        self.start("engine", "load", engine_path or path, bf16, temperature)
         self.wait("trainer"), self.wait("engine")
         from orlhf.rollout.weight_sync import plan_buckets
 
