@@ -75,7 +75,12 @@ class BarSafeHandler(logging.Handler):
             self.handleError(record)
 
 
-TRACE = "orlhf.trace"  # each phase of the run as it begins ("step 3: train"): driver.log only, where a stuck run is
+# Each phase of the run as it begins ("step 3: train"), for driver.log only: where a stuck or stopped run was.
+# It never propagates to orlhf's terminal handler, not even before setup_driver gives it driver.log (the start-up
+# clock's first mark comes before the run's logs exist).
+TRACE = "orlhf.trace"
+logging.getLogger(TRACE).propagate = False
+logging.getLogger(TRACE).addHandler(logging.NullHandler())
 
 
 def mute_terminal() -> None:

@@ -118,3 +118,20 @@ def test_setup_driver_leaves_transformers_unimported(tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False", "True", "True"]
+
+
+def test_the_trace_never_reaches_the_terminal_even_before_the_run_logs_exist(restore_logging):
+    """The start-up clock marks its first phase (the imports) before setup_driver; the driver's early terminal
+    handler (launch/run.py's basicConfig, on the root logger) must not show it."""
+    from orlhf.launch.startup_clock import StartupClock
+
+    term = io.StringIO()
+    early = logging.StreamHandler(term)
+    logging.getLogger().addHandler(early)
+    logging.getLogger().setLevel(logging.INFO)
+    try:
+        StartupClock().mark("imports")
+        logging.getLogger("orlhf").info("an orlhf line")
+    finally:
+        logging.getLogger().removeHandler(early)
+    assert term.getvalue() == "an orlhf line\n"
