@@ -84,12 +84,35 @@ _REAPER: Optional[subprocess.Popen] = None  # ends the local cluster's process g
 
 
 def end_reaper() -> None:
-    """Close the reaper's pipe: it ends whatever is left of the local cluster's group, then itself."""
+    """End the reaper. With the cluster's group already empty (end_ray waited for every process it knew of), a
+    SIGTERM ends the reaper alone, at once; otherwise its pipe is closed and it ends what is left of the group (a
+    SIGTERM, a second's grace, a SIGKILL), then itself."""
     global _REAPER
-    if _REAPER is not None:
-        _REAPER.stdin.close()
-        try:
-            _REAPER.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            _REAPER.kill()
-        _REAPER = None
+    if _REAPER is None:
+        return
+    reaper, _REAPER = _REAPER, None
+    if _group_members_besides(reaper.pid):
+        reaper.stdin.close()
+    else:
+        reaper.terminate()  # before its pipe closes the reaper has no SIGTERM handler: it exits, and only it
+    try:
+        reaper.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        reaper.kill()
+
+
+def _group_members_besides(pid: int) -> bool:
+    """Whether a process other than `pid` is left in `pid`'s process group (True when it cannot tell)."""
+    try:
+        import psutil
+
+        group = os.getpgid(pid)
+        for p in psutil.process_iter():
+            try:
+                if p.pid != pid and os.getpgid(p.pid) == group:
+                    return True
+            except (ProcessLookupError, PermissionError):
+                continue
+        return False
+    except Exception:  # noqa: BLE001 - no psutil, or the reaper gone: let the pipe decide
+        return True

@@ -85,3 +85,18 @@ def test_a_stop_ends_every_process_the_driver_started():
     finally:
         driver.kill()
         driver.wait()
+
+
+def test_the_reaper_of_an_empty_group_ends_alone_without_its_sweep():
+    """At a run's normal end the cluster's processes are gone before the reaper is ended: it is then ended by a
+    plain SIGTERM (no second of grace for a group sweep); its sweep would have ended it by SIGKILL."""
+    from ray._private import services
+
+    from orlhf.distributed import processes
+
+    with processes.own_process_group():
+        first = services.ConsolePopen(["true"])
+    first.wait(timeout=10)
+    reaper = processes._REAPER
+    processes.end_reaper()
+    assert reaper.returncode == -signal.SIGTERM and processes._REAPER is None
