@@ -1,6 +1,7 @@
 """Shared fixtures. One local Ray cluster serves the whole test session (a Ray start is slow)."""
 
 import os
+from collections import defaultdict
 
 import pytest
 
@@ -57,3 +58,26 @@ def pytest_sessionfinish(session, exitstatus):
             ray.shutdown()
     except Exception:
         pass
+
+
+# Where the suite's time goes, by folder and by file (setup, call and teardown together): the CI log then says which
+# tier grew when the whole run does, which pytest's per-test --durations cannot (a slow fixture is spread over many).
+_SPENT: dict[str, float] = defaultdict(float)
+
+
+def pytest_runtest_logreport(report):
+    _SPENT[report.nodeid.split("::")[0]] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _SPENT:
+        return
+    folders: dict[str, float] = defaultdict(float)
+    for path, spent in _SPENT.items():
+        folders[os.path.dirname(path)] += spent
+    write = terminalreporter.write_line
+    terminalreporter.write_sep("=", "time by folder, then the 20 slowest files (seconds)")
+    for folder, spent in sorted(folders.items(), key=lambda kv: -kv[1]):
+        write(f"{spent:8.1f}  {folder}/")
+    for path, spent in sorted(_SPENT.items(), key=lambda kv: -kv[1])[:20]:
+        write(f"{spent:8.1f}  {path}")
