@@ -1,6 +1,7 @@
-"""Checkpoints on disk: atomic commit, rotation, resume lookup, driver/RNG state files, safe loading (the IO side).
+"""Checkpoints on disk: atomic commit, rotation, resume lookup (the IO side of the folder).
 
-The pure side (names, meta.json's format, the compatibility check, the state encoding) is storage/checkpoint_format.py.
+The pure side (names, meta.json's format, the compatibility check, the state encoding) is storage/checkpoint_format.py;
+what goes into the files (driver/rank state with RNG, DeepSpeed's files loaded safely) is storage/checkpoint_state.py.
 
     <ckpt_path>/
       step_000010/                 a complete checkpoint: it only ever appears by one os.rename, meta.json inside
@@ -25,10 +26,11 @@ The pure side (names, meta.json's format, the compatibility check, the state enc
             run_id, --max_ckpt_mem); mgr.cleanup_stale_tmp()
             saving without --load_checkpoint: mgr.check_new_run() (another run's checkpoints are there: refuse)
     save:   tmp = mgr.begin(step) -> every trained group: save_checkpoint(tmp/<role>) (collective per group)
-            -> driver: save_controller_state(tmp, state) -> mgr.commit(tmp, step, meta)
+            -> driver: checkpoint_state.save_controller_state(tmp, state) -> mgr.commit(tmp, step, meta)
     resume: path = mgr.latest() (None: start fresh) -> checkpoint_format.check_compatible(read_meta(path),
             fingerprint.config_fingerprint(cfg)) -> ds_layout.check_resume(path, cfg) (ranks and ZeRO stages)
-            -> every trained group, right after init: load_checkpoint(path/<role>) -> load_controller_state(path)
+            -> every trained group, right after init: load_checkpoint(path/<role>)
+            -> checkpoint_state.load_controller_state(path)
 
 Invariants
 - A `step_*` folder with a readable meta.json is complete: everything else is written and fsynced first, then
@@ -40,7 +42,7 @@ Invariants
 - The manager deletes only folders named `step_<digits>` or `.tmp-step_*` / `.trash-step_*` in ckpt_path.
 - --ckpt_path must be storage every node sees (one shared filesystem): ranks write, the driver renames.
 - Loading never unpickles code: JSON, safetensors, and torch.load(weights_only=True) (DeepSpeed's own
-  files: its two plain state classes are allow-listed for that load only, see safe_torch_load).
+  files: its two plain state classes are allow-listed for that load only, see checkpoint_state.safe_torch_load).
 """
 
 from __future__ import annotations
@@ -49,7 +51,6 @@ import json
 import logging
 import math
 import os
-import random
 import shutil
 import time
 import uuid
@@ -63,8 +64,6 @@ from orlhf.storage.checkpoint_format import (
     TMP_PREFIX,
     TRASH_PREFIX,
     CheckpointError,
-    decode_state,
-    encode_state,
     files_problem,
     meta_problem,
     step_dir_name,
@@ -280,113 +279,6 @@ def _check_ranks_wrote(folder: Path, role: str, ranks: int) -> None:
             f"{folder}: ranks {missing} of the {role} group ({ranks} ranks) left no files here. Every rank must "
             "see --ckpt_path: on several nodes put it on a shared filesystem."
         )
-
-
-# ---- driver state and RNG -------------------------------------------------------------------------------------
-
-
-def rng_state() -> dict[str, Any]:
-    """This process's RNG states: python `random`, numpy's global generator, torch CPU, and CUDA if in use."""
-    import numpy as np
-    import torch
-
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {
-        "python": random.getstate(),
-        "numpy": {
-            "kind": kind,
-            "keys": keys.tolist(),
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "cached_gaussian": float(cached),
-        },
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():  # never initialise CUDA just to read it
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    import numpy as np
-    import torch
-
-    py = state["python"]
-    random.setstate((py[0], tuple(py[1]), py[2]))
-    n = state["numpy"]
-    np.random.set_state(
-        (n["kind"], np.asarray(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
-    )
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        if len(state["cuda"]) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(state["cuda"])
-        else:
-            log.warning(
-                "checkpoint has CUDA RNG states of %d devices, this process sees %d: not restored",
-                len(state["cuda"]),
-                torch.cuda.device_count(),
-            )
-
-
-def save_state(folder: str | os.PathLike, name: str, state: dict[str, Any]) -> None:
-    """Write `state` as <name>.json, its tensors (any depth) in <name>.safetensors. Tuples come back as tuples.
-    Dict keys must be strings; leaves: None, bool, int, float, str, torch.Tensor."""
-    from safetensors.torch import save_file
-
-    tensors: dict[str, Any] = {}  # torch tensors
-    doc = encode_state(state, tensors)
-    folder = Path(folder)
-    if tensors:
-        save_file(tensors, str(folder / f"{name}.safetensors"))
-    (folder / f"{name}.json").write_text(json.dumps(doc, indent=1))
-
-
-def load_state(folder: str | os.PathLike, name: str) -> dict[str, Any]:
-    """Read what save_state wrote (JSON + safetensors: no pickle)."""
-    from safetensors.torch import load_file
-
-    folder = Path(folder)
-    try:
-        doc = json.loads((folder / f"{name}.json").read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{folder}: cannot read {name}.json ({e})") from e
-    blob = folder / f"{name}.safetensors"
-    tensors = load_file(str(blob)) if blob.exists() else {}
-    return decode_state(doc, tensors)
-
-
-def save_controller_state(folder: str | os.PathLike, state: dict[str, Any]) -> None:
-    """The driver's state (include "rng": rng_state()) into a checkpoint folder: controller.json (+ tensors)."""
-    save_state(folder, "controller", state)
-
-
-def load_controller_state(folder: str | os.PathLike) -> dict[str, Any]:
-    return load_state(folder, "controller")
-
-
-# ---- DeepSpeed's files, loaded without unpickling code --------------------------------------------------------
-
-
-def deepspeed_safe_globals() -> list:
-    """The non-torch classes in DeepSpeed 0.19.8's checkpoint files for orlhf's configs (ZeRO 0/1/2/3, bf16, Adam
-    offload), as torch.serialization.get_unsafe_globals_in_checkpoint lists them: an enum and two plain
-    data holders (no code runs when they are rebuilt). Allowed for loads of those files only."""
-    from deepspeed.runtime.fp16.loss_scaler import LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    return [ZeroStageEnum, LossScaler, fragment_address]
-
-
-def safe_torch_load(path: str | os.PathLike, map_location=None, mmap: bool = False, load=None) -> Any:
-    """torch.load(weights_only=True) with DeepSpeed's state classes allowed for this call only. mmap: tensors are
-    mapped from the file, not read (to look at a big file's plain values). load: the torch.load to call (where
-    torch.load itself is replaced, workers/universal_ckpt.py)."""
-    import torch
-
-    with torch.serialization.safe_globals(deepspeed_safe_globals()):
-        return (load or torch.load)(path, map_location=map_location, weights_only=True, mmap=mmap)
 
 
 # ---- durability ------------------------------------------------------------------------------------------------

@@ -51,7 +51,7 @@ class Layout:
 def read_layout(folder: str | os.PathLike) -> Layout:
     """The layout of <checkpoint>/<role>; ranks 0 when no rank saved there. CheckpointError when ranks saved but
     DeepSpeed's `latest` or model-state file is missing."""
-    from orlhf.storage.checkpoint import safe_torch_load
+    from orlhf.storage.checkpoint_state import safe_torch_load
 
     folder = Path(folder)
     names = os.listdir(folder) if folder.is_dir() else []

@@ -25,7 +25,8 @@ from typing import Optional
 
 from orlhf.config.fingerprint import config_fingerprint
 from orlhf.config.provenance import dump_resolved
-from orlhf.storage.checkpoint import load_controller_state, read_meta, rng_state, save_controller_state, set_rng_state
+from orlhf.storage.checkpoint import read_meta
+from orlhf.storage.checkpoint_state import load_controller_state, rng_state, save_controller_state, set_rng_state
 from orlhf.storage.disk_space import NoSpaceError, cleanup_after_failed_write
 from orlhf.storage.logs import TRACE
 from orlhf.storage.run_folder import checkpoint_config, checkpoint_hf_actor

@@ -23,7 +23,7 @@ def save_worker_checkpoint(worker, folder: str) -> None:
     """
     import torch.distributed as dist
 
-    from orlhf.storage.checkpoint import rng_state, save_state
+    from orlhf.storage.checkpoint_state import rng_state, save_state
 
     engine = _engine_for_checkpoints(worker)
     tag = f"global_step{engine.global_steps}"
@@ -52,8 +52,8 @@ def load_worker_checkpoint(worker, folder: str) -> None:
     on every rank before any collective. Ranks the checkpoint had no RNG state for keep their seeded one.
     Reads with torch.load(weights_only=True) only (see _engine_for_checkpoints).
     """
-    from orlhf.storage.checkpoint import load_state, set_rng_state
     from orlhf.storage.checkpoint_format import CheckpointError
+    from orlhf.storage.checkpoint_state import load_state, set_rng_state
     from orlhf.storage.ds_layout import UNIVERSAL, load_plan, read_layout
 
     layout = read_layout(folder)
@@ -106,7 +106,7 @@ def _engine_for_checkpoints(worker):
 
     DeepSpeed 0.19.8's TorchCheckpointEngine.load calls torch.load(weights_only=False), which would run any
     code pickled into a checkpoint file. Every file this engine reads goes through engine.checkpoint_engine,
-    so swapping it for a subclass whose load() is checkpoint.safe_torch_load makes the whole load safe; saving
+    so swapping it for a subclass whose load() is checkpoint_state.safe_torch_load makes the whole load safe; saving
     is unchanged (the same torch.save).
     """
     if not worker.cfg.trainable:
@@ -126,10 +126,10 @@ def _engine_for_checkpoints(worker):
 
 @functools.lru_cache(maxsize=None)
 def _safe_checkpoint_engine_cls() -> type:
-    """DeepSpeed's TorchCheckpointEngine with load() = orlhf.storage.checkpoint.safe_torch_load (weights_only=True)."""
+    """DeepSpeed's TorchCheckpointEngine with load() = storage/checkpoint_state.safe_torch_load (weights_only=True)."""
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
-    from orlhf.storage.checkpoint import safe_torch_load
+    from orlhf.storage.checkpoint_state import safe_torch_load
 
     class SafeLoadCheckpointEngine(TorchCheckpointEngine):
         def load(self, path: str, map_location=None):

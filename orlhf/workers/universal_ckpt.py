@@ -15,8 +15,9 @@ Invariants
   (later resumes from the same checkpoint, on any rank count). Rotation deletes it with its checkpoint.
 - Only rank 0 writes; the others wait for its outcome (a broadcast), so a failed conversion raises on every rank.
 - Nothing is unpickled: DeepSpeed's conversion and its universal load call torch.load(weights_only=False) directly,
-  so while they run torch.load is storage.checkpoint.safe_torch_load (weights-only, DeepSpeed's plain state classes
-  allowed). The rank's process does nothing else meanwhile (a load runs right after init, before any other call).
+  so while they run torch.load is storage.checkpoint_state.safe_torch_load (weights-only, DeepSpeed's plain state
+  classes allowed). The rank's process does nothing else meanwhile (a load runs right after init, before any other
+  call).
 - DeepSpeed 0.19.8 reads load_universal only inside load_checkpoint (engine.load_universal_checkpoint()), so setting
   it for that call is OpenRLHF's `"checkpoint": {"load_universal": true}` without making a later load universal.
 """
@@ -127,8 +128,8 @@ def _convert(folder: Path, tag: str, out: Path) -> None:
 
 @contextlib.contextmanager
 def weights_only_loads():
-    """torch.load is storage.checkpoint.safe_torch_load inside: DeepSpeed's weights_only=False is never granted."""
-    from orlhf.storage.checkpoint import safe_torch_load
+    """torch.load is checkpoint_state.safe_torch_load inside: DeepSpeed's weights_only=False is never granted."""
+    from orlhf.storage.checkpoint_state import safe_torch_load
 
     real = torch.load
 

@@ -227,7 +227,7 @@ def test_a_checkpoint_keeps_the_rollouts_exactly(tmp_path):
     back field for field: tokens, each engine log-prob to the last bit, versions, the agents' fields."""
     import torch
 
-    from orlhf.storage.checkpoint import load_state, save_state
+    from orlhf.storage.checkpoint_state import load_state, save_state
     from orlhf.trainer.run_state import pack_rollouts, unpack_rollouts
     from orlhf.types import Rollout
 

@@ -1,5 +1,5 @@
-"""orlhf/storage/checkpoint.py without DeepSpeed: atomic commit, what latest() accepts, rotation, the config check, and
-the driver's state (with RNG) round trip through JSON + safetensors."""
+"""orlhf/storage/checkpoint.py and checkpoint_state.py without DeepSpeed: atomic commit, what latest() accepts,
+rotation, the config check, and the driver's state (with RNG) round trip through JSON + safetensors."""
 
 import dataclasses
 import json
@@ -12,16 +12,15 @@ import torch
 
 from orlhf.config.fingerprint import config_fingerprint
 from orlhf.config.train_config import TrainConfig
-from orlhf.storage.checkpoint import (
-    CheckpointManager,
+from orlhf.storage.checkpoint import CheckpointManager, read_meta
+from orlhf.storage.checkpoint_format import CheckpointError, check_compatible
+from orlhf.storage.checkpoint_state import (
     load_controller_state,
-    read_meta,
     rng_state,
     save_controller_state,
     save_state,
     set_rng_state,
 )
-from orlhf.storage.checkpoint_format import CheckpointError, check_compatible
 
 
 def _meta(cfg: TrainConfig | None = None) -> dict:

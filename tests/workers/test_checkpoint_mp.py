@@ -204,7 +204,7 @@ def test_checkpoint_layout_and_errors(ranks, setup):
 def test_safe_load_refuses_pickled_code(tmp_path):
     import pickle
 
-    from orlhf.storage.checkpoint import safe_torch_load
+    from orlhf.storage.checkpoint_state import safe_torch_load
 
     class Boom:
         def __reduce__(self):
