@@ -11,7 +11,7 @@
                        trainer/scoring.py (async mode starts the frozen models' forwards when a batch is generated)
       (guard)          engine log-probs vs the actor's: past a threshold set at step 1 the run stops (sync_guard.py)
       make_experience  driver: KL, group baseline, KL-shaped rewards, advantages and returns (algo/)
-      train            actor and critic train_step at the same time (non-blocking calls, gathered after);
+      train            actor and critic train_step at the same time (trainer/train_phase.py);
                        --freezing_actor_steps N: the critic alone while the step index (0-based) is <= N
       sync_weights     actor -> engines (RolloutBackend.load_weights: rollout/weight_sync.py); weight_version += 1;
                        before the next generate
@@ -52,11 +52,10 @@ from orlhf.trainer.hybrid_memory import SleepSwitch
 from orlhf.trainer.models import Models
 from orlhf.trainer.run_state import CheckpointSteps
 from orlhf.trainer.scoring import ScoredAhead, Scorer
-from orlhf.trainer.step_stats import FROZEN_ACTOR_STATS, StepCheck, engine_gap, mean_stats, step_row
+from orlhf.trainer.step_stats import StepCheck, engine_gap, step_row
 from orlhf.trainer.sync_guard import SyncGuard
+from orlhf.trainer.train_phase import train_epochs
 from orlhf.types import Experience, Rollout, SamplingSpec
-from orlhf.workers import CriticWorker, PolicyWorker
-from orlhf.workers.shared_prompt import prompt_major_order
 
 log = logging.getLogger(__name__)
 
@@ -350,30 +349,9 @@ class Controller(CheckpointSteps):
         return exp, info
 
     def train(self, exp: Experience, kl_coef: float) -> tuple[dict, Optional[dict]]:
-        """max_epochs passes over the step's experience, shuffled; actor and critic in parallel.
-        kl_coef goes to the actor's KL loss (--use_kl_loss), so an adaptive coefficient reaches the loss.
-
-        When one optimizer step takes the whole experience, the order of its rows cannot change the update: the
-        shuffle then moves whole prompts (each prompt's samples stay together, so a training micro-batch runs
-        each prompt once: workers/shared_prompt.py); otherwise it shuffles rows, as OpenRLHF's replay buffer."""
-        actor_stats, critic_stats = [], []
-        one_step = len(exp) <= self.cfg.ppo.train_batch_size
-        for epoch in range(self.cfg.ppo.max_epochs):
-            g = torch.Generator().manual_seed(self.cfg.ppo.seed + 7919 * self.step_index + epoch)
-            order = prompt_major_order(exp, g) if one_step else torch.randperm(len(exp), generator=g)
-            shuffled = exp.index(order)
-            # both start at once (one after the other under --async_train --deepspeed_enable_sleep: hybrid_memory.py)
-            actor_call = (
-                None
-                if self.actor_frozen
-                else self.sleep.train(self.m.actor, PolicyWorker.train_step, shuffled, kl_coef)
-            )
-            critic_call = self.sleep.train(self.m.critic, CriticWorker.train_step, shuffled) if self.m.critic else None
-            actor_stats += actor_call.get() if actor_call is not None else []
-            if critic_call is not None:
-                critic_stats += critic_call.get()
-        actor = mean_stats(actor_stats) if actor_stats else FROZEN_ACTOR_STATS
-        return actor, mean_stats(critic_stats) if critic_stats else None
+        """max_epochs passes over the step's experience, actor and critic in parallel (trainer/train_phase.py)."""
+        actor = None if self.actor_frozen else self.m.actor
+        return train_epochs(exp, kl_coef, self.cfg.ppo, self.step_index, actor, self.m.critic, self.sleep)
 
     @property
     def actor_frozen(self) -> bool:
