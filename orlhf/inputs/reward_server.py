@@ -16,7 +16,7 @@ Every request ends in an answer or a closed socket within bounds:
   else the connection is just closed;
 - after a reward_func call passes `reward_timeout_s` (500) it keeps running (a thread cannot be killed); until it
   returns, requests get 503 "busy: ..." instead of a second call beside it (reward_func need not be
-  thread-safe). Clients retry a 503 (rewards.HttpReward does, with backoff);
+  thread-safe). Clients retry a 503 (http_reward.HttpReward does, with backoff);
 - every malformed request gets 400 with a one-line reason (bad Content-Length, not JSON, missing "query", a field
   that is not a list of strings, lists of different lengths); a reward_func failure gets 500 with its message.
 Rewards go through the same checks as in training (rewards.to_result): one finite number per query.

@@ -20,17 +20,15 @@ A python file's reward_func runs in this process, in a daemon thread with a dead
 stuck function fails the run with a RewardError naming the file instead of hanging it. The stuck call cannot be
 killed; until it returns, no other call of that reward_func starts (RewardBusy), as it need not be thread-safe.
 What it prints goes to the run's logs/reward_func.log, not the terminal (user_output.py).
-An HTTP server gets the same deadline for each batch, all its retries (--reward_retries) together (HttpReward).
+An HTTP server gets the same deadline for each batch, all its retries (--reward_retries) together
+(inputs/http_reward.py).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import re
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Protocol, runtime_checkable
@@ -104,6 +102,8 @@ def make_reward_source(
     timeout_s: --reward_timeout_s, the deadline of one reward_func call or of one HTTP request with its retries;
     retries: --reward_retries (HTTP); output_log: where a reward_func's prints go (None: the terminal)."""
     if remote_rm_url.startswith(("http://", "https://")):
+        from orlhf.inputs.http_reward import HttpReward
+
         return HttpReward(remote_rm_url, timeout_s=timeout_s, retries=retries)
     if remote_rm_url.endswith(".py"):
         return FunctionReward(remote_rm_url, timeout_s=timeout_s, output_log=output_log)
@@ -181,7 +181,7 @@ def _preview(out: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _check_batch(queries: list[str], prompts: list[str], labels: list) -> list:
+def check_batch(queries: list[str], prompts: list[str], labels: list) -> list:
     """Caller-side checks (a mismatch is an orlhf bug, not the user's); returns labels with None as ""."""
     if not len(queries) == len(prompts) == len(labels):
         raise ValueError(f"{len(queries)} queries, {len(prompts)} prompts and {len(labels)} labels; need one each")
@@ -207,7 +207,7 @@ class FunctionReward:
         return self.evaluate(queries, prompts, labels).rewards
 
     def evaluate(self, queries: list[str], prompts: list[str], labels: list) -> RewardResult:
-        labels = _check_batch(queries, prompts, labels)
+        labels = check_batch(queries, prompts, labels)
         out = self._call_with_deadline(list(queries), list(prompts), labels)
         return to_result(out, len(queries), f"{self.path}: reward_func")
 
@@ -283,113 +283,3 @@ def _load_reward_func(path: str):
             "`def reward_func(queries, prompts, labels)`."
         )
     return func
-
-
-# ---- A remote HTTP reward server ----
-
-
-class HttpReward:
-    """POSTs {"query", "prompts", "labels"} (OpenRLHF's remote RM format); accepts {"rewards": [...]} or a list.
-
-    One batch gets `timeout_s` (--reward_timeout_s) for all its attempts together: connection errors, timeouts and
-    5xx answers are retried up to `retries` times (--reward_retries; 0: one attempt), after backoff_s, 2*backoff_s,
-    4*backoff_s... (at most MAX_BACKOFF_S), while the deadline allows; a reward server restarting should not kill a
-    long run, and one that never answers stops it within the deadline, naming the URL and the last error. 4xx and
-    malformed answers are not retried (the request or the server is wrong): one line naming what is wrong. The
-    bearer token comes from `token`, else $ORLHF_RM_TOKEN.
-    """
-
-    MAX_BACKOFF_S = 30.0
-
-    def __init__(
-        self, url: str, timeout_s: float = 300.0, retries: int = 5, backoff_s: float = 1.0, token: str | None = None
-    ):
-        self.url, self.timeout_s, self.retries, self.backoff_s = url, timeout_s, retries, backoff_s
-        self.token = token if token is not None else os.environ.get(TOKEN_ENV)
-
-    def score(self, queries: list[str], prompts: list[str], labels: list) -> torch.Tensor:
-        return self.evaluate(queries, prompts, labels).rewards
-
-    def evaluate(self, queries: list[str], prompts: list[str], labels: list) -> RewardResult:
-        labels = _check_batch(queries, prompts, labels)
-        try:
-            body = json.dumps({"query": list(queries), "prompts": list(prompts), "labels": labels})
-        except (TypeError, ValueError) as e:
-            raise RewardError(
-                f"--remote_rm_url {self.url}: the labels cannot be sent as JSON ({e}); use "
-                "JSON-compatible values in the --label_key field."
-            ) from None
-        return to_result(self._post(body), len(queries), f"--remote_rm_url {self.url}")
-
-    def _post(self, body: str) -> Any:
-        import requests
-
-        headers = {"Content-Type": "application/json"}
-        if self.token:
-            headers["Authorization"] = f"Bearer {self.token}"
-        deadline = time.monotonic() + self.timeout_s
-        attempts, last = 0, ""
-        while True:
-            left = max(deadline - time.monotonic(), 1e-3)  # each attempt waits at most for what the deadline leaves
-            try:
-                resp = requests.post(self.url, data=body.encode(), headers=headers, timeout=left)
-            except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError) as e:
-                last = _error_text(e)
-            else:
-                if resp.status_code < 500:
-                    return self._answer(resp)
-                last = f"HTTP {resp.status_code}: {_one_line(resp.text, 200)}"
-            attempts += 1
-            wait = min(self.backoff_s * 2 ** (attempts - 1), self.MAX_BACKOFF_S)
-            if attempts > self.retries or time.monotonic() + wait >= deadline:
-                break
-            logger.warning(
-                "reward server %s: attempt %d of %d failed (%s); retrying in %g s",
-                self.url,
-                attempts,
-                1 + self.retries,
-                last,
-                wait,
-            )
-            time.sleep(wait)
-        why = (
-            f"no answer after {attempts} attempt(s) (--reward_retries {self.retries})"
-            if attempts > self.retries
-            else f"no answer within {self.timeout_s:g} s (--reward_timeout_s, {attempts} attempt(s))"
-        )
-        raise RewardError(
-            f"--remote_rm_url {self.url}: {why}; last error: {last}. Check that the reward server is running "
-            "and reachable from here, or fix --remote_rm_url."
-        )
-
-    def _answer(self, resp) -> Any:
-        if resp.status_code >= 400:
-            hint = (
-                f"check the token (${TOKEN_ENV})"
-                if resp.status_code in (401, 403)
-                else 'check that the server takes OpenRLHF\'s {"query", "prompts", "labels"} JSON'
-            )
-            raise RewardError(
-                f"--remote_rm_url {self.url}: HTTP {resp.status_code}: {_one_line(resp.text, 300)}; {hint}."
-            )
-        try:
-            return resp.json()
-        except ValueError as e:
-            raise RewardError(
-                f"--remote_rm_url {self.url}: the answer is not JSON ({_one_line(str(e), 100)}: "
-                f'{resp.text[:200]!r}); the server must answer {{"rewards": [...]}} or a JSON list.'
-            ) from None
-
-
-def _one_line(text: str, limit: int) -> str:
-    """A server's text (an HTML error page, say) as one line of at most `limit` characters."""
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _error_text(e: Exception) -> str:
-    """A requests error in one line: its type and the OS's reason when there is one ("[Errno 111] Connection
-    refused"), not urllib3's nested reprs."""
-    text = str(e)
-    errno = re.search(r"\[Errno -?\d+\][^'\")\]]*", text)
-    return f"{type(e).__name__}: {_one_line(errno.group(0) if errno else text, 200)}"

@@ -14,15 +14,8 @@ import pytest
 import torch
 
 from orlhf.demo.builder import ensure_demo
-from orlhf.inputs.rewards import (
-    FunctionReward,
-    HttpReward,
-    RewardBusy,
-    RewardError,
-    RewardSource,
-    make_reward_source,
-    to_rewards,
-)
+from orlhf.inputs.http_reward import HttpReward
+from orlhf.inputs.rewards import FunctionReward, RewardBusy, RewardError, RewardSource, make_reward_source, to_rewards
 from orlhf.inputs.user_output import ThreadRouter, captured_output
 
 QUERIES = ["say colors: red blue", "say colors: cat dog"]

@@ -6,8 +6,9 @@ import pytest
 import requests
 
 from orlhf.demo.builder import ensure_demo
+from orlhf.inputs.http_reward import HttpReward
 from orlhf.inputs.reward_server import make_server
-from orlhf.inputs.rewards import HttpReward, RewardError
+from orlhf.inputs.rewards import RewardError
 
 
 @pytest.fixture
