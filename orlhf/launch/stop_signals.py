@@ -41,13 +41,14 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import select
 import signal
 import threading
 import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional
+
+from orlhf.launch.stop_line import StopLine
 
 log = logging.getLogger("orlhf")
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -58,7 +59,7 @@ KILL_S = 4.0  # a stop now: SIGTERM to every process of the run, SIGKILL to what
 _QUIT = b"\0"  # written into the wakeup pipe by the main thread when the run is over: not a signal's number
 
 
-class RunStop:
+class RunStop(StopLine):
     """The run's answer to SIGINT and SIGTERM (module docstring). run.py tells it the attempt in progress (`attempt`,
     a launch/restart.Attempt: its phase and controller), the run's checkpoints once read, and a restart under way.
     `exit` ends the process (os._exit; tests pass their own), `kill` ends the run's processes."""
@@ -240,7 +241,7 @@ class RunStop:
         self._exit(code)
         self._gone.set()  # (reached only where `exit` returns: tests)
 
-    # ---- the end ------------------------------------------------------------------------------------------------
+    # ---- the end (its line: launch/stop_line.py) -------------------------------------------------------------------
     def outcome(self, code: Optional[int]) -> Optional[int]:
         """The main thread's end of the run, after its teardown: when a signal stopped the run, its one line (where,
         what is kept, how to continue) and 128 + the signal's number; `code` otherwise, also when a signal let the
@@ -252,68 +253,6 @@ class RunStop:
                 return self._code
         self._gone.wait()  # the stop thread exits the process (returns only where `exit` returns: tests)
         return self._code
-
-    def _line(self, code: Optional[int] = None, say: Optional[Callable[[str], Any]] = None) -> Optional[int]:
-        """Log the run's last line (and `say` it: the terminal, when its logging is muted); the exit code."""
-        if self.signal is None:
-            return code
-        if not self.at_once and self.where == "during the export" and code == 0:
-            text = f"{self.signal} {self.where}: it finished first, so the run is complete; nothing to continue"
-        elif self.at_once and self._complete():
-            text = f"{self.signal} at the end of the run: the run is complete, only its teardown was cut short"
-            code = 0
-        else:
-            self.where = self._stopped_where()
-            how = f"at once by a second {self.signal}" if self.forced else f"by {self.signal}"
-            unchanged = "the export was not written; " if self.where == "during the export" and self.at_once else ""
-            text = f"stopped {how} {self.where}{self._reason}: {unchanged}{self.kept()}"
-            code = 128 + int(signal.Signals[self.signal])
-        log.warning("%s", text)
-        if say is not None:
-            say(f"[orlhf] {text}")
-        return code
-
-    def _complete(self) -> bool:
-        return self.attempt is not None and getattr(self.attempt, "complete", False)
-
-    def _stop_code(self) -> int:
-        """The exit code of a stop now: 128 + the signal's number, 0 where the run had written its outputs."""
-        return 0 if self._complete() else 128 + int(signal.Signals[self.signal])
-
-    def _stopped_where(self) -> str:
-        """Where the run stopped: the signal's phase; for a step the first signal let finish, the step the loop
-        ended after (another one where the signal came as a step ended: the loop had just checked for one, or the
-        stop thread read the step's number as the loop counted it)."""
-        controller = self.attempt.controller if self.attempt is not None else None
-        m = re.fullmatch(r"during (the checkpoint of )?step (\d+)", self.where)
-        if self.at_once or controller is None or m is None or controller.step_index in (0, int(m.group(2))):
-            return self.where
-        return f"during step {controller.step_index}"
-
-    def kept(self) -> str:
-        """This run's newest checkpoint and the command that continues from it."""
-        from orlhf.storage.checkpoint import read_meta
-
-        newest = self._newest()
-        if newest is None:
-            return "no checkpoint kept: run the same command to start again from the beginning"
-        controller = self.attempt.controller if self.attempt is not None else None
-        trained, saved = (controller.step_index if controller is not None else 0), int(read_meta(newest)["step"])
-        if trained == saved:
-            return f"checkpoint {newest} kept; run the same command with --load_checkpoint to continue from it"
-        after = " (the steps after it are trained again)" if trained > saved else ""
-        return (
-            f"the newest checkpoint is {newest}; run the same command with --load_checkpoint to continue from it{after}"
-        )
-
-    def _newest(self):
-        """This run's newest complete checkpoint (never another run's in the same folder), or None."""
-        mgr = self.checkpoints
-        if mgr is None:
-            return None
-        from orlhf.storage.checkpoint import read_meta
-
-        return next((p for p in mgr.complete() if read_meta(p).get("run_id") == mgr.run_id), None)
 
     # ---- the wakeup pipe ----------------------------------------------------------------------------------------
     def _open_pipe(self) -> bool:
