@@ -129,7 +129,7 @@ USER_ERRORS = (
     ("orlhf.trainer.step_stats", "CollapsedError"),
     ("orlhf.launch.export", "ExportError"),
     ("orlhf.storage.disk_space", "DiskSpaceError"),
-    ("orlhf.distributed.ray_start", "RayJoinError"),
+    ("orlhf.distributed.ray_join", "RayJoinError"),
     ("orlhf.distributed.addresses", "AddressError"),
 )
 

@@ -1,4 +1,4 @@
-"""Joining a running Ray cluster (distributed/ray_start.py): a token-authentication refusal becomes one line that says
+"""Joining a running Ray cluster (distributed/ray_join.py): a token-authentication refusal becomes one line that says
 what to set, and Ray's C++ lines meanwhile go to driver.log. Reading each node's GPU memory from nvidia-smi's output
 (distributed/placement.py). Pure: the exceptions are the ones Ray 2.60 raises (copied from a head started with
 RAY_AUTH_MODE=token); tests/ray/test_ray_token_auth.py joins such a head."""
@@ -10,7 +10,7 @@ import pytest
 from ray.exceptions import AuthenticationError
 
 from orlhf.distributed.placement import smallest_gpu_gib
-from orlhf.distributed.ray_start import auth_hint, auth_refusal, native_stderr_aside
+from orlhf.distributed.ray_join import auth_hint, auth_refusal, native_stderr_aside
 
 # str() of the RuntimeError under ray.init's ConnectionError, when the cluster refuses the token (or gets none)
 GCS_REFUSED = (
