@@ -34,7 +34,7 @@ from orlhf.workers.full_weights import LAYER_PREFIX  # parameters of one decoder
 from orlhf.workers.hf_names import meta_group, to_checkpoint_names
 
 if TYPE_CHECKING:
-    from orlhf.config.worker_config import LoraSlice
+    from orlhf.config.worker_slices import LoraSlice
 
 log = logging.getLogger("orlhf.workers")
 

@@ -34,7 +34,7 @@ def synced_model(worker, path: str):
 
 @gpu
 def test_lora_bf16_step_moves_the_adapter_and_the_sync_carries_it(dist_env, lm_path):
-    from orlhf.config.worker_config import LoraSlice
+    from orlhf.config.worker_slices import LoraSlice
 
     exp = experience(lm_path)
     worker = started(actor_cfg(lm_path, lora=LoraSlice(rank=8, alpha=16)))
@@ -55,7 +55,7 @@ def test_lora_bf16_step_moves_the_adapter_and_the_sync_carries_it(dist_env, lm_p
 @gpu
 @pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="needs bitsandbytes (the gpu extra)")
 def test_qlora_step_runs_on_4bit_weights_and_the_sync_dequantizes_them(dist_env, lm_path):
-    from orlhf.config.worker_config import LoraSlice
+    from orlhf.config.worker_slices import LoraSlice
 
     exp = experience(lm_path)
     worker = started(actor_cfg(lm_path, zero_stage=2, lora=LoraSlice(rank=8, alpha=16, load_in_4bit=True)))

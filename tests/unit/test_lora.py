@@ -9,7 +9,7 @@ from torch import nn
 
 from orlhf.config.flags import build_config
 from orlhf.config.train_config import ConfigError
-from orlhf.config.worker_config import LoraSlice
+from orlhf.config.worker_slices import LoraSlice
 from orlhf.workers import lora
 
 VLLM_LLAMA = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}

@@ -8,15 +8,8 @@ import pytest
 from orlhf.config.flags import parse_config
 from orlhf.config.roles import ROLES
 from orlhf.config.train_config import ConfigError
-from orlhf.config.worker_config import (
-    ActorConfig,
-    CriticConfig,
-    RefConfig,
-    RewardConfig,
-    TrainSlice,
-    role_config,
-    worker_config,
-)
+from orlhf.config.worker_config import ActorConfig, CriticConfig, RefConfig, RewardConfig, role_config, worker_config
+from orlhf.config.worker_slices import TrainSlice
 
 
 def field_names(obj) -> set[str]:

@@ -129,7 +129,8 @@ class TrainerSide:
         zero_stage: int = 3,
         lora_rank: int = 0,
     ) -> None:
-        from orlhf.config.worker_config import LoraSlice, role_config
+        from orlhf.config.worker_config import role_config
+        from orlhf.config.worker_slices import LoraSlice
         from orlhf.workers import PolicyWorker
 
         lora = LoraSlice(rank=lora_rank, alpha=2 * lora_rank) if lora_rank else None

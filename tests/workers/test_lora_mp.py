@@ -29,7 +29,8 @@ def _experience() -> Experience:
 
 
 def _rank_main(rank: int, world: int, port: int, path: str, stage: int, out: str) -> None:
-    from orlhf.config.worker_config import LoraSlice, role_config
+    from orlhf.config.worker_config import role_config
+    from orlhf.config.worker_slices import LoraSlice
     from orlhf.workers import PolicyWorker, ReferenceWorker
 
     common = dict(model_path=path, device="cpu", zero_stage=stage, micro_forward_batch_size=4)
