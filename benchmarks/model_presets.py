@@ -4,9 +4,9 @@
     every other preset is a random-init Llama (seed 0) with the demo's tokenizer, built once into
     <orlhf cache>/bench/models/llama-h<hidden>-l<layers>-... ($ORLHF_CACHE moves it) and reused after that
     build_model(out, hidden, layers, max_len, ...) -> a random Llama of any size under <out>/models (what
-    ppo_throughput.py --hidden/--layers, bench_padding.py --hidden and bench_train_mfu.py build)
+    ppo_throughput.py --hidden/--layers, probes/bench_padding.py --hidden and bench_train_mfu.py build)
     large_vocab_model(out, vocab, ...) -> a small random Llama with a vocabulary of `vocab` tokens (Qwen's 151,936
-    by default): the demo's tokenizer with filler words added (bench_large_vocab_run.py)
+    by default): the demo's tokenizer with filler words added (probes/bench_large_vocab_run.py)
     crossover(rows, ratio_key) -> the smallest preset from which vLLM stays ahead of HF (bench_generation --sweep)
 
 Sizes: the demo's vocabulary is 965 tokens, so embeddings and LM head are a small share; the decoder layers carry

@@ -159,7 +159,7 @@ def zero_stage_for(cfg: TrainConfig, role: str) -> int:
 def zero_stage_of(ds, role: str, ranks: int, device: str) -> int:
     """--zero_stage when given; else 3, except for a group of one rank. There ZeRO-3 partitions nothing (the one
     shard is the whole model) but still runs its per-module gather/release hooks on every forward and backward
-    (benchmarks/bench_zero_stage.py measures what they cost). So one rank trains under ZeRO-2 (its gradient and
+    (benchmarks/probes/bench_zero_stage.py measures what they cost). So one rank trains under ZeRO-2 (its gradient and
     optimizer-state partitions are whole too) and scores with no ZeRO. Kept at 3:
     --deepspeed_enable_sleep (DeepSpeed's offload_states path is ZeRO-3's) and a frozen model with
     --ref_reward_offload on GPUs (parameter offload is ZeRO-3 only). `ds`: the config's DeepSpeedConfig."""

@@ -2,9 +2,10 @@
 
 torch computes bf16 at speed on a CPU only with its bf16 instructions (x86: avx512_bf16 or amx_bf16; Arm: bf16);
 elsewhere every bf16 matmul is emulated, and a bf16 run takes many times as long as the same run in fp32
-(benchmarks/results/2026-12-02-cpu-bf16-slowdown.md, benchmarks/bench_cpu_bf16.py). A user who asks for --bf16 on such
-a CPU gets a ConfigError that names the CPU, the missing flags and the slowdown, timed here (a bf16 against an fp32
-matmul, a fraction of a second: CPUs differ), and the two ways out: fp32 (no --bf16) or --allow_slow_bf16.
+(benchmarks/results/2026-12-02-cpu-bf16-slowdown.md, benchmarks/probes/bench_cpu_bf16.py). A user who asks for
+--bf16 on such a CPU gets a ConfigError that names the CPU, the missing flags and the slowdown, timed here (a bf16
+against an fp32 matmul, a fraction of a second: CPUs differ), and the two ways out: fp32 (no --bf16) or
+--allow_slow_bf16.
 
     cpu_info() -> CpuInfo(model, arch, flags) | None   from /proc/cpuinfo, no torch; None where it cannot be read
     matmul_seconds(rows, dim) -> {dtype: seconds}      the best of a few (rows, dim) @ (dim, dim) products, one thread

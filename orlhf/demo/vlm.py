@@ -30,7 +30,7 @@ pixel-shuffled 2 x 2 by the connector, so a prompt stays a few dozen tokens.
 Image paths in the rows are absolute (OpenRLHF opens them as given): the folder is not to be moved once built.
 
 What a VLM pipeline must handle with this model in vLLM (prompt ids, image tokens in responses, the encoder
-cache after a weight sync) is in docs/vlm.md; benchmarks/probe_vlm.py checks it.
+cache after a weight sync) is in docs/vlm.md; benchmarks/probes/probe_vlm.py checks it.
 
 Invariant: make_vlm_demo is deterministic given its seed (up to library versions).
 """

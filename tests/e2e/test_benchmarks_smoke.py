@@ -102,7 +102,7 @@ def test_bench_padding_compares_three_layouts_with_equal_results(tmp_path):
     proc = subprocess.run(
         [
             sys.executable,
-            "benchmarks/bench_padding.py",
+            "benchmarks/probes/bench_padding.py",
             "--batch",
             "8",
             "--micro",
@@ -132,7 +132,7 @@ def test_bench_engine_step_repeats_the_same_rollouts(tmp_path):
     proc = subprocess.run(
         [
             sys.executable,
-            "benchmarks/bench_engine_step.py",
+            "benchmarks/probes/bench_engine_step.py",
             "--repeats",
             "2",
             "--num_prompts",

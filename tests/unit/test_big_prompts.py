@@ -1,6 +1,6 @@
 """Big prompt files: rows read one at a time, over-long prompts decided from a window of their text (never tokenized
 whole), the same prompts and counts as tokenizing every text whole, and a progress bar once reading is slow
-(inputs/prompt_rows.py, inputs/prompts.py). benchmarks/bench_prompt_read.py measures time and memory."""
+(inputs/prompt_rows.py, inputs/prompts.py). benchmarks/probes/bench_prompt_read.py measures time and memory."""
 
 import json
 import os

@@ -1,10 +1,10 @@
-"""benchmarks/flop_profile.py's counting: the body's matrix weights of a real config, the positions of orlhf's
+"""benchmarks/probes/flop_profile.py's counting: the body's matrix weights of a real config, the positions of orlhf's
 shared-prompt layout (common head, remainders, responses) and of TRL's padded rows."""
 
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "probes"))
 import flop_profile  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""benchmarks/model_presets.py's large-vocabulary tokenizer (what bench_large_vocab_run.py trains on): the demo's
+"""benchmarks/model_presets.py's large-vocabulary tokenizer (what probes/bench_large_vocab_run.py trains on): the demo's
 tokenizer grown with filler words to any vocabulary size encodes the demo's text exactly as before, and every id a
 model could sample decodes to text."""
 

@@ -1,5 +1,5 @@
 """The VLM demo (orlhf/demo/vlm.py): it builds offline, its rows become image prompts, its model runs, its reward
-scores the colour. vLLM's side is benchmarks/probe_vlm.py (it starts an engine: too slow for a unit test)."""
+scores the colour. vLLM's side is benchmarks/probes/probe_vlm.py (it starts an engine: too slow for a unit test)."""
 
 import json
 import os

@@ -12,7 +12,7 @@
 
 Each prints one line; the last line is one JSON object. Not a test: it starts a vLLM engine (a few CPU minutes).
 
-    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/probe_vlm.py
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/probes/probe_vlm.py
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # as orlhf's CPU engines (rollout/engine.py engine_env)
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 MAX_NEW = 16
 

@@ -14,8 +14,8 @@ benchmarks/results/2026-11-22-cpu-threads.md.
 
 Reproduce (2-core CPU; ~1 min for threads, ~2 min with --pyspy; py-spy from the package registry, outside the
 project's virtualenv: `pip install --target /tmp/pyspy py-spy`):
-    .venv/bin/python benchmarks/bench_threads.py
-    .venv/bin/python benchmarks/bench_threads.py --pyspy /tmp/pyspy/bin/py-spy
+    .venv/bin/python benchmarks/probes/bench_threads.py
+    .venv/bin/python benchmarks/probes/bench_threads.py --pyspy /tmp/pyspy/bin/py-spy
 On a machine shared with other jobs only the shares and the ratios inside one run mean anything.
 """
 
@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -18,8 +18,8 @@ The whole-logits mode needs several copies of one micro-batch's logits (8 x 512 
 it is skipped, and the JSON says so, when the machine's MemAvailable is below --whole_min_free_gib. Every process
 of the runs gets oom_score_adj 1000 (inherited), so on a shared machine the kernel would end these runs first.
 
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_large_vocab_run.py              # minutes per mode on 2 cores
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_large_vocab_run.py --modes chunked
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/probes/bench_large_vocab_run.py      # minutes per mode on 2 cores
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/probes/bench_large_vocab_run.py --modes chunked
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared helpers
 
 from model_presets import QWEN_VOCAB, bench_cache, large_vocab_model, param_count  # noqa: E402
 from proctree import run_sampled  # noqa: E402

@@ -13,8 +13,8 @@ ppo_throughput.py's `+padded` knob shows little there; this isolates the effect 
 real prompts and EOS-terminated responses.
 
 Reproduce (2-core CPU, ~1 min):
-    .venv/bin/python benchmarks/bench_padding.py
-    .venv/bin/python benchmarks/bench_padding.py --hidden 512 --layers 4 --response_len 16 512
+    .venv/bin/python benchmarks/probes/bench_padding.py
+    .venv/bin/python benchmarks/probes/bench_padding.py --hidden 512 --layers 4 --response_len 16 512
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # model_presets
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 LAYOUTS = {"padded": {"trim_padding": False}, "trimmed": {}, "packed": {"packing_samples": True}}

@@ -18,10 +18,10 @@ no Ray (what bench_large_vocab_run.py measures whole).
 --no_keep_freed_memory leaves glibc's defaults (freed large blocks go back to the OS, one arena per thread),
 --release gives what each call freed back to the OS after it returns (malloc_trim): to compare.
 
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_rank_memory.py                 # minutes on 2 cores
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_rank_memory.py --no_keep_freed_memory
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/probes/bench_rank_memory.py                 # minutes on 2 cores
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/probes/bench_rank_memory.py --no_keep_freed_memory
     # the real-model recipe's actor rank (no reference: its KL coefficient is 0), prompts padded to 128 tokens
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_rank_memory.py --model DIR/model --no_ref \
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/probes/bench_rank_memory.py --model DIR/model --no_ref \
         --response_len 24 --prompt_len 128
 """
 
@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared helpers
 
 from model_presets import QWEN_VOCAB, bench_cache, large_vocab_model  # noqa: E402
 

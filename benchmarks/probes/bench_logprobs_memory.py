@@ -11,7 +11,7 @@ layers: the LM head and the softmax are what grow with length).
               model's; time: the median of --repeats calls after one warm-up
     -> a table, and one JSON line: per (tokens, phase) the peaks, the ratio chunked / whole and the time ratio
 
-Reproduce (CPU, ~2 min): PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_logprobs_memory.py
+Reproduce (CPU, ~2 min): PYTHONPATH=$PWD .venv/bin/python benchmarks/probes/bench_logprobs_memory.py
 GPU: add --device cuda (bf16 with --bf16).
 """
 

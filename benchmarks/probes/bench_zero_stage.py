@@ -6,7 +6,7 @@ trained groups, worker_config.zero_stage_of).
     warm-up steps, then --steps timed train_step calls on one fixed synthetic batch (256 rows, 24 prompt + 24
     response tokens, micro-batch 64, --use_kl_loss k3 as trl_compare's orlhf side) -> min and median seconds
 
-Reproduce (2-core CPU box, ~1.5 min): .venv/bin/python benchmarks/bench_zero_stage.py --threads 2
+Reproduce (2-core CPU box, ~1.5 min): .venv/bin/python benchmarks/probes/bench_zero_stage.py --threads 2
 Results: benchmarks/results/2026-11-23-trl-compare-zero2.md.
 """
 
@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def child(stage: int, threads: int, steps: int, port: int) -> dict:

@@ -10,8 +10,8 @@ engine gets the cores, orlhf/cpu/threads.py engine_threads; 0: as the demo run's
 demo's first --num_prompts rows, tokenized by orlhf's own data path. The same seeds every call (batch index 0), so every
 call does the same work and gives the same digest.
 
-    /work/wt/heavy.sh env PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_engine_step.py --repeats 10
-    py-spy record -r 200 -f raw -o /tmp/gen.txt -- .venv/bin/python benchmarks/bench_engine_step.py --repeats 30
+    /work/wt/heavy.sh env PYTHONPATH=$PWD .venv/bin/python benchmarks/probes/bench_engine_step.py --repeats 10
+    py-spy record -r 200 -f raw -o /tmp/gen.txt -- .venv/bin/python benchmarks/probes/bench_engine_step.py --repeats 30
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def demo_setup(num_prompts: int):

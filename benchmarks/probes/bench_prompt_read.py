@@ -12,8 +12,8 @@ tokenizer and flags), and with --run a whole `orlhf train-ppo` start-up on them.
     -> a table, and one final JSON line
 
 Reproduce (2-core CPU; read: ~1-2 min for all cases; --run adds a demo start-up and one step per case):
-    flock /tmp/orlhf-heavy.lock .venv/bin/python benchmarks/bench_prompt_read.py
-    flock /tmp/orlhf-heavy.lock .venv/bin/python benchmarks/bench_prompt_read.py --cases long,million --run
+    flock /tmp/orlhf-heavy.lock .venv/bin/python benchmarks/probes/bench_prompt_read.py
+    flock /tmp/orlhf-heavy.lock .venv/bin/python benchmarks/probes/bench_prompt_read.py --cases long,million --run
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -12,8 +12,8 @@ instructions (orlhf/cpu/bf16.py). Results: benchmarks/results/2026-12-02-cpu-bf1
     -> a table (seconds, bf16 / fp32), and one final JSON line
 
 Reproduce (~2 min on a 2-core AVX2 CPU, most of it the bf16 passes):
-    .venv/bin/python benchmarks/bench_cpu_bf16.py
-    .venv/bin/python benchmarks/bench_cpu_bf16.py --threads 2 --repeats 5
+    .venv/bin/python benchmarks/probes/bench_cpu_bf16.py
+    .venv/bin/python benchmarks/probes/bench_cpu_bf16.py --threads 2 --repeats 5
 On a machine shared with other jobs only the ratios inside one run mean anything (the dtypes are interleaved).
 """
 
@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

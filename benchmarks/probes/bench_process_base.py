@@ -10,7 +10,7 @@ bases `orlhf plan`'s CPU estimate adds to the model's bytes (launch/plan_cpu.py)
     the driver after its imports and ray.init                        -> its RSS
     -> a table (MiB) and one JSON line
 
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_process_base.py --model DIR/model   # ~1 min on 2 cores
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/probes/bench_process_base.py --model DIR/model   # ~1 min on 2 cores
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared helpers
 
 from proctree import rss_group  # noqa: E402
 

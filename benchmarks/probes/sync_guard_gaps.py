@@ -15,11 +15,12 @@ A trainer (PolicyWorker, ZeRO-3, world 1) and an in-process vLLM engine joined b
     -> a table, and one final JSON line
 
 Reproduce (2-core AVX2 CPU: a tiny family ~1 min; SmolLM2-135M fp32 ~6 min, bf16 ~4 min for step 1, steps 2 and rope):
-    .venv/bin/python benchmarks/sync_guard_gaps.py --model llama_tied --dtype bf16 --steps 16 --breaks ""
-    .venv/bin/python benchmarks/sync_guard_gaps.py --model real --lr 1e-6 --steps 3 --drop_layer 10 \\
+    .venv/bin/python benchmarks/probes/sync_guard_gaps.py --model llama_tied --dtype bf16 --steps 16 --breaks ""
+    .venv/bin/python benchmarks/probes/sync_guard_gaps.py --model real --lr 1e-6 --steps 3 --drop_layer 10 \\
         --startup rope,zero_mlp,noise_mlp
-    .venv/bin/python benchmarks/sync_guard_gaps.py --model real --lr 1e-6 --steps 1 --drop_layer 10 --break_steps 6
-    .venv/bin/python benchmarks/sync_guard_gaps.py --model real --dtype bf16 --lr 1e-6 --steps 2 --breaks "" \\
+    .venv/bin/python benchmarks/probes/sync_guard_gaps.py --model real --lr 1e-6 --steps 1 --drop_layer 10 \\
+        --break_steps 6
+    .venv/bin/python benchmarks/probes/sync_guard_gaps.py --model real --dtype bf16 --lr 1e-6 --steps 2 --breaks "" \\
         --startup rope
 """
 
@@ -31,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402

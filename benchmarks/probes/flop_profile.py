@@ -21,7 +21,7 @@ length of the run (--response_len; from an orlhf metrics row's response_length i
 that many a sample; a forward's response columns run to the longest response, taken at the limit (a sampled batch's
 longest at temperature 1; HF generate decodes the padded batch that long).
 
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/flop_profile.py --model DEMO/model --prompts DEMO/train.jsonl \\
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/probes/flop_profile.py --model DEMO/model --prompts DEMO/train.jsonl \\
         --input_key question --response_len 19 [--result runs/trl_compare/result.json]
 """
 
