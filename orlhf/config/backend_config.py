@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 from orlhf.config.option import opt
+from orlhf.config.rollout_backends import BACKENDS, DEFAULT_BACKEND
 
 SYNC_BACKENDS = ("nccl", "gloo")
-ROLLOUT_BACKENDS = ("vllm", "trainer")
 
 
 @dataclass(frozen=True)
@@ -20,11 +20,11 @@ class VLLMConfig:
         flag="vllm_num_engines",
     )
     rollout_backend: str = opt(
-        "vllm",
+        DEFAULT_BACKEND,
         "Who generates the rollouts: vllm (engines of their own, weights synced after every update) or trainer (the "
         "actor's ranks, with transformers' generate on their own weights: no vLLM, no weight sync; for models or "
         "machines vLLM does not support, and debugging). --vllm_num_engines 0 means trainer.",
-        choices=ROLLOUT_BACKENDS,
+        choices=tuple(BACKENDS),
     )
     tensor_parallel_size: int = opt(1, "GPUs per vLLM engine (tensor parallel).", flag="vllm_tensor_parallel_size")
     sync_backend: Optional[str] = opt(

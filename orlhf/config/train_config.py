@@ -22,6 +22,7 @@ from orlhf.algo.registry import ESTIMATORS
 from orlhf.config.backend_config import DeepSpeedConfig, VLLMConfig
 from orlhf.config.option import opt
 from orlhf.config.ppo_config import PPOConfig
+from orlhf.config.rollout_backends import BackendSpec, backend, backend_name
 from orlhf.config.run_config import EvalConfig, LoggingConfig, RuntimeConfig
 from orlhf.config.trained_config import LoraConfig, RoleOptimConfig
 
@@ -194,21 +195,28 @@ class TrainConfig:
         return self.ppo.init_kl_coef > 0 or self.ppo.use_kl_loss
 
     @property
-    def engines_colocated(self) -> bool:
-        """The vLLM engines share the actor's devices: --colocate_all_models, except with --async_train, where they
-        keep devices of their own so generation overlaps training and only the DeepSpeed models share (OpenRLHF's
-        async mode does the same). None when the actor's ranks generate."""
-        return self.placement.colocate_all_models and not self.ppo.async_train and not self.rollout_in_trainer
+    def rollout_name(self) -> str:
+        """The run's rollout backend (config/rollout_backends.py): --rollout_backend, with --vllm_num_engines 0 read
+        as the trainer backend there, once."""
+        return backend_name(self.vllm.rollout_backend, self.vllm.num_engines)
 
     @property
-    def rollout_in_trainer(self) -> bool:
-        """--rollout_backend trainer (or --vllm_num_engines 0): the actor's ranks generate, no engines run."""
-        return self.vllm.rollout_backend == "trainer" or self.vllm.num_engines == 0
+    def rollout(self) -> BackendSpec:
+        """The run's rollout backend's record: whether it places engines and under which name, where its generation
+        memory lives, its class. What every module outside config/ reads to tell backends apart."""
+        return backend(self.rollout_name)
+
+    @property
+    def engines_colocated(self) -> bool:
+        """The rollout engines share the actor's devices: --colocate_all_models, except with --async_train, where they
+        keep devices of their own so generation overlaps training and only the DeepSpeed models share (OpenRLHF's
+        async mode does the same). False when the backend places no engines."""
+        return self.placement.colocate_all_models and not self.ppo.async_train and self.rollout.places_engines
 
     @property
     def num_engines(self) -> int:
-        """vLLM engines the run places and starts (none when the actor's ranks generate)."""
-        return 0 if self.rollout_in_trainer else self.vllm.num_engines
+        """Rollout engines the run places and starts (none when its backend places none)."""
+        return self.vllm.num_engines if self.rollout.places_engines else 0
 
     @property
     def reference_from_actor(self) -> bool:

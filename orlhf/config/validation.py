@@ -36,7 +36,9 @@ def validate(cfg: TrainConfig, explicit: Collection[str] = frozenset(), local_pa
     one is refused when given without it, while its default never is. `local_packages`: the run starts on this
     machine, so packages a flag needs must be importable here, and its run and checkpoint folders writable (not
     when `orlhf plan` describes another cluster)."""
-    problems: list[str] = []
+    problems: list[str] = rollout.known(cfg)
+    if problems:  # every rule below reads the backend's record
+        raise ConfigError(problems)
     for rule in (
         _ranges,
         algo.estimators,
@@ -83,7 +85,7 @@ def _packages_here(cfg: TrainConfig, out: list[str]) -> None:
         out.append(LIGER_MISSING)
     v = cfg.vllm
     nccl = cfg.runtime.device == "cuda" and v.sync_backend in (None, "nccl")  # None: nccl, the GPU default
-    ray_nccl = v.sync_with_ray and nccl and not cfg.engines_colocated and not cfg.rollout_in_trainer
+    ray_nccl = v.sync_with_ray and nccl and not cfg.engines_colocated and cfg.rollout.places_engines
     if ray_nccl and importlib.util.find_spec("cupy") is None:
         out.append(
             "--vllm_sync_with_ray: Ray's NCCL backend runs on cupy, which is not importable here; install the cupy "

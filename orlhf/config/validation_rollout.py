@@ -1,10 +1,12 @@
-"""How rollouts are generated: the rules of --rollout_backend trainer (--vllm_num_engines 0: the actor's ranks
-generate, so the flags that set up vLLM engines have nothing to act on, and generation cannot overlap the actor's
-training), of --partial_rollout (rollout/partial.py), and of --router_replay (whose experts the actor replays).
-Whether --pretrain is a mixture-of-experts family it replays is read from its files (launch/preflight.py)."""
+"""How rollouts are generated: the rules of the rollout backend (config/rollout_backends.py: a backend that places
+no engines, such as --rollout_backend trainer or --vllm_num_engines 0, leaves the engine flags nothing to act on, and
+where the actor's ranks generate, generation cannot overlap their training), of --partial_rollout
+(rollout/partial.py), and of --router_replay (whose experts the actor replays). Whether --pretrain is a
+mixture-of-experts family it replays is read from its files (launch/preflight.py)."""
 
 from __future__ import annotations
 
+from orlhf.config.rollout_backends import BACKENDS, NO_ENGINES
 from orlhf.config.train_config import TrainConfig
 
 # Flags that configure the engines only: given with the trainer backend they would be silently ignored.
@@ -24,29 +26,48 @@ ENGINE_FLAGS = (
 )
 
 
+def chosen_by(cfg: TrainConfig) -> str:
+    """The flags that chose the run's backend, as an error names them: --vllm_num_engines 0 when that resolved it."""
+    if cfg.rollout_name != cfg.vllm.rollout_backend:
+        return "--vllm_num_engines 0"
+    return cfg.rollout.how or f"--rollout_backend {cfg.rollout_name}"
+
+
+def _generates(cfg: TrainConfig) -> str:
+    return "generates in the actor's ranks" if cfg.rollout.in_actor else "places no engines"
+
+
+def known(cfg: TrainConfig) -> list[str]:
+    """A --rollout_backend of the table (the CLI's choices come from it; a config built in code may still miss)."""
+    name = cfg.vllm.rollout_backend
+    if name in BACKENDS:
+        return []
+    return [f"--rollout_backend {name}: not a rollout backend; use one of {', '.join(BACKENDS)}."]
+
+
 def backend(cfg: TrainConfig, explicit: frozenset[str], out: list[str]) -> None:
-    v = cfg.vllm
-    if v.rollout_backend == "trainer" and "vllm_num_engines" in explicit and v.num_engines > 0:
+    v, spec = cfg.vllm, cfg.rollout
+    if not spec.places_engines and "vllm_num_engines" in explicit and v.num_engines > 0:
         out.append(
-            f"--rollout_backend trainer generates in the actor's ranks, but --vllm_num_engines {v.num_engines} "
-            "asks for vLLM engines: give one of them."
+            f"--rollout_backend {cfg.rollout_name} {_generates(cfg)}, but --vllm_num_engines {v.num_engines} asks "
+            "for vLLM engines: give one of them."
         )
-    if v.rollout_backend == "vllm" and "rollout_backend" in explicit and v.num_engines == 0:
+    if BACKENDS[v.rollout_backend].places_engines and "rollout_backend" in explicit and v.num_engines == 0:
         out.append(
-            "--rollout_backend vllm needs --vllm_num_engines >= 1 (0 means the actor's ranks generate: "
-            "--rollout_backend trainer)."
+            f"--rollout_backend {v.rollout_backend} needs --vllm_num_engines >= 1 (0 means the actor's ranks "
+            f"generate: --rollout_backend {NO_ENGINES})."
         )
-    if not cfg.rollout_in_trainer:
+    if spec.places_engines:
         return
-    how = "--vllm_num_engines 0" if v.num_engines == 0 else "--rollout_backend trainer"
+    how = chosen_by(cfg)
     given = [f"--{f}" for f in ENGINE_FLAGS if f in explicit]
     if given:
+        runs = "the actor's ranks generate (no engine runs)" if spec.in_actor else "no engine runs"
         out.append(
-            f"{' '.join(given)}: set{'s' if len(given) == 1 else ''} up vLLM engines, and with {how} the actor's "
-            f"ranks generate (no engine runs): drop {'it' if len(given) == 1 else 'them'}, or use vLLM engines "
-            "(--vllm_num_engines N)."
+            f"{' '.join(given)}: set{'s' if len(given) == 1 else ''} up vLLM engines, and with {how} {runs}: "
+            f"drop {'it' if len(given) == 1 else 'them'}, or use vLLM engines (--vllm_num_engines N)."
         )
-    if cfg.ppo.async_train:
+    if cfg.ppo.async_train and spec.in_actor:
         out.append(
             f"--async_train overlaps generation with training on other devices, and with {how} the actor's ranks "
             "both generate and train, one after the other: drop --async_train, or use vLLM engines."
@@ -63,8 +84,8 @@ def partial(cfg: TrainConfig, explicit: frozenset[str], out: list[str]) -> None:
         if "partial_rollout_tokens" in explicit:
             out.append("--partial_rollout_tokens does nothing without --partial_rollout: add it or drop the count.")
         return
-    if cfg.rollout_in_trainer:
-        how = "--vllm_num_engines 0" if cfg.vllm.num_engines == 0 else "--rollout_backend trainer"
+    if cfg.rollout.in_actor:
+        how = chosen_by(cfg)
         out.append(
             f"--partial_rollout lets weight syncs into the vLLM engines' generation, and with {how} the actor's ranks "
             "generate between their training steps (no engine, no sync to let in): drop --partial_rollout."
@@ -84,12 +105,12 @@ def partial(cfg: TrainConfig, explicit: frozenset[str], out: list[str]) -> None:
 def router_replay(cfg: TrainConfig, out: list[str]) -> None:
     """--router_replay R3 needs engines that record the experts; R2 the old-log-prob forward it records in."""
     mode, v = cfg.ppo.router_replay, cfg.vllm
-    if mode == "R3" and cfg.rollout_in_trainer:
-        how = "--vllm_num_engines 0" if v.num_engines == 0 else "--rollout_backend trainer"
+    if mode == "R3" and not cfg.rollout.records_routing:
+        who = "actor's ranks sample with the trainer's own routing" if cfg.rollout.in_actor else "backend records none"
         out.append(
-            f"--router_replay R3 replays the experts the vLLM engines routed the samples to, and with {how} the "
-            "actor's ranks sample with the trainer's own routing: nothing to replay. Use --router_replay R2 (the "
-            "actor's first forward's experts, replayed in training) or vLLM engines."
+            f"--router_replay R3 replays the experts the vLLM engines routed the samples to, and with {chosen_by(cfg)} "
+            f"the {who}: nothing to replay. Use --router_replay R2 (the actor's first forward's experts, replayed in "
+            "training) or vLLM engines."
         )
     elif mode == "R3" and cfg.runtime.device == "cpu" and v.enable_prefix_caching:
         out.append(

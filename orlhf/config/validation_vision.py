@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from orlhf.algo.registry import names as estimator_names
 from orlhf.config.train_config import TrainConfig
+from orlhf.config.validation_rollout import chosen_by
 
 NOT_YET = "is not supported with vision-language prompts (--max_images_per_prompt > 0) yet"
 
@@ -40,7 +41,6 @@ def vision(cfg: TrainConfig, explicit: frozenset[str], out: list[str]) -> None:
 def _unsupported(cfg: TrainConfig) -> list[str]:
     """Features that do not take image prompts yet: (given, message) each."""
     d, ppo = cfg.data, cfg.ppo
-    how = "--vllm_num_engines 0" if cfg.vllm.num_engines == 0 else "--rollout_backend trainer"
     rules = [
         (
             cfg.has_critic,
@@ -58,8 +58,8 @@ def _unsupported(cfg: TrainConfig) -> list[str]:
             f"--agent_func_path (multi-turn agents) {NOT_YET}: drop it, or train the agent on text prompts.",
         ),
         (
-            cfg.rollout_in_trainer,
-            f"{how} (generation in the actor's ranks) {NOT_YET}: generate with vLLM engines (--vllm_num_engines N).",
+            not cfg.rollout.takes_images,
+            f"{chosen_by(cfg)} ({_generation(cfg)}) {NOT_YET}: generate with vLLM engines (--vllm_num_engines N).",
         ),
         (ppo.partial_rollout, f"--partial_rollout {NOT_YET}: drop --partial_rollout."),
         (
@@ -74,3 +74,7 @@ def _unsupported(cfg: TrainConfig) -> list[str]:
         ),
     ]
     return [message for given, message in rules if given]
+
+
+def _generation(cfg: TrainConfig) -> str:
+    return "generation in the actor's ranks" if cfg.rollout.in_actor else f"the {cfg.rollout_name} rollout backend"

@@ -1,4 +1,4 @@
-"""Flags -> layout: which device slot every rank and every vLLM engine takes, and whether it fits. Pure: no Ray.
+"""Flags -> layout: which device slot every rank and every rollout engine takes, and whether it fits. Pure: no Ray.
 
     TrainConfig --plan_layout()--> Layout: pools of node-groups, one Slot per rank (pure data)
         --check_fits(layout, nodes)--> {node-group -> node}, or PlacementError with a needed-vs-available table
@@ -11,11 +11,12 @@ Words. A *slot* is one device: one GPU on cuda (bundle {"GPU": 1, "CPU": 1}); on
 one node: one placement group with STRICT_PACK. A *pool* is `num_nodes` node-groups. Rank r of a role uses
 node-group r // num_gpus_per_node, bundle r % num_gpus_per_node.
 
-Pools. Split placement gives each role (config/roles.py) its own pool and each vLLM engine its own 1 x TP pool (an
-engine's TP ranks share one node). --colocate_actor_ref and --colocate_critic_reward merge two roles into one pool
-(RoleSpec.colocate_with); --colocate_all_models puts every model and the engines on the actor's pool, engine i on
-its slots [i*TP, (i+1)*TP), which never straddle node-groups because validation makes TP divide the actor's GPUs
-per node.
+Pools. Split placement gives each role (config/roles.py) its own pool and each rollout engine its own 1 x TP pool
+(an engine's TP ranks share one node; the rollout backend's record names its engines: config/rollout_backends.py,
+"vllm"; a backend that places none adds no pool). --colocate_actor_ref and --colocate_critic_reward merge two roles
+into one pool (RoleSpec.colocate_with); --colocate_all_models puts every model and the engines on the actor's pool,
+engine i on its slots [i*TP, (i+1)*TP), which never straddle node-groups because validation makes TP divide the
+actor's GPUs per node.
 
 Shares (the rule): the k occupants of a slot each ask Ray for 1/k of it, rounded down to 1/100 so the sum
 stays <= 1 (actor+ref: 0.5 each; four models + vLLM: 0.2 each). A share is Ray accounting, not a memory split:
@@ -36,7 +37,6 @@ from typing import Any, Optional
 from orlhf.config.roles import ROLES, active_roles, guest_roles
 from orlhf.config.train_config import TrainConfig
 
-ENGINE = "vllm"  # occupant name of vLLM engines in a pool
 LOCAL_SPARE_CPUS = 2  # logical CPUs beyond the slots for a local CPU cluster: driver-side actors, head work
 GroupKey = tuple[str, int]  # (pool name, node-group index)
 
@@ -80,6 +80,7 @@ class Layout:
     roles: dict[str, tuple[Slot, ...]]  # role -> one Slot per rank, rank order (read-only by convention)
     engines: tuple[tuple[Slot, ...], ...]  # engine i -> its TP slots, TP-rank order
     guests: dict[str, str] = field(default_factory=dict)  # role -> the role whose processes run it (no bundles)
+    engine: Optional[str] = None  # the rollout backend's name for its engines (BackendSpec.engine); None: places none
 
     def pool(self, name: str) -> Pool:
         return next(p for p in self.pools if p.name == name)
@@ -101,7 +102,7 @@ def _pool_members(cfg: TrainConfig, roles: list[str]) -> list[list[str]]:
     """Occupants of each model pool, lead role first (the lead's flags give the pool's shape)."""
     p = cfg.placement
     if p.colocate_all_models:
-        return [roles + ([ENGINE] if cfg.engines_colocated else [])]
+        return [roles + ([cfg.rollout.engine] if cfg.engines_colocated else [])]
     host = {
         name: spec.colocate_with
         for name, spec in ROLES.items()
@@ -145,7 +146,7 @@ def plan_layout(cfg: TrainConfig) -> Layout:
         pools.append(pool)
         processes = [m for m in members if m not in guests]  # a guest asks for no share: it has no process
         for role in processes:
-            if role != ENGINE:
+            if role != cfg.rollout.engine:
                 roles[role] = _slots(pool, range(pool.num_slots), _share(len(processes)))
         for role in members:
             if role in guests:
@@ -158,11 +159,11 @@ def plan_layout(cfg: TrainConfig) -> Layout:
         )
     else:
         engine_pools = [
-            Pool(f"{ENGINE}{i}", 1, tp, "--vllm_tensor_parallel_size", None) for i in range(cfg.num_engines)
+            Pool(f"{cfg.rollout.engine}{i}", 1, tp, "--vllm_tensor_parallel_size", None) for i in range(cfg.num_engines)
         ]
         pools.extend(engine_pools)
         engines = tuple(_slots(ep, range(tp), 1.0) for ep in engine_pools)
-    return Layout(device, tuple(pools), roles, engines, guests)
+    return Layout(device, tuple(pools), roles, engines, guests, cfg.rollout.engine)
 
 
 def cpu_slots_needed(layout: Layout) -> int:

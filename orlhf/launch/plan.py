@@ -17,19 +17,10 @@ from typing import Optional
 
 from orlhf.config.resolve import resolve_device
 from orlhf.config.roles import ROLES
+from orlhf.config.rollout_backends import ON_ACTOR, ON_ENGINES
 from orlhf.config.train_config import TrainConfig
 from orlhf.config.worker_config import zero_stage_of
-from orlhf.distributed.layout import (
-    ENGINE,
-    GroupKey,
-    Layout,
-    NodeSpec,
-    Slot,
-    fit_report,
-    format_table,
-    plan_layout,
-    simulate,
-)
+from orlhf.distributed.layout import GroupKey, Layout, NodeSpec, Slot, fit_report, format_table, plan_layout, simulate
 from orlhf.launch import plan_cpu
 from orlhf.launch.plan_cluster import ClusterArgs, local_cpu_node, resolve_cluster
 from orlhf.launch.plan_memory import (
@@ -120,7 +111,7 @@ def placement_section(layout: Layout, nodes: list[NodeSpec], placed: dict[GroupK
         pool = layout.pool(slots[0].pool)
         rows += _placement_rows(role, f"{len(slots)} ({pool.num_groups}x{pool.group_size})", slots, nodes, placed)
     for i, slots in enumerate(layout.engines):
-        rows += _placement_rows(f"{ENGINE}{i}", f"TP {len(slots)}", slots, nodes, placed)
+        rows += _placement_rows(f"{layout.engine}{i}", f"TP {len(slots)}", slots, nodes, placed)
     head = ["who", "ranks", "pool", "node-group", "node", "bundles", "share"]
     notes = [
         f"{guest} runs inside the {host}'s rank processes (rank k in {host} rank k's): no bundles or process "
@@ -174,13 +165,10 @@ def memory_section(
     known = [n.gpu_memory_gb for n in nodes if n.gpu_memory_gb]
     per = "GPU GiB/rank" if layout.device == "cuda" else "GiB/rank"
     rows = [[m.who, _count(m.params), m.ranks, _gib(m.device_gib), _gib(m.host_gib), m.formula] for m in mems.values()]
-    if cfg.rollout_in_trainer:  # no engine: the actor's ranks generate, on top of their own states
-        actor_stage = zero_stage_of(cfg.deepspeed, "actor", len(layout.roles["actor"]), layout.device)
-        eng = trainer_generation_memory(cfg, dims["actor"], len(layout.roles["actor"]), actor_stage)
-        rows.append(["generate (actor)", _count(eng.params), eng.ranks, _gib(eng.device_gib), "0", eng.formula])
-    else:
-        eng = engine_memory(cfg, dims["actor"], layout.device, min(known) if known else None)
-        rows.append([f"{ENGINE} (each)", _count(eng.params), f"TP {eng.ranks}", _gib(eng.device_gib), "0", eng.formula])
+    eng = generation_memory(cfg, layout, dims["actor"], min(known) if known else None)
+    if eng is not None:
+        ranks = f"TP {eng.ranks}" if cfg.rollout.memory == ON_ENGINES else eng.ranks
+        rows.append([_generation_who(cfg), _count(eng.params), ranks, _gib(eng.device_gib), "0", eng.formula])
     cpu = layout.device == "cpu"
     held = "model states; each process's total below" if cpu else "model states and DeepSpeed's reduce bucket"
     on_top = "" if cpu else "activations come on top; "
@@ -197,7 +185,7 @@ def memory_section(
     if layout.device == "cuda":
         lines += ["", *_device_sums(cfg, layout, nodes, placed, mems, eng, dims["actor"], problems)]
     if cpu:
-        procs = plan_cpu.processes(cfg, layout, mems, dims, eng if cfg.rollout_in_trainer else None)
+        procs = plan_cpu.processes(cfg, layout, mems, dims, eng if cfg.rollout.memory == ON_ACTOR else None)
         lines += ["", *plan_cpu.process_lines(procs)]
         needs = plan_cpu.host_needs(procs, nodes, placed)
     else:
@@ -206,10 +194,38 @@ def memory_section(
     return lines, problems
 
 
-def _pool_load(cfg: TrainConfig, occupants: tuple[str, ...], mems: dict[str, Memory], eng: Memory, attr: str) -> float:
+def generation_memory(cfg: TrainConfig, layout: Layout, actor: ModelDims, gpu_gib: Optional[float]) -> Optional[Memory]:
+    """What generating takes, where the backend's record says it lives (config/rollout_backends.py): on each of its
+    engines, on top of each actor rank's states, or nowhere in this cluster (None)."""
+    if cfg.rollout.memory == ON_ACTOR:
+        stage = zero_stage_of(cfg.deepspeed, "actor", len(layout.roles["actor"]), layout.device)
+        return trainer_generation_memory(cfg, actor, len(layout.roles["actor"]), stage)
+    if cfg.rollout.memory == ON_ENGINES:
+        return engine_memory(cfg, actor, layout.device, gpu_gib)
+    return None
+
+
+def _generation_who(cfg: TrainConfig) -> str:
+    return "generate (actor)" if cfg.rollout.memory == ON_ACTOR else f"{cfg.rollout.engine} (each)"
+
+
+def _generates(cfg: TrainConfig, layout: Layout, occupants: tuple[str, ...]) -> bool:
+    """A pool whose occupants hold the backend's generation memory."""
+    if cfg.rollout.memory == ON_ACTOR:
+        return "actor" in occupants
+    return layout.engine is not None and any(o.startswith(layout.engine) for o in occupants)
+
+
+def _pool_load(
+    cfg: TrainConfig,
+    layout: Layout,
+    occupants: tuple[str, ...],
+    mems: dict[str, Memory],
+    eng: Optional[Memory],
+    attr: str,
+) -> float:
     trainers = sum(getattr(mems[r], attr) for r in occupants if r in mems)
-    generates = "actor" in occupants if cfg.rollout_in_trainer else any(o.startswith(ENGINE) for o in occupants)
-    engine = getattr(eng, attr) if generates else 0.0
+    engine = getattr(eng, attr) if eng is not None and _generates(cfg, layout, occupants) else 0.0
     return device_peak(cfg, trainers, engine) if attr == "device_gib" else trainers + engine
 
 
@@ -219,7 +235,7 @@ def _device_sums(
     nodes: list[NodeSpec],
     placed: dict[GroupKey, int],
     mems: dict[str, Memory],
-    eng: Memory,
+    eng: Optional[Memory],
     actor_dims: ModelDims,
     problems: list[str],
 ) -> list[str]:
@@ -228,7 +244,7 @@ def _device_sums(
         caps = [nodes[placed[(pool.name, g)]].gpu_memory_gb for g in range(pool.num_groups) if (pool.name, g) in placed]
         caps = [c for c in caps if c] or [n.gpu_memory_gb for n in nodes if n.gpu_memory_gb]
         cap = min(caps) if caps else None
-        need = _pool_load(cfg, pool.occupants, mems, eng, "device_gib")
+        need = _pool_load(cfg, layout, pool.occupants, mems, eng, "device_gib")
         status = (
             "?"
             if cap is None or math.isnan(need)
@@ -241,8 +257,9 @@ def _device_sums(
         if status == "NOT FIT":
             problems.append(f"{pool.name} needs {need:.1f} GiB per GPU, more than {cap:g}")
         rows.append([pool.name, _gib(need), "?" if cap is None else f"{cap:g}", status])
-    weights = actor_dims.dtype_bytes * eng.params / eng.ranks / GIB
-    if not cfg.rollout_in_trainer and weights > eng.device_gib:  # NaN (unknown GPU memory) compares False: no claim
+    on_engines = cfg.rollout.memory == ON_ENGINES
+    weights = actor_dims.dtype_bytes * eng.params / eng.ranks / GIB if on_engines else 0.0
+    if on_engines and weights > eng.device_gib:  # NaN (unknown GPU memory) compares False: no claim
         problems.append(
             f"vLLM weights take {weights:.1f} GiB per GPU, more than its {eng.device_gib:.1f} GiB budget: "
             "raise --vllm_tensor_parallel_size or --vllm_gpu_memory_utilization"
@@ -255,11 +272,16 @@ def _device_sums(
 
 
 def _host_need(
-    cfg: TrainConfig, layout: Layout, placed: dict[GroupKey, int], mems: dict[str, Memory], eng: Memory, i: int
+    cfg: TrainConfig,
+    layout: Layout,
+    placed: dict[GroupKey, int],
+    mems: dict[str, Memory],
+    eng: Optional[Memory],
+    i: int,
 ) -> float:
     """GiB of host memory node i needs on cuda: the offloaded states of the ranks placed there."""
     return sum(
-        layout.pool(k[0]).group_size * _pool_load(cfg, layout.pool(k[0]).occupants, mems, eng, "host_gib")
+        layout.pool(k[0]).group_size * _pool_load(cfg, layout, layout.pool(k[0]).occupants, mems, eng, "host_gib")
         for k, n in placed.items()
         if n == i
     )

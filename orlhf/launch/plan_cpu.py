@@ -39,7 +39,7 @@ from typing import Optional
 from orlhf.config.roles import ROLES
 from orlhf.config.train_config import TrainConfig
 from orlhf.config.worker_config import zero_stage_of
-from orlhf.distributed.layout import ENGINE, GroupKey, Layout, NodeSpec, format_table
+from orlhf.distributed.layout import GroupKey, Layout, NodeSpec, format_table
 from orlhf.launch.plan_memory import (
     GIB,
     REDUCE_BUCKET_ELEMENTS,
@@ -154,7 +154,7 @@ def engine_process(cfg: TrainConfig, d: ModelDims) -> Proc:
         ("load slack", weights / GIB),
         ("generation work", ENGINE_WORK / GIB),
     )
-    return Proc(f"{ENGINE} engine", parts)
+    return Proc(f"{cfg.rollout.engine} engine", parts)
 
 
 def processes(
@@ -168,7 +168,7 @@ def processes(
         roles = [host, *(g for g, h in layout.guests.items() if h == host)]
         proc = rank_process(cfg, roles, mems, dims, gen)
         out += [(proc, (s.pool, s.group)) for s in slots]
-    if not cfg.rollout_in_trainer:
+    if layout.engine is not None:
         proc = engine_process(cfg, dims["actor"])
         out += [(proc, (slots[0].pool, slots[0].group)) for slots in layout.engines]
     return out

@@ -32,9 +32,9 @@ from pathlib import Path
 from typing import Optional
 
 from orlhf.config.roles import ROLES, model_path
+from orlhf.config.rollout_backends import ON_ACTOR
 from orlhf.config.train_config import TrainConfig, engine_gpu_memory_utilization
 from orlhf.config.worker_config import zero_stage_of
-from orlhf.distributed.layout import ENGINE
 
 GIB = 2**30
 
@@ -229,10 +229,14 @@ def engine_memory(cfg: TrainConfig, dims: ModelDims, device: str, gpu_memory_gb:
     weights = dims.dtype_bytes * params / tp / GIB
     if device == "cpu":  # one process, no TP (rollout/engine.py)
         w, kv = cpu_engine_bytes(cfg, dims)
-        return Memory(ENGINE, params, 1, (w * params + kv) / GIB, 0.0, f"{w}P + {kv / GIB:.3g} GiB KV cache")
+        return Memory(
+            cfg.rollout.engine, params, 1, (w * params + kv) / GIB, 0.0, f"{w}P + {kv / GIB:.3g} GiB KV cache"
+        )
     util = engine_gpu_memory_utilization(cfg)
     budget = util * gpu_memory_gb if gpu_memory_gb else math.nan
-    return Memory(ENGINE, params, tp, budget, 0.0, f"{util:g} x GPU; weights {dims.dtype_bytes}P/{tp} = {weights:.1f}")
+    return Memory(
+        cfg.rollout.engine, params, tp, budget, 0.0, f"{util:g} x GPU; weights {dims.dtype_bytes}P/{tp} = {weights:.1f}"
+    )
 
 
 def cpu_engine_bytes(cfg: TrainConfig, dims: ModelDims) -> tuple[int, int]:
@@ -259,7 +263,9 @@ def trainer_generation_memory(cfg: TrainConfig, dims: ModelDims, ranks: int, sta
 
 
 def device_peak(cfg: TrainConfig, trainers: float, engine: float) -> float:
-    if cfg.rollout_in_trainer:  # the actor's ranks generate: their generation memory comes on top of their states
+    if (
+        cfg.rollout.memory == ON_ACTOR
+    ):  # the actor's ranks generate: their generation memory comes on top of their states
         return trainers + engine
     if not engine or not trainers:
         return trainers + engine

@@ -36,6 +36,7 @@ actor group handed over).
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Callable, Optional
@@ -148,12 +149,8 @@ class RolloutBackend(ABC):
 
 
 def backend_class(cfg: TrainConfig) -> type[RolloutBackend]:
-    """The run's rollout backend: the one place it is chosen (--rollout_backend; --vllm_num_engines 0 means the
-    actor's ranks). Imported here, so a run loads only its own backend's dependencies."""
-    if cfg.rollout_in_trainer:
-        from orlhf.rollout.actor_rollout import ActorRollout
-
-        return ActorRollout
-    from orlhf.rollout.vllm_rollout import VllmRollout
-
-    return VllmRollout
+    """The run's rollout backend: the class its record names (config/rollout_backends.py: --rollout_backend, with
+    --vllm_num_engines 0 resolved to the trainer backend there). Imported here, so a run loads only its own backend's
+    dependencies."""
+    module, _, name = cfg.rollout.cls.partition(":")
+    return getattr(importlib.import_module(module), name)

@@ -165,5 +165,5 @@ def test_trainer_backend_places_no_engine():
 
     for flags in ({"vllm_num_engines": 0}, {"rollout_backend": "trainer"}):
         cfg = build_config({"device": "cpu", **flags}, explicit=set(flags))
-        assert cfg.rollout_in_trainer and cfg.num_engines == 0 and not cfg.engines_colocated
+        assert cfg.rollout_name == "trainer" and cfg.num_engines == 0 and not cfg.engines_colocated
         assert plan_layout(cfg).engines == ()

@@ -29,7 +29,7 @@ def plan(cores=2, hosted=False, **flags):
     sent = []
     actor = Group("actor", 1, sent, processes=["actor-0"])
     # the actor's ranks generate with --rollout_backend trainer (the backend names them); vLLM engines are no group
-    rollout = ActorRollout(actor, 0, None) if cfg.rollout_in_trainer else SimpleNamespace(generating_groups=())
+    rollout = ActorRollout(actor, 0, None) if cfg.rollout.in_actor else SimpleNamespace(generating_groups=())
     models = SimpleNamespace(
         actor=actor,
         rollout=rollout,
