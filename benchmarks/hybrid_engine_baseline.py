@@ -167,7 +167,8 @@ class LocalGroup:
 class HybridGenerator(RolloutBackend):
     """The controller's rollout backend (orlhf/rollout/backend.py): the trained actor generates this rank's share of
     the prompts (HF generate in its own engine), and the ranks exchange rollouts, so every rank holds the whole batch
-    in prompt order. Built by hand on each SPMD rank, never through start_plan/connect."""
+    in prompt order. Built by hand on each SPMD rank, never by a run's start-up; agents' turns and the rest are the
+    contract's defaults."""
 
     kind = "hybrid"
 
@@ -175,28 +176,11 @@ class HybridGenerator(RolloutBackend):
         self.actor, self.ranks, self.pad_id, self.eos_id = actor, ranks, pad_id, eos_id
         self.weight_version = 0  # the actor's: moved by load_weights after each train step
 
-    @classmethod
-    def start_plan(cls, cfg) -> tuple[str, ...]:
-        return ("start_models",)
-
-    @classmethod
-    def connect(cls, cfg, launched, actor, tokenizer, stack, mark):
-        raise NotImplementedError("built on each rank by build()")
-
-    def __len__(self) -> int:
-        return 1
-
-    def generate_turns(self, index: int, requests: list):
-        raise NotImplementedError("the hybrid baseline runs single-turn rollouts only")
-
     def load_weights(self, version: int) -> float:
         """Nothing to send: the actor that trains is the one that generates; the version tag moves, so rollouts
         carry the version they were sampled with."""
         self.weight_version = version
         return 0.0
-
-    def shutdown(self) -> None:
-        pass
 
     def generate(self, prompts: list[list[int]], sampling, images=None) -> list:
         mine = self.ranks.share(list(enumerate(prompts)))

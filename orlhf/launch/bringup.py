@@ -1,13 +1,14 @@
-"""Bringing a run's processes up on their placement groups, in start_plan's order, each shut down when the run's
-ExitStack closes (launch/run.py's run_attempt drives it and marks the start-up clock between phases):
+"""Bringing a run's processes up on their placement groups, in the rollout backend's order (its Bringup's steps,
+rollout/backend.py), each shut down when the run's ExitStack closes (launch/run.py's run_attempt drives it and marks
+the start-up clock between phases):
 
-    launch_rollout   what the rollout backend starts before the model groups (rollout/backend.py: the vLLM engines'
-                     actors, not waited for: vLLM's import and LLM() are the longest chain)
-    start_models     the model groups spawned concurrently (one thread each), as the platform's tuning builds
-                     them (tuning_for: on CPU the reference inside the actor's processes), all init() together,
-                     then the rollout backend connected (engines awaited, weight-sync group) -> controller.Models
-    start_plan       the backend's order (rollout/vllm_rollout.py: on shared GPUs the engines first, alone, asleep
-                     with --vllm_enable_sleep, then the trainers)
+    launch_rollout   Bringup.launch: what the backend starts before the model groups (the vLLM engines' actors,
+                     not waited for: vLLM's import and LLM() are the longest chain)
+    start_models     Bringup.before_models (on shared GPUs the engines first, alone, asleep with
+                     --vllm_enable_sleep); the model groups spawned concurrently (one thread each), as the platform's
+                     tuning builds them (tuning_for: on CPU the reference inside the actor's processes), all init()
+                     together; then Bringup.connect (engines awaited, weight-sync group) -> controller.Models
+    start_plan       the backend's steps, as words (for logs and tests)
 Said once as it starts: the forwards left out because they cannot change an update (no reference without a KL,
 no old-log-prob forward on a single pass), and the groups that left ZeRO-3 (one rank: nothing to partition).
 """
@@ -41,7 +42,7 @@ def launch_rollout(cfg: TrainConfig, placed, stack: ExitStack, tuning: Optional[
     given."""
     from orlhf.rollout.backend import backend_class
 
-    return backend_class(cfg).launch(cfg, placed, stack, tuning or tuning_for(cfg))
+    return backend_class(cfg).bringup(cfg).launch(placed, stack, tuning or tuning_for(cfg))
 
 
 def start_models(
@@ -66,13 +67,11 @@ def start_models(
     from orlhf.trainer.models import Models
     from orlhf.workers.base import DeepSpeedWorker
 
-    backend = backend_class(cfg)
+    bringup = backend_class(cfg).bringup(cfg)
     tuning = tuning or tuning_for(cfg)
-    plan = backend.start_plan(cfg)
     if rollout is None:
-        rollout = backend.launch(cfg, placed, stack, tuning)
-    if rollout is not None:
-        rollout.before_models(plan)
+        rollout = bringup.launch(placed, stack, tuning)
+    bringup.before_models(rollout)
     log_skipped_forwards(cfg)
     log_zero_stages(cfg)
     mark = clock.mark if clock is not None else (lambda phase: None)
@@ -81,7 +80,7 @@ def start_models(
     for call in [g.call(DeepSpeedWorker.init) for g in groups.values()]:
         call.get()
     mark("groups init")
-    rollout = backend.connect(cfg, rollout, groups["actor"], tokenizer, stack, mark)
+    rollout = bringup.connect(rollout, groups["actor"], tokenizer, stack, mark)
     return Models(
         actor=groups["actor"],
         ref=groups.get("ref"),
@@ -168,7 +167,7 @@ def log_zero_stages(cfg: TrainConfig) -> None:
 
 
 def start_plan(cfg: TrainConfig) -> tuple[str, ...]:
-    """The order start_models brings things up: the rollout backend's (rollout/backend.py)."""
+    """The order start_models brings things up: the rollout backend's Bringup steps (rollout/backend.py)."""
     from orlhf.rollout.backend import backend_class
 
-    return backend_class(cfg).start_plan(cfg)
+    return backend_class(cfg).bringup(cfg).steps

@@ -83,8 +83,10 @@ def gone_processes(error: BaseException, attempt: Attempt, timeout_s: float = 10
             continue
         seen.add(key)
         names += [_name(getattr(group, "host_role", None) or group.role, r) for r in group.dead(timeout_s)]
+    from orlhf.rollout.backend import EngineProcesses
+
     rollout = models.rollout if models is not None else attempt.rollout
-    if rollout is not None:  # members of its own (vLLM engines); the actor's ranks are checked with their group
+    if isinstance(rollout, EngineProcesses):  # members of its own; the actor's ranks are checked with their group
         names += [_name("vllm", i) for i in rollout.dead(timeout_s)]
     return list(dict.fromkeys(names))
 

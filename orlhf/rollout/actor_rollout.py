@@ -35,11 +35,7 @@ class ActorRollout(RolloutBackend):
         self._turns = ThreadPoolExecutor(1, thread_name_prefix="orlhf-actor-turns")
 
     @classmethod
-    def start_plan(cls, cfg) -> tuple[str, ...]:
-        return ("start_models",)  # nothing but the model groups
-
-    @classmethod
-    def connect(cls, cfg, launched, actor, tokenizer, stack, mark) -> ActorRollout:
+    def from_models(cls, cfg, actor, tokenizer) -> ActorRollout:
         """The actor's group generates; it needs the `tokenizer`'s pad and EOS ids."""
         if tokenizer is None:
             raise ValueError("--rollout_backend trainer: the rollout needs the run's tokenizer (pad and EOS ids)")
@@ -47,12 +43,7 @@ class ActorRollout(RolloutBackend):
             "rollouts: generated in the actor's ranks with transformers' generate (--rollout_backend trainer): no "
             "vLLM engine, no weight sync; the sync guard compares the sampler's log-probs with the training forward's"
         )
-        rollout = cls(actor, tokenizer.pad_token_id, tokenizer.eos_token_id)
-        stack.callback(rollout.shutdown)
-        return rollout
-
-    def __len__(self) -> int:
-        return 1  # one "engine": the actor's ranks together
+        return cls(actor, tokenizer.pad_token_id, tokenizer.eos_token_id)
 
     @property
     def generating_groups(self) -> tuple:

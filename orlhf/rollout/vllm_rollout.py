@@ -1,12 +1,17 @@
 """--rollout_backend vllm (the default): vLLM engines generate, as Ray actors of their own (rollout/engine_group.py),
-and the actor's weights reach them by a weight sync (rollout/weight_sync.py). A RolloutBackend (rollout/backend.py).
+and the actor's weights reach them by a weight sync (rollout/weight_sync.py). A RolloutBackend with EngineProcesses
+(rollout/backend.py).
 
-    start_plan   own devices: engines and trainers start together (the engines load while DeepSpeed initialises);
-                 colocated on GPUs: the engines first, alone on the GPUs, so vLLM's memory profile sees only itself;
-                 then, with --vllm_enable_sleep, they sleep (weights and KV cache freed) before the trainers allocate:
-                 OpenRLHF's order. The controller's SleepSwitch starts from that asleep state.
-    launch       the engines' actors on their bundles, not waited for (vLLM's import and LLM() are the longest chain)
-    connect      the engines awaited, then the weight-sync group built with the actor's ranks
+VllmBringup, the start-up's steps, decided once from the config:
+    own devices              engines and trainers start together (the engines load while DeepSpeed initialises);
+                             the engines are awaited once the trainers are up
+    colocated on GPUs        the engines first, alone on the GPUs, so vLLM's memory profile sees only itself; then,
+                             with --vllm_enable_sleep, they sleep (weights and KV cache freed) before the trainers
+                             allocate: OpenRLHF's order. The controller's SleepSwitch starts from that asleep state.
+    launch                   the engines' actors on their bundles, not waited for (vLLM's import and LLM() are the
+                             longest chain)
+    connect                  the engines awaited (unless they were first), then the weight-sync group built with the
+                             actor's ranks
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import logging
 from concurrent.futures import Future
 from typing import Callable, Optional
 
-from orlhf.rollout.backend import RolloutBackend
+from orlhf.rollout.backend import Bringup, EngineProcesses, RolloutBackend
 from orlhf.rollout.engine import EngineActor
 from orlhf.rollout.engine_group import EngineGroup
 from orlhf.rollout.weight_sync import WeightUpdate, make_weight_sync
@@ -24,28 +29,22 @@ from orlhf.types import GenerationRequest, Rollout, SamplingSpec
 log = logging.getLogger("orlhf")
 
 
-class VllmRollout(RolloutBackend):
-    kind = "vllm"
-    separate_processes = True
+class VllmBringup(Bringup):
+    def __init__(self, backend: type[VllmRollout], cfg):
+        super().__init__(backend, cfg)
+        self.engines_first = cfg.engines_colocated and cfg.device == "cuda"
+        self.sleep_first = self.engines_first and cfg.vllm.enable_sleep
+        if self.engines_first:
+            self.steps = (
+                ("start_engines", "wait_engines") + (("sleep_engines",) if self.sleep_first else ()) + ("start_models",)
+            )
+        else:
+            self.steps = ("start_engines", "start_models", "wait_engines")
 
-    def __init__(self, engines: EngineGroup, sync: Optional[WeightUpdate] = None):
-        """`sync`: set by connect once the actor's ranks are up (a launched backend cannot load weights before)."""
-        self.engines, self.sync = engines, sync
-        self.timeout_s = engines.timeout_s
-        self._plan: tuple[str, ...] = ()
-
-    # ---- bringing it up ----
-    @classmethod
-    def start_plan(cls, cfg) -> tuple[str, ...]:
-        if cfg.engines_colocated and cfg.device == "cuda":
-            sleep = ("sleep_engines",) if cfg.vllm.enable_sleep else ()
-            return ("start_engines", "wait_engines") + sleep + ("start_models",)
-        return ("start_engines", "start_models", "wait_engines")
-
-    @classmethod
-    def launch(cls, cfg, placed, stack, tuning) -> VllmRollout:
+    def launch(self, placed, stack, tuning) -> VllmRollout:
         from orlhf.rollout.engine_config import engine_config
 
+        cfg = self.cfg
         engines = EngineGroup(
             engine_config(cfg),
             [placed.engine_bundles(i) for i in range(cfg.num_engines)],
@@ -55,28 +54,36 @@ class VllmRollout(RolloutBackend):
             hang_s=cfg.runtime.hang_timeout_s,
         )
         stack.callback(engines.shutdown)
-        return cls(engines)
+        return self.backend(engines)
 
-    def before_models(self, plan: tuple[str, ...]) -> None:
-        self._plan = plan
-        if plan.index("wait_engines") < plan.index("start_models"):
-            log.info(
-                "vllm engines: %d, pids %s (started before the trainers share their GPUs)",
-                len(self.engines),
-                self.engines.wait_ready(),
-            )
-        if "sleep_engines" in plan:
-            self.sleep()
+    def before_models(self, launched: VllmRollout) -> None:
+        if self.engines_first:
+            pids = launched.engines.wait_ready()
+            log.info("vllm engines: %d, pids %s (started before the trainers share their GPUs)", len(launched), pids)
+        if self.sleep_first:
+            launched.sleep()
 
-    @classmethod
-    def connect(cls, cfg, launched, actor, tokenizer, stack, mark) -> VllmRollout:
-        plan = launched._plan or cls.start_plan(cfg)
-        if plan.index("wait_engines") > plan.index("start_models"):
+    def connect(self, launched: VllmRollout, actor, tokenizer, stack, mark) -> VllmRollout:
+        if not self.engines_first:
             log.info("vllm engines: %d, pids %s", len(launched.engines), launched.engines.wait_ready())
         mark("engines ready")
-        launched.sync = make_weight_sync(cfg, actor, launched.engines)
+        launched.sync = make_weight_sync(self.cfg, actor, launched.engines)
         mark("weight sync group")
         return launched
+
+
+class VllmRollout(RolloutBackend, EngineProcesses):
+    kind = "vllm"
+    turn_params = None  # vLLM's SamplingParams, imported where agents run
+
+    def __init__(self, engines: EngineGroup, sync: Optional[WeightUpdate] = None):
+        """`sync`: set by connect once the actor's ranks are up (a launched backend cannot load weights before)."""
+        self.engines, self.sync = engines, sync
+        self.timeout_s = engines.timeout_s
+
+    @classmethod
+    def bringup(cls, cfg) -> VllmBringup:
+        return VllmBringup(cls, cfg)
 
     # ---- generating ----
     def __len__(self) -> int:

@@ -5,13 +5,13 @@ step goes on.
       generate: an engine's chunk died, its       EngineGroup.generate (rollout/engine_group.py) -> the backend's
         process hung (--hang_timeout_s), or it    on_lost = recover
         gave no answer within --ray_timeout_s
-      weight sync: the broadcast failed, and an   EngineRestarts.sync -> RolloutBackend.lost_in_sync
+      weight sync: the broadcast failed, and an   EngineRestarts.sync -> EngineProcesses.lost_in_sync
         engine died in it                           (WeightSync.lost_engines: both sides' calls ended, the dead named)
     EngineRestarts.recover(lost, where)
       1. may it? past --max_engine_restarts, or where no engine is replaced (--async_train, CUDA IPC sync, NCCL
          during a sync): one line, then the engine's own error stops the run, as with --max_engine_restarts 0
       2. each lost engine killed and started again on its own bundles, with its own index and seed; awaited
-      3. a fresh weight-sync group of every engine (RolloutBackend.reconnect: a group cannot take a new member)
+      3. a fresh weight-sync group of every engine (EngineProcesses.reconnect: a group cannot take a new member)
       4. the current weights (the controller's weight_version) synced into every engine before any serves
     then generate sends the lost engines' chunks again: the same requests, seeded per prompt index
     (types.request_seed), on engines with the same weights, so a sync-mode run's metrics equal an undisturbed run's.
@@ -29,6 +29,8 @@ from __future__ import annotations
 import logging
 import time
 from typing import Callable, Optional
+
+from orlhf.rollout.backend import EngineProcesses
 
 log = logging.getLogger(__name__)
 
@@ -58,16 +60,19 @@ class EngineRestarts:
     ):
         self.rollout, self.limit, self.progress = rollout, limit, progress
         self.why_not, self.sync_why_not, self.agents = why_not, sync_why_not, agents
-        self.hooked = False  # the backend calls recover when it loses an engine (RolloutBackend.on_lost)
+        self.hooked = False  # the backend calls recover when it loses an engine (EngineProcesses.on_lost)
         self.count = 0  # engines replaced so far
 
     @classmethod
     def for_run(cls, cfg, models, progress: Callable[[], tuple[int, int]]) -> "EngineRestarts":
-        """The run's restarts, hooked into its rollout backend (RolloutBackend.on_lost) when that has members of their
+        """The run's restarts, hooked into its rollout backend (EngineProcesses.on_lost) when that has members of their
         own (vLLM engines); where the actor's ranks generate, nothing is hooked."""
         rollout = models.rollout
+        engines = isinstance(rollout, EngineProcesses)  # members of their own, replaceable one by one
         why_not = None
-        if cfg.ppo.async_train:
+        if not engines:
+            why_not = f"the {rollout.kind} rollout backend has no engines of its own to replace"
+        elif cfg.ppo.async_train:
             why_not = "--async_train generates while the actor trains; engines are replaced in sync mode only"
         else:
             why_not = rollout.why_not_replaceable()
@@ -82,7 +87,7 @@ class EngineRestarts:
             sync_why_not,
             agents=bool(cfg.data.agent_func_path),
         )
-        if rollout.separate_processes:
+        if engines:
             rollout.on_lost, restarts.hooked = restarts.recover, True
         return restarts
 

@@ -36,7 +36,7 @@ class SleepSwitch:
         self.vllm = cfg.vllm.enable_sleep and on_gpu
         self.deepspeed = cfg.deepspeed.enable_sleep and on_gpu and not cfg.ppo.async_train
         self.apart = cfg.deepspeed.enable_sleep and on_gpu and cfg.ppo.async_train  # states off except in training
-        # bringup.start_plan puts the engines to sleep before the trainers start: the first generation must
+        # the vLLM backend's Bringup puts the engines to sleep before the trainers start: the first generation must
         # wake their weights too, not only the KV cache.
         self.weights_asleep = self.vllm
         if asked and not on_gpu:

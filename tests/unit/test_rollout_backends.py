@@ -2,6 +2,8 @@
 registered there alone is chosen by --rollout_backend, validated, laid out, planned, started by the factory and
 trained with; --vllm_num_engines 0 resolves to the trainer backend in config/ only."""
 
+from contextlib import ExitStack
+
 import pytest
 
 from orlhf.config import rollout_backends
@@ -15,8 +17,9 @@ from orlhf.launch.plan import render
 from orlhf.rollout.backend import backend_class
 from orlhf.trainer.controller import Controller
 from orlhf.trainer.models import Models
-from tests.unit.rollout_stand_in import StandInRollout
-from tests.unit.test_controller_guard import Actor, Engines, Loader, Rewards, Tokenizer
+from orlhf.types import TurnParams
+from tests.unit.rollout_stand_in import StandInRollout, three_tokens
+from tests.unit.test_controller_guard import Actor, Loader, Rewards, Tokenizer
 
 STAND_IN = "tests.unit.rollout_stand_in:StandInRollout"
 
@@ -59,9 +62,15 @@ def test_a_registered_backend_is_validated_laid_out_planned_and_run(tmp_path, st
     text, ok = render(cfg, layout, described_nodes(1, 8, "cpu", None, None), "described")
     assert ok and "standin0" in text and "standin (each)" in text and "standin engine" in text
 
-    log = []
-    rollout = StandInRollout(Engines().generate, log)
-    models = Models(actor=Actor(log), ref=None, rollout=rollout)
+    log, actor = [], Actor([])
+    with ExitStack() as stack:  # the run's start-up steps, in order, through the backend's factory
+        bringup = backend_class(cfg).bringup(cfg)
+        launched = bringup.launch(None, stack, None)
+        bringup.before_models(launched)
+        rollout = bringup.connect(launched, actor, None, stack, log.append)
+    assert bringup.steps == ("start_models",) and launched is None and isinstance(rollout, StandInRollout)
+    rollout.log = actor.log = log
+    models = Models(actor=actor, ref=None, rollout=rollout)
     ctl = Controller(cfg, models, Loader(), Tokenizer(), metrics=None, reward_source=Rewards())
     ctl.metrics = type("M", (), {"log": lambda *a: None})()
     ctl.fit()
@@ -85,3 +94,21 @@ def test_a_backend_without_engines_places_none_and_refuses_engine_flags(tmp_path
 def test_an_unknown_backend_in_a_config_built_in_code_is_named(tmp_path):
     with pytest.raises(ConfigError, match="--rollout_backend sglang: not a rollout backend; use one of vllm, trainer"):
         config(tmp_path, rollout_backend="sglang")
+
+
+def test_the_contracts_defaults_serve_agents_turns_through_generate():
+    """A backend that writes only generate and load_weights still serves agents: one generate call per turn."""
+    seen = []
+
+    def generate(prompts, sampling):
+        seen.append((prompts, sampling.seed, sampling.max_new_tokens, sampling.n))
+        return three_tokens(prompts, sampling)
+
+    rollout = StandInRollout(generate)
+    assert len(rollout) == 1 and rollout.turn_params is TurnParams and rollout.generating_groups == ()
+    turns = rollout.generate_turns(0, [([1, 2], TurnParams(seed=3, max_tokens=4)), ([9], TurnParams(seed=4))])
+    assert turns.result() == [([5, 6, 7], [-1.0] * 3, "stop", 0)] * 2
+    assert seen == [([[1, 2]], 3, 4, 1), ([[9]], 4, 16, 1)]
+    refused = rollout.generate_turns(0, [([1], TurnParams(seed=1, stop=["\n"]))])
+    with pytest.raises(ValueError, match="sampling_params.stop = \\['\\\\n'\\]: the stand-in rollout backend samples"):
+        refused.result()

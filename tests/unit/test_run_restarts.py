@@ -9,6 +9,7 @@ import pytest
 from orlhf.cli import main
 from orlhf.distributed.groups import RankError
 from orlhf.launch.restart import Attempt, RunRestarts, gone_processes
+from orlhf.rollout.backend import EngineProcesses
 from orlhf.storage.checkpoint import CheckpointManager
 
 
@@ -20,8 +21,9 @@ class Group:
         return {r: RuntimeError("gone") for r in self._dead}
 
 
+@EngineProcesses.register  # declares the health check of backends with engines of their own
 class Engines:
-    """A rollout backend's health check (RolloutBackend.dead): the engines found dead."""
+    """A rollout backend's health check (EngineProcesses.dead): the engines found dead."""
 
     def __init__(self, dead=()):
         self._dead = dead

@@ -231,16 +231,17 @@ def check_rollout_contract(backend, tok, version: int) -> None:
 def test_both_rollout_backends_keep_the_contract(rig):
     """vLLM engines with their weight sync, and the actor's own ranks: the same calls, the same promises."""
     from orlhf.rollout.actor_rollout import ActorRollout
+    from orlhf.rollout.backend import EngineProcesses
     from orlhf.rollout.vllm_rollout import VllmRollout
 
     _, engines, actor, sync, tok = rig
     vllm = VllmRollout(engines, sync)
     check_rollout_contract(vllm, tok, version=7)
-    assert vllm.separate_processes and vllm.why_not_replaceable() is None and vllm.generating_groups == ()
+    assert isinstance(vllm, EngineProcesses) and vllm.why_not_replaceable() is None and vllm.generating_groups == ()
     trainer = ActorRollout(actor, tok.pad_token_id, tok.eos_token_id)
     try:
         check_rollout_contract(trainer, tok, version=8)
-        assert not trainer.separate_processes and trainer.generating_groups == (actor,)
+        assert not isinstance(trainer, EngineProcesses) and trainer.generating_groups == (actor,)
     finally:
         trainer.shutdown()
 
