@@ -24,8 +24,9 @@ import logging
 import math
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
+from typing import Any, Iterator
 
 from orlhf.config.redact import public_config
 from orlhf.config.train_config import TrainConfig
@@ -65,59 +66,103 @@ def train_ppo(cfg: TrainConfig) -> int:
 
 def run_locked(cfg: TrainConfig, run_id: str, clock, stop: RunStop) -> int:
     """train_ppo once this process holds the run folder and the checkpoint folder (`clock`:
-    launch/startup_clock.StartupClock; `stop`: how SIGINT and SIGTERM end the run)."""
+    launch/startup_clock.StartupClock; `stop`: how SIGINT and SIGTERM end the run). Its phases, in order; each one's
+    cleanup runs when the run leaves it (also on errors and signals), the last one entered first."""
     # Only what Ray's start needs is imported before it: torch (the reward file, the controller) loads in the inputs
     # thread while ray.init waits on Ray's processes.
-    import ray
+    import ray  # noqa: F401
 
-    from orlhf.distributed.layout import cpu_slots_needed, local_num_cpus, plan_layout
-    from orlhf.storage.logs import setup_driver
+    from orlhf.distributed.layout import plan_layout
 
-    run_logs = setup_driver(cfg.logging.save_path, cfg.runtime.verbose)  # once the run folder is ours
-    log.info("%s", run_logs.summary())
-    write_resolved_config(cfg)
-    preflight(cfg, run_logs)
-    check_disk_space(cfg)  # what the run will write against the free space of its folders: one line
+    run_logs = open_run_folder(cfg)
     layout = plan_layout(cfg)
-
-    # No automatic collections during start-up: the driver's imports (torch, the tokenizer, Ray's client) build
-    # objects that live as long as the run, and Python's collector would walk them again and again while every
-    # process of the run is starting on the same cores. Frozen once the controller exists.
-    gc.disable()
     with ExitStack() as stack:
-        stack.callback(gc.enable)  # also when start-up fails
+        stack.enter_context(collector_paused())  # until the controller exists (run_attempt freezes, then resumes it)
         # What the run reads from files (the tokenizer, prompts and their images, the reward file's source, eval data,
         # the checkpoint to resume) fails here, before Ray starts; what imports torch follows beside Ray's start.
         run = read_files(cfg, run_id, run_logs)
         stop.checkpoints = run.checkpoints
         clock.mark("inputs")
-        inputs = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="orlhf-inputs"))
-        finishing = inputs.submit(finish_inputs, cfg, run)
-        # in this thread: Ray sets its SIGTERM handler only here
-        tuning = tuning_for(cfg)  # the platform's hooks (distributed/tuning.py), for Ray, engines and groups
-        stack.callback(end_ray, ray.is_initialized())  # before: a start cut short by a signal is ended too
-        connect_ray(cfg, local_num_cpus(layout), cpu_slots_needed(layout), tuning)
-        stop.take_back()  # (ray.init was kept from replacing them: connect_ray)
+        finishing = stack.enter_context(inputs_thread(cfg, run))
+        tuning = stack.enter_context(ray_cluster(cfg, layout, stop))
         clock.mark("ray")
         run = finishing.result()  # the reward file imported: what its source did not show fails here
         clock.mark("torch")
-        from orlhf.launch.restart import Attempt, RunRestarts
-
-        restarts = RunRestarts(cfg.runtime.max_restarts, cfg.logging.save_path, run.run_id, run.resume_from is not None)
-        attempt = Attempt(run.resume_from, run.resume_step, first_step=run.resume_step or 0)
-        while True:  # --max_restarts: a lost process starts the groups again from the newest checkpoint (restart.py)
-            stop.follow(attempt)
-            with ExitStack() as held:  # the attempt's placement groups, engines and groups, torn down on leaving
-                try:
-                    code = run_attempt(cfg, layout, tuning, run, attempt, held, clock)
-                    break
-                except Exception as e:  # (its health check needs the processes still up; never after a stop signal)
-                    if stop.signal is not None or not restarts.may_restart(e, attempt):
-                        raise
-                    stop.phase = RESTART
-            attempt = restarts.next_attempt(attempt, run.checkpoints)
+        code = run_attempts(cfg, layout, tuning, run, stop, clock)
     run_logs.close()
     return code
+
+
+def open_run_folder(cfg: TrainConfig):
+    """The run folder's logs (once the folder is ours), its run_config.json, the file pre-flight and the disk's free
+    space (one line each where something is wrong). Returns the driver's logs (storage/logs.py)."""
+    from orlhf.storage.logs import setup_driver
+
+    run_logs = setup_driver(cfg.logging.save_path, cfg.runtime.verbose)
+    log.info("%s", run_logs.summary())
+    write_resolved_config(cfg)
+    preflight(cfg, run_logs)
+    check_disk_space(cfg)  # what the run will write against the free space of its folders: one line
+    return run_logs
+
+
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """No automatic collections during start-up: the driver's imports (torch, the tokenizer, Ray's client) build
+    objects that live as long as the run, and Python's collector would walk them again and again while every
+    process of the run is starting on the same cores. Back on when leaving, also when start-up fails."""
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+@contextmanager
+def inputs_thread(cfg: TrainConfig, run) -> Iterator[Future]:
+    """finish_inputs (the reward file imported, torch with it) in a thread of its own while Ray starts; yields its
+    future, and waits for it on leaving."""
+    with ThreadPoolExecutor(1, thread_name_prefix="orlhf-inputs") as pool:
+        yield pool.submit(finish_inputs, cfg, run)
+
+
+@contextmanager
+def ray_cluster(cfg: TrainConfig, layout, stop: RunStop) -> Iterator[Any]:
+    """Ray joined or started (distributed/ray_start.py), in this thread: Ray sets its SIGTERM handler only here, so
+    the run's handlers are taken back right after. Yields the platform's tuning (distributed/tuning.py: its hooks
+    for Ray, engines and groups); on leaving, a cluster this process started is ended, also one whose start a signal
+    cut short."""
+    import ray
+
+    from orlhf.distributed.layout import cpu_slots_needed, local_num_cpus
+
+    tuning = tuning_for(cfg)
+    joined_before = ray.is_initialized()
+    try:
+        connect_ray(cfg, local_num_cpus(layout), cpu_slots_needed(layout), tuning)
+        stop.take_back()  # (ray.init was kept from replacing them: connect_ray)
+        yield tuning
+    finally:
+        end_ray(joined_before)
+
+
+def run_attempts(cfg: TrainConfig, layout, tuning, run, stop: RunStop, clock) -> int:
+    """The run's groups started and trained (run_attempt); with --max_restarts, a lost process starts them again
+    from the newest checkpoint (launch/restart.py). Returns the exit code."""
+    from orlhf.launch.restart import Attempt, RunRestarts
+
+    restarts = RunRestarts(cfg.runtime.max_restarts, cfg.logging.save_path, run.run_id, run.resume_from is not None)
+    attempt = Attempt(run.resume_from, run.resume_step, first_step=run.resume_step or 0)
+    while True:
+        stop.follow(attempt)
+        with ExitStack() as held:  # the attempt's placement groups, engines and groups, torn down on leaving
+            try:
+                return run_attempt(cfg, layout, tuning, run, attempt, held, clock)
+            except Exception as e:  # (its health check needs the processes still up; never after a stop signal)
+                if stop.signal is not None or not restarts.may_restart(e, attempt):
+                    raise
+                stop.phase = RESTART
+        attempt = restarts.next_attempt(attempt, run.checkpoints)
 
 
 def run_attempt(cfg: TrainConfig, layout, tuning, run, attempt, held: ExitStack, clock) -> int:
@@ -154,7 +199,7 @@ def run_attempt(cfg: TrainConfig, layout, tuning, run, attempt, held: ExitStack,
     controller.run_restarts = attempt.number
     controller.first_step = attempt.first_step  # --stop_after_steps counts from the invocation's first step
     mark("controller")
-    if not gc.isenabled():  # the first attempt to get here (run_locked disabled it for the start-up)
+    if not gc.isenabled():  # the first attempt to get here (collector_paused holds it off for the start-up)
         gc.freeze()
         gc.enable()
     if clock is not None:
