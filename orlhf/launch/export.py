@@ -82,7 +82,7 @@ def export_failed(error: Exception, out: Path, controller) -> ExportError:
             not_kept = f"{mgr.root} holds another run's checkpoints"
         else:
             try:
-                kept = save_run(controller, mgr)
+                kept = save_run(controller.run_state(), mgr)
             except Exception as e:  # noqa: BLE001 - reported in the line below
                 not_kept = str(e) if isinstance(e, NoSpaceError) else f"{type(e).__name__}: {first_line(e)}"
     fix = f"free space on {out.parent}" if isinstance(error, NoSpaceError) else "fix that"

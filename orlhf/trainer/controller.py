@@ -10,7 +10,7 @@
                        (TrainConfig.single_pass: the actor's training forward supplies them, the ratio is 1);
                        trainer/scoring.py (async mode starts the frozen models' forwards when a batch is generated)
       (guard)          engine log-probs vs the actor's: past a threshold set at step 1 the run stops (sync_guard.py)
-      make_experience  driver: KL, group baseline, KL-shaped rewards, advantages and returns (algo/)
+      make_experience  driver: KL, group baseline, KL-shaped rewards, advantages and returns (experience.py, algo/)
       train            actor and critic train_step at the same time (trainer/train_phase.py);
                        --freezing_actor_steps N: the critic alone while the step index (0-based) is <= N
       sync_weights     actor -> engines (RolloutBackend.load_weights: rollout/weight_sync.py); weight_version += 1;
@@ -37,7 +37,6 @@ from typing import Any, Optional
 
 import torch
 
-from orlhf.algo.kl import make_kl_controller
 from orlhf.config.train_config import TrainConfig
 from orlhf.inputs.vision import vision_prompts
 from orlhf.rollout.executor import agent_metrics, make_executor
@@ -47,10 +46,10 @@ from orlhf.storage.metrics import MetricsLogger
 from orlhf.trainer.async_producer import SyncGate
 from orlhf.trainer.dynamic_filtering import DynamicFilter
 from orlhf.trainer.engine_restart import EngineRestarts
-from orlhf.trainer.experience import ExperienceConfig, make_experience, rollouts_to_batch
+from orlhf.trainer.experience import ExperienceMaker, rollouts_to_batch
 from orlhf.trainer.hybrid_memory import SleepSwitch
 from orlhf.trainer.models import Models
-from orlhf.trainer.run_state import CheckpointSteps
+from orlhf.trainer.run_state import CheckpointSteps, RunState
 from orlhf.trainer.scoring import ScoredAhead, Scorer
 from orlhf.trainer.step_stats import StepCheck, engine_gap, step_row
 from orlhf.trainer.sync_guard import SyncGuard
@@ -78,9 +77,8 @@ class Controller(CheckpointSteps):
         self.cfg, self.m, self.loader, self.tok, self.metrics = cfg, models, loader, tokenizer, metrics
         # the score phase (trainer/scoring.py); reward_source: function file / HTTP, None when a reward model scores
         self.scorer = Scorer(cfg, models, tokenizer, reward_source)
-        self.exp_cfg = ExperienceConfig.from_ppo(cfg.ppo)
         p = cfg.ppo
-        self.kl_ctl = make_kl_controller(p.init_kl_coef, p.kl_target, p.kl_horizon)
+        self.experience = ExperienceMaker(p)  # the make_experience phase, with the KL controller across steps
         self.step_index = 0  # steps done
         self.weight_version = 0  # bumped by every sync; engines tag rollouts with the version they hold
         self.timings: dict[str, float] = {}
@@ -226,7 +224,10 @@ class Controller(CheckpointSteps):
             self.guard.check(gap, self.step_index + 1, staleness, gen_version)
         with self.timed("make_experience"):
             truncated = torch.tensor([not r.finished for r in rollouts])
-            exp, info = self.make_experience(batch, reward.rewards, old_lp, ref_lp, values, truncated, engine_log_probs)
+            norm = self.scorer.reward_norm  # --normalize_reward's running statistics, updated in score
+            exp, info = self.experience.make(
+                batch, reward.rewards, old_lp, ref_lp, values, norm, self.weight_version, truncated, engine_log_probs
+            )
         with self.timed("train"):
             actor_stats, critic_stats = self.train(exp, info["kl_coef"])
         if old_lp is None and not self.actor_frozen:  # single pass: the actor measured the gap in its training
@@ -323,31 +324,6 @@ class Controller(CheckpointSteps):
         generate = self.partial.generate if self.partial is not None else self.executor.generate
         return self.restarts.generate(generate, prompts, sampling)  # agents: a lost engine named
 
-    def make_experience(
-        self, batch, scores, old_lp, ref_lp, values, truncated=None, engine_log_probs=None
-    ) -> tuple[Experience, dict]:
-        """info["kl_coef"] is the KL coefficient of this step (reward penalty, or the actor's KL loss), taken
-        before the adaptive controller moves it for the next step (OpenRLHF's order)."""
-        norm = self.scorer.reward_norm  # --normalize_reward's running statistics, updated in score
-        shaped_scores = norm.normalize(scores) if norm is not None else scores
-        kl_coef = self.kl_ctl.value
-        exp, info = make_experience(
-            batch,
-            shaped_scores,
-            old_lp,
-            ref_lp,
-            values,
-            kl_coef,
-            self.exp_cfg,
-            weight_version=self.weight_version,
-            truncated=truncated,
-            rollout_log_probs=engine_log_probs,
-        )
-        info["reward_mean"] = scores.mean().item()  # the raw task reward, whatever the normalization
-        info["kl_coef"] = kl_coef
-        self.kl_ctl.update(info["kl"], len(scores))
-        return exp, info
-
     def train(self, exp: Experience, kl_coef: float) -> tuple[dict, Optional[dict]]:
         """max_epochs passes over the step's experience, actor and critic in parallel (trainer/train_phase.py)."""
         actor = None if self.actor_frozen else self.m.actor
@@ -366,6 +342,23 @@ class Controller(CheckpointSteps):
             self.restarts.sync(self.weight_version)  # an engine lost in it is replaced (trainer/engine_restart.py)
 
     # ---- helpers ----------------------------------------------------------------------------------------------
+    def run_state(self) -> RunState:
+        """What a checkpoint holds of this run (trainer/run_state.py): saved and resumed through this view only."""
+        return RunState(
+            cfg=self.cfg,
+            models=self.m,
+            step_index=self.step_index,
+            weight_version=self.weight_version,
+            loader=self.loader,
+            loader_reads_ahead=self.filter is not None,
+            kl_ctl=self.experience.kl_ctl,
+            reward_norm=self.scorer.reward_norm,
+            evaluator=self.evaluator,
+            restarts=self.restarts,
+            guard=self.guard,
+            producer=self.producer,
+        )
+
     @contextmanager
     def timed(self, phase: str):
         self.phases.before(phase)  # the platform's tuning (on CPU: the cores go to the processes working in it)

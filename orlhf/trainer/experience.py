@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from orlhf.algo.advantages import compute_advantages
-from orlhf.algo.kl import approx_kl
+from orlhf.algo.kl import approx_kl, make_kl_controller
 from orlhf.algo.losses import masked_mean
 from orlhf.algo.rewards import group_baseline, overlong_penalty, shape_rewards, stop_properly_penalty
 from orlhf.types import Experience, Rollout, SequenceBatch, VisionRows
@@ -173,6 +173,41 @@ def make_experience(
         info["value_mean"] = masked_mean(values, mask).item()
         info["return_mean"] = masked_mean(returns, mask).item()
     return exp, info
+
+
+class ExperienceMaker:
+    """The make_experience phase of the controller's step, with what it keeps across steps: the KL controller (fixed,
+    or adaptive with --kl_target), whose coefficient shapes this step's rewards before it moves for the next one."""
+
+    def __init__(self, ppo):
+        self.cfg = ExperienceConfig.from_ppo(ppo)
+        self.kl_ctl = make_kl_controller(ppo.init_kl_coef, ppo.kl_target, ppo.kl_horizon)
+
+    def make(
+        self, batch, scores, old_lp, ref_lp, values, norm=None, weight_version=0, truncated=None, engine_log_probs=None
+    ) -> tuple[Experience, dict]:
+        """make_experience on `scores` normalized by `norm` (--normalize_reward's statistics, or None).
+        info["kl_coef"] is the KL coefficient of this step (reward penalty, or the actor's KL loss), taken before the
+        adaptive controller moves it for the next step (OpenRLHF's order); info["reward_mean"] the raw task reward,
+        whatever the normalization."""
+        shaped_scores = norm.normalize(scores) if norm is not None else scores
+        kl_coef = self.kl_ctl.value
+        exp, info = make_experience(
+            batch,
+            shaped_scores,
+            old_lp,
+            ref_lp,
+            values,
+            kl_coef,
+            self.cfg,
+            weight_version=weight_version,
+            truncated=truncated,
+            rollout_log_probs=engine_log_probs,
+        )
+        info["reward_mean"] = scores.mean().item()
+        info["kl_coef"] = kl_coef
+        self.kl_ctl.update(info["kl"], len(scores))
+        return exp, info
 
 
 def _kl(old_log_probs, ref_log_probs, rollout_log_probs, kl_coef: float, cfg: ExperienceConfig) -> torch.Tensor:

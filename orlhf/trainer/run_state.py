@@ -1,12 +1,14 @@
 """The controller's side of a checkpoint: what one holds beyond the model groups' own state, and how it returns.
 
-    save_run(ctl, mgr):  tmp = mgr.begin(step) -> each trained group saves its DeepSpeed state (tmp/<role>)
+    save_run(state, mgr):  tmp = mgr.begin(step) -> each trained group saves its DeepSpeed state (tmp/<role>)
         [--save_hf_ckpt / --disable_ds_ckpt: the actor as an HF folder, tmp/hf/actor] -> the controller's state
         (step, weight version, loader position, KL controller, reward normaliser, RNG, best eval score,
         the sync guard's calibration)
         -> mgr.commit (atomic rename; meta.json with the config fingerprint)
-    restore_run(ctl, path): the groups load their state, then the controller's (the engines are re-synced by
-        the caller)
+    restore_run(state, path): the groups load their state, then the controller's parts; returns the counters
+        (Resumed) for the controller to take (the engines are re-synced by the caller)
+`state` is a RunState, the controller's typed view of what a checkpoint holds (Controller.run_state): nothing else of
+the controller is read here.
 Async mode (--async_train) also keeps the batches generated ahead and not yet trained (the producer's queue, once
 the generation in flight has ended: RolloutProducer.pending), so a resume trains them as the stopped run would have,
 instead of generating their prompts again with other weights; their prompts are the loader's next batches.
@@ -20,8 +22,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from orlhf.config.fingerprint import config_fingerprint
 from orlhf.config.provenance import dump_resolved
@@ -34,54 +37,95 @@ from orlhf.types import Rollout
 from orlhf.workers import PolicyWorker
 from orlhf.workers.base import DeepSpeedWorker
 
+if TYPE_CHECKING:
+    from orlhf.algo.kl import KLController
+    from orlhf.algo.rewards import RunningMoments
+    from orlhf.config.train_config import TrainConfig
+    from orlhf.inputs.prompt_loader import PromptLoader
+    from orlhf.trainer.async_producer import RolloutProducer
+    from orlhf.trainer.engine_restart import EngineRestarts
+    from orlhf.trainer.evaluation import Evaluator
+    from orlhf.trainer.models import Models
+    from orlhf.trainer.sync_guard import SyncGuard
+
 log = logging.getLogger(__name__)
 
 
-def save_run(ctl, mgr) -> Path:
-    """Write step ctl.step_index into `mgr` (the rotation's or the best-eval manager); returns its folder.
+@dataclass
+class RunState:
+    """What a checkpoint holds of the controller's run: the counters by value, the parts with a state of their own by
+    reference (each saves and loads its own state_dict, so a resume puts it back in place). Built by
+    Controller.run_state() at each save and resume."""
+
+    cfg: TrainConfig
+    models: Models  # the trained groups save and load their DeepSpeed state; the actor also its HF folder
+    step_index: int  # steps done
+    weight_version: int  # what the engines hold after the step's sync
+    loader: PromptLoader  # its position: the batches consumed (state_dict, steps_per_episode)
+    loader_reads_ahead: bool  # --dynamic_filtering: refills read more batches than steps: its own position is saved
+    kl_ctl: KLController
+    reward_norm: Optional[RunningMoments]  # --normalize_reward's running statistics, None without
+    evaluator: Optional[Evaluator]  # --eval_dataset: its best score so far
+    restarts: EngineRestarts  # the engines replaced so far: --max_engine_restarts counts the whole run's
+    guard: SyncGuard  # the sync guard's calibration: a resume's first step follows a sync
+    producer: Optional[RolloutProducer]  # async mode: the batches generated ahead and not yet trained
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """The counters a checkpoint gives back to the controller (restore_run); the rest was loaded in place."""
+
+    step_index: int
+    weight_version: int
+    pending: tuple  # (rollouts, generation seconds) of the batches the checkpoint kept, for the producer
+
+
+def save_run(state: RunState, mgr) -> Path:
+    """Write step state.step_index into `mgr` (the rotation's or the best-eval manager); returns its folder.
 
     A failed save removes its temp folder (once every rank's call has returned: none still writes there) and raises;
     a full disk as storage.disk_space.NoSpaceError, measured before that removal frees the space again. The
     checkpoints already there are untouched (rotation follows the commit)."""
-    step, tmp = ctl.step_index, None
+    step, tmp = state.step_index, None
     try:
         tmp = mgr.begin(step)
-        return _write_run(ctl, mgr, tmp, step)
+        return _write_run(state, mgr, tmp, step)
     except Exception as e:
         cleanup_after_failed_write(e, mgr.root, tmp)  # (tmp lives there: the same filesystem)
 
 
-def _write_run(ctl, mgr, tmp: Path, step: int) -> Path:
-    hf_only = ctl.cfg.logging.disable_ds_ckpt  # no DeepSpeed state, no resume
-    trained = [] if hf_only else ctl.m.trained()
+def _write_run(state: RunState, mgr, tmp: Path, step: int) -> Path:
+    cfg = state.cfg
+    hf_only = cfg.logging.disable_ds_ckpt  # no DeepSpeed state, no resume
+    trained = [] if hf_only else state.models.trained()
     wait_all([g.call(DeepSpeedWorker.save_checkpoint, str(tmp / role)) for role, g in trained])
-    if ctl.cfg.logging.save_hf_ckpt or hf_only:  # after: both are collectives on the actor ranks, never interleaved
-        ctl.m.actor.call(PolicyWorker.save_hf, str(checkpoint_hf_actor(tmp))).get()
-    checkpoint_config(tmp).write_text(dump_resolved(ctl.cfg))  # what a resume's refusal names the sources from
-    spe = ctl.loader.steps_per_episode  # loader position of the consumed batches (async reads ahead)
-    loader_state = {**ctl.loader.state_dict(), "episode": step // spe, "batch_in_episode": step % spe}
-    if ctl.filter is not None:  # refills read more batches than steps (sync only): the loader's own position
-        loader_state = ctl.loader.state_dict()
+    if cfg.logging.save_hf_ckpt or hf_only:  # after: both are collectives on the actor ranks, never interleaved
+        state.models.actor.call(PolicyWorker.save_hf, str(checkpoint_hf_actor(tmp))).get()
+    checkpoint_config(tmp).write_text(dump_resolved(cfg))  # what a resume's refusal names the sources from
+    spe = state.loader.steps_per_episode  # loader position of the consumed batches (async reads ahead)
+    loader_state = {**state.loader.state_dict(), "episode": step // spe, "batch_in_episode": step % spe}
+    if state.loader_reads_ahead:  # refills read more batches than steps (sync only): the loader's own position
+        loader_state = state.loader.state_dict()
     save_controller_state(
         tmp,
         {
             "step_index": step,
-            "weight_version": ctl.weight_version,
+            "weight_version": state.weight_version,
             "loader": loader_state,
-            "kl_ctl": ctl.kl_ctl.state_dict(),
-            "reward_norm": ctl.scorer.reward_norm.state_dict() if ctl.scorer.reward_norm else None,
+            "kl_ctl": state.kl_ctl.state_dict(),
+            "reward_norm": state.reward_norm.state_dict() if state.reward_norm else None,
             "rng": rng_state(),
-            "best_eval": ctl.evaluator.best if ctl.evaluator else None,
-            "engine_restarts": ctl.restarts.count,  # the budget of --max_engine_restarts is the whole run's
-            "sync_guard": ctl.guard.state_dict(),  # its calibration: a resume's first step follows a sync
-            "pending": pending_batches(ctl),
+            "best_eval": state.evaluator.best if state.evaluator else None,
+            "engine_restarts": state.restarts.count,
+            "sync_guard": state.guard.state_dict(),
+            "pending": pending_batches(state),
         },
     )
     return mgr.commit(
         tmp,
         step,
         {
-            "fingerprint": config_fingerprint(ctl.cfg),
+            "fingerprint": config_fingerprint(cfg),
             "roles": {role: g.world_size for role, g in trained},
             **({"resumable": False} if hf_only else {}),
         },
@@ -122,15 +166,15 @@ def foreign_checkpoint(mgr) -> Optional[Path]:
     return next((p for p in mgr.complete() if read_meta(p).get("run_id") != mgr.run_id), None)
 
 
-def may_save_at_stop(ctl) -> bool:
+def may_save_at_stop(stop_signal: Optional[str], step_index: int, first_step: int, mgr) -> bool:
     """Whether a stop saves: always at --stop_after_steps; at a stop signal not before the first step of this
-    invocation (nothing new), nor into a --ckpt_path holding another run's checkpoints (a run that saves nothing
-    otherwise was not refused such a folder at its start, launch/run.py find_checkpoint; said in one line)."""
-    if ctl.stop_signal is None:
+    invocation (nothing new), nor into a --ckpt_path (`mgr`) holding another run's checkpoints (a run that saves
+    nothing otherwise was not refused such a folder at its start, launch/run.py find_checkpoint; said in one line)."""
+    if stop_signal is None:
         return True
-    if ctl.step_index == ctl.first_step:
+    if step_index == first_step:
         return False
-    other = foreign_checkpoint(ctl.checkpoints)
+    other = foreign_checkpoint(mgr)
     if other is not None:
         log.warning("no checkpoint at the stop: %s holds another run's checkpoint %s", other.parent, other)
     return other is None
@@ -148,42 +192,42 @@ def wait_all(calls: list) -> None:
         raise errors[0]
 
 
-def restore_run(ctl, path: Path) -> None:
-    """Load what save_run wrote into the (init()-ed) groups and the controller."""
-    for call in [g.call(DeepSpeedWorker.load_checkpoint, str(path / role)) for role, g in ctl.m.trained()]:
+def restore_run(state: RunState, path: Path) -> Resumed:
+    """Load what save_run wrote into the (init()-ed) groups and the run's parts; returns the counters."""
+    for call in [g.call(DeepSpeedWorker.load_checkpoint, str(path / role)) for role, g in state.models.trained()]:
         call.get()
-    state = load_controller_state(path)
-    ctl.step_index, ctl.weight_version = state["step_index"], state["weight_version"]
-    ctl.loader.load_state_dict(state["loader"])
-    ctl.kl_ctl.load_state_dict(state["kl_ctl"])
-    if ctl.scorer.reward_norm is not None:
-        ctl.scorer.reward_norm.load_state_dict(state["reward_norm"])
-    set_rng_state(state["rng"])
-    if ctl.evaluator is not None:
-        ctl.evaluator.best = state.get("best_eval")
-    ctl.restarts.count = state.get("engine_restarts", 0)
-    ctl.guard.load_state_dict(state.get("sync_guard"))
-    ctl.pending = tuple((unpack_rollouts(b["rollouts"]), b["seconds"]) for b in state.get("pending", []))
-    if ctl.pending:
-        log.info("%d batch(es) generated before the checkpoint are trained first, as they were", len(ctl.pending))
+    saved = load_controller_state(path)
+    state.loader.load_state_dict(saved["loader"])
+    state.kl_ctl.load_state_dict(saved["kl_ctl"])
+    if state.reward_norm is not None:
+        state.reward_norm.load_state_dict(saved["reward_norm"])
+    set_rng_state(saved["rng"])
+    if state.evaluator is not None:
+        state.evaluator.best = saved.get("best_eval")
+    state.restarts.count = saved.get("engine_restarts", 0)
+    state.guard.load_state_dict(saved.get("sync_guard"))
+    pending = tuple((unpack_rollouts(b["rollouts"]), b["seconds"]) for b in saved.get("pending", []))
+    if pending:
+        log.info("%d batch(es) generated before the checkpoint are trained first, as they were", len(pending))
+    return Resumed(saved["step_index"], saved["weight_version"], pending)
 
 
 # Rollout's per-token lists, stored as flat tensors (logprobs in float64: Python's floats exactly)
 TOKEN_FIELDS = ("prompt_ids", "response_ids", "logprobs", "action_mask", "token_versions")
 
 
-def pending_batches(ctl) -> list[dict]:
+def pending_batches(state: RunState) -> list[dict]:
     """Async mode: the producer's batches generated ahead and not yet trained, as the checkpoint keeps them; filled
     batches (--dynamic_filtering) are left out, said in one line."""
-    if ctl.producer is None:
+    if state.producer is None:
         return []
-    kept, left_out = ctl.producer.pending()
+    kept, left_out = state.producer.pending()
     if left_out:
         log.warning(
             "--dynamic_filtering: the %d batch(es) generated ahead are not kept in the checkpoint of step %d; a resume "
             "goes on with the prompts after them",
             left_out,
-            ctl.step_index,
+            state.step_index,
         )
     return [{"rollouts": pack_rollouts(rollouts), "seconds": seconds} for rollouts, seconds in kept]
 
@@ -221,7 +265,8 @@ def unpack_rollouts(packed: dict) -> list[Rollout]:
 class CheckpointSteps:
     """The Controller's checkpoint steps, in their call order (the folder format is storage/checkpoint.py's): stop
     on a step boundary (--stop_after_steps, a signal) and save there, save every --save_steps, resume. Mixed into
-    trainer/controller.py's Controller, whose state (step_index, checkpoints, m, ...) they read."""
+    trainer/controller.py's Controller, whose counters (step_index, first_step, checkpoints, ...) they read; what a
+    checkpoint holds comes from its run_state()."""
 
     saving = False  # a checkpoint of this step is being written (a stop signal lets it finish: launch/stop_signals.py)
     producer = None  # async mode: the RolloutProducer of fit_async, whose generated batches a checkpoint keeps
@@ -237,7 +282,11 @@ class CheckpointSteps:
         """--stop_after_steps or a stop signal ended this invocation: save where it stopped (unless that step is
         saved already), so the later --load_checkpoint continues from here, not from the last --save_steps multiple
         (a signal's exceptions: run_state.may_save_at_stop)."""
-        if self.checkpoints is not None and self._saved_step != self.step_index and may_save_at_stop(self):
+        if (
+            self.checkpoints is not None
+            and self._saved_step != self.step_index
+            and may_save_at_stop(self.stop_signal, self.step_index, self.first_step, self.checkpoints)
+        ):
             self.save_checkpoint()
 
     def save_checkpoint(self, mgr=None) -> Optional[Path]:
@@ -248,7 +297,7 @@ class CheckpointSteps:
         self.saving = True
         logging.getLogger(TRACE).info("step %d: checkpoint", self.step_index)
         try:
-            path = save_run(self, mgr)
+            path = save_run(self.run_state(), mgr)
         except NoSpaceError as e:
             ours = mgr is self.checkpoints  # the best-eval copy is not the rotation's save of this step
             last = ours and (self.should_stop() or self.step_index >= self.loader.total_steps)
@@ -266,7 +315,8 @@ class CheckpointSteps:
     def resume(self, path) -> None:
         """Load a checkpoint written by save_checkpoint (groups already init()-ed), then re-sync the engines,
         which still hold the initial weights, before the first generation."""
-        restore_run(self, path)
+        resumed = restore_run(self.run_state(), path)
+        self.step_index, self.weight_version, self.pending = resumed.step_index, resumed.weight_version, resumed.pending
         self.first_step = self._saved_step = self.step_index
         self.m.rollout.load_weights(self.weight_version)
         log.info("resumed from %s at step %d (weight version %d)", path, self.step_index, self.weight_version)

@@ -230,6 +230,6 @@ def test_the_controllers_checkpoint_carries_the_calibration(tmp_path):
     path = ctl.save_checkpoint()
     resumed, _ = make(tmp_path / "b")
     resumed.loader.load_state_dict = lambda state: None
-    restore_run(resumed, path)
+    restore_run(resumed.run_state(), path)
     assert resumed.guard.settled and resumed.guard.healthy == 1.5e-5
     assert resumed.guard.threshold == ctl.guard.threshold == pytest.approx(1.6e-4)
