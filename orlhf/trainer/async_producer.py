@@ -45,11 +45,33 @@ import queue
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
+
+from orlhf.types import Rollout
 
 _DONE = object()
 STOP_WAIT_S = 5.0  # how long context exit waits for the producer thread
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class GeneratedBatch:
+    """One step's batch as the producer hands it from its thread to the controller's (queue items, next())."""
+
+    prompts: list  # the step's prompts (B)
+    rollouts: list[Rollout]  # B x n_samples_per_prompt, prompt-major
+    seconds: float = 0.0  # generation time, syncs let through excluded (a grouped generation: this batch's share)
+    ahead: Any = None  # `ahead`'s result (the controller's: scoring.ScoredAhead, the frozen models' calls), or None
+    filled: Any = None  # --dynamic_filtering: the filter's full batch (dynamic_filtering.FilledBatch), or None
+
+
+@dataclass(frozen=True)
+class KeptBatch:
+    """A batch generated ahead and not yet trained, as a checkpoint keeps it (pending(); trainer/run_state.py)."""
+
+    rollouts: list[Rollout]  # B x n_samples_per_prompt, prompt-major; its prompts are the loader's next batch
+    seconds: float  # its generation time
 
 
 class SyncGate:
@@ -127,14 +149,14 @@ class RolloutProducer:
         ahead: Optional[Callable[[list, list], Any]] = None,
         fill: Optional[Callable[[Iterator[list], int], Any]] = None,
         batches_per_generation: int = 1,
-        pending: tuple = (),
+        pending: tuple[KeptBatch, ...] = (),
     ):
         self.generate, self.loader, self.ahead, self.fill = generate, loader, ahead, fill
         self.per_generation = batches_per_generation  # --vllm_generate_batch_size / --rollout_batch_size
         self.gate = SyncGate()
         self.gate.settle = self.settled
         self.lock = self.gate.lock  # held while generating and while syncing weights
-        self._pending = list(pending)  # (rollouts, seconds) of the loader's next batches, from a checkpoint
+        self._pending = list(pending)  # the loader's next batches, from a checkpoint
         self._queue: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="orlhf-rollout-producer", daemon=True)
@@ -158,17 +180,16 @@ class RolloutProducer:
                 "rollout producer still in a generation after %.0f s; leaving it to end with the engines", STOP_WAIT_S
             )
 
-    def __iter__(self) -> Iterator[tuple[list, list, float, Any, Any]]:
-        """(prompts, rollouts, generation seconds, ahead's result or None, the filled batch or None) per batch, in
-        loader order."""
+    def __iter__(self) -> Iterator[GeneratedBatch]:
+        """Every batch, in loader order."""
         while True:
             item = self.next()
             if item is None:
                 return
             yield item
 
-    def next(self) -> Optional[tuple[list, list, float, Any, Any]]:
-        """The next batch (as __iter__ yields it), None after the last."""
+    def next(self) -> Optional[GeneratedBatch]:
+        """The next batch, None after the last."""
         item = self._queue.get()
         if item is _DONE:
             return None
@@ -194,14 +215,13 @@ class RolloutProducer:
         with self._cv:
             self._cv.wait_for(lambda: self._in_lock or self._quiet())
 
-    def pending(self) -> tuple[list[tuple[list, float]], int]:
-        """Once no generation is in flight: the batches generated and not yet taken, in order, as (rollouts,
-        generation seconds), and how many filled batches (--dynamic_filtering) were left out: those cannot be
-        rebuilt from the loader's position."""
+    def pending(self) -> tuple[list[KeptBatch], int]:
+        """Once no generation is in flight: the batches generated and not yet taken, in order, and how many filled
+        batches (--dynamic_filtering) were left out: those cannot be rebuilt from the loader's position."""
         with self._cv:
             self._cv.wait_for(self._quiet)
-            items = [item for item in list(self._queue.queue) if isinstance(item, tuple)]
-        kept = [(rollouts, seconds) for _, rollouts, seconds, _, filled in items if filled is None]
+            items = [item for item in list(self._queue.queue) if isinstance(item, GeneratedBatch)]
+        kept = [KeptBatch(item.rollouts, item.seconds) for item in items if item.filled is None]
         return kept, len(items) - len(kept)
 
     def _take(self, n: int) -> bool:
@@ -238,18 +258,20 @@ class RolloutProducer:
             for i, batch in enumerate(self._batches(), start=self._first_index):
                 if not self._take(1):
                     return
-                t0 = time.perf_counter()
                 if self._pending and self.fill is None:  # generated before a checkpoint: trained as it was
-                    (rollouts, seconds), prompts, filled = self._pending.pop(0), batch, None
+                    kept = self._pending.pop(0)
+                    item: Optional[GeneratedBatch] = GeneratedBatch(batch, kept.rollouts, kept.seconds)
                 else:
                     with self._generating():
                         t0, yielded = time.perf_counter(), self.gate.yielded_s
-                        prompts, rollouts, filled = self._make(batch, i)
+                        item = self._make(batch, i)
                         seconds = time.perf_counter() - t0 - (self.gate.yielded_s - yielded)  # syncs let through
-                if self._stop.is_set() or prompts is None:
+                    if item is not None:
+                        item.seconds = seconds
+                if self._stop.is_set() or item is None:
                     break
-                early = self.ahead(prompts, rollouts) if self.ahead is not None else None
-                self._queue.put((prompts, rollouts, seconds, early, filled))
+                item.ahead = self.ahead(item.prompts, item.rollouts) if self.ahead is not None else None
+                self._queue.put(item)
                 self._set(working=False)
             self._queue.put(_DONE)
         except BaseException as e:  # surfaced in the controller's thread
@@ -276,12 +298,13 @@ class RolloutProducer:
                     t0, yielded = time.perf_counter(), self.gate.yielded_s
                     rollouts = self.generate([p for b in group for p in b], index)
                     seconds = time.perf_counter() - t0 - (self.gate.yielded_s - yielded)
-                parts = [(part, seconds / len(group)) for part in split_rollouts(rollouts, [len(b) for b in group])]
+                split = split_rollouts(rollouts, [len(b) for b in group])
+                parts = [KeptBatch(part, seconds / len(group)) for part in split]
             if self._stop.is_set():
                 return
-            for prompts, (part, seconds) in zip(group, parts):
-                early = self.ahead(prompts, part) if self.ahead is not None else None
-                self._queue.put((prompts, part, seconds, early, None))
+            for prompts, part in zip(group, parts):
+                early = self.ahead(prompts, part.rollouts) if self.ahead is not None else None
+                self._queue.put(GeneratedBatch(prompts, part.rollouts, part.seconds, early))
             self._set(working=False)
             index += len(group)
         self._queue.put(_DONE)
@@ -296,11 +319,11 @@ class RolloutProducer:
         while True:
             yield source
 
-    def _make(self, batch, i: int) -> tuple:
-        """(prompts, rollouts, filled batch or None) for step i; (None, None, None) when the filter ran out."""
+    def _make(self, batch, i: int) -> Optional[GeneratedBatch]:
+        """Step i's batch (its seconds and `ahead` set by the caller); None when the filter ran out."""
         if self.fill is None:
-            return batch, self.generate(batch, i), None
+            return GeneratedBatch(batch, self.generate(batch, i))
         filled = self.fill(batch, i)
         if filled is None:
-            return None, None, None
-        return filled.prompts, filled.rollouts, filled
+            return None
+        return GeneratedBatch(filled.prompts, filled.rollouts, filled=filled)

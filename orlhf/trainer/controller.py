@@ -191,12 +191,12 @@ class Controller(CheckpointSteps):
                 item = producer.next()
                 if item is None:
                     break
-                prompts, rollouts, gen_seconds, ahead, filled = item
-                self.timings = {"generate": gen_seconds}
-                if filled is None:
-                    report(self.learn(prompts, rollouts, ahead=ahead))
+                self.timings = {"generate": item.seconds}
+                if item.filled is None:
+                    report(self.learn(item.prompts, item.rollouts, ahead=item.ahead))
                 else:
-                    report({**self.learn(prompts, rollouts, filled.reward, ahead=ahead), **filled.info})
+                    filled = item.filled
+                    report({**self.learn(item.prompts, item.rollouts, filled.reward, ahead=item.ahead), **filled.info})
             if self.should_stop():  # --stop_after_steps, a signal: saved here, with the batches generated ahead
                 self.save_at_stop()
         self.producer = None

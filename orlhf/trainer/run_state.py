@@ -33,6 +33,7 @@ from orlhf.storage.checkpoint_state import load_controller_state, rng_state, sav
 from orlhf.storage.disk_space import NoSpaceError, cleanup_after_failed_write
 from orlhf.storage.logs import TRACE
 from orlhf.storage.run_folder import checkpoint_config, checkpoint_hf_actor
+from orlhf.trainer.async_producer import KeptBatch
 from orlhf.types import Rollout
 from orlhf.workers import PolicyWorker
 from orlhf.workers.base import DeepSpeedWorker
@@ -77,7 +78,7 @@ class Resumed:
 
     step_index: int
     weight_version: int
-    pending: tuple  # (rollouts, generation seconds) of the batches the checkpoint kept, for the producer
+    pending: tuple[KeptBatch, ...]  # the batches the checkpoint kept, for the producer
 
 
 def save_run(state: RunState, mgr) -> Path:
@@ -206,7 +207,7 @@ def restore_run(state: RunState, path: Path) -> Resumed:
         state.evaluator.best = saved.get("best_eval")
     state.restarts.count = saved.get("engine_restarts", 0)
     state.guard.load_state_dict(saved.get("sync_guard"))
-    pending = tuple((unpack_rollouts(b["rollouts"]), b["seconds"]) for b in saved.get("pending", []))
+    pending = tuple(KeptBatch(unpack_rollouts(b["rollouts"]), b["seconds"]) for b in saved.get("pending", []))
     if pending:
         log.info("%d batch(es) generated before the checkpoint are trained first, as they were", len(pending))
     return Resumed(saved["step_index"], saved["weight_version"], pending)
@@ -229,7 +230,7 @@ def pending_batches(state: RunState) -> list[dict]:
             left_out,
             state.step_index,
         )
-    return [{"rollouts": pack_rollouts(rollouts), "seconds": seconds} for rollouts, seconds in kept]
+    return [{"rollouts": pack_rollouts(batch.rollouts), "seconds": batch.seconds} for batch in kept]
 
 
 def pack_rollouts(rollouts: list[Rollout]) -> dict:
@@ -270,7 +271,7 @@ class CheckpointSteps:
 
     saving = False  # a checkpoint of this step is being written (a stop signal lets it finish: launch/stop_signals.py)
     producer = None  # async mode: the RolloutProducer of fit_async, whose generated batches a checkpoint keeps
-    pending: tuple = ()  # (rollouts, seconds) of the batches a resumed checkpoint kept, for the producer
+    pending: tuple[KeptBatch, ...] = ()  # the batches a resumed checkpoint kept, for the producer
     unsaved_step: Optional[int] = None  # the step whose save a full disk refused, until a later save succeeds
 
     def should_stop(self) -> bool:

@@ -34,10 +34,10 @@ class FakeTrainer:
         producer = RolloutProducer(self.generate, [[i] for i in range(batches)], queue_size)
         seen = []
         with producer:
-            for prompts, rollouts, _seconds, _, _filled in producer:
-                seen.append(prompts[0])
+            for item in producer:
+                seen.append(item.prompts[0])
                 time.sleep(train_s)  # training overlaps the next generation
-                staleness.append(self.version - rollouts[0].weight_version)
+                staleness.append(self.version - item.rollouts[0].weight_version)
                 with producer.lock:
                     self.overlaps += self.generating
                     self.version += 1
@@ -123,8 +123,8 @@ def test_with_a_filter_the_queue_holds_full_batches_and_ends_when_the_filter_run
     loader = [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
     got = []
     with RolloutProducer(lambda p, i: None, loader, 1, fill=fill) as producer:
-        for prompts, rollouts, _seconds, _ahead, filled in producer:
-            got.append((prompts, rollouts, filled.step))
+        for item in producer:
+            got.append((item.prompts, item.rollouts, item.filled.step))
     assert got == [([0, 2], ["r0", "r2"], 0), ([4, 6], ["r4", "r6"], 1)]  # 8 alone cannot fill a third batch
 
 
@@ -142,8 +142,8 @@ def test_several_batches_per_generation_are_generated_together_and_queued_one_by
     loader = [[10, 11], [12, 13], [14, 15]]
     got = []
     with RolloutProducer(generate, loader, 2, batches_per_generation=2) as producer:
-        for prompts, rollouts, _s, _a, _f in producer:
-            got.append((prompts, [(r.prompt_index, r.prompt_ids[0]) for r in rollouts]))
+        for item in producer:
+            got.append((item.prompts, [(r.prompt_index, r.prompt_ids[0]) for r in item.rollouts]))
     assert calls == [([10, 11, 12, 13], 0), ([14, 15], 2)]
     assert got[1] == ([12, 13], [(0, 12), (0, 12), (1, 13), (1, 13)])
     assert [p for p, _ in got] == loader
@@ -175,8 +175,8 @@ def train(producer, loader, version: list, steps=None) -> list:
             item = producer.next()
             if item is None:
                 break
-            trained.append((item[0][0], item[1][0].weight_version))
-            loader.opened[item[0][0] + 1].set()
+            trained.append((item.prompts[0], item.rollouts[0].weight_version))
+            loader.opened[item.prompts[0] + 1].set()
             with producer.gate.sync():
                 version[0] += 1
         pending = producer.pending()
@@ -214,7 +214,7 @@ def test_a_stop_keeps_the_batches_generated_ahead_and_a_resume_trains_them_as_th
     version, calls[:] = [0], []
     loader = GatedLoader(6)
     first, (pending, left_out) = train(RolloutProducer(generate, loader, 1), loader, version, steps=3)
-    assert [rollouts[0].weight_version for rollouts, _ in pending] == [2] and left_out == 0
+    assert [batch.rollouts[0].weight_version for batch in pending] == [2] and left_out == 0
     assert calls == [0, 1, 2, 3]
     loader = GatedLoader(6, steps_done=3)
     resumed, _ = train(RolloutProducer(generate, loader, 1, pending=pending), loader, version)

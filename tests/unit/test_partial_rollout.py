@@ -146,7 +146,7 @@ def test_the_gate_lets_a_waiting_sync_in_between_two_segments_only():
     syncer.join(10)
     assert events[:3] == [("segment", 0), ("sync", False), ("segment", 1)]  # right after the segment in flight
     assert producer.gate.yields == 1
-    assert got[0][2] < 0.3  # generation seconds: the sync's 0.3 s are not the generation's
+    assert got[0].seconds < 0.3  # generation seconds: the sync's 0.3 s are not the generation's
 
 
 def test_without_a_waiting_sync_the_producer_keeps_the_lock():
