@@ -26,8 +26,7 @@ from typing import Callable, Optional
 
 import torch
 
-from orlhf.rollout.engine import SamplingSpec
-from orlhf.types import Rollout
+from orlhf.types import Rollout, SamplingSpec
 
 log = logging.getLogger(__name__)
 

@@ -141,10 +141,6 @@ def adapted_modules(model: nn.Module) -> dict[str, nn.Module]:
     return {n: m for n, m in model.named_modules() if isinstance(m, LoraLayer)}
 
 
-def has_adapter(model: nn.Module) -> bool:
-    return any(".lora_A." in n for n, _ in model.named_parameters())
-
-
 @contextmanager
 def adapter_off(model: nn.Module) -> Iterator[None]:
     """Forwards inside run the base weights alone (every LoRA layer bypassed): the reference policy. Flips peft's
