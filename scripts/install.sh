@@ -47,13 +47,17 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ] && [ -x "$VENV/bin/orlhf" 
 fi
 
 t0=$(date +%s)
-[ -x "$VENV/bin/python" ] || { log "creating $VENV"; "$PY" -m venv "$VENV"; }
-PIP=(pip_quiet "$VENV/bin/python" -m pip --disable-pip-version-check)
 # This machine's pip config lists local package folders; pip warns once per missing one. Drop only that noise.
 pip_quiet() { "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
+# The venv starts without pip: ensurepip installs and byte-compiles it, the longest part of a venv's creation. uv
+# comes from the system's pip (`--python` installs into the venv), then puts pip into the venv (no .pyc) for the
+# torch step and for users; without a system pip, or for the pip installer, ensurepip after all.
+[ -x "$VENV/bin/python" ] || { log "creating $VENV"; "$PY" -m venv --without-pip "$VENV"; }
+PIP=(pip_quiet "$VENV/bin/python" -m pip --disable-pip-version-check)
 BUILD_TOOLS=("setuptools==$SETUPTOOLS" wheel ninja packaging py-cpuinfo psutil)
 UV=()
-if [ "$ORLHF_DEVICE" = cpu ] && [ "${ORLHF_INSTALLER:-uv}" = uv ] && "${PIP[@]}" install -q --no-compile uv; then
+if [ "$ORLHF_DEVICE" = cpu ] && [ "${ORLHF_INSTALLER:-uv}" = uv ] && { [ -x "$VENV/bin/uv" ] ||
+  pip_quiet "$PY" -m pip --disable-pip-version-check --python "$VENV/bin/python" install -q --no-compile uv; }; then
   # No ahead-of-time .pyc (uv's default; pip compiles every file): the byte-compile step below compiles only what a
   # run imports. ORLHF_COMPILE_BYTECODE=1 compiles every package at install.
   UV=("$VENV/bin/uv" pip install -q --python "$VENV/bin/python")
@@ -63,7 +67,10 @@ if [ "$ORLHF_DEVICE" = cpu ] && [ "${ORLHF_INSTALLER:-uv}" = uv ] && "${PIP[@]}"
   printf '%s\n' torchvision torchaudio torchcodec triton >"$VENV/excludes.txt"
   UV+=(--excludes "$VENV/excludes.txt")
 fi
-{ [ ${#UV[@]} -gt 0 ] && "${UV[@]}" "${BUILD_TOOLS[@]}"; } || "${PIP[@]}" install -q --no-compile "${BUILD_TOOLS[@]}"
+if ! { [ ${#UV[@]} -gt 0 ] && "${UV[@]}" "${BUILD_TOOLS[@]}" pip; }; then
+  "$VENV/bin/python" -m pip --version >/dev/null 2>&1 || "$VENV/bin/python" -m ensurepip -q
+  "${PIP[@]}" install -q --no-compile "${BUILD_TOOLS[@]}"
+fi
 step_done "venv + build tools"
 
 CONSTRAINTS="$VENV/constraints.txt"
