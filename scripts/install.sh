@@ -87,29 +87,31 @@ else
 fi
 step_done "torch"
 
-# DeepSpeed. On CPU without prebuilt C++ ops (see the header); its sdist builds in seconds and the installer
-# caches the wheel. --no-build-isolation: its setup.py imports
-# torch, and an isolated build would fetch a CUDA torch.
-if ! "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('deepspeed') != '$DEEPSPEED')" 2>/dev/null; then
+# DeepSpeed. On CPU without prebuilt C++ ops (see the header); its sdist builds in seconds. Without build isolation:
+# its setup.py imports torch, and an isolated build would fetch a CUDA torch. With uv it is built in the same call as
+# orlhf's dependencies, while they download; with pip it comes first, on its own.
+[ "$ORLHF_DEVICE" = cuda ] || export DS_ACCELERATOR=cpu DS_BUILD_OPS=0
+deepspeed_with_pip() {
+  "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('deepspeed') != '$DEEPSPEED')" \
+    2>/dev/null && return 0
   if [ "$ORLHF_DEVICE" = cuda ]; then
     "${PIP[@]}" install -q -c "$CONSTRAINTS" "deepspeed==$DEEPSPEED"
   else
-    export DS_ACCELERATOR=cpu DS_BUILD_OPS=0
-    { [ ${#UV[@]} -gt 0 ] && "${UV[@]}" --no-build-isolation -c "$CONSTRAINTS" "deepspeed==$DEEPSPEED"; } ||
-      "${PIP[@]}" install -q --no-build-isolation -c "$CONSTRAINTS" "deepspeed==$DEEPSPEED"
+    "${PIP[@]}" install -q --no-build-isolation -c "$CONSTRAINTS" "deepspeed==$DEEPSPEED"
   fi
-fi
-step_done "deepspeed"
+}
 
-log "orlhf[$EXTRAS]"
-if ! { [ ${#UV[@]} -gt 0 ] && "${UV[@]}" -c "$CONSTRAINTS" -e ".[$EXTRAS]"; }; then
+log "orlhf[$EXTRAS] and DeepSpeed"
+if ! { [ ${#UV[@]} -gt 0 ] &&
+  "${UV[@]}" --no-build-isolation-package deepspeed -c "$CONSTRAINTS" -e ".[$EXTRAS]"; }; then
   [ ${#UV[@]} -eq 0 ] || log "uv failed; installing with pip"
+  deepspeed_with_pip
   "${PIP[@]}" install -q -c "$CONSTRAINTS" -e ".[$EXTRAS]"
   if [ "$ORLHF_DEVICE" = cpu ]; then  # what uv's excludes keep out, pip installs: removed (see above)
     "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
   fi
 fi
-step_done "orlhf[$EXTRAS] and its dependencies"
+step_done "orlhf[$EXTRAS], DeepSpeed and their dependencies"
 
 # The modules a run imports, compiled once here rather than by each of its processes at every start (uv writes no
 # .pyc, and PYTHONDONTWRITEBYTECODE, where set, stops imports from writing them): scripts/precompile.py. Before the
