@@ -13,8 +13,10 @@ precompile_dirs.txt) are compiled, once per install, not every installed package
     python scripts/precompile.py --record DUMPS     # rewrite precompile_dirs.txt from those dumps (after a run:
         PYTHONPATH=DIR orlhf train-ppo --num_episodes 1 --max_samples 64 --save_path /tmp/x)
 
-Folders are listed relative to site-packages (non-recursive: the .py files directly in each); folders missing in
-this environment are skipped, so a list made with the CPU build serves the GPU one too (it compiles less there).
+Entries are relative to site-packages: a folder (the .py files directly in it, non-recursive) where a run imported
+at least DENSE of its files, else each imported file of it, so that big folders a run samples (vLLM's model files,
+generated protobuf and telemetry modules) cost only what is imported. Entries missing in this environment are
+skipped, so a list made with the CPU build serves the GPU one too (it compiles less there).
 py_compile writes .pyc whatever PYTHONDONTWRITEBYTECODE says: the variable governs imports only.
 """
 
@@ -30,6 +32,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 LIST = HERE / "precompile_dirs.txt"
+DENSE = 0.7  # a folder is listed whole where a run imported at least this share of its files
 
 HOOK = """import os, sys, threading, time
 def _dump():
@@ -49,6 +52,10 @@ def _one(path: str) -> bool:
     return bool(compileall.compile_file(path, quiet=2))
 
 
+def _py_files(folder: Path) -> list[str]:
+    return [f for f in os.listdir(folder) if f.endswith(".py")] if folder.is_dir() else []
+
+
 def site_dirs() -> list[Path]:
     paths = sysconfig.get_paths()
     return sorted({Path(paths["purelib"]), Path(paths["platlib"])})
@@ -60,8 +67,10 @@ def files_to_compile() -> list[str]:
     for site in site_dirs():
         for r in rel:
             d = site / r
-            if d.is_dir():
-                files += [str(d / f) for f in os.listdir(d) if f.endswith(".py")]
+            if r.endswith(".py"):
+                files += [str(d)] if d.is_file() else []
+            else:
+                files += [str(d / f) for f in _py_files(d)]
     # orlhf itself (an editable install compiles into the checkout's __pycache__ folders, which git ignores)
     files += [str(p) for p in (HERE.parent / "orlhf").rglob("*.py")]
     return files
@@ -79,17 +88,24 @@ def compile_all() -> None:
 
 
 def record(dumps: Path) -> None:
-    dirs: set[str] = set()
+    imported: dict[str, set[str]] = {}  # folder relative to site-packages -> the names of its imported files
     for dump in dumps.glob("*.txt"):
         for line in dump.read_text().splitlines():
             if "site-packages/" in line and line.endswith(".py"):
-                dirs.add(os.path.dirname(line.split("site-packages/", 1)[1]) or ".")
+                rel = line.split("site-packages/", 1)[1]
+                imported.setdefault(os.path.dirname(rel) or ".", set()).add(os.path.basename(rel))
+    entries = []
+    for folder, names in imported.items():
+        present = max((len(_py_files(site / folder)) for site in site_dirs()), default=0)
+        if present and len(names) >= DENSE * present:
+            entries.append(folder)
+        else:
+            entries += [os.path.normpath(os.path.join(folder, name)) for name in names]
     LIST.write_text(
-        "# site-packages folders whose modules an orlhf demo run imported (scripts/precompile.py)\n"
-        + "\n".join(sorted(dirs))
-        + "\n"
+        "# site-packages folders, and single files of sparsely imported ones, that an orlhf demo run imported"
+        " (scripts/precompile.py)\n" + "\n".join(sorted(entries)) + "\n"
     )
-    print(f"{len(dirs)} folders -> {LIST}")
+    print(f"{len(entries)} entries -> {LIST}")
 
 
 if __name__ == "__main__":
