@@ -28,8 +28,15 @@ ROOT=$(pwd)
 VENV=${ORLHF_VENV:-$ROOT/.venv}
 PY=${PYTHON:-python3}
 log() { echo "[install] $*" >&2; }
-T_STEP=$(date +%s)
-step_done() { local now; now=$(date +%s); log "$1: $(( now - T_STEP )) s"; T_STEP=$now; }
+# Each step's wall seconds, and the CPU seconds of the processes it ran (what a shared machine's load changes least).
+# bash's `times` runs in this shell (a subshell would see none of its children) and writes a file that awk reads.
+TIMES=$(mktemp); trap 'rm -f "$TIMES"' EXIT
+cpu_now() { times >"$TIMES"; CPU=$(awk 'NR == 2 { split($0, t, /[ms ]+/); print t[1] * 60 + t[2] + t[3] * 60 + t[4] }' "$TIMES"); }
+T_STEP=$(date +%s); cpu_now; C_STEP=$CPU
+step_done() {
+  local now; now=$(date +%s); cpu_now
+  log "$1: $(( now - T_STEP )) s (CPU $(awk "BEGIN { printf \"%.0f\", $CPU - $C_STEP }") s)"; T_STEP=$now; C_STEP=$CPU
+}
 
 if [ -z "${ORLHF_DEVICE:-}" ]; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q GPU; then ORLHF_DEVICE=cuda; else ORLHF_DEVICE=cpu; fi
