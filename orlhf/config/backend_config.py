@@ -40,6 +40,14 @@ class VLLMConfig:
         "where CUDA IPC moves the weights.",
         flag="vllm_sync_with_ray",
     )
+    sync_delta: bool = opt(
+        False,
+        "Weight sync sends only the elements whose engine-dtype value changed since the last sync (after a full first "
+        "one); the engines end bit for bit where a full sync leaves them. Pays with 16-bit engines at RL learning "
+        "rates, where few bf16 values move per update; costs one engine-dtype copy of the synced weights on actor "
+        "rank 0 and in every engine worker (docs/weight_sync_delta.md).",
+        flag="vllm_sync_delta",
+    )
     gpu_memory_utilization: Optional[float] = opt(
         None,
         "Share of each engine GPU's memory vLLM may take (default: 0.9 on the engines' own GPUs, 0.5 under "

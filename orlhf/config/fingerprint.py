@@ -91,6 +91,7 @@ FREE_ON_RESUME: dict[str, str] = {
             "vllm_sync_bucket_mb",
             "vllm_sync_backend",
             "vllm_sync_with_ray",
+            "vllm_sync_delta",
             "enforce_eager",
             "enable_prefix_caching",
             "packing_samples",

@@ -226,7 +226,14 @@ PANELS: tuple[Panel, ...] = (
         ),
     ),
     Panel(
-        "Weight sync", more=("vllm_sync_backend", "vllm_sync_with_ray", "vllm_sync_bucket_mb", "max_engine_logprob_gap")
+        "Weight sync",
+        more=(
+            "vllm_sync_backend",
+            "vllm_sync_with_ray",
+            "vllm_sync_delta",
+            "vllm_sync_bucket_mb",
+            "max_engine_logprob_gap",
+        ),
     ),
     Panel(
         "Memory and speed",

@@ -92,6 +92,11 @@ def _packages_here(cfg: TrainConfig, out: list[str]) -> None:
             "wheel of your CUDA (`pip install cupy-cuda12x`), or drop --vllm_sync_with_ray (orlhf's own NCCL group "
             "needs no cupy)."
         )
+    if v.sync_delta and cfg.engines_colocated and cfg.runtime.device == "cuda":
+        out.append(
+            "--vllm_sync_delta: under --colocate_all_models on GPUs CUDA IPC hands the engines the trainer's own "
+            "memory, no bytes cross a link; drop --vllm_sync_delta."
+        )
 
 
 def _ranges(cfg: TrainConfig, out: list[str]) -> None:

@@ -14,6 +14,7 @@ ENGINE_FLAGS = (
     "vllm_tensor_parallel_size",
     "vllm_sync_backend",
     "vllm_sync_with_ray",
+    "vllm_sync_delta",
     "vllm_gpu_memory_utilization",
     "enable_prefix_caching",
     "enforce_eager",

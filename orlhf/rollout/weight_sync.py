@@ -11,6 +11,8 @@ API (ActorGroup.call / EngineGroup.call: orlhf/distributed/endpoints.py).
       1. engines: orlhf_receive_weights(metas, buckets)  (started first; each engine worker blocks in broadcast)
       2. actor ranks: send_weights(n tensors)            (all ranks gather each ZeRO-3 layer; rank 0 broadcasts)
       3. wait for both together, then engines: reset_prefix_cache, set_weight_version(version)
+    --vllm_sync_delta: steps 1-2 are orlhf_receive_delta / send_weights_delta instead: per bucket only the elements
+    whose engine-dtype value changed (workers/weight_delta.py), applied by each engine worker to its held copy
     WeightSync.lost_engines()   after a failed sync: both sides' calls ended, the engines that died in it named
     WeightSync.reconnect()      a fresh group for every engine (after one was replaced: trainer/engine_restart.py)
 
@@ -34,6 +36,12 @@ Invariants:
   GPUs (vLLM's PyNcclCommunicator over a StatelessProcessGroup). With --vllm_sync_with_ray (OpenRLHF's flag) the
   group is a Ray collective group instead (distributed/ray_collective.py: Ray's NCCL, or a gloo backend orlhf
   registers with Ray), met by name through Ray, with the same buckets and loading path.
+- Delta (--vllm_sync_delta): actor rank 0 and every engine worker each hold what the engines hold (the last sync's
+  tensors cast to the engine dtype); after every sync both equal, bit for bit, what a full sync's receiver would
+  cast and load, and the engine loads whole layers from its copy as a full sync does. A sync is full (every tensor
+  whole, both copies rebuilt) when the two copies cannot be known equal: the first sync of a WeightSync (a start,
+  a restart from a checkpoint, a resume), the first after reconnect() (a replaced engine), the first after a
+  failed sync. LoRA's adapter-only plan applies unchanged: the delta is over the tensors it sends.
 - Colocated on one GPU (--colocate_all_models), CUDA IPC handles replace the broadcast (IpcWeightSync): engine e's
   TP workers share GPUs with actor ranks [e*TP, (e+1)*TP), so each rank hands handles to its own gathered copy of
   each layer, keyed by GPU UUID (each engine worker picks its own GPU's); the engine copies them and synchronizes
@@ -124,11 +132,20 @@ class WeightSync(WeightUpdate):
     restartable = True  # an engine can be replaced under it (reconnect)
 
     def __init__(
-        self, actor, engines, backend: str, bucket_mb: float = 256.0, timeout_s: float = 600.0, with_ray: bool = False
+        self,
+        actor,
+        engines,
+        backend: str,
+        bucket_mb: float = 256.0,
+        timeout_s: float = 600.0,
+        with_ray: bool = False,
+        delta: bool = False,
     ):
         """timeout_s (--ray_timeout_s) bounds each wait here (Ray) and how long the group's members wait for each
-        other to join (the TCPStore rank 0 hosts). with_ray (--vllm_sync_with_ray): a Ray collective group."""
+        other to join (the TCPStore rank 0 hosts). with_ray (--vllm_sync_with_ray): a Ray collective group.
+        delta (--vllm_sync_delta): send what changed since the last sync, after a full first one."""
         super().__init__(actor, engines, timeout_s)
+        self.delta, self.full_next, self.sent_bytes = delta, True, 0  # sent_bytes: the last sync's, from rank 0
         self.backend = backend
         self.with_ray, self.group_name = with_ray, None  # the Ray group's name, fresh for every group
         self._run_tag = uuid.uuid4().hex[:8]  # Ray groups of two runs on one cluster never share a name
@@ -159,6 +176,7 @@ class WeightSync(WeightUpdate):
             engines.call_rank(e, Ext.orlhf_init_sync_group, host, port, 1 + e * tp, *args) for e in range(len(engines))
         ]
         wait_calls(host_store, *joins, timeout_s=timeout_s)
+        self.full_next = True  # a replaced engine holds its start-up weights, and rank 0's held copy went with its end
         log.info(
             "weight sync: %s group of %d (1 trainer + %d engine workers)%s, %d tensors (%d bytes) in %d buckets",
             backend,
@@ -175,15 +193,32 @@ class WeightSync(WeightUpdate):
         t0 = time.perf_counter()
         # Both sides at once, waited together: each blocks in the broadcast until the other is there, and if
         # one side fails the other is stuck, so the first error ends the wait.
-        calls = (
-            self.engines.call(Ext.orlhf_receive_weights, self.metas, self.buckets),
-            self.actor.call(PolicyWorker.send_weights, len(self.metas)),
-        )
+        if self.delta:
+            dtype, sizes = self.engines.cfg.dtype, [len(b) for b in self.buckets]
+            calls = (
+                self.engines.call(Ext.orlhf_receive_delta, self.metas, self.buckets, dtype),
+                self.actor.call(PolicyWorker.send_weights_delta, sizes, dtype, self.full_next),
+            )
+        else:
+            calls = (
+                self.engines.call(Ext.orlhf_receive_weights, self.metas, self.buckets),
+                self.actor.call(PolicyWorker.send_weights, len(self.metas)),
+            )
         try:
-            wait_calls(*calls, timeout_s=self.timeout_s)
+            sent = wait_calls(*calls, timeout_s=self.timeout_s)[1]
         except Exception:
             self._failed = calls  # lost_engines() ends them and reads which engines died
+            self.full_next = True  # some engines may hold part of this sync, rank 0's copy all of it
             raise
+        self.sent_bytes = max(sent) if self.delta else sum(_nbytes(m) for m in self.metas)
+        if self.delta:
+            log.debug(
+                "weight sync %d: %s, %d bytes broadcast",
+                version,
+                "full" if self.full_next else "delta",
+                self.sent_bytes,
+            )
+        self.full_next = False
         finish(self.engines, version)
         return time.perf_counter() - t0
 
@@ -255,4 +290,6 @@ def make_weight_sync(cfg, actor, engines) -> WeightUpdate:
             log.warning("--vllm_sync_with_ray: no broadcast group to set up, CUDA IPC moves the weights on shared GPUs")
         return IpcWeightSync(actor, engines, cfg.runtime.ray_timeout_s)
     timeout_s = cfg.runtime.ray_timeout_s
-    return WeightSync(actor, engines, v.sync_backend, v.sync_bucket_mb, timeout_s, with_ray=v.sync_with_ray)
+    return WeightSync(
+        actor, engines, v.sync_backend, v.sync_bucket_mb, timeout_s, with_ray=v.sync_with_ray, delta=v.sync_delta
+    )

@@ -140,6 +140,45 @@ class WeightSyncExtension:
                 out.append((name, t, self._orlhf_comm.broadcast(t, 0)))
         return out
 
+    @endpoint
+    def orlhf_receive_delta(self, metas: list[tuple[str, str, tuple]], buckets: list[list[int]], dtype: str) -> int:
+        """--vllm_sync_delta: per bucket receive (counts, indices, values) from the trainer (workers/weight_delta.py),
+        apply them to the copy this worker holds of what it last loaded, and load the bucket's tensors whole (one
+        reload per sync, as orlhf_receive_weights). `dtype`: the engine dtype the sender cast to. Returns the tensors
+        loaded. A dense tensor replaces the held copy (a full sync sends every tensor dense); a delta against no held
+        copy raises (a full sync must come first)."""
+        from orlhf.workers.weight_delta import DENSE, apply_bucket, bucket_sizes
+
+        if getattr(torch, dtype) != self.model_config.dtype:
+            raise RuntimeError(f"the trainer sends a delta in {dtype}, this engine holds {self.model_config.dtype}")
+        held: dict = self.__dict__.setdefault("_orlhf_held", {})
+        loaded = [0]
+
+        def stream():
+            for bucket in buckets:
+                names, shapes = [metas[i][0] for i in bucket], [tuple(metas[i][2]) for i in bucket]
+                counts = torch.empty(len(bucket), dtype=torch.int64, device=self.device)
+                self._orlhf_broadcast(counts)
+                counts = counts.tolist()
+                k, nv = bucket_sizes(counts, [_numel(s) for s in shapes])
+                parts = [torch.empty(k, dtype=torch.int32, device=self.device), None]
+                parts[1] = torch.empty(nv, dtype=self.model_config.dtype, device=self.device)
+                for t in parts:
+                    if t.numel():
+                        self._orlhf_broadcast(t)
+                new = apply_bucket([held.get(n) for n in names], shapes, counts, *parts)
+                for name, t, c in zip(names, new, counts):
+                    if c == DENSE:
+                        held[name] = t
+                    loaded[0] += 1
+                    yield name, t.clone()  # vLLM's loader gets its own tensor; the held copy stays this side's
+
+        expected = sum(len(b) for b in buckets)
+        self._orlhf_reload(stream())
+        if loaded[0] != expected:
+            raise RuntimeError(f"vLLM's reload consumed {loaded[0]} of {expected} tensors")
+        return loaded[0]
+
     # ---- CUDA IPC (--colocate_all_models on GPUs): one layerwise reload spans a whole sync ----
     # vLLM's reload_weights is initialize_layerwise_reload + model.load_weights + finalize_layerwise_reload; one
     # call per layer re-initialised every module each time (O(layers^2)) and warned for every module it did
@@ -212,6 +251,13 @@ class WeightSyncExtension:
             self._orlhf_comm.broadcast(t, src=0, stream=torch.cuda.current_stream())
         else:
             self._orlhf_comm.broadcast(t, 0).wait()
+
+
+def _numel(shape: tuple) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
 
 
 def receive_ipc(

@@ -258,6 +258,19 @@ class PolicyWorker(CausalLMWorker):
         return send_groups(sender, self.sync_groups(to_cpu=False, copy=False), expected)
 
     @endpoint
+    def send_weights_delta(self, bucket_sizes: list[int], dtype: str, full: bool) -> int:
+        """--vllm_sync_delta: as send_weights, but rank 0 broadcasts only what changed in the engines' `dtype` since
+        the last sync (workers/weight_send.py: send_groups_delta); full: everything, the held copy rebuilt. Returns
+        the bytes broadcast (rank 0; 0 elsewhere)."""
+        from orlhf.workers.weight_send import send_groups_delta
+
+        sender = getattr(self, "_sender", None)
+        if self.rank == 0 and sender is None:
+            raise RuntimeError("send_weights_delta before init_weight_sender: the engines would wait forever")
+        groups = self.sync_groups(to_cpu=False, copy=False)
+        return send_groups_delta(sender, groups, bucket_sizes, getattr(torch, dtype), full)
+
+    @endpoint
     def init_ipc_sync(self, engine, tp: int) -> None:
         """Colocated on GPUs: remember this rank's engine (an EngineGroup of the one engine sharing its GPU)
         for send_weights_ipc."""

@@ -3,7 +3,9 @@
     broadcast (NCCL | gloo):  rank 0 owns a WeightSender (its end of the trainer -> engines group: a stateless
                               torch/vLLM group, or with --vllm_sync_with_ray a Ray collective group,
                               distributed/ray_collective.py); every rank walks the gathered ZeRO-3 groups
-                              (send_groups: a collective), rank 0 broadcasts
+                              (send_groups: a collective), rank 0 broadcasts; with --vllm_sync_delta rank 0
+                              broadcasts what changed since the last sync instead (send_groups_delta, codec in
+                              workers/weight_delta.py), against the engine-dtype copy it keeps (WeightSender.held)
     CUDA IPC (colocated GPU): send_ipc: every rank gathers each group and makes IPC handles of its own copy;
                               the first rank of each TP group has its engine load them
 
@@ -35,6 +37,7 @@ class WeightSender:
         """ray_group: join that Ray collective group (--vllm_sync_with_ray; host and port unused); else host the
         group's store at host:port."""
         self.backend, self.device, self.ray_group, self.comm = backend, device, ray_group, None
+        self.held: dict[str, torch.Tensor] = {}  # --vllm_sync_delta: what the engines hold, in their dtype
         if ray_group is not None:
             from orlhf.distributed.ray_collective import join
 
@@ -103,6 +106,59 @@ def send_groups(
             "between planning and sending"
         )
     return sent
+
+
+def send_groups_delta(
+    sender: Optional[WeightSender],
+    groups: Iterable[list[tuple[str, Optional[torch.Tensor]]]],
+    bucket_sizes: list[int],
+    dtype: torch.dtype,
+    full: bool,
+) -> int:
+    """--vllm_sync_delta: walk the gathered groups as send_groups does (all ranks), and from rank 0 broadcast per
+    bucket (bucket_sizes: tensors per bucket, in order) the changes since the last sync against sender.held, each
+    tensor cast to the engines' `dtype` (workers/weight_delta.py: counts, indices, values). full: every tensor
+    whole, held rebuilt (the first sync, and after a replaced engine or a failed sync). Returns the bytes rank 0
+    broadcast (0 on other ranks). A failed broadcast ends the broadcasting, not the walk (see send_groups); the
+    held copy is then stale, so the driver's next sync is a full one."""
+    from orlhf.workers.weight_delta import encode_bucket
+
+    if sender is None:
+        for _ in groups:
+            pass
+        return 0
+    if full:
+        sender.held = {}
+    sent_bytes, failed, names, news, extra = 0, None, [], [], 0
+    sizes = list(bucket_sizes)
+    for group in groups:
+        for name, t in group:
+            if not sizes:
+                extra += 1
+                continue
+            names.append(name)
+            news.append(t.to(dtype, copy=True))
+            if len(names) < sizes[0]:
+                continue
+            sizes.pop(0)
+            counts, indices, values = encode_bucket(news, [sender.held.get(n) for n in names])
+            sender.held.update(zip(names, news))
+            names, news = [], []
+            for part in (counts, indices, values):
+                if part is not None and failed is None:
+                    try:
+                        sender.broadcast(part)
+                        sent_bytes += part.numel() * part.element_size()
+                    except RuntimeError as e:
+                        failed = str(e)
+    if failed is not None:
+        raise RuntimeError(f"the weight broadcast to the engines failed: {failed}")
+    if names or sizes or extra:
+        raise RuntimeError(
+            f"{len(names) + extra} tensors left over and {len(sizes)} buckets unsent: the parameter list changed "
+            "between planning and sending"
+        )
+    return sent_bytes
 
 
 def device_uuid(device: torch.device) -> str:

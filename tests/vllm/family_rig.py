@@ -172,6 +172,10 @@ class TrainerSide:
     def send(self, expected: int) -> int:
         return self.worker.send_weights(expected)
 
+    def send_delta(self, bucket_sizes: list[int], dtype: str, full: bool) -> int:
+        """--vllm_sync_delta's send: the bytes broadcast."""
+        return self.worker.send_weights_delta(bucket_sizes, dtype, full)
+
     def log_probs(self, sequences: torch.Tensor) -> torch.Tensor:
         """(B, T-1): log p(token_t | tokens_<t) for t >= 1 (every position scored)."""
         from orlhf.types import SequenceBatch
@@ -253,6 +257,23 @@ class EngineSide:
         n = self.llm.collective_rpc(Ext.orlhf_receive_weights.__name__, args=(metas, buckets))[0]
         self.llm.reset_prefix_cache()
         return n
+
+    def receive_delta(self, metas, buckets, dtype: str) -> int:
+        from orlhf.rollout.worker_ext import WeightSyncExtension as Ext
+
+        n = self.llm.collective_rpc(Ext.orlhf_receive_delta.__name__, args=(metas, buckets, dtype))[0]
+        self.llm.reset_prefix_cache()
+        return n
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """Every parameter and buffer of the engine's model as vLLM holds it (after its repacking), copied."""
+
+        def read(worker):
+            model = worker.model_runner.get_model()
+            named = list(model.named_parameters()) + list(model.named_buffers())
+            return {n: t.detach().clone() for n, t in named}
+
+        return self.llm.collective_rpc(read)[0]
 
     def log_probs(self, sequences: torch.Tensor) -> torch.Tensor:
         from vllm import SamplingParams
@@ -397,12 +418,13 @@ class Rig:
         zero_stage: int = 3,
         lora_rank: int = 0,
         engine_path: Optional[str] = None,
+        lr: float = 1e-2,
     ) -> None:
         """Both sides load the same folder (in parallel) in fp32, or bf16 as --bf16 runs them, set up for
         --temperature as a run sets them up, the trainer under `zero_stage` (with a LoRA adapter of `lora_rank`);
         then join a fresh sync group, planned as WeightSync plans it (the engine's fused-module map first).
         engine_path: another folder for the engine (engines that differ from the trainer before any sync)."""
-        self.start("trainer", "load", path, bf16, temperature, 1e-2, zero_stage, lora_rank)
+        self.start("trainer", "load", path, bf16, temperature, lr, zero_stage, lora_rank)
         self.start("engine", "load", engine_path or path, bf16, temperature)
         self.wait("trainer"), self.wait("engine")
         from orlhf.rollout.weight_sync import plan_buckets
@@ -419,6 +441,15 @@ class Rig:
         self.start("trainer", "send", len(self.metas))
         received, sent = self.wait("engine"), self.wait("trainer")  # an engine error would leave the trainer stuck
         assert sent == received == len(self.metas), (sent, received, len(self.metas))
+        return sent
+
+    def sync_delta(self, full: bool, bf16: bool) -> int:
+        """--vllm_sync_delta's sync (full: every tensor whole); returns the bytes the trainer broadcast."""
+        dtype = "bfloat16" if bf16 else "float32"
+        self.start("engine", "receive_delta", self.metas, self.buckets, dtype)
+        self.start("trainer", "send_delta", [len(b) for b in self.buckets], dtype, full)
+        received, sent = self.wait("engine"), self.wait("trainer")
+        assert received == len(self.metas), (received, len(self.metas))
         return sent
 
     def unload(self) -> None:
