@@ -168,7 +168,9 @@ def memory_section(
     eng = generation_memory(cfg, layout, dims["actor"], min(known) if known else None)
     if eng is not None:
         ranks = f"TP {eng.ranks}" if cfg.rollout.memory == ON_ENGINES else eng.ranks
-        rows.append([_generation_who(cfg), _count(eng.params), ranks, _gib(eng.device_gib), "0", eng.formula])
+        rows.append(
+            [_generation_who(cfg), _count(eng.params), ranks, _gib(eng.device_gib), _gib(eng.host_gib), eng.formula]
+        )
     cpu = layout.device == "cpu"
     held = "model states; each process's total below" if cpu else "model states and DeepSpeed's reduce bucket"
     on_top = "" if cpu else "activations come on top; "

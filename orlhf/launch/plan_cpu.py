@@ -49,6 +49,7 @@ from orlhf.launch.plan_memory import (
     count_lora_params,
     count_params,
     cpu_engine_bytes,
+    delta_copy_bytes,
     gib_text,
 )
 
@@ -154,6 +155,8 @@ def engine_process(cfg: TrainConfig, d: ModelDims) -> Proc:
         ("load slack", weights / GIB),
         ("generation work", ENGINE_WORK / GIB),
     )
+    if held := delta_copy_bytes(cfg, count_params(d), "cpu"):
+        parts += (("--vllm_sync_delta's held copy", held / GIB),)
     return Proc(f"{cfg.rollout.engine} engine", parts)
 
 

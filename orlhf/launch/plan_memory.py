@@ -18,6 +18,8 @@ come on top, so keep headroom ("tight" marks > 90%).
       inside that, the rest is KV cache. On cpu: weights in the trainer's dtype + the KV cache orlhf gives it
       (--vllm_cpu_kv_cache_gb, else what 256 full-length sequences need, at most 1 GiB); launch/plan_cpu.py adds
       what else each CPU process holds (libraries, activations, the LM head's packed copy, Ray, the driver).
+  --vllm_sync_delta: actor rank 0 and each engine worker hold one copy of the synced weights in the engines'
+      dtype (e = 2 for bf16 engines, else 4: eP, P an upper bound under LoRA), in host memory.
   Occupants of one device add up. With an engine there, the peak is the larger of generation (engine, plus the
   trainers unless --deepspeed_enable_sleep) and training (trainers, plus the engine unless --vllm_enable_sleep).
   On cpu every byte is host memory, summed over the ranks on a node.
@@ -32,7 +34,7 @@ from pathlib import Path
 from typing import Optional
 
 from orlhf.config.roles import ROLES, model_path
-from orlhf.config.rollout_backends import ON_ACTOR
+from orlhf.config.rollout_backends import ON_ACTOR, ON_ENGINES
 from orlhf.config.train_config import TrainConfig, engine_gpu_memory_utilization
 from orlhf.config.worker_config import zero_stage_of
 
@@ -221,7 +223,20 @@ def role_memory(cfg: TrainConfig, role: str, params: int, ranks: int, *, device:
     if bucket:
         text += f" + {per_element} x 5e8 reduce bucket"
     on_device = weights + grads + (0 if ds.adam_offload else adam) + bucket
-    return Memory(role, params, n, on_device / GIB, (adam if ds.adam_offload else 0) / GIB, text)
+    on_host = adam if ds.adam_offload else 0
+    held = delta_copy_bytes(cfg, params, device) if role == "actor" else 0
+    if held:  # counted on every rank; only rank 0 holds it
+        text += f" + {held // params}P held copy (--vllm_sync_delta)"
+        on_device, on_host = (on_device + held, on_host) if device == "cpu" else (on_device, on_host + held)
+    return Memory(role, params, n, on_device / GIB, on_host / GIB, text)
+
+
+def delta_copy_bytes(cfg: TrainConfig, params: int, device: str) -> int:
+    """--vllm_sync_delta's copy of the synced weights in the engines' dtype, held in host memory by actor rank 0 and
+    by each engine worker (rollout/weight_sync.py); 0 without it, or without engines."""
+    if not cfg.vllm.sync_delta or cfg.rollout.memory != ON_ENGINES:
+        return 0
+    return (2 if cfg.deepspeed.bf16 or device == "cuda" else 4) * params  # rollout/engine_config.engine_dtype
 
 
 def engine_memory(cfg: TrainConfig, dims: ModelDims, device: str, gpu_memory_gb: Optional[float]) -> Memory:
@@ -234,9 +249,9 @@ def engine_memory(cfg: TrainConfig, dims: ModelDims, device: str, gpu_memory_gb:
         )
     util = engine_gpu_memory_utilization(cfg)
     budget = util * gpu_memory_gb if gpu_memory_gb else math.nan
-    return Memory(
-        cfg.rollout.engine, params, tp, budget, 0.0, f"{util:g} x GPU; weights {dims.dtype_bytes}P/{tp} = {weights:.1f}"
-    )
+    held = delta_copy_bytes(cfg, params, device)  # on the host, per TP worker
+    text = f"{util:g} x GPU; weights {dims.dtype_bytes}P/{tp} = {weights:.1f}" + (" + 2P held on host" if held else "")
+    return Memory(cfg.rollout.engine, params, tp, budget, held / GIB, text)
 
 
 def cpu_engine_bytes(cfg: TrainConfig, dims: ModelDims) -> tuple[int, int]:

@@ -146,7 +146,7 @@ class WeightSyncExtension:
         apply them to the copy this worker holds of what it last loaded, and load the bucket's tensors whole (one
         reload per sync, as orlhf_receive_weights). `dtype`: the engine dtype the sender cast to. Returns the tensors
         loaded. A dense tensor replaces the held copy (a full sync sends every tensor dense); a delta against no held
-        copy raises (a full sync must come first)."""
+        copy raises (a full sync must come first). The copy lives in host memory: outside vLLM's GPU budget."""
         from orlhf.workers.weight_delta import DENSE, apply_bucket, bucket_sizes
 
         if getattr(torch, dtype) != self.model_config.dtype:
@@ -166,12 +166,13 @@ class WeightSyncExtension:
                 for t in parts:
                     if t.numel():
                         self._orlhf_broadcast(t)
-                new = apply_bucket([held.get(n) for n in names], shapes, counts, *parts)
+                new = apply_bucket([held.get(n) for n in names], shapes, counts, *(t.cpu() for t in parts))
                 for name, t, c in zip(names, new, counts):
                     if c == DENSE:
                         held[name] = t
                     loaded[0] += 1
-                    yield name, t.clone()  # vLLM's loader gets its own tensor; the held copy stays this side's
+                    # vLLM's loader gets its own tensor on the engine's device; the held copy stays on the host
+                    yield name, t.to(self.device, copy=True)
 
         expected = sum(len(b) for b in buckets)
         self._orlhf_reload(stream())

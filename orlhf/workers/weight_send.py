@@ -117,7 +117,8 @@ def send_groups_delta(
 ) -> int:
     """--vllm_sync_delta: walk the gathered groups as send_groups does (all ranks), and from rank 0 broadcast per
     bucket (bucket_sizes: tensors per bucket, in order) the changes since the last sync against sender.held, each
-    tensor cast to the engines' `dtype` (workers/weight_delta.py: counts, indices, values). full: every tensor
+    tensor cast to the engines' `dtype` (workers/weight_delta.py: counts, indices, values), diffed on the host (the
+    held copy lives in host memory; the broadcast moves the parts to the group's device). full: every tensor
     whole, held rebuilt (the first sync, and after a replaced engine or a failed sync). Returns the bytes rank 0
     broadcast (0 on other ranks). A failed broadcast ends the broadcasting, not the walk (see send_groups); the
     held copy is then stale, so the driver's next sync is a full one."""
@@ -137,7 +138,7 @@ def send_groups_delta(
                 extra += 1
                 continue
             names.append(name)
-            news.append(t.to(dtype, copy=True))
+            news.append(t.to("cpu", dtype, copy=True))  # held in host memory: no trainer GPU memory
             if len(names) < sizes[0]:
                 continue
             sizes.pop(0)

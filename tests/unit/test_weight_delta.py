@@ -97,3 +97,18 @@ def test_the_flag():
     with pytest.raises(ConfigError) as err:
         build_config(flags, explicit=set(flags))
     assert any("--vllm_sync_delta" in p for p in err.value.problems)
+
+
+def test_the_plan_counts_the_held_copies():
+    """`orlhf plan`: eP (engine dtype bytes x params) in host memory on actor rank 0 and in each engine worker."""
+    from orlhf.launch.plan_memory import GIB, delta_copy_bytes, role_memory
+
+    on = build_config({"vllm_sync_delta": True}, explicit={"vllm_sync_delta"})
+    bf16 = build_config({"vllm_sync_delta": True, "bf16": True}, explicit={"vllm_sync_delta", "bf16"})
+    off = build_config({}, explicit=set())
+    assert delta_copy_bytes(off, 1000, "cpu") == 0
+    assert delta_copy_bytes(on, 1000, "cpu") == 4000  # fp32 engines on CPU
+    assert delta_copy_bytes(on, 1000, "cuda") == delta_copy_bytes(bf16, 1000, "cpu") == 2000  # bf16 engines
+    with_copy, without = (role_memory(c, "actor", 10**9, 2, device="cuda") for c in (on, off))
+    assert with_copy.host_gib - without.host_gib == pytest.approx(2e9 / GIB)
+    assert with_copy.device_gib == without.device_gib and "held copy" in with_copy.formula

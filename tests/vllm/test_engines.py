@@ -207,6 +207,43 @@ def test_sync_through_ray_collective_gives_trainer_log_probs_and_reconnects_unde
     assert engines.call(EngineActor.collective_rpc, joined, (ray_sync.group_name,)).get() == [[False], [False]]
 
 
+def test_delta_sync_is_full_first_and_after_a_reconnect(rig):
+    """--vllm_sync_delta through WeightSync: a new WeightSync (what a start, a restart from a checkpoint or a resume
+    builds) syncs in full first; an unchanged model then sends its counts only; after reconnect() (an engine was
+    replaced) the next sync is full again; the engines equal the trainer throughout (fp32 engines here: an update
+    changes nearly every element, so that delta goes whole; tests/vllm/test_delta_sync.py has the bf16 ones)."""
+    from orlhf.rollout.weight_sync import _nbytes
+
+    cfg, engines, actor, sync, tok = rig
+    rollouts = engines.generate(prompts(tok, 8), SamplingSpec(max_new_tokens=6, seed=3))
+    batch, _ = rollouts_to_batch(rollouts, tok.pad_token_id)
+    seqs = [r.prompt_ids + r.response_ids for r in rollouts]
+    delta = WeightSync(actor, engines, backend="gloo", bucket_mb=0.5, timeout_s=120, delta=True)
+    full = sum(_nbytes(m) for m in delta.metas)
+    try:
+        for version, want in ((3, "full"), (4, "counts"), (5, "update"), (6, "full after reconnect")):
+            if want == "update":
+                old = actor.call_sharded(PolicyWorker.log_probs, batch).get_cat()
+                adv = torch.randn(batch.action_mask.shape, generator=torch.Generator().manual_seed(version))
+                exp = Experience(batch.sequences, batch.attention_mask, batch.action_mask, old, advantages=adv)
+                actor.call_sharded(PolicyWorker.train_step, exp).get()
+            if want == "full after reconnect":
+                delta.reconnect()
+            delta.sync(version)
+            print(f"\n[delta] sync {version} ({want}): {delta.sent_bytes} bytes of a full {full}")
+            if want.startswith("full"):
+                assert delta.sent_bytes >= full
+            else:  # counts only; or the changed elements, each tensor no larger than whole
+                assert delta.sent_bytes < (full / 100 if want == "counts" else full + 8 * len(delta.metas))
+            new = actor.call_sharded(PolicyWorker.log_probs, batch).get_cat()
+            for engine_lp in engines.call(EngineActor.sequence_logprobs, seqs).get(timeout_s=120):
+                for i, r in enumerate(rollouts):
+                    n = len(r.response_ids)
+                    assert (torch.tensor(engine_lp[i][-n:]) - new[i, :n]).abs().max() <= 1e-3, (version, i)
+    finally:
+        sync.reconnect()  # the module's own group again
+
+
 def check_rollout_contract(backend, tok, version: int) -> None:
     """What the controller, executors and evaluator rely on of any rollout backend (orlhf/rollout/backend.py)."""
     from orlhf.rollout.backend import RolloutBackend
