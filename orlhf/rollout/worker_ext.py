@@ -142,11 +142,12 @@ class WeightSyncExtension:
 
     @endpoint
     def orlhf_receive_delta(self, metas: list[tuple[str, str, tuple]], buckets: list[list[int]], dtype: str) -> int:
-        """--vllm_sync_delta: per bucket receive (counts, indices, values) from the trainer (workers/weight_delta.py),
-        apply them to the copy this worker holds of what it last loaded, and load the bucket's tensors whole (one
-        reload per sync, as orlhf_receive_weights). `dtype`: the engine dtype the sender cast to. Returns the tensors
-        loaded. A dense tensor replaces the held copy (a full sync sends every tensor dense); a delta against no held
-        copy raises (a full sync must come first). The copy lives in host memory: outside vLLM's GPU budget."""
+        """--vllm_sync_delta: per bucket receive (codes, indices, masks, values) from the trainer
+        (workers/weight_delta.py), apply them to the copy this worker holds of what it last loaded, and load the
+        bucket's tensors whole (one reload per sync, as orlhf_receive_weights). `dtype`: the engine dtype the sender
+        cast to. Returns the tensors loaded. A whole tensor replaces the held copy (a full sync sends every tensor
+        whole); a partial one against no held copy raises (a full sync must come first). The copy lives in host
+        memory: outside vLLM's GPU budget."""
         from orlhf.workers.weight_delta import DENSE, apply_bucket, bucket_sizes
 
         if getattr(torch, dtype) != self.model_config.dtype:
@@ -157,17 +158,17 @@ class WeightSyncExtension:
         def stream():
             for bucket in buckets:
                 names, shapes = [metas[i][0] for i in bucket], [tuple(metas[i][2]) for i in bucket]
-                counts = torch.empty(len(bucket), dtype=torch.int64, device=self.device)
-                self._orlhf_broadcast(counts)
-                counts = counts.tolist()
-                k, nv = bucket_sizes(counts, [_numel(s) for s in shapes])
-                parts = [torch.empty(k, dtype=torch.int32, device=self.device), None]
-                parts[1] = torch.empty(nv, dtype=self.model_config.dtype, device=self.device)
+                codes = torch.empty(len(bucket), dtype=torch.int64, device=self.device)
+                self._orlhf_broadcast(codes)
+                codes = codes.tolist()
+                sizes = bucket_sizes(codes, [_numel(s) for s in shapes])
+                kinds = (torch.int32, torch.uint8, self.model_config.dtype)  # indices, masks, values
+                parts = [torch.empty(n, dtype=d, device=self.device) for n, d in zip(sizes, kinds)]
                 for t in parts:
                     if t.numel():
                         self._orlhf_broadcast(t)
-                new = apply_bucket([held.get(n) for n in names], shapes, counts, *(t.cpu() for t in parts))
-                for name, t, c in zip(names, new, counts):
+                new = apply_bucket([held.get(n) for n in names], shapes, codes, *(t.cpu() for t in parts))
+                for name, t, c in zip(names, new, codes):
                     if c == DENSE:
                         held[name] = t
                     loaded[0] += 1

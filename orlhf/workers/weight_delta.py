@@ -4,13 +4,15 @@ Both ends hold the same copy of what the engines hold, in the engines' dtype: th
 workers/weight_send.py) the last-sent cast of each tensor, every engine worker (rollout/worker_ext.py) what it last
 loaded. Per bucket of tensors (the sync's buckets, whole layers each) the sender broadcasts
 
-    counts   int64 (n,)       per tensor: the changed elements k, or DENSE (-1) for the whole tensor
-    indices  int32 (sum k,)   flat positions of the changed elements of the sparse tensors, tensor after tensor
-    values   engine dtype     their new values, then each dense tensor whole, in the bucket's order
+    codes    int64 (n,)        per tensor its form: k >= 0 changed elements as indices, MASK - k (<= -2) the same
+                               as a bitmask, DENSE (-1) the whole tensor
+    indices  int32 (sum k,)    flat positions of the changed elements of the index-form tensors, tensor by tensor
+    masks    uint8             one bit per element (little-endian within a byte) of the mask-form tensors
+    values   engine dtype      per tensor in the bucket's order: its changed elements' new values, or all of it
 
-(indices and values only when non-empty: both ends know the sizes from counts). A tensor goes dense where that is
-smaller (k * (4 + v) >= n * v for v bytes per element), when the receiver holds no copy yet (a full sync: the first,
-and the first after an engine was replaced or a sync failed), or when it has 2^31 elements or more (int32 indices).
+(each only when non-empty: both ends know the sizes from the codes). Per tensor the smallest form for v bytes per
+element, n elements, k changed: indices k(4 + v), bitmask n/8 + kv, whole nv. Whole also when the receiver holds no
+copy yet (a full sync: the first, and the first after an engine was replaced or a sync failed).
 
 Exact by construction: "changed" compares bit patterns (so -0.0 vs 0.0 and NaNs count as changes), the new values
 are the same cast a full sync's receiver makes (`t.to(engine dtype)`, round to nearest even on every device), and
@@ -23,86 +25,108 @@ from typing import Optional
 
 import torch
 
-DENSE = -1
+DENSE, MASK = -1, -2
 _BITS = {2: torch.int16, 4: torch.int32, 1: torch.int8, 8: torch.int64}
 _MAX_INDEX = 2**31 - 1
+_SHIFTS = torch.arange(8, dtype=torch.uint8)
 
 
-def changed_indices(new: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
-    """Flat int64 positions where new and held (same dtype and shape) differ bit for bit."""
+def changed_mask(new: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+    """Flat bool: where new and held (same dtype and shape) differ bit for bit."""
     if new.dtype != held.dtype or new.shape != held.shape:
         raise ValueError(f"delta of {new.dtype}{tuple(new.shape)} against a held {held.dtype}{tuple(held.shape)}")
     bits = _BITS[new.element_size()]
-    return torch.nonzero(new.reshape(-1).view(bits) != held.reshape(-1).view(bits)).reshape(-1)
+    return new.reshape(-1).view(bits) != held.reshape(-1).view(bits)
+
+
+def pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """Flat bool (n,) -> uint8 (ceil(n / 8),), element i in bit i % 8 of byte i // 8."""
+    pad = (-mask.numel()) % 8
+    m = torch.cat([mask, mask.new_zeros(pad)]) if pad else mask
+    return (m.view(-1, 8).to(torch.uint8) << _SHIFTS).sum(1, dtype=torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
+    return ((packed[:, None] >> _SHIFTS) & 1).reshape(-1)[:n].bool()
 
 
 def encode(new: torch.Tensor, held: Optional[torch.Tensor]) -> tuple[int, Optional[torch.Tensor], torch.Tensor]:
-    """(count, int32 indices or None, values) for one tensor already cast to the engine dtype; DENSE when the
-    whole tensor is smaller, too large for int32 indices, or held is None (nothing to diff against)."""
+    """(code, int32 indices | uint8 bitmask | None, values) for one tensor already cast to the engine dtype: the
+    smallest of the three forms; whole (DENSE) when held is None (nothing to diff against)."""
     flat = new.reshape(-1)
     n, v = flat.numel(), flat.element_size()
-    if held is None or n > _MAX_INDEX:
+    if held is None:
         return DENSE, None, flat
-    idx = changed_indices(new, held)
-    k = idx.numel()
-    if k * (4 + v) >= n * v:
+    changed = changed_mask(new, held)
+    k = int(changed.sum())
+    sizes = {"idx": k * (4 + v) if n <= _MAX_INDEX else n * v + 1, "mask": (n + 7) // 8 + k * v, "dense": n * v}
+    form = min(sizes, key=sizes.get)
+    if form == "dense":
         return DENSE, None, flat
+    if form == "mask":
+        return MASK - k, pack_bits(changed), flat[changed]
+    idx = torch.nonzero(changed).reshape(-1)
     return k, idx.to(torch.int32), flat[idx]
 
 
-def encode_bucket(
-    news: list[torch.Tensor], helds: list[Optional[torch.Tensor]]
-) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """(counts, indices or None, values or None) of a bucket: the three tensors the sender broadcasts."""
-    counts, idx, sparse_vals, dense_vals = [], [], [], []
+def encode_bucket(news: list[torch.Tensor], helds: list[Optional[torch.Tensor]]) -> tuple[torch.Tensor, ...]:
+    """(codes, indices, masks, values) of a bucket: the four tensors the sender broadcasts (empty ones are not)."""
+    codes, parts = [], {torch.int32: [], torch.uint8: [], "values": []}
     for new, held in zip(news, helds):
-        k, i, vals = encode(new, held)
-        counts.append(k)
-        if k == DENSE:
-            dense_vals.append(vals)
-        else:
-            idx.append(i)
-            sparse_vals.append(vals)
-    device = news[0].device if news else torch.device("cpu")
-    indices = torch.cat(idx) if idx and sum(t.numel() for t in idx) else None
-    vals = [v for v in sparse_vals + dense_vals if v.numel()]
-    values = torch.cat(vals) if vals else None
-    return torch.tensor(counts, dtype=torch.int64, device=device), indices, values
+        code, aux, vals = encode(new, held)
+        codes.append(code)
+        if aux is not None:
+            parts[aux.dtype].append(aux)
+        parts["values"].append(vals)
+    dtype = news[0].dtype if news else torch.float32
+    out = [torch.tensor(codes, dtype=torch.int64)]
+    for key, empty in ((torch.int32, torch.int32), (torch.uint8, torch.uint8), ("values", dtype)):
+        out.append(torch.cat(parts[key]) if parts[key] else torch.empty(0, dtype=empty))
+    return tuple(out)
 
 
-def bucket_sizes(counts: list[int], numels: list[int]) -> tuple[int, int]:
-    """(indices, values) element counts a bucket's counts announce: what the receiver allocates."""
-    k = sum(c for c in counts if c != DENSE)
-    return k, k + sum(n for c, n in zip(counts, numels) if c == DENSE)
+def bucket_sizes(codes: list[int], numels: list[int]) -> tuple[int, int, int]:
+    """(indices, mask bytes, values) element counts a bucket's codes announce: what the receiver allocates."""
+    idx = sum(c for c in codes if c >= 0)
+    masks = sum((n + 7) // 8 for c, n in zip(codes, numels) if c <= MASK)
+    values = sum(n if c == DENSE else c if c >= 0 else MASK - c for c, n in zip(codes, numels))
+    return idx, masks, values
 
 
 def apply_bucket(
     helds: list[Optional[torch.Tensor]],
     shapes: list[tuple],
-    counts: list[int],
-    indices: Optional[torch.Tensor],
-    values: Optional[torch.Tensor],
+    codes: list[int],
+    indices: torch.Tensor,
+    masks: torch.Tensor,
+    values: torch.Tensor,
 ) -> list[torch.Tensor]:
     """The receiver's side of encode_bucket: the bucket's tensors after this sync, written into `helds` in place
-    where sparse (a dense tensor is a new one, a view of `values`). Raises on a sparse delta against no held copy:
-    a full sync must come first (the sender and this receiver disagree on what the engine holds)."""
-    out, i_pos, sparse_v = [], 0, 0
-    dense_v = sum(c for c in counts if c != DENSE)  # dense values follow the sparse ones
-    for held, shape, k in zip(helds, shapes, counts):
-        if k == DENSE:
-            n = 1
-            for s in shape:
-                n *= s
-            out.append(values[dense_v : dense_v + n].view(tuple(shape)))
-            dense_v += n
+    where partial (a whole tensor is a new one, a view of `values`). Raises on a partial update of a tensor not
+    held: a full sync must come first (the sender and this receiver disagree on what the engine holds)."""
+    out, at = [], {"idx": 0, "mask": 0, "val": 0}
+    for held, shape, code in zip(helds, shapes, codes):
+        n = 1
+        for s in shape:
+            n *= s
+        k = n if code == DENSE else code if code >= 0 else MASK - code
+        vals = values[at["val"] : at["val"] + k]
+        at["val"] += k
+        if code == DENSE:
+            out.append(vals.view(tuple(shape)))
             continue
         if held is None:
             raise RuntimeError(
-                "a delta for a tensor this engine does not hold: the sync after a start or a "
-                "replacement must be a full one"
+                "a delta for a tensor this engine does not hold: the sync after a start or a replacement must be "
+                "a full one"
             )
+        if code >= 0:
+            where = indices[at["idx"] : at["idx"] + k].long()
+            at["idx"] += k
+        else:
+            where = unpack_bits(masks[at["mask"] : at["mask"] + (n + 7) // 8], n)
+            at["mask"] += (n + 7) // 8
         if k:
-            held.view(-1)[indices[i_pos : i_pos + k].long()] = values[sparse_v : sparse_v + k]
-        i_pos, sparse_v = i_pos + k, sparse_v + k
+            held.view(-1)[where] = vals
         out.append(held)
     return out

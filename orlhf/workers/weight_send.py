@@ -117,8 +117,8 @@ def send_groups_delta(
 ) -> int:
     """--vllm_sync_delta: walk the gathered groups as send_groups does (all ranks), and from rank 0 broadcast per
     bucket (bucket_sizes: tensors per bucket, in order) the changes since the last sync against sender.held, each
-    tensor cast to the engines' `dtype` (workers/weight_delta.py: counts, indices, values), diffed on the host (the
-    held copy lives in host memory; the broadcast moves the parts to the group's device). full: every tensor
+    tensor cast to the engines' `dtype` (workers/weight_delta.py: codes, indices, masks, values), diffed on the
+    host (the held copy lives in host memory; the broadcast moves the parts to the group's device). full: every tensor
     whole, held rebuilt (the first sync, and after a replaced engine or a failed sync). Returns the bytes rank 0
     broadcast (0 on other ranks). A failed broadcast ends the broadcasting, not the walk (see send_groups); the
     held copy is then stale, so the driver's next sync is a full one."""
@@ -142,11 +142,11 @@ def send_groups_delta(
             if len(names) < sizes[0]:
                 continue
             sizes.pop(0)
-            counts, indices, values = encode_bucket(news, [sender.held.get(n) for n in names])
+            parts = encode_bucket(news, [sender.held.get(n) for n in names])  # codes, indices, masks, values
             sender.held.update(zip(names, news))
             names, news = [], []
-            for part in (counts, indices, values):
-                if part is not None and failed is None:
+            for part in parts:
+                if part.numel() and failed is None:
                     try:
                         sender.broadcast(part)
                         sent_bytes += part.numel() * part.element_size()

@@ -7,19 +7,26 @@ import torch
 
 from orlhf.config.flags import build_config
 from orlhf.config.train_config import ConfigError
-from orlhf.workers.weight_delta import DENSE, apply_bucket, bucket_sizes, changed_indices, encode, encode_bucket
+from orlhf.workers.weight_delta import (
+    DENSE,
+    MASK,
+    apply_bucket,
+    bucket_sizes,
+    changed_mask,
+    encode,
+    encode_bucket,
+    pack_bits,
+    unpack_bits,
+)
 
 
 def roundtrip(news, sender_held, receiver_held):
     """Encode on the sender's side, apply on a receiver holding receiver_held: the tensors it would load."""
-    counts, indices, values = encode_bucket(news, sender_held)
-    counts = counts.tolist()
-    k, nv = bucket_sizes(counts, [t.numel() for t in news])
-    assert (indices.numel() if indices is not None else 0) == k
-    assert (values.numel() if values is not None else 0) == nv
-    idx = indices if indices is not None else torch.empty(0, dtype=torch.int32)
-    vals = values if values is not None else torch.empty(0, dtype=news[0].dtype)
-    return counts, apply_bucket(receiver_held, [tuple(t.shape) for t in news], counts, idx, vals)
+    codes, *parts = encode_bucket(news, sender_held)
+    codes = codes.tolist()
+    sizes = bucket_sizes(codes, [t.numel() for t in news])
+    assert [p.numel() for p in parts] == list(sizes)  # what the receiver allocates is what was sent
+    return codes, apply_bucket(receiver_held, [tuple(t.shape) for t in news], codes, *parts)
 
 
 def same_bits(a, b):
@@ -40,42 +47,53 @@ def test_a_small_update_round_trips_bit_for_bit(dtype):
     assert all(same_bits(o, n) for o, n in zip(out, news))
     # sparse tensors were applied to the receiver's copy in place; a dense one replaces it
     assert all(same_bits(r, n) for r, n, c in zip(receiver, news, counts) if c != DENSE)
-    if dtype == torch.bfloat16:  # few bf16 values move at this step size: indices + values, not dense
+    if dtype == torch.bfloat16:  # few bf16 values move at this step size: not whole
         assert all(c != DENSE for c in counts)
-        assert sum(counts) < 0.2 * sum(n.numel() for n in news)
 
 
-def test_dense_where_smaller_and_where_nothing_is_held():
-    new = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+def test_each_tensor_takes_its_smallest_form():
+    """n = 1000 fp32 (4000 bytes whole): k changed as indices k x 8, as a bitmask 125 + 4k."""
+    new = torch.arange(1000, dtype=torch.float32)
     assert encode(new, None)[0] == DENSE  # a full sync
-    assert encode(new, torch.zeros(3, 4))[0] == DENSE  # 11 of 12 changed: indices + values would be larger
+    assert encode(new, new + 1)[0] == DENSE  # all changed: 4000 < 4125
     held = new.clone()
-    held[1, 2] = -1.0
-    k, idx, vals = encode(new, held)
-    assert (k, idx.tolist(), vals.tolist()) == (1, [6], [6.0])
-    assert encode(new, new.clone())[0] == 0  # unchanged: nothing but its count
+    held[[6, 900]] = -1.0
+    code, idx, vals = encode(new, held)  # 16 bytes as indices
+    assert (code, idx.tolist(), vals.tolist()) == (2, [6, 900], [6.0, 900.0])
+    held[:300] = -1.0
+    code, mask, vals = encode(new, held)  # 300 changed: 2400 as indices, 1325 as a bitmask
+    assert code == MASK - 301 and mask.dtype == torch.uint8 and mask.numel() == 125
+    assert unpack_bits(mask, 1000).nonzero().reshape(-1).tolist() == list(range(300)) + [900]
+    assert encode(new, new.clone())[0] == 0  # unchanged: nothing but its code
+
+
+def test_bits_pack_and_unpack():
+    m = torch.rand(1001, generator=torch.Generator().manual_seed(0)) < 0.3
+    assert pack_bits(m).numel() == 126 and torch.equal(unpack_bits(pack_bits(m), 1001), m)
+    assert pack_bits(torch.tensor([True, False, True])).tolist() == [0b101]
 
 
 def test_bit_patterns_not_values_decide():
     held = torch.tensor([0.0, float("nan"), 1.0], dtype=torch.bfloat16)
     new = torch.tensor([-0.0, float("nan"), 1.0], dtype=torch.bfloat16)
-    assert changed_indices(new, held).tolist() == [0]  # -0.0 differs from 0.0 in its bits; equal NaNs do not
+    assert changed_mask(new, held).tolist() == [True, False, False]  # -0.0 != 0.0 in bits; equal NaNs are equal
     with pytest.raises(ValueError, match="delta of"):
-        changed_indices(new, held.float())
+        changed_mask(new, held.float())
 
 
 def test_a_mixed_bucket_and_a_full_one():
     g = torch.Generator().manual_seed(1)
-    news = [torch.randn(100, generator=g).bfloat16() for _ in range(3)]
-    held = [news[0].clone(), torch.zeros(100, dtype=torch.bfloat16), news[2].clone()]
+    news = [torch.randn(1000, generator=g).bfloat16() for _ in range(4)]
+    held = [news[0].clone(), torch.zeros(1000, dtype=torch.bfloat16), news[2].clone(), news[3].clone()]
     held[0][[3, 7]] = 0
+    held[3][::5] = 0  # 200 of 1000: a bitmask (525 bytes) beats indices (1200)
     receiver = [h.clone() for h in held]
-    counts, out = roundtrip(news, held, receiver)
-    assert counts == [2, DENSE, 0]
+    codes, out = roundtrip(news, held, receiver)
+    assert codes == [2, DENSE, 0, MASK - 200]
     assert all(same_bits(o, n) for o, n in zip(out, news))
-    fresh = [None, None, None]  # a replaced engine: a full sync loads everything dense
-    counts, out = roundtrip(news, fresh, fresh)
-    assert counts == [DENSE] * 3 and all(same_bits(o, n) for o, n in zip(out, news))
+    fresh = [None] * 4  # a replaced engine: a full sync loads everything whole
+    codes, out = roundtrip(news, fresh, fresh)
+    assert codes == [DENSE] * 4 and all(same_bits(o, n) for o, n in zip(out, news))
 
 
 def test_a_delta_to_a_receiver_holding_nothing_is_refused():
