@@ -1,5 +1,5 @@
-"""One DeepSpeed model on one rank: process group, engine construction, micro-batched forward, full weights (gathered
-in workers/full_weights.py).
+"""One DeepSpeed model on one rank: process group, engine construction, micro-batched forward and train step (its loop
+in workers/train_loop.py), full weights (gathered in workers/full_weights.py).
 
 A worker is a plain object (no Ray): `Worker(cfg)` in a process whose env has MASTER_ADDR, MASTER_PORT, RANK,
 WORLD_SIZE and LOCAL_RANK, then `init()` on every rank at once. A Ray rank actor holds one and calls its methods.
@@ -30,7 +30,7 @@ from typing import Callable, Iterator, Optional
 import torch
 from torch import nn
 
-from orlhf.algo.losses import LossNorm, step_norm
+from orlhf.algo.losses import LossNorm
 from orlhf.config.worker_config import WorkerConfig
 from orlhf.distributed.endpoints import endpoint
 from orlhf.types import Experience, SequenceBatch, TrainStats
@@ -47,6 +47,7 @@ from orlhf.workers.full_weights import full_weight_groups, groups_meta, persiste
 from orlhf.workers.loading import hf_zero3_loading
 from orlhf.workers.micro_batches import forward_plan, train_plan
 from orlhf.workers.optim import decay_groups, make_optimizer
+from orlhf.workers.train_loop import max_over_ranks, train_micro_batches
 
 log = logging.getLogger("orlhf.workers")
 
@@ -211,57 +212,9 @@ class DeepSpeedWorker:
     def train_micro_batches(
         self, batch: Experience, loss_fn: Callable[[Experience, LossNorm], tuple[torch.Tensor, dict]]
     ) -> TrainStats:
-        """Forward/backward/step over micro-batches of cfg.train.micro_train_batch_size; DeepSpeed applies the
-        optimizer at each accumulation boundary (every train_batch_size / world samples on this rank).
-        With --use_dynamic_batch (cfg.train.max_tokens) each step's samples are grouped by token budget instead
-        (workers/micro_batches.py) and the worker marks the boundary itself (DeepSpeed runs with gas 1).
-
-        Each micro-batch's loss is normalized by its optimizer step's LossNorm: the real action tokens and
-        sequences of all the step's micro-batches on all ranks (one all-reduce per step), so the step's
-        gradient is that of the whole batch's mean loss (orlhf/algo/losses.py). With cfg.trim_padding each
-        micro-batch (kept in order) is trimmed to its real length first.
-        `loss_fn(micro_batch, norm) -> (loss, stats)` where stats maps TrainStats field names (or extra keys)
-        to scalars; they are averaged over micro-batches.
-        """
-        per_rank, n = self.cfg.train.train_batch_size // self.world_size, len(batch)
-        # Checked on every rank before any collective, so a bad call raises everywhere instead of hanging.
-        most, fewest = self._max_over_ranks(n), -self._max_over_ranks(-n)
-        if most != fewest:
-            raise ValueError(f"{self.cfg.role} train_step: ranks got {fewest}..{most} samples; shares must be equal")
-        if n == 0 or n % per_rank:
-            raise ValueError(
-                f"{self.cfg.role} train_step got {n} samples per rank; expected a positive multiple "
-                f"of train_batch_size / world = {per_rank} (whole optimizer steps)"
-            )
-        dynamic = bool(self.cfg.train.max_tokens)
-        micro, last = self._train_plan(batch, per_rank)
-        self.engine.train()
-        sums: dict[str, float] = {}
-        grad_norm = 0.0
-        for i, mb in enumerate(micro):
-            if i == 0 or last[i - 1]:  # a step begins. DeepSpeed divides each loss by its configured gas
-                gas = 1 if dynamic else per_rank // self.cfg.train.micro_train_batch_size  # (1 when dynamic)
-                norm = self._step_norm([x.action_mask for x in micro[i : last.index(True, i) + 1]], gas)
-            if dynamic:  # DeepSpeed reduces gradients and steps only where this says so
-                self.engine.set_gradient_accumulation_boundary(last[i])
-            lr = self.engine.get_lr()[0]  # the LR the coming optimizer step uses
-            loss, stats = loss_fn(self._to_device(trim(mb) if self.cfg.trim_padding else mb), norm)
-            self.engine.backward(loss)
-            boundary = self.engine.is_gradient_accumulation_boundary()
-            own_norm = self._plain_grad_norm() if boundary else None
-            self.engine.step()
-            if boundary:
-                self.after_optimizer_step()
-            if boundary and self.engine.was_step_applied():
-                norm_value = self.engine.get_global_grad_norm()
-                norm_value = own_norm if norm_value is None else norm_value
-                grad_norm = math.nan if norm_value is None else float(norm_value)
-            for k, v in stats.items():
-                sums[k] = sums.get(k, 0.0) + float(v)
-        steps = len(micro)
-        means = {k: v / steps for k, v in sums.items()}
-        known = {k: means.pop(k) for k in list(means) if k in TrainStats.__dataclass_fields__}
-        return TrainStats(lr=lr, grad_norm=grad_norm, micro_steps=steps, extra=means, **known)
+        """Forward/backward/step over this rank's micro-batches, each loss normalized by its optimizer step's
+        LossNorm (workers/train_loop.py). `loss_fn(micro_batch, norm) -> (loss, stats)`."""
+        return train_micro_batches(self, batch, loss_fn)
 
     def after_optimizer_step(self) -> None:
         """Called on every rank at each accumulation boundary, right after DeepSpeed's step (the actor's EMA)."""
@@ -272,32 +225,7 @@ class DeepSpeedWorker:
         return train_plan(batch, per_rank, t.micro_train_batch_size, t.max_tokens, self._max_over_ranks_list)
 
     def _max_over_ranks_list(self, values: list[int]) -> list[int]:
-        if self.world_size == 1:
-            return list(values)
-        import torch.distributed as dist
-
-        t = torch.tensor(values, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return [int(v) for v in t.tolist()]
-
-    def _step_norm(self, masks: list[torch.Tensor], gas: int) -> LossNorm:
-        """One optimizer step's LossNorm: token and sequence counts summed over its micro-batches and ranks."""
-        local = step_norm(masks)
-        counts = torch.tensor([local.tokens, local.seqs], dtype=torch.float64, device=self.device)
-        if self.world_size > 1:
-            import torch.distributed as dist
-
-            dist.all_reduce(counts, op=dist.ReduceOp.SUM)
-        # DeepSpeed divides each micro-batch loss by gas and averages gradients over ranks: scale undoes both.
-        return LossNorm(float(counts[0]), float(counts[1]), scale=float(gas * self.world_size))
-
-    def _plain_grad_norm(self) -> Optional[float]:
-        """Pre-clip gradient norm where DeepSpeed does not record one (ZeRO-0 in fp32: it clips and drops it).
-        Gradients are already averaged over ranks here (ZeRO-0 all-reduces in backward at the boundary)."""
-        if self.zero_stage != 0 or self.cfg.bf16:
-            return None
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+        return max_over_ranks(values, self.world_size, self.device)
 
     # ---- full weights ----
 
