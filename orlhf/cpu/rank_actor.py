@@ -34,8 +34,8 @@ from orlhf.cpu.ds_import import load_deepspeed
 from orlhf.cpu.memory import keep_freed_memory
 from orlhf.cpu.threads import apply_threads, threads_as_ray_set
 from orlhf.distributed import addresses
-from orlhf.distributed.groups import free_port, log_name
 from orlhf.distributed.heartbeat import HEALTH, HEALTH_GROUPS
+from orlhf.distributed.rank_actor import log_name
 from orlhf.storage.logs import redirect_output
 
 
@@ -91,7 +91,7 @@ class CpuRankActor:
     def address(self) -> tuple[str, int]:
         """(ip, free port) this rank's peers reach it at (distributed/addresses.py): rank 0's becomes the group's
         rendezvous address."""
-        return addresses.local_address(), free_port()
+        return addresses.local_address(), addresses.free_port()
 
     def setup(self, worker_cls: type, cfg: Any, env: dict[str, str]) -> None:
         os.environ.update(env)

@@ -138,6 +138,13 @@ def local_address() -> str:
     return pin().ip
 
 
+def free_port() -> int:
+    """A TCP port free on this host now (the OS picks it): a rendezvous or sync group's port."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
 def gloo_group(store, rank: int, world_size: int, timeout: timedelta):
     """A stateless ProcessGroupGloo over `store` whose connections use this process's endpoint: gloo would otherwise
     bind to what the hostname resolves to and advertise that to its peers."""

@@ -11,6 +11,7 @@
     settle(call, timeout_s)                              each member waited on alone: results, lost, failed
     spawn_groups(roles, spawn, stack)                    several groups started at once, each shut down with stack
 
+A RankActor (distributed/rank_actor.py) holds each rank's worker in its process.
 Calls name the method by reference (orlhf/distributed/endpoints.py): it must be an @endpoint of the group's worker
 class, checked before anything is sent. Every call starts at once and returns a GroupCall; .get() waits. The
 engines' group (rollout/engine.py) has the same call / call_rank and returns the same GroupCall; so do the groups a
@@ -29,7 +30,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
@@ -40,9 +40,10 @@ import torch
 
 from orlhf.distributed import addresses
 from orlhf.distributed.endpoints import check_exports, method_name
-from orlhf.distributed.heartbeat import HEALTH, HEALTH_GROUPS, Heartbeat
+from orlhf.distributed.heartbeat import Heartbeat
 from orlhf.distributed.placement import RankBundle, scheduling_options
-from orlhf.storage.logs import LOG_DIR_ENV, redirect_output, tail, worker_log_path
+from orlhf.distributed.rank_actor import RankActor, log_name
+from orlhf.storage.logs import LOG_DIR_ENV, tail, worker_log_path
 
 log = logging.getLogger(__name__)
 
@@ -71,46 +72,6 @@ class RankError(RuntimeError):
             detail += f"\nlast lines of {path}:\n{last}" if last else f"\nits full output: {path}"
         where = f" (in {host} rank {rank}'s process)" if host else ""
         super().__init__(f"{role} rank {rank} failed in {method}(){where}:\n{detail}")
-
-
-def log_name(role: str, rank: int) -> str:
-    """The log file name (storage/logs.py) of a rank or engine: actor-0, critic-1, vllm-0."""
-    return f"{'vllm' if role.startswith('vllm') else role}-{rank}"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
-@ray.remote(concurrency_groups=HEALTH_GROUPS)
-class RankActor:
-    """Holds one rank's worker and runs its methods by name, on Ray's pool threads; no logic of its own. A
-    platform may give a group another actor class with these remote methods (distributed/tuning.py)."""
-
-    def __init__(self, role: str, rank: int, env: dict[str, str]):
-        os.environ.update(env)
-        redirect_output(log_name(role, rank))
-        addresses.pin()  # before DeepSpeed or NCCL start: they read the interface it exports
-        self.worker: Any = None
-
-    def address(self) -> tuple[str, int]:
-        """(ip, free port) this rank's peers reach it at (distributed/addresses.py): rank 0's becomes the group's
-        rendezvous address."""
-        return addresses.local_address(), free_port()
-
-    def setup(self, worker_cls: type, cfg: Any, env: dict[str, str]) -> None:
-        os.environ.update(env)
-        self.worker = worker_cls(cfg)
-
-    def call(self, method: str, *args, **kwargs) -> Any:
-        return getattr(self.worker, method)(*args, **kwargs)
-
-    @ray.method(concurrency_group=HEALTH)
-    def pid(self) -> int:
-        """Also the health check (distributed/heartbeat.py): its own thread, beside any call."""
-        return os.getpid()
 
 
 class GroupCall:

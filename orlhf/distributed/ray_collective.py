@@ -96,8 +96,7 @@ def _stateless_gloo_class():
             import ray.experimental.internal_kv as kv
             from torch.distributed import PrefixStore, TCPStore
 
-            from orlhf.distributed.addresses import gloo_group, local_address, reach
-            from orlhf.distributed.groups import free_port
+            from orlhf.distributed.addresses import free_port, gloo_group, local_address, reach
 
             super().__init__(world_size, rank, group_name)
             timeout = timedelta(seconds=_timeouts.get(group_name, 300.0))

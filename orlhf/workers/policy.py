@@ -217,8 +217,7 @@ class PolicyWorker(CausalLMWorker):
     def sync_address(self) -> tuple[str, int]:
         """The address the engines reach this rank at (distributed/addresses.py) and a free port there, for the
         trainer -> engines group (rank 0 hosts its store)."""
-        from orlhf.distributed.addresses import local_address
-        from orlhf.distributed.groups import free_port
+        from orlhf.distributed.addresses import free_port, local_address
 
         return local_address(), free_port()
 
