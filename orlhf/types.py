@@ -59,6 +59,19 @@ class TurnParams:
     detokenize: bool = True
 
 
+@dataclass
+class TurnResult:
+    """One agent turn's generation, token in, token out: what RolloutBackend.generate_turns returns per request and
+    the agent runner (rollout/executor.py) turns into vLLM's RequestOutput for the agent."""
+
+    token_ids: list[int]  # (T,) the new tokens
+    logprobs: list[float]  # (T,) the sampler's log-prob of each new token
+    finish_reason: Optional[str]  # "stop" (EOS or a stop token/string), "length" (max_tokens), as vLLM says it
+    weight_version: int  # the weights that sampled the turn (the controller's count of syncs)
+    routed_experts: Optional[torch.Tensor] = None  # (N, L, K) int16: --router_replay R3's experts of the turn's
+    #   prompt and new tokens (N of them), as Rollout.routed_experts; None where the backend records none
+
+
 def request_seed(seed: int, prompt_index: int) -> int:
     """A stable per-request seed, so a run is reproducible whatever the engine count or split."""
     digest = hashlib.sha256(f"{seed}:{prompt_index}".encode()).digest()

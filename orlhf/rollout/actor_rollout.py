@@ -19,7 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional
 
 from orlhf.rollout.backend import RolloutBackend
-from orlhf.types import Rollout, SamplingSpec, TurnParams
+from orlhf.types import Rollout, SamplingSpec, TurnParams, TurnResult
 from orlhf.workers import PolicyWorker
 
 log = logging.getLogger("orlhf")
@@ -62,12 +62,12 @@ class ActorRollout(RolloutBackend):
         return rollouts
 
     def generate_turns(self, index: int, requests: list) -> Future:
-        """One batch of agents' turns: (ids, SamplingParams) -> (new ids, log-probs, finish reason, version)."""
+        """One batch of agents' turns: (ids, SamplingParams) -> TurnResult, tagged with the weight version."""
 
-        def run() -> list[tuple]:
+        def run() -> list[TurnResult]:
             call = self.actor.call_sharded(PolicyWorker.generate_tokens, list(requests), self.pad_id, self.eos_id)
-            out = [t for part in call.get() for t in part][: len(requests)]
-            return [(*t, self.weight_version) for t in out]
+            out = [t for part in call.get() for t in part][: len(requests)]  # (new ids, log-probs, finish reason)
+            return [TurnResult(*t, weight_version=self.weight_version) for t in out]
 
         return self._turns.submit(run)
 

@@ -19,8 +19,7 @@ segments ask (tests/vllm/test_engines.py checks it on both, on real engines and 
   with defaults a backend may keep:
     len(b)                                  members (engines; 1: the actor's ranks together, or a single server)
     b.generate_turns(member, requests)      agents' turns, token in, token out -> a concurrent Future of
-                                            [(new ids, log-probs, finish reason, weight version, ...)]; by default
-                                            one generate call per turn (vLLM engines add the routed experts, R3)
+                                            [TurnResult] (types.py); by default one generate call per turn
     b.generate_requests({member: reqs}, s)  requests with their own lengths and seeds (--partial_rollout's segments);
                                             by default refused (validation keeps it to backends that overlap)
     b.turn_params                           the class of agents' sampling parameters (None: vLLM's SamplingParams)
@@ -50,7 +49,7 @@ from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Callable, Optional
 
-from orlhf.types import GenerationRequest, Rollout, SamplingSpec, TurnParams
+from orlhf.types import GenerationRequest, Rollout, SamplingSpec, TurnParams, TurnResult
 
 if TYPE_CHECKING:
     from contextlib import ExitStack
@@ -102,7 +101,7 @@ class RolloutBackend(ABC):
             done.set_exception(e)
         return done
 
-    def _turn(self, ids: list[int], params) -> tuple:
+    def _turn(self, ids: list[int], params) -> TurnResult:
         for name, off in (("stop", (None, [])), ("stop_token_ids", (None, [])), ("top_k", (0, -1)), ("min_p", (0.0,))):
             if getattr(params, name, off[0]) not in off:
                 raise ValueError(
@@ -111,7 +110,7 @@ class RolloutBackend(ABC):
                 )
         spec = SamplingSpec(params.temperature, params.top_p, params.max_tokens, n=1, seed=params.seed or 0)
         (r,) = self.generate([list(ids)], spec)
-        return (r.response_ids, r.logprobs, "stop" if r.finished else "length", r.weight_version)
+        return TurnResult(r.response_ids, r.logprobs, "stop" if r.finished else "length", r.weight_version)
 
     # ---- weights and memory ----
     @abstractmethod

@@ -26,7 +26,7 @@ from orlhf.inputs.images import open_images
 from orlhf.rollout.engine_config import EngineConfig, engine_env
 from orlhf.rollout.worker_ext import WeightSyncExtension
 from orlhf.storage.logs import LOG_DIR_ENV, redirect_output
-from orlhf.types import GenerationRequest, Rollout, SamplingSpec, max_new_tokens, request_seed
+from orlhf.types import GenerationRequest, Rollout, SamplingSpec, TurnResult, max_new_tokens, request_seed
 
 EXTENSION = f"{WeightSyncExtension.__module__}.{WeightSyncExtension.__qualname__}"
 ROLE = "vllm engine"
@@ -173,10 +173,10 @@ class EngineActor:
         return rollouts
 
     @endpoint
-    def generate_tokens(self, requests: list[tuple[list[int], Any]]) -> list[tuple]:
-        """Token in, token out, one turn each: (token ids, vLLM SamplingParams) -> (new ids, their engine
-        log-probs, finish reason, weight version, routed experts or None: Rollout.routed_experts). Each request
-        carries its own params (agents may change them per turn); the whole list runs as one vLLM batch."""
+    def generate_tokens(self, requests: list[tuple[list[int], Any]]) -> list[TurnResult]:
+        """Token in, token out, one turn each: (token ids, vLLM SamplingParams) -> TurnResult (new ids, their engine
+        log-probs, finish reason, weight version, routed experts or None). Each request carries its own params
+        (agents may change them per turn); the whole list runs as one vLLM batch."""
         from vllm.inputs import TokensPrompt
 
         params = []
@@ -192,7 +192,7 @@ class EngineActor:
         for out in outs:
             c = out.outputs[0]
             lps = [lp[t].logprob if lp and t in lp else 0.0 for t, lp in zip(c.token_ids, c.logprobs or [])]
-            results.append((list(c.token_ids), lps, c.finish_reason, self.weight_version, routed_experts(c)))
+            results.append(TurnResult(list(c.token_ids), lps, c.finish_reason, self.weight_version, routed_experts(c)))
         return results
 
     @endpoint

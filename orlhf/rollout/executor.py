@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional
 from orlhf.inputs.user_files import import_failure, import_file, user_frames
 from orlhf.rollout.agent import AgentError, AgentExecutorBase, AgentStepError, as_float
 from orlhf.rollout.partial import TurnGate, grow_routing, turn_versions
-from orlhf.types import Rollout
+from orlhf.types import Rollout, TurnResult
 
 
 class SingleTurnExecutor:
@@ -96,7 +96,7 @@ class EngineClient:
         self.pending: list[tuple[list[int], Any, asyncio.Future]] = []
         self._wake = asyncio.Event()
 
-    async def generate(self, ids: list[int], params) -> tuple:
+    async def generate(self, ids: list[int], params) -> TurnResult:
         fut = asyncio.get_running_loop().create_future()
         self.pending.append((ids, params, fut))
         self._wake.set()
@@ -144,12 +144,13 @@ class EngineHandle:
         if params.seed is None:
             params.seed = turn_seed(self.seed, self.sample, self.turns)
         self.turns += 1
-        ids, lps, finish, version, *routed = await self.client.generate(list(prompt_token_ids), params)
-        if routed and routed[0] is not None:  # a turn re-reads the episode so far: keep the rows it was sampled under
+        turn: TurnResult = await self.client.generate(list(prompt_token_ids), params)
+        ids, lps, finish = turn.token_ids, turn.logprobs, turn.finish_reason
+        if turn.routed_experts is not None:  # a turn re-reads the episode so far: keep the rows it was sampled under
             self.routed_ids, self.routed = grow_routing(
-                self.routed_ids, self.routed, [*prompt_token_ids, *ids], routed[0]
+                self.routed_ids, self.routed, [*prompt_token_ids, *ids], turn.routed_experts
             )
-        self.weight_versions.append(version)
+        self.weight_versions.append(turn.weight_version)
         self.finish_reason = finish
         text = self.tokenizer.decode(ids, skip_special_tokens=getattr(params, "skip_special_tokens", True))
         logprobs = [{t: Logprob(lp)} for t, lp in zip(ids, lps)]

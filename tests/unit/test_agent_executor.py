@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import pytest
 
 from orlhf.rollout.agent import AgentError
-from orlhf.rollout.engine import SamplingSpec
 from orlhf.rollout.executor import AgentRunner, load_agent_executor
+from orlhf.types import SamplingSpec, TurnResult
 
 pytest.importorskip("vllm")
 
@@ -28,7 +28,7 @@ class CharTokenizer:
 
 
 class FakeEngine:
-    """call(engine, requests) -> Future of [(ids, log-probs, finish, version)]; records each call's params."""
+    """call(engine, requests) -> Future of [TurnResult]; records each call's params."""
 
     def __init__(self, delay_s: float = 0.0):
         self.delay_s, self.calls = delay_s, []
@@ -42,7 +42,9 @@ class FakeEngine:
             out = [ord(c) for c in "red "]
             if fut.cancelled():  # the runner stopped early (an agent raised)
                 return
-            fut.set_result([(out[: p.max_tokens], [-0.25] * min(4, p.max_tokens), "length", 7) for _, p in requests])
+            fut.set_result(
+                [TurnResult(out[: p.max_tokens], [-0.25] * min(4, p.max_tokens), "length", 7) for _, p in requests]
+            )
 
         threading.Thread(target=answer).start()
         return fut
@@ -290,7 +292,10 @@ class VersionedEngines:
                 self.in_flight -= 1
             out = [ord(c) for c in "red "]
             fut.set_result(
-                [(out[: p.max_tokens], [-0.25] * min(4, p.max_tokens), "length", version) for _, p in requests]
+                [
+                    TurnResult(out[: p.max_tokens], [-0.25] * min(4, p.max_tokens), "length", version)
+                    for _, p in requests
+                ]
             )
 
         threading.Thread(target=answer).start()

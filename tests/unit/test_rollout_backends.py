@@ -17,7 +17,7 @@ from orlhf.launch.plan import render
 from orlhf.rollout.backend import backend_class
 from orlhf.trainer.controller import Controller
 from orlhf.trainer.models import Models
-from orlhf.types import TurnParams
+from orlhf.types import TurnParams, TurnResult
 from tests.unit.rollout_stand_in import StandInRollout, three_tokens
 from tests.unit.test_controller_guard import Actor, Loader, Rewards, Tokenizer
 
@@ -107,7 +107,7 @@ def test_the_contracts_defaults_serve_agents_turns_through_generate():
     rollout = StandInRollout(generate)
     assert len(rollout) == 1 and rollout.turn_params is TurnParams and rollout.generating_groups == ()
     turns = rollout.generate_turns(0, [([1, 2], TurnParams(seed=3, max_tokens=4)), ([9], TurnParams(seed=4))])
-    assert turns.result() == [([5, 6, 7], [-1.0] * 3, "stop", 0)] * 2
+    assert turns.result() == [TurnResult([5, 6, 7], [-1.0] * 3, "stop", 0)] * 2
     assert seen == [([[1, 2]], 3, 4, 1), ([[9]], 4, 16, 1)]
     refused = rollout.generate_turns(0, [([1], TurnParams(seed=1, stop=["\n"]))])
     with pytest.raises(ValueError, match="sampling_params.stop = \\['\\\\n'\\]: the stand-in rollout backend samples"):

@@ -260,7 +260,8 @@ def check_rollout_contract(backend, tok, version: int) -> None:
     assert backend.load_weights(version) >= 0.0
     assert {r.weight_version for r in backend.generate(ps, sampling)} == {version}  # tagged with the load's version
     params = turn_params_class(backend)(n=1, temperature=1.0, max_tokens=4, logprobs=0, seed=3)
-    (ids, lps, _, turn_version, *_), *_ = backend.generate_turns(0, [(ps[0], params)]).result(timeout=120)
+    (turn,) = backend.generate_turns(0, [(ps[0], params)]).result(timeout=120)
+    ids, lps, turn_version = turn.token_ids, turn.logprobs, turn.weight_version
     assert 1 <= len(ids) <= 4 and len(lps) == len(ids) and turn_version == version
     assert backend.dead() == {}
 
