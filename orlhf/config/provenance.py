@@ -15,10 +15,10 @@ so each flag's source is one of:
     "derived"              resolution put a value there other than the one the steps before gave it (device,
                            sync backend, the demo's model, prompts and reward, --generate_max_len from --max_len)
 
-How the sources travel: with_sources() records them on the finished TrainConfig, where the command line is read
-(cli.parse_or_exit), as TrainConfig._sources: a class attribute, not a dataclass field, set on a fresh copy. So the
-launch code, which receives only the config, can write them (dump_resolved), while equality, dataclasses.asdict,
-fingerprints and the config sent to W&B see the settings alone, as before. A config built in code, not from a
+How the sources travel: with_sources() records them on a copy of the finished TrainConfig, where the command line
+is read (cli.parse_or_exit), in its declared TrainConfig.recorded_sources field (a record, not a setting). So the
+launch code, which receives only the config, can write them (dump_resolved), while equality (compare=False),
+settings_of, fingerprints and the config sent to W&B see the settings alone. A config built in code, not from a
 command line, has none recorded: its non-default values read "not recorded".
 
 The run folder keeps dump_resolved()'s JSON ({"flag": {"value": ..., "source": ...}} in panel order, secrets
@@ -57,9 +57,7 @@ def with_sources(
         else:
             source, start = DEFAULT, defaults[flag]
         sources[flag] = source if _jsonable(value) == _jsonable(start) else DERIVED
-    out = dataclasses.replace(cfg)  # a fresh copy: the finished config itself is never changed
-    object.__setattr__(out, "_sources", tuple(sources.items()))
-    return out
+    return dataclasses.replace(cfg, recorded_sources=tuple(sources.items()))  # a copy: `cfg` itself is unchanged
 
 
 def sources_of(cfg: TrainConfig) -> dict[str, str]:
@@ -102,7 +100,33 @@ def render_resolved(cfg: TrainConfig) -> str:
             value_w = min(max(len(value) for _, value, _ in rows), 24)  # a longer value (a path) pushes its source
             lines += ["", panel.title]
             lines += [f"  {name:<{name_w}}  {value:<{value_w}}  {source}" for name, value, source in rows]
+    facts = derived_facts(cfg)
+    name_w = max(len(name) for name, _ in facts)
+    lines += ["", "Derived (what the settings above imply)"]
+    lines += [f"  {name:<{name_w}}  {value}" for name, value in facts]
     return "\n".join(lines)
+
+
+def derived_facts(cfg: TrainConfig) -> list[tuple[str, str]]:
+    """What the settings imply that no single flag says, as --print_config ends with them: where checkpoints go,
+    which models run besides the actor, and who generates (the rollout backend's record, config/rollout_backends.py)."""
+    spec = cfg.rollout
+    if cfg.reference_from_actor:
+        reference = "none placed: the actor's ranks with the LoRA adapter off score it"
+    elif cfg.has_reference:
+        reference = "runs (a KL reads it)"
+    else:
+        reference = "none: no KL reads it (--init_kl_coef 0 without --use_kl_loss)"
+    critic = "runs" if cfg.has_critic else f"none (--advantage_estimator {cfg.ppo.advantage_estimator})"
+    shared = ", on the actor's devices" if cfg.engines_colocated else ""
+    return [
+        ("checkpoint folder", cfg.logging.checkpoint_dir),
+        ("reference model", reference),
+        ("critic", critic),
+        ("reward model", "runs" if cfg.has_reward_model else "none (rewards from a function, a server or an agent)"),
+        ("rollout backend", f"{cfg.rollout_name} (generation memory: {spec.memory})"),
+        ("engines placed", f"{cfg.num_engines} ({spec.engine}{shared})" if spec.places_engines else "none"),
+    ]
 
 
 def dump_resolved(cfg: TrainConfig) -> str:

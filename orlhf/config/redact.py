@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from orlhf.config.flags import flag_fields
-from orlhf.config.train_config import TrainConfig
+from orlhf.config.train_config import TrainConfig, settings_of
 
 # Flags whose value can be a secret (OpenRLHF's `--use_wandb KEY`). Their values never leave this process: the
 # config sent to W&B and any other dump goes through public_config(); argv through redact_argv().
@@ -15,8 +14,9 @@ REDACTED = "<redacted>"
 
 
 def public_config(cfg: TrainConfig) -> dict[str, Any]:
-    """dataclasses.asdict(cfg) with every non-empty secret value replaced by REDACTED."""
-    out = dataclasses.asdict(cfg)
+    """The settings (train_config.settings_of: dataclasses.asdict without records) with every non-empty secret value
+    replaced by REDACTED."""
+    out = settings_of(cfg)
     for attr, flag, f, _ in flag_fields():
         if flag in SECRET_FLAGS and out[attr][f.name]:
             out[attr][f.name] = REDACTED

@@ -15,8 +15,9 @@ torch, ray, deepspeed or vllm: `orlhf --help` must stay fast, and validation run
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import ClassVar, Optional
+from typing import Any, Optional
 
 from orlhf.algo.registry import ESTIMATORS
 from orlhf.config.backend_config import DeepSpeedConfig, VLLMConfig
@@ -156,15 +157,17 @@ class TrainConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
-    # Where each flag's value came from ({flag: source} pairs), recorded once when the command line is read
-    # (config/provenance.py). A class attribute, not a field: equality, dataclasses.asdict, fingerprints and the
-    # config sent to W&B see settings only; provenance.with_sources sets it on a fresh copy.
-    _sources: ClassVar[tuple[tuple[str, str], ...]] = ()
+    # Where each flag's value came from ((flag, source) pairs), recorded once when the command line is read
+    # (config/provenance.py with_sources). A record, not a setting: a declared field left out of equality
+    # (compare=False) and of settings_of() (what fingerprints and the config sent to W&B read).
+    recorded_sources: tuple[tuple[str, str], ...] = field(
+        default=(), compare=False, repr=False, metadata={"record": True}
+    )
 
     @property
     def sources(self) -> dict[str, str]:
         """{flag name: source} (provenance.py's vocabulary); empty for a config built in code, not from flags."""
-        return dict(self._sources)
+        return dict(self.recorded_sources)
 
     @property
     def device(self) -> str:
@@ -236,6 +239,12 @@ class TrainConfig:
         kl_in_reward = p.init_kl_coef > 0 and not p.use_kl_loss  # shaped from the old log-probs
         adaptive = p.kl_target is not None and self.has_reference  # steered by KL(old || ref) each step
         return p.max_epochs == 1 and one_step and not kl_in_reward and not adaptive
+
+
+def settings_of(cfg: TrainConfig) -> dict[str, Any]:
+    """dataclasses.asdict(cfg) without the records (fields whose metadata says "record"): the settings alone."""
+    records = {f.name for f in dataclasses.fields(cfg) if f.metadata.get("record")}
+    return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in records}
 
 
 class ConfigError(ValueError):

@@ -13,7 +13,8 @@ from orlhf.cli import main
 from orlhf.config.fingerprint import config_fingerprint
 from orlhf.config.panels import PANELS
 from orlhf.config.provenance import dump_resolved, read_resolved, resolved_config, resume_changes, sources_of
-from orlhf.config.train_config import TrainConfig
+from orlhf.config.redact import public_config
+from orlhf.config.train_config import TrainConfig, settings_of
 
 
 def run(argv, capsys):
@@ -49,7 +50,33 @@ def test_print_config_names_each_source_and_starts_nothing(capsys, no_training, 
     assert rows["gamma"] == ("1.0", "default") and rows["actor_max_norm"] == ("none", "default")
     assert len(rows) == sum(len(p.flags) for p in PANELS) - 1  # every setting (--print_config is none)
     titles = [line for line in out.splitlines() if line and not line.startswith(" ")]
-    assert titles[2:] == [p.title for p in PANELS]  # grouped by the help panels, in their order
+    assert titles[2:] == [p.title for p in PANELS] + [DERIVED_TITLE]  # the help panels in order, then the facts
+
+
+DERIVED_TITLE = "Derived (what the settings above imply)"
+
+
+def derived(out: str) -> dict[str, str]:
+    """--print_config's closing block -> {fact: text}."""
+    block = out.split(DERIVED_TITLE + "\n", 1)[1]
+    return {name.strip(): value.strip() for name, value in (line.split("  ", 2)[1:] for line in block.splitlines())}
+
+
+def test_print_config_ends_with_the_derived_facts(capsys, no_training, tmp_path):
+    save = tmp_path / "run"
+    code, out, err = run(["train-ppo", "--save_path", str(save), "--print_config"], capsys)
+    assert code == 0, err
+    facts = derived(out)
+    assert facts["checkpoint folder"] == str(save / "checkpoints_ppo")
+    assert facts["rollout backend"].startswith("vllm") and facts["engines placed"].startswith("1 (vllm")
+    assert facts["reference model"].startswith("runs") == (float(table_rows(out)["init_kl_coef"][0]) > 0)
+    argv = ["train-ppo", "--vllm_num_engines", "0", "--init_kl_coef", "0", "--ckpt_path", str(tmp_path / "ck")]
+    code, out, err = run([*argv, "--save_path", str(save), "--print_config"], capsys)
+    assert code == 0, err
+    facts = derived(out)
+    assert facts["checkpoint folder"] == str(tmp_path / "ck") and facts["engines placed"] == "none"
+    assert facts["rollout backend"] == "trainer (generation memory: actor)"
+    assert facts["reference model"].startswith("none: no KL reads it")
 
 
 def test_print_config_keeps_the_flag_errors(capsys, no_training):
@@ -91,10 +118,11 @@ def test_sources_leave_equality_fingerprints_and_asdict_alone(capsys, no_trainin
     code, _, err = run(["train-ppo", "--device", "cpu", "--critic.max_norm", "0.5"], capsys)
     assert code == 0, err
     cfg = no_training[0]
-    plain = dataclasses.replace(cfg)  # the same settings, no sources recorded
+    plain = dataclasses.replace(cfg, recorded_sources=())  # the same settings, no sources recorded
     assert cfg.sources and not plain.sources
     assert cfg == plain and config_fingerprint(cfg) == config_fingerprint(plain)
-    assert dataclasses.asdict(cfg) == dataclasses.asdict(plain) and "_sources" not in dataclasses.asdict(cfg)
+    assert settings_of(cfg) == settings_of(plain) and "recorded_sources" not in settings_of(cfg)
+    assert public_config(cfg) == public_config(plain)  # the config sent to W&B
     assert sources_of(plain)["critic_max_norm"] == "not recorded" and sources_of(plain)["gamma"] == "default"
 
 

@@ -3,7 +3,6 @@ advertise, a preset is built once and reused, the crossover is picked from given
 --sweep defaults to the demo's step, and trl_compare's orlhf side on a preset runs the demo's exact settings on
 another model. The sweep itself runs in benchmarks (speed is measured there, never asserted here)."""
 
-import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -14,6 +13,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import model_presets as mp  # noqa: E402
+
+from orlhf.config.train_config import settings_of  # noqa: E402
 
 
 @pytest.mark.parametrize("name", list(mp.PRESETS))
@@ -160,7 +161,7 @@ def test_trl_compare_on_a_preset_runs_the_demo_settings_on_that_model(tmp_path, 
         with pytest.raises(SystemExit) as e:
             main([*argv[3:], "--save_path", str(tmp_path / "run")])
         assert e.value.code == 0
-        configs[preset] = dataclasses.asdict(no_training.pop())
+        configs[preset] = settings_of(no_training.pop())  # the settings, not where each came from
     assert configs["small"]["data"].pop("pretrain") == str(mp.preset_model("small"))
     assert configs["demo"]["data"].pop("pretrain") != configs["small"]["data"].get("pretrain")
     assert configs["small"] == configs["demo"]
