@@ -7,7 +7,8 @@
           episode: executor.execute(prompt, label, params, max_length, tokenizer, EngineHandle(j))
                    EngineHandle.generate(ids, params) --queue--> EngineClient(engine of j)
           EngineClient: while the engine runs one batch, the requests of every agent that is ready queue up; the
-                        next engine call takes them all (one slow environment never holds the batch back)
+                        next engine call takes them all (one slow environment never holds the batch back);
+                        rollout/agent_engine.py, with what the agent sees (EngineHandle, RequestOutput)
         -> Rollout(prompt ids | response = actions and feedback, action_mask 1 on actions, reward from the agent)
 
 Invariants: samples stay in prompt-major order (sample k of prompt i is row i * n + k); sample j's turn t samples
@@ -20,16 +21,15 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import functools
-import hashlib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from orlhf.inputs.user_files import import_failure, import_file, user_frames
 from orlhf.rollout.agent import AgentError, AgentExecutorBase, AgentStepError, as_float
+from orlhf.rollout.agent_engine import EngineClient, EngineHandle
 from orlhf.rollout.partial import TurnGate, grow_routing, turn_versions
-from orlhf.types import Rollout, TurnResult
+from orlhf.types import Rollout
 
 
 class SingleTurnExecutor:
@@ -61,105 +61,6 @@ class SingleTurnExecutor:
                 )
             r.vision = tensors[r.prompt_index]
         return rollouts
-
-
-# ---- what an agent executor sees: OpenRLHF's llm_engine and vLLM's RequestOutput, as far as agents read them ----
-
-
-@dataclass
-class Logprob:
-    logprob: float
-
-
-@dataclass
-class CompletionOutput:
-    token_ids: list[int]
-    text: str
-    logprobs: list[dict[int, Logprob]]  # one {token id: Logprob} per generated token (the sampled one)
-    finish_reason: Optional[str]
-
-
-@dataclass
-class RequestOutput:
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-
-
-class EngineClient:
-    """Batches many agents' one-turn requests into one call to one engine (see the module docstring).
-
-    `call(requests)` starts an engine call and returns a concurrent.futures.Future of its results."""
-
-    def __init__(self, call: Callable[[list], Any], gate: Optional[TurnGate] = None):
-        self.call = call
-        self.gate = gate or TurnGate()  # --partial_rollout: a waiting weight sync runs between two engine calls
-        self.pending: list[tuple[list[int], Any, asyncio.Future]] = []
-        self._wake = asyncio.Event()
-
-    async def generate(self, ids: list[int], params) -> TurnResult:
-        fut = asyncio.get_running_loop().create_future()
-        self.pending.append((ids, params, fut))
-        self._wake.set()
-        return await fut
-
-    async def serve(self) -> None:
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            await asyncio.sleep(0)  # let every agent that is ready queue its request first
-            batch, self.pending = self.pending, []
-            if not batch:
-                continue
-            try:
-                results = await self.gate.call(functools.partial(self.call, [(ids, p) for ids, p, _ in batch]))
-            except Exception as e:  # noqa: BLE001 - handed to every waiting agent
-                for _, _, fut in batch:
-                    if not fut.done():
-                        fut.set_exception(e)
-                continue
-            for (_, _, fut), res in zip(batch, results):
-                if not fut.done():
-                    fut.set_result(res)
-
-
-class EngineHandle:
-    """One sample's llm_engine: `await llm_engine.generate(prompt_token_ids, sampling_params)`."""
-
-    def __init__(self, client: EngineClient, tokenizer, prompt_token_ids: list[int], seed: int, sample: int):
-        self.client, self.tokenizer, self.prompt_token_ids = client, tokenizer, list(prompt_token_ids)
-        self.seed, self.sample, self.turns, self.weight_versions = seed, sample, 0, []
-        self.finish_reason: Optional[str] = None
-        self.routed_ids: list[int] = []  # --router_replay R3: the tokens `routed` covers the positions of
-        self.routed = None  # (N, L, K) the engine's routed experts of routed_ids' first N tokens
-
-    async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None) -> RequestOutput:
-        if multi_modal_data:
-            raise AgentError("multi_modal_data: orlhf trains text models only (multimodal is a non-goal)")
-        params = copy.deepcopy(sampling_params)
-        if getattr(params, "n", 1) != 1:
-            raise AgentStepError(
-                f"sampling_params.n = {params.n}: an agent turn generates one response (each "
-                "sample already has its own agent; use --n_samples_per_prompt)"
-            )
-        if params.seed is None:
-            params.seed = turn_seed(self.seed, self.sample, self.turns)
-        self.turns += 1
-        turn: TurnResult = await self.client.generate(list(prompt_token_ids), params)
-        ids, lps, finish = turn.token_ids, turn.logprobs, turn.finish_reason
-        if turn.routed_experts is not None:  # a turn re-reads the episode so far: keep the rows it was sampled under
-            self.routed_ids, self.routed = grow_routing(
-                self.routed_ids, self.routed, [*prompt_token_ids, *ids], turn.routed_experts
-            )
-        self.weight_versions.append(turn.weight_version)
-        self.finish_reason = finish
-        text = self.tokenizer.decode(ids, skip_special_tokens=getattr(params, "skip_special_tokens", True))
-        logprobs = [{t: Logprob(lp)} for t, lp in zip(ids, lps)]
-        return RequestOutput(list(prompt_token_ids), [CompletionOutput(ids, text, logprobs, finish)])
-
-
-def turn_seed(seed: int, sample: int, turn: int) -> int:
-    digest = hashlib.sha256(f"{seed}:{sample}:{turn}".encode()).digest()
-    return int.from_bytes(digest[:4], "little")
 
 
 @dataclass
