@@ -246,7 +246,7 @@ def test_delta_sync_is_full_first_and_after_a_reconnect(rig):
 
 def check_rollout_contract(backend, tok, version: int) -> None:
     """What the controller, executors and evaluator rely on of any rollout backend (orlhf/rollout/backend.py)."""
-    from orlhf.rollout.backend import RolloutBackend
+    from orlhf.rollout.backend import EngineProcesses, RolloutBackend
     from orlhf.rollout.executor import turn_params_class
 
     assert isinstance(backend, RolloutBackend) and len(backend) >= 1
@@ -263,7 +263,7 @@ def check_rollout_contract(backend, tok, version: int) -> None:
     (turn,) = backend.generate_turns(0, [(ps[0], params)]).result(timeout=120)
     ids, lps, turn_version = turn.token_ids, turn.logprobs, turn.weight_version
     assert 1 <= len(ids) <= 4 and len(lps) == len(ids) and turn_version == version
-    assert backend.dead() == {}
+    assert not isinstance(backend, EngineProcesses) or backend.dead() == {}  # members of its own: all alive
 
 
 def test_both_rollout_backends_keep_the_contract(rig):
