@@ -1,4 +1,5 @@
-"""CPU runs' model groups: rank processes that may host another role's workers (roles.host_of), driven in turn.
+"""CPU runs' model groups: rank processes that may host another role's workers (hosting_rules.host_of), driven in
+turn.
 
     cpu_group("actor", PolicyWorker, cfg, slots, guests=["ref"])   an ActorGroup of CpuRankActors, as a CpuGroup
     actor.host("ref", ReferenceWorker, cfg)                        ref's workers in the actor's rank processes:
@@ -9,7 +10,7 @@
     model_groups(cfg, spawn, worker_of, stack)                     a run's groups (CpuTuning.model_groups)
 
 Why hosting: a process of its own costs a frozen model a Ray worker plus torch, transformers and DeepSpeed
-imports and their memory, before the first step (roles.host_of says which role goes where).
+imports and their memory, before the first step (hosting_rules.host_of says which role goes where).
 
 Invariants (the rank side: cpu/rank_actor.py):
 - A process that holds several workers (a host and its guests) runs their calls one at a time, in the order the
@@ -21,7 +22,7 @@ Invariants (the rank side: cpu/rank_actor.py):
 - One exception: the methods a guest is hosted with as `beside` run, on a one-rank host, at once on a pool
   thread beside the host's call, unnumbered and without the RNG swap. Only methods that draw no random numbers
   (async mode's reference scored ahead; the hosted critic's values and train steps, whose model has no dropout:
-  roles.host_of): a single rank has no peer to interleave collectives with, and what draws nothing leaves the
+  hosting_rules.host_of): a single rank has no peer to interleave collectives with, and what draws nothing leaves the
   host's random numbers as they were. With more ranks they are numbered like any call.
 """
 
@@ -32,7 +33,8 @@ import threading
 from contextlib import ExitStack
 from typing import Any, Callable, Optional, Sequence
 
-from orlhf.config.roles import ROLES, active_roles, guest_roles, runs_beside
+from orlhf.config.roles import ROLES, active_roles
+from orlhf.cpu.hosting_rules import guest_roles, runs_beside
 from orlhf.cpu.rank_actor import CpuRankActor
 from orlhf.distributed.endpoints import check_exports, method_name
 from orlhf.distributed.groups import ActorGroup, Calls, GroupCall, spawn_groups, wait_all
@@ -140,7 +142,8 @@ class CpuGroup(Calls):
     @property
     def processes(self) -> list:
         """One key per rank process, for cpu/threads.py's count: a guest's are its host's, unless it trains (the
-        critic: its values and train steps run beside the host's calls, roles.runs_beside), then one of its own."""
+        critic: its values and train steps run beside the host's calls, hosting_rules.runs_beside), then one of its
+        own."""
         apart = self.host_group is not None and self.role in ROLES and ROLES[self.role].trains
         return [(id(a), self.role) if apart else id(a) for a in self.actors]
 
@@ -164,7 +167,7 @@ def rank_options(guests: int) -> dict:
 
 def beside_calls(cfg, role: str) -> tuple:
     """The methods of hosted `role` that run beside its host's calls (module docstring): a hosted critic's values
-    and train steps (roles.runs_beside); in async mode the frozen models' forwards scored ahead
+    and train steps (hosting_rules.runs_beside); in async mode the frozen models' forwards scored ahead
     (trainer/scoring.Scorer.ahead), the only place they are called there."""
     if runs_beside(cfg, role):
         return (CriticWorker.values, CriticWorker.train_step)
@@ -175,7 +178,7 @@ def beside_calls(cfg, role: str) -> tuple:
 
 def model_groups(cfg, spawn: Callable[..., ActorGroup], worker_of: Callable[[str], tuple], stack: ExitStack) -> dict:
     """A CPU run's groups by role (Tuning.model_groups): the roles of their own processes spawned at once on
-    CpuRankActors, then each guest (roles.host_of) hosted in its host's, after it, so that its init() is
+    CpuRankActors, then each guest (hosting_rules.host_of) hosted in its host's, after it, so that its init() is
     numbered after the host's in every process."""
     guests = guest_roles(cfg)  # the ref in the actor's processes on CPU
 

@@ -8,9 +8,10 @@
     CpuGroup.set_cpu_threads(n) stores n for that role's worker in its rank processes (cpu/hosting.py); every later
     call of it applies n on the thread that runs the work (cpu/rank_actor.py).
 
-Processes, not groups: on CPU the reference runs inside the actor's rank processes (roles.host_of), and a process
-runs its workers' calls one at a time (cpu/hosting.py), so actor + hosted ref in the score phase count once per
-rank. A hosted critic's calls run beside the actor's (roles.runs_beside), so it counts as a process of its own.
+Processes, not groups: on CPU the reference runs inside the actor's rank processes (hosting_rules.host_of), and a
+process runs its workers' calls one at a time (cpu/hosting.py), so actor + hosted ref in the score phase count once
+per rank. A hosted critic's calls run beside the actor's (hosting_rules.runs_beside), so it counts as a process of
+its own.
 
 Why per phase: with one thread per Ray process (Ray sets OMP_NUM_THREADS to the actor's CPU slots, 1 here) a phase
 in which one rank works (GRPO with one optimizer step per batch: the ref scores alone, the actor trains alone)

@@ -49,6 +49,11 @@ class CpuTuning(Tuning):
 
         return cluster_env()
 
+    def guests(self, cfg) -> dict[str, str]:
+        from orlhf.cpu.hosting_rules import guest_roles
+
+        return guest_roles(cfg)
+
     def model_groups(self, cfg, spawn: Callable[..., Any], worker_of: Callable[[str], tuple], stack) -> dict:
         from orlhf.cpu.hosting import model_groups
 

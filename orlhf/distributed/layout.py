@@ -1,6 +1,6 @@
 """Flags -> layout: which device slot every rank and every rollout engine takes, and whether it fits. Pure: no Ray.
 
-    TrainConfig --plan_layout()--> Layout: pools of node-groups, one Slot per rank (pure data)
+    TrainConfig, guests --plan_layout()--> Layout: pools of node-groups, one Slot per rank (pure data)
         --check_fits(layout, nodes)--> {node-group -> node}, or PlacementError with a needed-vs-available table
            (first-fit-decreasing bin packing, simulate; fit_report writes the table and the fix)
     distributed/placement.py then makes it real on a live Ray cluster (placement groups, bundles for the rank actors);
@@ -22,9 +22,10 @@ Shares (the rule): the k occupants of a slot each ask Ray for 1/k of it, rounded
 stays <= 1 (actor+ref: 0.5 each; four models + vLLM: 0.2 each). A share is Ray accounting, not a memory split:
 memory on a shared device is governed by the offload/sleep flags, and `orlhf plan` estimates it.
 
-Guests. A role that runs inside another role's rank processes (roles.host_of: on CPU the reference in the
-actor's) joins its host's pool, takes its host's slots and no share of its own: it has no process, so no bundle
-(on CPU a bundle is one logical CPU, Ray accounting only). Layout.guests records it for `orlhf plan`.
+Guests. A role that runs inside another role's rank processes (the platform's Tuning.guests: on CPU the reference
+in the actor's, cpu/hosting_rules.py) joins its host's pool, takes its host's slots and no share of its own: it has
+no process, so no bundle (on CPU a bundle is one logical CPU, Ray accounting only). Layout.guests records it for
+`orlhf plan`.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from orlhf.config.roles import ROLES, active_roles, guest_roles
+from orlhf.config.roles import ROLES, active_roles
 from orlhf.config.train_config import TrainConfig
 
 LOCAL_SPARE_CPUS = 2  # logical CPUs beyond the slots for a local CPU cluster: driver-side actors, head work
@@ -98,7 +99,7 @@ class Layout:
         return [(p.name, g) for p in self.pools for g in range(p.num_groups)]
 
 
-def _pool_members(cfg: TrainConfig, roles: list[str]) -> list[list[str]]:
+def _pool_members(cfg: TrainConfig, roles: list[str], guests: dict[str, str]) -> list[list[str]]:
     """Occupants of each model pool, lead role first (the lead's flags give the pool's shape)."""
     p = cfg.placement
     if p.colocate_all_models:
@@ -108,7 +109,7 @@ def _pool_members(cfg: TrainConfig, roles: list[str]) -> list[list[str]]:
         for name, spec in ROLES.items()
         if spec.colocate_flag is not None and getattr(p, spec.colocate_flag)
     }
-    host.update(guest_roles(cfg))  # guests join their host
+    host.update(guests)  # guests join their host
     pools: list[list[str]] = []
     for role in roles:
         shared = next((m for m in pools if host.get(role) in m), None)
@@ -127,14 +128,15 @@ def _slots(pool: Pool, slot_ids: range, share: float) -> tuple[Slot, ...]:
     return tuple(Slot(pool.name, s // pool.group_size, s % pool.group_size, share) for s in slot_ids)
 
 
-def plan_layout(cfg: TrainConfig) -> Layout:
-    """Pools and slots for `cfg` on its device (TrainConfig.device: "cuda" or "cpu", resolved). Pure: no Ray."""
+def plan_layout(cfg: TrainConfig, guests: dict[str, str]) -> Layout:
+    """Pools and slots for `cfg` on its device (TrainConfig.device: "cuda" or "cpu", resolved), `guests` ({role: host
+    role}) inside their hosts' processes: the platform's Tuning.guests(cfg). Pure: no Ray."""
     device = cfg.device  # ValueError while still "auto"
     p, tp = cfg.placement, cfg.vllm.tensor_parallel_size
     pools: list[Pool] = []
     roles: dict[str, tuple[Slot, ...]] = {}
-    guests = guest_roles(cfg)
-    for members in _pool_members(cfg, active_roles(cfg)):
+    guests = dict(guests)
+    for members in _pool_members(cfg, active_roles(cfg), guests):
         lead = members[0]
         pool = Pool(
             "+".join(members),

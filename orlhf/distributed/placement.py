@@ -1,6 +1,6 @@
 """Layout -> Ray: the live cluster's nodes, and one STRICT_PACK placement group per node-group of a layout.
 
-    layout.plan_layout(cfg) --create_placement_groups(layout)-->
+    layout.plan_layout(cfg, guests) --create_placement_groups(layout)-->
         live_nodes() -> layout.check_fits (re-read for settle_s while freed resources show up)
         -> one placement group per node-group, hinted to the node the simulation chose, all ready within timeout_s
         -> PlacedLayout: role_bundles(role) / engine_bundles(i) -> (placement group, bundle index, share)

@@ -4,6 +4,7 @@
     driver   preflight(cfg)                              the platform's refusals before Ray starts (ConfigError)
     driver   ray_options(cfg, num_cpus, processes)       extra ray.init arguments for a cluster this run starts
     driver   cluster_env(cfg)                            environment of that cluster's processes (set as it starts)
+    driver   guests(cfg)                                 {role: host role} run inside the host's rank processes
     driver   model_groups(cfg, spawn, worker_of, stack)  the run's model groups by role, at bring-up
     driver   phases(cfg, models)                         the controller's hook: .before(phase) as each phase starts
     engine   engine_start(cfg, build)                    the engine's vLLM LLM, from build(extra LLM() arguments)
@@ -42,6 +43,12 @@ class Tuning:
     def cluster_env(self, cfg) -> dict[str, str]:
         """Environment variables for the processes of a local cluster this run starts: Ray's own and every worker,
         which inherit them from the raylet (distributed/ray_start.py sets them around ray.init only)."""
+        return {}
+
+    def guests(self, cfg) -> dict[str, str]:
+        """{role: its host role} for the roles that run inside another role's rank processes (the placement gives
+        them no bundle: distributed/layout.py). Here none: every rank keeps a process of its own (on GPUs it owns
+        its device)."""
         return {}
 
     def model_groups(

@@ -21,6 +21,7 @@ from typing import Optional
 
 from orlhf.config.train_config import TrainConfig
 from orlhf.config.worker_config import worker_config
+from orlhf.distributed.layout import Layout, plan_layout
 from orlhf.distributed.tuning import Tuning
 
 log = logging.getLogger("orlhf")
@@ -34,6 +35,12 @@ def tuning_for(cfg: TrainConfig) -> Tuning:
 
         return CpuTuning.for_config(cfg)
     return Tuning()
+
+
+def run_layout(cfg: TrainConfig, tuning: Optional[Tuning] = None) -> Layout:
+    """The run's layout (distributed/layout.py), with the platform's guests (Tuning.guests: on CPU the roles hosted
+    in another role's processes, cpu/hosting_rules.py). `tuning`: tuning_for(cfg) unless given."""
+    return plan_layout(cfg, (tuning or tuning_for(cfg)).guests(cfg))
 
 
 def launch_rollout(cfg: TrainConfig, placed, stack: ExitStack, tuning: Optional[Tuning] = None):

@@ -20,8 +20,9 @@ from orlhf.config.roles import ROLES
 from orlhf.config.rollout_backends import ON_ACTOR, ON_ENGINES
 from orlhf.config.train_config import TrainConfig
 from orlhf.config.worker_config import zero_stage_of
-from orlhf.distributed.layout import GroupKey, Layout, NodeSpec, Slot, fit_report, format_table, plan_layout, simulate
+from orlhf.distributed.layout import GroupKey, Layout, NodeSpec, Slot, fit_report, format_table, simulate
 from orlhf.launch import plan_cpu
+from orlhf.launch.bringup import run_layout
 from orlhf.launch.plan_cluster import ClusterArgs, local_cpu_node, resolve_cluster
 from orlhf.launch.plan_memory import (
     GIB,
@@ -46,7 +47,7 @@ def run_plan(cfg: TrainConfig, args: ClusterArgs, nodes=None, where: Optional[st
     if where is None:
         device, nodes, where = resolve_cluster(cfg, args)
         cfg = resolve_device(cfg, device)  # the described / live cluster's device, not necessarily this machine's
-    layout = plan_layout(cfg)
+    layout = run_layout(cfg)
     nodes = nodes if nodes is not None else [local_cpu_node(layout, args)]
     try:
         text, ok = render(cfg, layout, nodes, where)

@@ -26,12 +26,12 @@ import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
-from typing import Any, Iterator
+from typing import Iterator
 
 from orlhf.config.redact import public_config
 from orlhf.config.train_config import TrainConfig
 from orlhf.distributed.ray_start import connect_ray, end_ray
-from orlhf.launch.bringup import launch_rollout, start_models, tuning_for
+from orlhf.launch.bringup import launch_rollout, run_layout, start_models, tuning_for
 from orlhf.launch.preflight import preflight
 from orlhf.launch.run_inputs import finish_inputs, new_loader, read_files
 from orlhf.launch.stop_signals import RESTART, RunStop
@@ -72,10 +72,9 @@ def run_locked(cfg: TrainConfig, run_id: str, clock, stop: RunStop) -> int:
     # thread while ray.init waits on Ray's processes.
     import ray  # noqa: F401
 
-    from orlhf.distributed.layout import plan_layout
-
     run_logs = open_run_folder(cfg)
-    layout = plan_layout(cfg)
+    tuning = tuning_for(cfg)  # the platform's hooks (distributed/tuning.py), for the layout, Ray, engines and groups
+    layout = run_layout(cfg, tuning)
     with ExitStack() as stack:
         stack.enter_context(collector_paused())  # until the controller exists (run_attempt freezes, then resumes it)
         # What the run reads from files (the tokenizer, prompts and their images, the reward file's source, eval data,
@@ -84,7 +83,7 @@ def run_locked(cfg: TrainConfig, run_id: str, clock, stop: RunStop) -> int:
         stop.checkpoints = run.checkpoints
         clock.mark("inputs")
         finishing = stack.enter_context(inputs_thread(cfg, run))
-        tuning = stack.enter_context(ray_cluster(cfg, layout, stop))
+        stack.enter_context(ray_cluster(cfg, layout, tuning, stop))
         clock.mark("ray")
         run = finishing.result()  # the reward file imported: what its source did not show fails here
         clock.mark("torch")
@@ -127,21 +126,19 @@ def inputs_thread(cfg: TrainConfig, run) -> Iterator[Future]:
 
 
 @contextmanager
-def ray_cluster(cfg: TrainConfig, layout, stop: RunStop) -> Iterator[Any]:
-    """Ray joined or started (distributed/ray_start.py), in this thread: Ray sets its SIGTERM handler only here, so
-    the run's handlers are taken back right after. Yields the platform's tuning (distributed/tuning.py: its hooks
-    for Ray, engines and groups); on leaving, a cluster this process started is ended, also one whose start a signal
-    cut short."""
+def ray_cluster(cfg: TrainConfig, layout, tuning, stop: RunStop) -> Iterator[None]:
+    """Ray joined or started (distributed/ray_start.py) with the platform's `tuning`, in this thread: Ray sets its
+    SIGTERM handler only here, so the run's handlers are taken back right after. On leaving, a cluster this process
+    started is ended, also one whose start a signal cut short."""
     import ray
 
     from orlhf.distributed.layout import cpu_slots_needed, local_num_cpus
 
-    tuning = tuning_for(cfg)
     joined_before = ray.is_initialized()
     try:
         connect_ray(cfg, local_num_cpus(layout), cpu_slots_needed(layout), tuning)
         stop.take_back()  # (ray.init was kept from replacing them: connect_ray)
-        yield tuning
+        yield
     finally:
         end_ray(joined_before)
 

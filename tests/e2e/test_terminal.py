@@ -49,7 +49,7 @@ def test_a_demo_run_shows_only_orlhf_lines_and_a_whole_bar(demo_cli_run):
     logs = save / "logs"
     for name in ("driver.log", "actor-0.log", "vllm-0.log"):
         assert (logs / name).exists(), sorted(p.name for p in logs.iterdir())
-    # on CPU the reference and the one-rank critic run in the actor's process (roles.host_of): no logs of their own
+    # on CPU the reference and the one-rank critic run in the actor's process (hosting_rules.host_of): no own logs
     assert not (logs / "ref-0.log").exists() and not (logs / "critic-0.log").exists()
     assert "ref: 1 rank(s) inside the actor's rank processes" in text
     assert "critic: 1 rank(s) inside the actor's rank processes, its calls beside the actor's" in text

@@ -32,9 +32,8 @@ def _rig(tmp_path, **flags):
     from orlhf.config.resolve import finish_config
     from orlhf.config.worker_config import worker_config
     from orlhf.distributed.groups import ActorGroup
-    from orlhf.distributed.layout import plan_layout
     from orlhf.distributed.placement import create_placement_groups
-    from orlhf.launch.bringup import tuning_for
+    from orlhf.launch.bringup import run_layout, tuning_for
     from orlhf.rollout.engine_config import engine_config
     from orlhf.rollout.engine_group import EngineGroup
     from orlhf.rollout.weight_sync import make_weight_sync
@@ -52,7 +51,7 @@ def _rig(tmp_path, **flags):
         **flags,
     }
     cfg = finish_config(base, explicit=set(base))
-    placed = create_placement_groups(plan_layout(cfg), timeout_s=120)
+    placed = create_placement_groups(run_layout(cfg), timeout_s=120)
     engines = EngineGroup(
         engine_config(cfg), [placed.engine_bundles(i) for i in range(cfg.vllm.num_engines)], tuning=tuning_for(cfg)
     )

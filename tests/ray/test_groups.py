@@ -12,8 +12,8 @@ import torch
 from orlhf.config.resolve import finish_config
 from orlhf.config.worker_config import RewardConfig, worker_config
 from orlhf.distributed.groups import ActorGroup, RankError
-from orlhf.distributed.layout import plan_layout
 from orlhf.distributed.placement import RankBundle, create_placement_groups, remove_placement_groups
+from orlhf.launch.bringup import run_layout
 from orlhf.types import Experience, SequenceBatch
 from orlhf.workers import CriticWorker, PolicyWorker, RewardWorker
 from orlhf.workers.base import DeepSpeedWorker
@@ -48,7 +48,7 @@ def setup(tmp_path_factory):
     LlamaForSequenceClassification(mcfg).save_pretrained(rm_dir)
     AutoTokenizer.from_pretrained(cfg.data.pretrain).save_pretrained(rm_dir)
 
-    layout = plan_layout(cfg)
+    layout = run_layout(cfg)
     placed = create_placement_groups(layout, timeout_s=60)
     t0 = time.monotonic()
     actor_cfg = worker_config(cfg, "actor", total_optimizer_steps=4)

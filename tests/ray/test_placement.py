@@ -22,6 +22,7 @@ from orlhf.config.flags import build_config  # noqa: E402
 from orlhf.config.resolve import resolve_device  # noqa: E402
 from orlhf.distributed import layout as L  # noqa: E402
 from orlhf.distributed import placement as P  # noqa: E402
+from orlhf.launch.bringup import run_layout  # noqa: E402
 
 pytestmark = pytest.mark.ray
 NODE = {"num_cpus": 4, "num_gpus": 4, "include_dashboard": False}
@@ -68,7 +69,7 @@ def cfg_of(**flags):
 
 def layout_of(cfg, device: str):
     """plan_layout on `device`, as a finished config carries it."""
-    return L.plan_layout(resolve_device(cfg, device))
+    return run_layout(resolve_device(cfg, device))
 
 
 @contextlib.contextmanager

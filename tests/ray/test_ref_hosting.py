@@ -258,8 +258,8 @@ def test_two_guests_beside_a_one_rank_host_run_side_by_side(ray_local):
 
 
 def test_a_critic_hosted_beside_a_one_rank_actor_trains_as_one_in_its_own_process(ray_local):
-    """roles.host_of puts a one-rank critic (no dropout) in a one-rank actor's process, its values and train steps
-    beside the actor's calls: the same values and train stats, bit for bit, as a critic in a process of its own,
+    """hosting_rules.host_of puts a one-rank critic (no dropout) in a one-rank actor's process, its values and train
+    steps beside the actor's calls: the same values and train stats, bit for bit, as a critic in a process of its own,
     while the actor trains at the same time."""
     from orlhf.types import Experience
     from orlhf.workers import CriticWorker

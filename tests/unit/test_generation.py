@@ -161,9 +161,9 @@ def test_trainer_backend_rules_name_the_flags(flags, message):
 
 def test_trainer_backend_places_no_engine():
     from orlhf.config.flags import build_config
-    from orlhf.distributed.layout import plan_layout
+    from orlhf.launch.bringup import run_layout
 
     for flags in ({"vllm_num_engines": 0}, {"rollout_backend": "trainer"}):
         cfg = build_config({"device": "cpu", **flags}, explicit=set(flags))
         assert cfg.rollout_name == "trainer" and cfg.num_engines == 0 and not cfg.engines_colocated
-        assert plan_layout(cfg).engines == ()
+        assert run_layout(cfg).engines == ()

@@ -8,15 +8,8 @@ import pytest
 from orlhf.cli import main
 from orlhf.config.flags import build_config
 from orlhf.config.resolve import resolve_device
-from orlhf.distributed.layout import (
-    PlacementError,
-    Slot,
-    check_fits,
-    cpu_slots_needed,
-    described_nodes,
-    plan_layout,
-    simulate,
-)
+from orlhf.distributed.layout import PlacementError, Slot, check_fits, cpu_slots_needed, described_nodes, simulate
+from orlhf.launch.bringup import run_layout
 from orlhf.launch.plan_memory import (
     GIB,
     ModelDims,
@@ -60,7 +53,7 @@ def model70b(tmp_path):
 
 def layout_of(cfg, device: str):
     """plan_layout on `device`, as a finished config (or `orlhf plan` for a described cluster) carries it."""
-    return plan_layout(resolve_device(cfg, device))
+    return run_layout(resolve_device(cfg, device))
 
 
 def tiny_rm(tmp_path):
@@ -221,7 +214,7 @@ def test_cpu_reference_runs_in_the_actors_processes_without_bundles():
 
 
 def test_cpu_one_rank_critic_runs_in_the_actors_process_beside_it(tmp_path):
-    from orlhf.config.roles import has_dropout, runs_beside
+    from orlhf.cpu.hosting_rules import has_dropout, runs_beside
 
     layout = layout_of(cfg_of(), "cpu")  # the demo's GAE: actor + hosted ref + critic, one rank each
     assert layout.guests == {"ref": "actor", "critic": "actor"}

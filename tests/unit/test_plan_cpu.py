@@ -4,8 +4,9 @@ import pytest
 
 from orlhf.config.flags import build_config
 from orlhf.config.resolve import resolve_device
-from orlhf.distributed.layout import described_nodes, plan_layout, simulate
+from orlhf.distributed.layout import described_nodes, simulate
 from orlhf.launch import plan_cpu
+from orlhf.launch.bringup import run_layout
 from orlhf.launch.plan_memory import GIB, ModelDims, count_params, role_memory
 
 # SmolLM2-135M-Instruct (the real-model recipe's): h 576, 30 layers, I 1536, vocab 49152, 9 heads x 64, 3 KV heads.
@@ -70,7 +71,7 @@ def test_fp32_zero2_counts_deepspeeds_master_copy():
 
 def test_guests_join_their_hosts_process_and_hosts_add_ray_and_the_driver():
     cfg = cfg_of()  # the demo's GAE: actor + hosted ref + critic in one process, one engine
-    layout = plan_layout(cfg)
+    layout = run_layout(cfg)
     dims = {r: SMOL for r in layout.roles}
     mems = {r: role_memory(cfg, r, GIB // 16, 1, device="cpu") for r in layout.roles}
     procs = plan_cpu.processes(cfg, layout, mems, dims, None)

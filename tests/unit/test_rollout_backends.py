@@ -12,7 +12,8 @@ from orlhf.config.resolve import resolve_device
 from orlhf.config.rollout_backends import ON_ENGINES, OUTSIDE, BackendSpec
 from orlhf.config.train_config import ConfigError
 from orlhf.config.validation import validate
-from orlhf.distributed.layout import described_nodes, plan_layout
+from orlhf.distributed.layout import described_nodes
+from orlhf.launch.bringup import run_layout
 from orlhf.launch.plan import render
 from orlhf.rollout.backend import backend_class
 from orlhf.trainer.controller import Controller
@@ -43,7 +44,7 @@ def test_num_engines_0_resolves_to_the_trainer_backend_once(tmp_path):
     cfg = config(tmp_path, vllm_num_engines=0)
     assert cfg.rollout_name == "trainer" and cfg.rollout.in_actor and cfg.num_engines == 0
     assert backend_class(cfg).__name__ == "ActorRollout"
-    assert plan_layout(cfg).engine is None and not plan_layout(cfg).engines
+    assert run_layout(cfg).engine is None and not run_layout(cfg).engines
 
 
 def test_a_registered_backend_is_validated_laid_out_planned_and_run(tmp_path, stand_in):
@@ -57,7 +58,7 @@ def test_a_registered_backend_is_validated_laid_out_planned_and_run(tmp_path, st
         **batches,
     )
     assert cfg.rollout is stand_in and cfg.num_engines == 2 and backend_class(cfg) is StandInRollout
-    layout = plan_layout(cfg)
+    layout = run_layout(cfg)
     assert layout.engine == "standin" and [p.name for p in layout.pools][-2:] == ["standin0", "standin1"]
     text, ok = render(cfg, layout, described_nodes(1, 8, "cpu", None, None), "described")
     assert ok and "standin0" in text and "standin (each)" in text and "standin engine" in text
@@ -81,7 +82,7 @@ def test_a_backend_without_engines_places_none_and_refuses_engine_flags(tmp_path
     spec = BackendSpec(cls=STAND_IN, engine=None, memory=OUTSIDE, how="--rollout_backend remote")
     monkeypatch.setitem(rollout_backends.BACKENDS, "remote", spec)
     cfg = config(tmp_path, rollout_backend="remote", async_train=True)  # generation elsewhere: it may overlap
-    layout = plan_layout(cfg)
+    layout = run_layout(cfg)
     assert cfg.num_engines == 0 and layout.engine is None and not layout.engines
     text, ok = render(cfg, layout, described_nodes(1, 8, "cpu", None, None), "described")
     assert ok and "engine" not in text.split("memory estimate")[1].split("memory per process")[0]

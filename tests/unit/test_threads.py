@@ -24,7 +24,7 @@ class Group:
 
 
 def plan(cores=2, hosted=False, **flags):
-    """hosted: the ref's ranks in the actor's processes (roles.host_of on CPU)."""
+    """hosted: the ref's ranks in the actor's processes (cpu/hosting_rules.host_of)."""
     cfg = build_config({"device": "cpu", **flags}, set(flags) | {"device"})
     sent = []
     actor = Group("actor", 1, sent, processes=["actor-0"])

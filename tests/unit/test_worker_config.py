@@ -65,10 +65,10 @@ def test_role_config_refuses_a_field_the_role_does_not_have():
 
 
 def test_the_device_is_read_from_the_finished_config_only():
-    from orlhf.distributed.layout import plan_layout
+    from orlhf.launch.bringup import run_layout
 
     cfg = parse_config({"pretrain": "model"}, {"pretrain"})  # --device auto: not resolved
-    for use in (plan_layout, lambda c: worker_config(c, "actor")):
+    for use in (run_layout, lambda c: worker_config(c, "actor")):
         with pytest.raises(ValueError, match="not resolved yet; finish the config first"):
             use(cfg)
 

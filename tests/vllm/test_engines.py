@@ -14,8 +14,8 @@ from orlhf.config.resolve import finish_config
 from orlhf.config.worker_config import worker_config
 from orlhf.cpu.tuning import CpuTuning
 from orlhf.distributed.groups import ActorGroup, RankError
-from orlhf.distributed.layout import plan_layout
 from orlhf.distributed.placement import EngineBundles, create_placement_groups, remove_placement_groups
+from orlhf.launch.bringup import run_layout
 from orlhf.rollout.engine import EngineActor, SamplingSpec
 from orlhf.rollout.engine_config import engine_config
 from orlhf.rollout.engine_group import EngineGroup
@@ -47,7 +47,7 @@ def rig():
         "device": "cpu",
     }
     cfg = finish_config(flags, explicit=set(flags))
-    placed = create_placement_groups(plan_layout(cfg), timeout_s=60)
+    placed = create_placement_groups(run_layout(cfg), timeout_s=60)
     t0 = time.monotonic()
     tuning = CpuTuning.for_config(cfg)
     engines = EngineGroup(
