@@ -57,6 +57,23 @@ from typing import Optional
 log = logging.getLogger(__name__)
 
 
+NICENESS_ENV = "RAY_worker_niceness"  # read by the raylet as it starts (its worker_niceness setting)
+
+
+def cluster_priority_env() -> dict[str, str]:
+    """Environment for the processes of a local CPU cluster orlhf starts: its workers at the user's priority
+    (niceness 0), not Ray's default 15; a value the user set is theirs and stays.
+
+    Why: Ray lowers its workers so that the raylet and the driver stay responsive beside them. On a CPU run the
+    workers are the compute: a rank's OpenMP team spans the cores and waits at the end of every op for its
+    slowest thread. At niceness 15 any niceness-0 process that wakes (the driver, Ray's own processes, another job
+    on the machine) takes a core from a team thread at once, and the whole team then waits for that thread. The
+    frozen models' forwards, short ops one after another, lost most: on a 2-core machine the reference's forward
+    took about twice its time alone (benchmarks/results/ has the measurements). A trainer in one process (TRL)
+    runs at the user's priority too."""
+    return {} if NICENESS_ENV in os.environ else {NICENESS_ENV: "0"}
+
+
 def machine_cores() -> int:
     """Cores this process may run on (the driver's; a CPU run's processes share one machine's cores)."""
     try:

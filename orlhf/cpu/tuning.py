@@ -2,7 +2,8 @@
 
     preflight      --bf16 refused on a CPU without bf16 instructions, unless --allow_slow_bf16 (cpu/bf16.py)
     ray_options    a local cluster's Python workers preload torch and transformers (cpu/preload.py)
-    cluster_env    one malloc arena per process, so that rank processes reuse freed memory (cpu/memory.py)
+    cluster_env    one malloc arena per process, so that rank processes reuse freed memory (cpu/memory.py); the
+                   workers at the user's priority, not Ray's lowered one (cpu/threads.py)
     model_groups   rank processes on one compute thread each, the reference (and a one-rank critic) inside the
                    actor's processes (cpu/hosting.py, cpu/rank_actor.py)
     phases         the cores handed over to the processes working in each phase (cpu/threads.py)
@@ -19,7 +20,7 @@ import gc
 import os
 from typing import Any, Callable
 
-from orlhf.cpu.threads import PhaseThreads, engine_threads, threads_as_ray_set
+from orlhf.cpu.threads import PhaseThreads, cluster_priority_env, engine_threads, threads_as_ray_set
 from orlhf.distributed.tuning import Tuning
 
 PRELOAD_MODULE = "orlhf.cpu.preload"
@@ -47,7 +48,7 @@ class CpuTuning(Tuning):
     def cluster_env(self, cfg) -> dict[str, str]:
         from orlhf.cpu.memory import cluster_env
 
-        return cluster_env()
+        return {**cluster_env(), **cluster_priority_env()}
 
     def guests(self, cfg) -> dict[str, str]:
         from orlhf.cpu.hosting_rules import guest_roles

@@ -133,13 +133,23 @@ def env_of_worker(name):
     return os.environ.get(name)
 
 
+@ray.remote(num_cpus=1)
+def niceness_of_worker():
+    import os
+
+    return os.nice(0)
+
+
 def test_own_cpu_cluster_gives_its_workers_one_malloc_arena_and_leaves_the_driver_env(own_cluster, monkeypatch):
     """CpuTuning.cluster_env reaches the workers through the raylet (cpu/memory.py: glibc reads it as a process
     starts); the driver's environment is as it was."""
     from orlhf.cpu.tuning import CpuTuning
 
     monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+    monkeypatch.delenv("RAY_worker_niceness", raising=False)
     cfg = build_config({"device": "cpu"}, explicit={"device"})
     assert connect_ray(cfg, num_cpus=2, tuning=CpuTuning()) is True
     assert ray.get(env_of_worker.remote("MALLOC_ARENA_MAX"), timeout=60) == "1"
-    assert "MALLOC_ARENA_MAX" not in os.environ
+    # the workers at the driver's priority (cpu/threads.cluster_priority_env), not Ray's lowered default (15)
+    assert ray.get(niceness_of_worker.remote(), timeout=60) == os.nice(0)
+    assert "MALLOC_ARENA_MAX" not in os.environ and "RAY_worker_niceness" not in os.environ

@@ -6,7 +6,7 @@ real rank actors that a sent count reaches the threads that do the work."""
 from types import SimpleNamespace
 
 from orlhf.config.flags import build_config
-from orlhf.cpu.threads import PhaseThreads, engine_threads, processes, share
+from orlhf.cpu.threads import PhaseThreads, cluster_priority_env, engine_threads, processes, share
 from orlhf.rollout.actor_rollout import ActorRollout
 
 
@@ -144,3 +144,10 @@ def test_the_actor_s_ranks_get_the_cores_when_they_generate():
     assert sent == [("actor", 2)]  # the phase's one process: both cores
     _, sent = plan(**GRPO)
     assert "generate" not in plan(**GRPO)[0].phases  # vLLM engines get theirs at their start
+
+
+def test_a_local_cpu_cluster_s_workers_run_at_the_user_s_priority_unless_the_user_set_one(monkeypatch):
+    monkeypatch.delenv("RAY_worker_niceness", raising=False)
+    assert cluster_priority_env() == {"RAY_worker_niceness": "0"}  # Ray's own default would be 15
+    monkeypatch.setenv("RAY_worker_niceness", "10")
+    assert cluster_priority_env() == {}  # the user's value stays
