@@ -70,6 +70,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import roofline  # noqa: E402  (benchmarks/roofline.py)
 from model_presets import PRESETS, preset_model  # noqa: E402  (benchmarks/model_presets.py)
 from proctree import TreeSampler, run_sampled  # noqa: E402  (benchmarks/proctree.py)
 from trl_compare_hybrid import hybrid_cmd  # noqa: E402  (benchmarks/trl_compare_hybrid.py)
@@ -325,6 +326,7 @@ def figures(rows: list[dict], sampler: TreeSampler, warmup: int, launched: float
     cores = os.cpu_count() or 1
     cpu_s = cpu[len(rows) - 1] - cpu_from
     phases = sorted({k for r in measured for k in r if k.startswith("timing/")})
+    lengths = all("response_length" in r for r in measured)
     return {
         "samples_per_s": statistics.median(r["samples"] / r["step_s"] for r in measured),
         "startup_s": t[0] - rows[0]["step_s"] - launched,
@@ -336,6 +338,7 @@ def figures(rows: list[dict], sampler: TreeSampler, warmup: int, launched: float
         "reward_first": rows[0]["reward_mean"],
         "reward_last": rows[-1]["reward_mean"],
         "steps_measured": len(measured),
+        **({"response_length": statistics.median(r["response_length"] for r in measured)} if lengths else {}),
     }
 
 
@@ -456,6 +459,7 @@ def main(argv=None) -> None:
     cmds = {m: with_model(c, a) for m, c in cmds.items()}
     cmds["trl"] = trl_cmd(a, python) if python else None
     modes = [*a.modes, *a.extra_cmds]
+    machine = machine_facts(a)
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     for rep in range(a.repeats):
         for mode in modes:
@@ -467,7 +471,9 @@ def main(argv=None) -> None:
         print(f"profiled run: {mode} ...", flush=True)
         run = run_once(cmds[mode], a.out / f"{mode}-profile", a.warmup, a.timeout, a.trl_threads, profile=True)
         result[mode]["profile"] = run.get("profile", {"error": run.get("error")})
+    add_rates(a, result, machine)
     print_table(result)
+    print_rooflines(result, machine)
     report_line(a, result)
     print(
         json.dumps(
@@ -484,9 +490,50 @@ def main(argv=None) -> None:
                 "warmup": a.warmup,
                 "cores": os.cpu_count(),
                 "load_avg": os.getloadavg(),
+                "machine": machine,
             }
         )
     )
+
+
+def machine_facts(a) -> dict:
+    """The CPU (lscpu's model and flags) and, on CPU, the roofline: fp32 torch.mm's rate on all cores, measured
+    before the runs (benchmarks/roofline.py)."""
+    cores = os.cpu_count() or 1
+    rate = roofline.fp32_matmul_rate(cores) if a.device == "cpu" else None
+    return {"cpu": roofline.cpu_facts(), "fp32_mm_gflop_s": rate, "fp32_mm_threads": cores, "load_avg": os.getloadavg()}
+
+
+def add_rates(a, result: dict, machine: dict) -> None:
+    """Each mode's GFLOP/s per phase against the roofline (roofline.add_mode_rates); on CPU only."""
+    if not machine["fp32_mm_gflop_s"]:
+        return
+    if a.model_preset == REAL:
+        demo = real_demo(a)
+        prompts = roofline.prompt_ids(str(demo.model), str(demo.train), "question", a.prompts_per_step, True)
+    else:
+        from orlhf.demo.builder import ensure_demo
+
+        prompts = roofline.prompt_ids(
+            str(model_folder(a)), str(ensure_demo().prompts), "prompt", a.prompts_per_step, False
+        )
+    work = {"samples_per_prompt": a.samples_per_prompt, "micro_batch": a.micro_batch, "new_tokens": a.new_tokens}
+    roofline.add_mode_rates(result, str(model_folder(a)), prompts, work, machine["fp32_mm_gflop_s"])
+
+
+def print_rooflines(result: dict, machine: dict) -> None:
+    cpu = machine["cpu"]
+    print(f"CPU: {cpu['model']}, {cpu['cores']} cores, kernel flags {' '.join(cpu['kernel_flags'])}")
+    roof = machine["fp32_mm_gflop_s"]
+    if not roof:
+        return
+    print(f"roofline: fp32 torch.mm 2048^2 on {machine['fp32_mm_threads']} threads {roof} GFLOP/s")
+    for m, r in result.items():
+        for phase, f in (r.get("rates") or {}).items():
+            print(
+                f"{m} {phase}: {f['gflop']} GFLOP in {f['s']} s = {f['gflop_s']} GFLOP/s, "
+                f"{100 * f['of_roofline']:.0f}% of the roofline"
+            )
 
 
 def report_line(a, result: dict) -> None:
