@@ -13,16 +13,19 @@ from typing import Optional
 from orlhf.distributed.ray_start import wait_gone
 
 
-def end_descendants(wait_s: float) -> None:
+def end_descendants(wait_s: float, spare: tuple = ()) -> list:
     """Every process this one started, and theirs (the local Ray cluster, its workers, vLLM's engines and what they
     started), taken at once so that none escapes by being orphaned on the way: SIGTERM, then SIGKILL to what is left
-    after half of `wait_s`, then up to the other half for them to go."""
+    after half of `wait_s`, then up to the other half for them to go. Those named in `spare` are left running and
+    returned (psutil.Process), for the caller to end last."""
     try:
         import psutil
 
         tree = psutil.Process().children(recursive=True)
     except Exception:  # noqa: BLE001 - no psutil, or this process is going: nothing to end
-        return
+        return []
+    spared = [p for p in tree if _name(p) in spare]
+    tree = [p for p in tree if p not in spared]
     for p in tree:
         try:
             p.terminate()
@@ -35,6 +38,14 @@ def end_descendants(wait_s: float) -> None:
         except psutil.Error:
             pass
     wait_gone(left, wait_s / 2)
+    return spared
+
+
+def _name(p) -> str:
+    try:
+        return p.name()
+    except Exception:  # noqa: BLE001 - gone meanwhile
+        return ""
 
 
 @contextmanager

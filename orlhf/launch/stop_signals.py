@@ -67,7 +67,7 @@ class RunStop(StopLine):
     active: Optional["RunStop"] = None  # the one installed in this process, if any
 
     def __init__(
-        self, grace_s: float = GRACE_S, exit: Callable[[int], Any] = os._exit, kill: Optional[Callable] = None
+        self, grace_s: float = GRACE_S, exit: Optional[Callable[[int], Any]] = None, kill: Optional[Callable] = None
     ):
         self.grace_s = grace_s
         self.attempt: Any = None  # the attempt in progress; None before the first one starts
@@ -77,7 +77,7 @@ class RunStop(StopLine):
         self.where = ""  # where the signal that decided the stop came ("during step 7")
         self.at_once = False  # it stopped now (the stop thread ended the run)
         self.forced = False  # ... by a second signal
-        self._exit, self._kill = exit, kill or _kill_run_processes
+        self._exit, self._kill = exit or _exit_process, kill or _kill_run_processes
         self._grace_end: Optional[float] = None  # what a first signal let finish must have finished by then
         self._final_end: Optional[float] = None  # ... and the run must have ended by then
         self._late: Optional[str] = None  # a signal that came while a complete run was ending
@@ -302,6 +302,7 @@ def _kill_run_processes(wait_s: float) -> Optional[Callable[[str], Any]]:
     Ray's C++ lines as its processes go included) in driver.log from now on; returns what writes the last line to
     the terminal that descriptor 2 was."""
     from orlhf.distributed.processes import end_descendants
+    from orlhf.distributed.ray_start import RAY_HEAD_PROCESSES
     from orlhf.storage.logs import worker_log_path
 
     terminal = os.dup(2)
@@ -312,8 +313,23 @@ def _kill_run_processes(wait_s: float) -> Optional[Callable[[str], Any]]:
         os.close(aside)
     except OSError:
         pass
-    end_descendants(wait_s)
+    _SPARED[:] = end_descendants(wait_s, spare=RAY_HEAD_PROCESSES)
     return lambda text: os.write(terminal, (text + "\n").encode())
+
+
+# The local cluster's GCS and raylet outlive the rest of the run by the time its line takes: a Ray call of the main
+# thread (a restart's wait for its nodes) whose GCS goes away fails a check in Ray's C++ and aborts the driver
+# (SIGABRT, no line). They are killed outright just before this process exits (_exit_process).
+_SPARED: list = []
+
+
+def _exit_process(code: int) -> None:
+    for p in _SPARED:
+        try:
+            p.kill()
+        except Exception:  # noqa: BLE001 - gone already
+            pass
+    os._exit(code)
 
 
 def _flush_logs() -> None:

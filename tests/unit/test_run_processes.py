@@ -100,3 +100,35 @@ def test_the_reaper_of_an_empty_group_ends_alone_without_its_sweep():
     reaper = processes._REAPER
     processes.end_reaper()
     assert reaper.returncode == -signal.SIGTERM and processes._REAPER is None
+
+
+SPARING = """
+import subprocess, sys, time
+from orlhf.distributed.processes import end_descendants
+head = subprocess.Popen(["sleep", "60"])
+worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+time.sleep(0.5)
+spared = end_descendants(4.0, spare=("sleep",))
+print(head.pid, worker.pid, worker.wait(timeout=5), " ".join(str(p.pid) for p in spared), flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_stop_spares_the_named_processes_for_last():
+    """A stop ends every process of the run but the local cluster's GCS and raylet, which it kills outright just
+    before exiting (launch/stop_signals.py): a Ray call of the main thread that sees its GCS go aborts the driver.
+    (In a driver of its own: this test process may hold the session's Ray cluster.)"""
+    driver = subprocess.Popen([sys.executable, "-c", SPARING], stdout=subprocess.PIPE, text=True)
+    head = None
+    try:
+        head, worker, worker_rc, spared = driver.stdout.readline().split()
+        assert spared == head and int(worker_rc) == -signal.SIGTERM
+        assert psutil.pid_exists(int(head)) and psutil.Process(int(head)).status() != psutil.STATUS_ZOMBIE
+    finally:
+        driver.kill()
+        driver.wait()
+        if head is not None:
+            try:
+                os.kill(int(head), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
