@@ -26,6 +26,7 @@ orlhf_ipc_finish (finalize_layerwise_reload): still one reload per sync.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from datetime import timedelta
 from typing import Optional
@@ -161,7 +162,7 @@ class WeightSyncExtension:
                 codes = torch.empty(len(bucket), dtype=torch.int64, device=self.device)
                 self._orlhf_broadcast(codes)
                 codes = codes.tolist()
-                sizes = bucket_sizes(codes, [_numel(s) for s in shapes])
+                sizes = bucket_sizes(codes, [math.prod(s) for s in shapes])
                 kinds = (torch.int32, torch.uint8, self.model_config.dtype)  # indices, masks, values
                 parts = [torch.empty(n, dtype=d, device=self.device) for n, d in zip(sizes, kinds)]
                 for t in parts:
@@ -253,13 +254,6 @@ class WeightSyncExtension:
             self._orlhf_comm.broadcast(t, src=0, stream=torch.cuda.current_stream())
         else:
             self._orlhf_comm.broadcast(t, 0).wait()
-
-
-def _numel(shape: tuple) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def receive_ipc(
