@@ -92,9 +92,11 @@ class RunStop(StopLine):
 
     @classmethod
     @contextmanager
-    def installed(cls, grace_s: float = GRACE_S, **kwargs) -> Iterator["RunStop"]:
+    def installed(cls, grace_s: float = GRACE_S, until_exit: bool = False, **kwargs) -> Iterator["RunStop"]:
         """A RunStop handling SIGINT and SIGTERM inside; the previous handlers put back on leaving. Outside the main
-        thread (where Python lets no handler be set) it handles nothing."""
+        thread (where Python lets no handler be set) it handles nothing. `until_exit` (the command's): they stay
+        after leaving, through the interpreter's exit, so that a signal after the run's line (the second of two, sent
+        as its checkpoint was finished) ends the process with the line's code, never by the default action."""
         stop = cls(grace_s, **kwargs)
         _preload()  # what a stop needs, imported now: never an import in the stop thread while another thread imports
         if threading.current_thread() is threading.main_thread() and stop._open_pipe():
@@ -110,19 +112,20 @@ class RunStop(StopLine):
             cls.active = outer
             if stop.at_once:  # the stop thread is ending the process: never race it to the exit
                 stop._gone.wait()
-            stop._close()
+            if not until_exit:
+                stop._close()
 
     @classmethod
     @contextmanager
-    def for_run(cls, grace_s: Optional[float] = None) -> Iterator["RunStop"]:
+    def for_run(cls, grace_s: Optional[float] = None, until_exit: bool = False) -> Iterator["RunStop"]:
         """The RunStop installed in this process already (the command's, before its imports: orlhf/entry.py), given
-        the run's --stop_grace_s when known; else one installed here."""
+        the run's --stop_grace_s when known; else one installed here (`until_exit`: installed())."""
         if cls.active is not None:
             if grace_s is not None:
                 cls.active.grace_s = grace_s
             yield cls.active
             return
-        with cls.installed(GRACE_S if grace_s is None else grace_s) as stop:
+        with cls.installed(GRACE_S if grace_s is None else grace_s, until_exit=until_exit) as stop:
             yield stop
 
     def take_back(self) -> None:
@@ -330,6 +333,24 @@ def _exit_process(code: int) -> None:
         except Exception:  # noqa: BLE001 - gone already
             pass
     os._exit(code)
+
+
+def exit_keeping_handlers(code: int) -> None:
+    """The command's exit (orlhf/entry.py) with its SIGINT/SIGTERM handling still in place to the end: other threads
+    joined and the exit functions run (Ray's, wandb's) as Python's exit does them, the output flushed, then
+    os._exit. Python's own exit puts the default actions back early in its teardown (before it frees its modules,
+    which takes a while with torch loaded): a signal then would end the process by that signal (rc -15) instead of
+    with the run's code."""
+    import atexit
+
+    main = threading.main_thread()
+    for t in threading.enumerate():
+        if t is not main and not t.daemon:
+            t.join()
+    atexit._run_exitfuncs()
+    _flush_logs()
+    logging.shutdown()
+    _exit_process(code)
 
 
 def _flush_logs() -> None:

@@ -390,3 +390,34 @@ def test_outside_the_main_thread_nothing_is_installed(ended):
     worker.start()
     worker.join()
     assert seen == [({}, signal.getsignal(signal.SIGTERM))]
+
+
+def test_a_signal_after_the_runs_line_ends_the_process_with_the_lines_code(tmp_path):
+    """The command keeps its handlers to its last instant (entry.py, exit_keeping_handlers): a second signal that
+    comes after the run's line (the first let a checkpoint finish, the run ended, the process is exiting) ends it
+    with the line's code, never by the signal's default action (rc -15); the exit functions still run and the
+    output is flushed as Python's exit would. A real process: the exit path is the point."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "ends.py"
+    marker = tmp_path / "exit_functions_ran"
+    script.write_text(
+        "import atexit, os, signal, sys, time\n"
+        "from pathlib import Path\n"
+        "from orlhf.launch.stop_signals import RunStop, exit_keeping_handlers\n"
+        "def late():\n"
+        f"    Path({str(marker)!r}).write_text('yes')\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(5)\n"
+        "atexit.register(late)\n"
+        "with RunStop.installed(until_exit=True) as stop:\n"
+        "    code = stop.outcome(3)\n"
+        "sys.stdout.write('unflushed tail')\n"
+        "exit_keeping_handlers(code)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, timeout=120)
+    assert done.returncode == 3, done.stderr.decode()[-2000:]
+    assert marker.read_text() == "yes"
+    assert done.stdout.decode().endswith("unflushed tail")
