@@ -93,6 +93,41 @@ def modules_left_out():
         logger.removeFilter(quiet)
 
 
+@contextmanager
+def weights_not_loaded():
+    """The names of the model's weights one reload found no tensor for, as a set filled when the reload ends: vLLM
+    checks this itself after `reload_weights` and says it in one warning ("Following weights were not loaded from
+    checkpoint: {...}"), which is taken here instead of reaching the engine's log. The warning is made sure of
+    whatever vLLM's logging level (VLLM_LOGGING_LEVEL)."""
+    logger = logging.getLogger("vllm.model_executor.model_loader.reload.inplace")
+    names: set[str] = set()
+    taken = _NotLoaded(names)
+    level = logger.level
+    if not logger.isEnabledFor(logging.WARNING):
+        logger.setLevel(logging.WARNING)
+    logger.addFilter(taken)
+    try:
+        yield names
+    finally:
+        logger.removeFilter(taken)
+        logger.setLevel(level)
+
+
+class _NotLoaded(logging.Filter):
+    def __init__(self, names: set[str]):
+        super().__init__()
+        self.names = names
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.getMessage().startswith("Following weights were not loaded"):
+            return True
+        if record.args and isinstance(record.args[0], (set, frozenset, list, tuple)):
+            self.names.update(str(n) for n in record.args[0])
+        else:  # another vLLM's wording of the arguments: the names as printed
+            self.names.add(record.getMessage().split(":", 1)[-1].strip())
+        return False
+
+
 def _recording(fn, processed: set[int]):
     def process_weights_after_loading(layer, *args, **kwargs):
         processed.add(id(layer))

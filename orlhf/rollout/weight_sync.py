@@ -10,7 +10,9 @@ API (ActorGroup.call / EngineGroup.call: orlhf/distributed/endpoints.py).
     WeightSync.sync(version)
       1. engines: orlhf_receive_weights(metas, buckets)  (started first; each engine worker blocks in broadcast)
       2. actor ranks: send_weights(n tensors)            (all ranks gather each ZeRO-3 layer; rank 0 broadcasts)
-      3. wait for both together, then engines: reset_prefix_cache, set_weight_version(version)
+      3. wait for both together; a sync of the whole model: every engine says which of its weights got no tensor
+         (none, or the run stops: check_nothing_left_out); then engines: reset_prefix_cache,
+         set_weight_version(version)
     --vllm_sync_delta: steps 1-2 are orlhf_receive_delta / send_weights_delta instead: per bucket only the elements
     whose engine-dtype value changed (workers/weight_delta.py), applied by each engine worker to its held copy
     WeightSync.lost_engines()   after a failed sync: both sides' calls ended, the engines that died in it named
@@ -104,6 +106,29 @@ def _nbytes(meta: Meta) -> int:
     return numel * torch.empty((), dtype=getattr(torch, dtype.replace("torch.", ""))).element_size()
 
 
+class SyncLeftOutError(RuntimeError):
+    """A sync of the whole model gave an engine no tensor for some of its weights: it would sample with their old
+    values (a layer left out, a tensor under a name the engine's model does not know)."""
+
+
+def check_nothing_left_out(engines, timeout_s: float) -> None:
+    """After a sync of the whole model: each engine's weights that vLLM's reload found no tensor for; any stops the
+    run (SyncLeftOutError), naming them."""
+    per_engine = engines.call(Ext.orlhf_not_loaded).get(timeout_s)
+    for e, workers in enumerate(per_engine):
+        names = sorted({n for worker in (workers if isinstance(workers, list) else [workers]) for n in worker})
+        if names:
+            shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+            raise SyncLeftOutError(
+                f"the weight sync gave vLLM engine {e} no tensor for {len(names)} of its weights ({shown}): it would "
+                "go on sampling with their old values there, so the run stops before its next generation. The "
+                "actor sends its weights under the names a checkpoint of its model has (workers/hf_names.py); the "
+                "engine's model did not receive these under any of them: a layer left out of the sync, or a model "
+                "whose vLLM implementation names or fuses its weights otherwise. The engine log (vllm-<i>.log) has "
+                "its model class."
+            )
+
+
 class WeightUpdate(ABC):
     """A way of moving the actor's weights into the engines (VllmRollout.load_weights): set up once, then
     sync(version) after every update. `restartable`: an engine can be replaced under it (reconnect)."""
@@ -140,11 +165,15 @@ class WeightSync(WeightUpdate):
         timeout_s: float = 600.0,
         with_ray: bool = False,
         delta: bool = False,
+        whole: bool = True,
     ):
         """timeout_s (--ray_timeout_s) bounds each wait here (Ray) and how long the group's members wait for each
         other to join (the TCPStore rank 0 hosts). with_ray (--vllm_sync_with_ray): a Ray collective group.
-        delta (--vllm_sync_delta): send what changed since the last sync, after a full first one."""
+        delta (--vllm_sync_delta): send what changed since the last sync, after a full first one. whole: a sync
+        sends every weight of the model (not LoRA's adapted modules only, nor a VLM without its frozen tower), so
+        after each the engines must have none left out (check_nothing_left_out)."""
         super().__init__(actor, engines, timeout_s)
+        self.whole = whole
         self.delta, self.full_next, self.sent_bytes = delta, True, 0  # sent_bytes: the last sync's, from rank 0
         self.backend = backend
         self.with_ray, self.group_name = with_ray, None  # the Ray group's name, fresh for every group
@@ -219,6 +248,8 @@ class WeightSync(WeightUpdate):
                 self.sent_bytes,
             )
         self.full_next = False
+        if self.whole:
+            check_nothing_left_out(self.engines, self.timeout_s)
         finish(self.engines, version)
         return time.perf_counter() - t0
 
@@ -290,6 +321,14 @@ def make_weight_sync(cfg, actor, engines) -> WeightUpdate:
             log.warning("--vllm_sync_with_ray: no broadcast group to set up, CUDA IPC moves the weights on shared GPUs")
         return IpcWeightSync(actor, engines, cfg.runtime.ray_timeout_s)
     timeout_s = cfg.runtime.ray_timeout_s
+    whole = not cfg.lora.enabled and not cfg.data.freeze_visual_encoder  # else a sync sends a part by design
     return WeightSync(
-        actor, engines, v.sync_backend, v.sync_bucket_mb, timeout_s, with_ray=v.sync_with_ray, delta=v.sync_delta
+        actor,
+        engines,
+        v.sync_backend,
+        v.sync_bucket_mb,
+        timeout_s,
+        with_ray=v.sync_with_ray,
+        delta=v.sync_delta,
+        whole=whole,
     )

@@ -232,9 +232,9 @@ class WeightSyncExtension:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        from orlhf.rollout.reload_fixes import modules_left_out, refreshed_after_reload
+        from orlhf.rollout.reload_fixes import modules_left_out, refreshed_after_reload, weights_not_loaded
 
-        with refreshed_after_reload(self.model_runner.get_model()), modules_left_out():
+        with refreshed_after_reload(self.model_runner.get_model()), modules_left_out(), weights_not_loaded() as left:
             try:
                 self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
             except Exception:
@@ -244,6 +244,13 @@ class WeightSyncExtension:
                 with set_current_vllm_config(self.vllm_config):
                     finalize_layerwise_reload(self.model_runner.get_model(), self.model_config)
                 raise
+        self._orlhf_not_loaded = sorted(left)
+
+    @endpoint
+    def orlhf_not_loaded(self) -> list[str]:
+        """The engine's weights the last reload found no tensor for (vLLM's own check after a reload). After a sync
+        of the whole model there are none; the driver stops the run on any (rollout/weight_sync.py)."""
+        return list(getattr(self, "_orlhf_not_loaded", []))
 
     def _orlhf_broadcast(self, t: torch.Tensor) -> None:
         if self._orlhf_ray_group is not None:

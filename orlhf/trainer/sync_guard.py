@@ -36,6 +36,15 @@ benchmarks/results/2026-12-02-sync-guard-calibration.md.
 said. One first step follows a sync after all: that of an engine replaced during it (--max_engine_restarts); the
 ceiling still bounds what it can hide.
 
+Two checks need no threshold, and so hold in any dtype at any learning rate, where an update can be smaller than
+bf16's own rounding and the gap cannot show it:
+- the version check: without --async_train every step samples from the weights of the update just before it; an
+  engine tags its samples with the version of the last sync it loaded (rollout/weight_sync.py finish), so samples
+  of an older version mean a sync did not reach an engine: the run stops at that step;
+- the coverage check (rollout/weight_sync.py, SyncLeftOutError): after a sync of the whole model each engine says
+  which of its weights the sync gave no tensor for (vLLM's reload finds them); any, and the run stops naming them
+  (a layer left out, a renamed tensor the engine does not know).
+
 The comparison is meaningful only where both sides score the same policy the same way, so it is skipped when
 - rollouts are stale (async mode: they came from older weights than the actor holds now; the actor cannot score
   them under the weights that generated them, so only batches generated with the current weights are checked; with
@@ -154,9 +163,14 @@ class SyncGuard:
 
         step: the 1-based step whose rollouts were scored; staleness: trainer version - generation version;
         version: the weight version that generated them (0: the model folder's, never synced). Returns whether the
-        gap was checked.
+        gap was checked. Without --async_train a staleness other than 0 stops the run whatever the gap: an engine
+        missed a sync (the version check, module docstring).
         """
-        if not self.on or staleness != 0 or not self.comparable:
+        if not self.on:
+            return False
+        if staleness != 0 and not self.async_train:
+            raise EngineMismatchError(self.explain_behind(step, staleness, version))
+        if staleness != 0 or not self.comparable:
             return False
         if not self.settled:
             self.calibrate(gap, step, version)
@@ -241,6 +255,16 @@ class SyncGuard:
             "pre-packed weights vLLM did not refresh after the reload; see the engine log for 'Failed to load "
             "weights'), or an engine did not receive the last update. If the gap is expected, set "
             "--max_engine_logprob_gap to a threshold above it, or to 0 to turn the check off."
+        )
+
+    def explain_behind(self, step: int, staleness: int, version: int) -> str:
+        return (
+            f"step {step}: its samples came from weight version {version}, {staleness} update(s) behind the actor's "
+            f"({version + staleness}). Without --async_train every step samples from the weights of the update "
+            "just before it, and an engine takes a version only once it has loaded that sync: a weight sync did not "
+            "reach an engine, which is sampling from an older policy. The run stops here instead of training on "
+            "those samples; the engine logs (vllm-<i>.log) and driver.log say what the last sync did. "
+            "--max_engine_logprob_gap 0 turns the sync guard off, this check included."
         )
 
     def explain_start(self, gap: float, step: int) -> str:

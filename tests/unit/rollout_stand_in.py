@@ -23,15 +23,20 @@ class StandInRollout(RolloutBackend):
 
     def __init__(self, generate: Optional[Callable] = None, log: Optional[list] = None):
         self._generate, self.log = generate or three_tokens, log
+        self.version = 0  # the weight version last loaded: rollouts say it, as the contract asks
 
     @classmethod
     def from_models(cls, cfg, actor, tokenizer) -> StandInRollout:
         return cls(log=getattr(actor, "log", None))  # a run's start-up builds it beside the test's actor
 
     def generate(self, prompts, sampling, images=None):
-        return self._generate(prompts, sampling)
+        out = self._generate(prompts, sampling)
+        for r in out:
+            r.weight_version = r.weight_version or self.version  # a test's own tag stays
+        return out
 
     def load_weights(self, version: int) -> float:
         if self.log is not None:
             self.log.append("sync")
+        self.version = version
         return 0.0

@@ -150,6 +150,35 @@ def test_step_1_calibrates_and_a_broken_sync_stops_the_next_step(tmp_path, capsy
     assert ctl.guard.state_dict()["healthy"] == pytest.approx(2.4e-7, rel=0.01)  # what a checkpoint keeps
 
 
+def test_a_sync_that_never_reached_the_engines_stops_the_next_step_whatever_the_gap(tmp_path, capsys):
+    """The engines keep sampling with version 0 after step 1's sync (it did not reach them) and their gap stays at
+    rounding level (an update smaller than bf16's rounding looks so): step 2 stops before training, on the version."""
+
+    def generate(prompt_ids, sampling):
+        return [
+            Rollout(i, ids, [5, 6, 7], [ACTOR_LP + 2.4e-7] * 3, finished=True, weight_version=0)
+            for i, ids in enumerate(prompt_ids)
+            for _ in range(sampling.n)
+        ]
+
+    cfg, ctl, log = make(
+        tmp_path,
+        generate=generate,
+        rollout_batch_size=2,
+        train_batch_size=2,
+        micro_train_batch_size=1,
+        init_kl_coef=0.01,
+        advantage_estimator="reinforce",
+    )
+    ctl.metrics = type("M", (), {"log": lambda *a: None})()
+    ctl.m.rollout.load_weights = lambda version: log.append("sync") or 0.0  # the version never moves
+    assert run_reporting_errors(lambda _: ctl.fit(), cfg) == 1
+    assert log == ["log_probs", "train_step", "sync", "log_probs"]  # step 2 never trains
+    err = capsys.readouterr().err
+    assert "error: step 2: its samples came from weight version 0, 1 update(s) behind the actor's (1)" in err
+    assert "a weight sync did not reach an engine" in err
+
+
 def test_single_pass_stops_before_the_update_reaches_the_engines(tmp_path):
     import pytest
 

@@ -165,7 +165,7 @@ def test_a_checkpoint_without_a_calibration_for_these_kernels_gives_the_ceiling(
 
 def test_no_judgement_where_the_gap_is_not_a_sync_fault():
     # Async rollouts from older weights differ by the policy's own update, not by a broken sync.
-    guard = SyncGuard()
+    guard = SyncGuard(async_train=True)
     assert guard.check(0.5, step=3, staleness=1, version=1) is False and guard.healthy is None
     # At --temperature 0.7 the engines report processed (after-temperature) log-probs, as the actor: judged.
     with pytest.raises(EngineMismatchError):
@@ -173,6 +173,16 @@ def test_no_judgement_where_the_gap_is_not_a_sync_fault():
     # ... unless top-p truncates them too: the actor scores the full distribution.
     assert SyncGuard(temperature=0.7, top_p=0.9).check(0.5, step=1, staleness=0) is False
     assert SyncGuard(top_p=0.9).check(2e-4, step=1, staleness=0) is True  # raw at temperature 1
+
+
+def test_without_async_samples_of_an_older_version_are_a_missed_sync():
+    """Without --async_train every step samples from the weights of the update just before it: an older version
+    means a sync did not reach an engine. Stopped whatever the gap, so in bf16 too, where one update can be smaller
+    than the rounding, and whatever the temperature and top-p; not with the guard off."""
+    for guard in (SyncGuard(), SyncGuard(bf16=True), SyncGuard(temperature=0.7, top_p=0.9)):
+        with pytest.raises(EngineMismatchError, match=r"^step 3: its samples came from weight version 1, 1 update"):
+            guard.check(1e-7, step=3, staleness=1, version=1)
+    assert SyncGuard(flag=0.0).check(1e-7, step=3, staleness=1, version=1) is False
 
 
 def _announced(caplog, **kw) -> list[str]:

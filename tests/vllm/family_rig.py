@@ -258,6 +258,12 @@ class EngineSide:
         self.llm.reset_prefix_cache()
         return n
 
+    def not_loaded(self) -> list[str]:
+        """The engine's weights its last reload found no tensor for (orlhf_not_loaded)."""
+        from orlhf.rollout.worker_ext import WeightSyncExtension as Ext
+
+        return self.llm.collective_rpc(Ext.orlhf_not_loaded.__name__)[0]
+
     def receive_delta(self, metas, buckets, dtype: str) -> int:
         from orlhf.rollout.worker_ext import WeightSyncExtension as Ext
 

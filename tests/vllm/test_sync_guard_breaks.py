@@ -10,7 +10,9 @@
                           Qwen2-MoE's experts are read raw as pre-packed
                  drop     the sync leaves a decoder layer out (it keeps its step-0 weights)
                  behind   no sync: the engine samples one update behind
-      step 2   the guard judges: a healthy sync passes, each broken one stops here, naming its calibration
+      step 2   the guard judges: a healthy sync passes, each broken one stops here, naming its calibration; and the
+               engine says which weights the sync gave it no tensor for: none, except the dropped layer's (the
+               coverage check stops that one at the sync itself, in any dtype)
 And an engine that holds other weights than the trainer before any sync stops at step 1, uncalibrated (fp32).
 The gaps are printed (pytest -s): benchmarks/results/2026-12-02-sync-guard-calibration.md.
 """
@@ -76,6 +78,12 @@ def test_step_1_calibrates_and_a_broken_sync_stops_step_2(rig, family, kind, bf1
         r.call("trainer", "train_step", _tokens())
         if kind != "behind":
             r.sync()
+            left = r.call("engine", "not_loaded")  # the coverage check (rollout/weight_sync.py)
+            if kind is not None and kind.startswith("drop:"):  # stopped by it, at this sync, whatever the gap
+                prefix = kind.removeprefix("drop:")
+                assert left and all(n.startswith(prefix) for n in left), left
+            else:  # a whole sync: nothing left out (the unfixed reload loads every weight, then packs stale)
+                assert left == [], left
         gap = _sampled_gap(r, 2)
         print(
             f"\n[{family} {kind or 'healthy'} {'bf16' if bf16 else 'fp32'}] step 1 {healthy:.2e} (threshold "
