@@ -125,6 +125,7 @@ USER_ERRORS = (
     ("orlhf.inputs.head_files", "HeadError"),
     ("orlhf.rollout.agent", "AgentError"),
     ("orlhf.trainer.sync_guard", "EngineMismatchError"),
+    ("orlhf.rollout.weight_sync", "SyncLeftOutError"),
     ("orlhf.trainer.step_stats", "NonFiniteError"),
     ("orlhf.trainer.step_stats", "CollapsedError"),
     ("orlhf.launch.export", "ExportError"),
