@@ -49,6 +49,8 @@ def _update_and_sync(r: Rig, path: str, zero_stage: int = 3):
     after = r.call("trainer", "log_probs", seqs)
     stale = r.call("engine", "log_probs", seqs)
     r.sync()
+    # the coverage check (rollout/weight_sync.py) passes a whole sync of every family: nothing left out
+    assert r.call("engine", "not_loaded") == []
     return after, r.call("engine", "log_probs", seqs), (after - before).abs().max().item(), stale
 
 
