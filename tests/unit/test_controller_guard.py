@@ -97,6 +97,31 @@ def make(tmp_path, trained=(), generate=None, **flags):
     return cfg, ctl, log
 
 
+def rollouts(prompt_ids, sampling, gap: float, version: int) -> list[Rollout]:
+    """Three sampled tokens per sample whose engine log-probs sit `gap` from the actor's, tagged with `version`."""
+    return [
+        Rollout(i, ids, [5, 6, 7], [ACTOR_LP + gap] * 3, finished=True, weight_version=version)
+        for i, ids in enumerate(prompt_ids)
+        for _ in range(sampling.n)
+    ]
+
+
+def two_step_run(tmp_path, generate):
+    """A reinforce run with a reference (its old log-probs come from their own forward, before training) whose
+    engines sample with `generate`; its metrics go nowhere."""
+    cfg, ctl, log = make(
+        tmp_path,
+        generate=generate,
+        rollout_batch_size=2,
+        train_batch_size=2,
+        micro_train_batch_size=1,
+        init_kl_coef=0.01,
+        advantage_estimator="reinforce",
+    )
+    ctl.metrics = type("M", (), {"log": lambda *a: None})()
+    return cfg, ctl, log
+
+
 def test_engines_that_disagree_before_any_sync_stop_the_run_at_step_1(tmp_path, capsys):
     cfg, ctl, log = make(
         tmp_path, rollout_batch_size=2, train_batch_size=2, micro_train_batch_size=1, init_kl_coef=0.01
@@ -122,22 +147,9 @@ def test_step_1_calibrates_and_a_broken_sync_stops_the_next_step(tmp_path, capsy
 
     def generate(prompt_ids, sampling):
         version, gap = next(steps)  # engines tag rollouts with the weight version they hold: 0, then 1
-        return [
-            Rollout(i, ids, [5, 6, 7], [ACTOR_LP + gap] * 3, finished=True, weight_version=version)
-            for i, ids in enumerate(prompt_ids)
-            for _ in range(sampling.n)
-        ]
+        return rollouts(prompt_ids, sampling, gap, version)
 
-    cfg, ctl, log = make(
-        tmp_path,
-        generate=generate,
-        rollout_batch_size=2,
-        train_batch_size=2,
-        micro_train_batch_size=1,
-        init_kl_coef=0.01,
-        advantage_estimator="reinforce",
-    )
-    ctl.metrics = type("M", (), {"log": lambda *a: None})()
+    cfg, ctl, log = two_step_run(tmp_path, generate)
     with caplog.at_level("INFO", logger="orlhf.trainer.sync_guard"):
         assert run_reporting_errors(lambda _: ctl.fit(), cfg) == 1
     assert log == ["log_probs", "train_step", "sync", "log_probs"]  # step 2 never trains
@@ -154,23 +166,7 @@ def test_a_sync_that_never_reached_the_engines_stops_the_next_step_whatever_the_
     """The engines keep sampling with version 0 after step 1's sync (it did not reach them) and their gap stays at
     rounding level (an update smaller than bf16's rounding looks so): step 2 stops before training, on the version."""
 
-    def generate(prompt_ids, sampling):
-        return [
-            Rollout(i, ids, [5, 6, 7], [ACTOR_LP + 2.4e-7] * 3, finished=True, weight_version=0)
-            for i, ids in enumerate(prompt_ids)
-            for _ in range(sampling.n)
-        ]
-
-    cfg, ctl, log = make(
-        tmp_path,
-        generate=generate,
-        rollout_batch_size=2,
-        train_batch_size=2,
-        micro_train_batch_size=1,
-        init_kl_coef=0.01,
-        advantage_estimator="reinforce",
-    )
-    ctl.metrics = type("M", (), {"log": lambda *a: None})()
+    cfg, ctl, log = two_step_run(tmp_path, lambda prompt_ids, sampling: rollouts(prompt_ids, sampling, 2.4e-7, 0))
     ctl.m.rollout.load_weights = lambda version: log.append("sync") or 0.0  # the version never moves
     assert run_reporting_errors(lambda _: ctl.fit(), cfg) == 1
     assert log == ["log_probs", "train_step", "sync", "log_probs"]  # step 2 never trains
