@@ -32,7 +32,7 @@ def _zero_knobs(cfg: TrainConfig, out: list[str]) -> None:
     from orlhf.config.worker_config import role_ranks, zero_stage_of
 
     ds = cfg.deepspeed
-    stages = {r: (zero_stage_of(ds, r, role_ranks(cfg, r), "cuda"), role_ranks(cfg, r)) for r in trained_roles(cfg)}
+    stages = {r: (zero_stage_of(cfg, r, role_ranks(cfg, r), "cuda"), role_ranks(cfg, r)) for r in trained_roles(cfg)}
     if ds.zpg < 1:
         out.append(f"--zpg must be >= 1 (got {ds.zpg}); 1 turns ZeRO++ hierarchical partitioning off.")
     elif ds.zpg > 1:
@@ -89,7 +89,7 @@ def lora(cfg: TrainConfig, out: list[str]) -> None:
             out.append("--load_in_4bit computes in bfloat16: add --bf16 (OpenRLHF's --param_dtype bf16).")
         from orlhf.config.worker_config import role_ranks, zero_stage_of
 
-        if any(zero_stage_of(cfg.deepspeed, r, role_ranks(cfg, r), "cuda") == 3 for r in trained_roles(cfg)):
+        if any(zero_stage_of(cfg, r, role_ranks(cfg, r), "cuda") == 3 for r in trained_roles(cfg)):
             out.append(
                 "--load_in_4bit: ZeRO-3 cannot partition bitsandbytes' packed 4-bit weights; add --zero_stage 2 "
                 "(the adapter's gradients and Adam states are small) or drop --load_in_4bit."

@@ -153,22 +153,31 @@ def role_ranks(cfg: TrainConfig, role: str) -> int:
 
 def zero_stage_for(cfg: TrainConfig, role: str) -> int:
     """The ZeRO stage `role` runs in this run (zero_stage_of with the role's group size and the run's device)."""
-    return zero_stage_of(cfg.deepspeed, role, role_ranks(cfg, role), cfg.device)
+    return zero_stage_of(cfg, role, role_ranks(cfg, role), cfg.device)
 
 
-def zero_stage_of(ds, role: str, ranks: int, device: str) -> int:
+def zero_stage_of(cfg: TrainConfig, role: str, ranks: int, device: str) -> int:
     """--zero_stage when given; else 3, except for a group of one rank. There ZeRO-3 partitions nothing (the one
     shard is the whole model) but still runs its per-module gather/release hooks on every forward and backward
-    (benchmarks/probes/bench_zero_stage.py measures what they cost). So one rank trains under ZeRO-2 (its gradient and
-    optimizer-state partitions are whole too) and scores with no ZeRO. Kept at 3:
-    --deepspeed_enable_sleep (DeepSpeed's offload_states path is ZeRO-3's) and a frozen model with
-    --ref_reward_offload on GPUs (parameter offload is ZeRO-3 only). `ds`: the config's DeepSpeedConfig."""
+    (benchmarks/probes/bench_zero_stage.py measures what they cost), and ZeRO-1/2 keep a second fp32 copy of the
+    weights and copy every gradient into their partition buffers and the weights back on every step. So one rank
+    trains and scores with no ZeRO (workers/base.py also skips DeepSpeed's gradient all-reduce over the one rank).
+    Kept at 3: --deepspeed_enable_sleep (DeepSpeed's offload_states path is ZeRO-3's) and a frozen model with
+    --ref_reward_offload on GPUs (parameter offload is ZeRO-3 only). Kept at 2 for a one-rank trained group that
+    needs a ZeRO optimizer: --adam_offload (ZeRO-Offload), --grad_accum_dtype other than the model's dtype, Muon
+    (DeepSpeed's MuonWithAuxAdam lives in ZeRO's optimizer), and the QLoRA actor (--load_in_4bit, measured on GPUs
+    under ZeRO-2 only)."""
+    ds = cfg.deepspeed
     if ds.zero_stage is not None:
         return ds.zero_stage
     if ranks > 1:
         return 3
     if role_spec(role).trains:
-        return 3 if ds.enable_sleep else 2
+        if ds.enable_sleep:
+            return 3
+        accum = ds.grad_accum_dtype not in (None, "bf16" if ds.bf16 else "fp32")
+        muon = getattr(cfg.optim, f"{role}_optim", "adam") == "muon"
+        return 2 if ds.adam_offload or accum or muon or (role == "actor" and cfg.lora.load_in_4bit) else 0
     return 3 if ds.ref_reward_offload and device == "cuda" else 0
 
 

@@ -167,8 +167,8 @@ def log_zero_stages(cfg: TrainConfig) -> None:
     off = {role: stage for role, stage in off.items() if stage != 3}
     if off:
         log.info(
-            "ZeRO stage %s: one rank per group has nothing to partition, and ZeRO-3's per-module hooks would "
-            "only slow its train steps (--zero_stage 3 keeps ZeRO-3)",
+            "ZeRO stage %s: one rank per group has nothing to partition, and ZeRO's hooks, copies and gradient "
+            "all-reduce would only slow its steps (--zero_stage N keeps ZeRO-N)",
             ", ".join(f"{role} {stage or 'none'}" for role, stage in off.items()),
         )
 

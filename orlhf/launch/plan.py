@@ -176,8 +176,7 @@ def memory_section(
     held = "model states; each process's total below" if cpu else "model states and DeepSpeed's reduce bucket"
     on_top = "" if cpu else "activations come on top; "
     stages = ", ".join(
-        f"{role} {zero_stage_of(cfg.deepspeed, role, len(slots), layout.device)}"
-        for role, slots in layout.roles.items()
+        f"{role} {zero_stage_of(cfg, role, len(slots), layout.device)}" for role, slots in layout.roles.items()
     )
     lines = [
         f"memory estimate ({held}; {on_top}"
@@ -201,7 +200,7 @@ def generation_memory(cfg: TrainConfig, layout: Layout, actor: ModelDims, gpu_gi
     """What generating takes, where the backend's record says it lives (config/rollout_backends.py): on each of its
     engines, on top of each actor rank's states, or nowhere in this cluster (None)."""
     if cfg.rollout.memory == ON_ACTOR:
-        stage = zero_stage_of(cfg.deepspeed, "actor", len(layout.roles["actor"]), layout.device)
+        stage = zero_stage_of(cfg, "actor", len(layout.roles["actor"]), layout.device)
         return trainer_generation_memory(cfg, actor, len(layout.roles["actor"]), stage)
     if cfg.rollout.memory == ON_ENGINES:
         return engine_memory(cfg, actor, layout.device, gpu_gib)

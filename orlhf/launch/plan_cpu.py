@@ -120,7 +120,7 @@ def touched_bucket(cfg: TrainConfig, role: str, mem: Memory, d: ModelDims) -> fl
         return 0.0
     lo = cfg.lora
     trained = count_lora_params(d, lo.lora_rank, lo.targets) if lo.enabled else mem.params
-    stage = zero_stage_of(cfg.deepspeed, role, mem.ranks, "cpu")
+    stage = zero_stage_of(cfg, role, mem.ranks, "cpu")
     if mem.ranks == 1 and stage in (1, 2) and not cfg.deepspeed.overlap_comm:
         return 0.0  # no contiguous gradient buffer on one rank (workers/deepspeed_setup.py)
     return min(REDUCE_BUCKET_ELEMENTS, trained) * bucket_bytes_per_element(stage, 2 if cfg.deepspeed.bf16 else 4)

@@ -173,7 +173,8 @@ class Memory:
 REDUCE_BUCKET_ELEMENTS = 500_000_000
 # ZeRO-1/2 allocate one such bucket too, at the first backward (stage_1_and_2.py setup_buckets, contiguous gradients,
 # no overlap_comm as orlhf configures it): the gradient dtype under ZeRO-2, an fp32 accumulator under ZeRO-1. Read
-# from the source, not measured on a GPU; one-rank trained groups run ZeRO-2 by default (worker_config).
+# from the source, not measured on a GPU; one-rank trained groups run ZeRO-2 only where they need ZeRO's optimizer
+# (worker_config.zero_stage_of).
 
 
 def gib_text(x: float) -> str:
@@ -195,7 +196,7 @@ def role_memory(cfg: TrainConfig, role: str, params: int, ranks: int, *, device:
     """
     ds = cfg.deepspeed
     w = 2 if ds.bf16 else 4
-    s, n = zero_stage_of(ds, role, ranks, device), ranks
+    s, n = zero_stage_of(cfg, role, ranks, device), ranks
     if not ROLES[role].trains:
         per = w * params / (n if s == 3 else 1)
         text = f"{w}P" + (f"/{n}" if s == 3 and n > 1 else "")

@@ -119,6 +119,10 @@ class DeepSpeedWorker:
                     config=self._ds_config,
                     dist_init_required=False,
                 )
+            if self.world_size == 1 and self.zero_stage == 0:
+                # One rank has nothing to average. DeepSpeed would still flatten every gradient into a fresh bucket,
+                # "all-reduce" it over itself and copy it back, on every optimizer step.
+                self.engine.enable_backward_allreduce = False
         else:
             self.engine, *_ = deepspeed.initialize(model=model, config=self._ds_config, dist_init_required=False)
             self.engine.eval()

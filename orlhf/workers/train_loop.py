@@ -103,7 +103,8 @@ def step_norm_over_ranks(masks: list[torch.Tensor], gas: int, world_size: int, d
 
 def plain_grad_norm(worker: DeepSpeedWorker) -> Optional[float]:
     """Pre-clip gradient norm where DeepSpeed does not record one (ZeRO-0 in fp32: it clips and drops it).
-    Gradients are already averaged over ranks here (ZeRO-0 all-reduces in backward at the boundary)."""
+    Gradients are already averaged over ranks here (ZeRO-0 all-reduces in backward at the boundary; one rank has
+    nothing to average)."""
     if worker.zero_stage != 0 or worker.cfg.bf16:
         return None
     grads = [p.grad for p in worker.module.parameters() if p.grad is not None]

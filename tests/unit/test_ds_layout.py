@@ -40,7 +40,7 @@ def test_another_rank_count_without_the_flag_names_it():
 @pytest.mark.parametrize("saved, now", [(3, 2), (2, 3), (0, 2), (3, 0)])
 def test_without_the_flag_the_refusal_names_the_stage_the_conversion_needs_too(saved, now):
     """One start refused, not two: the flag and the --zero_stage it needs, in one line (ZeRO-3 on several ranks
-    resumed on one rank, whose default is ZeRO-2, is the common case)."""
+    resumed on one rank, whose default is no ZeRO, is the common case)."""
     assert f"resume with --use_ds_universal_ckpt --zero_stage {saved}, or on 2 actor ranks" in refusal(
         2, saved, 1, now, False
     )
@@ -121,7 +121,7 @@ def saved_role(folder, ranks: int, stage: int) -> None:
 
 
 def test_a_resume_names_every_role_and_what_loads_them_all_at_once(tmp_path):
-    """Actor and critic saved on 2 ranks each, resumed on 1 each (ZeRO-2 by default): one start refused, naming
+    """Actor and critic saved on 2 ranks each, resumed on 1 each (no ZeRO by default): one start refused, naming
     each role's fix and the one that serves both (one --zero_stage is every role's), or that none does."""
     from orlhf.config.flags import parse_config
     from orlhf.config.resolve import resolve_device

@@ -153,7 +153,7 @@ def test_ranges_and_knobs_that_would_do_nothing_are_refused_by_name():
 
 def test_zpg_needs_a_trained_zero3_group_it_divides():
     assert "--zpg must be >= 1 (got 0)" in _problems(zpg=0)
-    assert "--zpg 2 does nothing here" in _problems(zpg=2)  # one-rank groups: ZeRO-2, nothing to partition
+    assert "--zpg 2 does nothing here" in _problems(zpg=2)  # one-rank groups: no ZeRO, nothing to partition
     assert "--zpg 2 does nothing here" in _problems(zpg=2, actor_num_gpus_per_node=2, zero_stage=2)
     assert not _problems(zpg=2, actor_num_gpus_per_node=4)  # ZeRO-3 by default over 4 ranks
     assert not _problems(zpg=8, actor_num_gpus_per_node=4)  # larger than the group: all of it, as DeepSpeed
@@ -162,7 +162,7 @@ def test_zpg_needs_a_trained_zero3_group_it_divides():
 
 
 def test_grad_accum_dtype_other_than_the_models_needs_zero():
-    assert not _problems(grad_accum_dtype="fp32", bf16=True)  # one-rank groups train under ZeRO-2
+    assert not _problems(grad_accum_dtype="fp32", bf16=True)  # one-rank groups keep ZeRO-2 for it
     assert not _problems(grad_accum_dtype="fp32", zero_stage=0)  # the model's own dtype
     msg = _problems(grad_accum_dtype="fp32", bf16=True, zero_stage=0)
     assert "--grad_accum_dtype fp32: the actor trains without ZeRO (stage 0)" in msg and "(bf16)" in msg

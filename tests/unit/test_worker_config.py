@@ -124,14 +124,14 @@ def _run_cfg(device: str, **flags):
 def test_zero_stage_default_is_3_except_for_one_rank_groups():
     one_rank = _run_cfg("cpu")  # every group has one rank: nothing to partition
     assert {r: worker_config(one_rank, r).zero_stage for r in ("actor", "critic", "ref", "reward")} == {
-        "actor": 2,
-        "critic": 2,
+        "actor": 0,
+        "critic": 0,
         "ref": 0,
         "reward": 0,
     }
     wide = _run_cfg("cpu", actor_num_gpus_per_node=2, ref_num_nodes=2)
     assert worker_config(wide, "actor").zero_stage == 3 and worker_config(wide, "ref").zero_stage == 3
-    assert worker_config(wide, "critic").zero_stage == 2  # still one rank
+    assert worker_config(wide, "critic").zero_stage == 0  # still one rank
     for stage in (0, 1, 2, 3):  # a stage the user gives is used everywhere, whatever the group size
         given = _run_cfg("cpu", zero_stage=stage, actor_num_gpus_per_node=2)
         assert {worker_config(given, r).zero_stage for r in ("actor", "critic", "ref", "reward")} == {stage}
@@ -141,5 +141,18 @@ def test_zero_stage_stays_3_where_a_flag_needs_zero3():
     sleep = _run_cfg("cuda", colocate_all_models=True, deepspeed_enable_sleep=True)  # offload_states is ZeRO-3's
     assert worker_config(sleep, "actor").zero_stage == 3 and worker_config(sleep, "ref").zero_stage == 0
     offload = _run_cfg("cuda", ref_reward_offload=True)  # parameter offload is ZeRO-3 only
-    assert worker_config(offload, "ref").zero_stage == 3 and worker_config(offload, "actor").zero_stage == 2
+    assert worker_config(offload, "ref").zero_stage == 3 and worker_config(offload, "actor").zero_stage == 0
     assert worker_config(_run_cfg("cpu", ref_reward_offload=True), "ref").zero_stage == 0  # no param offload on CPU
+
+
+def test_a_one_rank_trained_group_keeps_zero2_where_it_needs_zeros_optimizer():
+    def stages(device="cpu", **flags):
+        cfg = _run_cfg(device, **flags)
+        return worker_config(cfg, "actor").zero_stage, worker_config(cfg, "critic").zero_stage
+
+    assert stages(adam_offload=True) == (2, 2)  # ZeRO-Offload
+    assert stages(bf16=True, allow_slow_bf16=True, grad_accum_dtype="fp32") == (2, 2)  # ZeRO-0 accumulates in bf16
+    assert stages(bf16=True, allow_slow_bf16=True, grad_accum_dtype="bf16") == (0, 0)  # the model's own dtype
+    assert stages(actor_optim="muon") == (2, 0)  # DeepSpeed's Muon is ZeRO's optimizer
+    qlora = {"bf16": True, "load_in_4bit": True, "lora_rank": 8}
+    assert stages("cuda", **qlora) == (2, 0)  # the QLoRA actor

@@ -1,7 +1,8 @@
 """After a real update and a real sync, a real vLLM engine equals the trainer, for every model family.
 
     tiny random model per family (2 layers, hidden 64, the demo's BPE tokenizer)
-      trainer: PolicyWorker (ZeRO-3, world 1; also ZeRO-2, the one-rank default, for tied Llama and Qwen2-MoE):
+      trainer: PolicyWorker (ZeRO-3, world 1; also ZeRO-0, the one-rank default, and ZeRO-2 for tied Llama and
+               Qwen2-MoE):
                one PPO step + seeded noise on every weight (unrouted experts too)
       --gloo sync (orlhf's WeightSender / worker extension)--> in-process vLLM engine (fp32)
       engine prompt log-probs of fixed tokens == trainer log-probs (< 1e-5)
@@ -67,13 +68,15 @@ def test_engine_equals_trainer_after_sync(rig, family):
         r.unload()
 
 
+@pytest.mark.parametrize("zero_stage", [0, 2])
 @pytest.mark.parametrize("family", ["llama_tied", "qwen2_moe"])
-def test_engine_equals_a_one_rank_zero2_trainer_after_sync(rig, family):
-    """A one-rank actor group trains under ZeRO-2 by default (worker_config.zero_stage_of): its sync, for a tied
-    head and for packed experts, the two families that once diverged, must reach the engine exactly too."""
+def test_engine_equals_a_one_rank_trainer_after_sync(rig, family, zero_stage):
+    """A one-rank actor group trains without ZeRO by default, under ZeRO-2 where it needs ZeRO's optimizer
+    (worker_config.zero_stage_of): its sync, for a tied head and for packed experts, the two families that once
+    diverged, must reach the engine exactly too."""
     paths, r = rig
     try:
-        trainer, engine, moved, _ = _update_and_sync(r, paths[family], zero_stage=2)
+        trainer, engine, moved, _ = _update_and_sync(r, paths[family], zero_stage=zero_stage)
         assert moved > 0.05, "the update did not move the policy: the test would prove nothing"
         assert (engine - trainer).abs().max().item() < 1e-5
     finally:

@@ -177,15 +177,16 @@ def test_the_run_is_checked_before_it_starts(runs):
         flags = {"advantage_estimator": "gae", **flags}
         return check_resume(runs["step"], resolve_device(parse_config(flags, set(flags)), "cpu"))
 
-    # one rank trains under ZeRO-2 by default; the actor was saved under ZeRO-3, the critic under ZeRO-2: one refusal
+    # one rank trains without ZeRO by default; the actor was saved under ZeRO-3, the critic under ZeRO-2: one refusal
     # names both roles' fixes, and that no one --zero_stage serves both on these rank counts
     with pytest.raises(CheckpointError) as err:
         check()
     actor, critic, both = str(err.value).splitlines()
-    assert "this run trains the actor under ZeRO-2 on 1; " in actor
+    assert "this run trains the actor under ZeRO-0 on 1; ZeRO-0 neither converts nor loads" in actor
     assert actor.endswith("resume with --use_ds_universal_ckpt --zero_stage 3, or on 2 actor ranks")
     assert "critic: the critic's DeepSpeed state was saved under ZeRO-2 on 2" in critic
     assert both.startswith("no one --zero_stage (it is the same for every role) loads every role")
-    # 4 actor ranks train under ZeRO-3 by default, 1 critic rank under ZeRO-2: both convert
-    plans = check(use_ds_universal_ckpt=True, actor_num_gpus_per_node=4)
+    # 4 actor ranks train under ZeRO-3 by default, 1 critic rank under ZeRO-2 (--adam_offload keeps ZeRO's optimizer):
+    # both convert
+    plans = check(use_ds_universal_ckpt=True, actor_num_gpus_per_node=4, adam_offload=True)
     assert plans == {"actor": UNIVERSAL, "critic": UNIVERSAL}

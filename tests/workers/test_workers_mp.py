@@ -205,6 +205,15 @@ def _ws1(rank: int, out: dict, paths: dict, exp: Experience) -> None:
     out["stage0_stats"] = plain.train_step(exp)
     out["stage0_after"] = plain.state_dict_full()
     out["stage0_empty"] = plain.log_probs(exp.as_sequence_batch().split([0, B])[0])
+    out["stage0_allreduce"] = plain.engine.enable_backward_allreduce
+
+    # bf16 without ZeRO (the one-rank default with --bf16): DeepSpeed's BF16_Optimizer keeps the fp32 master weights
+    # and accumulates the gradients in fp32 outside the all-reduce that one rank skips.
+    bf16_plain = PolicyWorker(_cfg("actor", paths["lm"], zero_stage=0, bf16=True))
+    bf16_plain.init()
+    before = {k: v.clone() for k, v in bf16_plain.state_dict_full().items()}
+    out["bf16_stage0_stats"] = bf16_plain.train_step(exp)
+    out["bf16_stage0_moved"] = _max_diff(bf16_plain.state_dict_full(), before)
 
     bf16 = PolicyWorker(_cfg("actor", paths["lm"], zero_stage=2, bf16=True, gradient_checkpointing=True))
     bf16.init()
@@ -449,6 +458,10 @@ def test_zero_stages_agree_and_bf16_checkpointed_step_runs(ws1):
     assert _max_diff(ws1[0]["stage0_after"], ws1[0]["after"]) <= 1e-5
     assert ws1[0]["stage0_stats"].grad_norm == pytest.approx(ws1[0]["stats"].grad_norm, rel=1e-5)
     assert ws1[0]["stage0_empty"].shape == (0, A)  # an empty share still gives a (0, A) result
+    assert ws1[0]["stage0_allreduce"] is False  # one rank: nothing to average, so no gradient all-reduce at all
+    stats = ws1[0]["bf16_stage0_stats"]
+    assert math.isfinite(stats.loss) and math.isfinite(stats.grad_norm) and stats.grad_norm > 0
+    assert ws1[0]["bf16_stage0_moved"] > 1e-4  # the bf16 weights took the step
     stats = ws1[0]["bf16_stats"]
     assert math.isfinite(stats.loss) and math.isfinite(stats.grad_norm) and stats.grad_norm > 0
 
