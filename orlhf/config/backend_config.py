@@ -97,7 +97,7 @@ class DeepSpeedConfig:
         None,
         "DeepSpeed ZeRO stage of every model. Default: 3; a one-rank group, with nothing to partition, trains and "
         "scores without ZeRO (3 with --deepspeed_enable_sleep, or --ref_reward_offload on GPUs; a trained one 2 with "
-        "--adam_offload, Muon or a --grad_accum_dtype other than the model's).",
+        "--bf16, --adam_offload, Muon or --grad_accum_dtype other than fp32).",
         choices=(0, 1, 2, 3),
     )
     bf16: bool = opt(False, "Train and score in bfloat16 (fp32 master weights kept by DeepSpeed).")

@@ -159,14 +159,14 @@ def zero_stage_for(cfg: TrainConfig, role: str) -> int:
 def zero_stage_of(cfg: TrainConfig, role: str, ranks: int, device: str) -> int:
     """--zero_stage when given; else 3, except for a group of one rank. There ZeRO-3 partitions nothing (the one
     shard is the whole model) but still runs its per-module gather/release hooks on every forward and backward
-    (benchmarks/probes/bench_zero_stage.py measures what they cost), and ZeRO-1/2 keep a second fp32 copy of the
-    weights and copy every gradient into their partition buffers and the weights back on every step. So one rank
-    trains and scores with no ZeRO (workers/base.py also skips DeepSpeed's gradient all-reduce over the one rank).
-    Kept at 3: --deepspeed_enable_sleep (DeepSpeed's offload_states path is ZeRO-3's) and a frozen model with
-    --ref_reward_offload on GPUs (parameter offload is ZeRO-3 only). Kept at 2 for a one-rank trained group that
-    needs a ZeRO optimizer: --adam_offload (ZeRO-Offload), --grad_accum_dtype other than the model's dtype, Muon
-    (DeepSpeed's MuonWithAuxAdam lives in ZeRO's optimizer), and the QLoRA actor (--load_in_4bit, measured on GPUs
-    under ZeRO-2 only)."""
+    (benchmarks/probes/bench_zero_stage.py measures what they cost), and in fp32 ZeRO-1/2 keep a second fp32 copy
+    of the weights and a gradient partition beside the gradients (8 bytes a parameter more) and copy every gradient
+    through a bucket on every micro-batch. So one fp32 rank trains and scores with no ZeRO (workers/base.py also
+    skips DeepSpeed's gradient all-reduce over the one rank). Kept at 3: --deepspeed_enable_sleep (DeepSpeed's
+    offload_states path is ZeRO-3's) and a frozen model with --ref_reward_offload on GPUs (parameter offload is
+    ZeRO-3 only). A one-rank trained group stays at 2 with --bf16 (without ZeRO, DeepSpeed's BF16_Optimizer holds an
+    fp32 gradient copy on top of ZeRO-2's states: more memory, not less), --adam_offload (ZeRO-Offload),
+    --grad_accum_dtype other than fp32, and Muon (DeepSpeed's MuonWithAuxAdam lives in ZeRO's optimizer)."""
     ds = cfg.deepspeed
     if ds.zero_stage is not None:
         return ds.zero_stage
@@ -175,9 +175,8 @@ def zero_stage_of(cfg: TrainConfig, role: str, ranks: int, device: str) -> int:
     if role_spec(role).trains:
         if ds.enable_sleep:
             return 3
-        accum = ds.grad_accum_dtype not in (None, "bf16" if ds.bf16 else "fp32")
         muon = getattr(cfg.optim, f"{role}_optim", "adam") == "muon"
-        return 2 if ds.adam_offload or accum or muon or (role == "actor" and cfg.lora.load_in_4bit) else 0
+        return 2 if ds.bf16 or ds.adam_offload or ds.grad_accum_dtype not in (None, "fp32") or muon else 0
     return 3 if ds.ref_reward_offload and device == "cuda" else 0
 
 

@@ -342,9 +342,9 @@ def test_trained_gpu_ranks_add_the_reduce_bucket_of_their_stage(stage, bucket_by
     gpu = role_memory(cfg_of(bf16=True, zero_stage=stage), "actor", GIB, 1, device="cuda")
     assert gpu.device_gib - cpu.device_gib == pytest.approx(bucket_bytes * 5e8 / GIB)
     assert ("reduce bucket" in gpu.formula) == (bucket_bytes > 0)
-    default = role_memory(cfg_of(bf16=True), "actor", GIB, 1, device="cuda")  # one rank: no ZeRO by default
+    default = role_memory(cfg_of(bf16=True), "actor", GIB, 1, device="cuda")  # one rank in bf16: ZeRO-2 by default
     assert default.device_gib == pytest.approx(
-        role_memory(cfg_of(bf16=True, zero_stage=0), "actor", GIB, 1, device="cuda").device_gib
+        role_memory(cfg_of(bf16=True, zero_stage=2), "actor", GIB, 1, device="cuda").device_gib
     )
 
 

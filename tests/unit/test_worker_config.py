@@ -145,14 +145,14 @@ def test_zero_stage_stays_3_where_a_flag_needs_zero3():
     assert worker_config(_run_cfg("cpu", ref_reward_offload=True), "ref").zero_stage == 0  # no param offload on CPU
 
 
-def test_a_one_rank_trained_group_keeps_zero2_where_it_needs_zeros_optimizer():
+def test_a_one_rank_trained_group_keeps_zero2_in_bf16_and_where_it_needs_zeros_optimizer():
     def stages(device="cpu", **flags):
         cfg = _run_cfg(device, **flags)
         return worker_config(cfg, "actor").zero_stage, worker_config(cfg, "critic").zero_stage
 
+    assert stages() == (0, 0)  # fp32: no ZeRO
+    assert stages("cuda", bf16=True) == (2, 2)  # without ZeRO, bf16 would hold an fp32 gradient copy on top
     assert stages(adam_offload=True) == (2, 2)  # ZeRO-Offload
-    assert stages(bf16=True, allow_slow_bf16=True, grad_accum_dtype="fp32") == (2, 2)  # ZeRO-0 accumulates in bf16
-    assert stages(bf16=True, allow_slow_bf16=True, grad_accum_dtype="bf16") == (0, 0)  # the model's own dtype
+    assert stages(grad_accum_dtype="bf16") == (2, 2)  # ZeRO-0 accumulates in the model's dtype only
+    assert stages(grad_accum_dtype="fp32") == (0, 0)  # the model's own
     assert stages(actor_optim="muon") == (2, 0)  # DeepSpeed's Muon is ZeRO's optimizer
-    qlora = {"bf16": True, "load_in_4bit": True, "lora_rank": 8}
-    assert stages("cuda", **qlora) == (2, 0)  # the QLoRA actor

@@ -115,7 +115,7 @@ def build_models(root: Path, families: list[str], seed: int = 0) -> dict[str, st
 
 class TrainerSide:
     """A PolicyWorker at world size 1 (its own gloo default group): ZeRO-3, as a group of several ranks runs, or
-    another stage (a one-rank group's default is no ZeRO, worker_config.zero_stage_of)."""
+    another stage (a one-rank group's default is no ZeRO in fp32, worker_config.zero_stage_of)."""
 
     def __init__(self):
         self.worker = None

@@ -71,9 +71,9 @@ def test_engine_equals_trainer_after_sync(rig, family):
 @pytest.mark.parametrize("zero_stage", [0, 2])
 @pytest.mark.parametrize("family", ["llama_tied", "qwen2_moe"])
 def test_engine_equals_a_one_rank_trainer_after_sync(rig, family, zero_stage):
-    """A one-rank actor group trains without ZeRO by default, under ZeRO-2 where it needs ZeRO's optimizer
-    (worker_config.zero_stage_of): its sync, for a tied head and for packed experts, the two families that once
-    diverged, must reach the engine exactly too."""
+    """A one-rank actor group trains without ZeRO by default in fp32, under ZeRO-2 in bf16 or where it needs
+    ZeRO's optimizer (worker_config.zero_stage_of): its sync, for a tied head and for packed experts, the two
+    families that once diverged, must reach the engine exactly too."""
     paths, r = rig
     try:
         trainer, engine, moved, _ = _update_and_sync(r, paths[family], zero_stage=zero_stage)
