@@ -1,13 +1,16 @@
-"""One actor train step of the demo model under each ZeRO stage, one rank, no Ray: what a one-rank group pays
-for ZeRO-3's per-module hooks when there is nothing to partition (why --zero_stage defaults to 2 for one-rank
-trained groups, worker_config.zero_stage_of).
+"""One actor train step under each ZeRO stage, one rank, no Ray: what a one-rank group pays for ZeRO when there is
+nothing to partition (ZeRO-3's per-module hooks; ZeRO-1/2's gradient bucket and second fp32 copy), which is why
+one-rank trained groups default to no ZeRO (worker_config.zero_stage_of).
 
-    for stage in --stages: a child process (world size 1, gloo) builds PolicyWorker on the demo model, runs 2
-    warm-up steps, then --steps timed train_step calls on one fixed synthetic batch (256 rows, 24 prompt + 24
-    response tokens, micro-batch 64, --use_kl_loss k3 as trl_compare's orlhf side) -> min and median seconds
+    for stage in --stages: a child process (world size 1, gloo) builds PolicyWorker on the model (the demo's, or
+    --model), runs --warmup (2) untimed steps, then --steps timed train_step calls on one fixed synthetic batch
+    (--rows rows, 24 prompt + 24 response tokens, micro-batch --micro or min(64, rows), --use_kl_loss k3 as
+    trl_compare's orlhf side) -> min and median seconds
 
 Reproduce (2-core CPU box, ~1.5 min): .venv/bin/python benchmarks/probes/bench_zero_stage.py --threads 2
-Results: benchmarks/results/2026-11-23-trl-compare-zero2.md.
+The real model as trl_compare trains it (64 rows in micro-batches of 16, ~6 min):
+    ... --model ~/.cache/orlhf/smollm2-135m-instruct-v1/model --rows 64 --micro 16 --stages 2,0 --steps 3
+Results: benchmarks/results/2026-11-23-trl-compare-zero2.md, benchmarks/results/2026-12-02-trl-compare-avx2.md.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def child(stage: int, threads: int, steps: int, port: int) -> dict:
+def child(stage, threads, steps, port, model: str | None, rows: int, micro: int | None, warmup: int = 2) -> dict:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -37,13 +40,16 @@ def child(stage: int, threads: int, steps: int, port: int) -> dict:
     import torch
 
     torch.set_num_threads(threads)
+    from transformers import AutoConfig
+
     from orlhf.config.worker_config import role_config
     from orlhf.cpu.rank_actor import tune_rank_process
     from orlhf.demo.builder import ensure_demo
     from orlhf.types import Experience
     from orlhf.workers import PolicyWorker
 
-    B, P, A, V = 256, 24, 24, 900
+    model = model or str(ensure_demo().model)
+    B, P, A, V = rows, 24, 24, min(AutoConfig.from_pretrained(model).vocab_size, 50_000)
     g = torch.Generator().manual_seed(1)
     seq = torch.randint(4, V, (B, P + A), generator=g)
     attn = torch.ones(B, P + A, dtype=torch.long)
@@ -61,13 +67,13 @@ def child(stage: int, threads: int, steps: int, port: int) -> dict:
     )
     cfg = role_config(
         "actor",
-        model_path=str(ensure_demo().model),
+        model_path=model,
         device="cpu",
         zero_stage=stage,
-        micro_forward_batch_size=64,
+        micro_forward_batch_size=min(64, B),
         learning_rate=5e-4,
         train_batch_size=B,
-        micro_train_batch_size=64,
+        micro_train_batch_size=micro or min(64, B),
         total_optimizer_steps=100,
         use_kl_loss=True,
         kl_coef=0.01,
@@ -76,7 +82,7 @@ def child(stage: int, threads: int, steps: int, port: int) -> dict:
     worker = PolicyWorker(cfg)
     tune_rank_process()  # as orlhf's CPU rank processes do
     worker.init()
-    for _ in range(2):
+    for _ in range(warmup):
         worker.train_step(exp)
     times = []
     for _ in range(steps):
@@ -97,11 +103,15 @@ def main() -> None:
     ap.add_argument("--stages", default="3,2,0")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=7)
+    ap.add_argument("--model", default=None, help="an HF folder (default: the tiny demo's model)")
+    ap.add_argument("--rows", type=int, default=256)
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (0: time the first steps too)")
+    ap.add_argument("--micro", type=int, default=None, help="train micro-batch (default: min(64, rows))")
     ap.add_argument("--_child", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--_port", type=int, default=29611, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a._child is not None:
-        print(json.dumps(child(a._child, a.threads, a.steps, a._port)), flush=True)
+        print(json.dumps(child(a._child, a.threads, a.steps, a._port, a.model, a.rows, a.micro, a.warmup)), flush=True)
         return
     results = []
     for i, stage in enumerate(int(s) for s in a.stages.split(",")):
@@ -120,6 +130,12 @@ def main() -> None:
                 str(a.steps),
                 "--_port",
                 str(a._port + i),
+                "--rows",
+                str(a.rows),
+                *(["--model", a.model] if a.model else []),
+                *(["--micro", str(a.micro)] if a.micro else []),
+                "--warmup",
+                str(a.warmup),
             ],
             env=env,
             capture_output=True,
