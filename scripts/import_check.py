@@ -9,11 +9,18 @@ it on every later start. This process has vLLM imported already, so it writes th
 The cache is an optimisation: if vLLM's private registry API moves, this says so and the install goes on.
 
     python scripts/import_check.py     # scripts/install.sh runs it after the byte-compile
+    ORLHF_INSTALL_DEMO=1 python scripts/import_check.py   # also build the tiny demo into the user's cache
+                                                          # (scripts/quickstart.sh: its run then starts from it)
+
+vLLM's half (its import and the cache) runs in a child process beside the rest, one core each. The demo: this
+process has torch and transformers imported already, which a run's driver would otherwise import just to build it.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -39,7 +46,24 @@ def warm_vllm_model_info(architectures: tuple[str, ...] = DEMO_ARCHITECTURES) ->
     return written
 
 
+def vllm_half() -> int:
+    try:
+        written = warm_vllm_model_info()
+    except Exception as e:  # an optimisation only: the engine inspects the class itself then
+        print(
+            f"[install] vLLM's model-info cache not filled ({type(e).__name__}: {e}); engines fill it on first start",
+            file=sys.stderr,
+        )
+        return 0
+    if written:
+        print(f"[install] vLLM's model-info cache: {', '.join(written)}", file=sys.stderr)
+    return 0
+
+
 def main() -> None:
+    vllm = None
+    if importlib.util.find_spec("vllm") is not None:
+        vllm = subprocess.Popen([sys.executable, __file__, "--vllm"])
     import deepspeed
     import ray
     import torch
@@ -50,19 +74,17 @@ def main() -> None:
         f"deepspeed {deepspeed.__version__}",
         file=sys.stderr,
     )
-    if importlib.util.find_spec("vllm") is None:
-        return
-    try:
-        written = warm_vllm_model_info()
-    except Exception as e:  # an optimisation only: the engine inspects the class itself then
-        print(
-            f"[install] vLLM's model-info cache not filled ({type(e).__name__}: {e}); engines fill it on first start",
-            file=sys.stderr,
-        )
-        return
-    if written:
-        print(f"[install] vLLM's model-info cache: {', '.join(written)}", file=sys.stderr)
+    if os.environ.get("ORLHF_INSTALL_DEMO") == "1":
+        from orlhf.demo.builder import ensure_demo
+
+        print(f"[install] the tiny demo: {ensure_demo().root}", file=sys.stderr)
+    if vllm is not None and vllm.wait() != 0:  # `import vllm` itself failed: a broken install
+        sys.exit(f"[install] importing vLLM failed (exit {vllm.returncode}): see the lines above")
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--vllm"]:
+        import vllm  # noqa: F401  (a broken vLLM fails here, as the other imports fail in main)
+
+        sys.exit(vllm_half())
     main()

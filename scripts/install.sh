@@ -93,6 +93,10 @@ else
   echo "torch==$TORCH_CPU" >"$CONSTRAINTS"
 fi
 step_done "torch"
+# torch's share of the byte-compile (about a third of it) runs in the background while the next step downloads and
+# unpacks the other packages (mostly one core and the network); the rest is compiled after them (see below).
+"$VENV/bin/python" scripts/precompile.py --only torch &
+PRECOMPILE_TORCH=$!
 
 # DeepSpeed. On CPU without prebuilt C++ ops (see the header); its sdist builds in seconds. Without build isolation:
 # its setup.py imports torch, and an isolated build would fetch a CUDA torch. With uv it is built in the same call as
@@ -123,7 +127,8 @@ step_done "orlhf[$EXTRAS], DeepSpeed and their dependencies"
 # The modules a run imports, compiled once here rather than by each of its processes at every start (uv writes no
 # .pyc, and PYTHONDONTWRITEBYTECODE, where set, stops imports from writing them): scripts/precompile.py. Before the
 # import check, which then reads the .pyc instead of compiling torch, transformers, Ray and DeepSpeed once more.
-"$VENV/bin/python" scripts/precompile.py
+wait "$PRECOMPILE_TORCH"
+"$VENV/bin/python" scripts/precompile.py --skip torch
 step_done "byte-compile"
 # Imports the stack (a broken one fails here) and fills vLLM's model-info cache, which an engine's first start would
 # otherwise fill from a subprocess that imports torch and vLLM once more: scripts/import_check.py.

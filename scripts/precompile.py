@@ -8,6 +8,9 @@ measures the imports with and without .pyc). Only the package folders an orlhf r
 precompile_dirs.txt) are compiled, once per install, not every installed package.
 
     python scripts/precompile.py                    # compile them (scripts/install.sh runs this)
+    python scripts/precompile.py --only torch       # only the entries under these top-level names (comma-separated)
+    python scripts/precompile.py --skip torch       # every entry but those (install.sh compiles torch while the
+                                                    # other packages install, then the rest)
     python scripts/precompile.py --hook DIR DUMPS   # write DIR/sitecustomize.py: every process started with DIR on
                                                     # PYTHONPATH dumps its imported files into DUMPS every 3 s
     python scripts/precompile.py --record DUMPS     # rewrite precompile_dirs.txt from those dumps (after a run:
@@ -61,8 +64,15 @@ def site_dirs() -> list[Path]:
     return sorted({Path(paths["purelib"]), Path(paths["platlib"])})
 
 
-def files_to_compile() -> list[str]:
+def _top(entry: str) -> str:
+    return entry.split("/", 1)[0]
+
+
+def files_to_compile(only: set[str] | None = None, skip: frozenset[str] = frozenset()) -> list[str]:
+    """The .py files of precompile_dirs.txt's entries present here (and orlhf's own), restricted to the entries whose
+    top-level name is in `only` (orlhf itself counts as "orlhf") and not in `skip`."""
     rel = [ln.strip() for ln in LIST.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+    rel = [r for r in rel if (only is None or _top(r) in only) and _top(r) not in skip]
     files = []
     for site in site_dirs():
         for r in rel:
@@ -72,13 +82,14 @@ def files_to_compile() -> list[str]:
             else:
                 files += [str(d / f) for f in _py_files(d)]
     # orlhf itself (an editable install compiles into the checkout's __pycache__ folders, which git ignores)
-    files += [str(p) for p in (HERE.parent / "orlhf").rglob("*.py")]
+    if (only is None or "orlhf" in only) and "orlhf" not in skip:
+        files += [str(p) for p in (HERE.parent / "orlhf").rglob("*.py")]
     return files
 
 
-def compile_all() -> None:
+def compile_all(only: set[str] | None = None, skip: frozenset[str] = frozenset()) -> None:
     t0 = time.time()
-    files = files_to_compile()
+    files = files_to_compile(only, skip)
     with ProcessPoolExecutor(os.cpu_count() or 1) as ex:
         ok = sum(ex.map(_one, files, chunksize=64))
     print(
@@ -116,5 +127,9 @@ if __name__ == "__main__":
         (hook_dir / "sitecustomize.py").write_text(HOOK % str(dumps))
     elif sys.argv[1:2] == ["--record"]:
         record(Path(sys.argv[2]))
+    elif sys.argv[1:2] == ["--only"]:
+        compile_all(only=set(sys.argv[2].split(",")))
+    elif sys.argv[1:2] == ["--skip"]:
+        compile_all(skip=frozenset(sys.argv[2].split(",")))
     else:
         compile_all()

@@ -3,7 +3,8 @@
 #   bash scripts/quickstart.sh [extra orlhf train-ppo flags]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/install.sh
+# The install's import check also builds the tiny demo (it has torch and transformers imported already).
+ORLHF_INSTALL_DEMO=1 bash scripts/install.sh
 VENV=${ORLHF_VENV:-$(pwd)/.venv}
 export HF_HUB_OFFLINE=1 WANDB_MODE=offline TOKENIZERS_PARALLELISM=false
 # 40 steps (5 passes over the demo's 512 prompts), half the demo's default: the reward rises >= 1.5x within them
