@@ -106,9 +106,9 @@ def rollouts(prompt_ids, sampling, gap: float, version: int) -> list[Rollout]:
     ]
 
 
-def two_step_run(tmp_path, generate):
+def two_step_run(tmp_path, generate=None, **flags):
     """A reinforce run with a reference (its old log-probs come from their own forward, before training) whose
-    engines sample with `generate`; its metrics go nowhere."""
+    engines sample with `generate` (default: the stand-in engines); its metrics go nowhere."""
     cfg, ctl, log = make(
         tmp_path,
         generate=generate,
@@ -117,6 +117,7 @@ def two_step_run(tmp_path, generate):
         micro_train_batch_size=1,
         init_kl_coef=0.01,
         advantage_estimator="reinforce",
+        **flags,
     )
     ctl.metrics = type("M", (), {"log": lambda *a: None})()
     return cfg, ctl, log
@@ -195,16 +196,7 @@ def test_single_pass_stops_before_the_update_reaches_the_engines(tmp_path):
 
 
 def test_a_healthy_gap_trains_and_syncs(tmp_path):
-    cfg, ctl, log = make(
-        tmp_path,
-        rollout_batch_size=2,
-        train_batch_size=2,
-        micro_train_batch_size=1,
-        init_kl_coef=0.01,
-        max_engine_logprob_gap=0.6,
-        advantage_estimator="reinforce",
-    )
-    ctl.metrics = type("M", (), {"log": lambda *a: None})()
+    cfg, ctl, log = two_step_run(tmp_path, max_engine_logprob_gap=0.6)
     ctl.fit()
     assert log == ["log_probs", "train_step", "sync"] * 2
     assert [round(r["engine_logprob_gap"], 6) for r in ctl.history] == [0.5, 0.5]
