@@ -173,8 +173,8 @@ class Memory:
 REDUCE_BUCKET_ELEMENTS = 500_000_000
 # ZeRO-1/2 allocate one such bucket too, at the first backward (stage_1_and_2.py setup_buckets, contiguous gradients,
 # no overlap_comm as orlhf configures it): the gradient dtype under ZeRO-2, an fp32 accumulator under ZeRO-1. Read
-# from the source, not measured on a GPU; one-rank trained groups run ZeRO-2 only where they need ZeRO's optimizer
-# (worker_config.zero_stage_of).
+# from the source, not measured on a GPU; one-rank trained groups run ZeRO-2 only in bf16 or where they need ZeRO's
+# optimizer (worker_config.zero_stage_of).
 
 
 def gib_text(x: float) -> str:
