@@ -126,6 +126,7 @@ USER_ERRORS = (
     ("orlhf.rollout.agent", "AgentError"),
     ("orlhf.trainer.sync_guard", "EngineMismatchError"),
     ("orlhf.rollout.weight_sync", "SyncLeftOutError"),
+    ("orlhf.rollout.weight_sync", "SyncStalePackError"),
     ("orlhf.trainer.step_stats", "NonFiniteError"),
     ("orlhf.trainer.step_stats", "CollapsedError"),
     ("orlhf.launch.export", "ExportError"),

@@ -10,6 +10,8 @@ A trainer (PolicyWorker, ZeRO-3, world 1) and an in-process vLLM engine joined b
     breaks    --break_steps PPO steps, each synced broken as a sync once was: "unfixed" (vLLM's reload without
               orlhf's fix-ups: tied heads, pre-packed MoE experts), "drop" (the sync leaves decoder layer
               --drop_layer out), the gap after each; mended after
+    at each sync, what the checks that need no threshold found: the stale-pack check's modules, the coverage
+              check's weights left out (either stops a run at that sync, whatever the gap)
     start-up  the engine loads an edited copy of the folder: "rope" (another RoPE base), "zero_mlp" (layer
               --drop_layer's MLP down-projection zeroed), "noise_mlp" (the same with noise of its own size added)
     -> a table, and one final JSON line
@@ -97,8 +99,20 @@ def edited(model: Path, kind: str, layer: int, out: Path) -> Path:
     return out / kind
 
 
-def measure(args, r: Rig, model: Path, work: Path) -> dict:
-    bf16, rows = args.dtype == "bf16", {}
+def after_sync(r: Rig) -> str:
+    """What the checks that need no threshold found at the sync just made: the stale-pack check's modules, the
+    coverage check's weights left out (rollout/weight_sync.py); "" when neither found anything."""
+    stale, left = r.call("engine", "stale_packs"), r.call("engine", "not_loaded")
+    return "; ".join(
+        f"{what}: {', '.join(names[:2])}{' ..' if len(names) > 2 else ''}"
+        for what, names in (("stale pack", stale), (f"{len(left)} left out", left))
+        if names
+    )
+
+
+def measure(args, r: Rig, model: Path, work: Path) -> tuple[dict, dict]:
+    """({case: gap}, {case: what the threshold-free checks found at its sync})."""
+    bf16, rows, found = args.dtype == "bf16", {}, {}
     prompts, train = inputs(model, args.model == "real")
     load(r, model, model, bf16, args.lr)
     rows["step 1 (healthy, calibrates)"] = gap(r, prompts, 1)
@@ -106,12 +120,14 @@ def measure(args, r: Rig, model: Path, work: Path) -> dict:
         r.call("trainer", "train_step", train, k)
         rows[f"step {k}: one update behind"] = gap(r, prompts, 100 + k)
         r.sync()
+        found[f"step {k}: healthy"] = after_sync(r)
         rows[f"step {k}: healthy"] = gap(r, prompts, 10 + k)
     for kind in filter(None, args.breaks.split(",")):
         r.call("engine", "break_sync", "unfixed" if kind == "unfixed" else f"drop:model.layers.{args.drop_layer}.")
         for k in range(1, args.break_steps + 1):  # the break stays: it grows with every update
             r.call("trainer", "train_step", train, 6 + k)
             r.sync()
+            found[f"break: {kind}, update {k}"] = after_sync(r)
             rows[f"break: {kind}, update {k}"] = gap(r, prompts, 19 + k)
         r.call("engine", "break_sync", None)
         r.sync()
@@ -120,7 +136,7 @@ def measure(args, r: Rig, model: Path, work: Path) -> dict:
         load(r, model, edited(model, kind, args.drop_layer, work), bf16, args.lr)
         rows[f"start-up: {kind}"] = gap(r, prompts, 1)
         r.unload()
-    return rows
+    return rows, found
 
 
 def main() -> None:
@@ -145,14 +161,15 @@ def main() -> None:
         model = Path(build_models(work, [args.model])[args.model])
     t0, r = time.time(), Rig(timeout_s=1800)
     try:
-        rows = measure(args, r, model, work)
+        rows, found = measure(args, r, model, work)
     finally:
         r.close()
     threshold, ceiling = calibrated(rows["step 1 (healthy, calibrates)"]), CEILING[args.dtype]
     print(f"\n{args.model} {args.dtype}, lr {args.lr:g}: calibrated threshold {threshold:.3g}, ceiling {ceiling:g}")
     for case, value in rows.items():
         bar = ceiling if case.startswith("start-up") else threshold  # judged at step 1, before any calibration
-        print(f"  {case:<34} {value:10.3g}  {'stopped' if not value <= bar else 'passes'}")
+        by_gap = "stopped" if not value <= bar else "passes"
+        print(f"  {case:<34} {value:10.3g}  {by_gap}{f'  (at the sync: {found[case]})' if found.get(case) else ''}")
     print(
         json.dumps(
             {
@@ -161,6 +178,7 @@ def main() -> None:
                 "lr": args.lr,
                 "threshold": threshold,
                 "gaps": rows,
+                "found_at_sync": found,
                 "seconds": round(time.time() - t0, 1),
             }
         )

@@ -20,6 +20,11 @@ come out of that with pre-packed data that no longer matches their weights:
 Both hold for a sync of the whole model in one reload call and for a LoRA sync of some modules (workers/lora.py):
 modules a sync leaves out keep their tensors, packed data included, and so stay right. `modules_left_out` keeps
 vLLM's one warning per such module out of the engine's log.
+
+`stale_packs` checks the outcome of 1, apart from the fix: a module whose weights another module shares, whose
+values changed in the reload while its own post-processing did not run, computes with a pre-packed copy of the old
+values. A tied head left so differs from the synced policy by one update, which at a small learning rate is under
+what the sync guard's gap can see; this sees it at the sync itself, in any dtype.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 
+import torch
 from torch import nn
 
 log = logging.getLogger(__name__)
@@ -126,6 +132,71 @@ class _NotLoaded(logging.Filter):
         else:  # another vLLM's wording of the arguments: the names as printed
             self.names.add(record.getMessage().split(":", 1)[-1].strip())
         return False
+
+
+@contextmanager
+def stale_packs(model: nn.Module):
+    """Around one reload (outside `refreshed_after_reload`, so that its re-processing counts): yields a set, filled
+    when the reload ends with the names of the modules left computing with stale pre-packed weights. Watched: the
+    modules with a post-processing step whose weight tensor another module shares (a tied head and its embedding);
+    a content fingerprint of each shared tensor before and after the reload, and the modules post-processed in it.
+    Stale: the values changed and the module was not post-processed. Modules sharing nothing are post-processed by
+    vLLM whenever they receive weights, and others' writes cannot reach them."""
+    shared = _shared_processing_modules(model)
+    before = {ptr: _fingerprint(t) for ptr, (t, _) in shared.items()}
+    processed: set[int] = set()
+    wrapped = []
+    for _, modules in shared.values():
+        for _, module in modules:
+            qm = module.quant_method
+            if id(qm) not in {id(q) for q, _ in wrapped}:
+                wrapped.append((qm, "process_weights_after_loading" in vars(qm)))
+                qm.process_weights_after_loading = _recording(qm.process_weights_after_loading, processed)
+    stale: set[str] = set()
+    try:
+        yield stale
+    finally:
+        for qm, had_own in wrapped:
+            if had_own:
+                qm.process_weights_after_loading = qm.process_weights_after_loading.__wrapped__
+            else:
+                del qm.process_weights_after_loading
+    for ptr, (tensor, modules) in shared.items():
+        if _fingerprint(tensor) != before[ptr]:
+            stale.update(name for name, m in modules if id(m) not in processed)
+    if stale:
+        log.warning("modules left with stale pre-packed weights after the reload: %s", sorted(stale))
+
+
+def _shared_processing_modules(model: nn.Module) -> dict[int, tuple[torch.Tensor, list[tuple[str, nn.Module]]]]:
+    """{storage pointer: (the tensor, [(name, module)])} for each weight held by two or more modules, keeping those
+    of them that post-process their weights (a quant_method with process_weights_after_loading)."""
+    owners: dict[int, tuple[torch.Tensor, list[tuple[str, nn.Module]]]] = {}
+    for name, module in model.named_modules():
+        for p in module.parameters(recurse=False):
+            if p.numel() > 0:
+                owners.setdefault(p.data_ptr(), (p, []))[1].append((name, module))
+    return {
+        ptr: (
+            t,
+            [(n, m) for n, m in mods if hasattr(getattr(m, "quant_method", None), "process_weights_after_loading")],
+        )
+        for ptr, (t, mods) in owners.items()
+        if len(mods) > 1
+        and any(hasattr(getattr(m, "quant_method", None), "process_weights_after_loading") for _, m in mods)
+    }
+
+
+def _fingerprint(t: torch.Tensor) -> tuple[float, float]:
+    """The sum and the sum of squares of a tensor's values, in float64, a slice at a time (no fp64 copy of a whole
+    embedding). A change that keeps both is not seen; an optimizer step moves both."""
+    flat = t.detach().reshape(-1)
+    total = squares = 0.0
+    for chunk in flat.split(1 << 22):
+        c = chunk.double()
+        total += c.sum().item()
+        squares += c.square().sum().item()
+    return total, squares
 
 
 def _recording(fn, processed: set[int]):

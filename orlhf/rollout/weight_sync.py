@@ -11,7 +11,8 @@ API (ActorGroup.call / EngineGroup.call: orlhf/distributed/endpoints.py).
       1. engines: orlhf_receive_weights(metas, buckets)  (started first; each engine worker blocks in broadcast)
       2. actor ranks: send_weights(n tensors)            (all ranks gather each ZeRO-3 layer; rank 0 broadcasts)
       3. wait for both together; a sync of the whole model: every engine says which of its weights got no tensor
-         (none, or the run stops: check_nothing_left_out); then engines: reset_prefix_cache,
+         (none, or the run stops: check_nothing_left_out); none may keep a stale pre-packed copy of a weight
+         (check_no_stale_packs, after any sync); then engines: reset_prefix_cache,
          set_weight_version(version)
     --vllm_sync_delta: steps 1-2 are orlhf_receive_delta / send_weights_delta instead: per bucket only the elements
     whose engine-dtype value changed (workers/weight_delta.py), applied by each engine worker to its held copy
@@ -126,6 +127,26 @@ def check_nothing_left_out(engines, timeout_s: float) -> None:
                 "engine's model did not receive these under any of them: a layer left out of the sync, or a model "
                 "whose vLLM implementation names or fuses its weights otherwise. The engine log (vllm-<i>.log) has "
                 "its model class."
+            )
+
+
+class SyncStalePackError(RuntimeError):
+    """A sync's new weights reached a module's weight tensor but not the pre-packed copy it computes with (a tied
+    head whose shared embedding changed while its packed copy was not rebuilt): it would sample with the old values."""
+
+
+def check_no_stale_packs(engines) -> None:
+    """After any sync: the modules each engine's reload left with stale pre-packed weights
+    (rollout/reload_fixes.py stale_packs); any stops the run (SyncStalePackError), naming them."""
+    for e, workers in enumerate(engines.call(Ext.orlhf_stale_packs).get()):
+        names = sorted({n for worker in (workers if isinstance(workers, list) else [workers]) for n in worker})
+        if names:
+            raise SyncStalePackError(
+                f"after the weight sync vLLM engine {e} still computes {', '.join(names)} with a pre-packed copy of "
+                "the old weights: the sync changed the weight these modules share with another (a tied head and "
+                "its embedding), but vLLM's reload did not rebuild their packed copy, and orlhf's fix-up for that "
+                "(rollout/reload_fixes.py) did not either. The run stops before sampling from a policy it is not "
+                "training. The engine log (vllm-<i>.log) has its vLLM version; please report it with that."
             )
 
 
@@ -307,7 +328,9 @@ def plan_sync(actor, engines, timeout_s: float) -> list[list[Meta]]:
 
 
 def finish(engines, version: int) -> None:
-    """After every engine loaded the new weights: drop KV blocks computed with the old ones, tag new rollouts."""
+    """After every engine loaded the new weights: none may compute with a stale pre-packed copy of them
+    (check_no_stale_packs); drop KV blocks computed with the old ones, tag new rollouts."""
+    check_no_stale_packs(engines)
     engines.call(EngineActor.reset_prefix_cache).get()
     engines.call(EngineActor.set_weight_version, version).get()
 

