@@ -119,6 +119,8 @@ class DeepSpeedWorker:
                     config=self._ds_config,
                     dist_init_required=False,
                 )
+            if self.cfg.bf16:  # masters from the checkpoint's wider values, not its bf16 rounding
+                self._seed_fp32_masters()
             if self.world_size == 1 and self.zero_stage == 0:
                 # One rank has nothing to average. DeepSpeed would still flatten every gradient into a fresh bucket,
                 # "all-reduce" it over itself and copy it back, on every optimizer step.
@@ -135,6 +137,18 @@ class DeepSpeedWorker:
             self.device,
             sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()) / 1e6,
         )
+
+    def _seed_fp32_masters(self) -> None:
+        from orlhf.workers.fp32_masters import seed_fp32_masters
+
+        seeded, total = seed_fp32_masters(self.engine, self.cfg.model_path)
+        if self.rank == 0 and seeded:
+            log.info(
+                "%s: bf16 with fp32 master weights from the checkpoint's values (%d of %d)",
+                self.cfg.role,
+                seeded,
+                total,
+            )
 
     def deepspeed_config(self) -> dict:
         """The config deepspeed.initialize gets (after the process group is up: it needs the world size). A

@@ -183,6 +183,10 @@ def _ws2(rank: int, out: dict, paths: dict, exp: Experience) -> None:
     out["scores"] = reward.scores(fwd)
     out["rss_mb_all"] = _rss_mb()
 
+    bf16 = PolicyWorker(_cfg("actor", paths["lm"], bf16=True))  # ZeRO-3 over 2 ranks: each writes its partition
+    bf16.init()
+    out["bf16_zero3_masters"] = _masters(bf16)
+
 
 def _ws1(rank: int, out: dict, paths: dict, exp: Experience) -> None:
     from orlhf.workers import CriticWorker, PolicyWorker, ReferenceWorker, RewardWorker
@@ -211,12 +215,14 @@ def _ws1(rank: int, out: dict, paths: dict, exp: Experience) -> None:
     # and accumulates the gradients in fp32 outside the all-reduce that one rank skips.
     bf16_plain = PolicyWorker(_cfg("actor", paths["lm"], zero_stage=0, bf16=True))
     bf16_plain.init()
+    out["bf16_stage0_masters"] = _masters(bf16_plain)
     before = {k: v.clone() for k, v in bf16_plain.state_dict_full().items()}
     out["bf16_stage0_stats"] = bf16_plain.train_step(exp)
     out["bf16_stage0_moved"] = _max_diff(bf16_plain.state_dict_full(), before)
 
     bf16 = PolicyWorker(_cfg("actor", paths["lm"], zero_stage=2, bf16=True, gradient_checkpointing=True))
     bf16.init()
+    out["bf16_stage2_masters"] = _masters(bf16)
     out["bf16_stats"] = bf16.train_step(exp)
 
     offload = PolicyWorker(_cfg("actor", paths["lm"], adam_offload=True))
@@ -273,6 +279,21 @@ def _ws1(rank: int, out: dict, paths: dict, exp: Experience) -> None:
         reward.init()
         out[f"rm_{name}_flag"] = reward.shared_prompt
         out[f"rm_{name}_scores"] = reward.scores(grouped.as_sequence_batch())
+
+
+def _masters(worker) -> dict[str, torch.Tensor]:
+    """{name: the fp32 master DeepSpeed steps} of a bf16 worker's trained parameters (all ranks: collective under
+    ZeRO-3), through DeepSpeed's accessor or, without ZeRO, its unfused optimizer's copies (workers/fp32_masters.py)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    from orlhf.workers.fp32_masters import _unfused_masters
+
+    unfused = _unfused_masters(worker.engine.optimizer)
+    out = {}
+    for name, p in worker.engine.module.named_parameters():
+        hp = unfused.get(id(p)) if id(p) in unfused else safe_get_full_fp32_param(p)
+        out[name] = hp.detach().float().cpu().clone()
+    return out
 
 
 def _rank_main(rank: int, world: int, port: int, job: str, paths: dict, exp: Experience, out_dir: str) -> None:
@@ -464,6 +485,17 @@ def test_zero_stages_agree_and_bf16_checkpointed_step_runs(ws1):
     assert ws1[0]["bf16_stage0_moved"] > 1e-4  # the bf16 weights took the step
     stats = ws1[0]["bf16_stats"]
     assert math.isfinite(stats.loss) and math.isfinite(stats.grad_norm) and stats.grad_norm > 0
+
+
+def test_bf16_masters_hold_the_checkpoints_fp32_values_not_their_bf16_rounding(ws1, ws2, hf_lm):
+    """--bf16 loads the model in bf16; DeepSpeed would make the fp32 masters from that rounding, where updates
+    smaller than half a bf16 step never change the weights (workers/fp32_masters.py). Every stage's masters are the
+    fp32 checkpoint's values instead; the tiny model's fp32 weights are not bf16 values, so rounding would show."""
+    want = {n: p.detach().float() for n, p in hf_lm.named_parameters()}
+    assert any(not torch.equal(w.bfloat16().float(), w) for w in want.values())
+    for masters in (ws1[0]["bf16_stage0_masters"], ws1[0]["bf16_stage2_masters"], ws2[0]["bf16_zero3_masters"]):
+        assert set(masters) == set(want)
+        assert all(torch.equal(masters[n], want[n]) for n in want)
 
 
 def test_adam_offload_train_step_runs(ws1, hf_lm):
