@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from orlhf.config.worker_config import WorkerConfig
+from orlhf.workers.attention import SDPA_FP32, attn_implementation
 
 log = logging.getLogger("orlhf.workers")
 
@@ -71,7 +72,7 @@ def hf_load_kwargs(cfg: WorkerConfig) -> dict:
     bfloat16 (OpenRLHF's BitsAndBytesConfig)."""
     kw = {
         "dtype": torch.bfloat16 if cfg.bf16 else torch.float32,
-        "attn_implementation": "flash_attention_2" if cfg.flash_attn else "eager" if cfg.eager_attention else "sdpa",
+        "attn_implementation": attn_implementation(cfg),  # workers/attention.py
     }
     if cfg.experts_implementation is not None:  # MoE families (transformers' from_pretrained kwarg)
         kw["experts_implementation"] = cfg.experts_implementation
@@ -115,7 +116,7 @@ def from_pretrained(auto_cls, path: str, cfg: WorkerConfig, **kwargs):
     try:
         return auto_cls.from_pretrained(path, **kw)
     except ValueError as e:
-        if kw["attn_implementation"] != "sdpa" or "sdpa" not in str(e).lower():
+        if kw["attn_implementation"] not in ("sdpa", SDPA_FP32) or "sdpa" not in str(e).lower():
             raise
         log.warning("%s does not support SDPA attention; using eager", path)
         return auto_cls.from_pretrained(path, **{**kw, "attn_implementation": "eager"})

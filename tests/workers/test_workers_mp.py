@@ -223,6 +223,7 @@ def _ws1(rank: int, out: dict, paths: dict, exp: Experience) -> None:
     bf16 = PolicyWorker(_cfg("actor", paths["lm"], zero_stage=2, bf16=True, gradient_checkpointing=True))
     bf16.init()
     out["bf16_stage2_masters"] = _masters(bf16)
+    out["bf16_attn"] = bf16.module.config._attn_implementation  # a bf16 model that trains on CPU: fp32 SDPA
     out["bf16_stats"] = bf16.train_step(exp)
 
     offload = PolicyWorker(_cfg("actor", paths["lm"], adam_offload=True))
@@ -485,6 +486,7 @@ def test_zero_stages_agree_and_bf16_checkpointed_step_runs(ws1):
     assert ws1[0]["bf16_stage0_moved"] > 1e-4  # the bf16 weights took the step
     stats = ws1[0]["bf16_stats"]
     assert math.isfinite(stats.loss) and math.isfinite(stats.grad_norm) and stats.grad_norm > 0
+    assert ws1[0]["bf16_attn"] == "orlhf_sdpa_fp32"  # workers/attention.py; its checkpointed step is the one above
 
 
 def test_bf16_masters_hold_the_checkpoints_fp32_values_not_their_bf16_rounding(ws1, ws2, hf_lm):
