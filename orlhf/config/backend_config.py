@@ -54,7 +54,11 @@ class VLLMConfig:
         "--colocate_all_models, where the trainers share them).",
         flag="vllm_gpu_memory_utilization",
     )
-    enable_prefix_caching: bool = opt(False, "vLLM prefix caching (reset after every weight sync).")
+    enable_prefix_caching: bool = opt(
+        False,
+        "vLLM prefix caching (reset after every weight sync). CPU engines of plain-attention models have it on "
+        "anyway, so that a prompt's samples share its computed blocks (not with --router_replay R3).",
+    )
     enforce_eager: bool = opt(False, "Run vLLM without CUDA graphs / torch.compile (faster start-up).")
     enable_sleep: bool = opt(
         False,

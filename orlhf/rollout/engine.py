@@ -61,6 +61,7 @@ class EngineActor:
             os.environ[LOG_DIR_ENV] = log_dir
             redirect_output(f"vllm-{index}")
         self.index, self.weight_version = index, 0
+        self.prompt_tokens_cached = 0  # prompt tokens read from the prefix cache (cached_prompt_tokens)
         self.multimodal = cfg.max_images_per_prompt > 0
         if cfg.device == "cpu" and cfg.tensor_parallel_size != 1:
             raise ValueError(
@@ -104,7 +105,7 @@ class EngineActor:
             kwargs["enable_return_routed_experts"] = cfg.record_routing
             if cfg.tensor_parallel_size > 1:
                 kwargs["distributed_executor_backend"] = "ray"
-        return LLM(**kwargs, **extra)
+        return LLM(**{**kwargs, **extra})  # the tuning's arguments win (on CPU: block size, prefix caching)
 
     @endpoint
     def num_threads(self) -> int:
@@ -155,6 +156,7 @@ class EngineActor:
             if r.images:  # vLLM's multimodal input: it expands each placeholder in the ids to the image's tokens
                 prompt["multi_modal_data"] = {"image": open_images(r.images)}
         outs = self.llm.generate(prompts, params, use_tqdm=False)
+        self.prompt_tokens_cached += sum(out.num_cached_tokens or 0 for out in outs)
         rollouts = []
         for r, out in zip(requests, outs):
             for c in out.outputs:
@@ -171,6 +173,12 @@ class EngineActor:
                     )
                 )
         return rollouts
+
+    @endpoint
+    def cached_prompt_tokens(self) -> int:
+        """Prompt tokens this engine's generate calls read from its prefix cache instead of computing them, as vLLM
+        counts them: for a request of n samples, one reading sample's count."""
+        return self.prompt_tokens_cached
 
     @endpoint
     def generate_tokens(self, requests: list[tuple[list[int], Any]]) -> list[TurnResult]:

@@ -31,6 +31,7 @@ class EngineConfig:
     logprobs_mode: str = "raw_logprobs"  # vLLM's: what the sampled tokens' log-probs are (engine_logprobs_mode)
     max_images_per_prompt: int = 0  # > 0: a vision-language model's engine, taking this many images a prompt
     record_routing: bool = False  # --router_replay R3: each sampled sequence's routed experts (Rollout.routed_experts)
+    share_prompts: bool = False  # CPU: a prompt's samples share its computed blocks (prefix caching, cpu/engine_kv.py)
     socket_ifname: Optional[str] = None  # --socket_ifname: the interface of its rendezvous (distributed/addresses.py)
 
 
@@ -56,6 +57,7 @@ def engine_config(cfg) -> EngineConfig:
         logprobs_mode=engine_logprobs_mode(cfg.ppo.temperature),
         max_images_per_prompt=cfg.data.max_images_per_prompt,
         record_routing=cfg.ppo.router_replay == "R3",
+        share_prompts=device == "cpu" and cfg.ppo.router_replay != "R3",
         socket_ifname=cfg.runtime.socket_ifname,
     )
 

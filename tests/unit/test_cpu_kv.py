@@ -1,5 +1,6 @@
 """The CPU engines' KV cache size (orlhf/cpu/engine_kv.py): automatic, user-given, refused."""
 
+import dataclasses
 import json
 
 import pytest
@@ -48,10 +49,35 @@ def test_other_attention_gets_the_fallback_size(tmp_path, over):
 def test_automatic_size_holds_every_sequence_vllm_may_run(tmp_path):
     path = model(tmp_path)
     per_token = 3 * 2 * 2 * 32 * 4
-    # 88 tokens -> one 128-token block per sequence, plus vLLM's null block
-    assert kv_cache_bytes(path, "float32", 88, None) == (MAX_NUM_SEQS + 1) * BLOCK_TOKENS * per_token
-    assert kv_cache_bytes(path, "float32", 129, None) == (2 * MAX_NUM_SEQS + 1) * BLOCK_TOKENS * per_token
+    # 64 tokens -> two 32-token blocks per sequence, 65 -> three, plus vLLM's null block
+    assert BLOCK_TOKENS == 32
+    assert kv_cache_bytes(path, "float32", 64, None) == (2 * MAX_NUM_SEQS + 1) * BLOCK_TOKENS * per_token
+    assert kv_cache_bytes(path, "float32", 65, None) == (3 * MAX_NUM_SEQS + 1) * BLOCK_TOKENS * per_token
     assert kv_cache_bytes(path, "float32", 32768, None) == GIB  # more than the 1 GiB cap: stays at it
+
+
+def test_plain_attention_engines_get_small_blocks_and_share_prompts(tmp_path):
+    from orlhf.cpu.engine_kv import block_args
+    from orlhf.rollout.engine_config import EngineConfig
+
+    cfg = EngineConfig(model_path=model(tmp_path), device="cpu", share_prompts=True)
+    assert block_args(cfg) == {"block_size": BLOCK_TOKENS, "enable_prefix_caching": True}
+    # R3 router replay records the experts of computed tokens: no sharing (as --enable_prefix_caching gives)
+    assert block_args(dataclasses.replace(cfg, share_prompts=False)) == {"block_size": BLOCK_TOKENS}
+    (tmp_path / "mla").mkdir()
+    other = EngineConfig(model_path=model(tmp_path / "mla", kv_lora_rank=64), device="cpu", share_prompts=True)
+    assert block_args(other) == {}  # vLLM's own block size and prefix caching for other attention
+
+
+def test_run_config_shares_prompts_on_cpu_except_under_r3():
+    from orlhf.config.resolve import finish_config
+    from orlhf.rollout.engine_config import engine_config
+
+    def shares(**flags):
+        return engine_config(finish_config(flags, frozenset(flags))).share_prompts
+
+    assert shares(device="cpu") and not shares(device="cuda")
+    assert not shares(device="cpu", router_replay="R3")
 
 
 def test_user_given_size_is_honoured_or_refused_naming_the_flag(tmp_path):

@@ -53,12 +53,12 @@ def test_engine_holds_weights_the_heads_packed_copy_and_its_kv_cache():
     parts = dict(plan_cpu.engine_process(cfg_of(**RECIPE), SMOL).parts)
     assert parts["weights 4P"] == 4 * count_params(SMOL) / GIB
     assert parts["LM head's packed copy"] == 4 * 49152 * 576 / GIB  # 113,246,208 B
-    # K + V: 30 layers x 2 x 3 x 64 x 4 B = 46,080 B a token; 256 seqs x 2 blocks of 128 (152 tokens) + 1 block
-    # = 513 x 128 x 46,080 = 3,025,858,560 B > the 1 GiB bound: 1 GiB
+    # K + V: 30 layers x 2 x 3 x 64 x 4 B = 46,080 B a token; 256 seqs x 5 blocks of 32 (152 tokens) + 1 block
+    # = 1,281 x 32 x 46,080 = 1,888,911,360 B > the 1 GiB bound: 1 GiB
     assert parts["KV cache"] == 1.0
     demo = ModelDims("demo", 128, 2, 256, 1024, 4, 4, 32, False, 4)  # 2 x 2 x 4 x 32 x 4 B = 2,048 B a token
     short = dict(plan_cpu.engine_process(cfg_of(prompt_max_len=64, generate_max_len=24), demo).parts)
-    assert short["KV cache"] == 257 * 128 * 2_048 / GIB  # 88 tokens: one block each, + 1: 67,371,008 B
+    assert short["KV cache"] == 769 * 32 * 2_048 / GIB  # 88 tokens: three blocks of 32 each, + 1: 50,397,184 B
     given = dict(plan_cpu.engine_process(cfg_of(**RECIPE, vllm_cpu_kv_cache_gb=0.5), SMOL).parts)
     assert given["KV cache"] == 0.5
 

@@ -118,6 +118,37 @@ def test_automatic_kv_cache_samples_as_a_fixed_gib(rig):
     assert [r.logprobs for r in got] == [r.logprobs for r in want]
 
 
+def test_a_prompts_samples_share_its_blocks_and_sample_as_if_computed_apart(rig):
+    """CPU engines cache a prompt's full blocks (cpu/engine_kv.py): the prompt's other samples, scheduled in the
+    same step, read them instead of computing them, and sample bit for bit as an engine that computes every
+    sample's prompt (fp32)."""
+    import ray
+
+    from orlhf.cpu.engine_kv import BLOCK_TOKENS
+    from orlhf.rollout.engine import RemoteEngine
+
+    _, engines, _, _, tok = rig
+    assert engines.cfg.share_prompts
+    apart = RemoteEngine.options(num_cpus=0, max_restarts=0).remote(
+        dataclasses.replace(engines.cfg, share_prompts=False), 0, tuning=engines.tuning
+    )
+    long = [tok(f"list {i}: " + "red green blue " * (12 + 3 * i))["input_ids"] for i in range(3)]
+    indexed, spec = list(enumerate(long)), SamplingSpec(max_new_tokens=8, n=4, seed=5)
+    try:
+        want = ray.get(apart.generate.remote(indexed, spec), timeout=300)
+        assert ray.get(apart.cached_prompt_tokens.remote(), timeout=60) == 0
+        before = engines.call_rank(0, EngineActor.cached_prompt_tokens).get()[0]
+        got = engines.call_rank(0, EngineActor.generate, indexed, spec).get()[0]
+        cached = engines.call_rank(0, EngineActor.cached_prompt_tokens).get()[0] - before
+    finally:
+        ray.kill(apart, no_restart=True)
+    # a request's other samples read its full blocks (the last prompt token is always computed); vLLM reports
+    # one count per request, a reading sample's
+    assert cached == sum((len(p) - 1) // BLOCK_TOKENS * BLOCK_TOKENS for p in long) > 0
+    assert [r.response_ids for r in got] == [r.response_ids for r in want]
+    assert [r.logprobs for r in got] == [r.logprobs for r in want]
+
+
 def test_engines_run_the_threads_asked_for(rig):
     _, engines, _, _, _ = rig
     assert engines.call(EngineActor.num_threads).get() == [2, 2]  # --vllm_cpu_threads 2 (Ray alone would give 1 each)
