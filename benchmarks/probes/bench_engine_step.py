@@ -10,7 +10,14 @@ engine gets the cores, orlhf/cpu/threads.py engine_threads; 0: as the demo run's
 demo's first --num_prompts rows, tokenized by orlhf's own data path. The same seeds every call (batch index 0), so every
 call does the same work and gives the same digest.
 
-    /work/wt/heavy.sh env PYTHONPATH=$PWD .venv/bin/python benchmarks/probes/bench_engine_step.py --repeats 10
+--real DIR (a `orlhf make-demo --real` folder): trl_compare's real-model step instead (SmolLM2-135M-Instruct, 16 of its
+addition prompts in the chat template x 4 samples, 24 tokens, eager engine). --bf16: the engine in bf16.
+--no_share: prefix caching off, so every sample computes its prompt (cpu/engine_kv.py; the default shares each
+prompt's full blocks among its samples). The prefix cache is reset before every timed call, as a weight sync does.
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/probes/bench_engine_step.py --real DEMO --threads 2 [--no_share]
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/probes/bench_engine_step.py --repeats 10
     py-spy record -r 200 -f raw -o /tmp/gen.txt -- .venv/bin/python benchmarks/probes/bench_engine_step.py --repeats 30
 """
 
@@ -33,8 +40,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
-def demo_setup(num_prompts: int):
-    """(EngineConfig, prompt id lists, SamplingSpec, the run's Tuning) of the demo grpo run's first step."""
+def demo_setup(num_prompts: int, real: str | None = None, bf16: bool = False):
+    """(EngineConfig, prompt id lists, SamplingSpec, the run's Tuning) of the demo grpo run's first step (with
+    `real`: trl_compare's real-model step)."""
     from orlhf.config.resolve import finish_config
     from orlhf.inputs.tokenizer import load_tokenizer
     from orlhf.launch.bringup import tuning_for
@@ -43,6 +51,11 @@ def demo_setup(num_prompts: int):
     from orlhf.types import SamplingSpec
 
     flags = {"advantage_estimator": "group_norm", "n_samples_per_prompt": 4, "use_kl_loss": True, "max_samples": 128}
+    if real:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from bench_train_step import real_flags
+
+        flags.update(real_flags(real), generate_max_len=24, enforce_eager=True, bf16=bf16)
     cfg = finish_config(flags, frozenset(flags))
     prompts = load_prompts(cfg, load_tokenizer(cfg.data.pretrain))[:num_prompts]
     p = cfg.ppo
@@ -69,7 +82,10 @@ def digest(rollouts) -> str:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--num_prompts", type=int, default=64)
+    ap.add_argument("--num_prompts", type=int, default=None, help="default: 64 (demo), 16 (--real)")
+    ap.add_argument("--real", default=None, help="a make-demo --real folder: the real model's step")
+    ap.add_argument("--bf16", action="store_true", help="the engine in bf16")
+    ap.add_argument("--no_share", action="store_true", help="every sample computes its prompt (no prefix caching)")
     ap.add_argument("--out", default=None, help="also write the result JSON here")
     ap.add_argument(
         "--threads",
@@ -81,7 +97,9 @@ def main(argv=None) -> None:
 
     from orlhf.rollout.engine import EngineActor
 
-    ecfg, ids, sampling, tuning = demo_setup(args.num_prompts)
+    num_prompts = args.num_prompts or (16 if args.real else 64)
+    ecfg, ids, sampling, tuning = demo_setup(num_prompts, args.real, args.bf16)
+    ecfg = dataclasses.replace(ecfg, share_prompts=ecfg.share_prompts and not args.no_share)
     if args.threads:
         ecfg = dataclasses.replace(ecfg, cpu_threads=args.threads)
     t0 = time.process_time()
@@ -93,6 +111,7 @@ def main(argv=None) -> None:
     warmup_cpu = time.process_time() - c0
     cpu, wall, digests = [], [], set()
     for _ in range(args.repeats):
+        engine.reset_prefix_cache()  # as after a weight sync: nothing cached from the previous call
         c0, w0 = time.process_time(), time.perf_counter()
         out = engine.generate(indexed, sampling)
         cpu.append(time.process_time() - c0)
@@ -105,6 +124,8 @@ def main(argv=None) -> None:
         "rollouts": len(out),
         "tokens": sum(len(r.response_ids) for r in out),
         "threads": engine.num_threads(),
+        "dtype": ecfg.dtype,
+        "share_prompts": ecfg.share_prompts,
         "startup_cpu_s": startup_cpu,
         "warmup_cpu_s": warmup_cpu,
         "cpu_s": cpu,
