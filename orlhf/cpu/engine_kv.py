@@ -22,11 +22,11 @@ in the same step, attend to those blocks instead of computing them (a prompt's t
 computed per sample). vLLM-CPU's default block of 128 tokens would share nothing of a shorter prompt: orlhf asks
 for 32, the smallest its attention kernel takes. The cache is reset after every weight sync (rollout/weight_sync.py),
 so no sample attends to keys an older policy computed. In fp32 the samples are bit-identical with and without it;
-in bf16 a shared prompt's keys and values are rounded as computed in another batch, within bf16's noise (the sync
-guard's start-up calibration measures the gap with it on).
+in bf16 a shared prompt's keys and values are rounded as they were computed in another batch, so samples differ
+in rounding (the sync guard's start-up calibration measures the engine gap with sharing on).
 
 The need is estimated from the model's config.json for plain attention models (layers x 2 x KV heads x head dim
-x dtype bytes a token, blocks of BLOCK_TOKENS, vLLM-CPU's block size for them, plus vLLM's reserved null
+x dtype bytes a token, blocks of BLOCK_TOKENS, the block size orlhf gives them, plus vLLM's reserved null
 block); any other architecture (MLA, hybrid / linear attention) keeps DEFAULT_GB.
 """
 
