@@ -61,7 +61,13 @@ def cpu_facts() -> dict:
         "flags": flags,
         "kernel_flags": [f for f in KERNEL_FLAGS if f in have],
         "cores": os.cpu_count(),
+        # set to run a narrower instruction set than the CPU has (torch's own kernels, oneDNN, MKL): the flags above
+        # are then the CPU's, not what the kernels used (vLLM-CPU's attention kernels do not read these)
+        "isa_limits": {k: os.environ[k] for k in ISA_LIMITS if os.environ.get(k)},
     }
+
+
+ISA_LIMITS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
 
 
 def fp32_matmul_rate(threads: int, repeats: int = 5) -> float:

@@ -524,6 +524,8 @@ def add_rates(a, result: dict, machine: dict) -> None:
 def print_rooflines(result: dict, machine: dict) -> None:
     cpu = machine["cpu"]
     print(f"CPU: {cpu['model']}, {cpu['cores']} cores, kernel flags {' '.join(cpu['kernel_flags'])}")
+    if cpu.get("isa_limits"):
+        print(f"instruction sets limited by: {' '.join(f'{k}={v}' for k, v in cpu['isa_limits'].items())}")
     roof = machine["fp32_mm_gflop_s"]
     if not roof:
         return

@@ -41,3 +41,10 @@ def test_cpu_facts_name_the_model_and_the_kernel_flags():
     assert facts["cores"] >= 1 and facts["flags"]  # Linux: lscpu or /proc/cpuinfo
     assert set(facts["kernel_flags"]) <= set(facts["flags"].split())
     assert set(facts["kernel_flags"]) <= set(roofline.KERNEL_FLAGS)
+
+
+def test_cpu_facts_record_the_instruction_set_limits_a_run_was_given(monkeypatch):
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    monkeypatch.delenv("MKL_ENABLE_INSTRUCTIONS", raising=False)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert roofline.cpu_facts()["isa_limits"] == {"ONEDNN_MAX_CPU_ISA": "AVX2"}
