@@ -17,6 +17,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -39,6 +40,18 @@ def sample(pid: int):
     return int(stat[7]), (int(stat[11]) + int(stat[12])) / tick, rss // 1024
 
 
+def without_evaluations(argv: list[str]) -> list[str]:
+    """The command's flags without its evaluations (--eval_dataset, --eval_steps and their values,
+    --eval_before_train): every step's sync then does the same work."""
+    out, values = [], iter(argv)
+    for flag in values:
+        if flag in ("--eval_dataset", "--eval_steps"):
+            next(values, None)
+        elif flag != "--eval_before_train":
+            out.append(flag)
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--demo", type=Path, required=True, help="orlhf make-demo --real's folder")
@@ -51,23 +64,13 @@ def main(argv=None) -> None:
 
     paths = make_real_demo(a.demo)
     printed = shlex.split(train_command(paths, save_path=str(a.out / "run")))
-    drop = {"--eval_dataset", "--eval_steps"}  # no evaluations: every step's sync alike
-    argv2, i = [], 1
-    while i < len(printed):
-        if printed[i] in drop:
-            i += 2
-            continue
-        if printed[i] == "--eval_before_train":
-            i += 1
-            continue
-        argv2.append(printed[i])
-        i += 1
+    argv2 = without_evaluations(printed[1:])
     # the demo's rollout batch is 8 prompts (x 8 samples): --steps steps read 8 x steps prompts
     cmd = [sys.executable, "-m", "orlhf.cli", *argv2, "--max_samples", str(a.steps * 8), *shlex.split(a.flags)]
     a.out.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["rm", "-rf", str(a.out / "run")], check=True)
-    log = (a.out / "driver.out").open("w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    shutil.rmtree(a.out / "run", ignore_errors=True)
+    with (a.out / "driver.out").open("w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     pid = None
     while pid is None and proc.poll() is None:
         m = re.search(r"vllm engines: 1, pids \[(\d+)\]", (a.out / "driver.out").read_text())
