@@ -232,8 +232,12 @@ def _mrope(model: nn.Module) -> bool:
 
 def shares_prompts(worker: DeepSpeedWorker) -> bool:
     """Whether this causal-LM worker runs each distinct prompt once per forward (workers/shared_prompt.py)."""
+    replay = replay_of(worker.engine) is not None  # its passes take no common head (shared_action_logits)
     return worker_shares_prompts(
-        worker, lambda b: action_logits(worker.engine, b, 1.0), lambda b: shared_action_logits(worker.engine, b)
+        worker,
+        lambda b: action_logits(worker.engine, b, 1.0),
+        lambda b: shared_action_logits(worker.engine, b),
+        kind=f"causal LM logits, router replay {replay}",
     )
 
 

@@ -208,22 +208,38 @@ def prompt_major_order(batch, generator: torch.Generator) -> torch.Tensor:
     return torch.sort(place[spread], stable=True).indices
 
 
+_verdicts: dict[tuple, bool] = {}  # worker_shares_prompts' checks made in this process, by check_key
+
+
 def worker_shares_prompts(
-    worker, plain: Callable[[SequenceBatch], torch.Tensor], shared: Callable[[SequenceBatch], torch.Tensor]
+    worker,
+    plain: Callable[[SequenceBatch], torch.Tensor],
+    shared: Callable[[SequenceBatch], torch.Tensor],
+    kind: Optional[str] = None,
 ) -> bool:
     """Whether a model worker (workers/base.py) runs each distinct prompt once: asked for (not
     --no_shared_prompt), not packed, not ZeRO-3 over several ranks (the ranks' micro-batches would make different
     numbers of forward calls, each a round of collective parameter gathers), and `shared` gives what `plain`
-    gives on a small batch (eval mode; collective-free, as ZeRO-3 then runs on one rank). Logged either way."""
+    gives on a small batch (eval mode; collective-free, as ZeRO-3 then runs on one rank). Logged either way.
+
+    kind: what `plain` and `shared` compute, named by the caller with anything else that changes their code path
+    (e.g. the causal LM's logits, with or without router replay's hooks); given, a worker whose
+    check_key matches one already checked in this process takes its verdict instead of checking again (the
+    reference hosted in the actor's rank process, on CPU)."""
     cfg = worker.cfg
     if not cfg.shared_prompt or cfg.packing_samples or (worker.zero3 and worker.world_size > 1):
         return False
-    training = worker.engine.training
-    worker.engine.eval()
-    try:
-        ok = same_as_plain(plain, shared, vocab_size(worker.module.config), worker.device, not cfg.bf16)
-    finally:
-        worker.engine.train(training)
+    key = None if kind is None else check_key(kind, worker)
+    ok = _verdicts.get(key) if key is not None else None
+    if ok is None:
+        training = worker.engine.training
+        worker.engine.eval()
+        try:
+            ok = same_as_plain(plain, shared, vocab_size(worker.module.config), worker.device, not cfg.bf16)
+        finally:
+            worker.engine.train(training)
+        if key is not None:
+            _verdicts[key] = ok
     log.info(
         "%s: %s",
         cfg.role,
@@ -232,6 +248,28 @@ def worker_shares_prompts(
         else "the model's cached forward differs from its plain one; every prompt runs in each sample's row",
     )
     return ok
+
+
+def check_key(kind: str, worker) -> tuple:
+    """What decides worker_shares_prompts' check: what is compared (kind), the model's class and whole config (its
+    architecture, attention implementation and dtype), gradient checkpointing, the worker's precision, device and ZeRO
+    stage. Not its weights: the check asks whether the model's cached
+    forward computes what its plain one does, a property of the code that runs, which holds for any weights (the
+    tolerance is relative to the outputs' size, and a wrong position or mask is far above it for any weights)."""
+    import json
+
+    module = worker.module
+    config = module.config
+    return (
+        kind,
+        f"{type(module).__module__}.{type(module).__qualname__}",
+        json.dumps(config.to_dict(), sort_keys=True, default=str),
+        str(getattr(config, "_attn_implementation", None)),
+        bool(getattr(module, "is_gradient_checkpointing", False)),
+        bool(worker.cfg.bf16),
+        str(worker.device),
+        bool(worker.zero3),
+    )
 
 
 def vocab_size(config) -> int:

@@ -239,3 +239,42 @@ def test_no_cache_means_no_shared_forward_and_the_check_says_no(lm):
     finally:
         lm.gradient_checkpointing_disable()
         lm.eval()
+
+
+def test_a_process_checks_each_model_once_and_keeps_the_verdict(lm, monkeypatch):
+    """The reference hosted in the actor's rank process takes the actor's verdict (same class, config, precision):
+    the check's forwards run once; another precision, kind or model is checked again, and a refusal is kept too."""
+    from types import SimpleNamespace
+
+    from orlhf.workers import shared_prompt
+
+    monkeypatch.setattr(shared_prompt, "_verdicts", {})
+    forwards = []
+
+    def worker(model=lm, bf16=False):
+        cfg = SimpleNamespace(shared_prompt=True, packing_samples=False, bf16=bf16, role="actor")
+        return SimpleNamespace(
+            cfg=cfg, zero3=False, world_size=1, engine=model, module=model, device=torch.device("cpu")
+        )
+
+    def plain(b):
+        forwards.append(1)
+        return action_logits(lm, b, 1.0)
+
+    shared = lambda b: action_logits(lm, b, 1.0, shared=True)  # noqa: E731
+    late = lambda b: torch.roll(shared(b), 1, dims=1)  # noqa: E731 - a broken cache's positions
+    checks = len(check_batches(V, torch.device("cpu")))
+
+    assert shared_prompt.worker_shares_prompts(worker(), plain, shared, kind="logits") and len(forwards) == checks
+    assert shared_prompt.worker_shares_prompts(worker(), plain, shared, kind="logits") and len(forwards) == checks
+    assert shared_prompt.worker_shares_prompts(worker(bf16=True), plain, shared, kind="logits")
+    assert len(forwards) == 2 * checks
+    assert not shared_prompt.worker_shares_prompts(worker(), plain, late, kind="broken")
+    refused = len(forwards)
+    assert refused > 2 * checks  # checked (it stops at the first batch that differs)
+    assert not shared_prompt.worker_shares_prompts(worker(), plain, shared, kind="broken")  # the kept refusal
+    assert len(forwards) == refused
+    assert shared_prompt.worker_shares_prompts(worker(), plain, shared) and len(forwards) == refused + checks  # no kind
+    other = type(lm)(lm.config.__class__(**{**lm.config.to_dict(), "num_hidden_layers": 1})).eval()
+    assert shared_prompt.worker_shares_prompts(worker(other), plain, shared, kind="logits")
+    assert len(forwards) == refused + 2 * checks
