@@ -8,7 +8,8 @@
                    actor's processes (cpu/hosting.py, cpu/rank_actor.py)
     phases         the cores handed over to the processes working in each phase (cpu/threads.py)
     engine_start   the engine's torch threads, vLLM-CPU's sampler (cpu/engine_sampler.py), its KV cache sized to
-                   need (cpu/engine_kv.py), no garbage collection while vLLM loads
+                   need (cpu/engine_kv.py), no tokenizer copies or chat warm-up it never uses (cpu/engine_lean.py),
+                   no garbage collection while vLLM loads
 
 Everything imported at module level is light: the driver builds this before Ray starts, and every engine actor
 imports it when it unpickles its argument.
@@ -88,9 +89,11 @@ class CpuTuning(Tuning):
             torch.set_num_threads(threads)
         from vllm import LLM  # noqa: F401 - vLLM first, then its sampler's modules (install)
 
+        from orlhf.cpu.engine_lean import install as leave_out_unused
         from orlhf.cpu.engine_sampler import install
 
         install()  # before LLM(): its sampler binds forward_cpu when built
+        leave_out_unused()  # the tokenizer copies and chat warm-up orlhf never uses (cpu/engine_lean.py)
         gc.freeze()
         # An explicit size: else vLLM would ask for most of host memory. max_num_seqs is vLLM's CPU default, given
         # so that the automatic size (which assumes it) cannot drift from it.
