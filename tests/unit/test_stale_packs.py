@@ -54,6 +54,21 @@ def test_the_fix_up_inside_leaves_nothing_stale():
     assert "process_weights_after_loading" not in vars(model.head.quant_method)  # the wrappers are gone
 
 
+@pytest.mark.parametrize("change", ["one ulp", "two values swapped"])
+def test_the_smallest_change_of_a_shared_weight_is_seen(change):
+    """Any change of the shared tensor's bytes: one value moved by its last bit, or two values trading places
+    (which keeps every sum of the values and of their squares)."""
+    model = Tied()
+    with stale_packs(model) as stale:
+        with torch.no_grad():
+            w = model.embed.weight.view(-1)
+            if change == "one ulp":
+                w[3] = torch.nextafter(w[3], torch.tensor(float("inf")))
+            else:
+                w[[3, 5]] = w[[5, 3]].clone()
+    assert stale == {"embed", "head"}  # changed, and neither module post-processed
+
+
 def test_a_reload_that_changes_nothing_shared_is_not_stale():
     model = Tied()
     with stale_packs(model) as stale:
