@@ -80,9 +80,7 @@ def main() -> None:
             row = json.loads(done.stdout.strip().splitlines()[-1])
             rows[variant].append(row)
             print(f"{i + 1} {variant:9s} " + " ".join(f"{k} {v:.2f}" for k, v in row.items()), flush=True)
-    summary = {
-        v: {k: round(statistics.median(r[k] for r in rs), 3) for k in rs[0]} for v, rs in rows.items() if rs
-    }
+    summary = {v: {k: round(statistics.median(r[k] for r in rs), 3) for k in rs[0]} for v, rs in rows.items() if rs}
     print(json.dumps({"model": a.model or "demo", "load_avg": os.getloadavg(), "medians": summary}))
 
 
