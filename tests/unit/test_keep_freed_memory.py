@@ -24,7 +24,7 @@ if sys.argv[1] == "keep":
 def step():  # as a train step: several logits-sized blocks live at once, then all freed
     live = [torch.ones(64, 25, 965) for _ in range(4)]
     del live
-for _ in range(3):  # warm-up: glibc's dynamic mmap threshold settles
+for _ in range(6):  # warm-up: the heap settles (kept, it grew by one step's blocks at the 4th step in 3 of 20 runs)
     step()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(20):
