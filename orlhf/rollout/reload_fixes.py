@@ -189,7 +189,7 @@ def _shared_processing_modules(model: nn.Module) -> dict[int, tuple[torch.Tensor
 
 
 def _fingerprint(t: torch.Tensor) -> object:
-    """A value that changes whenever the tensor's values change (but with vanishing odds). On the CPU the CRC-32 of
+    """A value that changes whenever the tensor's values change, but for vanishing odds. On the CPU the CRC-32 of
     its bytes: one pass over them, no copy (zlib releases the GIL meanwhile). Elsewhere the sum and the sum of
     squares of its values in float64, a slice at a time (no fp64 copy of a whole embedding): a change that keeps
     both is not seen; an optimizer step moves both."""

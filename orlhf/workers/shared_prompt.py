@@ -253,9 +253,9 @@ def worker_shares_prompts(
 def check_key(kind: str, worker) -> tuple:
     """What decides worker_shares_prompts' check: what is compared (kind), the model's class and whole config (its
     architecture, attention implementation and dtype), gradient checkpointing, the worker's precision, device and ZeRO
-    stage. Not its weights: the check asks whether the model's cached
-    forward computes what its plain one does, a property of the code that runs, which holds for any weights (the
-    tolerance is relative to the outputs' size, and a wrong position or mask is far above it for any weights)."""
+    stage. Not its weights: the check asks whether the model's cached forward computes what its plain one does, a
+    property of the code that runs, which holds for any weights (the tolerance is relative to the outputs' size, and
+    a wrong position or mask is far above it for any weights)."""
     import json
 
     module = worker.module
