@@ -7,9 +7,10 @@
     model_groups   rank processes on one compute thread each, the reference (and a one-rank critic) inside the
                    actor's processes (cpu/hosting.py, cpu/rank_actor.py)
     phases         the cores handed over to the processes working in each phase (cpu/threads.py)
-    engine_start   the engine's torch threads, vLLM-CPU's sampler (cpu/engine_sampler.py), its KV cache sized to
-                   need (cpu/engine_kv.py), no tokenizer copies or chat warm-up it never uses (cpu/engine_lean.py),
-                   no garbage collection while vLLM loads
+    engine_start   the engine's torch threads, an eager engine's vLLM imported without torch's compiler
+                   (cpu/vllm_import.py), vLLM-CPU's sampler (cpu/engine_sampler.py), its KV cache sized to need
+                   (cpu/engine_kv.py), no tokenizer copies or chat warm-up it never uses (cpu/engine_lean.py), no
+                   garbage collection while vLLM loads
 
 Everything imported at module level is light: the driver builds this before Ray starts, and every engine actor
 imports it when it unpickles its argument.
@@ -87,6 +88,10 @@ class CpuTuning(Tuning):
             import torch
 
             torch.set_num_threads(threads)
+        if cfg.enforce_eager:  # torch's compiler loaded when first used, not with vLLM (cpu/vllm_import.py)
+            from orlhf.cpu.vllm_import import import_vllm
+
+            import_vllm()
         from vllm import LLM  # noqa: F401 - vLLM first, then its sampler's modules (install)
 
         from orlhf.cpu.engine_lean import install as leave_out_unused
