@@ -44,7 +44,7 @@ def _connect(cfg: TrainConfig, num_cpus: int, processes: int, tuning: Optional[T
         join_cluster(address, cfg.runtime.verbose, **quiet)
         return False
     tuning = tuning or Tuning()
-    options = tuning.ray_options(cfg, num_cpus, processes)
+    options = with_quick_connects(tuning.ray_options(cfg, num_cpus, processes))
     with environment(tuning.cluster_env(cfg)):  # inherited by the raylet, hence by every worker it starts
         if cfg.runtime.verbose:  # Ray's processes as ray.init starts them: their output is what --verbose shows
             ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **quiet, **options)
@@ -52,6 +52,24 @@ def _connect(cfg: TrainConfig, num_cpus: int, processes: int, tuning: Optional[T
         with local_cluster_without(no_monitor=True, include_log_monitor=False), no_dashboard_head():
             ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **quiet, **options)
     return True
+
+
+# Ray's socket connections retry every raylet_client_connect_timeout_milliseconds (1 s by default), up to
+# raylet_client_num_connect_attempts times (10). A local cluster's raylet connects its object manager to the plasma
+# store's socket right after starting the store's thread, which may not have created the socket yet: in about a
+# third of starts that race cost one whole retry interval, a second of ray.init. Retried every 0.1 s, the same 10 s
+# in all before Ray gives up.
+QUICK_CONNECTS = {"raylet_client_connect_timeout_milliseconds": 100, "raylet_client_num_connect_attempts": 100}
+
+
+def with_quick_connects(options: dict) -> dict:
+    """ray.init `options` for a cluster this process starts, with QUICK_CONNECTS in its _system_config (the
+    raylet, the driver and every worker read it); as they are where the user's environment (RAY_<name>) or the
+    options set either of the two."""
+    system = options.get("_system_config") or {}
+    if any(name in system or f"RAY_{name}" in os.environ for name in QUICK_CONNECTS):
+        return options
+    return {**options, "_system_config": {**system, **QUICK_CONNECTS}}
 
 
 @contextmanager

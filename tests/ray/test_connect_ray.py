@@ -58,6 +58,15 @@ def test_own_cluster_leaves_out_the_monitors_unless_verbose_and_still_runs(own_c
     actor = Echo.options(placement_group=pg).remote()
     assert ray.get(actor.ping.remote(41), timeout=60) == 42
     remove_placement_group(pg)
+    # Ray's socket connections retry every 0.1 s in this cluster's processes (ray_start.QUICK_CONNECTS)
+    assert ray.get(connect_settings.remote(), timeout=60) == (100, 100)
+
+
+@ray.remote(num_cpus=1)
+def connect_settings():
+    from ray._raylet import Config
+
+    return Config.raylet_client_connect_timeout_milliseconds(), Config.raylet_client_num_connect_attempts()
 
 
 def test_an_initialized_ray_is_joined_not_started(own_cluster):
