@@ -1,7 +1,8 @@
 """A CPU engine's start through orlhf's EngineActor, no Ray, each start in a fresh process: the preloaded imports
 (torch, transformers' model base, as a prestarted Ray worker has them), vLLM's import, then EngineActor (LLM() and
 orlhf's tuning), with vLLM's KV cache allocation timed apart (its page touching varies most between machines).
-Alternates orlhf's trimmed start (cpu/engine_lean.py) with vLLM's own, for an A/B in one invocation.
+Alternates orlhf's trimmed start (the eager engine's vLLM import, cpu/vllm_import.py; LLM() without what it never
+uses, cpu/engine_lean.py) with vLLM's own, for an A/B in one invocation.
 
     orlhf make-demo --real DEMO
     PYTHONPATH=$PWD .venv/bin/python benchmarks/probes/engine_start.py --model DEMO/model --repeats 4
@@ -26,6 +27,9 @@ import json, os, sys, time
 t0 = time.perf_counter()
 import torch, transformers.modeling_utils  # what cpu/preload.py gives a prestarted worker
 t1 = time.perf_counter()
+if sys.argv[2] != "vllm_own":  # an eager engine's import (cpu/vllm_import.py), as CpuTuning._start_engine does it
+    from orlhf.cpu.vllm_import import import_vllm
+    import_vllm()
 from vllm import LLM  # noqa: F401
 t2 = time.perf_counter()
 from vllm.v1.worker import gpu_model_runner
