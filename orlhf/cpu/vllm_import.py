@@ -12,7 +12,7 @@ its start.
                       it for the patch
 
 Why: a CPU engine is the last process of a run to be ready, so its start-up is the run's (docs/cpu.md), and vLLM's
-import is a third of it. vLLM applies torch.compile at import to dozens of functions (sampler ops, MoE routing,
+import is a large part of it. vLLM applies torch.compile at import to dozens of functions (sampler ops, MoE routing,
 quantization helpers), and building each wrapper looks up its backend, which imports torch._inductor's compiler
 (compile_fx, select_algorithm, lowering: hundreds of modules); env_override imports lowering once more for its
 patch. None of those functions runs torch's compiler before its first call anyway: torch.compile compiles at the
@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import importlib.abc
 import importlib.util
+import inspect
 import logging
 import sys
 import threading
@@ -85,8 +86,6 @@ def install_deferred_compile() -> None:
 def deferred_compile(model=None, **options):
     """torch.compile's signature: with no `model`, a decorator; a plain function gets the stand-in (module
     docstring); any other `model` goes to torch.compile as it is."""
-    import inspect
-
     import torch
 
     compile_now = _torch_compile or torch.compile  # torch's own

@@ -56,9 +56,8 @@ def _connect(cfg: TrainConfig, num_cpus: int, processes: int, tuning: Optional[T
 
 # Ray's socket connections retry every raylet_client_connect_timeout_milliseconds (1 s by default), up to
 # raylet_client_num_connect_attempts times (10). A local cluster's raylet connects its object manager to the plasma
-# store's socket right after starting the store's thread, which may not have created the socket yet: in about a
-# third of starts that race cost one whole retry interval, a second of ray.init. Retried every 0.1 s, the same 10 s
-# in all before Ray gives up.
+# store's socket right after starting the store's thread, which may not have created the socket yet: losing that
+# race cost one whole retry interval of ray.init. Retried every 0.1 s, the same 10 s in all before Ray gives up.
 QUICK_CONNECTS = {"raylet_client_connect_timeout_milliseconds": 100, "raylet_client_num_connect_attempts": 100}
 
 
