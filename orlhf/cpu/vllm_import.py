@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import functools
 import importlib.abc
-import importlib.util
 import inspect
 import logging
 import sys
 import threading
+
+from orlhf.storage.import_tables import patch_when_imported
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ def import_vllm() -> bool:
         import vllm.env_override  # noqa: F401 - its allow-list patch finds lowering missing and returns
     finally:
         sys.meta_path.remove(finder)
-    _patch_when_imported(LOWERING, _allow_vllm_fallbacks)
+    patch_when_imported(LOWERING, _allow_vllm_fallbacks)
     import vllm.entrypoints.llm  # noqa: F401 - LLM and what it imports, the rest of vLLM's start
 
     return True
@@ -120,29 +121,3 @@ def _allow_vllm_fallbacks() -> None:
     from vllm import env_override
 
     env_override._patch_inductor_fallback_allow_list()
-
-
-def _patch_when_imported(name: str, patch) -> None:
-    """Run `patch` right after module `name` is first imported (at once if it is imported already)."""
-    if name in sys.modules:
-        patch()
-        return
-
-    class PatchAfterImport(importlib.abc.MetaPathFinder):
-        def find_spec(self, fullname, path, target=None):
-            if fullname != name:
-                return None
-            sys.meta_path.remove(self)
-            spec = importlib.util.find_spec(fullname)
-            if spec is None or spec.loader is None:
-                return None
-            exec_module = spec.loader.exec_module
-
-            def exec_then_patch(module):
-                exec_module(module)
-                patch()
-
-            spec.loader.exec_module = exec_then_patch
-            return spec
-
-    sys.meta_path.insert(0, PatchAfterImport())
