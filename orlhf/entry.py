@@ -12,6 +12,7 @@ import sys
 
 def main() -> None:
     if sys.argv[1:2] != ["train-ppo"]:
+        _cached_import_tables()
         from orlhf.cli import main as cli
 
         return cli()
@@ -19,6 +20,7 @@ def main() -> None:
 
     with RunStop.for_run(until_exit=True):
         try:
+            _cached_import_tables()
             from orlhf.cli import main as cli
 
             cli()
@@ -31,6 +33,13 @@ def main() -> None:
             traceback.print_exc()
             code = 1
     exit_keeping_handlers(code)
+
+
+def _cached_import_tables() -> None:
+    """transformers' lazy-module tables from their cache once a command imports it (storage/import_tables.py)."""
+    from orlhf.storage.import_tables import install
+
+    install()
 
 
 def _exit_code(code) -> int:

@@ -4,6 +4,8 @@
 of after the actor lands on the worker. Ray prestarts min(cores, num_cpus) workers when the driver connects, and
 orlhf's actors take those workers.
 
+transformers' lazy-module tables come from their cache file (storage/import_tables.py).
+
 As in CpuRankActor and CpuTuning.engine_start: no automatic garbage collection while the imports build objects
 that are almost never garbage, then the heap is frozen so later collections skip them.
 
@@ -15,12 +17,15 @@ each actor applies Ray's value first thing (threads.threads_as_ray_set). The act
 import gc
 import importlib
 
+from orlhf.storage.import_tables import install as install_import_tables
+
 # transformers.modeling_utils: the model base every Llama/Qwen/... class imports; it pulls torch._dynamo and
 # torch.distributed.tensor, most of transformers' import cost.
 MODULES = ("torch", "transformers.modeling_utils")
 
 gc.disable()
 try:
+    install_import_tables()  # transformers' tables from their cache (storage/import_tables.py)
     for name in MODULES:
         importlib.import_module(name)
 finally:

@@ -36,6 +36,7 @@ from orlhf.cpu.threads import apply_threads, threads_as_ray_set
 from orlhf.distributed import addresses
 from orlhf.distributed.heartbeat import HEALTH, HEALTH_GROUPS
 from orlhf.distributed.rank_actor import log_name
+from orlhf.storage.import_tables import install as install_import_tables
 from orlhf.storage.logs import redirect_output
 
 
@@ -73,6 +74,7 @@ class CpuRankActor:
         # objects those imports leave (almost none of them garbage) again and again. They are frozen after init()
         # (_run), so later collections skip them too; memory is unchanged.
         gc.disable()
+        install_import_tables()  # a worker that did not preload transformers (storage/import_tables.py)
         threads_as_ray_set()
         keep_freed_memory()  # before the worker allocates: its large blocks then come back from the heap
         os.environ.update(env)

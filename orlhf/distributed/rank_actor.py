@@ -16,6 +16,7 @@ import ray
 
 from orlhf.distributed import addresses
 from orlhf.distributed.heartbeat import HEALTH, HEALTH_GROUPS
+from orlhf.storage.import_tables import install as install_import_tables
 from orlhf.storage.logs import redirect_output
 
 
@@ -30,6 +31,7 @@ class RankActor:
     platform may give a group another actor class with these remote methods (distributed/tuning.py)."""
 
     def __init__(self, role: str, rank: int, env: dict[str, str]):
+        install_import_tables()  # before setup's worker class imports transformers (storage/import_tables.py)
         os.environ.update(env)
         redirect_output(log_name(role, rank))
         addresses.pin()  # before DeepSpeed or NCCL start: they read the interface it exports

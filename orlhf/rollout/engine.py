@@ -25,6 +25,7 @@ from orlhf.distributed.tuning import Tuning
 from orlhf.inputs.images import open_images
 from orlhf.rollout.engine_config import EngineConfig, engine_env
 from orlhf.rollout.worker_ext import WeightSyncExtension
+from orlhf.storage.import_tables import install as install_import_tables
 from orlhf.storage.logs import LOG_DIR_ENV, redirect_output
 from orlhf.types import GenerationRequest, Rollout, SamplingSpec, TurnResult, max_new_tokens, request_seed
 
@@ -57,6 +58,7 @@ class EngineActor:
         log_dir: Optional[str] = None,
         tuning: Optional[Tuning] = None,
     ):
+        install_import_tables()  # before vLLM imports transformers (storage/import_tables.py)
         if log_dir:  # before vLLM starts, so its engine-core processes inherit the file (storage/logs.py)
             os.environ[LOG_DIR_ENV] = log_dir
             redirect_output(f"vllm-{index}")

@@ -1,12 +1,44 @@
-"""Import-time hooks: patch_when_imported(m, f) runs f() right after module m is first imported
-(cpu/vllm_import.py)."""
+"""transformers' lazy-module tables read from a cache file instead of from every model file, in each process.
+
+    install()                  in a process before it imports transformers (the `orlhf` command's first
+                               lines, a CPU cluster's worker preload, a rank or engine actor's start); nothing
+                               if transformers is imported already
+    patch_when_imported(m, f)  f() right after module m is first imported (also used by cpu/vllm_import.py)
+
+Why: `import transformers` builds its lazy module's table of what every model folder exports
+(transformers.utils.import_utils.define_import_structure): it reads every source file under transformers/models
+and scans it for `__all__` and `@requires`, and transformers.models builds the same table once more. That is a
+large part of importing transformers, paid by every process of a run (the driver, each rank, each engine) while
+they all start on the same cores. The table depends only on those files, so it is kept in
+<cache>/transformers-tables/ (the cache folder of demo/builder.default_cache_dir) as JSON, one file per folder
+and stamp: the stamp digests transformers' version and the name, size and modification time of every file under
+the folder, so any change to those files (an upgrade, an edited source checkout) makes a new table, and nodes
+sharing a home folder with different installs each keep their own. A cache that cannot be read or written is
+ignored: transformers then builds the table as it always does. transformers' lazy modules come out the same
+(tests/unit/test_import_tables.py compares them).
+"""
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import importlib.abc
 import importlib.util
+import json
+import os
 import sys
 from typing import Callable
+
+IMPORT_UTILS = "transformers.utils.import_utils"
+FOLDER = "transformers-tables"
+
+
+def install() -> None:
+    """transformers' define_import_structure answered from the cache (module docstring) for the rest of the
+    process, from its first import on; nothing if transformers is imported already (its tables are built)."""
+    if "transformers" in sys.modules:
+        return
+    patch_when_imported(IMPORT_UTILS, _cache_tables)
 
 
 def patch_when_imported(name: str, patch: Callable[[], None]) -> None:
@@ -33,3 +65,115 @@ def patch_when_imported(name: str, patch: Callable[[], None]) -> None:
             return spec
 
     sys.meta_path.insert(0, PatchAfterImport())
+
+
+def _cache_tables() -> None:
+    module = sys.modules[IMPORT_UTILS]
+    build = getattr(module, "define_import_structure", None)
+    if build is None or getattr(build, "_orlhf_cached", False):
+        return
+    version = _transformers_version()
+
+    @functools.wraps(build)
+    def define_import_structure(module_path, prefix=None):
+        return cached_tables(build, module_path, prefix, version)
+
+    define_import_structure._orlhf_cached = True
+    module.define_import_structure = define_import_structure
+
+
+def cached_tables(build: Callable, module_path, prefix, version: str):
+    """build(module_path, prefix), or the same table read from its cache file when the folder's files are the
+    ones it was built from."""
+    folder = str(module_path)
+    if os.path.isfile(folder):  # transformers reads the folder of a file it is given
+        folder = os.path.dirname(folder)
+    try:
+        stamp = folder_stamp(folder, version)
+        path = cache_file(folder, prefix, stamp)
+    except OSError:
+        return build(module_path, prefix)
+    table = read_table(path, stamp)
+    if table is None:
+        table = build(module_path, prefix)
+        write_table(path, stamp, table)
+    return table
+
+
+def folder_stamp(folder: str, version: str) -> str:
+    """A digest of transformers' version and the relative path, size and modification time of every file under
+    `folder` (the files define_import_structure reads; __pycache__ left out)."""
+    digest = hashlib.sha256(version.encode())
+    for rel, size, mtime in sorted(_files(folder, "")):
+        digest.update(f"{rel}\0{size}\0{mtime}\n".encode())
+    return digest.hexdigest()
+
+
+def _files(folder: str, rel: str) -> list[tuple[str, int, int]]:
+    out = []
+    with os.scandir(folder) as entries:
+        for entry in entries:
+            if entry.name == "__pycache__":
+                continue
+            name = f"{rel}/{entry.name}" if rel else entry.name
+            if entry.is_dir():
+                out += _files(entry.path, name)
+            else:
+                st = entry.stat()
+                out.append((name, st.st_size, st.st_mtime_ns))
+    return out
+
+
+def cache_file(folder: str, prefix, stamp: str) -> str:
+    from orlhf.demo.builder import default_cache_dir
+
+    key = hashlib.sha256(f"{os.path.realpath(folder)}\0{prefix}\0{stamp}".encode()).hexdigest()[:32]
+    return os.path.join(default_cache_dir(), FOLDER, f"{key}.json")
+
+
+def read_table(path: str, stamp: str):
+    """The table stored at `path` if it carries `stamp`, else None (also when it is missing or unreadable)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            stored = json.load(f)
+        if stored.get("stamp") != stamp:
+            return None
+        return {
+            frozenset(backends): {m: set(names) for m, names in modules.items()}
+            for backends, modules in stored["table"]
+        }
+    except (OSError, ValueError, TypeError, AttributeError, KeyError):
+        return None
+
+
+def write_table(path: str, stamp: str, table) -> None:
+    """`table` ({frozenset of backends: {module: set of names}}) and its stamp to `path`, published by a rename so
+    that a reader never sees half a file; nothing when the table has another shape or the folder is not
+    writable."""
+    try:
+        rows = [
+            [sorted(backends), {m: sorted(names) for m, names in modules.items()}]
+            for backends, modules in table.items()
+        ]
+        if not all(_strings(b) and all(_strings(n) for n in mods.values()) for b, mods in rows):
+            return  # read back, it would not be the same table
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump({"stamp": stamp, "table": rows}, f)
+        os.replace(tmp, path)
+    except (OSError, TypeError, AttributeError):
+        return
+
+
+def _strings(items) -> bool:
+    return all(isinstance(x, str) for x in items)
+
+
+def _transformers_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("transformers")
+    except PackageNotFoundError:
+        return ""
