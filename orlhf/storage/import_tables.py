@@ -91,7 +91,7 @@ def cached_tables(build: Callable, module_path, prefix, version: str):
     try:
         stamp = folder_stamp(folder, version)
         path = cache_file(folder, prefix, stamp)
-    except OSError:
+    except Exception:  # noqa: BLE001 - no usable cache (a folder gone, no home folder): transformers' own build
         return build(module_path, prefix)
     table = read_table(path, stamp)
     if table is None:
@@ -142,7 +142,7 @@ def read_table(path: str, stamp: str):
             frozenset(backends): {m: set(names) for m, names in modules.items()}
             for backends, modules in stored["table"]
         }
-    except (OSError, ValueError, TypeError, AttributeError, KeyError):
+    except Exception:  # noqa: BLE001 - missing, damaged or another shape: built again
         return None
 
 
@@ -162,7 +162,7 @@ def write_table(path: str, stamp: str, table) -> None:
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump({"stamp": stamp, "table": rows}, f)
         os.replace(tmp, path)
-    except (OSError, TypeError, AttributeError):
+    except Exception:  # noqa: BLE001 - not writable or not JSON: the next process builds it too
         return
 
 

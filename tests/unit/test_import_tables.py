@@ -77,6 +77,15 @@ def test_unusable_cache_leaves_transformers_build(folder, monkeypatch, tmp_path)
     assert cached_tables(build, folder, None, "5.0") is odd
     assert cached_tables(build, folder, None, "5.0") is odd and build.calls == 2
 
+    def no_cache_folder():
+        raise RuntimeError("no home folder")
+
+    monkeypatch.setattr("orlhf.demo.builder.default_cache_dir", no_cache_folder)
+    build = Builds(TABLE)
+    assert cached_tables(build, folder, None, "5.0") == TABLE and build.calls == 1
+    monkeypatch.undo()
+    monkeypatch.setenv("ORLHF_CACHE", str(tmp_path / "cache2"))
+
     build = Builds(TABLE)
     cached_tables(build, folder, None, "5.0")
     [stored] = (tmp_path / "cache2" / import_tables.FOLDER).glob("*.json")
