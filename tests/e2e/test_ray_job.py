@@ -110,7 +110,9 @@ def test_demo_through_ray_jobs_api(tmp_path):
         assert "succeeded" in job.stdout and "done: 2 steps" in job.stdout
         assert len((save / "metrics.jsonl").read_text().splitlines()) == 2
     finally:
-        os.killpg(head.pid, signal.SIGTERM)
+        # `ray start` alone, as `ray stop` does it: it drains its node through the GCS, then stops its processes. A
+        # SIGTERM to its whole group would end the GCS first, and the drain would wait out its 30 s for it.
+        head.send_signal(signal.SIGTERM)
         head.wait(timeout=60)
         time.sleep(2)
         left = subprocess.run(["pgrep", "-f", str(temp_dir)], capture_output=True, text=True).stdout.split()
