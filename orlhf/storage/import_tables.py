@@ -16,10 +16,18 @@ the folder, so any change to those files (an upgrade, an edited source checkout)
 sharing a home folder with different installs each keep their own. A cache that cannot be read or written is
 ignored: transformers then builds the table as it always does. transformers' lazy modules come out the same
 (tests/unit/test_import_tables.py compares them).
+
+The same module also asks, at its first lines, which installed distribution provides each top-level package
+(importlib.metadata.packages_distributions: it opens the metadata and the file list of every installed
+distribution). While that module runs, the answer is read from the same cache folder when the distributions are
+the ones it was computed from: the stamp digests Python's version, sys.path, and for each folder on it the name
+of every .dist-info/.egg-info entry with the size and modification time of the files the answer is read from. A
+process with another distribution finder on sys.meta_path computes it as before.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.abc
@@ -27,7 +35,7 @@ import importlib.util
 import json
 import os
 import sys
-from typing import Callable
+from typing import Callable, Optional
 
 IMPORT_UTILS = "transformers.utils.import_utils"
 FOLDER = "transformers-tables"
@@ -38,11 +46,12 @@ def install() -> None:
     process, from its first import on; nothing if transformers is imported already (its tables are built)."""
     if "transformers" in sys.modules:
         return
-    patch_when_imported(IMPORT_UTILS, _cache_tables)
+    patch_when_imported(IMPORT_UTILS, _cache_tables, during=cached_distributions)
 
 
-def patch_when_imported(name: str, patch: Callable[[], None]) -> None:
-    """Run `patch` right after module `name` is first imported (at once if it is imported already)."""
+def patch_when_imported(name: str, patch: Callable[[], None], during: Optional[Callable] = None) -> None:
+    """Run `patch` right after module `name` is first imported (at once if it is imported already). `during`: a
+    context manager factory, entered while the module's code runs (not at all if it is imported already)."""
     if name in sys.modules:
         patch()
         return
@@ -58,7 +67,8 @@ def patch_when_imported(name: str, patch: Callable[[], None]) -> None:
             exec_module = spec.loader.exec_module
 
             def exec_then_patch(module):
-                exec_module(module)
+                with during() if during is not None else contextlib.nullcontext():
+                    exec_module(module)
                 patch()
 
             spec.loader.exec_module = exec_then_patch
@@ -157,17 +167,102 @@ def write_table(path: str, stamp: str, table) -> None:
         ]
         if not all(_strings(b) and all(_strings(n) for n in mods.values()) for b, mods in rows):
             return  # read back, it would not be the same table
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump({"stamp": stamp, "table": rows}, f)
-        os.replace(tmp, path)
+        _write_json(path, {"stamp": stamp, "table": rows})
     except Exception:  # noqa: BLE001 - not writable or not JSON: the next process builds it too
         return
 
 
 def _strings(items) -> bool:
     return all(isinstance(x, str) for x in items)
+
+
+@contextlib.contextmanager
+def cached_distributions():
+    """importlib.metadata.packages_distributions answered from the cache (module docstring) while the block runs."""
+    import importlib.metadata as metadata
+
+    build = metadata.packages_distributions
+    metadata.packages_distributions = functools.wraps(build)(functools.partial(cached_packages, build))
+    try:
+        yield
+    finally:
+        metadata.packages_distributions = build
+
+
+def cached_packages(build: Callable) -> dict:
+    """build() ({top-level package: [distribution names]}), or the same mapping read from its cache file when the
+    installed distributions are the ones it was computed from."""
+    try:
+        stamp = distributions_stamp()
+        path = None if stamp is None else distributions_file(stamp)
+    except Exception:  # noqa: BLE001 - no usable cache: computed as importlib.metadata does
+        path = None
+    if path is None:
+        return build()
+    try:
+        with open(path, encoding="utf-8") as f:
+            stored = json.load(f)
+        if stored.get("stamp") == stamp and isinstance(stored.get("packages"), dict):
+            return {pkg: list(dists) for pkg, dists in stored["packages"].items()}
+    except Exception:  # noqa: BLE001 - missing, damaged or another shape: computed again
+        pass
+    packages = build()
+    try:
+        if all(isinstance(k, str) and _strings(v) for k, v in packages.items()):
+            _write_json(path, {"stamp": stamp, "packages": packages})
+    except Exception:  # noqa: BLE001 - not writable: the next process computes it too
+        pass
+    return packages
+
+
+def distributions_file(stamp: str) -> str:
+    from orlhf.demo.builder import default_cache_dir
+
+    return os.path.join(default_cache_dir(), FOLDER, f"distributions-{stamp[:32]}.json")
+
+
+# The files of a distribution's metadata that packages_distributions reads: its name (METADATA, PKG-INFO), the
+# packages it declares (top_level.txt) or, without that, its file list (RECORD, SOURCES.txt, installed-files.txt).
+META_FILES = ("", "METADATA", "PKG-INFO", "top_level.txt", "RECORD", "SOURCES.txt", "installed-files.txt")
+
+
+def distributions_stamp() -> Optional[str]:
+    """A digest of what importlib.metadata finds the installed distributions from (module docstring); None when a
+    finder other than the path finder takes part (it could answer from anywhere)."""
+    from importlib.machinery import PathFinder
+
+    if any(hasattr(f, "find_distributions") and f is not PathFinder for f in sys.meta_path):
+        return None
+    digest = hashlib.sha256(sys.version.encode())
+    for entry in sys.path:
+        folder = entry or "."
+        digest.update(f"{entry}\0".encode())
+        if not os.path.isdir(folder):
+            digest.update(f"{_stat(folder)}\n".encode())  # a zip file or nothing
+            continue
+        with os.scandir(folder) as entries:
+            infos = sorted(e.name for e in entries if e.name.lower().endswith((".dist-info", ".egg-info")))
+        for name in infos:
+            info = os.path.join(folder, name)
+            digest.update(f"{name}\0{[_stat(os.path.join(info, f)) for f in META_FILES]}\n".encode())
+    return digest.hexdigest()
+
+
+def _stat(path: str) -> tuple:
+    try:
+        st = os.stat(path)
+        return st.st_size, st.st_mtime_ns
+    except OSError:
+        return ()
+
+
+def _write_json(path: str, data) -> None:
+    """`data` to `path` as JSON, published by a rename so that a reader never sees half a file."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)
 
 
 def _transformers_version() -> str:

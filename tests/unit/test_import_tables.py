@@ -1,6 +1,6 @@
-"""transformers' lazy-module tables from their cache file (orlhf/storage/import_tables.py): the same table as
-transformers builds, rebuilt when a file under the folder changes, transformers' own build when the cache cannot
-be used."""
+"""transformers' lazy-module tables and its package-to-distribution map from their cache files
+(orlhf/storage/import_tables.py): the same as transformers builds, built again when a file they come from changes,
+transformers' own build when the cache cannot be used."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from orlhf.storage import import_tables
-from orlhf.storage.import_tables import cached_tables, patch_when_imported
+from orlhf.storage.import_tables import cached_packages, cached_tables, patch_when_imported
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -109,6 +109,53 @@ def test_patch_runs_after_the_module_is_first_imported(tmp_path, monkeypatch):
     del sys.modules["orlhf_probe_mod"]
 
 
+def test_distributions_computed_once_then_read_until_an_install_changes(tmp_path, monkeypatch):
+    monkeypatch.setenv("ORLHF_CACHE", str(tmp_path / "cache"))
+    site = tmp_path / "site"
+    site.mkdir()
+    monkeypatch.syspath_prepend(str(site))
+    calls = []
+
+    def build():
+        calls.append(1)
+        return {"pkg": ["Dist"], "other": ["Dist", "Fork"]}
+
+    first = cached_packages(build)
+    assert first == cached_packages(build) == build() and len(calls) == 2  # once cached, then read
+    info = site / "new_dist-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Name: new-dist\n")  # a distribution installed
+    cached_packages(build)
+    assert len(calls) == 3
+    (info / "top_level.txt").write_text("new_dist\n")  # what it provides, changed
+    cached_packages(build)
+    assert len(calls) == 4 and cached_packages(build) == first and len(calls) == 4
+    monkeypatch.syspath_prepend(str(tmp_path))  # another sys.path
+    cached_packages(build)
+    assert len(calls) == 5
+
+    class Finder:  # another source of distributions: never cached
+        def find_spec(self, *a, **k):
+            return None
+
+        def find_distributions(self, *a, **k):
+            return iter(())
+
+    monkeypatch.setattr(sys, "meta_path", [Finder(), *sys.meta_path])
+    cached_packages(build), cached_packages(build)
+    assert len(calls) == 7
+
+
+def test_distributions_only_while_the_module_runs():
+    import importlib.metadata as metadata
+
+    own = metadata.packages_distributions
+    with import_tables.cached_distributions():
+        assert metadata.packages_distributions is not own
+        inside = metadata.packages_distributions()
+    assert metadata.packages_distributions is own and inside == own()
+
+
 CHILD = r"""
 import json, sys
 if sys.argv[1] == "cached":
@@ -127,7 +174,8 @@ def state(m):  # what transformers' lazy module made of its table
 
 names = ("transformers", "transformers.models", "transformers.models.llama")
 print(json.dumps({"cached": getattr(iu.define_import_structure, "_orlhf_cached", False),
-                  "state": {n: state(sys.modules[n]) for n in names}}))
+                  "state": {n: state(sys.modules[n]) for n in names},
+                  "distributions": sorted(iu.PACKAGE_DISTRIBUTION_MAPPING.items())}))
 """
 
 
@@ -144,4 +192,7 @@ def test_transformers_lazy_modules_are_the_same_with_the_cached_tables(tmp_path)
     built, read = child("cached"), child("cached")  # the first builds and writes the tables, the second reads them
     assert built["cached"] and read["cached"]
     assert built["state"] == own["state"] and read["state"] == own["state"]
-    assert len(list((tmp_path / import_tables.FOLDER).glob("*.json"))) >= 3  # transformers', models', llama's
+    assert built["distributions"] == own["distributions"] == read["distributions"] != []
+    stored = [p.name for p in (tmp_path / import_tables.FOLDER).glob("*.json")]
+    assert len([n for n in stored if n.startswith("distributions-")]) == 1
+    assert len(stored) >= 4  # transformers', models', llama's tables, and the distributions
