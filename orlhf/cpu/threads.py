@@ -104,11 +104,13 @@ def engine_threads(cfg, cores: Optional[int] = None) -> int:
 
 
 def threads_as_ray_set() -> None:
-    """In a worker that preloaded torch (cpu/preload.py), apply the OMP_NUM_THREADS Ray set for this actor: torch
-    fixed its thread count at import, before Ray set the variable, and would otherwise use every core. Called as
-    an actor starts (CpuRankActor, CpuTuning.engine_start); the count then holds on every thread of the process
-    (torch keeps it process-wide once set). Nothing in a worker that did not preload: torch reads the variable."""
-    if "orlhf.cpu.preload" not in sys.modules:
+    """In a worker that imported torch before this actor (the preload, cpu/preload.py, or an earlier task or
+    actor class of a worker Ray reuses), apply the OMP_NUM_THREADS Ray set for this actor: torch fixed its thread
+    count at import, before Ray set the variable, and would otherwise keep it (every core, or what the earlier work
+    had). Called as an actor starts (CpuRankActor, CpuTuning.engine_start); the count then holds on every thread of
+    the process (torch keeps it process-wide once set). Nothing in a worker without torch yet: torch reads the
+    variable when it is imported."""
+    if "torch" not in sys.modules:
         return
     n = os.environ.get("OMP_NUM_THREADS", "")
     if n.isdigit() and int(n) > 0:

@@ -151,3 +151,24 @@ def test_a_local_cpu_cluster_s_workers_run_at_the_user_s_priority_unless_the_use
     assert cluster_priority_env() == {"RAY_worker_niceness": "0"}  # Ray's own default would be 15
     monkeypatch.setenv("RAY_worker_niceness", "10")
     assert cluster_priority_env() == {}  # the user's value stays
+
+
+def test_an_actor_on_a_worker_that_imported_torch_takes_ray_s_count(monkeypatch):
+    """torch fixed its count when the worker imported it (the preload, or earlier work of a reused worker): the
+    actor's start applies the OMP_NUM_THREADS Ray set for it, whatever count the process had."""
+    import torch
+
+    from orlhf.cpu.threads import threads_as_ray_set
+
+    own = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)  # what an earlier task left
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        threads_as_ray_set()
+        assert torch.get_num_threads() == 1
+        monkeypatch.setenv("OMP_NUM_THREADS", "")  # none set: the count is left
+        torch.set_num_threads(2)
+        threads_as_ray_set()
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(own)
