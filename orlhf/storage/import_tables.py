@@ -144,13 +144,9 @@ def cache_file(folder: str, prefix, stamp: str) -> str:
 def read_table(path: str, stamp: str):
     """The table stored at `path` if it carries `stamp`, else None (also when it is missing or unreadable)."""
     try:
-        with open(path, encoding="utf-8") as f:
-            stored = json.load(f)
-        if stored.get("stamp") != stamp:
-            return None
         return {
             frozenset(backends): {m: set(names) for m, names in modules.items()}
-            for backends, modules in stored["table"]
+            for backends, modules in _read_json(path, stamp)["table"]
         }
     except Exception:  # noqa: BLE001 - missing, damaged or another shape: built again
         return None
@@ -200,10 +196,7 @@ def cached_packages(build: Callable) -> dict:
     if path is None:
         return build()
     try:
-        with open(path, encoding="utf-8") as f:
-            stored = json.load(f)
-        if stored.get("stamp") == stamp and isinstance(stored.get("packages"), dict):
-            return {pkg: list(dists) for pkg, dists in stored["packages"].items()}
+        return {pkg: list(dists) for pkg, dists in _read_json(path, stamp)["packages"].items()}
     except Exception:  # noqa: BLE001 - missing, damaged or another shape: computed again
         pass
     packages = build()
@@ -254,6 +247,16 @@ def _stat(path: str) -> tuple:
         return st.st_size, st.st_mtime_ns
     except OSError:
         return ()
+
+
+def _read_json(path: str, stamp: str) -> dict:
+    """The JSON object stored at `path`; KeyError unless it carries `stamp` (OSError, ValueError when missing or
+    damaged)."""
+    with open(path, encoding="utf-8") as f:
+        stored = json.load(f)
+    if stored.get("stamp") != stamp:
+        raise KeyError(f"{path}: another stamp")
+    return stored
 
 
 def _write_json(path: str, data) -> None:
