@@ -21,7 +21,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -43,24 +45,38 @@ def one_start(tree: Path, cmd: list[str], save: Path) -> dict:
     return json.loads((save / "startup.json").read_text())
 
 
+@contextmanager
+def base_worktree(commit: str, prefix: str) -> Iterator[tuple[Path, Path]]:
+    """`commit` checked out into a temporary worktree, removed on leaving: yields (that tree, a folder for the runs)."""
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    before = work / "before"
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(before), commit], check=True)
+    try:
+        yield before, work
+    finally:
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(before)], check=False)
+
+
+def alternate(pairs: int, before: Path) -> Iterator[tuple[int, str, Path, float]]:
+    """(pair index, side, tree, load average now) for each run: the base tree, then the working tree, `pairs` times."""
+    for i in range(pairs):
+        for side, tree in (("before", before), ("after", ROOT)):
+            yield i, side, tree, os.getloadavg()[0]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", required=True, help="the commit measured as 'before'")
     ap.add_argument("--pairs", type=int, default=5)
     a = ap.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="startup_ab_"))
-    before = work / "before"
-    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(before), a.base], check=True)
-    try:
+    with base_worktree(a.base, "startup_ab_") as (before, work):
         cmd = run_command(ROOT / "runs" / "startup_ab")
         rows: dict[str, list[dict]] = {"before": [], "after": []}
-        for i in range(a.pairs):
-            for side, tree in (("before", before), ("after", ROOT)):
-                load = os.getloadavg()[0]
-                got = one_start(tree, cmd, work / f"{side}-{i}")
-                rows[side].append(got)
-                phases = ", ".join(f"{k} {v:.1f}" for k, v in got["phases_s"].items())
-                print(f"{i + 1} {side:6s} load {load:.2f}: start-up {got['total_s']:.1f} s ({phases})", flush=True)
+        for i, side, tree, load in alternate(a.pairs, before):
+            got = one_start(tree, cmd, work / f"{side}-{i}")
+            rows[side].append(got)
+            phases = ", ".join(f"{k} {v:.1f}" for k, v in got["phases_s"].items())
+            print(f"{i + 1} {side:6s} load {load:.2f}: start-up {got['total_s']:.1f} s ({phases})", flush=True)
         medians = {
             side: {
                 "total_s": round(statistics.median(r["total_s"] for r in rs), 2),
@@ -69,8 +85,6 @@ def main() -> None:
             for side, rs in rows.items()
         }
         print(json.dumps({"base": a.base, "load_avg": os.getloadavg(), "medians": medians}))
-    finally:
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(before)], check=False)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -28,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import trl_compare  # noqa: E402 - its command lines, so both sides run what the comparison with TRL runs
+from probes.startup_ab import alternate, base_worktree  # noqa: E402 - the same worktree and alternation
 
 
 def run_command(steps: int, out: Path) -> list[str]:
@@ -75,23 +75,18 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--steps", type=int, default=5)
     a = ap.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="steps_ab_"))
-    before = work / "before"
-    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(before), a.base], check=True)
-    try:
+    with base_worktree(a.base, "steps_ab_") as (before, work):
         cmd = run_command(a.steps, ROOT / "runs" / "steps_ab")
         rows: dict[str, list[dict]] = {"before": [], "after": []}
-        for i in range(a.pairs):
-            for side, tree in (("before", before), ("after", ROOT)):
-                load = os.getloadavg()[0]
-                got = one_run(tree, cmd, work / f"{side}-{i}")
-                rows[side].append(got)
-                print(
-                    f"{i + 1} {side:6s} load {load:.2f}: start-up {got['startup_s']:.1f} s, generate per step "
-                    f"{got['generate_s']} s (sum {sum(got['generate_s']):.2f}), engine peak RSS "
-                    f"{got['engine_peak_rss_mib']} MiB",
-                    flush=True,
-                )
+        for i, side, tree, load in alternate(a.pairs, before):
+            got = one_run(tree, cmd, work / f"{side}-{i}")
+            rows[side].append(got)
+            print(
+                f"{i + 1} {side:6s} load {load:.2f}: start-up {got['startup_s']:.1f} s, generate per step "
+                f"{got['generate_s']} s (sum {sum(got['generate_s']):.2f}), engine peak RSS "
+                f"{got['engine_peak_rss_mib']} MiB",
+                flush=True,
+            )
         summary = {
             side: {
                 "startup_s": statistics.median(r["startup_s"] for r in rs),
@@ -102,8 +97,6 @@ def main() -> None:
             for side, rs in rows.items()
         }
         print(json.dumps({"base": a.base, "steps": a.steps, "load_avg": os.getloadavg(), "medians": summary}))
-    finally:
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(before)], check=False)
 
 
 if __name__ == "__main__":
