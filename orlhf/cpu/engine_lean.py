@@ -106,8 +106,6 @@ def zero_pages(nbytes: int):
     zeroed by the kernel, when first touched. The mapping lives as long as the tensor's storage."""
     import torch
 
-    if nbytes == 0:
-        return torch.zeros(0, dtype=torch.int8)
     pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return torch.frombuffer(pages, dtype=torch.int8)
 
@@ -116,14 +114,15 @@ def install() -> bool:
     """Trim vLLM's start (module docstring) if this is the vLLM it was checked against; True if so."""
     import vllm
     from vllm.renderers import base, hf
-    from vllm.v1.core import block_pool
-    from vllm.v1.worker import gpu_model_runner
 
     if vllm.__version__.split("+")[0] != LEAN_FOR:
         log.info(
             "vLLM %s: its own start-up (orlhf's trimmed one is checked against %s only)", vllm.__version__, LEAN_FOR
         )
         return False
+    from vllm.v1.core import block_pool  # (modules of the checked release: another one may lack them)
+    from vllm.v1.worker import gpu_model_runner
+
     if not _vllm_own:
         _vllm_own["maybe_make_thread_pool"] = hf.maybe_make_thread_pool
         _vllm_own["warmup"] = base.BaseRenderer.warmup
